@@ -1,0 +1,195 @@
+//! Command line definition (the contract is `shared/spec/CLI.md`) and dispatch.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// ordnet: ordered Kubernetes network policy with an O(1) XDP datapath.
+#[derive(Debug, Parser)]
+#[command(name = "ordnet", version, about, long_about = None, propagate_version = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Verdict for every ordered pair of pods (and external addresses) on one protocol and port.
+    Matrix(MatrixArgs),
+    /// Explain the verdict of one flow: the entry and the rule that decided each side.
+    Trace(TraceArgs),
+    /// Show one endpoint's MapState trie (tree, json or Graphviz dot).
+    Dump(DumpArgs),
+    /// Check every policy in the manifests and report all problems.
+    Validate(ValidateArgs),
+    /// Print the CustomResourceDefinitions of the ordnet kinds.
+    Crd,
+    /// Build the pods as network namespaces, enforce with XDP and probe real connections (root).
+    Lab(LabArgs),
+    /// Run the node agent: watch the cluster, program this node's datapath, write status.
+    Agent(AgentArgs),
+}
+
+/// Where the cluster state comes from: manifests (`-f`) or a running agent (`--agent`).
+#[derive(Debug, Args, Clone)]
+pub struct Source {
+    /// Manifest file or directory (repeatable; directories are read recursively).
+    #[arg(short = 'f', long = "filename", value_name = "PATH", required_unless_present = "agent")]
+    pub files: Vec<PathBuf>,
+    /// Ask a running agent's debug API instead of reading manifests.
+    #[arg(long, value_name = "ADDR", conflicts_with = "files")]
+    pub agent: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ProtocolArg {
+    #[value(name = "TCP", alias = "tcp")]
+    Tcp,
+    #[value(name = "UDP", alias = "udp")]
+    Udp,
+    #[value(name = "SCTP", alias = "sctp")]
+    Sctp,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TableOrJson {
+    Table,
+    Json,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TextOrJson {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DumpFormat {
+    Tree,
+    Json,
+    Dot,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DirectionArg {
+    Ingress,
+    Egress,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DatapathArg {
+    Bpf,
+    None,
+}
+
+#[derive(Debug, Args)]
+pub struct MatrixArgs {
+    #[command(flatten)]
+    pub source: Source,
+    #[arg(long, value_enum, default_value = "TCP")]
+    pub protocol: ProtocolArg,
+    #[arg(long, default_value_t = 80)]
+    pub port: u16,
+    /// An external address, probed as a source and as a destination (repeatable).
+    #[arg(long, value_name = "IP")]
+    pub external: Vec<IpAddr>,
+    /// Probe pods at their IPv4 (4) or IPv6 (6) address.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u8).range(4..=6))]
+    pub family: u8,
+    #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+    pub output: TableOrJson,
+}
+
+#[derive(Debug, Args)]
+pub struct TraceArgs {
+    #[command(flatten)]
+    pub source: Source,
+    /// Source: `namespace/pod` or an IP address.
+    #[arg(long, value_name = "SRC")]
+    pub from: String,
+    /// Destination: `namespace/pod` or an IP address.
+    #[arg(long, value_name = "DST")]
+    pub to: String,
+    #[arg(long, value_enum, default_value = "TCP")]
+    pub protocol: ProtocolArg,
+    #[arg(long, default_value_t = 80)]
+    pub port: u16,
+    #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
+    pub output: TextOrJson,
+}
+
+#[derive(Debug, Args)]
+pub struct DumpArgs {
+    #[command(flatten)]
+    pub source: Source,
+    /// The endpoint, as `namespace/pod`.
+    #[arg(long, value_name = "NS/NAME")]
+    pub pod: String,
+    /// Only this direction (default: both).
+    #[arg(long, value_enum)]
+    pub direction: Option<DirectionArg>,
+    #[arg(short = 'o', long = "output", value_enum, default_value = "tree")]
+    pub output: DumpFormat,
+}
+
+#[derive(Debug, Args)]
+pub struct ValidateArgs {
+    /// Manifest file or directory (repeatable).
+    #[arg(short = 'f', long = "filename", value_name = "PATH", required = true)]
+    pub files: Vec<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct LabArgs {
+    #[arg(short = 'f', long = "filename", value_name = "PATH", required = true)]
+    pub files: Vec<PathBuf>,
+    /// Open real connections between every pair and print observed vs expected.
+    #[arg(long)]
+    pub probe: bool,
+    #[arg(long, value_enum, default_value = "TCP")]
+    pub protocol: ProtocolArg,
+    #[arg(long, default_value_t = 80)]
+    pub port: u16,
+    #[arg(long, value_name = "IP")]
+    pub external: Vec<IpAddr>,
+    #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
+    pub output: TableOrJson,
+}
+
+#[derive(Debug, Args)]
+pub struct AgentArgs {
+    /// The name of the node this agent runs on.
+    #[arg(long, env = "NODE_NAME")]
+    pub node: String,
+    /// Kubeconfig to use (default: in-cluster config, then the usual kubeconfig lookup).
+    #[arg(long, value_name = "PATH")]
+    pub kubeconfig: Option<PathBuf>,
+    #[arg(long, value_enum, default_value = "bpf")]
+    pub datapath: DatapathArg,
+    /// The node's uplink interface (traffic from other nodes).
+    #[arg(long, value_name = "IFACE")]
+    pub uplink: Option<String>,
+    /// Address of the debug API (health, metrics, matrix/trace/dump).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9090")]
+    pub debug_addr: String,
+}
+
+/// Runs one parsed command line and returns the process exit code.
+pub fn run(cli: Cli) -> ExitCode {
+    match cli.command {
+        Command::Matrix(_) => not_implemented("matrix"),
+        Command::Trace(_) => not_implemented("trace"),
+        Command::Dump(_) => not_implemented("dump"),
+        Command::Validate(_) => not_implemented("validate"),
+        Command::Crd => not_implemented("crd"),
+        Command::Lab(_) => not_implemented("lab"),
+        Command::Agent(_) => not_implemented("agent"),
+    }
+}
+
+fn not_implemented(name: &str) -> ExitCode {
+    eprintln!("ordnet {name}: not implemented yet");
+    ExitCode::from(2)
+}

@@ -1,0 +1,1 @@
+//! ordnet API types, CRD generation, manifest loading and validation.

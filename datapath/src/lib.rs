@@ -1,0 +1,1 @@
+//! ordnet datapath (userspace side).

@@ -1,0 +1,1 @@
+//! ordnet policy resolution.

@@ -1,0 +1,1 @@
+//! Shared helpers of the cross-crate tests (see tests/).
