@@ -1,1 +1,72 @@
 //! ordnet API types, CRD generation, manifest loading and validation.
+//!
+//! * [`types`]: the `ordnet.io/v1alpha1` kinds `OrderedNetworkPolicy` and
+//!   `ClusterOrderedNetworkPolicy` (kube `CustomResource`s with JSON schemas).
+//! * [`crd`]: the CustomResourceDefinition YAML (`ordnet crd`).
+//! * [`manifest`]: loading `-f` paths into [`ClusterObjects`].
+//! * [`validate`]: semantic validation of every kind the engine uses.
+//! * [`selector`], [`syntax`]: label selectors and Kubernetes name syntax.
+//! * [`problem`]: problems and how they print (`FILE: KIND NAMESPACE/NAME: FIELD: message`).
+
+use std::collections::HashSet;
+use std::path::Path;
+
+pub mod crd;
+pub mod manifest;
+pub mod problem;
+pub mod selector;
+pub mod syntax;
+pub mod types;
+pub mod validate;
+
+pub use crd::{crd_yaml, crds};
+pub use manifest::{ClusterObjects, LoadOutcome, Loaded, load_paths};
+pub use problem::{FieldError, ObjectRef, Problem, Severity, Source};
+pub use types::*;
+
+/// Loads `paths` and validates everything: the outcome's `problems` holds the load problems and
+/// then the validation problems (errors and warnings); its `objects` holds only the objects
+/// without errors. Callers that must refuse invalid input (the CLI) check
+/// [`LoadOutcome::has_errors`].
+pub fn load_and_validate<P: AsRef<Path>>(paths: &[P]) -> LoadOutcome {
+    validated(load_paths(paths))
+}
+
+/// Validates an already loaded outcome (see [`load_and_validate`]).
+pub fn validated(mut outcome: LoadOutcome) -> LoadOutcome {
+    let problems = validate::validate_objects(&outcome.objects);
+    let invalid: HashSet<ObjectRef> = problems
+        .iter()
+        .filter(|p| p.is_error())
+        .filter_map(|p| p.object.clone())
+        .collect();
+    if !invalid.is_empty() {
+        let objects = &mut outcome.objects;
+        let keep =
+            |kind: &str, meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
+                let name = meta.name.clone().unwrap_or_default();
+                let r = match &meta.namespace {
+                    Some(ns) => ObjectRef::namespaced(kind, ns, &name),
+                    None => ObjectRef::cluster(kind, &name),
+                };
+                !invalid.contains(&r)
+            };
+        objects
+            .namespaces
+            .retain(|o| keep(manifest::KIND_NAMESPACE, &o.object.metadata));
+        objects
+            .pods
+            .retain(|o| keep(manifest::KIND_POD, &o.object.metadata));
+        objects
+            .network_policies
+            .retain(|o| keep(manifest::KIND_NETWORK_POLICY, &o.object.metadata));
+        objects
+            .ordered_policies
+            .retain(|o| keep(manifest::KIND_ORDERED, &o.object.metadata));
+        objects
+            .cluster_ordered_policies
+            .retain(|o| keep(manifest::KIND_CLUSTER_ORDERED, &o.object.metadata));
+    }
+    outcome.problems.extend(problems);
+    outcome
+}

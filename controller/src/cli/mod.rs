@@ -6,6 +6,9 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+mod crd;
+mod validate;
+
 /// ordnet: ordered Kubernetes network policy with an O(1) XDP datapath.
 #[derive(Debug, Parser)]
 #[command(name = "ordnet", version, about, long_about = None, propagate_version = true)]
@@ -182,8 +185,8 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Matrix(_) => not_implemented("matrix"),
         Command::Trace(_) => not_implemented("trace"),
         Command::Dump(_) => not_implemented("dump"),
-        Command::Validate(_) => not_implemented("validate"),
-        Command::Crd => not_implemented("crd"),
+        Command::Validate(args) => validate::run(&args),
+        Command::Crd => crd::run(),
         Command::Lab(_) => not_implemented("lab"),
         Command::Agent(_) => not_implemented("agent"),
     }

@@ -1,0 +1,624 @@
+//! The `ordnet.io/v1alpha1` API types: `OrderedNetworkPolicy` (namespaced, `onp`) and
+//! `ClusterOrderedNetworkPolicy` (cluster-scoped, `conp`).
+//!
+//! The semantics are those of `shared/spec/SEMANTICS.md`; the field reference is `docs/api.md`.
+//! The JSON schema generated from these types (see [`crate::crd`]) rejects what a structural
+//! schema can express; everything else is checked by [`crate::validate`].
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// API group of the ordnet kinds.
+pub const GROUP: &str = "ordnet.io";
+/// API version of the ordnet kinds.
+pub const VERSION: &str = "v1alpha1";
+/// `apiVersion` of the ordnet kinds.
+pub const API_VERSION: &str = "ordnet.io/v1alpha1";
+
+/// The type of the status condition that says whether the agent accepted the policy
+/// (`True`) or rejected it as invalid (`False`, reason [`REASON_INVALID`]).
+pub const CONDITION_ACCEPTED: &str = "Accepted";
+/// Reason of an `Accepted=True` condition.
+pub const REASON_VALID: &str = "Valid";
+/// Reason of an `Accepted=False` condition: the object failed validation; the message lists the
+/// problems (field path and message each).
+pub const REASON_INVALID: &str = "Invalid";
+
+/// Deserializes `null` as the type's default (Kubernetes treats an explicit `null` like an
+/// absent field).
+fn null_as_default<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(deserializer)?.unwrap_or_default())
+}
+
+/// What a matching rule does with the packet.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+pub enum Action {
+    /// Allow the packet.
+    Allow,
+    /// Drop the packet.
+    Deny,
+}
+
+impl Action {
+    /// The name used in the API (`Allow` or `Deny`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Allow => "Allow",
+            Action::Deny => "Deny",
+        }
+    }
+}
+
+impl std::fmt::Display for Action {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Traffic direction, seen from the selected pod.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+pub enum Direction {
+    /// Into the selected pod.
+    Ingress,
+    /// Out of the selected pod.
+    Egress,
+}
+
+impl Direction {
+    /// The name used in the API (`Ingress` or `Egress`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Direction::Ingress => "Ingress",
+            Direction::Egress => "Egress",
+        }
+    }
+
+    /// The spec field that holds this direction's rules (`ingress` or `egress`).
+    pub fn field(self) -> &'static str {
+        match self {
+            Direction::Ingress => "ingress",
+            Direction::Egress => "egress",
+        }
+    }
+}
+
+impl std::fmt::Display for Direction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// IP protocol of a port match.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    JsonSchema,
+)]
+pub enum Protocol {
+    /// TCP (the default).
+    #[default]
+    #[serde(rename = "TCP")]
+    Tcp,
+    /// UDP.
+    #[serde(rename = "UDP")]
+    Udp,
+    /// SCTP (never treated as TCP).
+    #[serde(rename = "SCTP")]
+    Sctp,
+}
+
+impl Protocol {
+    /// The name used in the API (`TCP`, `UDP`, `SCTP`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
+        }
+    }
+
+    /// The IANA protocol number (6, 17, 132).
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => 6,
+            Protocol::Udp => 17,
+            Protocol::Sctp => 132,
+        }
+    }
+
+    /// Parses the exact API spelling (`TCP`, `UDP`, `SCTP`; case-sensitive, as upstream).
+    /// This is how a standard `NetworkPolicyPort.protocol` string is interpreted.
+    pub fn from_api(s: &str) -> Option<Protocol> {
+        match s {
+            "TCP" => Some(Protocol::Tcp),
+            "UDP" => Some(Protocol::Udp),
+            "SCTP" => Some(Protocol::Sctp),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Protocol {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Optional explicit isolation per direction (SEMANTICS.md §3). When a direction is absent, the
+/// policy isolates the selected pods in that direction iff it has at least one `Allow` rule there.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct DefaultDeny {
+    /// Isolate the selected pods for ingress (`true`), or never (`false`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ingress: Option<bool>,
+    /// Isolate the selected pods for egress (`true`), or never (`false`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<bool>,
+}
+
+/// An IP block, as `NetworkPolicy`'s `IPBlock`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IpBlock {
+    /// A CIDR such as `10.0.0.0/8` or `2001:db8::/32`. Matches by IP address, pod IPs included.
+    pub cidr: String,
+    /// CIDRs excluded from `cidr`; each must be a strict subset of `cidr` of the same IP family.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    #[schemars(extend("maxItems" = 100))]
+    pub except: Vec<String>,
+}
+
+/// A traffic peer with `NetworkPolicyPeer`'s meaning: `podSelector` and `namespaceSelector` in
+/// one peer are ANDed; `ipBlock` stands alone. At least one field must be set.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend(
+    "minProperties" = 1,
+    "x-kubernetes-validations" = [
+        {
+            "rule": "!has(self.ipBlock) || (!has(self.podSelector) && !has(self.namespaceSelector))",
+            "message": "ipBlock may not be combined with podSelector or namespaceSelector"
+        }
+    ]
+))]
+pub struct Peer {
+    /// Pods with these labels. Without `namespaceSelector`: in the policy's own namespace
+    /// (OrderedNetworkPolicy) or in any namespace (ClusterOrderedNetworkPolicy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_selector: Option<LabelSelector>,
+    /// Pods in the namespaces with these labels (`{}` = every namespace, no external addresses).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace_selector: Option<LabelSelector>,
+    /// Addresses in this block (pods included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip_block: Option<IpBlock>,
+}
+
+/// A port match with `NetworkPolicyPort`'s meaning.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(extend(
+    "x-kubernetes-validations" = [
+        {
+            "rule": "!has(self.port) || type(self.port) == string || (self.port >= 1 && self.port <= 65535)",
+            "message": "a numeric port must be between 1 and 65535"
+        },
+        {
+            "rule": "!has(self.endPort) || (has(self.port) && type(self.port) == int)",
+            "message": "endPort requires a numeric port"
+        },
+        {
+            "rule": "!has(self.endPort) || !has(self.port) || type(self.port) != int || self.endPort >= self.port",
+            "message": "endPort must be greater than or equal to port"
+        }
+    ]
+))]
+pub struct Port {
+    /// `TCP` (default), `UDP` or `SCTP`.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub protocol: Protocol,
+    /// A port number (1-65535) or a named container port (IANA_SVC_NAME). Absent = every port of
+    /// the protocol.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<IntOrString>,
+    /// With a numeric `port`: the last port of the inclusive range `port..=endPort`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub end_port: Option<i32>,
+}
+
+/// An ordered ingress rule.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IngressRule {
+    /// `Allow` or `Deny`.
+    pub action: Action,
+    /// Sources; omitted or empty = every source.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    #[schemars(extend("maxItems" = 100))]
+    pub from: Vec<Peer>,
+    /// Destination ports on the selected pod; omitted or empty = every protocol and port.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    #[schemars(extend("maxItems" = 100))]
+    pub ports: Vec<Port>,
+}
+
+/// An ordered egress rule.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EgressRule {
+    /// `Allow` or `Deny`.
+    pub action: Action,
+    /// Destinations; omitted or empty = every destination.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    #[schemars(extend("maxItems" = 100))]
+    pub to: Vec<Peer>,
+    /// Destination ports; omitted or empty = every protocol and port.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    #[schemars(extend("maxItems" = 100))]
+    pub ports: Vec<Port>,
+}
+
+/// A direction-independent view of one ordered rule.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RuleView<'a> {
+    /// The rule's direction.
+    pub direction: Direction,
+    /// The rule's position in its list (the `index` of the order key).
+    pub index: usize,
+    /// `Allow` or `Deny`.
+    pub action: Action,
+    /// `from` (ingress) or `to` (egress).
+    pub peers: &'a [Peer],
+    /// The rule's ports.
+    pub ports: &'a [Port],
+}
+
+/// The desired state of an OrderedNetworkPolicy (namespaced; priority >= 0).
+// The printer columns repeat `type_ = "string"`, which clippy mistakes for duplicated attributes.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "ordnet.io",
+    version = "v1alpha1",
+    kind = "OrderedNetworkPolicy",
+    doc = "An ordered network policy for the pods of one namespace: Allow and Deny rules evaluated by (priority, rule index), lowest first.",
+    plural = "orderednetworkpolicies",
+    shortname = "onp",
+    category = "ordnet",
+    namespaced,
+    status = "PolicyStatus",
+    derive = "PartialEq",
+    printcolumn(
+        name = "Priority",
+        type_ = "integer",
+        json_path = ".spec.priority",
+        description = "Lower is evaluated earlier"
+    ),
+    printcolumn(
+        name = "Subject",
+        type_ = "string",
+        json_path = ".status.subject",
+        description = "The pods the policy applies to"
+    ),
+    printcolumn(
+        name = "Rules",
+        type_ = "string",
+        json_path = ".status.rules",
+        description = "Rule counts per direction and action"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    ),
+    printcolumn(
+        name = "Status",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Accepted\")].status",
+        description = "Whether the agent accepted the policy"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct OrderedNetworkPolicySpec {
+    /// Lower = evaluated earlier = stronger. Must be >= 0 for a namespaced policy.
+    #[schemars(range(min = 0))]
+    pub priority: i32,
+    /// The pods of the policy's namespace it applies to (`{}` = all of them).
+    pub pod_selector: LabelSelector,
+    /// Explicit isolation per direction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_deny: Option<DefaultDeny>,
+    /// Ordered ingress rules; an earlier rule wins at the same priority.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    #[schemars(extend("maxItems" = 1000))]
+    pub ingress: Vec<IngressRule>,
+    /// Ordered egress rules; an earlier rule wins at the same priority.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    #[schemars(extend("maxItems" = 1000))]
+    pub egress: Vec<EgressRule>,
+}
+
+/// The desired state of a ClusterOrderedNetworkPolicy (cluster-scoped; priority may be negative).
+// The printer columns repeat `type_ = "string"`, which clippy mistakes for duplicated attributes.
+#[allow(clippy::duplicated_attributes)]
+#[derive(CustomResource, Clone, Debug, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "ordnet.io",
+    version = "v1alpha1",
+    kind = "ClusterOrderedNetworkPolicy",
+    doc = "A cluster-wide ordered network policy: Allow and Deny rules evaluated by (priority, rule index), lowest first; a negative priority beats every namespaced policy.",
+    plural = "clusterorderednetworkpolicies",
+    shortname = "conp",
+    category = "ordnet",
+    status = "PolicyStatus",
+    derive = "PartialEq",
+    printcolumn(
+        name = "Priority",
+        type_ = "integer",
+        json_path = ".spec.priority",
+        description = "Lower is evaluated earlier"
+    ),
+    printcolumn(
+        name = "Subject",
+        type_ = "string",
+        json_path = ".status.subject",
+        description = "The pods the policy applies to"
+    ),
+    printcolumn(
+        name = "Rules",
+        type_ = "string",
+        json_path = ".status.rules",
+        description = "Rule counts per direction and action"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    ),
+    printcolumn(
+        name = "Status",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Accepted\")].status",
+        description = "Whether the agent accepted the policy"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterOrderedNetworkPolicySpec {
+    /// Lower = evaluated earlier = stronger. May be negative (below every namespaced policy).
+    pub priority: i32,
+    /// The namespaces whose pods the policy applies to (default `{}` = all namespaces).
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub namespace_selector: LabelSelector,
+    /// The pods (in the selected namespaces) the policy applies to (default `{}` = all pods).
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub pod_selector: LabelSelector,
+    /// Explicit isolation per direction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_deny: Option<DefaultDeny>,
+    /// Ordered ingress rules; an earlier rule wins at the same priority.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    #[schemars(extend("maxItems" = 1000))]
+    pub ingress: Vec<IngressRule>,
+    /// Ordered egress rules; an earlier rule wins at the same priority.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    #[schemars(extend("maxItems" = 1000))]
+    pub egress: Vec<EgressRule>,
+}
+
+/// Rule accessors shared by both ordered kinds.
+pub trait OrderedSpec {
+    /// The policy's priority.
+    fn priority(&self) -> i32;
+    /// The explicit isolation settings, if any.
+    fn default_deny(&self) -> Option<&DefaultDeny>;
+    /// The ingress rules in order.
+    fn ingress(&self) -> &[IngressRule];
+    /// The egress rules in order.
+    fn egress(&self) -> &[EgressRule];
+
+    /// The rules of one direction, in order, as direction-independent views.
+    fn rules(&self, direction: Direction) -> Vec<RuleView<'_>> {
+        match direction {
+            Direction::Ingress => self
+                .ingress()
+                .iter()
+                .enumerate()
+                .map(|(index, r)| RuleView {
+                    direction,
+                    index,
+                    action: r.action,
+                    peers: &r.from,
+                    ports: &r.ports,
+                })
+                .collect(),
+            Direction::Egress => self
+                .egress()
+                .iter()
+                .enumerate()
+                .map(|(index, r)| RuleView {
+                    direction,
+                    index,
+                    action: r.action,
+                    peers: &r.to,
+                    ports: &r.ports,
+                })
+                .collect(),
+        }
+    }
+
+    /// Whether the policy isolates its subject pods in `direction` (SEMANTICS.md §3):
+    /// `defaultDeny.<direction>` when set, else whether the direction has an `Allow` rule.
+    fn isolates(&self, direction: Direction) -> bool {
+        let explicit = self.default_deny().and_then(|d| match direction {
+            Direction::Ingress => d.ingress,
+            Direction::Egress => d.egress,
+        });
+        explicit.unwrap_or_else(|| {
+            self.rules(direction)
+                .iter()
+                .any(|r| r.action == Action::Allow)
+        })
+    }
+}
+
+impl OrderedSpec for OrderedNetworkPolicySpec {
+    fn priority(&self) -> i32 {
+        self.priority
+    }
+    fn default_deny(&self) -> Option<&DefaultDeny> {
+        self.default_deny.as_ref()
+    }
+    fn ingress(&self) -> &[IngressRule] {
+        &self.ingress
+    }
+    fn egress(&self) -> &[EgressRule] {
+        &self.egress
+    }
+}
+
+impl OrderedSpec for ClusterOrderedNetworkPolicySpec {
+    fn priority(&self) -> i32 {
+        self.priority
+    }
+    fn default_deny(&self) -> Option<&DefaultDeny> {
+        self.default_deny.as_ref()
+    }
+    fn ingress(&self) -> &[IngressRule] {
+        &self.ingress
+    }
+    fn egress(&self) -> &[EgressRule] {
+        &self.egress
+    }
+}
+
+/// Status of both ordered kinds, written by the agent.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicyStatus {
+    /// The `metadata.generation` this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Standard conditions; `Accepted` says whether the policy is valid and enforced.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    #[schemars(extend(
+        "x-kubernetes-list-type" = "map",
+        "x-kubernetes-list-map-keys" = ["type"]
+    ))]
+    pub conditions: Vec<Condition>,
+    /// A short summary of the subject, e.g. `ns=x / role=web` (printer column `Subject`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subject: Option<String>,
+    /// Rule counts, e.g. `in 2A/1D, out 0A/1D` (printer column `Rules`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rules: Option<String>,
+    /// Rules that can never decide a packet because earlier rules cover them.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    pub shadowed_rules: Vec<ShadowedRule>,
+}
+
+/// A rule of this policy that can never decide a packet.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ShadowedRule {
+    /// The rule's direction.
+    pub direction: Direction,
+    /// The rule's index in `spec.ingress` or `spec.egress`.
+    #[schemars(extend("format" = "int32", "maximum" = 2147483647))]
+    pub index: u32,
+    /// The rules (of any policy) with smaller order keys that together cover it.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    pub covered_by: Vec<RuleReference>,
+    /// Human-readable explanation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// A reference to one rule of one policy (same direction as the referring entry).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuleReference {
+    /// `NetworkPolicy`, `OrderedNetworkPolicy` or `ClusterOrderedNetworkPolicy`.
+    pub kind: String,
+    /// The policy's namespace (absent for cluster-scoped policies).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// The policy's name.
+    pub name: String,
+    /// The rule's index in its list.
+    #[schemars(extend("format" = "int32", "maximum" = 2147483647))]
+    pub index: u32,
+    /// The policy's priority.
+    pub priority: i32,
+    /// The rule's action.
+    pub action: Action,
+}

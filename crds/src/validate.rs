@@ -1,0 +1,738 @@
+//! Semantic validation of the objects, beyond what the CRD schema can say.
+//!
+//! Every check reports a [`FieldError`] with the field path (`spec.ingress[0].ports[1].endPort`);
+//! all problems of all objects are reported at once. The rules are listed in `docs/api.md`
+//! ("Validation"). In short:
+//!
+//! * For `NetworkPolicy` the checks are exactly those of the Kubernetes API server (so that every
+//!   policy the cluster accepts is enforced), plus warnings for things that are legal but
+//!   probably not meant (rules of a direction missing from `policyTypes`, duplicate rules).
+//! * Ordered policies get the same peer, port, CIDR and selector checks, plus: namespaced
+//!   priority >= 0; a rule that matches exactly the same traffic as an earlier rule of the same
+//!   list is an error (it can never decide a packet); rules after a match-everything rule are
+//!   warned about; a policy with no rules and no `defaultDeny` is warned about.
+//! * CIDRs: `address/prefix` is required; IPv4 octets with leading zeros and IPv4-mapped IPv6
+//!   addresses are errors (ambiguous); host bits set after the prefix are accepted like the API
+//!   server does (the address is truncated to the network), with a warning.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1::{Container, Namespace, Pod};
+use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyPeer, NetworkPolicyPort};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+use crate::manifest::{
+    ClusterObjects, KIND_CLUSTER_ORDERED, KIND_NAMESPACE, KIND_NETWORK_POLICY, KIND_ORDERED,
+    KIND_POD, Loaded,
+};
+use crate::problem::{FieldError, ObjectRef, Problem};
+use crate::selector::validate_label_selector;
+use crate::syntax;
+use crate::types::{
+    ClusterOrderedNetworkPolicy, Direction, OrderedNetworkPolicy, OrderedSpec, Peer, Port, Protocol,
+};
+
+/// A parsed `ipBlock` CIDR.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ParsedCidr {
+    /// The network (host bits cleared).
+    pub net: IpNet,
+    /// Whether the text had bits set after the prefix (`10.0.0.1/8`).
+    pub host_bits_set: bool,
+}
+
+/// Parses an `ipBlock` CIDR as ordnet accepts it (see the module documentation).
+pub fn parse_cidr(text: &str) -> Result<ParsedCidr, String> {
+    let Some((addr_text, prefix_text)) = text.split_once('/') else {
+        return Err(format!(
+            "{text:?} is not a CIDR: write address/prefix-length, e.g. 10.0.0.0/8 (a single address is 10.1.2.3/32)"
+        ));
+    };
+    let addr: IpAddr = match addr_text.parse() {
+        Ok(a) => a,
+        Err(_) => {
+            let leading_zero = addr_text.split('.').count() == 4
+                && addr_text.split('.').any(|o| {
+                    o.len() > 1 && o.starts_with('0') && o.bytes().all(|b| b.is_ascii_digit())
+                });
+            return Err(if leading_zero {
+                format!(
+                    "{text:?} is not a valid CIDR: IPv4 octets with leading zeros are ambiguous (octal or decimal?); remove the zeros"
+                )
+            } else {
+                format!("{text:?} is not a valid CIDR: {addr_text:?} is not an IP address")
+            });
+        }
+    };
+    if let IpAddr::V6(v6) = addr
+        && v6.to_ipv4_mapped().is_some()
+    {
+        return Err(format!(
+            "{text:?} is not a valid CIDR: IPv4-mapped IPv6 addresses are not allowed; write the IPv4 form"
+        ));
+    }
+    let max = if addr.is_ipv4() { 32 } else { 128 };
+    let prefix: u8 = match prefix_text.parse::<u8>() {
+        Ok(p)
+            if p <= max
+                && !prefix_text.is_empty()
+                && prefix_text.bytes().all(|b| b.is_ascii_digit()) =>
+        {
+            p
+        }
+        _ => {
+            return Err(format!(
+                "{text:?} is not a valid CIDR: the prefix length must be a number from 0 to {max}"
+            ));
+        }
+    };
+    let net = IpNet::new(addr, prefix)
+        .map_err(|e| format!("{text:?} is not a valid CIDR: {e}"))?
+        .trunc();
+    Ok(ParsedCidr {
+        net,
+        host_bits_set: net.addr() != addr,
+    })
+}
+
+fn join(base: &str, field: &str) -> String {
+    if base.is_empty() {
+        field.to_string()
+    } else {
+        format!("{base}.{field}")
+    }
+}
+
+/// Checks `metadata`: name (DNS-1123 subdomain, or label for namespaces), namespace, labels.
+fn validate_metadata(meta: &ObjectMeta, name_is_label: bool, out: &mut Vec<FieldError>) {
+    match meta.name.as_deref() {
+        None | Some("") => out.push(FieldError::error("metadata.name", "required")),
+        Some(name) => {
+            let check = if name_is_label {
+                syntax::dns1123_label(name)
+            } else {
+                syntax::dns1123_subdomain(name)
+            };
+            if let Err(e) = check {
+                out.push(FieldError::error("metadata.name", e));
+            }
+        }
+    }
+    if let Some(ns) = meta.namespace.as_deref()
+        && let Err(e) = syntax::dns1123_label(ns)
+    {
+        out.push(FieldError::error("metadata.namespace", e));
+    }
+    for (key, value) in meta.labels.iter().flatten() {
+        let field = format!("metadata.labels.{key}");
+        if let Err(e) = syntax::label_key(key) {
+            out.push(FieldError::error(field.clone(), e));
+        }
+        if let Err(e) = syntax::label_value(value) {
+            out.push(FieldError::error(field, e));
+        }
+    }
+}
+
+fn validate_ip_block(cidr: &str, except: &[String], path: &str, out: &mut Vec<FieldError>) {
+    let parsed = match parse_cidr(cidr) {
+        Ok(p) => p,
+        Err(e) => {
+            out.push(FieldError::error(join(path, "cidr"), e));
+            // The except entries cannot be checked against an invalid cidr; still check syntax.
+            for (i, ex) in except.iter().enumerate() {
+                if let Err(e) = parse_cidr(ex) {
+                    out.push(FieldError::error(format!("{path}.except[{i}]"), e));
+                }
+            }
+            return;
+        }
+    };
+    if parsed.host_bits_set {
+        out.push(FieldError::warning(
+            join(path, "cidr"),
+            format!(
+                "{cidr:?} has bits set after the prefix; it is used as {}",
+                parsed.net
+            ),
+        ));
+    }
+    for (i, ex) in except.iter().enumerate() {
+        let field = format!("{path}.except[{i}]");
+        let ex_parsed = match parse_cidr(ex) {
+            Ok(p) => p,
+            Err(e) => {
+                out.push(FieldError::error(field, e));
+                continue;
+            }
+        };
+        let (net, exn) = (parsed.net, ex_parsed.net);
+        if net.addr().is_ipv4() != exn.addr().is_ipv4() {
+            out.push(FieldError::error(
+                field,
+                format!("{ex:?} is not of the same IP family as cidr {cidr:?}"),
+            ));
+        } else if !(net.contains(&exn) && exn.prefix_len() > net.prefix_len()) {
+            out.push(FieldError::error(
+                field,
+                format!("{ex:?} must be a strict subset of cidr {}", parsed.net),
+            ));
+        } else if ex_parsed.host_bits_set {
+            out.push(FieldError::warning(
+                field,
+                format!(
+                    "{ex:?} has bits set after the prefix; it is used as {}",
+                    ex_parsed.net
+                ),
+            ));
+        }
+    }
+}
+
+/// Checks one peer given as its three parts.
+fn validate_peer_parts(
+    pod_selector: Option<&LabelSelector>,
+    namespace_selector: Option<&LabelSelector>,
+    ip_block: Option<(&str, &[String])>,
+    path: &str,
+    out: &mut Vec<FieldError>,
+) {
+    let selectors = usize::from(pod_selector.is_some()) + usize::from(namespace_selector.is_some());
+    if selectors == 0 && ip_block.is_none() {
+        out.push(FieldError::error(
+            path,
+            "an empty peer matches nothing useful: set podSelector, namespaceSelector or ipBlock (to match every peer, leave out the whole from/to list)",
+        ));
+    }
+    if selectors > 0 && ip_block.is_some() {
+        out.push(FieldError::error(
+            path,
+            "ipBlock may not be combined with podSelector or namespaceSelector in one peer (use two peers to match either)",
+        ));
+    }
+    if let Some(s) = pod_selector {
+        validate_label_selector(s, &join(path, "podSelector"), out);
+    }
+    if let Some(s) = namespace_selector {
+        validate_label_selector(s, &join(path, "namespaceSelector"), out);
+    }
+    if let Some((cidr, except)) = ip_block {
+        validate_ip_block(cidr, except, &join(path, "ipBlock"), out);
+    }
+}
+
+/// Checks one port given as its parts (`protocol` as text; `None` = default TCP).
+fn validate_port_parts(
+    protocol: Option<&str>,
+    port: Option<&IntOrString>,
+    end_port: Option<i32>,
+    path: &str,
+    out: &mut Vec<FieldError>,
+) {
+    if let Some(p) = protocol
+        && Protocol::from_api(p).is_none()
+    {
+        let hint = match Protocol::from_api(&p.to_ascii_uppercase()) {
+            Some(_) => " (protocol names are upper case)",
+            None => "",
+        };
+        out.push(FieldError::error(
+            join(path, "protocol"),
+            format!("{p:?} is not supported: use TCP, UDP or SCTP{hint}"),
+        ));
+    }
+    match port {
+        Some(IntOrString::Int(n)) => {
+            if let Err(e) = syntax::port_number(i64::from(*n)) {
+                out.push(FieldError::error(join(path, "port"), e));
+            }
+            if let Some(end) = end_port {
+                if let Err(e) = syntax::port_number(i64::from(end)) {
+                    out.push(FieldError::error(join(path, "endPort"), e));
+                } else if end < *n {
+                    out.push(FieldError::error(
+                        join(path, "endPort"),
+                        format!("{end} must be greater than or equal to port ({n})"),
+                    ));
+                }
+            }
+        }
+        Some(IntOrString::String(name)) => {
+            if let Err(e) = syntax::port_name(name) {
+                let message = if name.parse::<u32>().is_ok() {
+                    format!(
+                        "{name:?} is a string, not a number: write the port number without quotes"
+                    )
+                } else {
+                    e
+                };
+                out.push(FieldError::error(join(path, "port"), message));
+            }
+            if end_port.is_some() {
+                out.push(FieldError::error(
+                    join(path, "endPort"),
+                    format!(
+                        "not allowed with the named port {name:?}: a range needs a numeric port"
+                    ),
+                ));
+            }
+        }
+        None => {
+            if end_port.is_some() {
+                out.push(FieldError::error(
+                    join(path, "endPort"),
+                    "not allowed without port: a range needs a numeric port",
+                ));
+            }
+        }
+    }
+}
+
+fn validate_ordered_peer(peer: &Peer, path: &str, out: &mut Vec<FieldError>) {
+    validate_peer_parts(
+        peer.pod_selector.as_ref(),
+        peer.namespace_selector.as_ref(),
+        peer.ip_block
+            .as_ref()
+            .map(|b| (b.cidr.as_str(), b.except.as_slice())),
+        path,
+        out,
+    );
+}
+
+fn validate_ordered_port(port: &Port, path: &str, out: &mut Vec<FieldError>) {
+    validate_port_parts(
+        Some(port.protocol.as_str()),
+        port.port.as_ref(),
+        port.end_port,
+        path,
+        out,
+    );
+}
+
+/// The checks shared by both ordered kinds; `cluster` selects the cluster-scoped rules.
+fn validate_ordered_spec<S: OrderedSpec>(spec: &S, cluster: bool, out: &mut Vec<FieldError>) {
+    if !cluster && spec.priority() < 0 {
+        out.push(FieldError::error(
+            "spec.priority",
+            format!(
+                "{} is negative: an OrderedNetworkPolicy needs priority >= 0 (only a ClusterOrderedNetworkPolicy may go below 0)",
+                spec.priority()
+            ),
+        ));
+    }
+    for direction in [Direction::Ingress, Direction::Egress] {
+        let peers_field = match direction {
+            Direction::Ingress => "from",
+            Direction::Egress => "to",
+        };
+        let rules = spec.rules(direction);
+        for rule in &rules {
+            let base = format!("spec.{}[{}]", direction.field(), rule.index);
+            for (j, peer) in rule.peers.iter().enumerate() {
+                validate_ordered_peer(peer, &format!("{base}.{peers_field}[{j}]"), out);
+            }
+            for (j, port) in rule.ports.iter().enumerate() {
+                validate_ordered_port(port, &format!("{base}.ports[{j}]"), out);
+            }
+            // A rule can never decide a packet if an earlier rule of the same list matches
+            // exactly the same traffic, or matches all traffic.
+            let earlier = &rules[..rule.index];
+            if let Some(same) = earlier
+                .iter()
+                .find(|e| e.peers == rule.peers && e.ports == rule.ports)
+            {
+                let first = format!("spec.{}[{}]", direction.field(), same.index);
+                out.push(FieldError::error(
+                    base,
+                    if same.action == rule.action {
+                        format!("duplicate of {first}: the earlier identical rule always matches first, so this one can never decide a packet")
+                    } else {
+                        format!(
+                            "matches exactly the same traffic as {first} ({}), which always matches first, so this {} can never decide a packet",
+                            same.action, rule.action
+                        )
+                    },
+                ));
+            } else if let Some(all) = earlier
+                .iter()
+                .find(|e| e.peers.is_empty() && e.ports.is_empty())
+            {
+                out.push(FieldError::warning(
+                    base,
+                    format!(
+                        "can never decide a packet: spec.{}[{}] matches all traffic and comes first",
+                        direction.field(),
+                        all.index
+                    ),
+                ));
+            }
+        }
+    }
+    if spec.ingress().is_empty() && spec.egress().is_empty() && spec.default_deny().is_none() {
+        out.push(FieldError::warning(
+            "spec",
+            "no ingress or egress rules and no defaultDeny: this policy has no effect",
+        ));
+    }
+}
+
+/// Validates an OrderedNetworkPolicy (metadata and spec).
+pub fn validate_ordered_network_policy(policy: &OrderedNetworkPolicy) -> Vec<FieldError> {
+    let mut out = Vec::new();
+    validate_metadata(&policy.metadata, false, &mut out);
+    validate_label_selector(&policy.spec.pod_selector, "spec.podSelector", &mut out);
+    validate_ordered_spec(&policy.spec, false, &mut out);
+    out
+}
+
+/// Validates a ClusterOrderedNetworkPolicy (metadata and spec).
+pub fn validate_cluster_ordered_network_policy(
+    policy: &ClusterOrderedNetworkPolicy,
+) -> Vec<FieldError> {
+    let mut out = Vec::new();
+    validate_metadata(&policy.metadata, false, &mut out);
+    validate_label_selector(
+        &policy.spec.namespace_selector,
+        "spec.namespaceSelector",
+        &mut out,
+    );
+    validate_label_selector(&policy.spec.pod_selector, "spec.podSelector", &mut out);
+    validate_ordered_spec(&policy.spec, true, &mut out);
+    out
+}
+
+fn validate_np_peer(peer: &NetworkPolicyPeer, path: &str, out: &mut Vec<FieldError>) {
+    validate_peer_parts(
+        peer.pod_selector.as_ref(),
+        peer.namespace_selector.as_ref(),
+        peer.ip_block
+            .as_ref()
+            .map(|b| (b.cidr.as_str(), b.except.as_deref().unwrap_or_default())),
+        path,
+        out,
+    );
+}
+
+fn validate_np_port(port: &NetworkPolicyPort, path: &str, out: &mut Vec<FieldError>) {
+    validate_port_parts(
+        port.protocol.as_deref(),
+        port.port.as_ref(),
+        port.end_port,
+        path,
+        out,
+    );
+}
+
+/// Validates a standard NetworkPolicy as the API server does, plus warnings.
+pub fn validate_network_policy(policy: &NetworkPolicy) -> Vec<FieldError> {
+    let mut out = Vec::new();
+    validate_metadata(&policy.metadata, false, &mut out);
+    let Some(spec) = &policy.spec else {
+        return out;
+    };
+    if let Some(sel) = &spec.pod_selector {
+        validate_label_selector(sel, "spec.podSelector", &mut out);
+    }
+    let types = spec.policy_types.as_deref();
+    if let Some(types) = types {
+        if types.len() > 2 {
+            out.push(FieldError::error(
+                "spec.policyTypes",
+                "may not list more than two policy types (Ingress, Egress)",
+            ));
+        }
+        for (i, t) in types.iter().enumerate() {
+            if t != "Ingress" && t != "Egress" {
+                out.push(FieldError::error(
+                    format!("spec.policyTypes[{i}]"),
+                    format!("{t:?} is not supported: use Ingress or Egress"),
+                ));
+            }
+        }
+    }
+    let ingress = spec.ingress.as_deref().unwrap_or_default();
+    let egress = spec.egress.as_deref().unwrap_or_default();
+    for (i, rule) in ingress.iter().enumerate() {
+        for (j, peer) in rule.from.iter().flatten().enumerate() {
+            validate_np_peer(peer, &format!("spec.ingress[{i}].from[{j}]"), &mut out);
+        }
+        for (j, port) in rule.ports.iter().flatten().enumerate() {
+            validate_np_port(port, &format!("spec.ingress[{i}].ports[{j}]"), &mut out);
+        }
+        if let Some(first) = ingress[..i].iter().position(|r| r == rule) {
+            out.push(FieldError::warning(
+                format!("spec.ingress[{i}]"),
+                format!("duplicate of spec.ingress[{first}]"),
+            ));
+        }
+    }
+    for (i, rule) in egress.iter().enumerate() {
+        for (j, peer) in rule.to.iter().flatten().enumerate() {
+            validate_np_peer(peer, &format!("spec.egress[{i}].to[{j}]"), &mut out);
+        }
+        for (j, port) in rule.ports.iter().flatten().enumerate() {
+            validate_np_port(port, &format!("spec.egress[{i}].ports[{j}]"), &mut out);
+        }
+        if let Some(first) = egress[..i].iter().position(|r| r == rule) {
+            out.push(FieldError::warning(
+                format!("spec.egress[{i}]"),
+                format!("duplicate of spec.egress[{first}]"),
+            ));
+        }
+    }
+    if let Some(types) = types {
+        if !ingress.is_empty() && !types.iter().any(|t| t == "Ingress") {
+            out.push(FieldError::warning(
+                "spec.ingress",
+                "ignored: policyTypes does not include Ingress",
+            ));
+        }
+        if !egress.is_empty() && !types.iter().any(|t| t == "Egress") {
+            out.push(FieldError::warning(
+                "spec.egress",
+                "ignored: policyTypes does not include Egress",
+            ));
+        }
+    }
+    out
+}
+
+fn validate_container_ports(containers: &[Container], list: &str, out: &mut Vec<FieldError>) {
+    for (i, c) in containers.iter().enumerate() {
+        for (j, p) in c.ports.iter().flatten().enumerate() {
+            let base = format!("spec.{list}[{i}].ports[{j}]");
+            if let Err(e) = syntax::port_number(i64::from(p.container_port)) {
+                out.push(FieldError::error(format!("{base}.containerPort"), e));
+            }
+            if let Some(proto) = p.protocol.as_deref()
+                && Protocol::from_api(proto).is_none()
+            {
+                out.push(FieldError::error(
+                    format!("{base}.protocol"),
+                    format!("{proto:?} is not supported: use TCP, UDP or SCTP"),
+                ));
+            }
+            if let Some(name) = p.name.as_deref()
+                && let Err(e) = syntax::port_name(name)
+            {
+                out.push(FieldError::error(format!("{base}.name"), e));
+            }
+        }
+    }
+}
+
+/// The pod's IPs as ordnet reads them: `status.podIPs` if given, else `status.podIP`.
+/// Invalid entries are skipped (validation reports them).
+pub fn pod_ips(pod: &Pod) -> Vec<IpAddr> {
+    let Some(status) = &pod.status else {
+        return Vec::new();
+    };
+    let mut ips: Vec<IpAddr> = status
+        .pod_ips
+        .iter()
+        .flatten()
+        .filter_map(|p| p.ip.parse().ok())
+        .collect();
+    if ips.is_empty()
+        && let Some(ip) = status.pod_ip.as_deref().and_then(|s| s.parse().ok())
+    {
+        ips.push(ip);
+    }
+    ips
+}
+
+/// Validates a Pod: metadata, IPs and container ports.
+pub fn validate_pod(pod: &Pod) -> Vec<FieldError> {
+    let mut out = Vec::new();
+    validate_metadata(&pod.metadata, false, &mut out);
+    if let Some(spec) = &pod.spec {
+        validate_container_ports(&spec.containers, "containers", &mut out);
+        if let Some(init) = &spec.init_containers {
+            validate_container_ports(init, "initContainers", &mut out);
+        }
+    }
+    let host_network = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.host_network)
+        .unwrap_or(false);
+    let status = pod.status.as_ref();
+    let pod_ip = status
+        .and_then(|s| s.pod_ip.as_deref())
+        .filter(|s| !s.is_empty());
+    let mut primary = None;
+    if let Some(text) = pod_ip {
+        match text.parse::<IpAddr>() {
+            Ok(ip) => primary = Some(ip),
+            Err(_) => out.push(FieldError::error(
+                "status.podIP",
+                format!("{text:?} is not an IP address"),
+            )),
+        }
+    }
+    let pod_ips = status
+        .and_then(|s| s.pod_ips.as_deref())
+        .unwrap_or_default();
+    let mut families = [0usize; 2];
+    for (i, entry) in pod_ips.iter().enumerate() {
+        let field = format!("status.podIPs[{i}].ip");
+        match entry.ip.parse::<IpAddr>() {
+            Ok(ip) => {
+                families[usize::from(ip.is_ipv6())] += 1;
+                if i == 0
+                    && let Some(p) = primary
+                    && p != ip
+                {
+                    out.push(FieldError::error(
+                        field,
+                        format!("{ip} must equal status.podIP ({p}): the first pod IP is the primary one"),
+                    ));
+                }
+            }
+            Err(_) => out.push(FieldError::error(
+                field,
+                format!("{:?} is not an IP address", entry.ip),
+            )),
+        }
+    }
+    if families.iter().any(|&n| n > 1) {
+        out.push(FieldError::error(
+            "status.podIPs",
+            "at most one IPv4 and one IPv6 address",
+        ));
+    }
+    if pod_ip.is_none() && pod_ips.is_empty() && !host_network {
+        out.push(FieldError::warning(
+            "status.podIP",
+            "not set: the pod has no address yet, so it is not an endpoint",
+        ));
+    }
+    out
+}
+
+/// Validates a Namespace: name (DNS-1123 label) and labels.
+pub fn validate_namespace(namespace: &Namespace) -> Vec<FieldError> {
+    let mut out = Vec::new();
+    validate_metadata(&namespace.metadata, true, &mut out);
+    out
+}
+
+fn meta_ref(kind: &str, meta: &ObjectMeta) -> ObjectRef {
+    let name = meta.name.clone().unwrap_or_default();
+    match &meta.namespace {
+        Some(ns) => ObjectRef::namespaced(kind, ns, &name),
+        None => ObjectRef::cluster(kind, &name),
+    }
+}
+
+/// The reference of a loaded object of `kind`.
+pub fn object_ref<T: kube::Resource<DynamicType = ()>>(object: &T) -> ObjectRef {
+    meta_ref(&T::kind(&()), object.meta())
+}
+
+fn push_all<T>(
+    kind: &str,
+    items: &[Loaded<T>],
+    meta: impl Fn(&T) -> &ObjectMeta,
+    validate: impl Fn(&T) -> Vec<FieldError>,
+    out: &mut Vec<Problem>,
+) {
+    for item in items {
+        let errors = validate(&item.object);
+        if errors.is_empty() {
+            continue;
+        }
+        let object = meta_ref(kind, meta(&item.object));
+        out.extend(
+            errors
+                .into_iter()
+                .map(|e| Problem::from_field_error(e, item.source.as_ref(), &object)),
+        );
+    }
+}
+
+/// Validates every object, and the pods against each other (no two pods, other than
+/// host-network pods, may share an IP). Implied namespaces are not checked.
+pub fn validate_objects(objects: &ClusterObjects) -> Vec<Problem> {
+    let mut out = Vec::new();
+    let given_namespaces: Vec<Loaded<Namespace>> = objects
+        .namespaces
+        .iter()
+        .filter(|n| n.source.is_some())
+        .cloned()
+        .collect();
+    push_all(
+        KIND_NAMESPACE,
+        &given_namespaces,
+        |o| &o.metadata,
+        validate_namespace,
+        &mut out,
+    );
+    push_all(
+        KIND_POD,
+        &objects.pods,
+        |o| &o.metadata,
+        validate_pod,
+        &mut out,
+    );
+    push_all(
+        KIND_NETWORK_POLICY,
+        &objects.network_policies,
+        |o| &o.metadata,
+        validate_network_policy,
+        &mut out,
+    );
+    push_all(
+        KIND_ORDERED,
+        &objects.ordered_policies,
+        |o| &o.metadata,
+        validate_ordered_network_policy,
+        &mut out,
+    );
+    push_all(
+        KIND_CLUSTER_ORDERED,
+        &objects.cluster_ordered_policies,
+        |o| &o.metadata,
+        validate_cluster_ordered_network_policy,
+        &mut out,
+    );
+    // Two pods with one address would make every verdict about that address ambiguous.
+    let mut owners: HashMap<IpAddr, ObjectRef> = HashMap::new();
+    for pod in &objects.pods {
+        let host_network = pod
+            .object
+            .spec
+            .as_ref()
+            .and_then(|s| s.host_network)
+            .unwrap_or(false);
+        if host_network {
+            continue;
+        }
+        let me = meta_ref(KIND_POD, &pod.object.metadata);
+        for ip in pod_ips(&pod.object) {
+            if let Some(other) = owners.get(&ip) {
+                out.push(Problem::at(
+                    crate::problem::Severity::Error,
+                    pod.source.as_ref(),
+                    Some(me.clone()),
+                    Some("status.podIP".into()),
+                    format!(
+                        "{ip} is also the address of pod {}/{}",
+                        other.namespace.as_deref().unwrap_or_default(),
+                        other.name
+                    ),
+                ));
+            } else {
+                owners.insert(ip, me.clone());
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;
