@@ -1,0 +1,415 @@
+//! The packet parser shared by the XDP program and the host.
+//!
+//! Everything here is `#[inline(always)]` and free of recursion, allocation, panics and
+//! unbounded loops, so that it compiles into one verifiable BPF function. All packet reads go
+//! through [`Frame::load`], which on the kernel side compares `data + offset + N` with
+//! `data_end` immediately before the read (the pattern the verifier understands) and on the
+//! host side is a checked slice access. Header offsets are additionally capped at
+//! [`MAX_HEADER_BYTES`] so that the verifier always sees a bounded offset; the same cap applies
+//! on the host, so both sides reach the same result for every input.
+
+/// Length of an Ethernet header (destination MAC, source MAC, EtherType).
+pub const ETH_HLEN: usize = 14;
+/// EtherType of IPv4.
+pub const ETH_P_IP: u16 = 0x0800;
+/// EtherType of IPv6.
+pub const ETH_P_IPV6: u16 = 0x86dd;
+/// EtherType of ARP.
+pub const ETH_P_ARP: u16 = 0x0806;
+/// TPID of an IEEE 802.1Q VLAN tag.
+pub const ETH_P_8021Q: u16 = 0x8100;
+/// TPID of an IEEE 802.1ad (QinQ service) VLAN tag.
+pub const ETH_P_8021AD: u16 = 0x88a8;
+
+pub const IPPROTO_HOPOPTS: u8 = 0;
+pub const IPPROTO_ICMP: u8 = 1;
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_ROUTING: u8 = 43;
+pub const IPPROTO_FRAGMENT: u8 = 44;
+pub const IPPROTO_ESP: u8 = 50;
+pub const IPPROTO_AH: u8 = 51;
+pub const IPPROTO_ICMPV6: u8 = 58;
+pub const IPPROTO_NONE: u8 = 59;
+pub const IPPROTO_DSTOPTS: u8 = 60;
+pub const IPPROTO_SCTP: u8 = 132;
+pub const IPPROTO_MH: u8 = 135;
+pub const IPPROTO_HIP: u8 = 139;
+pub const IPPROTO_SHIM6: u8 = 140;
+
+/// At most this many VLAN tags (802.1Q or 802.1ad, in any order) are skipped.
+pub const MAX_VLAN_TAGS: usize = 2;
+/// At most this many IPv6 extension headers are skipped before the upper-layer header.
+pub const MAX_IPV6_EXT_HEADERS: usize = 8;
+/// The parser never reads a byte at or after this offset from the start of the frame: a packet
+/// whose L2..L4 headers do not end within the first `MAX_HEADER_BYTES` bytes cannot be
+/// classified ([`ParseError::HeadersTooLong`]). Only very long IPv6 extension header chains
+/// can get there (Ethernet + 2 VLAN tags + IPv4 with options + TCP is 86 bytes). The bound
+/// exists for the verifier, which must see a bounded offset on every packet access.
+pub const MAX_HEADER_BYTES: usize = 2048;
+
+/// A packet the parser can read: the XDP packet in the kernel, a byte slice on the host.
+pub trait Frame {
+    /// The `N` bytes at `offset..offset + N`, or `None` when the frame is shorter than
+    /// `offset + N`. The parser only calls this with `offset + N <= MAX_HEADER_BYTES`, and
+    /// only with `N >= 2`: for a 1-byte read LLVM turns `data + offset + 1 > data_end` into
+    /// `data + offset >= data_end`, a comparison from which the verifier learns no packet
+    /// range when the pointer's constant offset is 0.
+    fn load<const N: usize>(&self, offset: usize) -> Option<[u8; N]>;
+
+    /// Whether the frame is at least `len` bytes long (`len` may be up to 65 597: an IP
+    /// packet's end according to its length field).
+    fn holds(&self, len: usize) -> bool;
+}
+
+impl Frame for [u8] {
+    #[inline(always)]
+    fn load<const N: usize>(&self, offset: usize) -> Option<[u8; N]> {
+        let end = offset.checked_add(N)?;
+        let bytes = self.get(offset..end)?;
+        bytes.try_into().ok()
+    }
+
+    #[inline(always)]
+    fn holds(&self, len: usize) -> bool {
+        len <= self.len()
+    }
+}
+
+/// Where an IP packet sits in a fragmented datagram.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fragment {
+    /// Not a fragment (IPv4 MF = 0 and offset 0; IPv6 without a fragment header, or an
+    /// "atomic" fragment header with M = 0 and offset 0).
+    No,
+    /// First fragment (offset 0, more fragments follow): carries the L4 header.
+    First,
+    /// Any later fragment (offset != 0): carries no L4 header, so no ports.
+    Subsequent,
+}
+
+/// What the parser found in an IP packet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct IpPacket {
+    /// 4 or 6.
+    pub ip_version: u8,
+    /// Source address; an IPv4 address is in bytes 0..4 and the remaining bytes are zero.
+    pub src: [u8; 16],
+    /// Destination address, same convention as `src`.
+    pub dst: [u8; 16],
+    /// Upper-layer protocol: the IPv4 protocol field, or for IPv6 the first next-header value
+    /// that is not a skipped extension header. For a later fragment: the protocol the fragment
+    /// header (IPv6) or IP header (IPv4) names.
+    pub protocol: u8,
+    /// Source port (host byte order); 0 when `protocol` has no ports or for a later fragment.
+    pub sport: u16,
+    /// Destination port (host byte order); 0 when `protocol` has no ports or for a later fragment.
+    pub dport: u16,
+    /// Fragmentation state.
+    pub fragment: Fragment,
+}
+
+/// A frame the parser could classify.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Parsed {
+    /// An Ethernet frame whose EtherType (after at most [`MAX_VLAN_TAGS`] VLAN tags) is neither
+    /// IPv4 nor IPv6, e.g. ARP or LLDP.
+    NotIp {
+        /// The inner-most EtherType.
+        ethertype: u16,
+    },
+    /// An IPv4 or IPv6 packet whose headers are well formed as far as the policy reads them.
+    Ip(IpPacket),
+}
+
+/// Why a frame could not be classified. Every variant is a frame that is, or may be, an IP
+/// packet whose headers are truncated or invalid; [`crate::verdict`] drops all of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ParseError {
+    /// Shorter than an Ethernet header: the EtherType cannot be read.
+    TruncatedEthernet = 1,
+    /// The frame ends inside a VLAN tag.
+    TruncatedVlan,
+    /// More than [`MAX_VLAN_TAGS`] VLAN tags.
+    TooManyVlanTags,
+    /// EtherType IPv4 but fewer than 20 bytes of IPv4 header.
+    TruncatedIpv4Header,
+    /// EtherType IPv4/IPv6 but the version nibble disagrees.
+    BadIpVersion,
+    /// IPv4 IHL below 5 (20 bytes).
+    BadIpv4HeaderLength,
+    /// IPv4 total length smaller than the header length.
+    BadIpv4TotalLength,
+    /// The IP length field (IPv4 total length, IPv6 40 + payload length) goes past the end of
+    /// the frame. This also covers an IHL larger than the packet.
+    TruncatedIpPacket,
+    /// EtherType IPv6 but fewer than 40 bytes of IPv6 header.
+    TruncatedIpv6Header,
+    /// An IPv6 extension header goes past the end of the IPv6 payload.
+    TruncatedExtensionHeader,
+    /// More than [`MAX_IPV6_EXT_HEADERS`] IPv6 extension headers.
+    TooManyExtensionHeaders,
+    /// The TCP/UDP/SCTP header goes past the end of the IP payload (or, for TCP, the data
+    /// offset does: an unfragmented packet must hold its whole TCP header).
+    TruncatedL4Header,
+    /// TCP data offset below 5 (20 bytes).
+    BadTcpDataOffset,
+    /// UDP length field below 8 or past the end of the IP payload.
+    BadUdpLength,
+    /// The headers the policy needs do not end within [`MAX_HEADER_BYTES`].
+    HeadersTooLong,
+}
+
+#[inline(always)]
+fn be16(hi: u8, lo: u8) -> u16 {
+    u16::from_be_bytes([hi, lo])
+}
+
+/// An IPv4 address in the 16-byte address fields of [`IpPacket`] (bytes 0..4, rest zero).
+#[inline(always)]
+pub fn ipv4_in_16(a: [u8; 4]) -> [u8; 16] {
+    [a[0], a[1], a[2], a[3], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+}
+
+/// Bounded load: every packet read of the parser goes through here.
+#[inline(always)]
+fn load<F: Frame + ?Sized, const N: usize>(frame: &F, offset: usize) -> Option<[u8; N]> {
+    if offset > MAX_HEADER_BYTES - N {
+        return None;
+    }
+    frame.load::<N>(offset)
+}
+
+/// Parses an Ethernet frame (optionally VLAN-tagged) down to the L4 ports.
+///
+/// See `docs/datapath.md` for what is validated; in short: everything the verdict depends on
+/// must be present and self-consistent, checksums are not verified (the kernel does that).
+#[inline(always)]
+pub fn parse<F: Frame + ?Sized>(frame: &F) -> Result<Parsed, ParseError> {
+    let Some(eth) = load::<F, ETH_HLEN>(frame, 0) else {
+        return Err(ParseError::TruncatedEthernet);
+    };
+    let mut ethertype = be16(eth[12], eth[13]);
+    let mut l3 = ETH_HLEN;
+    for _ in 0..MAX_VLAN_TAGS {
+        if ethertype != ETH_P_8021Q && ethertype != ETH_P_8021AD {
+            break;
+        }
+        // TCI (2 bytes) then the encapsulated EtherType.
+        let Some(tag) = load::<F, 4>(frame, l3) else {
+            return Err(ParseError::TruncatedVlan);
+        };
+        ethertype = be16(tag[2], tag[3]);
+        l3 += 4;
+    }
+    match ethertype {
+        ETH_P_IP => parse_ipv4(frame, l3).map(Parsed::Ip),
+        ETH_P_IPV6 => parse_ipv6(frame, l3).map(Parsed::Ip),
+        ETH_P_8021Q | ETH_P_8021AD => Err(ParseError::TooManyVlanTags),
+        other => Ok(Parsed::NotIp { ethertype: other }),
+    }
+}
+
+#[inline(always)]
+fn parse_ipv4<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, ParseError> {
+    let Some(h) = load::<F, 20>(frame, l3) else {
+        return Err(ParseError::TruncatedIpv4Header);
+    };
+    if h[0] >> 4 != 4 {
+        return Err(ParseError::BadIpVersion);
+    }
+    let ihl = usize::from(h[0] & 0x0f) * 4;
+    if ihl < 20 {
+        return Err(ParseError::BadIpv4HeaderLength);
+    }
+    let total_len = usize::from(be16(h[2], h[3]));
+    if total_len < ihl {
+        return Err(ParseError::BadIpv4TotalLength);
+    }
+    let ip_end = l3 + total_len;
+    if !frame.holds(ip_end) {
+        return Err(ParseError::TruncatedIpPacket);
+    }
+    let frag = be16(h[6], h[7]);
+    let fragment = if frag & 0x1fff != 0 {
+        Fragment::Subsequent
+    } else if frag & 0x2000 != 0 {
+        Fragment::First
+    } else {
+        Fragment::No
+    };
+    let src = ipv4_in_16([h[12], h[13], h[14], h[15]]);
+    let dst = ipv4_in_16([h[16], h[17], h[18], h[19]]);
+    let protocol = h[9];
+    let (sport, dport) = if fragment == Fragment::Subsequent {
+        (0, 0)
+    } else {
+        parse_l4(frame, protocol, l3 + ihl, ip_end, fragment)?
+    };
+    Ok(IpPacket {
+        ip_version: 4,
+        src,
+        dst,
+        protocol,
+        sport,
+        dport,
+        fragment,
+    })
+}
+
+#[inline(always)]
+fn is_ipv6_ext_header(next_header: u8) -> bool {
+    matches!(
+        next_header,
+        IPPROTO_HOPOPTS
+            | IPPROTO_ROUTING
+            | IPPROTO_FRAGMENT
+            | IPPROTO_AH
+            | IPPROTO_DSTOPTS
+            | IPPROTO_MH
+            | IPPROTO_HIP
+            | IPPROTO_SHIM6
+    )
+}
+
+#[inline(always)]
+fn parse_ipv6<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, ParseError> {
+    let Some(h) = load::<F, 8>(frame, l3) else {
+        return Err(ParseError::TruncatedIpv6Header);
+    };
+    let Some(src) = load::<F, 16>(frame, l3 + 8) else {
+        return Err(ParseError::TruncatedIpv6Header);
+    };
+    let Some(dst) = load::<F, 16>(frame, l3 + 24) else {
+        return Err(ParseError::TruncatedIpv6Header);
+    };
+    if h[0] >> 4 != 6 {
+        return Err(ParseError::BadIpVersion);
+    }
+    // A payload length of 0 (jumbogram) is not special-cased: it leaves no room for an
+    // upper-layer header, so TCP/UDP/SCTP packets claiming it fail as truncated.
+    let ip_end = l3 + 40 + usize::from(be16(h[4], h[5]));
+    if !frame.holds(ip_end) {
+        return Err(ParseError::TruncatedIpPacket);
+    }
+    let mut next_header = h[6];
+    let mut off = l3 + 40;
+    let mut fragment = Fragment::No;
+    for _ in 0..MAX_IPV6_EXT_HEADERS {
+        if !is_ipv6_ext_header(next_header) {
+            break;
+        }
+        // Every extension header is at least 8 bytes long.
+        if off + 8 > ip_end {
+            return Err(ParseError::TruncatedExtensionHeader);
+        }
+        if off + 8 > MAX_HEADER_BYTES {
+            return Err(ParseError::HeadersTooLong);
+        }
+        let Some(ext) = load::<F, 8>(frame, off) else {
+            return Err(ParseError::TruncatedExtensionHeader);
+        };
+        let len = match next_header {
+            IPPROTO_FRAGMENT => 8,
+            // RFC 4302: AH length is in 4-octet units, minus 2.
+            IPPROTO_AH => (usize::from(ext[1]) + 2) * 4,
+            // RFC 8200 generic format: length in 8-octet units, not counting the first 8.
+            _ => (usize::from(ext[1]) + 1) * 8,
+        };
+        if off + len > ip_end {
+            return Err(ParseError::TruncatedExtensionHeader);
+        }
+        if next_header == IPPROTO_FRAGMENT {
+            let offset_and_m = be16(ext[2], ext[3]);
+            if offset_and_m & 0xfff8 != 0 {
+                // Later fragment: the rest is a piece of the fragmentable part, unparsable.
+                return Ok(IpPacket {
+                    ip_version: 6,
+                    src,
+                    dst,
+                    protocol: ext[0],
+                    sport: 0,
+                    dport: 0,
+                    fragment: Fragment::Subsequent,
+                });
+            }
+            if offset_and_m & 1 != 0 {
+                fragment = Fragment::First;
+            }
+        }
+        next_header = ext[0];
+        off += len;
+    }
+    if is_ipv6_ext_header(next_header) {
+        return Err(ParseError::TooManyExtensionHeaders);
+    }
+    let (sport, dport) = parse_l4(frame, next_header, off, ip_end, fragment)?;
+    Ok(IpPacket {
+        ip_version: 6,
+        src,
+        dst,
+        protocol: next_header,
+        sport,
+        dport,
+        fragment,
+    })
+}
+
+/// Reads the ports of TCP, UDP and SCTP; other protocols have none (0, 0).
+///
+/// `l4` is the offset of the upper-layer header, `ip_end` the end of the IP packet according to
+/// its length field (already known to be inside the frame).
+#[inline(always)]
+fn parse_l4<F: Frame + ?Sized>(
+    frame: &F,
+    protocol: u8,
+    l4: usize,
+    ip_end: usize,
+    fragment: Fragment,
+) -> Result<(u16, u16), ParseError> {
+    let fixed_len = match protocol {
+        IPPROTO_TCP => 20,
+        IPPROTO_UDP => 8,
+        // Common header: ports, verification tag, checksum.
+        IPPROTO_SCTP => 12,
+        _ => return Ok((0, 0)),
+    };
+    if l4 + fixed_len > ip_end {
+        return Err(ParseError::TruncatedL4Header);
+    }
+    if l4 + fixed_len > MAX_HEADER_BYTES {
+        return Err(ParseError::HeadersTooLong);
+    }
+    // 8 bytes cover the ports of all three and the UDP length.
+    let Some(p) = load::<F, 8>(frame, l4) else {
+        return Err(ParseError::TruncatedL4Header);
+    };
+    let sport = be16(p[0], p[1]);
+    let dport = be16(p[2], p[3]);
+    // Lengths can only be checked against the IP payload when the datagram is not fragmented.
+    let whole = fragment == Fragment::No;
+    match protocol {
+        IPPROTO_TCP => {
+            // Data offset and flags (2 bytes: see `Frame::load` on why no 1-byte loads).
+            let Some(doff) = load::<F, 2>(frame, l4 + 12) else {
+                return Err(ParseError::TruncatedL4Header);
+            };
+            let header_len = usize::from(doff[0] >> 4) * 4;
+            if header_len < 20 {
+                return Err(ParseError::BadTcpDataOffset);
+            }
+            if whole && l4 + header_len > ip_end {
+                return Err(ParseError::TruncatedL4Header);
+            }
+        }
+        IPPROTO_UDP if whole => {
+            let udp_len = usize::from(be16(p[4], p[5]));
+            if udp_len < 8 || l4 + udp_len > ip_end {
+                return Err(ParseError::BadUdpLength);
+            }
+        }
+        _ => {}
+    }
+    Ok((sport, dport))
+}

@@ -1,0 +1,626 @@
+//! Host unit tests of the shared parser and verdict function.
+
+use std::{cell::Cell, vec, vec::Vec};
+
+use quickcheck::{QuickCheck, TestResult};
+
+use crate::{
+    ACTION_ALLOW, ACTION_DENY, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6,
+    Fragment, IPPROTO_AH, IPPROTO_DSTOPTS, IPPROTO_ESP, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS,
+    IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_NONE, IPPROTO_ROUTING, IPPROTO_SCTP, IPPROTO_TCP,
+    IPPROTO_UDP, IpPacket, MAX_HEADER_BYTES, ParseError, Parsed, PortKey, Verdict, craft,
+    craft::L4, ipv4_in_16, parse, verdict,
+};
+
+fn p(frame: &[u8]) -> Result<Parsed, ParseError> {
+    parse(frame)
+}
+
+fn ip(frame: &[u8]) -> IpPacket {
+    match parse(frame) {
+        Ok(Parsed::Ip(ip)) => ip,
+        other => panic!("expected an IP packet, got {other:?} for {frame:02x?}"),
+    }
+}
+
+const TCP80: L4 = L4::Tcp {
+    sport: 40000,
+    dport: 80,
+};
+
+/// A frame typed out by hand, independently of `craft`: Ethernet, a commonly quoted IPv4
+/// checksum example header (172.16.10.99 -> 172.16.10.12, TCP, checksum 0xb1e6, total length
+/// 60) and a 40-byte TCP SYN header (20 bytes of options) from port 41102 to 443.
+#[rustfmt::skip]
+const HAND_TCP: [u8; 74] = [
+    // Ethernet
+    0x02, 0, 0, 0, 0, 0x02, 0x02, 0, 0, 0, 0, 0x01, 0x08, 0x00,
+    // IPv4: v4 IHL 5, len 60, id 0x1c46, DF, ttl 64, TCP, csum, src, dst
+    0x45, 0x00, 0x00, 0x3c, 0x1c, 0x46, 0x40, 0x00, 0x40, 0x06, 0xb1, 0xe6,
+    0xac, 0x10, 0x0a, 0x63, 0xac, 0x10, 0x0a, 0x0c,
+    // TCP: sport 41102, dport 443, seq, ack, doff 10 (40 bytes), SYN, window, csum, urg
+    0xa0, 0x8e, 0x01, 0xbb, 0, 0, 0, 1, 0, 0, 0, 0, 0xa0, 0x02, 0xfa, 0xf0, 0, 0, 0, 0,
+    // TCP options: MSS 1460, SACK permitted, timestamps, NOP, window scale 7
+    0x02, 0x04, 0x05, 0xb4, 0x04, 0x02, 0x08, 0x0a, 0, 0, 0, 1, 0, 0, 0, 0,
+    0x01, 0x03, 0x03, 0x07,
+];
+
+#[test]
+fn hand_written_frame_and_checksum() {
+    assert_eq!(
+        craft::internet_checksum(&HAND_TCP[14..34]),
+        0,
+        "header checksum must verify"
+    );
+    let mut zeroed = HAND_TCP;
+    zeroed[24..26].copy_from_slice(&[0, 0]);
+    assert_eq!(craft::internet_checksum(&zeroed[14..34]), 0xb1e6);
+    assert_eq!(
+        p(&HAND_TCP),
+        Ok(Parsed::Ip(IpPacket {
+            ip_version: 4,
+            src: ipv4_in_16([172, 16, 10, 99]),
+            dst: ipv4_in_16([172, 16, 10, 12]),
+            protocol: IPPROTO_TCP,
+            sport: 41102,
+            dport: 443,
+            fragment: Fragment::No,
+        }))
+    );
+    // The builder produces the same bytes for the same header fields.
+    let mut built = craft::Ipv4::new([172, 16, 10, 99], [172, 16, 10, 12], IPPROTO_TCP);
+    built.identification = 0x1c46;
+    let built = built.build(&HAND_TCP[34..]);
+    // Builder sets DF = 0; the hand frame has DF set. Compare everything else.
+    assert_eq!(built[..6], HAND_TCP[14..20]);
+    assert_eq!(built[8..10], HAND_TCP[22..24]);
+    assert_eq!(built[12..], HAND_TCP[26..]);
+    // Cutting one byte off the TCP options makes the IPv4 total length lie.
+    assert_eq!(
+        p(&HAND_TCP[..73]),
+        Err(ParseError::TruncatedIpPacket),
+        "one byte short"
+    );
+}
+
+#[test]
+fn all_l4_protocols_both_versions() {
+    for (l4, proto, sport, dport) in [
+        (TCP80, IPPROTO_TCP, 40000, 80),
+        (
+            L4::Udp {
+                sport: 5353,
+                dport: 53,
+            },
+            IPPROTO_UDP,
+            5353,
+            53,
+        ),
+        (
+            L4::Sctp {
+                sport: 1111,
+                dport: 2222,
+            },
+            IPPROTO_SCTP,
+            1111,
+            2222,
+        ),
+    ] {
+        let v4 = ip(&craft::ipv4_frame(l4));
+        assert_eq!(
+            (v4.ip_version, v4.protocol, v4.sport, v4.dport),
+            (4, proto, sport, dport)
+        );
+        assert_eq!(v4.src, ipv4_in_16(craft::V4_SRC));
+        assert_eq!(v4.dst, ipv4_in_16(craft::V4_DST));
+        assert_eq!(v4.fragment, Fragment::No);
+        let v6 = ip(&craft::ipv6_frame(l4));
+        assert_eq!(
+            (v6.ip_version, v6.protocol, v6.sport, v6.dport),
+            (6, proto, sport, dport)
+        );
+        assert_eq!((v6.src, v6.dst), (craft::V6_SRC, craft::V6_DST));
+    }
+    let icmp = ip(&craft::ipv4_frame(L4::Echo));
+    assert_eq!(
+        (icmp.protocol, icmp.sport, icmp.dport),
+        (IPPROTO_ICMP, 0, 0)
+    );
+    let icmp6 = ip(&craft::ipv6_frame(L4::Echo));
+    assert_eq!(
+        (icmp6.protocol, icmp6.sport, icmp6.dport),
+        (IPPROTO_ICMPV6, 0, 0)
+    );
+    let gre = ip(&craft::ipv4_frame(L4::Raw { protocol: 47 }));
+    assert_eq!((gre.protocol, gre.dport), (47, 0));
+}
+
+#[test]
+fn vlan_tags() {
+    let ipv4 = craft::ipv4_frame(TCP80);
+    let inner = &ipv4[14..];
+    let one = craft::ethernet(&[(ETH_P_8021Q, 100)], ETH_P_IP, inner);
+    assert_eq!(ip(&one).dport, 80);
+    let qinq = craft::ethernet(&[(ETH_P_8021AD, 10), (ETH_P_8021Q, 20)], ETH_P_IP, inner);
+    assert_eq!(ip(&qinq).dport, 80);
+    let three = craft::ethernet(
+        &[(ETH_P_8021AD, 10), (ETH_P_8021Q, 20), (ETH_P_8021Q, 30)],
+        ETH_P_IP,
+        inner,
+    );
+    assert_eq!(p(&three), Err(ParseError::TooManyVlanTags));
+    let arp_in_vlan = craft::ethernet(&[(ETH_P_8021Q, 5)], ETH_P_ARP, &[0; 28]);
+    assert_eq!(
+        p(&arp_in_vlan),
+        Ok(Parsed::NotIp {
+            ethertype: ETH_P_ARP
+        })
+    );
+    // Frame ends inside the tag.
+    let cut = &one[..16];
+    assert_eq!(p(cut), Err(ParseError::TruncatedVlan));
+    // Tag complete, nothing after it: truncated IPv4.
+    assert_eq!(p(&one[..18]), Err(ParseError::TruncatedIpv4Header));
+}
+
+#[test]
+fn ethernet_edge_cases() {
+    assert_eq!(p(&[]), Err(ParseError::TruncatedEthernet));
+    assert_eq!(p(&[0; 13]), Err(ParseError::TruncatedEthernet));
+    let arp = craft::ethernet(&[], ETH_P_ARP, &[0; 28]);
+    assert_eq!(
+        p(&arp),
+        Ok(Parsed::NotIp {
+            ethertype: ETH_P_ARP
+        })
+    );
+    assert_eq!(
+        p(&arp[..14]),
+        Ok(Parsed::NotIp {
+            ethertype: ETH_P_ARP
+        })
+    );
+    let v4 = craft::ipv4_frame(TCP80);
+    assert_eq!(p(&v4[..14]), Err(ParseError::TruncatedIpv4Header));
+    let v6 = craft::ipv6_frame(TCP80);
+    assert_eq!(p(&v6[..14]), Err(ParseError::TruncatedIpv6Header));
+    assert_eq!(p(&v6[..53]), Err(ParseError::TruncatedIpv6Header));
+    // An IPv6 packet behind the IPv4 EtherType and vice versa.
+    let mut swapped = v6.clone();
+    swapped[12..14].copy_from_slice(&ETH_P_IP.to_be_bytes());
+    assert_eq!(p(&swapped), Err(ParseError::BadIpVersion));
+    let mut swapped = v4.clone();
+    swapped[12..14].copy_from_slice(&ETH_P_IPV6.to_be_bytes());
+    assert_eq!(p(&swapped), Err(ParseError::BadIpVersion));
+}
+
+#[test]
+fn ipv4_header_validation() {
+    let good = craft::ipv4_frame(TCP80);
+    assert_eq!(p(&good[..33]), Err(ParseError::TruncatedIpv4Header));
+    for ihl in 0..5u8 {
+        let mut f = good.clone();
+        f[14] = 0x40 | ihl;
+        assert_eq!(p(&f), Err(ParseError::BadIpv4HeaderLength), "ihl {ihl}");
+    }
+    // IHL 15 (60 bytes) but total length 40.
+    let mut f = good.clone();
+    f[14] = 0x4f;
+    assert_eq!(p(&f), Err(ParseError::BadIpv4TotalLength));
+    // IHL 15 and total length claiming 80 bytes in a 54-byte frame.
+    f[16..18].copy_from_slice(&80u16.to_be_bytes());
+    assert_eq!(p(&f), Err(ParseError::TruncatedIpPacket));
+    // Total length below 20.
+    let mut f = good.clone();
+    f[16..18].copy_from_slice(&19u16.to_be_bytes());
+    assert_eq!(p(&f), Err(ParseError::BadIpv4TotalLength));
+    // Total length says the TCP header is cut (frame padded, as Ethernet does).
+    let mut f = good.clone();
+    f[16..18].copy_from_slice(&30u16.to_be_bytes());
+    assert_eq!(p(&f), Err(ParseError::TruncatedL4Header));
+    // Ethernet padding after a complete packet is fine.
+    let mut padded = craft::ipv4_frame(L4::Udp { sport: 1, dport: 7 });
+    padded.resize(60.max(padded.len() + 10), 0xee);
+    assert_eq!(ip(&padded).dport, 7);
+    // IP options are skipped.
+    let mut with_opts = craft::Ipv4::new(craft::V4_SRC, craft::V4_DST, IPPROTO_UDP);
+    with_opts.options = vec![0x94, 0x04, 0, 0, 1, 1, 1, 0]; // Router Alert, NOPs, EOL
+    let f = craft::ethernet(
+        &[],
+        ETH_P_IP,
+        &with_opts.build(&craft::udp(9, 8472, &[0; 8])),
+    );
+    assert_eq!(ip(&f).dport, 8472);
+    with_opts.options = vec![1; 40];
+    let f = craft::ethernet(&[], ETH_P_IP, &with_opts.build(&craft::udp(9, 4789, &[])));
+    assert_eq!(ip(&f).dport, 4789);
+}
+
+#[test]
+fn l4_header_validation() {
+    for (l4, fixed) in [
+        (TCP80, 20),
+        (L4::Udp { sport: 1, dport: 2 }, 8),
+        (L4::Sctp { sport: 1, dport: 2 }, 12),
+    ] {
+        let proto = l4.protocol(false);
+        let full = l4.bytes(false);
+        for cut in 0..fixed {
+            let v4 = craft::ethernet(
+                &[],
+                ETH_P_IP,
+                &craft::Ipv4::new(craft::V4_SRC, craft::V4_DST, proto).build(&full[..cut]),
+            );
+            let got = p(&v4);
+            // A cut UDP header also cuts below its own length field: either error is right,
+            // the parser must report the header as truncated first.
+            assert_eq!(
+                got,
+                Err(ParseError::TruncatedL4Header),
+                "v4 {l4:?} cut {cut}"
+            );
+            let v6 = craft::ethernet(
+                &[],
+                ETH_P_IPV6,
+                &craft::ipv6(craft::V6_SRC, craft::V6_DST, proto, &full[..cut]),
+            );
+            assert_eq!(
+                p(&v6),
+                Err(ParseError::TruncatedL4Header),
+                "v6 {l4:?} cut {cut}"
+            );
+        }
+    }
+    // TCP data offset.
+    let good = craft::ipv4_frame(TCP80);
+    for doff in 0..5u8 {
+        let mut f = good.clone();
+        f[34 + 12] = doff << 4;
+        assert_eq!(p(&f), Err(ParseError::BadTcpDataOffset));
+    }
+    let mut f = good.clone();
+    f[34 + 12] = 6 << 4; // 24 bytes of TCP header in a 20-byte segment
+    assert_eq!(p(&f), Err(ParseError::TruncatedL4Header));
+    // UDP length field.
+    let udp = craft::ipv6_frame(L4::Udp {
+        sport: 1,
+        dport: 53,
+    });
+    let ulen_at = 14 + 40 + 4;
+    for bad in [0u16, 7, 13] {
+        let mut f = udp.clone();
+        f[ulen_at..ulen_at + 2].copy_from_slice(&bad.to_be_bytes());
+        assert_eq!(p(&f), Err(ParseError::BadUdpLength), "udp len {bad}");
+    }
+    let mut f = udp.clone();
+    f[ulen_at..ulen_at + 2].copy_from_slice(&8u16.to_be_bytes()); // shorter than IP payload: ok
+    assert_eq!(ip(&f).dport, 53);
+}
+
+#[test]
+fn ipv4_fragments() {
+    let mut first = craft::ipv4_frame(TCP80);
+    craft::set_ipv4_fragment(&mut first, 14, true, 0);
+    let got = ip(&first);
+    assert_eq!((got.fragment, got.dport), (Fragment::First, 80));
+    // A later fragment: no L4 header is read, whatever its bytes are.
+    let mut later = craft::ipv4_frame(TCP80);
+    craft::set_ipv4_fragment(&mut later, 14, false, 185);
+    later[34 + 12] = 0; // would be a bad data offset if it were parsed as TCP
+    let got = ip(&later);
+    assert_eq!(
+        (got.fragment, got.protocol, got.sport, got.dport),
+        (Fragment::Subsequent, IPPROTO_TCP, 0, 0)
+    );
+    // Later fragment with 1 byte of payload.
+    let tiny = craft::Ipv4 {
+        fragment_offset: 1,
+        more_fragments: true,
+        ..craft::Ipv4::new(craft::V4_SRC, craft::V4_DST, IPPROTO_TCP)
+    }
+    .build(&[0]);
+    let got = ip(&craft::ethernet(&[], ETH_P_IP, &tiny));
+    assert_eq!(got.fragment, Fragment::Subsequent);
+    // A first fragment must still carry the fixed TCP header (RFC 1858 tiny fragments).
+    let tiny_first = craft::Ipv4 {
+        more_fragments: true,
+        ..craft::Ipv4::new(craft::V4_SRC, craft::V4_DST, IPPROTO_TCP)
+    }
+    .build(&craft::tcp(1, 80)[..8]);
+    assert_eq!(
+        p(&craft::ethernet(&[], ETH_P_IP, &tiny_first)),
+        Err(ParseError::TruncatedL4Header)
+    );
+    // ... but the UDP length is not checked against a first fragment's payload.
+    let udp_first = craft::Ipv4 {
+        more_fragments: true,
+        ..craft::Ipv4::new(craft::V4_SRC, craft::V4_DST, IPPROTO_UDP)
+    }
+    .build(&craft::udp(1, 53, &[0; 2000])[..16]);
+    let got = ip(&craft::ethernet(&[], ETH_P_IP, &udp_first));
+    assert_eq!((got.fragment, got.dport), (Fragment::First, 53));
+}
+
+#[test]
+fn ipv6_extension_headers() {
+    let udp53 = L4::Udp {
+        sport: 9,
+        dport: 53,
+    };
+    // HBH -> routing -> dstopts -> AH -> UDP.
+    let f = craft::ipv6_frame_with_ext(
+        IPPROTO_HOPOPTS,
+        &[
+            craft::ipv6_ext(IPPROTO_ROUTING, 8),
+            craft::ipv6_ext(IPPROTO_DSTOPTS, 24),
+            craft::ipv6_ext(IPPROTO_AH, 16),
+            craft::ipv6_ah(IPPROTO_UDP, 4),
+        ],
+        udp53,
+    );
+    let got = ip(&f);
+    assert_eq!(
+        (got.protocol, got.dport, got.fragment),
+        (IPPROTO_UDP, 53, Fragment::No)
+    );
+    // First fragment, atomic fragment, later fragment.
+    let first = craft::ipv6_frame_with_ext(
+        IPPROTO_FRAGMENT,
+        &[craft::ipv6_fragment(IPPROTO_TCP, 0, true, 7)],
+        TCP80,
+    );
+    let got = ip(&first);
+    assert_eq!((got.fragment, got.dport), (Fragment::First, 80));
+    let atomic = craft::ipv6_frame_with_ext(
+        IPPROTO_FRAGMENT,
+        &[craft::ipv6_fragment(IPPROTO_TCP, 0, false, 7)],
+        TCP80,
+    );
+    assert_eq!(ip(&atomic).fragment, Fragment::No);
+    let later = craft::ipv6_frame_with_ext(
+        IPPROTO_DSTOPTS,
+        &[
+            craft::ipv6_ext(IPPROTO_FRAGMENT, 8),
+            craft::ipv6_fragment(IPPROTO_TCP, 100, true, 7),
+        ],
+        L4::Raw { protocol: 0 },
+    );
+    let got = ip(&later);
+    assert_eq!(
+        (got.fragment, got.protocol, got.dport),
+        (Fragment::Subsequent, IPPROTO_TCP, 0)
+    );
+    // Offset 1 (8 bytes), the smallest later fragment, with and without M.
+    for more in [true, false] {
+        let f = craft::ipv6_frame_with_ext(
+            IPPROTO_FRAGMENT,
+            &[craft::ipv6_fragment(IPPROTO_UDP, 1, more, 9)],
+            L4::Raw { protocol: 0 },
+        );
+        assert_eq!(ip(&f).fragment, Fragment::Subsequent, "more {more}");
+    }
+    // ESP and No Next Header end the chain without ports.
+    for proto in [IPPROTO_ESP, IPPROTO_NONE] {
+        let f = craft::ipv6_frame_with_ext(
+            IPPROTO_HOPOPTS,
+            &[craft::ipv6_ext(proto, 8)],
+            L4::Raw { protocol: proto },
+        );
+        let got = ip(&f);
+        assert_eq!((got.protocol, got.dport), (proto, 0));
+    }
+}
+
+#[test]
+fn ipv6_extension_header_errors() {
+    // Extension header cut by the payload length.
+    let f = craft::ipv6_frame_with_ext(IPPROTO_HOPOPTS, &[craft::ipv6_ext(IPPROTO_TCP, 16)], TCP80);
+    for payload_len in [0u16, 7, 8, 15] {
+        let mut g = f.clone();
+        g[18..20].copy_from_slice(&payload_len.to_be_bytes());
+        assert_eq!(
+            p(&g),
+            Err(ParseError::TruncatedExtensionHeader),
+            "payload len {payload_len}"
+        );
+    }
+    // Payload length says 16 bytes of extension header but no TCP.
+    let mut g = f.clone();
+    g[18..20].copy_from_slice(&16u16.to_be_bytes());
+    assert_eq!(p(&g), Err(ParseError::TruncatedL4Header));
+    // Payload length beyond the frame.
+    let mut g = f.clone();
+    g[18..20].copy_from_slice(&500u16.to_be_bytes());
+    assert_eq!(p(&g), Err(ParseError::TruncatedIpPacket));
+    // Frame cut inside the extension header (payload length consistent).
+    let cut = craft::ethernet(
+        &[],
+        ETH_P_IPV6,
+        &craft::ipv6(
+            craft::V6_SRC,
+            craft::V6_DST,
+            IPPROTO_HOPOPTS,
+            &craft::ipv6_ext(IPPROTO_TCP, 16)[..12],
+        ),
+    );
+    assert_eq!(p(&cut), Err(ParseError::TruncatedExtensionHeader));
+    // 8 extension headers are fine, 9 are too many.
+    let chain = |n: usize| {
+        let mut hdrs: Vec<Vec<u8>> = (1..n)
+            .map(|_| craft::ipv6_ext(IPPROTO_DSTOPTS, 8))
+            .collect();
+        hdrs.push(craft::ipv6_ext(IPPROTO_TCP, 8));
+        craft::ipv6_frame_with_ext(IPPROTO_DSTOPTS, &hdrs, TCP80)
+    };
+    assert_eq!(ip(&chain(8)).dport, 80);
+    assert_eq!(p(&chain(9)), Err(ParseError::TooManyExtensionHeaders));
+    // Headers ending past MAX_HEADER_BYTES: two 1 KiB destination options headers.
+    let long = craft::ipv6_frame_with_ext(
+        IPPROTO_DSTOPTS,
+        &[
+            craft::ipv6_ext(IPPROTO_DSTOPTS, 1024),
+            craft::ipv6_ext(IPPROTO_TCP, 1024),
+        ],
+        TCP80,
+    );
+    assert_eq!(p(&long), Err(ParseError::HeadersTooLong));
+    // Just inside the bound: 14 + 40 + 1960 + 20 + 8 = 2042 bytes of headers.
+    let inside = craft::ipv6_frame_with_ext(
+        IPPROTO_DSTOPTS,
+        &[
+            craft::ipv6_ext(IPPROTO_DSTOPTS, 1024),
+            craft::ipv6_ext(IPPROTO_TCP, 936),
+        ],
+        TCP80,
+    );
+    const { assert!(14 + 40 + 1960 + 20 <= MAX_HEADER_BYTES) };
+    assert_eq!(ip(&inside).dport, 80);
+}
+
+#[test]
+fn verdict_policy() {
+    let calls = Cell::new(0);
+    let lookup = |table: &'static [(PortKey, u8)]| {
+        let calls = &calls;
+        move |k: &PortKey| {
+            calls.set(calls.get() + 1);
+            table.iter().find(|(key, _)| key == k).map(|(_, v)| *v)
+        }
+    };
+    static DENY_TCP80: [(PortKey, u8); 2] = [
+        (PortKey::new(4, IPPROTO_TCP, 80), ACTION_DENY),
+        (PortKey::new(6, IPPROTO_TCP, 443), ACTION_ALLOW),
+    ];
+    let v4 = craft::ipv4_frame(TCP80);
+    assert_eq!(verdict(&p(&v4), lookup(&DENY_TCP80)), Verdict::Drop);
+    assert_eq!(verdict(&p(&v4), lookup(&[])), Verdict::Pass);
+    // Same port over IPv6 or UDP is a different key.
+    assert_eq!(
+        verdict(&p(&craft::ipv6_frame(TCP80)), lookup(&DENY_TCP80)),
+        Verdict::Pass
+    );
+    let udp80 = craft::ipv4_frame(L4::Udp {
+        sport: 1,
+        dport: 80,
+    });
+    assert_eq!(verdict(&p(&udp80), lookup(&DENY_TCP80)), Verdict::Pass);
+    let v6_443 = craft::ipv6_frame(L4::Tcp {
+        sport: 1,
+        dport: 443,
+    });
+    assert_eq!(verdict(&p(&v6_443), lookup(&DENY_TCP80)), Verdict::Pass);
+    static UNKNOWN_VALUE: [(PortKey, u8); 1] = [(PortKey::new(4, IPPROTO_TCP, 80), 7)];
+    assert_eq!(verdict(&p(&v4), lookup(&UNKNOWN_VALUE)), Verdict::Drop);
+    assert_eq!(calls.get(), 6);
+    // No lookup for errors, non-IP frames and later fragments.
+    static DENY_ALL_ICMP_AND_FRAGMENTS: [(PortKey, u8); 2] = [
+        (PortKey::new(4, IPPROTO_TCP, 0), ACTION_DENY),
+        (PortKey::new(4, IPPROTO_ICMP, 0), ACTION_DENY),
+    ];
+    calls.set(0);
+    assert_eq!(
+        verdict(&Err(ParseError::TruncatedEthernet), lookup(&[])),
+        Verdict::Drop
+    );
+    let arp = craft::ethernet(&[], ETH_P_ARP, &[0; 28]);
+    assert_eq!(verdict(&p(&arp), lookup(&[])), Verdict::Pass);
+    let mut later = v4.clone();
+    craft::set_ipv4_fragment(&mut later, 14, false, 3);
+    assert_eq!(
+        verdict(&p(&later), lookup(&DENY_ALL_ICMP_AND_FRAGMENTS)),
+        Verdict::Pass
+    );
+    assert_eq!(calls.get(), 0);
+    let icmp = craft::ipv4_frame(L4::Echo);
+    assert_eq!(
+        verdict(&p(&icmp), lookup(&DENY_ALL_ICMP_AND_FRAGMENTS)),
+        Verdict::Drop
+    );
+}
+
+fn valid_frames() -> Vec<Vec<u8>> {
+    let l4s = [
+        TCP80,
+        L4::Udp {
+            sport: 1,
+            dport: 53,
+        },
+        L4::Sctp {
+            sport: 2,
+            dport: 3868,
+        },
+        L4::Echo,
+    ];
+    let mut frames = Vec::new();
+    for l4 in l4s {
+        frames.push(craft::ipv4_frame(l4));
+        frames.push(craft::ipv6_frame(l4));
+        frames.push(craft::ipv6_frame_with_ext(
+            IPPROTO_HOPOPTS,
+            &[
+                craft::ipv6_ext(IPPROTO_FRAGMENT, 16),
+                craft::ipv6_fragment(l4.protocol(true), 0, true, 1),
+            ],
+            l4,
+        ));
+        let v4 = craft::ipv4_frame(l4);
+        frames.push(craft::ethernet(&[(ETH_P_8021Q, 7)], ETH_P_IP, &v4[14..]));
+    }
+    frames
+}
+
+/// Bytes after the end of the IP packet (Ethernet padding, garbage) never change the result,
+/// and every strict prefix that cuts the headers is an error, never a different packet.
+#[test]
+fn prefixes_and_trailers() {
+    for frame in valid_frames() {
+        let full = p(&frame);
+        assert!(matches!(full, Ok(Parsed::Ip(_))), "{frame:02x?}");
+        for extra in [1usize, 7, 100] {
+            let mut longer = frame.clone();
+            longer.extend((0..extra).map(|i| (i * 37) as u8));
+            assert_eq!(p(&longer), full);
+        }
+        for cut in 0..frame.len() {
+            assert!(p(&frame[..cut]).is_err(), "prefix {cut} of {frame:02x?}");
+        }
+    }
+}
+
+#[test]
+fn quickcheck_never_panics_and_is_deterministic() {
+    fn prop(bytes: Vec<u8>) -> bool {
+        let a = p(&bytes);
+        a == p(&bytes)
+    }
+    QuickCheck::new()
+        .tests(20_000)
+        .quickcheck(prop as fn(Vec<u8>) -> bool);
+}
+
+/// Random byte overwrites in valid frames: parse never panics, an IP result has version 4 or
+/// 6, and a non-IP result never carries an IP or VLAN EtherType.
+#[test]
+fn quickcheck_mutations() {
+    fn prop(which: usize, flips: Vec<(u16, u8)>) -> TestResult {
+        let frames = valid_frames();
+        let mut f = frames[which % frames.len()].clone();
+        for (pos, val) in flips {
+            let i = usize::from(pos) % f.len();
+            f[i] = val;
+        }
+        match p(&f) {
+            Ok(Parsed::Ip(ip)) => TestResult::from_bool(ip.ip_version == 4 || ip.ip_version == 6),
+            Ok(Parsed::NotIp { ethertype }) => TestResult::from_bool(
+                ethertype != ETH_P_IP
+                    && ethertype != ETH_P_IPV6
+                    && ethertype != ETH_P_8021Q
+                    && ethertype != ETH_P_8021AD,
+            ),
+            Err(_) => TestResult::passed(),
+        }
+    }
+    QuickCheck::new()
+        .tests(20_000)
+        .quickcheck(prop as fn(usize, Vec<(u16, u8)>) -> TestResult);
+}
