@@ -525,22 +525,21 @@ fn validate_container_ports(containers: &[Container], list: &str, out: &mut Vec<
     }
 }
 
-/// The pod's IPs as ordnet reads them: `status.podIPs` if given, else `status.podIP`.
-/// Invalid entries are skipped (validation reports them).
+/// The pod's IPs as ordnet reads them: `status.podIP` first, then the other `status.podIPs`
+/// (duplicates and invalid entries skipped; validation reports the invalid ones).
 pub fn pod_ips(pod: &Pod) -> Vec<IpAddr> {
     let Some(status) = &pod.status else {
         return Vec::new();
     };
-    let mut ips: Vec<IpAddr> = status
-        .pod_ips
+    let mut ips: Vec<IpAddr> = Vec::new();
+    let candidates = status
+        .pod_ip
         .iter()
-        .flatten()
-        .filter_map(|p| p.ip.parse().ok())
-        .collect();
-    if ips.is_empty()
-        && let Some(ip) = status.pod_ip.as_deref().and_then(|s| s.parse().ok())
-    {
-        ips.push(ip);
+        .chain(status.pod_ips.iter().flatten().map(|p| &p.ip));
+    for ip in candidates.filter_map(|s| s.parse::<IpAddr>().ok()) {
+        if !ips.contains(&ip) {
+            ips.push(ip);
+        }
     }
     ips
 }

@@ -1,1 +1,451 @@
+use std::path::Path;
 
+use super::*;
+use crate::manifest::load_str;
+use crate::problem::Severity;
+
+fn onp(spec: &str) -> OrderedNetworkPolicy {
+    let text = format!(
+        "apiVersion: ordnet.io/v1alpha1\nkind: OrderedNetworkPolicy\nmetadata: {{name: p, namespace: q}}\nspec: {spec}\n"
+    );
+    let out = load_str(Path::new("t.yaml"), &text);
+    assert!(!out.has_errors(), "{:?}", out.problems);
+    out.objects.ordered_policies[0].object.clone()
+}
+
+fn conp(spec: &str) -> ClusterOrderedNetworkPolicy {
+    let text = format!(
+        "apiVersion: ordnet.io/v1alpha1\nkind: ClusterOrderedNetworkPolicy\nmetadata: {{name: c}}\nspec: {spec}\n"
+    );
+    let out = load_str(Path::new("t.yaml"), &text);
+    assert!(!out.has_errors(), "{:?}", out.problems);
+    out.objects.cluster_ordered_policies[0].object.clone()
+}
+
+fn np(spec: &str) -> NetworkPolicy {
+    let text = format!(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: n, namespace: q}}\nspec: {spec}\n"
+    );
+    let out = load_str(Path::new("t.yaml"), &text);
+    assert!(!out.has_errors(), "{:?}", out.problems);
+    out.objects.network_policies[0].object.clone()
+}
+
+fn render(errors: &[FieldError], severity: Severity) -> Vec<String> {
+    errors
+        .iter()
+        .filter(|e| e.severity == severity)
+        .map(|e| format!("{}: {}", e.field, e.message))
+        .collect()
+}
+
+/// The fields of the errors (not warnings).
+fn error_fields(errors: &[FieldError]) -> Vec<String> {
+    errors
+        .iter()
+        .filter(|e| e.severity == Severity::Error)
+        .map(|e| e.field.clone())
+        .collect()
+}
+
+#[test]
+fn valid_policies_have_no_problems() {
+    let p = onp(
+        "{priority: 0, podSelector: {matchExpressions: [{key: pod, operator: In, values: [a]}]}, ingress: [{action: Deny, from: [{podSelector: {}, namespaceSelector: {matchLabels: {ns: y}}}], ports: [{port: 80, endPort: 90}, {protocol: SCTP, port: serve-80-sctp}]}, {action: Allow, from: [{ipBlock: {cidr: 'fd00::/8', except: ['fd00:1::/32']}}]}]}",
+    );
+    assert_eq!(validate_ordered_network_policy(&p), []);
+    let c = conp("{priority: -100, egress: [{action: Deny, to: [{ipBlock: {cidr: 0.0.0.0/0}}]}]}");
+    assert_eq!(validate_cluster_ordered_network_policy(&c), []);
+    let n = np(
+        "{podSelector: {}, policyTypes: [Ingress, Egress], egress: [{ports: [{port: 53, protocol: UDP}]}]}",
+    );
+    assert_eq!(validate_network_policy(&n), []);
+}
+
+#[test]
+fn namespaced_priority_must_not_be_negative() {
+    let p = onp("{priority: -1, podSelector: {}, defaultDeny: {ingress: true}}");
+    let e = validate_ordered_network_policy(&p);
+    assert_eq!(error_fields(&e), ["spec.priority"]);
+    assert!(e[0].message.contains("-1"));
+    let c = conp("{priority: -1, defaultDeny: {ingress: true}}");
+    assert_eq!(validate_cluster_ordered_network_policy(&c), []);
+}
+
+#[test]
+fn port_rules() {
+    let cases = [
+        (
+            "{port: 0}",
+            "spec.ingress[0].ports[0].port",
+            "between 1 and 65535",
+        ),
+        (
+            "{port: 65536}",
+            "spec.ingress[0].ports[0].port",
+            "between 1 and 65535",
+        ),
+        (
+            "{endPort: 90}",
+            "spec.ingress[0].ports[0].endPort",
+            "without port",
+        ),
+        (
+            "{port: http, endPort: 90}",
+            "spec.ingress[0].ports[0].endPort",
+            "named port",
+        ),
+        (
+            "{port: 90, endPort: 80}",
+            "spec.ingress[0].ports[0].endPort",
+            "greater than or equal to port (90)",
+        ),
+        (
+            "{port: 90, endPort: 70000}",
+            "spec.ingress[0].ports[0].endPort",
+            "between 1 and 65535",
+        ),
+        ("{port: Http}", "spec.ingress[0].ports[0].port", "lowercase"),
+        ("{port: http--alt}", "spec.ingress[0].ports[0].port", "--"),
+        (
+            "{port: -http}",
+            "spec.ingress[0].ports[0].port",
+            "start or end",
+        ),
+        (
+            "{port: a-very-long-port-name}",
+            "spec.ingress[0].ports[0].port",
+            "longer than 15",
+        ),
+        (
+            "{port: '8080'}",
+            "spec.ingress[0].ports[0].port",
+            "without quotes",
+        ),
+        (
+            "{port: '123-456'}",
+            "spec.ingress[0].ports[0].port",
+            "at least one letter",
+        ),
+    ];
+    for (port, field, message) in cases {
+        let p = onp(&format!(
+            "{{priority: 1, podSelector: {{}}, ingress: [{{action: Allow, ports: [{port}]}}]}}"
+        ));
+        let e = validate_ordered_network_policy(&p);
+        assert_eq!(error_fields(&e), [field], "{port}: {e:?}");
+        assert!(e[0].message.contains(message), "{port}: {}", e[0].message);
+        // The same port in a NetworkPolicy gets the same verdict.
+        let n = np(&format!(
+            "{{podSelector: {{}}, ingress: [{{ports: [{port}]}}]}}"
+        ));
+        let e = validate_network_policy(&n);
+        assert_eq!(error_fields(&e), [field], "NetworkPolicy {port}: {e:?}");
+    }
+}
+
+#[test]
+fn network_policy_protocol_and_policy_types() {
+    let n = np("{podSelector: {}, ingress: [{ports: [{protocol: tcp}, {protocol: ICMP}]}]}");
+    let e = validate_network_policy(&n);
+    assert_eq!(
+        error_fields(&e),
+        [
+            "spec.ingress[0].ports[0].protocol",
+            "spec.ingress[0].ports[1].protocol"
+        ]
+    );
+    assert!(e[0].message.contains("upper case"));
+    let n = np("{podSelector: {}, policyTypes: [Ingress, Outgress]}");
+    assert_eq!(
+        error_fields(&validate_network_policy(&n)),
+        ["spec.policyTypes[1]"]
+    );
+    let n = np("{podSelector: {}, policyTypes: [Ingress, Egress, Ingress]}");
+    assert_eq!(
+        error_fields(&validate_network_policy(&n)),
+        ["spec.policyTypes"]
+    );
+    // Rules of a direction not in policyTypes are ignored upstream: a warning.
+    let n = np("{podSelector: {}, policyTypes: [Ingress], egress: [{}]}");
+    let e = validate_network_policy(&n);
+    assert_eq!(
+        render(&e, Severity::Warning),
+        ["spec.egress: ignored: policyTypes does not include Egress"]
+    );
+    assert!(error_fields(&e).is_empty());
+}
+
+#[test]
+fn peer_rules() {
+    let cases: [(&str, &[&str]); 10] = [
+        ("{}", &["spec.ingress[0].from[0]"]),
+        (
+            "{podSelector: {}, ipBlock: {cidr: 10.0.0.0/8}}",
+            &["spec.ingress[0].from[0]"],
+        ),
+        (
+            "{ipBlock: {cidr: 10.0.0.0}}",
+            &["spec.ingress[0].from[0].ipBlock.cidr"],
+        ),
+        (
+            "{ipBlock: {cidr: 10.0.0.0/33}}",
+            &["spec.ingress[0].from[0].ipBlock.cidr"],
+        ),
+        (
+            "{ipBlock: {cidr: 010.0.0.0/8}}",
+            &["spec.ingress[0].from[0].ipBlock.cidr"],
+        ),
+        (
+            "{ipBlock: {cidr: '::ffff:10.0.0.0/104'}}",
+            &["spec.ingress[0].from[0].ipBlock.cidr"],
+        ),
+        (
+            "{ipBlock: {cidr: 10.0.0.0/8, except: [10.0.0.0/8, 11.0.0.0/16, 'fd00::/16', 10.1.0.0/16, bogus]}}",
+            &[
+                "spec.ingress[0].from[0].ipBlock.except[0]",
+                "spec.ingress[0].from[0].ipBlock.except[1]",
+                "spec.ingress[0].from[0].ipBlock.except[2]",
+                "spec.ingress[0].from[0].ipBlock.except[4]",
+            ],
+        ),
+        (
+            "{podSelector: {matchExpressions: [{key: a, operator: In, values: []}, {key: b, operator: Exists, values: [x]}, {key: c, operator: Equals, values: [x]}]}}",
+            &[
+                "spec.ingress[0].from[0].podSelector.matchExpressions[0].values",
+                "spec.ingress[0].from[0].podSelector.matchExpressions[1].values",
+                "spec.ingress[0].from[0].podSelector.matchExpressions[2].operator",
+            ],
+        ),
+        (
+            "{namespaceSelector: {matchLabels: {'bad key': v, ok: 'bad value!'}}}",
+            &[
+                "spec.ingress[0].from[0].namespaceSelector.matchLabels.bad key",
+                "spec.ingress[0].from[0].namespaceSelector.matchLabels.ok",
+            ],
+        ),
+        (
+            "{podSelector: {matchExpressions: [{key: -a, operator: NotIn, values: [-x]}]}}",
+            &[
+                "spec.ingress[0].from[0].podSelector.matchExpressions[0].key",
+                "spec.ingress[0].from[0].podSelector.matchExpressions[0].values[0]",
+            ],
+        ),
+    ];
+    for (peer, fields) in cases {
+        let p = onp(&format!(
+            "{{priority: 1, podSelector: {{}}, ingress: [{{action: Allow, from: [{peer}]}}]}}"
+        ));
+        let e = validate_ordered_network_policy(&p);
+        assert_eq!(error_fields(&e), fields, "{peer}: {e:?}");
+        let n = np(&format!(
+            "{{podSelector: {{}}, ingress: [{{from: [{peer}]}}]}}"
+        ));
+        assert_eq!(
+            error_fields(&validate_network_policy(&n)),
+            fields,
+            "NetworkPolicy {peer}"
+        );
+    }
+}
+
+#[test]
+fn cidrs() {
+    let p = parse_cidr("10.1.2.3/8").unwrap();
+    assert_eq!(p.net.to_string(), "10.0.0.0/8");
+    assert!(p.host_bits_set);
+    let p = parse_cidr("2001:db8::/32").unwrap();
+    assert!(!p.host_bits_set);
+    assert!(parse_cidr("0.0.0.0/0").is_ok());
+    assert!(parse_cidr("::/0").is_ok());
+    for bad in [
+        "",
+        "/8",
+        "10.0.0.0/",
+        "10.0.0.0/-1",
+        "10.0.0.0/+8",
+        "10.0.0.0/8/8",
+        "1.2.3/8",
+        "fe80::1%eth0/64",
+        "::/129",
+    ] {
+        assert!(parse_cidr(bad).is_err(), "{bad}");
+    }
+    assert!(
+        parse_cidr("01.2.3.4/32")
+            .unwrap_err()
+            .contains("leading zeros")
+    );
+
+    // Host bits: accepted (as the API server does) with a warning.
+    let p = onp(
+        "{priority: 1, podSelector: {}, ingress: [{action: Allow, from: [{ipBlock: {cidr: 10.1.2.3/8, except: [10.1.0.1/16]}}]}]}",
+    );
+    let e = validate_ordered_network_policy(&p);
+    assert!(error_fields(&e).is_empty());
+    assert_eq!(
+        render(&e, Severity::Warning),
+        [
+            "spec.ingress[0].from[0].ipBlock.cidr: \"10.1.2.3/8\" has bits set after the prefix; it is used as 10.0.0.0/8",
+            "spec.ingress[0].from[0].ipBlock.except[0]: \"10.1.0.1/16\" has bits set after the prefix; it is used as 10.1.0.0/16",
+        ]
+    );
+}
+
+#[test]
+fn rules_that_can_never_decide() {
+    let p = onp(
+        "{priority: 1, podSelector: {}, ingress: [{action: Allow, ports: [{port: 80}]}, {action: Allow, ports: [{port: 80, protocol: TCP}]}, {action: Deny, ports: [{port: 80}]}, {action: Deny, ports: [{port: 81}]}]}",
+    );
+    let e = validate_ordered_network_policy(&p);
+    assert_eq!(error_fields(&e), ["spec.ingress[1]", "spec.ingress[2]"]);
+    assert!(e[0].message.starts_with("duplicate of spec.ingress[0]"));
+    assert!(
+        e[1].message
+            .contains("same traffic as spec.ingress[0] (Allow)")
+    );
+
+    let p = onp(
+        "{priority: 1, podSelector: {}, egress: [{action: Deny}, {action: Allow, ports: [{port: 53}]}]}",
+    );
+    let e = validate_ordered_network_policy(&p);
+    assert!(error_fields(&e).is_empty());
+    assert_eq!(
+        render(&e, Severity::Warning),
+        [
+            "spec.egress[1]: can never decide a packet: spec.egress[0] matches all traffic and comes first"
+        ]
+    );
+
+    // Same rule in the other direction is fine; in a NetworkPolicy a duplicate only warns.
+    let p = onp(
+        "{priority: 1, podSelector: {}, ingress: [{action: Deny, ports: [{port: 1}]}], egress: [{action: Deny, ports: [{port: 1}]}]}",
+    );
+    assert_eq!(validate_ordered_network_policy(&p), []);
+    let n = np("{podSelector: {}, ingress: [{ports: [{port: 1}]}, {ports: [{port: 1}]}]}");
+    let e = validate_network_policy(&n);
+    assert!(error_fields(&e).is_empty());
+    assert_eq!(
+        render(&e, Severity::Warning),
+        ["spec.ingress[1]: duplicate of spec.ingress[0]"]
+    );
+}
+
+#[test]
+fn policy_without_effect_is_warned_about() {
+    let p = onp("{priority: 1, podSelector: {}}");
+    let e = validate_ordered_network_policy(&p);
+    assert_eq!(
+        render(&e, Severity::Warning),
+        ["spec: no ingress or egress rules and no defaultDeny: this policy has no effect"]
+    );
+}
+
+#[test]
+fn subject_selectors_and_metadata() {
+    let c = conp(
+        "{priority: 1, namespaceSelector: {matchExpressions: [{key: ns, operator: in, values: [x]}]}, podSelector: {matchLabels: {a: -b}}, defaultDeny: {egress: true}}",
+    );
+    assert_eq!(
+        error_fields(&validate_cluster_ordered_network_policy(&c)),
+        [
+            "spec.namespaceSelector.matchExpressions[0].operator",
+            "spec.podSelector.matchLabels.a"
+        ]
+    );
+    let mut p = onp("{priority: 1, podSelector: {}, defaultDeny: {ingress: true}}");
+    p.metadata.name = Some("Bad_Name".into());
+    p.metadata.labels = Some([("ok".to_string(), "-bad".to_string())].into());
+    assert_eq!(
+        error_fields(&validate_ordered_network_policy(&p)),
+        ["metadata.name", "metadata.labels.ok"]
+    );
+}
+
+#[test]
+fn pods_and_namespaces() {
+    let text = r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: a, namespace: x, labels: {pod: a}}
+spec:
+  containers:
+  - name: c
+    image: i
+    ports:
+    - {name: serve-80-tcp, containerPort: 80}
+    - {name: Bad, containerPort: 0, protocol: ICMP}
+status: {podIP: 10.0.0.1, podIPs: [{ip: 10.0.0.2}, {ip: 10.0.0.3}, {ip: nope}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: b, namespace: x}
+status: {podIP: 10.0.0.1}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: c, namespace: x}
+spec: {hostNetwork: true, containers: [{name: c, image: i}]}
+status: {podIP: 10.0.0.1}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: d, namespace: x}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: Upper.case}
+"#;
+    let out = load_str(Path::new("t.yaml"), text);
+    assert!(!out.has_errors(), "{:?}", out.problems);
+    let problems: Vec<String> = validate_objects(&out.objects)
+        .iter()
+        .map(|p| p.to_string())
+        .collect();
+    assert_eq!(
+        problems,
+        [
+            "t.yaml: Namespace Upper.case: metadata.name: \"Upper.case\" is not a valid DNS-1123 label: lowercase letters, digits and '-', starting and ending with a letter or digit",
+            "t.yaml: Pod x/a: spec.containers[0].ports[1].containerPort: 0 is not a valid port number: must be between 1 and 65535",
+            "t.yaml: Pod x/a: spec.containers[0].ports[1].protocol: \"ICMP\" is not supported: use TCP, UDP or SCTP",
+            "t.yaml: Pod x/a: spec.containers[0].ports[1].name: \"Bad\" is not a valid port name: only lowercase letters, digits and '-' are allowed",
+            "t.yaml: Pod x/a: status.podIPs[0].ip: 10.0.0.2 must equal status.podIP (10.0.0.1): the first pod IP is the primary one",
+            "t.yaml: Pod x/a: status.podIPs[2].ip: \"nope\" is not an IP address",
+            "t.yaml: Pod x/a: status.podIPs: at most one IPv4 and one IPv6 address",
+            "t.yaml: Pod x/d: status.podIP: warning: not set: the pod has no address yet, so it is not an endpoint",
+            "t.yaml: Pod x/b: status.podIP: 10.0.0.1 is also the address of pod x/a",
+        ]
+    );
+}
+
+#[test]
+fn load_and_validate_drops_invalid_objects_only() {
+    let text = r#"
+apiVersion: ordnet.io/v1alpha1
+kind: OrderedNetworkPolicy
+metadata: {name: bad, namespace: q}
+spec: {priority: -3, podSelector: {}, defaultDeny: {ingress: true}}
+---
+apiVersion: ordnet.io/v1alpha1
+kind: OrderedNetworkPolicy
+metadata: {name: good, namespace: q}
+spec: {priority: 3, podSelector: {}, defaultDeny: {ingress: true}}
+"#;
+    let out = crate::validated(load_str(Path::new("t.yaml"), text));
+    assert!(out.has_errors());
+    assert_eq!(out.objects.ordered_policies.len(), 1);
+    assert_eq!(
+        out.objects.ordered_policies[0]
+            .object
+            .metadata
+            .name
+            .as_deref(),
+        Some("good")
+    );
+    assert_eq!(out.problems.len(), 1);
+    assert!(
+        out.problems[0]
+            .to_string()
+            .starts_with("t.yaml: OrderedNetworkPolicy q/bad: spec.priority: -3 is negative")
+    );
+}
