@@ -19,6 +19,8 @@ pub mod syntax;
 pub mod types;
 pub mod validate;
 
+pub use k8s_openapi;
+
 pub use crd::{crd_yaml, crds};
 pub use manifest::{ClusterObjects, LoadOutcome, Loaded, load_paths};
 pub use problem::{FieldError, ObjectRef, Problem, Severity, Source};

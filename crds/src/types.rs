@@ -18,6 +18,15 @@ pub const VERSION: &str = "v1alpha1";
 /// `apiVersion` of the ordnet kinds.
 pub const API_VERSION: &str = "ordnet.io/v1alpha1";
 
+/// Most rules per direction of one ordered policy (schema `maxItems`).
+pub const MAX_RULES: usize = 1000;
+/// Most peers (`from`/`to`) per rule (schema `maxItems`).
+pub const MAX_PEERS: usize = 100;
+/// Most ports per rule (schema `maxItems`).
+pub const MAX_PORTS: usize = 100;
+/// Most `except` entries per ipBlock (schema `maxItems`).
+pub const MAX_EXCEPT: usize = 100;
+
 /// The type of the status condition that says whether the agent accepted the policy
 /// (`True`) or rejected it as invalid (`False`, reason [`REASON_INVALID`]).
 pub const CONDITION_ACCEPTED: &str = "Accepted";
@@ -189,7 +198,7 @@ pub struct IpBlock {
         skip_serializing_if = "Vec::is_empty",
         deserialize_with = "null_as_default"
     )]
-    #[schemars(extend("maxItems" = 100))]
+    #[schemars(extend("maxItems" = MAX_EXCEPT))]
     pub except: Vec<String>,
 }
 
@@ -264,7 +273,7 @@ pub struct IngressRule {
         skip_serializing_if = "Vec::is_empty",
         deserialize_with = "null_as_default"
     )]
-    #[schemars(extend("maxItems" = 100))]
+    #[schemars(extend("maxItems" = MAX_PEERS))]
     pub from: Vec<Peer>,
     /// Destination ports on the selected pod; omitted or empty = every protocol and port.
     #[serde(
@@ -272,7 +281,7 @@ pub struct IngressRule {
         skip_serializing_if = "Vec::is_empty",
         deserialize_with = "null_as_default"
     )]
-    #[schemars(extend("maxItems" = 100))]
+    #[schemars(extend("maxItems" = MAX_PORTS))]
     pub ports: Vec<Port>,
 }
 
@@ -288,7 +297,7 @@ pub struct EgressRule {
         skip_serializing_if = "Vec::is_empty",
         deserialize_with = "null_as_default"
     )]
-    #[schemars(extend("maxItems" = 100))]
+    #[schemars(extend("maxItems" = MAX_PEERS))]
     pub to: Vec<Peer>,
     /// Destination ports; omitted or empty = every protocol and port.
     #[serde(
@@ -296,7 +305,7 @@ pub struct EgressRule {
         skip_serializing_if = "Vec::is_empty",
         deserialize_with = "null_as_default"
     )]
-    #[schemars(extend("maxItems" = 100))]
+    #[schemars(extend("maxItems" = MAX_PORTS))]
     pub ports: Vec<Port>,
 }
 
@@ -376,7 +385,7 @@ pub struct OrderedNetworkPolicySpec {
         skip_serializing_if = "Vec::is_empty",
         deserialize_with = "null_as_default"
     )]
-    #[schemars(extend("maxItems" = 1000))]
+    #[schemars(extend("maxItems" = MAX_RULES))]
     pub ingress: Vec<IngressRule>,
     /// Ordered egress rules; an earlier rule wins at the same priority.
     #[serde(
@@ -384,7 +393,7 @@ pub struct OrderedNetworkPolicySpec {
         skip_serializing_if = "Vec::is_empty",
         deserialize_with = "null_as_default"
     )]
-    #[schemars(extend("maxItems" = 1000))]
+    #[schemars(extend("maxItems" = MAX_RULES))]
     pub egress: Vec<EgressRule>,
 }
 
@@ -451,7 +460,7 @@ pub struct ClusterOrderedNetworkPolicySpec {
         skip_serializing_if = "Vec::is_empty",
         deserialize_with = "null_as_default"
     )]
-    #[schemars(extend("maxItems" = 1000))]
+    #[schemars(extend("maxItems" = MAX_RULES))]
     pub ingress: Vec<IngressRule>,
     /// Ordered egress rules; an earlier rule wins at the same priority.
     #[serde(
@@ -459,7 +468,7 @@ pub struct ClusterOrderedNetworkPolicySpec {
         skip_serializing_if = "Vec::is_empty",
         deserialize_with = "null_as_default"
     )]
-    #[schemars(extend("maxItems" = 1000))]
+    #[schemars(extend("maxItems" = MAX_RULES))]
     pub egress: Vec<EgressRule>,
 }
 

@@ -32,7 +32,8 @@ use crate::problem::{FieldError, ObjectRef, Problem};
 use crate::selector::validate_label_selector;
 use crate::syntax;
 use crate::types::{
-    ClusterOrderedNetworkPolicy, Direction, OrderedNetworkPolicy, OrderedSpec, Peer, Port, Protocol,
+    ClusterOrderedNetworkPolicy, Direction, MAX_EXCEPT, MAX_PEERS, MAX_PORTS, MAX_RULES,
+    OrderedNetworkPolicy, OrderedSpec, Peer, Port, Protocol,
 };
 
 /// A parsed `ipBlock` CIDR.
@@ -291,7 +292,24 @@ fn validate_port_parts(
     }
 }
 
+fn too_many(field: String, n: usize, max: usize, out: &mut Vec<FieldError>) {
+    if n > max {
+        out.push(FieldError::error(
+            field,
+            format!("{n} entries: at most {max} are allowed"),
+        ));
+    }
+}
+
 fn validate_ordered_peer(peer: &Peer, path: &str, out: &mut Vec<FieldError>) {
+    if let Some(block) = &peer.ip_block {
+        too_many(
+            format!("{path}.ipBlock.except"),
+            block.except.len(),
+            MAX_EXCEPT,
+            out,
+        );
+    }
     validate_peer_parts(
         peer.pod_selector.as_ref(),
         peer.namespace_selector.as_ref(),
@@ -330,8 +348,21 @@ fn validate_ordered_spec<S: OrderedSpec>(spec: &S, cluster: bool, out: &mut Vec<
             Direction::Egress => "to",
         };
         let rules = spec.rules(direction);
+        too_many(
+            format!("spec.{}", direction.field()),
+            rules.len(),
+            MAX_RULES,
+            out,
+        );
         for rule in &rules {
             let base = format!("spec.{}[{}]", direction.field(), rule.index);
+            too_many(
+                format!("{base}.{peers_field}"),
+                rule.peers.len(),
+                MAX_PEERS,
+                out,
+            );
+            too_many(format!("{base}.ports"), rule.ports.len(), MAX_PORTS, out);
             for (j, peer) in rule.peers.iter().enumerate() {
                 validate_ordered_peer(peer, &format!("{base}.{peers_field}[{j}]"), out);
             }

@@ -449,3 +449,26 @@ spec: {priority: 3, podSelector: {}, defaultDeny: {ingress: true}}
             .starts_with("t.yaml: OrderedNetworkPolicy q/bad: spec.priority: -3 is negative")
     );
 }
+
+#[test]
+fn schema_list_limits_are_checked_too() {
+    let ports: Vec<String> = (1..=101).map(|p| format!("{{port: {p}}}")).collect();
+    let p = onp(&format!(
+        "{{priority: 1, podSelector: {{}}, ingress: [{{action: Allow, ports: [{}]}}]}}",
+        ports.join(", ")
+    ));
+    let e = validate_ordered_network_policy(&p);
+    assert_eq!(error_fields(&e), ["spec.ingress[0].ports"]);
+    assert_eq!(e[0].message, "101 entries: at most 100 are allowed");
+    let rules: Vec<String> = (1..=1001)
+        .map(|p| format!("{{action: Deny, ports: [{{port: {}}}]}}", p % 65535 + 1))
+        .collect();
+    let p = onp(&format!(
+        "{{priority: 1, podSelector: {{}}, egress: [{}]}}",
+        rules.join(", ")
+    ));
+    assert_eq!(
+        error_fields(&validate_ordered_network_policy(&p)),
+        ["spec.egress"]
+    );
+}
