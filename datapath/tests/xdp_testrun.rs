@@ -719,7 +719,12 @@ fn ns_per_packet() {
     if !privileged() {
         return;
     }
+    let started = std::time::Instant::now();
     let mut dp = load();
+    println!(
+        "xdp_testrun: object load + verification took {:.1} ms",
+        started.elapsed().as_secs_f64() * 1e3
+    );
     dp.set_port_verdict(PortKey::new(4, IPPROTO_TCP, 80), ACTION_DENY)
         .expect("map insert");
     const REPEAT: u32 = 1_000_000;
