@@ -292,6 +292,25 @@ fn validate_port_parts(
     }
 }
 
+/// For each item, the index of the first earlier item equal to it (compared by canonical JSON,
+/// so that long lists stay linear).
+fn first_equal<T: serde::Serialize>(items: impl Iterator<Item = T>) -> Vec<Option<usize>> {
+    let mut first: HashMap<String, usize> = HashMap::new();
+    items
+        .enumerate()
+        .map(|(i, item)| {
+            let key = serde_json::to_string(&item).ok()?;
+            match first.get(&key) {
+                Some(&j) => Some(j),
+                None => {
+                    first.insert(key, i);
+                    None
+                }
+            }
+        })
+        .collect()
+}
+
 fn too_many(field: String, n: usize, max: usize, out: &mut Vec<FieldError>) {
     if n > max {
         out.push(FieldError::error(
@@ -354,6 +373,10 @@ fn validate_ordered_spec<S: OrderedSpec>(spec: &S, cluster: bool, out: &mut Vec<
             MAX_RULES,
             out,
         );
+        let same_as = first_equal(rules.iter().map(|r| (r.peers, r.ports)));
+        let match_all = rules
+            .iter()
+            .position(|r| r.peers.is_empty() && r.ports.is_empty());
         for rule in &rules {
             let base = format!("spec.{}[{}]", direction.field(), rule.index);
             too_many(
@@ -371,11 +394,7 @@ fn validate_ordered_spec<S: OrderedSpec>(spec: &S, cluster: bool, out: &mut Vec<
             }
             // A rule can never decide a packet if an earlier rule of the same list matches
             // exactly the same traffic, or matches all traffic.
-            let earlier = &rules[..rule.index];
-            if let Some(same) = earlier
-                .iter()
-                .find(|e| e.peers == rule.peers && e.ports == rule.ports)
-            {
+            if let Some(same) = same_as[rule.index].map(|i| &rules[i]) {
                 let first = format!("spec.{}[{}]", direction.field(), same.index);
                 out.push(FieldError::error(
                     base,
@@ -388,10 +407,7 @@ fn validate_ordered_spec<S: OrderedSpec>(spec: &S, cluster: bool, out: &mut Vec<
                         )
                     },
                 ));
-            } else if let Some(all) = earlier
-                .iter()
-                .find(|e| e.peers.is_empty() && e.ports.is_empty())
-            {
+            } else if let Some(all) = match_all.filter(|&i| i < rule.index).map(|i| &rules[i]) {
                 out.push(FieldError::warning(
                     base,
                     format!(
@@ -487,6 +503,8 @@ pub fn validate_network_policy(policy: &NetworkPolicy) -> Vec<FieldError> {
     }
     let ingress = spec.ingress.as_deref().unwrap_or_default();
     let egress = spec.egress.as_deref().unwrap_or_default();
+    let ingress_same = first_equal(ingress.iter());
+    let egress_same = first_equal(egress.iter());
     for (i, rule) in ingress.iter().enumerate() {
         for (j, peer) in rule.from.iter().flatten().enumerate() {
             validate_np_peer(peer, &format!("spec.ingress[{i}].from[{j}]"), &mut out);
@@ -494,7 +512,7 @@ pub fn validate_network_policy(policy: &NetworkPolicy) -> Vec<FieldError> {
         for (j, port) in rule.ports.iter().flatten().enumerate() {
             validate_np_port(port, &format!("spec.ingress[{i}].ports[{j}]"), &mut out);
         }
-        if let Some(first) = ingress[..i].iter().position(|r| r == rule) {
+        if let Some(first) = ingress_same[i] {
             out.push(FieldError::warning(
                 format!("spec.ingress[{i}]"),
                 format!("duplicate of spec.ingress[{first}]"),
@@ -508,7 +526,7 @@ pub fn validate_network_policy(policy: &NetworkPolicy) -> Vec<FieldError> {
         for (j, port) in rule.ports.iter().flatten().enumerate() {
             validate_np_port(port, &format!("spec.egress[{i}].ports[{j}]"), &mut out);
         }
-        if let Some(first) = egress[..i].iter().position(|r| r == rule) {
+        if let Some(first) = egress_same[i] {
             out.push(FieldError::warning(
                 format!("spec.egress[{i}]"),
                 format!("duplicate of spec.egress[{first}]"),
