@@ -1,0 +1,1 @@
+//! Rendering of a MapState for people: indented tree, JSON, Graphviz dot.
