@@ -39,7 +39,12 @@ pub enum Command {
 #[derive(Debug, Args, Clone)]
 pub struct Source {
     /// Manifest file or directory (repeatable; directories are read recursively).
-    #[arg(short = 'f', long = "filename", value_name = "PATH", required_unless_present = "agent")]
+    #[arg(
+        short = 'f',
+        long = "filename",
+        value_name = "PATH",
+        required_unless_present = "agent"
+    )]
     pub files: Vec<PathBuf>,
     /// Ask a running agent's debug API instead of reading manifests.
     #[arg(long, value_name = "ADDR", conflicts_with = "files")]
