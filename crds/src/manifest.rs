@@ -930,9 +930,9 @@ fn parse_yaml_documents(text: &str) -> Vec<Result<Value, String>> {
 /// Splits a stream of JSON values.
 fn parse_json_documents(text: &str) -> Vec<Result<Value, String>> {
     let mut out = Vec::new();
-    for value in serde_json::Deserializer::from_str(text).into_iter::<Value>() {
+    for value in serde_json::Deserializer::from_str(text).into_iter::<StrictJson>() {
         match value {
-            Ok(v) => out.push(Ok(v)),
+            Ok(StrictJson(v)) => out.push(Ok(v)),
             Err(e) => {
                 out.push(Err(format!("invalid JSON: {e}")));
                 break;
@@ -940,6 +940,73 @@ fn parse_json_documents(text: &str) -> Vec<Result<Value, String>> {
         }
     }
     out
+}
+
+/// A JSON value whose objects must not repeat a key (the Kubernetes decoder rejects duplicate
+/// fields; `serde_json::Value` would silently keep the last one).
+struct StrictJson(Value);
+
+impl<'de> serde::Deserialize<'de> for StrictJson {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer
+            .deserialize_any(StrictJsonVisitor)
+            .map(StrictJson)
+    }
+}
+
+struct StrictJsonVisitor;
+
+impl<'de> serde::de::Visitor<'de> for StrictJsonVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_string()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(StrictJsonVisitor)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(StrictJson(item)) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(Value::Array(items))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut out = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let StrictJson(value) = map.next_value()?;
+            if out.contains_key(&key) {
+                return Err(serde::de::Error::custom(format!("duplicate field {key:?}")));
+            }
+            out.insert(key, value);
+        }
+        Ok(Value::Object(out))
+    }
 }
 
 /// The nesting depth past which a document is rejected (the parsers stop at 128 already).

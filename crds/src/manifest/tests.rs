@@ -448,6 +448,22 @@ fn json_streams_and_bytes() {
         e[0]
     );
 
+    let out = load_str(
+        Path::new("m.json"),
+        r#"{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"a"},"metadata":{"name":"b"}}"#,
+    );
+    assert_eq!(errors(&out).len(), 1);
+    assert!(
+        errors(&out)[0].contains("duplicate field \"metadata\""),
+        "{:?}",
+        errors(&out)
+    );
+    let out = load_str(
+        Path::new("m.json"),
+        "[1.5, -2, 18446744073709551615, null, true]",
+    );
+    assert!(errors(&out)[0].contains("expected a Kubernetes object"));
+
     let out = load_bytes(Path::new("m.yaml"), b"apiVersion: v1\xff\xfe");
     assert!(errors(&out)[0].contains("not UTF-8"));
 }
