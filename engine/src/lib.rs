@@ -1,1 +1,30 @@
-//! ordnet policy resolution.
+//! # ordnet policy resolution
+//!
+//! From Kubernetes objects (`NetworkPolicy`, `OrderedNetworkPolicy`,
+//! `ClusterOrderedNetworkPolicy`, pods and namespaces) to one MapState per endpoint and
+//! direction, and flow verdicts computed only through `MapState::lookup`.
+//!
+//! * [`model`]: the normalized rule model and the translation of every policy kind (all
+//!   Kubernetes defaulting happens there).
+//! * [`identity`]: identities per address signature, and the ipcache rules.
+//! * [`Engine`]: identities, selector cache, per-endpoint MapStates (shared between endpoints with
+//!   equal inputs), the query API (`docs/contracts/engine-api.md`).
+//! * [`matrix()`]: the `ordnet matrix` computation.
+//!
+//! `docs/engine.md` explains the design.
+
+// The incremental half (apply) uses the remaining internals; until it lands they are unused.
+#![allow(dead_code)]
+
+pub mod engine;
+pub mod identity;
+pub mod matrix;
+pub mod model;
+
+pub use engine::{
+    BuildOptions, Endpoint, EndpointPolicy, Engine, FlowEnd, FlowTrace, IpFamily, SideDecision,
+    SideTrace,
+};
+pub use identity::{IdentityInfo, IdentityKind, PodSig, Signature};
+pub use matrix::{Matrix, MatrixResult, matrix};
+pub use model::{EngineError, PeerSpec, Policy, PolicyKind, PolicyRef, PortSpec, Rule, Subject};

@@ -1,0 +1,819 @@
+//! The normalized rule model: every policy kind translated into one form.
+//!
+//! * [`Policy`]: who the policy applies to ([`Subject`]), whether it isolates per direction, and
+//!   its rules per direction in order.
+//! * [`Rule`]: order key, verdict, peers (`None` = every peer) and ports (`None` = every protocol
+//!   and port), plus the [`Origin`] that names it for `trace` and `dump`.
+//! * [`PeerSpec`]: one peer, which is also the key of the selector cache.
+//! * [`PortSpec`]: one port item (protocol defaulted, named ports kept by name).
+//!
+//! All Kubernetes defaulting happens here (SEMANTICS.md §1, §3, §4, §5 and upstream
+//! `NetworkPolicy` rules), so nothing downstream looks at API objects again.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use ipnet::IpNet;
+use k8s_openapi::api::networking::v1::{
+    IPBlock, NetworkPolicy, NetworkPolicyPeer, NetworkPolicyPort,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use ordnet_crds::selector::Selector as LabelSel;
+use ordnet_crds::{
+    Action, ClusterOrderedNetworkPolicy, IpBlock, OrderedNetworkPolicy, OrderedSpec, Peer, Port,
+};
+use ordnet_mapstate::{Direction, OrderKey, Origin, Protocol, Verdict};
+use serde::Serialize;
+
+/// Labels of a pod or namespace.
+pub type Labels = BTreeMap<String, String>;
+
+/// The label every namespace carries, with the namespace's name as value.
+pub const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
+
+/// `NetworkPolicy`.
+pub const KIND_NETWORK_POLICY: &str = "NetworkPolicy";
+/// `OrderedNetworkPolicy`.
+pub const KIND_ORDERED: &str = "OrderedNetworkPolicy";
+/// `ClusterOrderedNetworkPolicy`.
+pub const KIND_CLUSTER_ORDERED: &str = "ClusterOrderedNetworkPolicy";
+
+/// Index of a direction in per-direction arrays (ingress 0, egress 1).
+pub fn dir_index(d: Direction) -> usize {
+    match d {
+        Direction::Ingress => 0,
+        Direction::Egress => 1,
+    }
+}
+
+/// Both directions, in index order.
+pub const DIRECTIONS: [Direction; 2] = [Direction::Ingress, Direction::Egress];
+
+/// The kind of a policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum PolicyKind {
+    NetworkPolicy,
+    Ordered,
+    ClusterOrdered,
+}
+
+impl PolicyKind {
+    /// The Kubernetes kind name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::NetworkPolicy => KIND_NETWORK_POLICY,
+            PolicyKind::Ordered => KIND_ORDERED,
+            PolicyKind::ClusterOrdered => KIND_CLUSTER_ORDERED,
+        }
+    }
+}
+
+/// Identifies one policy object.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct PolicyRef {
+    pub kind: PolicyKind,
+    /// `None` for cluster-scoped policies.
+    pub namespace: Option<String>,
+    pub name: String,
+}
+
+impl fmt::Display for PolicyRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.namespace {
+            Some(ns) => write!(f, "{} {}/{}", self.kind.as_str(), ns, self.name),
+            None => write!(f, "{} {}", self.kind.as_str(), self.name),
+        }
+    }
+}
+
+/// An object the engine could not use, with the reason. The object is left out (or, for an
+/// incremental change, not applied); everything else keeps working.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct EngineError {
+    /// `KIND NAMESPACE/NAME` or `KIND NAME`.
+    pub object: String,
+    /// The field path, e.g. `spec.ingress[0].from[1].ipBlock.cidr`.
+    pub field: String,
+    pub message: String,
+}
+
+impl fmt::Display for EngineError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}: {}", self.object, self.field, self.message)
+    }
+}
+
+impl std::error::Error for EngineError {}
+
+/// Which namespaces a pod peer or subject covers.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum NsScope {
+    /// Exactly the namespace with this name (a namespaced policy's own namespace).
+    Named(String),
+    /// Every namespace whose labels match (`{}` = all namespaces).
+    #[serde(serialize_with = "ser_selector")]
+    Matching(LabelSel),
+}
+
+impl NsScope {
+    /// Whether a namespace with these labels is in scope. A namespace's name is read from its
+    /// `kubernetes.io/metadata.name` label, which the engine always sets to the name.
+    pub fn matches(&self, ns_labels: &Labels) -> bool {
+        match self {
+            NsScope::Named(n) => ns_labels.get(NAMESPACE_NAME_LABEL) == Some(n),
+            NsScope::Matching(s) => s.matches(ns_labels),
+        }
+    }
+}
+
+fn ser_selector<S: serde::Serializer>(s: &LabelSel, ser: S) -> Result<S::Ok, S::Error> {
+    ser.serialize_str(&selector_text(s))
+}
+
+/// A compact text form of a label selector (`{}` for everything).
+pub fn selector_text(s: &LabelSel) -> String {
+    use ordnet_crds::selector::Requirement;
+    if s.is_everything() {
+        return "{}".into();
+    }
+    let parts: Vec<String> = s
+        .requirements
+        .iter()
+        .map(|r| match r {
+            Requirement::In(k, vs) if vs.len() == 1 => {
+                format!("{k}={}", vs.iter().next().map(String::as_str).unwrap_or(""))
+            }
+            Requirement::In(k, vs) => format!("{k} in ({})", join(vs)),
+            Requirement::NotIn(k, vs) => format!("{k} notin ({})", join(vs)),
+            Requirement::Exists(k) => k.clone(),
+            Requirement::DoesNotExist(k) => format!("!{k}"),
+        })
+        .collect();
+    parts.join(",")
+}
+
+fn join<'a>(vs: impl IntoIterator<Item = &'a String>) -> String {
+    vs.into_iter()
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// One peer of a rule. Also the key of the selector cache: equal peers share one identity set.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum PeerSpec {
+    /// Pods (never external addresses) in the namespaces of `namespaces` with matching labels.
+    Pods {
+        namespaces: NsScope,
+        #[serde(serialize_with = "ser_selector")]
+        pods: LabelSel,
+    },
+    /// Addresses in `cidr` and in no `except` entry (pod addresses included).
+    Block { cidr: IpNet, except: Vec<IpNet> },
+}
+
+impl PeerSpec {
+    /// Every pod of every namespace (the peer `namespaceSelector: {}`).
+    pub fn all_pods() -> PeerSpec {
+        PeerSpec::Pods {
+            namespaces: NsScope::Matching(LabelSel::everything()),
+            pods: LabelSel::everything(),
+        }
+    }
+}
+
+impl fmt::Display for PeerSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PeerSpec::Pods { namespaces, pods } => {
+                match namespaces {
+                    NsScope::Named(n) => write!(f, "pods in {n}")?,
+                    NsScope::Matching(s) => write!(f, "pods in ns[{}]", selector_text(s))?,
+                }
+                write!(f, " [{}]", selector_text(pods))
+            }
+            PeerSpec::Block { cidr, except } => {
+                write!(f, "{cidr}")?;
+                for e in except {
+                    write!(f, " -{e}")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// One port item of a rule.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum PortSpec {
+    /// Every port of one protocol.
+    Proto(Protocol),
+    /// An inclusive port range of one protocol (`first == last` for one port).
+    Range {
+        proto: Protocol,
+        first: u16,
+        last: u16,
+    },
+    /// A named container port, resolved on the destination pod.
+    Named { proto: Protocol, name: String },
+}
+
+/// One normalized rule.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Rule {
+    pub origin: Arc<Origin>,
+    pub order: OrderKey,
+    pub verdict: Verdict,
+    /// `None` = every peer (pods, CIDRs and the world).
+    pub peers: Option<Vec<Arc<PeerSpec>>>,
+    /// `None` = every protocol and port (ICMP included).
+    pub ports: Option<Vec<PortSpec>>,
+}
+
+/// Which pods a policy applies to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum Subject {
+    /// Pods of one namespace matching `pods`.
+    Namespace {
+        namespace: String,
+        #[serde(serialize_with = "ser_selector")]
+        pods: LabelSel,
+    },
+    /// Pods matching `pods` in namespaces matching `namespaces`.
+    Cluster {
+        #[serde(serialize_with = "ser_selector")]
+        namespaces: LabelSel,
+        #[serde(serialize_with = "ser_selector")]
+        pods: LabelSel,
+    },
+}
+
+impl Subject {
+    /// Whether the pod `namespace` (with `ns_labels`) with `labels` is selected.
+    pub fn selects(&self, namespace: &str, ns_labels: &Labels, labels: &Labels) -> bool {
+        match self {
+            Subject::Namespace { namespace: n, pods } => n == namespace && pods.matches(labels),
+            Subject::Cluster { namespaces, pods } => {
+                namespaces.matches(ns_labels) && pods.matches(labels)
+            }
+        }
+    }
+}
+
+/// One normalized policy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Policy {
+    pub id: PolicyRef,
+    pub priority: i32,
+    pub subject: Subject,
+    /// Whether the policy isolates its subject, per direction (index [`dir_index`]).
+    pub isolates: [bool; 2],
+    /// The rules per direction, in order (rules of a direction that a NetworkPolicy's effective
+    /// `policyTypes` leaves out are dropped here).
+    pub rules: [Vec<Rule>; 2],
+    /// The origin reported in `isolated_by` per direction: `rule_index` 0, action deny.
+    pub isolation_origin: [Arc<Origin>; 2],
+}
+
+impl Policy {
+    /// Every peer used by a rule of the policy (each distinct peer once).
+    pub fn peers(&self) -> Vec<Arc<PeerSpec>> {
+        let mut out: Vec<Arc<PeerSpec>> = Vec::new();
+        for rules in &self.rules {
+            for r in rules {
+                for p in r.peers.iter().flatten() {
+                    if !out.contains(p) {
+                        out.push(p.clone());
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Every CIDR prefix used (ipBlock `cidr` and `except` entries).
+    pub fn cidrs(&self) -> Vec<IpNet> {
+        let mut out = Vec::new();
+        for p in self.peers() {
+            if let PeerSpec::Block { cidr, except } = &*p {
+                out.push(*cidr);
+                out.extend(except.iter().copied());
+            }
+        }
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// Every (name, protocol) used as a named port in a rule of direction `d`.
+    pub fn named_ports(&self, d: Direction) -> Vec<(String, Protocol)> {
+        let mut out = Vec::new();
+        for r in &self.rules[dir_index(d)] {
+            for p in r.ports.iter().flatten() {
+                if let PortSpec::Named { proto, name } = p {
+                    out.push((name.clone(), *proto));
+                }
+            }
+        }
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// Whether the policy needs the all-pods selector (an egress named port with no `to`).
+    pub fn needs_all_pods(&self) -> bool {
+        self.rules[1].iter().any(|r| {
+            r.peers.is_none()
+                && r.ports
+                    .iter()
+                    .flatten()
+                    .any(|p| matches!(p, PortSpec::Named { .. }))
+        })
+    }
+}
+
+struct Ctx<'a> {
+    object: &'a PolicyRef,
+}
+
+impl Ctx<'_> {
+    fn err(&self, field: impl Into<String>, message: impl Into<String>) -> EngineError {
+        EngineError {
+            object: self.object.to_string(),
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+
+    fn selector(&self, s: &LabelSelector, field: &str) -> Result<LabelSel, EngineError> {
+        LabelSel::parse(s).map_err(|errs| {
+            let first = errs.first();
+            self.err(
+                match first {
+                    Some(e) if !e.field.is_empty() => format!("{field}.{}", e.field),
+                    _ => field.to_string(),
+                },
+                first.map_or_else(|| "invalid selector".to_string(), |e| e.message.clone()),
+            )
+        })
+    }
+
+    fn cidr(&self, text: &str, field: &str) -> Result<IpNet, EngineError> {
+        ordnet_crds::validate::parse_cidr(text)
+            .map(|p| p.net)
+            .map_err(|e| self.err(field, e))
+    }
+
+    fn ip_block(
+        &self,
+        cidr: &str,
+        except: &[String],
+        field: &str,
+    ) -> Result<PeerSpec, EngineError> {
+        let net = self.cidr(cidr, &format!("{field}.cidr"))?;
+        let mut ex = Vec::new();
+        for (i, e) in except.iter().enumerate() {
+            let f = format!("{field}.except[{i}]");
+            let e = self.cidr(e, &f)?;
+            if e.addr().is_ipv4() != net.addr().is_ipv4() {
+                return Err(self.err(f, format!("{e} is not of the same IP family as {net}")));
+            }
+            if !(net.contains(&e) && e.prefix_len() > net.prefix_len()) {
+                return Err(self.err(f, format!("{e} must be a strict subset of {net}")));
+            }
+            ex.push(e);
+        }
+        ex.sort();
+        ex.dedup();
+        // An except entry inside another one adds nothing.
+        let all = ex.clone();
+        ex.retain(|e| !all.iter().any(|o| o != e && o.contains(e)));
+        Ok(PeerSpec::Block {
+            cidr: net,
+            except: ex,
+        })
+    }
+
+    /// A peer from its three parts; `cluster` = a cluster policy (a podSelector alone means
+    /// every namespace), else `own` is the policy's namespace.
+    fn peer(
+        &self,
+        pod_selector: Option<&LabelSelector>,
+        namespace_selector: Option<&LabelSelector>,
+        ip_block: Option<(&str, &[String])>,
+        own: Option<&str>,
+        field: &str,
+    ) -> Result<PeerSpec, EngineError> {
+        match (pod_selector, namespace_selector, ip_block) {
+            (None, None, Some((cidr, except))) => {
+                self.ip_block(cidr, except, &format!("{field}.ipBlock"))
+            }
+            (_, _, Some(_)) => Err(self.err(
+                field,
+                "ipBlock may not be combined with podSelector or namespaceSelector",
+            )),
+            (None, None, None) => Err(self.err(
+                field,
+                "an empty peer: set podSelector, namespaceSelector or ipBlock",
+            )),
+            (pods, nss, None) => {
+                let pods = match pods {
+                    Some(s) => self.selector(s, &format!("{field}.podSelector"))?,
+                    None => LabelSel::everything(),
+                };
+                let namespaces = match (nss, own) {
+                    (Some(s), _) => {
+                        NsScope::Matching(self.selector(s, &format!("{field}.namespaceSelector"))?)
+                    }
+                    (None, Some(ns)) => NsScope::Named(ns.to_string()),
+                    (None, None) => NsScope::Matching(LabelSel::everything()),
+                };
+                Ok(PeerSpec::Pods { namespaces, pods })
+            }
+        }
+    }
+
+    fn port(
+        &self,
+        protocol: Protocol,
+        port: Option<&IntOrString>,
+        end_port: Option<i32>,
+        field: &str,
+    ) -> Result<PortSpec, EngineError> {
+        let number = |n: i32, f: &str| -> Result<u16, EngineError> {
+            u16::try_from(n).ok().filter(|&n| n >= 1).ok_or_else(|| {
+                self.err(
+                    format!("{field}.{f}"),
+                    format!("{n} is not a port number (1-65535)"),
+                )
+            })
+        };
+        match (port, end_port) {
+            (None, None) => Ok(PortSpec::Proto(protocol)),
+            (None, Some(_)) => Err(self.err(
+                format!("{field}.endPort"),
+                "not allowed without port: a range needs a numeric port",
+            )),
+            (Some(IntOrString::Int(n)), end) => {
+                let first = number(*n, "port")?;
+                let last = match end {
+                    Some(e) => number(e, "endPort")?,
+                    None => first,
+                };
+                if last < first {
+                    return Err(self.err(
+                        format!("{field}.endPort"),
+                        format!("{last} must be greater than or equal to port ({first})"),
+                    ));
+                }
+                Ok(PortSpec::Range {
+                    proto: protocol,
+                    first,
+                    last,
+                })
+            }
+            (Some(IntOrString::String(name)), None) => {
+                if ordnet_crds::syntax::port_name(name).is_err() {
+                    return Err(self.err(
+                        format!("{field}.port"),
+                        format!("{name:?} is not a valid port name"),
+                    ));
+                }
+                Ok(PortSpec::Named {
+                    proto: protocol,
+                    name: name.clone(),
+                })
+            }
+            (Some(IntOrString::String(name)), Some(_)) => Err(self.err(
+                format!("{field}.endPort"),
+                format!("not allowed with the named port {name:?}"),
+            )),
+        }
+    }
+}
+
+/// Maps the API protocol to the MapState protocol.
+pub fn protocol(p: ordnet_crds::Protocol) -> Protocol {
+    match p {
+        ordnet_crds::Protocol::Tcp => Protocol::Tcp,
+        ordnet_crds::Protocol::Udp => Protocol::Udp,
+        ordnet_crds::Protocol::Sctp => Protocol::Sctp,
+    }
+}
+
+/// Parses a container or NetworkPolicy protocol string (absent = TCP).
+pub fn parse_protocol(p: Option<&str>) -> Option<Protocol> {
+    match p {
+        None => Some(Protocol::Tcp),
+        Some(s) => ordnet_crds::Protocol::from_api(s).map(protocol),
+    }
+}
+
+fn make_origin(id: &PolicyRef, d: Direction, index: u32, priority: i32, v: Verdict) -> Arc<Origin> {
+    Arc::new(Origin {
+        kind: id.kind.as_str().to_string(),
+        namespace: id.namespace.clone(),
+        name: id.name.clone(),
+        direction: d,
+        rule_index: index,
+        priority,
+        action: v,
+    })
+}
+
+fn isolation_origins(id: &PolicyRef, priority: i32) -> [Arc<Origin>; 2] {
+    DIRECTIONS.map(|d| make_origin(id, d, 0, priority, Verdict::Deny))
+}
+
+fn meta_name(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    kind: PolicyKind,
+    namespaced: bool,
+) -> Result<PolicyRef, EngineError> {
+    let name = meta.name.clone().unwrap_or_default();
+    let namespace = if namespaced {
+        Some(
+            meta.namespace
+                .clone()
+                .unwrap_or_else(|| ordnet_crds::manifest::DEFAULT_NAMESPACE.to_string()),
+        )
+    } else {
+        None
+    };
+    let id = PolicyRef {
+        kind,
+        namespace,
+        name,
+    };
+    if id.name.is_empty() {
+        return Err(EngineError {
+            object: id.to_string(),
+            field: "metadata.name".into(),
+            message: "required".into(),
+        });
+    }
+    Ok(id)
+}
+
+/// Translates a standard NetworkPolicy with upstream defaulting:
+/// * effective `policyTypes`: as listed; when absent or empty, Ingress, plus Egress if the
+///   policy has at least one egress rule;
+/// * rules of a direction outside the effective types are ignored;
+/// * every rule is an Allow with order key `(0, 0)`;
+/// * a peer's podSelector alone = the policy's namespace; `from`/`to`/`ports` empty or absent =
+///   everything; protocol defaults to TCP.
+pub fn translate_network_policy(np: &NetworkPolicy) -> Result<Policy, EngineError> {
+    let id = meta_name(&np.metadata, PolicyKind::NetworkPolicy, true)?;
+    let ctx = Ctx { object: &id };
+    let own = id.namespace.clone().unwrap_or_default();
+    let default_spec = Default::default();
+    let spec = np.spec.as_ref().unwrap_or(&default_spec);
+    let pods = match &spec.pod_selector {
+        Some(s) => ctx.selector(s, "spec.podSelector")?,
+        None => LabelSel::everything(),
+    };
+    let ingress = spec.ingress.as_deref().unwrap_or_default();
+    let egress = spec.egress.as_deref().unwrap_or_default();
+    let types: Vec<&str> = spec
+        .policy_types
+        .iter()
+        .flatten()
+        .map(String::as_str)
+        .collect();
+    for (i, t) in types.iter().enumerate() {
+        if *t != "Ingress" && *t != "Egress" {
+            return Err(ctx.err(
+                format!("spec.policyTypes[{i}]"),
+                format!("{t:?} is not supported: use Ingress or Egress"),
+            ));
+        }
+    }
+    let effective = if types.is_empty() {
+        [true, !egress.is_empty()]
+    } else {
+        [types.contains(&"Ingress"), types.contains(&"Egress")]
+    };
+    let np_peer = |p: &NetworkPolicyPeer, field: &str| -> Result<PeerSpec, EngineError> {
+        let block: Option<&IPBlock> = p.ip_block.as_ref();
+        ctx.peer(
+            p.pod_selector.as_ref(),
+            p.namespace_selector.as_ref(),
+            block.map(|b| (b.cidr.as_str(), b.except.as_deref().unwrap_or_default())),
+            Some(&own),
+            field,
+        )
+    };
+    let np_port = |p: &NetworkPolicyPort, field: &str| -> Result<PortSpec, EngineError> {
+        let proto = parse_protocol(p.protocol.as_deref()).ok_or_else(|| {
+            ctx.err(
+                format!("{field}.protocol"),
+                format!(
+                    "{:?} is not supported: use TCP, UDP or SCTP",
+                    p.protocol.as_deref().unwrap_or_default()
+                ),
+            )
+        })?;
+        ctx.port(proto, p.port.as_ref(), p.end_port, field)
+    };
+    let mut rules: [Vec<Rule>; 2] = [Vec::new(), Vec::new()];
+    type Parts<'a> = (
+        Option<&'a [NetworkPolicyPeer]>,
+        Option<&'a [NetworkPolicyPort]>,
+    );
+    let lists: [Vec<Parts<'_>>; 2] = [
+        ingress
+            .iter()
+            .map(|r| (r.from.as_deref(), r.ports.as_deref()))
+            .collect(),
+        egress
+            .iter()
+            .map(|r| (r.to.as_deref(), r.ports.as_deref()))
+            .collect(),
+    ];
+    for d in DIRECTIONS {
+        let di = dir_index(d);
+        if !effective[di] {
+            continue;
+        }
+        let (list_field, peer_field) = match d {
+            Direction::Ingress => ("spec.ingress", "from"),
+            Direction::Egress => ("spec.egress", "to"),
+        };
+        for (i, (peers, ports)) in lists[di].iter().enumerate() {
+            let base = format!("{list_field}[{i}]");
+            let peers = match peers {
+                Some(ps) if !ps.is_empty() => Some(
+                    ps.iter()
+                        .enumerate()
+                        .map(|(j, p)| {
+                            np_peer(p, &format!("{base}.{peer_field}[{j}]")).map(Arc::new)
+                        })
+                        .collect::<Result<Vec<_>, _>>()?,
+                ),
+                _ => None,
+            };
+            let ports = match ports {
+                Some(ps) if !ps.is_empty() => Some(
+                    ps.iter()
+                        .enumerate()
+                        .map(|(j, p)| np_port(p, &format!("{base}.ports[{j}]")))
+                        .collect::<Result<Vec<_>, _>>()?,
+                ),
+                _ => None,
+            };
+            rules[di].push(Rule {
+                origin: make_origin(&id, d, i as u32, 0, Verdict::Allow),
+                order: OrderKey::new(0, 0),
+                verdict: Verdict::Allow,
+                peers: dedup_peers(peers),
+                ports: dedup_ports(ports),
+            });
+        }
+    }
+    Ok(Policy {
+        isolation_origin: isolation_origins(&id, 0),
+        subject: Subject::Namespace {
+            namespace: own,
+            pods,
+        },
+        id,
+        priority: 0,
+        isolates: effective,
+        rules,
+    })
+}
+
+fn dedup_peers(p: Option<Vec<Arc<PeerSpec>>>) -> Option<Vec<Arc<PeerSpec>>> {
+    p.map(|mut v| {
+        let mut seen = std::collections::HashSet::new();
+        v.retain(|x| seen.insert(x.clone()));
+        v
+    })
+}
+
+fn dedup_ports(p: Option<Vec<PortSpec>>) -> Option<Vec<PortSpec>> {
+    p.map(|mut v| {
+        let mut seen = std::collections::HashSet::new();
+        v.retain(|x| seen.insert(x.clone()));
+        v
+    })
+}
+
+fn translate_ordered<S: OrderedSpec>(
+    id: PolicyRef,
+    spec: &S,
+    subject: Subject,
+) -> Result<Policy, EngineError> {
+    let ctx = Ctx { object: &id };
+    let own = id.namespace.clone();
+    let ordered_peer = |p: &Peer, field: &str| -> Result<PeerSpec, EngineError> {
+        ctx.peer(
+            p.pod_selector.as_ref(),
+            p.namespace_selector.as_ref(),
+            p.ip_block
+                .as_ref()
+                .map(|b: &IpBlock| (b.cidr.as_str(), b.except.as_slice())),
+            own.as_deref(),
+            field,
+        )
+    };
+    let ordered_port = |p: &Port, field: &str| -> Result<PortSpec, EngineError> {
+        ctx.port(protocol(p.protocol), p.port.as_ref(), p.end_port, field)
+    };
+    let priority = spec.priority();
+    if id.kind == PolicyKind::Ordered && priority < 0 {
+        return Err(ctx.err(
+            "spec.priority",
+            format!("{priority} is negative: an OrderedNetworkPolicy needs priority >= 0"),
+        ));
+    }
+    let mut rules: [Vec<Rule>; 2] = [Vec::new(), Vec::new()];
+    for d in DIRECTIONS {
+        let cd = match d {
+            Direction::Ingress => ordnet_crds::Direction::Ingress,
+            Direction::Egress => ordnet_crds::Direction::Egress,
+        };
+        let peer_field = match d {
+            Direction::Ingress => "from",
+            Direction::Egress => "to",
+        };
+        for r in spec.rules(cd) {
+            let base = format!("spec.{}[{}]", cd.field(), r.index);
+            let index =
+                u32::try_from(r.index).map_err(|_| ctx.err(base.clone(), "too many rules"))?;
+            let verdict = match r.action {
+                Action::Allow => Verdict::Allow,
+                Action::Deny => Verdict::Deny,
+            };
+            let peers = if r.peers.is_empty() {
+                None
+            } else {
+                Some(
+                    r.peers
+                        .iter()
+                        .enumerate()
+                        .map(|(j, p)| {
+                            ordered_peer(p, &format!("{base}.{peer_field}[{j}]")).map(Arc::new)
+                        })
+                        .collect::<Result<Vec<_>, _>>()?,
+                )
+            };
+            let ports = if r.ports.is_empty() {
+                None
+            } else {
+                Some(
+                    r.ports
+                        .iter()
+                        .enumerate()
+                        .map(|(j, p)| ordered_port(p, &format!("{base}.ports[{j}]")))
+                        .collect::<Result<Vec<_>, _>>()?,
+                )
+            };
+            rules[dir_index(d)].push(Rule {
+                origin: make_origin(&id, d, index, priority, verdict),
+                order: OrderKey::new(priority, index),
+                verdict,
+                peers: dedup_peers(peers),
+                ports: dedup_ports(ports),
+            });
+        }
+    }
+    let isolates = [
+        spec.isolates(ordnet_crds::Direction::Ingress),
+        spec.isolates(ordnet_crds::Direction::Egress),
+    ];
+    Ok(Policy {
+        isolation_origin: isolation_origins(&id, priority),
+        id,
+        priority,
+        subject,
+        isolates,
+        rules,
+    })
+}
+
+/// Translates an OrderedNetworkPolicy: order key `(priority, rule index)`; isolation per
+/// `defaultDeny`, else "has an Allow rule in the direction"; a podSelector alone in a peer means
+/// the policy's own namespace.
+pub fn translate_ordered_policy(p: &OrderedNetworkPolicy) -> Result<Policy, EngineError> {
+    let id = meta_name(&p.metadata, PolicyKind::Ordered, true)?;
+    let ctx = Ctx { object: &id };
+    let pods = ctx.selector(&p.spec.pod_selector, "spec.podSelector")?;
+    let subject = Subject::Namespace {
+        namespace: id.namespace.clone().unwrap_or_default(),
+        pods,
+    };
+    translate_ordered(id, &p.spec, subject)
+}
+
+/// Translates a ClusterOrderedNetworkPolicy: the subject is namespaceSelector AND podSelector;
+/// a podSelector alone in a peer means pods in any namespace.
+pub fn translate_cluster_policy(p: &ClusterOrderedNetworkPolicy) -> Result<Policy, EngineError> {
+    let id = meta_name(&p.metadata, PolicyKind::ClusterOrdered, false)?;
+    let ctx = Ctx { object: &id };
+    let namespaces = ctx.selector(&p.spec.namespace_selector, "spec.namespaceSelector")?;
+    let pods = ctx.selector(&p.spec.pod_selector, "spec.podSelector")?;
+    translate_ordered(id, &p.spec, Subject::Cluster { namespaces, pods })
+}
