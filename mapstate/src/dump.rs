@@ -81,6 +81,9 @@ pub struct TreeOptions {
     pub legend: bool,
     /// With a focus: only the peers and keys on the focused packet's lookup path.
     pub path_only: bool,
+    /// Leave out each direction's header lines (title, default, focus summary), for callers
+    /// that print their own (e.g. `ordnet trace`).
+    pub omit_header: bool,
 }
 
 /// One direction to render.
@@ -502,6 +505,21 @@ impl<'a> Dump<'a> {
     fn tree_side(&self, side: &Side<'_>, opts: TreeOptions, out: &mut String) {
         let c = opts.color;
         let state = side.state;
+        let eval = self.focus.map(|f| FocusEval::new(state, f));
+        if !opts.omit_header {
+            self.tree_header(side, eval.as_ref(), c, out);
+        }
+        self.tree_body(state, eval.as_ref(), opts, out);
+    }
+
+    fn tree_header(
+        &self,
+        side: &Side<'_>,
+        eval: Option<&FocusEval<'_>>,
+        c: bool,
+        out: &mut String,
+    ) {
+        let state = side.state;
         let dir = state.direction();
         let covered_count = state.covered().len();
         let _ = writeln!(
@@ -529,8 +547,7 @@ impl<'a> Dump<'a> {
                 .map(|n| format!(" ({n})"))
                 .unwrap_or_default()
         );
-        let eval = self.focus.map(|f| FocusEval::new(state, f));
-        if let Some(ev) = &eval {
+        if let Some(ev) = eval {
             let f = ev.focus;
             let who = self.identity_text(f.identity);
             let towards = match dir {
@@ -573,6 +590,16 @@ impl<'a> Dump<'a> {
                 paint(c, verdict_paint(verdict), verdict.as_str()),
             );
         }
+    }
+
+    fn tree_body(
+        &self,
+        state: &MapState,
+        eval: Option<&FocusEval<'_>>,
+        opts: TreeOptions,
+        out: &mut String,
+    ) {
+        let c = opts.color;
         let mut trees = peer_trees(state);
         if let Some(Focus {
             identity: Some(id), ..
@@ -590,6 +617,17 @@ impl<'a> Dump<'a> {
                 },
             );
         }
+        if self.focus.is_some() && trees.first().is_none_or(|t| t.peer != Peer::Any) {
+            // The lookup always ends with `*`: show it even without keys.
+            trees.insert(
+                0,
+                PeerTree {
+                    peer: Peer::Any,
+                    nodes: Vec::new(),
+                    roots: Vec::new(),
+                },
+            );
+        }
         if trees.is_empty() {
             let _ = writeln!(out, "  (no keys)");
             return;
@@ -601,7 +639,7 @@ impl<'a> Dump<'a> {
         let mut rows: Vec<Row> = Vec::new();
         for t in &trees {
             if opts.path_only
-                && let Some(ev) = &eval
+                && let Some(ev) = eval
                 && !ev.relevant(t.peer)
             {
                 continue;
@@ -611,16 +649,20 @@ impl<'a> Dump<'a> {
                 header: true,
                 ..Row::default()
             });
-            let keep = |n: &Node<'_>| match (&eval, opts.path_only) {
-                (Some(ev), true) => ev.matches(&n.prefix),
-                _ => true,
-            };
-            let roots: Vec<usize> = t
-                .roots
-                .iter()
-                .copied()
-                .filter(|&r| keep(&t.nodes[r]))
-                .collect();
+            // On the focused path: nodes that match the packet and are keys, covered entries
+            // or lead to some (a protocol grouping line with no matching port is left out).
+            let mut kept = vec![true; t.nodes.len()];
+            if let (Some(ev), true) = (eval, opts.path_only) {
+                for i in (0..t.nodes.len()).rev() {
+                    let n = &t.nodes[i];
+                    kept[i] = ev.matches(&n.prefix)
+                        && (n.entry.is_some()
+                            || !n.covered.is_empty()
+                            || n.children.iter().any(|&ch| kept[ch]));
+                }
+            }
+            let keep = |i: usize| kept[i];
+            let roots: Vec<usize> = t.roots.iter().copied().filter(|&r| keep(r)).collect();
             if roots.is_empty() {
                 let next = match t.peer {
                     Peer::Any => "the default applies",
@@ -645,7 +687,7 @@ impl<'a> Dump<'a> {
                     r,
                     "",
                     i + 1 == roots.len(),
-                    eval.as_ref(),
+                    eval,
                     &keep,
                     &mut rows,
                 );
@@ -716,16 +758,11 @@ impl<'a> Dump<'a> {
         prefix: &str,
         last: bool,
         eval: Option<&FocusEval<'_>>,
-        keep: &dyn Fn(&Node<'_>) -> bool,
+        keep: &dyn Fn(usize) -> bool,
         rows: &mut Vec<Row>,
     ) {
         let n = &t.nodes[idx];
-        let children: Vec<usize> = n
-            .children
-            .iter()
-            .copied()
-            .filter(|&ch| keep(&t.nodes[ch]))
-            .collect();
+        let children: Vec<usize> = n.children.iter().copied().filter(|&ch| keep(ch)).collect();
         let connector = if last { "└─ " } else { "├─ " };
         let child_prefix = format!("{prefix}{}", if last { "   " } else { "│  " });
         let cont_label = format!(
@@ -1351,6 +1388,64 @@ x/a ingress: 9 keys, 2 covered entries
    └─ (no matching key: the default applies)
 ";
         assert_eq!(d.tree(opts), want);
+
+        // A grouping line ("TCP" of `*`) without a matching key under it is left out.
+        let d95 = Dump::new("x/a")
+            .side(&ms, None)
+            .labels(labels)
+            .focus(Focus {
+                identity: Some(7),
+                protocol: Protocol::Tcp,
+                port: 95,
+            });
+        let want = "\
+x/a ingress: 9 keys, 2 covered entries
+  default when no key matches: deny
+  focus: TCP/95 from identity 7 (y/pod=b): allow, decided by key [7 TCP] (200, 0) OrderedNetworkPolicy x/tcp-for-7 ingress[0]
+   identity 7 (y/pod=b)
+=> └─ TCP  allow  (200, 0)  OrderedNetworkPolicy x/tcp-for-7 ingress[0]  ◀ decides
+   * any identity
+   └─ (no matching key: the default applies)
+";
+        assert_eq!(d95.tree(opts), want);
+        // A state without `*` keys still shows where the lookup would go on.
+        let only_7 = MapState::build(
+            Direction::Ingress,
+            Verdict::Deny,
+            [entry(
+                3,
+                "tcp-for-7",
+                (200, 0),
+                Verdict::Allow,
+                Selector::ids([7]),
+                L4Match::Proto(Protocol::Tcp),
+            )],
+        )
+        .unwrap();
+        let d8 = Dump::new("x/a").side(&only_7, None).focus(Focus {
+            identity: Some(8),
+            protocol: Protocol::Tcp,
+            port: 95,
+        });
+        let want = "\
+x/a ingress: 1 key, 0 covered entries
+  default when no key matches: deny
+  focus: TCP/95 from identity 8: deny: no key matches, the default applies
+   identity 8
+   └─ (no keys of its own: the lookup goes on with the * keys)
+   * any identity
+   └─ (no keys of its own: the default applies)
+";
+        assert_eq!(d8.tree(opts), want);
+
+        // Without the header: only the path, for callers that print their own summary.
+        let opts = TreeOptions {
+            path_only: true,
+            omit_header: true,
+            ..TreeOptions::default()
+        };
+        let want = "   * any identity\n   └─ (no matching key: the default applies)\n";
+        assert_eq!(d.tree(opts), want);
     }
 
     #[test]
@@ -1411,12 +1506,13 @@ x/a ingress: 2 keys, 1 covered entry
             let plain = d.tree(TreeOptions {
                 path_only,
                 legend: true,
-                color: false,
+                ..TreeOptions::default()
             });
             let coloured = d.tree(TreeOptions {
                 path_only,
                 legend: true,
                 color: true,
+                ..TreeOptions::default()
             });
             assert!(!plain.contains('\x1b'));
             assert!(coloured.contains("\x1b[31mdeny \x1b[0m"), "{coloured}");
