@@ -7,6 +7,10 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 mod crd;
+mod dump;
+mod matrix;
+mod render;
+mod trace;
 mod validate;
 
 /// ordnet: ordered Kubernetes network policy with an O(1) XDP datapath.
@@ -187,9 +191,9 @@ pub struct AgentArgs {
 /// Runs one parsed command line and returns the process exit code.
 pub fn run(cli: Cli) -> ExitCode {
     match cli.command {
-        Command::Matrix(_) => not_implemented("matrix"),
-        Command::Trace(_) => not_implemented("trace"),
-        Command::Dump(_) => not_implemented("dump"),
+        Command::Matrix(args) => matrix::run(&args),
+        Command::Trace(args) => trace::run(&args),
+        Command::Dump(args) => dump::run(&args),
         Command::Validate(args) => validate::run(&args),
         Command::Crd => crd::run(),
         Command::Lab(_) => not_implemented("lab"),

@@ -1,0 +1,413 @@
+//! What `matrix`, `trace` and `dump` share: loading the manifests into an engine (with the
+//! error reporting of CLI.md), names of identities and rules, the colour decision, ANSI styles,
+//! aligned tables and the verdict grid.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use ordnet_crds::Source as ObjectSource;
+use ordnet_crds::{ClusterObjects, Loaded, ObjectRef};
+use ordnet_engine::{Engine, IdentityKind};
+use ordnet_mapstate::{Identity, Origin, Protocol, Verdict};
+
+use super::{ProtocolArg, Source};
+
+/// Loads `-f` manifests, validates them and builds the engine. Warnings go to stderr; on any
+/// error every error is printed to stderr as `FILE: KIND NS/NAME: FIELD: message` and the exit
+/// code is 1. `--agent` is not implemented yet (exit 2).
+pub fn load_engine(cmd: &str, source: &Source) -> Result<Engine, ExitCode> {
+    if source.agent.is_some() {
+        eprintln!("ordnet {cmd}: not implemented yet: --agent (read manifests with -f PATH)");
+        return Err(ExitCode::from(2));
+    }
+    let outcome = ordnet_crds::load_and_validate(&source.files);
+    for p in &outcome.problems {
+        eprintln!("{p}");
+    }
+    let errors = outcome.problems.iter().filter(|p| p.is_error()).count();
+    if errors > 0 {
+        eprintln!(
+            "ordnet {cmd}: {errors} error{} in the manifests; nothing computed",
+            if errors == 1 { "" } else { "s" }
+        );
+        return Err(ExitCode::from(1));
+    }
+    let engine = Engine::build(&outcome.objects);
+    if !engine.errors().is_empty() {
+        for e in engine.errors() {
+            match source_file(&outcome.objects, &e.object) {
+                Some(file) => eprintln!("{file}: {e}"),
+                None => eprintln!("{e}"),
+            }
+        }
+        let n = engine.errors().len();
+        eprintln!(
+            "ordnet {cmd}: {n} object{} cannot be used; nothing computed",
+            if n == 1 { "" } else { "s" }
+        );
+        return Err(ExitCode::from(1));
+    }
+    Ok(engine)
+}
+
+/// The file an object (`KIND NS/NAME` or `KIND NAME`) was read from.
+fn source_file(objects: &ClusterObjects, object: &str) -> Option<String> {
+    use ordnet_crds::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    use ordnet_crds::manifest as m;
+    fn refs<'a, T>(
+        list: &'a [Loaded<T>],
+        kind: &'static str,
+        meta: impl Fn(&T) -> &ObjectMeta + 'a,
+    ) -> impl Iterator<Item = (ObjectRef, Option<&'a ObjectSource>)> + 'a {
+        list.iter().map(move |o| {
+            let md = meta(&o.object);
+            let name = md.name.clone().unwrap_or_default();
+            let r = match &md.namespace {
+                Some(ns) => ObjectRef::namespaced(kind, ns, &name),
+                None => ObjectRef::cluster(kind, &name),
+            };
+            (r, o.source.as_ref())
+        })
+    }
+    let o = objects;
+    refs(&o.namespaces, m::KIND_NAMESPACE, |x| &x.metadata)
+        .chain(refs(&o.pods, m::KIND_POD, |x| &x.metadata))
+        .chain(refs(&o.network_policies, m::KIND_NETWORK_POLICY, |x| {
+            &x.metadata
+        }))
+        .chain(refs(&o.ordered_policies, m::KIND_ORDERED, |x| &x.metadata))
+        .chain(refs(
+            &o.cluster_ordered_policies,
+            m::KIND_CLUSTER_ORDERED,
+            |x| &x.metadata,
+        ))
+        .find(|(r, _)| r.to_string() == object)
+        .and_then(|(_, src)| src.map(|s| s.file.display().to_string()))
+}
+
+pub fn protocol(p: ProtocolArg) -> Protocol {
+    match p {
+        ProtocolArg::Tcp => Protocol::Tcp,
+        ProtocolArg::Udp => Protocol::Udp,
+        ProtocolArg::Sctp => Protocol::Sctp,
+    }
+}
+
+/// What an identity stands for, e.g. `prod/app=api [prod/api]`, `cidr 10.0.0.0/8`, `world`.
+pub fn identity_label(engine: &Engine, id: Identity) -> Option<String> {
+    let info = engine.identity_info(id)?;
+    Some(match info.kind {
+        IdentityKind::Pod => {
+            let ns = info
+                .namespace_labels
+                .get("kubernetes.io/metadata.name")
+                .map(String::as_str)
+                .unwrap_or("?");
+            let labels = if info.labels.is_empty() {
+                "(no labels)".to_string()
+            } else {
+                info.labels
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
+            const SHOWN: usize = 3;
+            let mut members = info.members.iter().take(SHOWN).cloned().collect::<Vec<_>>();
+            if info.members.len() > SHOWN {
+                members.push(format!("+{} more", info.members.len() - SHOWN));
+            }
+            format!("{ns}/{labels} [{}]", members.join(", "))
+        }
+        IdentityKind::Cidr(net) => format!("cidr {net}"),
+        IdentityKind::World => "world".to_string(),
+    })
+}
+
+/// `OrderedNetworkPolicy prod/artifacts-ports` (the policy an origin belongs to).
+pub fn policy_name(o: &Origin) -> String {
+    match &o.namespace {
+        Some(ns) => format!("{} {ns}/{}", o.kind, o.name),
+        None => format!("{} {}", o.kind, o.name),
+    }
+}
+
+/// Every field of a rule: kind, namespace/name, direction, rule index, priority, action.
+pub fn rule_text(o: &Origin) -> String {
+    format!(
+        "{}, {} rule {}, priority {}, action {}",
+        policy_name(o),
+        o.direction,
+        o.rule_index,
+        o.priority,
+        match o.action {
+            Verdict::Allow => "Allow",
+            Verdict::Deny => "Deny",
+        }
+    )
+}
+
+/// Colour only when stdout is a terminal and `NO_COLOR` is unset or empty (no-color.org).
+pub fn color_wanted() -> bool {
+    let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    !no_color && std::io::stdout().is_terminal()
+}
+
+/// ANSI styling that is a no-op when colour is off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Style {
+    pub color: bool,
+}
+
+impl Style {
+    pub fn new(color: bool) -> Style {
+        Style { color }
+    }
+
+    fn wrap(&self, code: &str, s: &str) -> String {
+        if self.color && !s.is_empty() {
+            format!("\x1b[{code}m{s}\x1b[0m")
+        } else {
+            s.to_string()
+        }
+    }
+
+    pub fn bold(&self, s: &str) -> String {
+        self.wrap("1", s)
+    }
+
+    pub fn dim(&self, s: &str) -> String {
+        self.wrap("2", s)
+    }
+
+    pub fn green(&self, s: &str) -> String {
+        self.wrap("32", s)
+    }
+
+    pub fn red(&self, s: &str) -> String {
+        self.wrap("1;31", s)
+    }
+
+    /// `s` in the verdict's colour (green allow, red deny).
+    pub fn verdict(&self, v: Verdict, s: &str) -> String {
+        match v {
+            Verdict::Allow => self.green(s),
+            Verdict::Deny => self.red(s),
+        }
+    }
+}
+
+/// Display width of plain text (no escapes inside).
+pub fn width(s: &str) -> usize {
+    s.chars().count()
+}
+
+/// One cell: its plain text (for widths) and its styled text.
+#[derive(Debug, Clone)]
+pub struct Cell {
+    plain: String,
+    styled: String,
+}
+
+impl Cell {
+    pub fn plain(s: impl Into<String>) -> Cell {
+        let s = s.into();
+        Cell {
+            styled: s.clone(),
+            plain: s,
+        }
+    }
+
+    /// A cell whose styled text is `style(plain)`.
+    pub fn styled(s: impl Into<String>, style: impl Fn(&str) -> String) -> Cell {
+        let plain = s.into();
+        Cell {
+            styled: style(&plain),
+            plain,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Align {
+    Left,
+    Center,
+}
+
+/// Aligned columns separated by `gap` spaces; trailing spaces are trimmed.
+pub fn table(rows: &[Vec<Cell>], align: &[Align], gap: usize) -> String {
+    let ncols = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let mut widths = vec![0; ncols];
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            widths[i] = widths[i].max(width(&c.plain));
+        }
+    }
+    let mut out = String::new();
+    for r in rows {
+        let mut line = String::new();
+        for (i, c) in r.iter().enumerate() {
+            if i > 0 {
+                line.push_str(&" ".repeat(gap));
+            }
+            let room = widths[i] - width(&c.plain);
+            let (before, after) = match align.get(i).copied().unwrap_or(Align::Left) {
+                Align::Left => (0, room),
+                Align::Center => (room / 2, room - room / 2),
+            };
+            line.push_str(&" ".repeat(before));
+            line.push_str(&c.styled);
+            line.push_str(&" ".repeat(after));
+        }
+        let _ = writeln!(out, "{}", line.trim_end());
+    }
+    out
+}
+
+/// The verdict grid of `matrix`: rows = sources, columns = destinations, `.` allow, `X` deny,
+/// `-` not probed (two external addresses). Columns are headed by the endpoint names; when that
+/// would be wider than `max_width`, by numbers that the row labels repeat. Ends with a legend
+/// and a count of denied pairs.
+pub fn verdict_grid(
+    title: &str,
+    endpoints: &[String],
+    verdicts: &BTreeMap<(String, String), Verdict>,
+    style: Style,
+    max_width: usize,
+) -> String {
+    let name_w = endpoints.iter().map(|e| width(e)).max().unwrap_or(0);
+    let by_name: usize = endpoints.iter().map(|e| width(e) + 2).sum();
+    let numbered = name_w + 2 + by_name > max_width;
+    let label = |i: usize, e: &str| {
+        if numbered {
+            format!("{:>w$} {e}", i + 1, w = endpoints.len().to_string().len())
+        } else {
+            e.to_string()
+        }
+    };
+    let mut rows = Vec::new();
+    let mut header = vec![Cell::styled(title, |s| style.bold(s))];
+    for (i, e) in endpoints.iter().enumerate() {
+        let h = if numbered {
+            (i + 1).to_string()
+        } else {
+            e.clone()
+        };
+        header.push(Cell::styled(h, |s| style.bold(s)));
+    }
+    rows.push(header);
+    let (mut denied, mut probed) = (0usize, 0usize);
+    for (i, from) in endpoints.iter().enumerate() {
+        let mut row = vec![Cell::styled(label(i, from), |s| style.bold(s))];
+        for to in endpoints {
+            let cell = match verdicts.get(&(from.clone(), to.clone())) {
+                Some(Verdict::Allow) => {
+                    probed += 1;
+                    Cell::styled(".", |s| style.green(s))
+                }
+                Some(Verdict::Deny) => {
+                    probed += 1;
+                    denied += 1;
+                    Cell::styled("X", |s| style.red(s))
+                }
+                None => Cell::styled("-", |s| style.dim(s)),
+            };
+            row.push(cell);
+        }
+        rows.push(row);
+    }
+    let mut align = vec![Align::Left];
+    align.extend(std::iter::repeat_n(Align::Center, endpoints.len()));
+    let mut out = table(&rows, &align, 2);
+    out.push('\n');
+    let _ = writeln!(
+        out,
+        "{}  {}  {}   rows: source, columns: destination",
+        style.green(".") + " allow",
+        style.red("X") + " deny",
+        style.dim("-") + " not probed (two external addresses)",
+    );
+    let _ = writeln!(
+        out,
+        "{denied} of {probed} pair{} denied",
+        if probed == 1 { "" } else { "s" }
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grid_input() -> (Vec<String>, BTreeMap<(String, String), Verdict>) {
+        let eps: Vec<String> = ["qa/grafana", "prod/db", "192.0.2.10"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let mut v = BTreeMap::new();
+        for a in &eps {
+            for b in &eps {
+                if a.starts_with("192") && b.starts_with("192") {
+                    continue;
+                }
+                let deny = a == "qa/grafana" && b == "prod/db" || a.starts_with("192");
+                let verdict = if deny { Verdict::Deny } else { Verdict::Allow };
+                v.insert((a.clone(), b.clone()), verdict);
+            }
+        }
+        (eps, v)
+    }
+
+    #[test]
+    fn grid_by_name() {
+        let (eps, v) = grid_input();
+        let got = verdict_grid("TCP/80", &eps, &v, Style::new(false), 200);
+        let want = "\
+TCP/80      qa/grafana  prod/db  192.0.2.10
+qa/grafana      .          X         .
+prod/db         .          .         .
+192.0.2.10      X          X         -
+
+. allow  X deny  - not probed (two external addresses)   rows: source, columns: destination
+3 of 8 pairs denied
+";
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn grid_numbered_when_too_wide() {
+        let (eps, v) = grid_input();
+        let got = verdict_grid("TCP/80", &eps, &v, Style::new(false), 30);
+        let want = "\
+TCP/80        1  2  3
+1 qa/grafana  .  X  .
+2 prod/db     .  .  .
+3 192.0.2.10  X  X  -
+
+. allow  X deny  - not probed (two external addresses)   rows: source, columns: destination
+3 of 8 pairs denied
+";
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn colour_keeps_alignment() {
+        let (eps, v) = grid_input();
+        let plain = verdict_grid("TCP/80", &eps, &v, Style::new(false), 200);
+        let coloured = verdict_grid("TCP/80", &eps, &v, Style::new(true), 200);
+        assert!(coloured.contains("\x1b[1;31mX\x1b[0m"));
+        assert!(coloured.contains("\x1b[32m.\x1b[0m"));
+        let mut stripped = String::new();
+        let mut it = coloured.chars();
+        while let Some(c) = it.next() {
+            if c == '\x1b' {
+                it.by_ref().find(|&c| c == 'm');
+            } else {
+                stripped.push(c);
+            }
+        }
+        assert_eq!(stripped, plain);
+    }
+}
