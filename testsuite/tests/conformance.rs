@@ -1,0 +1,307 @@
+//! The conformance scenarios (`data/conformance/`, a copy of the shared `conformance/`
+//! directory) run through the CLI's code path: the manifest loader and validator of
+//! `ordnet_crds`, `Engine::build` and `ordnet_engine::matrix` (which `ordnet matrix` prints).
+//!
+//! For every scenario and every `expect` probe, every ordered pair of distinct endpoints (pods
+//! with an address, and the scenario's external addresses; pairs of two externals are skipped)
+//! must have the verdict `default`, or the opposite one when the pair is listed in `exceptions`.
+//! A pod with itself must be allowed. The endpoints are taken from the scenario's objects, not
+//! from the engine, so an endpoint that the engine loses is reported too.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+use ordnet_engine::{Engine, IpFamily};
+use ordnet_mapstate::{Protocol, Verdict};
+use serde::Deserialize;
+
+/// The copy in this crate.
+fn data_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("data/conformance")
+}
+
+/// The shared original: `../shared/conformance` relative to the workspace root.
+fn shared_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/conformance")
+}
+
+fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.expect("directory entry").path())
+        .filter(|p| p.is_file())
+        .map(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            (name, bytes)
+        })
+        .collect()
+}
+
+#[test]
+fn copy_is_in_sync_with_shared() {
+    let shared = shared_dir();
+    if !shared.is_dir() {
+        println!(
+            "note: {} does not exist; the sync check of data/conformance is skipped",
+            shared.display()
+        );
+        return;
+    }
+    let want = files(&shared);
+    let have = files(&data_dir());
+    let mut diffs = Vec::new();
+    for (name, bytes) in &want {
+        match have.get(name) {
+            None => diffs.push(format!("missing in data/conformance: {name}")),
+            Some(b) if b != bytes => diffs.push(format!("differs from shared: {name}")),
+            Some(_) => {}
+        }
+    }
+    for name in have.keys().filter(|n| !want.contains_key(*n)) {
+        diffs.push(format!("not in shared (removed upstream?): {name}"));
+    }
+    assert!(
+        diffs.is_empty(),
+        "testsuite/data/conformance is out of sync with {}:\n  {}\nrefresh it with: \
+         rm -r testsuite/data/conformance && cp -a {} testsuite/data/conformance",
+        shared.display(),
+        diffs.join("\n  "),
+        shared.display()
+    );
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Scenario {
+    name: String,
+    #[allow(dead_code)]
+    source: String,
+    #[allow(dead_code)]
+    description: String,
+    objects: Vec<serde_yaml::Value>,
+    #[serde(default)]
+    externals: Vec<IpAddr>,
+    expect: Vec<Probe>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Probe {
+    protocol: String,
+    port: u16,
+    default: String,
+    #[serde(default)]
+    exceptions: Vec<String>,
+}
+
+fn parse_verdict(s: &str) -> Result<Verdict, String> {
+    match s {
+        "allow" => Ok(Verdict::Allow),
+        "deny" => Ok(Verdict::Deny),
+        other => Err(format!("unknown verdict {other:?}")),
+    }
+}
+
+fn parse_protocol(s: &str) -> Result<Protocol, String> {
+    Protocol::ALL
+        .into_iter()
+        .find(|p| p.as_str() == s)
+        .ok_or_else(|| format!("unknown protocol {s:?}"))
+}
+
+fn flip(v: Verdict) -> Verdict {
+    match v {
+        Verdict::Allow => Verdict::Deny,
+        Verdict::Deny => Verdict::Allow,
+    }
+}
+
+/// The pods of the scenario that are endpoints: a `status.podIP`, not `hostNetwork`.
+fn pod_endpoints(objects: &[serde_yaml::Value]) -> Vec<String> {
+    let mut out: Vec<String> = objects
+        .iter()
+        .filter(|o| o["kind"].as_str() == Some("Pod"))
+        .filter(|o| o["status"]["podIP"].as_str().is_some_and(|s| !s.is_empty()))
+        .filter(|o| o["spec"]["hostNetwork"].as_bool() != Some(true))
+        .map(|o| {
+            format!(
+                "{}/{}",
+                o["metadata"]["namespace"].as_str().unwrap_or("default"),
+                o["metadata"]["name"].as_str().expect("pod name")
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Loads the objects exactly as `ordnet matrix -f` does (loader + validator) and builds the engine.
+fn build(sc: &Scenario, path: &Path) -> Result<Engine, String> {
+    let stream: String = sc
+        .objects
+        .iter()
+        .map(|o| format!("---\n{}", serde_yaml::to_string(o).expect("YAML")))
+        .collect();
+    let outcome = ordnet_crds::validated(ordnet_crds::manifest::load_str(path, &stream));
+    if outcome.has_errors() {
+        let problems: Vec<String> = outcome
+            .problems
+            .iter()
+            .filter(|p| p.is_error())
+            .map(|p| p.to_string())
+            .collect();
+        return Err(format!("invalid objects:\n    {}", problems.join("\n    ")));
+    }
+    Ok(Engine::build(&outcome.objects))
+}
+
+struct Counts {
+    scenarios: usize,
+    probes: usize,
+    pairs: usize,
+}
+
+/// Checks one scenario; returns the failure report (empty when it passes).
+fn check(path: &Path, counts: &mut Counts) -> Vec<String> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let sc: Scenario = match serde_yaml::from_str(&text) {
+        Ok(s) => s,
+        Err(e) => return vec![format!("{}: unreadable scenario: {e}", path.display())],
+    };
+    let stem = path.file_stem().unwrap().to_string_lossy();
+    if sc.name != stem {
+        return vec![format!(
+            "{}: name {:?} is not the file name",
+            path.display(),
+            sc.name
+        )];
+    }
+    let engine = match build(&sc, path) {
+        Ok(e) => e,
+        Err(e) => return vec![format!("{}: {e}", sc.name)],
+    };
+    counts.scenarios += 1;
+    let pods = pod_endpoints(&sc.objects);
+    let externals: Vec<String> = sc.externals.iter().map(|ip| ip.to_string()).collect();
+    let all: Vec<&String> = pods.iter().chain(&externals).collect();
+    let is_pod: BTreeSet<&String> = pods.iter().collect();
+    let mut report = Vec::new();
+    for probe in &sc.expect {
+        let what = format!("{} {}/{}", sc.name, probe.protocol, probe.port);
+        let (proto, default) = match (
+            parse_protocol(&probe.protocol),
+            parse_verdict(&probe.default),
+        ) {
+            (Ok(p), Ok(d)) => (p, d),
+            (Err(e), _) | (_, Err(e)) => {
+                report.push(format!("{what}: {e}"));
+                continue;
+            }
+        };
+        counts.probes += 1;
+        let mut exceptions = BTreeSet::new();
+        for ex in &probe.exceptions {
+            match ex.split_once(" -> ") {
+                Some((a, b))
+                    if all.iter().any(|e| *e == a) && all.iter().any(|e| *e == b) && a != b =>
+                {
+                    exceptions.insert((a.to_string(), b.to_string()));
+                }
+                _ => report.push(format!(
+                    "{what}: exception {ex:?} names no pair of endpoints"
+                )),
+            }
+        }
+        let m = ordnet_engine::matrix(&engine, proto, probe.port, &sc.externals, IpFamily::V4);
+        let mut got: BTreeMap<(String, String), Vec<Verdict>> = BTreeMap::new();
+        for r in &m.results {
+            got.entry((r.from.clone(), r.to.clone()))
+                .or_default()
+                .push(r.verdict);
+        }
+        let mut wrong = Vec::new();
+        for from in &all {
+            for to in &all {
+                if !is_pod.contains(from) && !is_pod.contains(to) {
+                    continue;
+                }
+                let pair = ((*from).clone(), (*to).clone());
+                let want = if from == to {
+                    Verdict::Allow
+                } else if exceptions.contains(&pair) {
+                    flip(default)
+                } else {
+                    default
+                };
+                counts.pairs += 1;
+                match got.remove(&pair).as_deref() {
+                    Some([v]) if *v == want => {}
+                    Some([v]) => wrong.push(format!("{from} -> {to}: expected {want}, got {v}")),
+                    Some(vs) => wrong.push(format!(
+                        "{from} -> {to}: expected {want}, got {} results {vs:?}",
+                        vs.len()
+                    )),
+                    None => wrong.push(format!("{from} -> {to}: expected {want}, missing")),
+                }
+            }
+        }
+        for ((from, to), vs) in got {
+            wrong.push(format!(
+                "{from} -> {to}: unexpected pair in the matrix ({vs:?})"
+            ));
+        }
+        if !wrong.is_empty() {
+            report.push(format!(
+                "{what} (default {}): {} wrong pair{}:\n    {}",
+                probe.default,
+                wrong.len(),
+                if wrong.len() == 1 { "" } else { "s" },
+                wrong.join("\n    ")
+            ));
+        }
+    }
+    report
+}
+
+#[test]
+fn every_scenario_passes_through_the_matrix() {
+    let mut scenarios: Vec<PathBuf> = std::fs::read_dir(data_dir())
+        .expect("testsuite/data/conformance")
+        .map(|e| e.expect("directory entry").path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    scenarios.sort();
+    assert!(
+        scenarios.len() >= 60,
+        "expected the conformance scenarios in {}",
+        data_dir().display()
+    );
+    let mut counts = Counts {
+        scenarios: 0,
+        probes: 0,
+        pairs: 0,
+    };
+    let mut failed = Vec::new();
+    for path in &scenarios {
+        let report = check(path, &mut counts);
+        if !report.is_empty() {
+            failed.push(report.join("\n  "));
+        }
+    }
+    println!(
+        "conformance: {} scenarios, {} probes, {} pairs checked, {} scenario(s) failing",
+        counts.scenarios,
+        counts.probes,
+        counts.pairs,
+        failed.len()
+    );
+    assert!(
+        failed.is_empty(),
+        "{} of {} conformance scenarios fail:\n  {}",
+        failed.len(),
+        scenarios.len(),
+        failed.join("\n  ")
+    );
+}
