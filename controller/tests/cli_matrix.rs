@@ -1,0 +1,669 @@
+//! `ordnet matrix`, `trace` and `dump`, run as the real binary.
+//!
+//! - `matrix -o json` on a handful of conformance scenarios equals the scenario's expectation;
+//! - the built-in example `examples/qa-prod` tells its story (the demo runs exactly these
+//!   commands, so it cannot rot silently);
+//! - `trace` names the deciding rule or the default, `dump` renders tree/json/dot;
+//! - error cases: unknown pod, bad --from, invalid manifests (exit 1), usage errors and
+//!   `--agent` (exit 2); no colour when stdout is not a terminal.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ordnet");
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn example() -> String {
+    repo().join("examples/qa-prod").display().to_string()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ordnet-cli-matrix-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create scratch dir");
+    dir
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env_remove("NO_COLOR")
+        .output()
+        .expect("run ordnet")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Runs and requires exit code `code`; returns stdout.
+fn run_ok(args: &[&str], code: i32) -> String {
+    let out = run(args);
+    let stderr = text(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "{args:?}: exit {:?}\nstdout:\n{}\nstderr:\n{stderr}",
+        out.status.code(),
+        text(&out.stdout)
+    );
+    text(&out.stdout)
+}
+
+fn json(s: &str) -> serde_json::Value {
+    serde_json::from_str(s).unwrap_or_else(|e| panic!("not JSON ({e}):\n{s}"))
+}
+
+// ----- matrix -o json against conformance scenarios ------------------------------------------
+
+/// Writes the scenario's objects to a manifest file; returns (file, scenario).
+fn scenario(name: &str, dir: &Path) -> (PathBuf, serde_yaml::Value) {
+    let path = repo().join(format!("testsuite/data/conformance/{name}.yaml"));
+    let doc: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(&path).expect("scenario")).expect("YAML");
+    let stream: String = doc["objects"]
+        .as_sequence()
+        .expect("objects")
+        .iter()
+        .map(|o| format!("---\n{}", serde_yaml::to_string(o).unwrap()))
+        .collect();
+    let file = dir.join(format!("{name}.yaml"));
+    std::fs::write(&file, stream).unwrap();
+    (file, doc)
+}
+
+#[test]
+fn matrix_json_equals_the_scenario_expectations() {
+    let dir = scratch("scenarios");
+    let names = [
+        "np-e2e-01-default-deny-ingress",
+        "np-e2e-14-ports",
+        "np-e2e-35-egress-cidr-except",
+        "np-e2e-38-sctp-not-treated-as-tcp",
+        "np-e2e-44-ports-udp",
+        "onp-03-rule-order-within-policy",
+        "onp-08-ipblock-except-with-ordered-deny",
+        "onp-10-port-range-with-deny-hole",
+    ];
+    let mut probes = 0;
+    for name in names {
+        let (file, doc) = scenario(name, &dir);
+        let pods: Vec<String> = doc["objects"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .filter(|o| o["kind"] == "Pod")
+            .map(|o| {
+                format!(
+                    "{}/{}",
+                    o["metadata"]["namespace"].as_str().unwrap(),
+                    o["metadata"]["name"].as_str().unwrap()
+                )
+            })
+            .collect();
+        let externals: Vec<String> = doc["externals"]
+            .as_sequence()
+            .map(|s| s.iter().map(|e| e.as_str().unwrap().to_string()).collect())
+            .unwrap_or_default();
+        for probe in doc["expect"].as_sequence().unwrap() {
+            let proto = probe["protocol"].as_str().unwrap();
+            let port = probe["port"].as_u64().unwrap().to_string();
+            let default = probe["default"].as_str().unwrap();
+            let other = if default == "allow" { "deny" } else { "allow" };
+            let exceptions: BTreeSet<String> = probe["exceptions"]
+                .as_sequence()
+                .map(|s| s.iter().map(|e| e.as_str().unwrap().to_string()).collect())
+                .unwrap_or_default();
+            let mut args = vec![
+                "matrix",
+                "-f",
+                file.to_str().unwrap(),
+                "--protocol",
+                proto,
+                "--port",
+                &port,
+                "-o",
+                "json",
+            ];
+            for e in &externals {
+                args.extend(["--external", e.as_str()]);
+            }
+            let out = json(&run_ok(&args, 0));
+            assert_eq!(out["protocol"], proto, "{name}");
+            assert_eq!(out["port"].to_string(), port, "{name}");
+            let mut want = BTreeMap::new();
+            for a in pods.iter().chain(&externals) {
+                for b in pods.iter().chain(&externals) {
+                    if !pods.contains(a) && !pods.contains(b) {
+                        continue;
+                    }
+                    let v = if a == b {
+                        "allow"
+                    } else if exceptions.contains(&format!("{a} -> {b}")) {
+                        other
+                    } else {
+                        default
+                    };
+                    want.insert(format!("{a} -> {b}"), v.to_string());
+                }
+            }
+            let results = out["results"].as_array().expect("results");
+            let got: BTreeMap<String, String> = results
+                .iter()
+                .map(|r| {
+                    (
+                        format!(
+                            "{} -> {}",
+                            r["from"].as_str().unwrap(),
+                            r["to"].as_str().unwrap()
+                        ),
+                        r["verdict"].as_str().unwrap().to_string(),
+                    )
+                })
+                .collect();
+            assert_eq!(results.len(), got.len(), "{name}: duplicate pairs");
+            assert_eq!(got, want, "{name} {proto}/{port}");
+            probes += 1;
+        }
+    }
+    assert!(probes >= 15, "only {probes} probes ran");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+// ----- the built-in example ------------------------------------------------------------------
+
+/// The example's story on TCP 8081 (matrix JSON, every pair), as examples/qa-prod/README.md
+/// tells it.
+#[test]
+fn example_tells_its_story() {
+    let ex = example();
+    let verdicts = |port: &str| -> BTreeMap<(String, String), String> {
+        let out = json(&run_ok(
+            &[
+                "matrix",
+                "-f",
+                &ex,
+                "--port",
+                port,
+                "--external",
+                "203.0.113.7",
+                "-o",
+                "json",
+            ],
+            0,
+        ));
+        out["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    (
+                        r["from"].as_str().unwrap().to_string(),
+                        r["to"].as_str().unwrap().to_string(),
+                    ),
+                    r["verdict"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+    let eps = [
+        "prod/api",
+        "prod/artifacts",
+        "prod/db",
+        "qa/grafana",
+        "qa/tester",
+        "203.0.113.7",
+    ];
+    // (port, denied pairs); every other pair is allowed.
+    let story: [(&str, &[(&str, &str)]); 3] = [
+        (
+            "8081",
+            &[
+                // the guardrail: qa never reaches prod ...
+                ("qa/tester", "prod/artifacts"),
+                ("qa/tester", "prod/api"),
+                ("qa/grafana", "prod/api"),
+                // ... (qa/grafana -> prod/artifacts is the cluster exception at -20)
+                // the artifact server is isolated: only pods, on 8000-8999
+                ("203.0.113.7", "prod/artifacts"),
+                // the database takes only the API, only on 5432
+                ("prod/api", "prod/db"),
+                ("prod/artifacts", "prod/db"),
+                ("qa/grafana", "prod/db"),
+                ("qa/tester", "prod/db"),
+                ("203.0.113.7", "prod/db"),
+            ],
+        ),
+        (
+            "8080",
+            &[
+                // the hole in the port range: 8080 is denied to everyone but the pod itself,
+                // grafana included (its exception is for 8081 only)
+                ("prod/api", "prod/artifacts"),
+                ("prod/db", "prod/artifacts"),
+                ("qa/grafana", "prod/artifacts"),
+                ("qa/tester", "prod/artifacts"),
+                ("203.0.113.7", "prod/artifacts"),
+                ("qa/grafana", "prod/api"),
+                ("qa/tester", "prod/api"),
+                ("prod/api", "prod/db"),
+                ("prod/artifacts", "prod/db"),
+                ("qa/grafana", "prod/db"),
+                ("qa/tester", "prod/db"),
+                ("203.0.113.7", "prod/db"),
+            ],
+        ),
+        (
+            "5432",
+            &[
+                ("prod/artifacts", "prod/db"),
+                ("qa/grafana", "prod/db"),
+                ("qa/tester", "prod/db"),
+                ("203.0.113.7", "prod/db"),
+                ("qa/grafana", "prod/api"),
+                ("qa/tester", "prod/api"),
+                ("prod/api", "prod/artifacts"),
+                ("prod/db", "prod/artifacts"),
+                ("qa/grafana", "prod/artifacts"),
+                ("qa/tester", "prod/artifacts"),
+                ("203.0.113.7", "prod/artifacts"),
+            ],
+        ),
+    ];
+    for (port, denied) in story {
+        let got = verdicts(port);
+        let mut want = BTreeMap::new();
+        for a in eps {
+            for b in eps {
+                if a.starts_with("203") && b.starts_with("203") {
+                    continue;
+                }
+                let v = if denied.contains(&(a, b)) {
+                    "deny"
+                } else {
+                    "allow"
+                };
+                want.insert((a.to_string(), b.to_string()), v.to_string());
+            }
+        }
+        assert_eq!(got, want, "TCP/{port}");
+    }
+}
+
+#[test]
+fn trace_names_the_deciding_rule() {
+    let ex = example();
+    // Allowed: the cluster exception (-20) beats the guardrail (-10).
+    let out = run_ok(
+        &[
+            "trace",
+            "-f",
+            &ex,
+            "--from",
+            "qa/grafana",
+            "--to",
+            "prod/artifacts",
+            "--port",
+            "8081",
+        ],
+        0,
+    );
+    assert!(
+        out.starts_with(
+            "trace TCP/8081 from qa/grafana (10.244.1.10) to prod/artifacts (10.244.2.10): ALLOW\n"
+        ),
+        "{out}"
+    );
+    assert!(out.contains(
+        "rule      ClusterOrderedNetworkPolicy grafana-reads-artifacts, ingress rule 0, priority -20, action Allow"
+    ), "{out}");
+    assert!(
+        !out.contains('\x1b'),
+        "colour although stdout is a pipe:\n{out}"
+    );
+
+    // Denied: the guardrail beats the prod team's own allow at priority 0, which is covered.
+    let out = run_ok(
+        &[
+            "trace",
+            "-f",
+            &ex,
+            "--from",
+            "qa/tester",
+            "--to",
+            "prod/api",
+            "--port",
+            "8081",
+        ],
+        0,
+    );
+    assert!(out.contains("): DENY\n"), "{out}");
+    assert!(out.contains("denied on the ingress side"), "{out}");
+    assert!(out.contains(
+        "rule      ClusterOrderedNetworkPolicy qa-must-not-reach-prod, ingress rule 0, priority -10, action Deny"
+    ), "{out}");
+    let covered = out
+        .lines()
+        .find(|l| l.contains("OrderedNetworkPolicy prod/api-lets-qa-tester-in ingress[0]"))
+        .unwrap_or_else(|| panic!("the covered namespaced allow is not on the path:\n{out}"));
+    assert!(covered.contains("covered by ["), "{covered}");
+    assert!(covered.ends_with("◀ would match, covered"), "{covered}");
+
+    // The port-range hole: rule 0 (deny 8080) beats rule 1 (allow 8000-8999) of one policy.
+    let out = run_ok(
+        &[
+            "trace",
+            "-f",
+            &ex,
+            "--from",
+            "prod/api",
+            "--to",
+            "prod/artifacts",
+            "--port",
+            "8080",
+        ],
+        0,
+    );
+    assert!(out.contains("): DENY\n"), "{out}");
+    assert!(
+        out.contains(
+            "OrderedNetworkPolicy prod/artifacts-ports, ingress rule 0, priority 100, action Deny"
+        ),
+        "{out}"
+    );
+
+    // The default: an external address to the isolated artifact server.
+    let out = run_ok(
+        &[
+            "trace",
+            "-f",
+            &ex,
+            "--from",
+            "203.0.113.7",
+            "--to",
+            "prod/artifacts",
+            "--port",
+            "8081",
+        ],
+        0,
+    );
+    assert!(out.contains("egress of 203.0.113.7: not a pod"), "{out}");
+    assert!(out.contains(
+        "default   deny: prod/artifacts is isolated for ingress by OrderedNetworkPolicy prod/artifacts-ports"
+    ), "{out}");
+
+    // A pod to itself.
+    let out = run_ok(
+        &[
+            "trace", "-f", &ex, "--from", "prod/db", "--to", "prod/db", "--port", "8081",
+        ],
+        0,
+    );
+    assert!(
+        out.contains("ALLOW\n  a pod talking to itself is always allowed"),
+        "{out}"
+    );
+
+    // JSON: the verdict and both sides.
+    let out = json(&run_ok(
+        &[
+            "trace",
+            "-f",
+            &ex,
+            "--from",
+            "qa/tester",
+            "--to",
+            "prod/api",
+            "--port",
+            "8081",
+            "-o",
+            "json",
+        ],
+        0,
+    ));
+    assert_eq!(out["verdict"], "deny");
+    assert_eq!(out["egress"]["endpoint"], "qa/tester");
+    assert_eq!(out["egress"]["verdict"], "allow");
+    assert_eq!(out["ingress"]["endpoint"], "prod/api");
+    assert_eq!(out["ingress"]["verdict"], "deny");
+    assert_eq!(
+        out["ingress"]["decision"]["entry"]["origins"][0]["name"],
+        "qa-must-not-reach-prod"
+    );
+}
+
+#[test]
+fn dump_renders_tree_json_and_dot() {
+    let ex = example();
+    let tree = run_ok(&["dump", "-f", &ex, "--pod", "prod/api"], 0);
+    assert!(
+        tree.starts_with("endpoint prod/api: 10.244.2.11 = identity "),
+        "{tree}"
+    );
+    for want in [
+        "prod/api ingress: 2 keys, 1 covered entry\n",
+        "  default when no key matches: allow (prod/api is not isolated for ingress)\n",
+        "ClusterOrderedNetworkPolicy qa-must-not-reach-prod ingress[0]",
+        "OrderedNetworkPolicy prod/api-lets-qa-tester-in ingress[0]",
+        "prod/api egress: 0 keys, 0 covered entries\n",
+        "\nlegend:\n",
+    ] {
+        assert!(tree.contains(want), "missing {want:?} in:\n{tree}");
+    }
+    let covered_line = tree
+        .lines()
+        .find(|l| l.contains("api-lets-qa-tester-in"))
+        .unwrap();
+    assert!(covered_line.contains("covered by ["), "{covered_line}");
+
+    let doc = json(&run_ok(
+        &[
+            "dump",
+            "-f",
+            &ex,
+            "--pod",
+            "prod/api",
+            "--direction",
+            "ingress",
+            "-o",
+            "json",
+        ],
+        0,
+    ));
+    assert_eq!(doc["endpoint"], "prod/api");
+    let dirs = doc["directions"].as_array().unwrap();
+    assert_eq!(dirs.len(), 1);
+    assert_eq!(dirs[0]["direction"], "ingress");
+    assert_eq!(dirs[0]["keyCount"], 2);
+    assert_eq!(dirs[0]["coveredCount"], 1);
+    let labels: Vec<&str> = dirs[0]["peers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["label"].as_str())
+        .collect();
+    assert!(
+        labels.contains(&"qa/app=tester [qa/tester]"),
+        "identity labels from the engine: {labels:?}"
+    );
+
+    let dot = run_ok(
+        &["dump", "-f", &ex, "--pod", "prod/artifacts", "-o", "dot"],
+        0,
+    );
+    assert!(
+        dot.starts_with("digraph \"mapstate prod/artifacts\" {\n"),
+        "{dot}"
+    );
+    assert!(dot.ends_with("}\n"), "{dot}");
+    assert_eq!(dot.matches('{').count(), dot.matches('}').count(), "{dot}");
+    assert!(dot.contains("subgraph \"cluster_ingress\""));
+    assert!(dot.contains("subgraph \"cluster_egress\""));
+    assert!(dot.contains("label=\"covered by\""));
+}
+
+// ----- errors --------------------------------------------------------------------------------
+
+#[test]
+fn errors_have_the_documented_exit_codes() {
+    let ex = example();
+    // Unknown pod, unparsable end: exit 1 with a message that names it.
+    let out = run(&[
+        "trace",
+        "-f",
+        &ex,
+        "--from",
+        "prod/nope",
+        "--to",
+        "prod/api",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("--from prod/nope: no pod prod/nope"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(out.stdout.is_empty());
+    let out = run(&[
+        "trace",
+        "-f",
+        &ex,
+        "--from",
+        "prod/api",
+        "--to",
+        "not-a-pod",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("--to not-a-pod:"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = run(&["dump", "-f", &ex, "--pod", "qa/nope"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("--pod qa/nope: no pod qa/nope"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = run(&["dump", "-f", &ex, "--pod", "grafana"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("expected NAMESPACE/NAME"));
+
+    // Usage errors: exit 2.
+    for args in [
+        &["matrix"][..],
+        &["trace", "--from", "qa/grafana", "--to", "prod/api"],
+        &["dump", "--pod", "prod/api"],
+        &["matrix", "-f", &ex, "--protocol", "ICMP"],
+        &["matrix", "-f", &ex, "--family", "5"],
+        &["matrix", "-f", &ex, "--external", "not-an-ip"],
+        &["dump", "-f", &ex, "--pod", "prod/api", "-o", "yaml"],
+    ] {
+        let out = run(args);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+    let out = run(&["matrix", "-f", &ex, "--external", "2001:db8::1"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("is not an IPv4 address"));
+
+    // --agent is for a later issue: say so, no output.
+    for cmd in ["matrix", "trace", "dump"] {
+        let mut args = vec![cmd, "--agent", "127.0.0.1:9090"];
+        match cmd {
+            "trace" => args.extend(["--from", "qa/grafana", "--to", "prod/api"]),
+            "dump" => args.extend(["--pod", "prod/api"]),
+            _ => {}
+        }
+        let out = run(&args);
+        assert_eq!(out.status.code(), Some(2), "{cmd}");
+        assert!(out.stdout.is_empty(), "{cmd}");
+        assert!(
+            text(&out.stderr).contains("not implemented yet: --agent"),
+            "{cmd}: {}",
+            text(&out.stderr)
+        );
+    }
+
+    // Invalid manifests: exit 1, every error names the file, the object and the field.
+    let dir = scratch("invalid");
+    let bad = dir.join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "apiVersion: ordnet.io/v1alpha1\nkind: OrderedNetworkPolicy\nmetadata: {name: p, namespace: q}\n\
+         spec: {priority: -1, podSelector: {}, ingress: [{action: Allow}]}\n",
+    )
+    .unwrap();
+    let out = run(&["matrix", "-f", bad.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty());
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "{}: OrderedNetworkPolicy q/p: spec.priority: -1 is negative",
+            bad.display()
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("ordnet matrix: 1 error in the manifests; nothing computed"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn table_output_is_aligned_and_plain_when_piped() {
+    let ex = example();
+    let out = run_ok(&["matrix", "-f", &ex, "--port", "8081"], 0);
+    let want = "\
+TCP/8081        prod/api  prod/artifacts  prod/db  qa/grafana  qa/tester
+prod/api           .            .            X         .           .
+prod/artifacts     .            .            X         .           .
+prod/db            .            .            .         .           .
+qa/grafana         X            .            X         .           .
+qa/tester          X            X            X         .           .
+
+. allow  X deny  - not probed (two external addresses)   rows: source, columns: destination
+7 of 25 pairs denied
+";
+    assert_eq!(out, want);
+}
+
+/// Colour needs a terminal: run under `script(1)` (util-linux) for a pseudo-terminal.
+#[test]
+fn colour_on_a_terminal_unless_no_color() {
+    if Command::new("script").arg("--version").output().is_err() {
+        println!("note: script(1) is not installed; the terminal colour check is skipped");
+        return;
+    }
+    let ex = example();
+    let cmd = format!("{BIN} matrix -f {ex} --port 8081");
+    let on_tty = |no_color: Option<&str>| {
+        let mut c = Command::new("script");
+        c.args(["-qec", &cmd, "/dev/null"]).env_remove("NO_COLOR");
+        if let Some(v) = no_color {
+            c.env("NO_COLOR", v);
+        }
+        let out = c.output().expect("run script");
+        assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    let coloured = on_tty(None);
+    assert!(coloured.contains("\x1b[1;31mX\x1b[0m"), "{coloured:?}");
+    assert!(coloured.contains("\x1b[32m.\x1b[0m"), "{coloured:?}");
+    assert!(!on_tty(Some("1")).contains('\x1b'));
+    // An empty NO_COLOR does not disable colour (no-color.org).
+    assert!(on_tty(Some("")).contains('\x1b'));
+}
