@@ -483,6 +483,7 @@ impl<'a> Dump<'a> {
                 "lookup: the identity's own keys first (longest prefix wins); if none matches, the * keys; then the default",
                 "[covering copy of *]  a * entry copied under the identity, because it is stronger than a broader key there",
                 "covered by [PEER KEY] this rule never decides for that peer: an equal or broader, stronger key wins",
+                "port ranges are stored as aligned blocks: 8000-8999 = 8000-8063, 8064-8191, 8192-8703, ...",
             ];
             for l in lines {
                 let _ = writeln!(out, "  {}", paint(c, Paint::Dim, l));
@@ -1348,6 +1349,7 @@ legend:
   lookup: the identity's own keys first (longest prefix wins); if none matches, the * keys; then the default
   [covering copy of *]  a * entry copied under the identity, because it is stronger than a broader key there
   covered by [PEER KEY] this rule never decides for that peer: an equal or broader, stronger key wins
+  port ranges are stored as aligned blocks: 8000-8999 = 8000-8063, 8064-8191, 8192-8703, ...
   => the key that decides the focused packet;  > matches but loses;  ~ covered entry that would match
 ";
         assert_eq!(d.tree(opts), want);

@@ -228,15 +228,15 @@ fn side_text(
                 )
             } else {
                 format!(
-                    "allow: {} is not isolated for {} (no policy selecting it has an Allow rule or defaultDeny for {})",
-                    s.endpoint, s.direction, s.direction
+                    "allow: {} is not isolated for {} (no policy that selects it isolates it)",
+                    s.endpoint, s.direction
                 )
             };
             row("default", why);
         }
     }
     out.push_str(&render::table(&rows, &[], 2));
-    if let Some(policy) = policy {
+    if let Some(policy) = policy.filter(|p| !p.mapstate.is_empty()) {
         let _ = writeln!(
             out,
             "  lookup in the {} MapState of {} ({} keys; identity first, then *, then the default):",
