@@ -667,3 +667,160 @@ fn colour_on_a_terminal_unless_no_color() {
     // An empty NO_COLOR does not disable colour (no-color.org).
     assert!(on_tty(Some("")).contains('\x1b'));
 }
+
+#[test]
+fn family_6_probes_ipv6_addresses() {
+    let dir = scratch("v6");
+    let file = dir.join("dual.yaml");
+    std::fs::write(
+        &file,
+        r#"apiVersion: v1
+kind: Namespace
+metadata: {name: x}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: a, namespace: x, labels: {pod: a}}
+status: {podIP: 10.244.1.1, podIPs: [{ip: 10.244.1.1}, {ip: "fd00::1"}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: b, namespace: x, labels: {pod: b}}
+status: {podIP: 10.244.1.2, podIPs: [{ip: 10.244.1.2}, {ip: "fd00::2"}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: c, namespace: x, labels: {pod: c}}
+status: {podIP: 10.244.1.3}
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: only-b-v6, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress:
+  - from:
+    - ipBlock: {cidr: "fd00::2/128"}
+"#,
+    )
+    .unwrap();
+    let f = file.to_str().unwrap();
+    let pairs = |args: &[&str]| -> Vec<String> {
+        let out = json(&run_ok(args, 0));
+        out["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                format!(
+                    "{} -> {} {}",
+                    r["from"].as_str().unwrap(),
+                    r["to"].as_str().unwrap(),
+                    r["verdict"].as_str().unwrap()
+                )
+            })
+            .collect()
+    };
+    // IPv6: x/c has no IPv6 address and is skipped; only x/b's IPv6 address may reach x/a.
+    assert_eq!(
+        pairs(&[
+            "matrix",
+            "-f",
+            f,
+            "--family",
+            "6",
+            "--external",
+            "fd00::99",
+            "-o",
+            "json"
+        ]),
+        [
+            "x/a -> x/a allow",
+            "x/a -> x/b allow",
+            "x/a -> fd00::99 allow",
+            "x/b -> x/a allow",
+            "x/b -> x/b allow",
+            "x/b -> fd00::99 allow",
+            "fd00::99 -> x/a deny",
+            "fd00::99 -> x/b allow",
+        ]
+    );
+    // IPv4: the /128 selects nothing, x/a is isolated.
+    assert_eq!(
+        pairs(&["matrix", "-f", f, "-o", "json"]),
+        [
+            "x/a -> x/a allow",
+            "x/a -> x/b allow",
+            "x/a -> x/c allow",
+            "x/b -> x/a deny",
+            "x/b -> x/b allow",
+            "x/b -> x/c allow",
+            "x/c -> x/a deny",
+            "x/c -> x/b allow",
+            "x/c -> x/c allow",
+        ]
+    );
+    // trace from a pod's IPv6 address: that pod's egress, named in the heading.
+    let out = run_ok(&["trace", "-f", f, "--from", "fd00::2", "--to", "x/a"], 0);
+    assert!(
+        out.starts_with("trace TCP/80 from fd00::2 (x/b) to x/a (fd00::1): ALLOW\n"),
+        "{out}"
+    );
+    assert!(out.contains("egress of x/b: allow"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Every `$ ordnet ...` sample in docs/cli.md and the matrix in examples/qa-prod/README.md is
+/// what the binary prints today (samples elided with `...` are checked up to the elision).
+#[test]
+fn documented_output_is_current() {
+    let docs = std::fs::read_to_string(repo().join("docs/cli.md")).unwrap();
+    let mut checked = 0;
+    for block in docs.split("```\n").skip(1).step_by(2) {
+        let Some(rest) = block.strip_prefix("$ ordnet ") else {
+            continue;
+        };
+        let (cmd, want) = rest.split_once('\n').unwrap();
+        if cmd.contains("bad.yaml") {
+            continue;
+        }
+        let args: Vec<String> = std::iter::once(cmd.split(' ').next().unwrap().to_string())
+            .chain(cmd.split(' ').skip(1).map(|a| {
+                if a == "examples/qa-prod" {
+                    example()
+                } else {
+                    a.to_string()
+                }
+            }))
+            .collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let got = run_ok(&args, 0);
+        match want.find("    ...\n") {
+            Some(cut) => assert!(
+                got.starts_with(&want[..cut]),
+                "docs/cli.md: `ordnet {cmd}` changed:\n{got}"
+            ),
+            None => assert_eq!(got, want, "docs/cli.md: `ordnet {cmd}` changed"),
+        }
+        checked += 1;
+    }
+    assert!(checked >= 8, "only {checked} samples found in docs/cli.md");
+    let readme = std::fs::read_to_string(repo().join("examples/qa-prod/README.md")).unwrap();
+    let got = run_ok(
+        &[
+            "matrix",
+            "-f",
+            &example(),
+            "--port",
+            "8081",
+            "--external",
+            "203.0.113.7",
+        ],
+        0,
+    );
+    let table: String = got.split("\n\n").next().unwrap().to_string() + "\n";
+    assert!(
+        readme.contains(&format!("```\n{table}```\n")),
+        "README matrix changed:\n{table}"
+    );
+}

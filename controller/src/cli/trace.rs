@@ -63,10 +63,13 @@ pub fn run(args: &TraceArgs) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// `qa/grafana (10.244.1.10)` or `203.0.113.7`.
+/// `qa/grafana (10.244.1.10)`, `203.0.113.7`, or `10.244.1.10 (qa/grafana)` for a pod's address.
 fn end_text(engine: &Engine, end: &FlowEnd, family: IpFamily) -> String {
     match end {
-        FlowEnd::Ip(ip) => ip.to_string(),
+        FlowEnd::Ip(ip) => match engine.endpoints().iter().find(|ep| ep.ips.contains(ip)) {
+            Some(ep) => format!("{ip} ({})", ep.id()),
+            None => ip.to_string(),
+        },
         FlowEnd::Pod { namespace, name } => {
             let ip = engine
                 .endpoint(namespace, name)
