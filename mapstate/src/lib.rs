@@ -42,15 +42,55 @@
 //! In both cases the specific-first lookup already gives the full materialization's answer.
 //! (A wildcard entry that overlaps no key of `I` is reached through `*` unchanged.)
 //!
+//! ## How the state is computed (one walk, no scratch trie)
+//! The ordered insertion above is the *definition* ([`reference::state`] implements it
+//! literally and is the test oracle). [`MapState`] computes the same result without sorting
+//! contributions or building a scratch trie, from a closed form of the insertion:
+//!
+//! > a block `B` with contributions becomes a key iff the strongest rank at `B` is strictly
+//! > stronger than every rank on `B`'s strict ancestor chain (a broader block of equal rank was
+//! > inserted first and covers it); the key holds the contributions of that rank at `B`.
+//!
+//! (Induction over the insertion order: when `B`'s best contribution comes, a covering key is
+//! present iff some strictly broader block, or `B` itself with a stronger rank, already got a
+//! key; a broader block that did not get one is itself under a key at least as strong.)
+//! So every key is strictly stronger than every key above it, and the "covered by" key of a
+//! skipped contribution is the broadest key on its chain that is stronger (or of equal rank and
+//! strictly broader) — the one that was present first when it came.
+//!
+//! Each peer's keys inside a region are one pre-order walk (parents before children) down the
+//! blocks that can matter, with a stack of `(block, strongest rank at or above it)`:
+//! - for `*`: the wildcard candidate blocks on the region's chain and inside it;
+//! - for an identity: its own candidate blocks there, merged with the **`*` keys** (not the
+//!   wildcard candidates) that are ancestors of, or lie inside, one of its own blocks. Using the
+//!   `*` keys is exact: a wildcard candidate that is not a `*` key sits under a `*` key at least
+//!   as strong, which is also on the identity's chain, so it changes no minimum and can never
+//!   be a key of the identity; a wildcard-only key of the full materialization is always a `*`
+//!   key (its chain has no more wildcard blocks than in `*`, only more own ones). `*` keys that
+//!   are comparable with no own block can neither become keys of the identity nor bound one.
+//!
+//! A key of an identity is kept when it holds an own contribution (at the key's rank) or lies
+//! under such a key (then it is a copy of the `*` key: **synthesized**). The cost of a region is
+//! the number of blocks walked (plus one sort of them), instead of a sort and a trie insertion
+//! per contribution; `*` is computed first, then each identity from it.
+//!
+//! **Dead keys.** The definition can produce a key whose block is entirely covered by stronger
+//! keys nested in it (for example `TCP/*` of an identity under two synthesized halves
+//! `TCP/0-32767` and `TCP/32768-65535`). It never decides a packet; it is kept because the
+//! state is, by definition, the ordered insertion (see docs/mapstate.md, open items).
+//!
 //! ## Incremental updates
 //! A contribution at block `B` can only change keys inside `B`: whether a key is inserted depends
 //! only on the keys on its ancestor chain. So every update marks `(peer, B)` regions dirty — the
 //! entry's own identities, or for a wildcard entry `*` plus every identity with own keys
-//! comparable with `B` — and each dirty region is recomputed by an ordered insertion (in order-key
-//! order, as in the CFP) of exactly the contributions that can influence it (its ancestor chain
-//! and its subtree). Removal therefore re-exposes what the removed entry covered, and after any
-//! sequence of updates the state equals the state built from scratch, entry for entry (property
-//! tested). Each batch returns the exact [`ChangeSet`]; [`ChangeSet::safe_order`] gives a write
+//! comparable with `B` — and each dirty region is recomputed (the walk above: the result of an
+//! ordered insertion, in order-key order as in the CFP, of exactly the contributions that can
+//! influence it, i.e. its ancestor chain and its subtree). `*` regions are recomputed before
+//! identity regions, since those read the `*` keys; a change of `*` keys inside `B` can only
+//! matter to identities with own blocks comparable with `B`, which are the ones marked. Removal
+//! therefore re-exposes what the removed entry covered, and after any sequence of updates the
+//! state equals the state built from scratch and [`reference::state`], entry for entry
+//! (property tested). Each batch returns the exact [`ChangeSet`]; [`ChangeSet::safe_order`] gives a write
 //! order that never opens a transient allow.
 
 pub mod changes;

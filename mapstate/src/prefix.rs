@@ -55,6 +55,8 @@ impl L4Prefix {
         L4Prefix::new(proto, port, FULL_LEN)
     }
 
+    /// The prefix length in bits (0..=24). A prefix is never "empty": this is not a size.
+    #[allow(clippy::len_without_is_empty)]
     pub fn len(&self) -> u8 {
         self.len
     }

@@ -121,12 +121,34 @@ struct Contrib {
 }
 
 impl Contrib {
-    fn rank(&self) -> (OrderKey, Verdict) {
+    fn rank(&self) -> Rank {
         (self.order, self.verdict)
     }
 }
 
 type Candidates = PrefixMap<L4Prefix, Vec<Contrib>>;
+
+/// `(order key, verdict)`: lower is stronger.
+type Rank = (OrderKey, Verdict);
+
+/// A block visited by the walk of [`MapState::compute`].
+struct Node<'a> {
+    prefix: L4Prefix,
+    /// The peer's own contributions at this block, strongest first.
+    own: &'a [Contrib],
+    /// For an identity: the `*` key at this block.
+    wild: Option<&'a StateEntry>,
+}
+
+/// A key on the chain above the block being visited.
+struct KeyFrame {
+    prefix: L4Prefix,
+    rank: Rank,
+    /// Whether the key is a key of the peer (for an identity: it or a key above it is specific).
+    kept: bool,
+    /// For an identity: this key or one above it is specific.
+    chain_specific: bool,
+}
 
 /// The precedence-aware LPM MapState of one endpoint and one direction.
 #[derive(Debug, Clone)]
@@ -193,10 +215,11 @@ impl MapState {
             ms.index_entry(&e, true);
             ms.entries.insert(e.id, e);
         }
-        let mut sink = ChangeSet::default();
-        let peers: Vec<Peer> = ms.cand.keys().copied().collect();
+        // `*` first: the identities' keys are computed from the `*` keys.
+        let mut peers: Vec<Peer> = ms.cand.keys().copied().collect();
+        peers.sort_unstable();
         for peer in peers {
-            ms.recompute(peer, L4Prefix::ANY, &mut sink);
+            ms.recompute(peer, L4Prefix::ANY, None);
         }
         Ok(ms)
     }
@@ -265,7 +288,7 @@ impl MapState {
                 })
             })
             .collect();
-        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out.sort_by_key(|e| e.0);
         out
     }
 
@@ -349,9 +372,10 @@ impl MapState {
                 }
             }
         }
+        // `Peer::Any` sorts first: the identities' keys are computed from the `*` keys.
         for (peer, regions) in dirty {
             for region in minimal_regions(regions) {
-                self.recompute(peer, region, &mut changes);
+                self.recompute(peer, region, Some(&mut changes));
             }
         }
         Ok(changes)
@@ -542,87 +566,13 @@ impl MapState {
         }
     }
 
-    /// Recomputes the keys of `peer` inside `region` (the region and its subtree) by ordered
-    /// insertion of every contribution that can influence them, and records the differences.
-    fn recompute(&mut self, peer: Peer, region: L4Prefix, changes: &mut ChangeSet) {
-        let items = self.region_items(peer, region);
-        let (scratch, covered) = ordered_insert(&items, peer, region);
-
-        // Derive the keys of this peer: `Some(synthesized)` when the scratch key is kept.
-        let kept = |prefix: L4Prefix, s: &Scratch| -> Option<bool> {
-            match peer {
-                Peer::Any => Some(false),
-                Peer::Id(_) if s.specific => Some(false),
-                Peer::Id(_) => scratch
-                    .cover(&prefix)
-                    .any(|(p, a)| p != prefix && a.specific)
-                    .then_some(true),
-            }
-        };
-        let mut new: BTreeMap<L4Prefix, StateEntry> = BTreeMap::new();
-        for (prefix, s) in scratch.children(&region) {
-            if let Some(synthesized) = kept(prefix, s) {
-                new.insert(prefix, self.state_entry(s, synthesized));
-            }
-        }
-        // Covered notes: a contribution blocked by a key that is not kept for this peer is
-        // reported against the `*` key (the wildcard entry that makes it unreachable).
-        let mut notes: BTreeMap<L4Prefix, Vec<Covered>> = BTreeMap::new();
-        for (item, by) in covered {
-            let by_kept = scratch.get(&by).is_some_and(|s| kept(by, s).is_some());
-            let by_peer = if by_kept { peer } else { Peer::Any };
-            notes.entry(item.prefix).or_default().push(Covered {
-                entry: item.entry,
-                key: Key {
-                    peer,
-                    prefix: item.prefix,
-                },
-                covered_by: Key {
-                    peer: by_peer,
-                    prefix: by,
-                },
-            });
-        }
-
-        // Diff against the current keys of the region and write.
-        let trie = self.tries.entry(peer).or_default();
-        let old: Vec<(L4Prefix, StateEntry)> = trie
-            .children(&region)
-            .map(|(p, e)| (p, e.clone()))
-            .collect();
-        for (prefix, old_entry) in old {
-            match new.remove(&prefix) {
-                None => {
-                    trie.remove(&prefix);
-                    changes.removed.push((Key { peer, prefix }, old_entry));
-                }
-                Some(n) if n != old_entry => {
-                    trie.insert(prefix, n.clone());
-                    changes.changed.push((Key { peer, prefix }, old_entry, n));
-                }
-                Some(_) => {}
-            }
-        }
-        for (prefix, n) in new {
-            trie.insert(prefix, n.clone());
-            changes.added.push((Key { peer, prefix }, n));
-        }
-        if trie.is_empty() {
-            self.tries.remove(&peer);
-        }
-
-        let cov = self.covered.entry(peer).or_default();
-        let stale: Vec<L4Prefix> = cov.children(&region).map(|(p, _)| p).collect();
-        for p in stale {
-            cov.remove(&p);
-        }
-        for (p, mut v) in notes {
-            v.sort();
-            cov.insert(p, v);
-        }
-        if cov.is_empty() {
-            self.covered.remove(&peer);
-        }
+    /// Recomputes the keys of `peer` inside `region` (the region and its subtree), writes them
+    /// and records the differences in `changes` (if given). For an identity, the `*` keys must
+    /// already be up to date.
+    fn recompute(&mut self, peer: Peer, region: L4Prefix, changes: Option<&mut ChangeSet>) {
+        let (new, notes) = self.compute(peer, region);
+        self.write_keys(peer, region, new, changes);
+        self.write_notes(peer, region, notes);
         if let Some(c) = self.cand.get(&peer)
             && c.is_empty()
         {
@@ -630,87 +580,252 @@ impl MapState {
         }
     }
 
-    /// Every contribution that can influence the keys of `peer` inside `region`:
-    /// - for `*`: the wildcard contributions on the region's ancestor chain and in its subtree;
-    /// - for an identity: its own contributions there, plus the wildcard contributions that are
-    ///   comparable with one of them (ancestors of it, or descendants that are stronger than it:
-    ///   weaker descendants are blocked by it in any case).
-    fn region_items(&self, peer: Peer, region: L4Prefix) -> Vec<Item> {
-        let mut items = Vec::new();
-        let push = |items: &mut Vec<Item>, prefix: L4Prefix, cs: &[Contrib], specific: bool| {
-            for c in cs {
-                items.push(Item {
-                    order: c.order,
-                    verdict: c.verdict,
-                    len: prefix.len(),
+    /// The keys and covered notes of `peer` inside `region`, in prefix order: the ordered
+    /// insertion of the crate documentation, computed as one walk down the blocks that can
+    /// matter (see "How the state is computed" there).
+    fn compute(&self, peer: Peer, region: L4Prefix) -> (Vec<(L4Prefix, StateEntry)>, Vec<Covered>) {
+        let mut out = Vec::new();
+        let mut notes = Vec::new();
+        let Some(own) = self.cand.get(&peer) else {
+            return (out, notes);
+        };
+        let mut nodes: Vec<Node<'_>> = region_iter(own, &region)
+            .map(|(prefix, cs)| Node {
+                prefix,
+                own: cs,
+                wild: None,
+            })
+            .collect();
+        if nodes.is_empty() {
+            return (out, notes);
+        }
+        nodes.sort_unstable_by_key(|n| n.prefix);
+        if let (Peer::Id(_), Some(star)) = (peer, self.tries.get(&Peer::Any)) {
+            fn wild(prefix: L4Prefix, e: &StateEntry) -> Node<'_> {
+                Node {
                     prefix,
-                    specific,
-                    entry: c.entry,
+                    own: &[],
+                    wild: Some(e),
+                }
+            }
+            let own_count = nodes.len();
+            if nodes[0].prefix.covers(&region) {
+                // An own block on the region's chain: every `*` key inside the region lies under
+                // it, and the `*` keys above the region bound what is inserted inside.
+                for (p, e) in star.cover(&region).chain(star.children(&region)) {
+                    nodes.push(wild(p, e));
+                }
+            } else {
+                // Under each maximal own block: its `*` ancestors and descendants. `*` keys that
+                // are comparable with no own block never become keys of this identity and cannot
+                // bound one (crate documentation).
+                let mut maximal: Option<L4Prefix> = None;
+                for i in 0..own_count {
+                    let s = nodes[i].prefix;
+                    if maximal.is_some_and(|m| m.covers(&s)) {
+                        continue;
+                    }
+                    maximal = Some(s);
+                    for (p, e) in star.cover(&s).chain(star.children(&s)) {
+                        nodes.push(wild(p, e));
+                    }
+                }
+            }
+            if nodes.len() > own_count {
+                nodes.sort_by_key(|n| n.prefix);
+                nodes.dedup_by(|later, first| {
+                    if later.prefix != first.prefix {
+                        return false;
+                    }
+                    first.wild = first.wild.or(later.wild);
+                    if first.own.is_empty() {
+                        first.own = later.own;
+                    }
+                    true
                 });
             }
-        };
-        let empty = PrefixMap::new();
-        let any = self.cand.get(&Peer::Any).unwrap_or(&empty);
-        match peer {
-            Peer::Any => {
-                for (p, cs) in region_iter(any, &region) {
-                    push(&mut items, p, cs, false);
+        }
+
+        // The walk. `frames` is the chain of visited blocks above the current one with the
+        // strongest rank at or above each; `keys` the chain of keys, strictly stronger going
+        // down (a key is only inserted when it beats everything above it).
+        let mut frames: Vec<(L4Prefix, Rank)> = Vec::new();
+        let mut keys: Vec<KeyFrame> = Vec::new();
+        for n in &nodes {
+            while frames.last().is_some_and(|f| !f.0.covers(&n.prefix)) {
+                frames.pop();
+            }
+            while keys.last().is_some_and(|k| !k.prefix.covers(&n.prefix)) {
+                keys.pop();
+            }
+            let above = frames.last().map(|f| f.1);
+            let best_own = n.own.first().map(Contrib::rank);
+            let best_wild = n.wild.map(|e| (e.order, e.verdict));
+            let best = match (best_own, best_wild) {
+                (Some(a), Some(b)) => a.min(b),
+                (Some(a), None) | (None, Some(a)) => a,
+                (None, None) => continue,
+            };
+            let is_key = above.is_none_or(|m| best < m);
+            frames.push((n.prefix, above.map_or(best, |m| m.min(best))));
+            let inside = region.covers(&n.prefix);
+            if is_key {
+                let specific = best_own == Some(best);
+                let chain_specific = specific || keys.last().is_some_and(|k| k.chain_specific);
+                let kept = peer == Peer::Any || chain_specific;
+                keys.push(KeyFrame {
+                    prefix: n.prefix,
+                    rank: best,
+                    kept,
+                    chain_specific,
+                });
+                if kept && inside {
+                    let entry = match (specific, n.wild) {
+                        (false, Some(w)) => StateEntry {
+                            synthesized: true,
+                            ..w.clone()
+                        },
+                        (_, wild) => {
+                            let mut ids: Vec<EntryId> = n
+                                .own
+                                .iter()
+                                .take_while(|c| c.rank() == best)
+                                .map(|c| c.entry)
+                                .collect();
+                            if let Some(w) = wild.filter(|w| (w.order, w.verdict) == best) {
+                                ids.extend(&w.entries);
+                                ids.sort_unstable();
+                                ids.dedup();
+                            }
+                            self.state_entry(best, ids)
+                        }
+                    };
+                    out.push((n.prefix, entry));
                 }
             }
-            Peer::Id(_) => {
-                let Some(own) = self.cand.get(&peer) else {
-                    return items;
-                };
-                let mut wild: BTreeSet<L4Prefix> = BTreeSet::new();
-                let mut any_own = false;
-                for (s, cs) in region_iter(own, &region) {
-                    any_own = true;
-                    push(&mut items, s, cs, true);
-                    let strongest = cs.first().map(|c| c.rank());
-                    for (w, _) in any.cover(&s) {
-                        wild.insert(w);
+            if inside {
+                for c in n.own {
+                    let r = c.rank();
+                    if is_key && r == best {
+                        continue;
                     }
-                    // Descendants inside the region only: keys outside are not recomputed.
-                    let below = if region.covers(&s) { s } else { region };
-                    for (w, wcs) in any.children(&below) {
-                        if wcs.first().map(|c| c.rank()) < strongest {
-                            wild.insert(w);
-                        }
-                    }
-                }
-                if any_own {
-                    // The wildcard keys on the region's own ancestor chain can block keys inside
-                    // it; they are comparable with every own candidate above or inside it.
-                    for (w, _) in any.cover(&region) {
-                        wild.insert(w);
-                    }
-                }
-                for w in wild {
-                    if let Some(cs) = any.get(&w) {
-                        push(&mut items, w, cs, false);
-                    }
+                    // The key that was present when this contribution came in the ordered
+                    // insertion and covers it: the broadest one inserted before it.
+                    let by = keys
+                        .iter()
+                        .find(|k| k.rank < r || (k.rank == r && k.prefix != n.prefix))
+                        .expect("a skipped contribution has a stronger key on its chain");
+                    notes.push(Covered {
+                        entry: c.entry,
+                        key: Key {
+                            peer,
+                            prefix: n.prefix,
+                        },
+                        covered_by: Key {
+                            peer: if by.kept { peer } else { Peer::Any },
+                            prefix: by.prefix,
+                        },
+                    });
                 }
             }
         }
-        items
+        (out, notes)
     }
 
-    fn state_entry(&self, s: &Scratch, synthesized: bool) -> StateEntry {
-        let mut entries = s.entries.clone();
-        entries.sort();
-        entries.dedup();
+    /// Replaces the keys of `peer` inside `region` by `new` (sorted by prefix).
+    fn write_keys(
+        &mut self,
+        peer: Peer,
+        region: L4Prefix,
+        new: Vec<(L4Prefix, StateEntry)>,
+        changes: Option<&mut ChangeSet>,
+    ) {
+        let trie = self.tries.entry(peer).or_default();
+        let mut old: Vec<L4Prefix> = if trie.is_empty() {
+            Vec::new()
+        } else {
+            trie.children(&region).map(|(p, _)| p).collect()
+        };
+        match changes {
+            None => {
+                for p in old {
+                    trie.remove(&p);
+                }
+                for (p, e) in new {
+                    trie.insert(p, e);
+                }
+            }
+            Some(changes) => {
+                old.sort_unstable();
+                let mut old = old.into_iter().peekable();
+                for (prefix, n) in new {
+                    while let Some(o) = old.next_if(|o| *o < prefix) {
+                        let e = trie.remove(&o).expect("listed");
+                        changes.removed.push((Key { peer, prefix: o }, e));
+                    }
+                    let key = Key { peer, prefix };
+                    if old.next_if_eq(&prefix).is_some() {
+                        let cur = trie.get_mut(&prefix).expect("listed");
+                        if *cur != n {
+                            let o = std::mem::replace(cur, n.clone());
+                            changes.changed.push((key, o, n));
+                        }
+                    } else {
+                        trie.insert(prefix, n.clone());
+                        changes.added.push((key, n));
+                    }
+                }
+                for o in old {
+                    let e = trie.remove(&o).expect("listed");
+                    changes.removed.push((Key { peer, prefix: o }, e));
+                }
+            }
+        }
+        if trie.is_empty() {
+            self.tries.remove(&peer);
+        }
+    }
+
+    /// Replaces the covered notes of `peer` inside `region`.
+    fn write_notes(&mut self, peer: Peer, region: L4Prefix, notes: Vec<Covered>) {
+        let cov = self.covered.entry(peer).or_default();
+        if !cov.is_empty() {
+            let stale: Vec<L4Prefix> = cov.children(&region).map(|(p, _)| p).collect();
+            for p in stale {
+                cov.remove(&p);
+            }
+        }
+        let mut notes = notes.into_iter().peekable();
+        while let Some(first) = notes.next() {
+            let prefix = first.key.prefix;
+            let mut v = vec![first];
+            while let Some(n) = notes.next_if(|n| n.key.prefix == prefix) {
+                v.push(n);
+            }
+            v.sort();
+            cov.insert(prefix, v);
+        }
+        if cov.is_empty() {
+            self.covered.remove(&peer);
+        }
+    }
+
+    /// The value of a key made of the contributions `ids` of rank `rank`.
+    fn state_entry(&self, (order, verdict): Rank, entries: Vec<EntryId>) -> StateEntry {
         let mut origins: Vec<Arc<Origin>> = entries
             .iter()
             .filter_map(|id| self.entries.get(id).map(|e| e.origin.clone()))
             .collect();
-        origins.sort();
-        origins.dedup();
+        if origins.len() > 1 {
+            origins.sort();
+            origins.dedup();
+        }
         StateEntry {
-            verdict: s.verdict,
-            order: s.order,
+            verdict,
+            order,
             entries,
             origins,
-            synthesized,
+            synthesized: false,
         }
     }
 

@@ -1,0 +1,226 @@
+//! Build and update benchmark of the MapState (run with `cargo bench -p ordnet-mapstate --bench
+//! build`). A plain program (`harness = false`) that prints a table; see docs/mapstate.md for
+//! the numbers and what they mean.
+//!
+//! For 1k and 10k rules over 1k identities it measures:
+//! - the full build (`MapState::build`) and its emitted entries (`MapState::len`);
+//! - the **floor**: the naive expansion with no precedence logic. For each policy entry in input
+//!   order, for each peer of its selector (the one `*` peer for a wildcard selector, else each
+//!   selected identity) and each aligned block of its L4 match (`L4Match::blocks`), insert
+//!   `(Key { peer, block }, value)` into a `HashMap<Key, _>` (a later entry at the same key
+//!   overwrites an earlier one). Two variants: the value is the `StateEntry` the MapState emits
+//!   (verdict, order key, one entry id, one origin: the same allocations per entry), and a bare
+//!   `(Verdict, OrderKey)`. Both maps are pre-sized for nothing, like the MapState's tries;
+//! - ns per emitted entry for each, and the ratio build / floor;
+//! - the time to add one identity to the 10k-rule state (`Update::AddIdentity` through `apply`)
+//!   against a full rebuild;
+//! - the state's entries against the full per-identity materialization
+//!   (`MapState::materialized_len` summed over every identity).
+
+mod common;
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use ordnet_mapstate::*;
+
+const IDENTITIES: u32 = 1000;
+
+/// Runs `f` `reps` times and returns the fastest run and its result.
+fn best<T>(reps: usize, mut f: impl FnMut() -> T) -> (Duration, T) {
+    let mut best: Option<(Duration, T)> = None;
+    for _ in 0..reps {
+        let t = Instant::now();
+        let out = black_box(f());
+        let d = t.elapsed();
+        if best.as_ref().is_none_or(|(b, _)| d < *b) {
+            best = Some((d, out));
+        }
+    }
+    best.expect("reps > 0")
+}
+
+fn peers(e: &PolicyEntry) -> Vec<Peer> {
+    match &e.selector {
+        Selector::Any => vec![Peer::Any],
+        Selector::Ids(ids) => ids.iter().map(|id| Peer::Id(*id)).collect(),
+    }
+}
+
+/// The floor with the MapState's own value type.
+fn floor_entries(entries: &[PolicyEntry]) -> HashMap<Key, StateEntry> {
+    let mut map = HashMap::new();
+    for e in entries {
+        let blocks = e.l4.blocks();
+        for peer in peers(e) {
+            for &prefix in &blocks {
+                map.insert(
+                    Key { peer, prefix },
+                    StateEntry {
+                        verdict: e.verdict,
+                        order: e.order,
+                        entries: vec![e.id],
+                        origins: vec![e.origin.clone()],
+                        synthesized: false,
+                    },
+                );
+            }
+        }
+    }
+    map
+}
+
+/// The floor with a bare value.
+fn floor_bare(entries: &[PolicyEntry]) -> HashMap<Key, (Verdict, OrderKey)> {
+    let mut map = HashMap::new();
+    for e in entries {
+        let blocks = e.l4.blocks();
+        for peer in peers(e) {
+            for &prefix in &blocks {
+                map.insert(Key { peer, prefix }, (e.verdict, e.order));
+            }
+        }
+    }
+    map
+}
+
+fn ns_per(d: Duration, n: usize) -> f64 {
+    d.as_nanos() as f64 / n.max(1) as f64
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; a filter argument is accepted and ignored.
+    println!(
+        "MapState build benchmark: {IDENTITIES} identities, 25% wildcard selectors, 30% port ranges"
+    );
+    println!(
+        "{:>6} {:>10} {:>10} {:>9} {:>10} {:>9} {:>9} {:>10} {:>9} {:>7} {:>7}",
+        "rules",
+        "contribs",
+        "build ms",
+        "entries",
+        "ns/entry",
+        "floor ms",
+        "entries",
+        "ns/entry",
+        "bare ns/e",
+        "ratio",
+        "ratio b"
+    );
+    let mut state_10k = None;
+    let mut build_10k = Duration::ZERO;
+    for (rules, reps) in [(1_000usize, 7usize), (10_000, 3)] {
+        let entries = common::workload(rules, IDENTITIES, workload_seed());
+        let contribs: usize = entries
+            .iter()
+            .map(|e| peers(e).len() * e.l4.blocks().len())
+            .sum();
+        let (floor_t, floor) = best(reps, || floor_entries(&entries));
+        let (bare_t, bare) = best(reps, || floor_bare(&entries));
+        let (build_t, ms) = best(reps, || {
+            MapState::build(Direction::Ingress, Verdict::Deny, entries.iter().cloned())
+                .expect("unique ids")
+        });
+        // The clone of the input is part of what `build` consumes; measure it to subtract it.
+        let (clone_t, _) = best(reps, || entries.clone());
+        let build_t = build_t.saturating_sub(clone_t);
+        let build_ns = ns_per(build_t, ms.len());
+        let floor_ns = ns_per(floor_t, floor.len());
+        let bare_ns = ns_per(bare_t, bare.len());
+        println!(
+            "{:>6} {:>10} {:>10.1} {:>9} {:>10.1} {:>9.1} {:>9} {:>10.1} {:>9.1} {:>7.2} {:>7.2}",
+            rules,
+            contribs,
+            build_t.as_secs_f64() * 1e3,
+            ms.len(),
+            build_ns,
+            floor_t.as_secs_f64() * 1e3,
+            floor.len(),
+            floor_ns,
+            bare_ns,
+            build_ns / floor_ns,
+            build_ns / bare_ns,
+        );
+        if rules == 10_000 {
+            state_10k = Some((entries, ms));
+            build_10k = build_t;
+        }
+    }
+
+    let (entries, mut ms) = state_10k.expect("10k state built");
+    println!();
+
+    // Adding one identity: selected by as many specific entries as an average identity.
+    let specific: Vec<&PolicyEntry> = entries
+        .iter()
+        .filter(|e| matches!(e.selector, Selector::Ids(_)))
+        .collect();
+    let selections: usize = specific
+        .iter()
+        .map(|e| match &e.selector {
+            Selector::Ids(s) => s.len(),
+            Selector::Any => 0,
+        })
+        .sum();
+    let per_identity = selections / IDENTITIES as usize;
+    let mut rng = common::Rng::new(7);
+    let mut add_times = Vec::new();
+    let mut remove_times = Vec::new();
+    let mut keys_added = 0usize;
+    let rounds = 31;
+    for k in 0..rounds {
+        let id = IDENTITIES + 1 + k;
+        let selected_by: Vec<EntryId> = (0..per_identity)
+            .map(|_| specific[rng.below(specific.len() as u64) as usize].id)
+            .collect();
+        let t = Instant::now();
+        let changes = ms
+            .apply([Update::AddIdentity { id, selected_by }])
+            .expect("valid update");
+        add_times.push(t.elapsed());
+        keys_added += changes.added.len();
+        let t = Instant::now();
+        let removed = ms
+            .apply([Update::RemoveIdentity(id)])
+            .expect("valid update");
+        remove_times.push(t.elapsed());
+        assert_eq!(removed.removed.len(), changes.added.len());
+    }
+    add_times.sort();
+    remove_times.sort();
+    let add = add_times[add_times.len() / 2];
+    let remove = remove_times[remove_times.len() / 2];
+    println!(
+        "add one identity to the 10k-rule state (selected by {per_identity} entries, {:.1} keys on average): \
+         median {:.1} us, remove it again: median {:.1} us",
+        keys_added as f64 / f64::from(rounds),
+        add.as_secs_f64() * 1e6,
+        remove.as_secs_f64() * 1e6,
+    );
+    println!(
+        "full rebuild / add identity = {:.0}x (target >= 100x)",
+        build_10k.as_secs_f64() / add.as_secs_f64()
+    );
+    println!();
+
+    // Entries against the full per-identity materialization.
+    let t = Instant::now();
+    let materialized: usize = (1..=IDENTITIES).map(|id| ms.materialized_len(id)).sum();
+    let with_keys = ms.identities_with_keys().len();
+    println!(
+        "10k rules: MapState entries {} ({} identities with own keys + `*`) vs full per-identity \
+         materialization {} over {} identities: {:.1}x fewer ({:.1} s to materialize)",
+        ms.len(),
+        with_keys,
+        materialized,
+        IDENTITIES,
+        materialized as f64 / ms.len() as f64,
+        t.elapsed().as_secs_f64()
+    );
+}
+
+/// The workload seed (fixed so that runs are comparable).
+const fn workload_seed() -> u64 {
+    0x6f72_646e_6574
+}
