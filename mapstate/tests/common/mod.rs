@@ -203,3 +203,56 @@ pub fn key_ranges(ms: &MapState) -> Vec<(u16, u16)> {
         .filter_map(|(k, _)| k.prefix.port_range())
         .collect()
 }
+
+/// One key as a line: `peer prefix verdict (priority, index) [entries]`, plus ` synthesized`.
+pub fn render_entry(k: &Key, e: &StateEntry) -> String {
+    let ids: Vec<String> = e.entries.iter().map(|id| id.to_string()).collect();
+    format!(
+        "{} {} {} {} [{}]{}",
+        k.peer,
+        k.prefix,
+        e.verdict,
+        e.order,
+        ids.join(","),
+        if e.synthesized { " synthesized" } else { "" }
+    )
+}
+
+/// Every key of a state, in key order (`*` first, parents before children).
+pub fn render_keys(ms: &MapState) -> Vec<String> {
+    ms.iter().iter().map(|(k, e)| render_entry(k, e)).collect()
+}
+
+/// Every covered note: `entry at peer prefix by peer prefix`.
+pub fn render_covered(ms: &MapState) -> Vec<String> {
+    ms.covered()
+        .iter()
+        .map(|c| {
+            format!(
+                "{} at {} {} by {} {}",
+                c.entry, c.key.peer, c.key.prefix, c.covered_by.peer, c.covered_by.prefix
+            )
+        })
+        .collect()
+}
+
+/// A change set as lines: `+ key`, `~ old -> new`, `- key`, sorted.
+pub fn render_changes(c: &ChangeSet) -> Vec<String> {
+    let mut out: Vec<String> = c
+        .added
+        .iter()
+        .map(|(k, e)| format!("+ {}", render_entry(k, e)))
+        .chain(
+            c.changed
+                .iter()
+                .map(|(k, o, n)| format!("~ {} -> {}", render_entry(k, o), render_entry(k, n))),
+        )
+        .chain(
+            c.removed
+                .iter()
+                .map(|(k, e)| format!("- {}", render_entry(k, e))),
+        )
+        .collect();
+    out.sort();
+    out
+}
