@@ -15,8 +15,7 @@ use ordnet_mapstate::{
 use serde::Serialize;
 
 use crate::identity::{
-    IdRec, Identities, IdentityInfo, NamedPort, PodSig, Signature, longest_prefix, pod_signature,
-    resolve_named,
+    Identities, IdentityInfo, NamedPort, Signature, longest_prefix, pod_signature, resolve_named,
 };
 use crate::model::{
     DIRECTIONS, EngineError, Labels, NAMESPACE_NAME_LABEL, NsScope, PeerSpec, Policy, PolicyRef,
@@ -162,9 +161,11 @@ pub(crate) struct PodRec {
     pub node: Option<String>,
     pub host_network: bool,
     pub ports: Vec<NamedPort>,
-    /// Identity per address (empty for pods that are not endpoints anywhere: no address or
+    /// Identity per address of `signed_ips` (empty for pods without identities: no address or
     /// host network).
     pub ids: Vec<Identity>,
+    /// The addresses `ids` were allocated for (equal to `ips` except during an update).
+    pub signed_ips: Vec<IpAddr>,
 }
 
 impl PodRec {
@@ -202,7 +203,8 @@ pub(crate) struct EntryKey {
 #[derive(Debug, Clone)]
 pub(crate) struct Shared {
     pub policy: EndpointPolicy,
-    pub users: usize,
+    /// The endpoints that use it.
+    pub users: BTreeSet<PodKey>,
     pub entries: HashMap<EntryId, EntryKey>,
 }
 
@@ -336,6 +338,7 @@ pub(crate) fn read_pod(pod: &Pod) -> Result<(PodKey, PodRec), EngineError> {
             host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
             ports,
             ids: Vec::new(),
+            signed_ips: Vec::new(),
         },
     ))
 }
@@ -485,6 +488,11 @@ impl Engine {
                 let _ = id;
             }
             if let Some(rec) = e.pods.get_mut(k) {
+                rec.signed_ips = if rec.addressed() {
+                    rec.ips.clone()
+                } else {
+                    Vec::new()
+                };
                 rec.ids = ids.into_iter().map(|(id, _)| id).collect();
             }
         }
@@ -492,13 +500,7 @@ impl Engine {
         let specs: Vec<(Arc<PeerSpec>, PolicyRef)> = e
             .policies
             .values()
-            .flat_map(|p| {
-                let mut v: Vec<Arc<PeerSpec>> = p.peers();
-                if p.needs_all_pods() {
-                    v.push(Arc::new(PeerSpec::all_pods()));
-                }
-                v.into_iter().map(|s| (s, p.id.clone()))
-            })
+            .flat_map(|p| p.selector_specs().into_iter().map(|s| (s, p.id.clone())))
             .collect();
         for (spec, user) in specs {
             e.add_selector_user(spec, user);
@@ -934,7 +936,7 @@ impl Engine {
                 isolated,
                 isolated_by,
             },
-            users: 0,
+            users: BTreeSet::new(),
             entries: keys,
         }
     }
@@ -942,19 +944,19 @@ impl Engine {
     /// Attaches endpoint `k` to the shared MapStates of its keys (compiling them if new).
     pub(crate) fn attach(&mut self, k: &PodKey, keys: [Arc<ShareKey>; 2]) {
         for key in &keys {
-            self.use_shared(key);
+            self.use_shared(key, k);
         }
         self.ep_keys.insert(k.clone(), keys);
     }
 
     /// Takes a use of a shared computation, compiling it when new. Returns whether it was new.
-    pub(crate) fn use_shared(&mut self, key: &Arc<ShareKey>) -> bool {
+    pub(crate) fn use_shared(&mut self, key: &Arc<ShareKey>, user: &PodKey) -> bool {
         if let Some(s) = self.shared.get_mut(key) {
-            s.users += 1;
+            s.users.insert(user.clone());
             return false;
         }
         let mut s = self.compile(key);
-        s.users = 1;
+        s.users.insert(user.clone());
         for p in &key.policies {
             self.policy_shared
                 .entry(p.clone())
@@ -966,12 +968,12 @@ impl Engine {
     }
 
     /// Drops a use of a shared computation; it goes when unused.
-    pub(crate) fn unuse_shared(&mut self, key: &Arc<ShareKey>) {
+    pub(crate) fn unuse_shared(&mut self, key: &Arc<ShareKey>, user: &PodKey) {
         let Some(s) = self.shared.get_mut(key) else {
             return;
         };
-        s.users = s.users.saturating_sub(1);
-        if s.users > 0 {
+        s.users.remove(user);
+        if !s.users.is_empty() {
             return;
         }
         self.shared.remove(key);
@@ -1052,7 +1054,7 @@ impl Engine {
     pub fn identity_of(&self, ip: IpAddr) -> Identity {
         if let Some(k) = self.pod_addrs.get(&ip)
             && let Some(rec) = self.pods.get(k)
-            && let Some(pos) = rec.ips.iter().position(|a| *a == ip)
+            && let Some(pos) = rec.signed_ips.iter().position(|a| *a == ip)
             && let Some(id) = rec.ids.get(pos)
         {
             return *id;
@@ -1083,19 +1085,18 @@ impl Engine {
     /// The ipcache as a list: every pod address (as a /32 or /128) and every CIDR prefix in use,
     /// with its identity, sorted. Addresses outside all of them are `world`.
     pub fn ipcache(&self) -> Vec<(IpNet, Identity)> {
-        let mut out: Vec<(IpNet, Identity)> =
+        let mut out: BTreeMap<IpNet, Identity> =
             self.cidr_ids.iter().map(|(n, id)| (*n, *id)).collect();
+        // A pod's own address wins over an equal CIDR prefix.
         for (ip, k) in &self.pod_addrs {
             if let Some(rec) = self.pods.get(k)
-                && let Some(pos) = rec.ips.iter().position(|a| a == ip)
+                && let Some(pos) = rec.signed_ips.iter().position(|a| a == ip)
                 && let Some(id) = rec.ids.get(pos)
             {
-                out.push((IpNet::from(*ip), *id));
+                out.insert(IpNet::from(*ip), *id);
             }
         }
-        out.sort();
-        out.dedup_by(|a, b| a.0 == b.0);
-        out
+        out.into_iter().collect()
     }
 
     /// The objects left out because they are invalid.
@@ -1284,26 +1285,6 @@ impl Engine {
             egress,
             ingress,
             error: None,
-        }
-    }
-
-    /// Internal: the shared computation of a pod's direction.
-    pub(crate) fn shared_of(&self, k: &PodKey, dir: Direction) -> Option<&Shared> {
-        let keys = self.ep_keys.get(k)?;
-        self.shared.get(&keys[dir_index(dir)])
-    }
-
-    /// Internal: the removed-identity record type is used by the incremental code.
-    #[allow(dead_code)]
-    pub(crate) fn removed_sig(rec: &IdRec) -> &Signature {
-        &rec.sig
-    }
-
-    /// The pod signature of an identity, if it is a pod identity.
-    pub(crate) fn pod_sig(&self, id: Identity) -> Option<&Arc<PodSig>> {
-        match self.ids.sig(id) {
-            Some(Signature::Pod(p)) => Some(p),
-            _ => None,
         }
     }
 }

@@ -13,18 +13,21 @@
 //!
 //! `docs/engine.md` explains the design.
 
-// The incremental half (apply) uses the remaining internals; until it lands they are unused.
-#![allow(dead_code)]
-
 pub mod engine;
 pub mod identity;
+pub mod incremental;
 pub mod matrix;
 pub mod model;
+pub mod snapshot;
 
 pub use engine::{
     BuildOptions, Endpoint, EndpointPolicy, Engine, FlowEnd, FlowTrace, IpFamily, SideDecision,
     SideTrace,
 };
 pub use identity::{IdentityInfo, IdentityKind, PodSig, Signature};
+pub use incremental::{
+    EndpointUpdate, EngineDelta, IpcacheChange, Object, ObjectChange, ObjectKind,
+};
 pub use matrix::{Matrix, MatrixResult, matrix};
 pub use model::{EngineError, PeerSpec, Policy, PolicyKind, PolicyRef, PortSpec, Rule, Subject};
+pub use snapshot::{EndpointSnapshot, PolicySnapshot, SnapEntry, Snapshot};

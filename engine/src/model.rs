@@ -293,6 +293,19 @@ impl Policy {
         out
     }
 
+    /// Every selector the policy needs in the selector cache: its peers, plus the all-pods
+    /// selector when an egress named port has no `to`.
+    pub fn selector_specs(&self) -> Vec<Arc<PeerSpec>> {
+        let mut v = self.peers();
+        if self.needs_all_pods() {
+            let all = Arc::new(PeerSpec::all_pods());
+            if !v.contains(&all) {
+                v.push(all);
+            }
+        }
+        v
+    }
+
     /// Every CIDR prefix used (ipBlock `cidr` and `except` entries).
     pub fn cidrs(&self) -> Vec<IpNet> {
         let mut out = Vec::new();

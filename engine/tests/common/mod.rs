@@ -1,0 +1,2 @@
+//! Shared helpers of the engine tests.
+pub mod cluster_gen;
