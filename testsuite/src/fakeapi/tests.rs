@@ -1,0 +1,321 @@
+//! The fake API server against the real kube client.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::{WatchStreamExt, events};
+use ordnet_crds::OrderedNetworkPolicy;
+use serde_json::json;
+use tokio::time::timeout;
+
+use super::*;
+
+fn pod(ns: &str, name: &str, app: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"namespace": ns, "name": name, "labels": {"app": app}},
+        "spec": {"containers": [{"name": "c", "image": "i"}]},
+        "status": {"podIP": "10.0.0.1", "podIPs": [{"ip": "10.0.0.1"}]}})
+}
+
+fn onp(ns: &str, name: &str, priority: i64) -> Value {
+    json!({"apiVersion": "ordnet.io/v1alpha1", "kind": "OrderedNetworkPolicy",
+        "metadata": {"namespace": ns, "name": name},
+        "spec": {"priority": priority, "podSelector": {}, "ingress": [{"action": "Deny"}]}})
+}
+
+type Stream = std::pin::Pin<Box<dyn futures::Stream<Item = watcher::Result<Event<Pod>>> + Send>>;
+
+async fn next_event(s: &mut Stream) -> Event<Pod> {
+    timeout(Duration::from_secs(10), s.next())
+        .await
+        .expect("a watch event within 10 s")
+        .expect("stream open")
+        .expect("no watcher error")
+}
+
+/// Reads events until `InitDone`, returning the names of the pods of the (re-)list.
+async fn read_init(s: &mut Stream) -> Vec<String> {
+    let mut names = Vec::new();
+    loop {
+        match next_event(s).await {
+            Event::Init => names.clear(),
+            Event::InitApply(p) => names.push(p.metadata.name.unwrap_or_default()),
+            Event::InitDone => return names,
+            other => panic!("unexpected {other:?} during the initial list"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn list_get_and_watch_with_the_kube_client() {
+    let api = FakeApi::start().await.unwrap();
+    api.create(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "a"}}))
+        .unwrap();
+    api.create(pod("a", "p1", "web")).unwrap();
+    let client = api.client();
+    let pods: Api<Pod> = Api::all(client.clone());
+    let list = pods.list(&ListParams::default()).await.unwrap();
+    assert_eq!(list.items.len(), 1);
+    assert_eq!(list.metadata.resource_version.as_deref(), Some("2"));
+    let p1 = Api::<Pod>::namespaced(client.clone(), "a")
+        .get("p1")
+        .await
+        .unwrap();
+    assert_eq!(p1.status.unwrap().pod_ip.as_deref(), Some("10.0.0.1"));
+    let missing = Api::<Pod>::namespaced(client.clone(), "a")
+        .get("nope")
+        .await;
+    assert!(matches!(missing, Err(kube::Error::Api(s)) if s.code == 404));
+    let ns: Api<Namespace> = Api::all(client.clone());
+    assert_eq!(
+        ns.get("a").await.unwrap().metadata.name.as_deref(),
+        Some("a")
+    );
+
+    let mut s: Stream = Box::pin(watcher(pods, watcher::Config::default()));
+    assert_eq!(read_init(&mut s).await, vec!["p1"]);
+    api.create(pod("a", "p2", "db")).unwrap();
+    match next_event(&mut s).await {
+        Event::Apply(p) => assert_eq!(p.metadata.name.as_deref(), Some("p2")),
+        other => panic!("{other:?}"),
+    }
+    let mut relabeled = pod("a", "p2", "cache");
+    relabeled["metadata"]["labels"]["tier"] = json!("x");
+    api.update(relabeled).unwrap();
+    match next_event(&mut s).await {
+        Event::Apply(p) => assert_eq!(p.metadata.labels.unwrap()["app"], "cache"),
+        other => panic!("{other:?}"),
+    }
+    api.delete("v1", "Pod", "a", "p1").unwrap();
+    match next_event(&mut s).await {
+        Event::Delete(p) => assert_eq!(p.metadata.name.as_deref(), Some("p1")),
+        other => panic!("{other:?}"),
+    }
+}
+
+fn watcher(
+    api: Api<Pod>,
+    config: watcher::Config,
+) -> impl futures::Stream<Item = watcher::Result<Event<Pod>>> + Send {
+    watcher::watcher(api, config)
+}
+
+#[tokio::test]
+async fn a_dropped_watch_resumes_without_a_relist() {
+    let api = FakeApi::start().await.unwrap();
+    api.create(pod("a", "p1", "web")).unwrap();
+    let pods: Api<Pod> = Api::all(api.client());
+    let mut s: Stream = Box::pin(watcher(pods, watcher::Config::default()).default_backoff());
+    assert_eq!(read_init(&mut s).await, vec!["p1"]);
+    api.drop_watches();
+    api.create(pod("a", "p2", "web")).unwrap();
+    match next_event(&mut s).await {
+        Event::Apply(p) => assert_eq!(p.metadata.name.as_deref(), Some("p2")),
+        other => panic!("{other:?}"),
+    }
+    let lists = api
+        .requests()
+        .iter()
+        .filter(|r| r.method == "GET" && !r.uri.contains("watch=true"))
+        .count();
+    assert_eq!(lists, 1, "{:#?}", api.requests());
+}
+
+#[tokio::test]
+async fn compaction_makes_the_watcher_relist() {
+    let api = FakeApi::start().await.unwrap();
+    api.create(pod("a", "p1", "web")).unwrap();
+    let pods: Api<Pod> = Api::all(api.client());
+    let mut s: Stream = Box::pin(watcher(pods, watcher::Config::default()).default_backoff());
+    assert_eq!(read_init(&mut s).await, vec!["p1"]);
+    api.restart();
+    api.delete("v1", "Pod", "a", "p1").unwrap();
+    api.create(pod("a", "p3", "web")).unwrap();
+    // The resumed watch gets 410 Gone; the watcher reports it and re-lists.
+    let names = loop {
+        let ev = timeout(Duration::from_secs(10), s.next())
+            .await
+            .unwrap()
+            .unwrap();
+        match ev {
+            Err(e) => assert!(
+                e.to_string().contains("410") || format!("{e:?}").contains("410"),
+                "{e:?}"
+            ),
+            Ok(Event::Init) => break read_init_after_init(&mut s).await,
+            Ok(other) => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(names, vec!["p3"]);
+    // One list, the watch from the compacted version (410), the re-list.
+    let lists = api
+        .requests()
+        .iter()
+        .filter(|r| r.method == "GET" && !r.uri.contains("watch=true"))
+        .count();
+    assert_eq!(lists, 2, "{:#?}", api.requests());
+}
+
+async fn read_init_after_init(s: &mut Stream) -> Vec<String> {
+    let mut names = Vec::new();
+    loop {
+        match next_event(s).await {
+            Event::InitApply(p) => names.push(p.metadata.name.unwrap_or_default()),
+            Event::InitDone => return names,
+            other => panic!("unexpected {other:?} during the re-list"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn status_server_side_apply_keeps_spec_and_generation() {
+    let api = FakeApi::start().await.unwrap();
+    api.create(onp("a", "guard", 10)).unwrap();
+    let onps: Api<OrderedNetworkPolicy> = Api::namespaced(api.client(), "a");
+    let status = json!({"apiVersion": "ordnet.io/v1alpha1", "kind": "OrderedNetworkPolicy",
+        "status": {"observedGeneration": 1, "conditions": [{"type": "Accepted", "status": "True",
+            "reason": "Valid", "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z",
+            "observedGeneration": 1}]}});
+    let out = onps
+        .patch_status(
+            "guard",
+            &PatchParams::apply("ordnet").force(),
+            &Patch::Apply(&status),
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.metadata.generation, Some(1));
+    let stored = api
+        .get("ordnet.io/v1alpha1", "OrderedNetworkPolicy", "a", "guard")
+        .unwrap();
+    assert_eq!(stored["status"]["conditions"][0]["type"], "Accepted");
+    assert_eq!(stored["spec"]["priority"], 10);
+    // A status write cannot change the spec, a spec write cannot change the status.
+    let sneaky = json!({"spec": {"priority": 99}, "status": {"observedGeneration": 7}});
+    onps.patch_status("guard", &PatchParams::default(), &Patch::Merge(&sneaky))
+        .await
+        .unwrap();
+    let stored = api
+        .get("ordnet.io/v1alpha1", "OrderedNetworkPolicy", "a", "guard")
+        .unwrap();
+    assert_eq!(stored["spec"]["priority"], 10);
+    assert_eq!(stored["status"]["observedGeneration"], 7);
+    let mut edited = onp("a", "guard", 20);
+    edited["status"] = json!({"observedGeneration": 100});
+    api.update(edited.clone()).unwrap();
+    let stored = api
+        .get("ordnet.io/v1alpha1", "OrderedNetworkPolicy", "a", "guard")
+        .unwrap();
+    assert_eq!(stored["metadata"]["generation"], 2);
+    // `update` is a test hook: it writes the status it is given too.
+    assert_eq!(stored["status"]["observedGeneration"], 100);
+    // A metadata-only change does not bump the generation.
+    edited["metadata"]["labels"] = json!({"x": "y"});
+    api.update(edited).unwrap();
+    let stored = api
+        .get("ordnet.io/v1alpha1", "OrderedNetworkPolicy", "a", "guard")
+        .unwrap();
+    assert_eq!(stored["metadata"]["generation"], 2);
+    // Status of an object that does not exist: 404.
+    let e = onps
+        .patch_status(
+            "nope",
+            &PatchParams::apply("ordnet").force(),
+            &Patch::Apply(&status),
+        )
+        .await;
+    assert!(matches!(e, Err(kube::Error::Api(s)) if s.code == 404));
+}
+
+#[tokio::test]
+async fn leases_conflict_on_a_stale_resource_version() {
+    let api = FakeApi::start().await.unwrap();
+    let leases: Api<Lease> = Api::namespaced(api.client(), "kube-system");
+    let lease: Lease = serde_json::from_value(json!({"metadata": {"name": "ordnet-status"},
+        "spec": {"holderIdentity": "node-a", "leaseDurationSeconds": 15}}))
+    .unwrap();
+    let created = leases.create(&PostParams::default(), &lease).await.unwrap();
+    let again = leases.create(&PostParams::default(), &lease).await;
+    assert!(matches!(again, Err(kube::Error::Api(s)) if s.code == 409));
+    let mut mine = created.clone();
+    mine.spec.as_mut().unwrap().holder_identity = Some("node-b".into());
+    let replaced = leases
+        .replace("ordnet-status", &PostParams::default(), &mine)
+        .await
+        .unwrap();
+    assert_ne!(
+        replaced.metadata.resource_version,
+        created.metadata.resource_version
+    );
+    // `created` carries the old resource version now.
+    let stale = leases
+        .replace("ordnet-status", &PostParams::default(), &created)
+        .await;
+    assert!(matches!(stale, Err(kube::Error::Api(s)) if s.code == 409));
+    let got = leases.get("ordnet-status").await.unwrap();
+    assert_eq!(got.spec.unwrap().holder_identity.as_deref(), Some("node-b"));
+}
+
+#[tokio::test]
+async fn events_from_the_kube_recorder_are_recorded() {
+    let api = FakeApi::start().await.unwrap();
+    let created = api.create(onp("a", "broken", 1)).unwrap();
+    let obj: OrderedNetworkPolicy = serde_json::from_value(created).unwrap();
+    let reporter = events::Reporter {
+        controller: "ordnet-agent".into(),
+        instance: Some("node-a".into()),
+    };
+    let recorder = events::Recorder::new(api.client(), reporter);
+    let reference = kube::Resource::object_ref(&obj, &());
+    recorder
+        .publish(
+            &events::Event {
+                type_: events::EventType::Warning,
+                reason: "Invalid".into(),
+                note: Some("spec.priority: bad".into()),
+                action: "Validate".into(),
+                secondary: None,
+            },
+            &reference,
+        )
+        .await
+        .unwrap();
+    let evs = api.events();
+    assert_eq!(evs.len(), 1, "{evs:#?}");
+    assert_eq!(evs[0]["reason"], "Invalid");
+    assert_eq!(evs[0]["regarding"]["name"], "broken");
+    assert_eq!(evs[0]["note"], "spec.priority: bad");
+}
+
+#[test]
+fn paths_parse_like_the_api_server() {
+    let t = parse_path("/api/v1/namespaces/a/pods/p/status").unwrap();
+    assert_eq!(
+        (
+            RESOURCES[t.resource].plural,
+            t.namespace.as_deref(),
+            t.name.as_deref(),
+            t.status
+        ),
+        ("pods", Some("a"), Some("p"), true)
+    );
+    let t = parse_path("/api/v1/namespaces/a").unwrap();
+    assert_eq!(
+        (
+            RESOURCES[t.resource].plural,
+            t.namespace.as_deref(),
+            t.name.as_deref()
+        ),
+        ("namespaces", None, Some("a"))
+    );
+    let t = parse_path("/apis/ordnet.io/v1alpha1/clusterorderednetworkpolicies/x/status").unwrap();
+    assert!(t.status && t.namespace.is_none());
+    assert!(parse_path("/apis/ordnet.io/v1alpha1/orderednetworkpolicies/x").is_err());
+    assert!(parse_path("/apis/apps/v1/deployments").is_err());
+    assert!(parse_path("/apis/coordination.k8s.io/v1/namespaces/a/leases/l/status").is_err());
+    assert_eq!(percent_decode("a%3Db+c%2"), "a=b c%2");
+}
