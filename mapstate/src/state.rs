@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use prefix_trie::PrefixMap;
 use serde::Serialize;
+use smallvec::SmallVec;
 
 use crate::changes::ChangeSet;
 use crate::prefix::L4Prefix;
@@ -126,10 +127,17 @@ impl Contrib {
     }
 }
 
-type Candidates = PrefixMap<L4Prefix, Vec<Contrib>>;
+/// The contributions at one block, strongest first (most blocks have one or two).
+type Contribs = SmallVec<[Contrib; 2]>;
+
+type Candidates = PrefixMap<L4Prefix, Contribs>;
 
 /// `(order key, verdict)`: lower is stronger.
 type Rank = (OrderKey, Verdict);
+
+/// Blocks up to this length (every protocol, one protocol, or a /4 of its ports) look up the
+/// `*` keys inside them through the rank index rather than by enumerating their subtree.
+const BROAD_LEN: u8 = 12;
 
 /// A block visited by the walk of [`MapState::compute`].
 struct Node<'a> {
@@ -159,9 +167,12 @@ pub struct MapState {
     /// Candidate contributions per peer and block (the input, indexed).
     cand: HashMap<Peer, Candidates>,
     /// Identities that have specific candidates at each block (with contribution counts).
-    spec_index: PrefixMap<L4Prefix, BTreeMap<Identity, u32>>,
+    spec_index: PrefixMap<L4Prefix, Vec<(Identity, u32)>>,
     /// The state: one trie per peer.
     tries: HashMap<Peer, PrefixMap<L4Prefix, StateEntry>>,
+    /// The `*` keys by protocol (256 for the "every protocol" key) and rank, strongest first:
+    /// finds the `*` keys stronger than an own key without visiting the weaker ones.
+    star_rank: BTreeMap<u16, BTreeSet<(Rank, L4Prefix)>>,
     /// Covered contributions per peer, at the block where they would have been.
     covered: HashMap<Peer, PrefixMap<L4Prefix, Vec<Covered>>>,
 }
@@ -197,6 +208,7 @@ impl MapState {
             cand: HashMap::new(),
             spec_index: PrefixMap::new(),
             tries: HashMap::new(),
+            star_rank: BTreeMap::new(),
             covered: HashMap::new(),
         }
     }
@@ -212,8 +224,20 @@ impl MapState {
             if ms.entries.contains_key(&e.id) {
                 return Err(UpdateError::DuplicateEntry(e.id));
             }
-            ms.index_entry(&e, true);
+            ms.index_entry_cand(&e);
             ms.entries.insert(e.id, e);
+        }
+        // The identity index in one go: per block, the identities with candidates there.
+        let mut pairs: Vec<(L4Prefix, Identity, u32)> = Vec::new();
+        for (peer, cand) in &ms.cand {
+            if let Peer::Id(id) = peer {
+                pairs.extend(cand.iter().map(|(b, cs)| (b, *id, cs.len() as u32)));
+            }
+        }
+        pairs.sort_unstable_by_key(|p| (p.0.sort_key(), p.1));
+        for group in pairs.chunk_by(|a, b| a.0 == b.0) {
+            let ids = group.iter().map(|&(_, id, n)| (id, n)).collect();
+            ms.spec_index.insert(group[0].0, ids);
         }
         // `*` first: the identities' keys are computed from the `*` keys.
         let mut peers: Vec<Peer> = ms.cand.keys().copied().collect();
@@ -498,9 +522,33 @@ impl MapState {
                         .map(|(_, v)| v)
                         .chain(self.spec_index.children(b).map(|(_, v)| v))
                     {
-                        for id in ids.keys() {
+                        for (id, _) in ids {
                             dirty.entry(Peer::Id(*id)).or_default().push(*b);
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Indexes the candidates of a new entry, leaving the identity index to the caller.
+    fn index_entry_cand(&mut self, e: &PolicyEntry) {
+        let c = Contrib {
+            order: e.order,
+            verdict: e.verdict,
+            entry: e.id,
+        };
+        let blocks = e.l4.blocks();
+        match &e.selector {
+            Selector::Any => {
+                for b in blocks {
+                    self.index_cand(Peer::Any, b, c, true);
+                }
+            }
+            Selector::Ids(ids) => {
+                for id in ids {
+                    for b in &blocks {
+                        self.index_cand(Peer::Id(*id), *b, c, true);
                     }
                 }
             }
@@ -531,6 +579,28 @@ impl MapState {
     }
 
     fn index_contrib(&mut self, peer: Peer, block: L4Prefix, c: Contrib, add: bool) {
+        self.index_cand(peer, block, c, add);
+        if let Peer::Id(id) = peer {
+            let v = self.spec_index.entry(block).or_default();
+            match (v.binary_search_by_key(&id, |e| e.0), add) {
+                (Ok(i), true) => v[i].1 += 1,
+                (Err(i), true) => v.insert(i, (id, 1)),
+                (Ok(i), false) => {
+                    v[i].1 -= 1;
+                    if v[i].1 == 0 {
+                        v.remove(i);
+                    }
+                }
+                (Err(_), false) => {}
+            }
+            if v.is_empty() {
+                self.spec_index.remove(&block);
+            }
+        }
+    }
+
+    /// The candidate part of [`Self::index_contrib`].
+    fn index_cand(&mut self, peer: Peer, block: L4Prefix, c: Contrib, add: bool) {
         let cand = self.cand.entry(peer).or_default();
         if add {
             let v = cand.entry(block).or_default();
@@ -542,26 +612,6 @@ impl MapState {
             }
             if v.is_empty() {
                 cand.remove(&block);
-            }
-        }
-        if let Peer::Id(id) = peer {
-            if add {
-                *self
-                    .spec_index
-                    .entry(block)
-                    .or_default()
-                    .entry(id)
-                    .or_default() += 1;
-            } else if let Some(m) = self.spec_index.get_mut(&block) {
-                if let Some(n) = m.get_mut(&id) {
-                    *n -= 1;
-                    if *n == 0 {
-                        m.remove(&id);
-                    }
-                }
-                if m.is_empty() {
-                    self.spec_index.remove(&block);
-                }
             }
         }
     }
@@ -609,12 +659,20 @@ impl MapState {
                 }
             }
             let own_count = nodes.len();
+            let best_own = |n: &Node<'_>| n.own.first().map(Contrib::rank).expect("own");
             if nodes[0].prefix.covers(&region) {
                 // An own block on the region's chain: every `*` key inside the region lies under
                 // it, and the `*` keys above the region bound what is inserted inside.
-                for (p, e) in star.cover(&region).chain(star.children(&region)) {
+                let t = nodes
+                    .iter()
+                    .filter(|n| n.prefix.covers(&region))
+                    .map(best_own)
+                    .min()
+                    .expect("nodes[0]");
+                for (p, e) in star.cover(&region) {
                     nodes.push(wild(p, e));
                 }
+                self.star_inside(star, region, t, &mut nodes);
             } else {
                 // Under each maximal own block: its `*` ancestors and descendants. `*` keys that
                 // are comparable with no own block never become keys of this identity and cannot
@@ -626,13 +684,15 @@ impl MapState {
                         continue;
                     }
                     maximal = Some(s);
-                    for (p, e) in star.cover(&s).chain(star.children(&s)) {
+                    let t = best_own(&nodes[i]);
+                    for (p, e) in star.cover(&s) {
                         nodes.push(wild(p, e));
                     }
+                    self.star_inside(star, s, t, &mut nodes);
                 }
             }
             if nodes.len() > own_count {
-                nodes.sort_by_key(|n| n.prefix);
+                nodes.sort_unstable_by_key(|n| n.prefix);
                 nodes.dedup_by(|later, first| {
                     if later.prefix != first.prefix {
                         return false;
@@ -732,6 +792,49 @@ impl MapState {
         (out, notes)
     }
 
+    /// Pushes the `*` keys strictly inside `outer` that are stronger than `t`, the strongest
+    /// own rank at `outer` or above. The weaker ones can neither become keys inside `outer`
+    /// (everything there is bounded by `t`) nor lower a bound, so the walk can skip them. For a
+    /// broad block the keys are found through the rank index (only the stronger ones are
+    /// visited); for a narrow one by enumerating its subtree.
+    fn star_inside<'a>(
+        &'a self,
+        star: &'a PrefixMap<L4Prefix, StateEntry>,
+        outer: L4Prefix,
+        t: Rank,
+        nodes: &mut Vec<Node<'a>>,
+    ) {
+        let push = |nodes: &mut Vec<Node<'a>>, prefix: L4Prefix, e: &'a StateEntry| {
+            nodes.push(Node {
+                prefix,
+                own: &[],
+                wild: Some(e),
+            })
+        };
+        if outer.len() <= BROAD_LEN {
+            let sets = match outer.protocol() {
+                Some(proto) => self.star_rank.range(u16::from(proto)..=u16::from(proto)),
+                None => self.star_rank.range(..),
+            };
+            for (_, set) in sets {
+                for &(_, p) in set.range(..(t, L4Prefix::ANY)) {
+                    if p != outer
+                        && outer.covers(&p)
+                        && let Some(e) = star.get(&p)
+                    {
+                        push(nodes, p, e);
+                    }
+                }
+            }
+        } else {
+            for (p, e) in star.children(&outer) {
+                if p != outer && (e.order, e.verdict) < t {
+                    push(nodes, p, e);
+                }
+            }
+        }
+    }
+
     /// Replaces the keys of `peer` inside `region` by `new` (sorted by prefix).
     fn write_keys(
         &mut self,
@@ -740,6 +843,9 @@ impl MapState {
         new: Vec<(L4Prefix, StateEntry)>,
         changes: Option<&mut ChangeSet>,
     ) {
+        if peer == Peer::Any {
+            self.index_star(region, &new);
+        }
         let trie = self.tries.entry(peer).or_default();
         let mut old: Vec<L4Prefix> = if trie.is_empty() {
             Vec::new()
@@ -783,6 +889,25 @@ impl MapState {
         }
         if trie.is_empty() {
             self.tries.remove(&peer);
+        }
+    }
+
+    /// Brings the rank index of the `*` keys up to date for the keys inside `region` becoming
+    /// `new` (called before they are written).
+    fn index_star(&mut self, region: L4Prefix, new: &[(L4Prefix, StateEntry)]) {
+        let proto = |p: &L4Prefix| p.protocol().map_or(256, u16::from);
+        if let Some(star) = self.tries.get(&Peer::Any) {
+            for (p, e) in star.children(&region) {
+                if let Some(set) = self.star_rank.get_mut(&proto(&p)) {
+                    set.remove(&((e.order, e.verdict), p));
+                }
+            }
+        }
+        for (p, e) in new {
+            self.star_rank
+                .entry(proto(p))
+                .or_default()
+                .insert(((e.order, e.verdict), *p));
         }
     }
 
@@ -858,7 +983,7 @@ impl MapState {
 fn region_iter<'a>(
     map: &'a Candidates,
     region: &L4Prefix,
-) -> impl Iterator<Item = (L4Prefix, &'a Vec<Contrib>)> {
+) -> impl Iterator<Item = (L4Prefix, &'a Contribs)> {
     let region = *region;
     map.cover(&region)
         .filter(move |(p, _)| *p != region)
