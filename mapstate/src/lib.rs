@@ -69,6 +69,13 @@
 //!   key (its chain has no more wildcard blocks than in `*`, only more own ones). `*` keys that
 //!   are comparable with no own block can neither become keys of the identity nor bound one.
 //!
+//! Inside an own block `S` only the `*` keys **stronger** than `S`'s strongest own contribution
+//! are visited: a weaker one can neither become a key there (everything under `S` is bounded by
+//! that rank) nor lower a bound. For a broad `S` (up to 12 bits: every protocol, one protocol, a
+//! /4 of its ports) they are found through a per-protocol index of the `*` keys by rank, so the
+//! work is proportional to the `*` keys that actually get copied, not to the size of `S`'s
+//! subtree; for a narrower `S` its subtree is enumerated.
+//!
 //! A key of an identity is kept when it holds an own contribution (at the key's rank) or lies
 //! under such a key (then it is a copy of the `*` key: **synthesized**). The cost of a region is
 //! the number of blocks walked (plus one sort of them), instead of a sort and a trie insertion
