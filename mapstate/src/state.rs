@@ -172,7 +172,8 @@ pub struct MapState {
     tries: HashMap<Peer, PrefixMap<L4Prefix, StateEntry>>,
     /// The `*` keys by protocol (256 for the "every protocol" key) and rank, strongest first:
     /// finds the `*` keys stronger than an own key without visiting the weaker ones.
-    star_rank: BTreeMap<u16, BTreeSet<(Rank, L4Prefix)>>,
+    /// (With a copy of each `*` entry: `*` has few keys, and the walk then needs no trie lookup.)
+    star_rank: BTreeMap<u16, BTreeMap<(Rank, L4Prefix), StateEntry>>,
     /// Covered contributions per peer, at the block where they would have been.
     covered: HashMap<Peer, PrefixMap<L4Prefix, Vec<Covered>>>,
 }
@@ -817,11 +818,8 @@ impl MapState {
                 None => self.star_rank.range(..),
             };
             for (_, set) in sets {
-                for &(_, p) in set.range(..(t, L4Prefix::ANY)) {
-                    if p != outer
-                        && outer.covers(&p)
-                        && let Some(e) = star.get(&p)
-                    {
+                for (&(_, p), e) in set.range(..(t, L4Prefix::ANY)) {
+                    if p != outer && outer.covers(&p) {
                         push(nodes, p, e);
                     }
                 }
@@ -907,7 +905,7 @@ impl MapState {
             self.star_rank
                 .entry(proto(p))
                 .or_default()
-                .insert(((e.order, e.verdict), *p));
+                .insert(((e.order, e.verdict), *p), e.clone());
         }
     }
 
