@@ -283,6 +283,17 @@ fn meta_str<'a>(obj: &'a Value, field: &str) -> Option<&'a str> {
     obj["metadata"][field].as_str()
 }
 
+/// Like the API server: every Namespace carries `kubernetes.io/metadata.name: <name>`.
+fn name_label(def: ResourceDef, obj: &mut Value) {
+    if def.group.is_empty() && def.plural == "namespaces" {
+        let name = obj["metadata"]["name"].clone();
+        if !obj["metadata"]["labels"].is_object() {
+            obj["metadata"]["labels"] = json!({});
+        }
+        obj["metadata"]["labels"]["kubernetes.io/metadata.name"] = name;
+    }
+}
+
 /// How a write treats `status`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Part {
@@ -375,6 +386,7 @@ impl State {
         meta["generation"] = json!(1);
         meta["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
         obj["metadata"] = meta;
+        name_label(def, &mut obj);
         self.objects.insert(key, obj.clone());
         self.record(resource, &ns, "ADDED", &obj);
         Ok(obj)
@@ -444,6 +456,7 @@ impl State {
                 }
             }
         }
+        name_label(def, &mut obj);
         let mut generation = old["metadata"]["generation"].as_i64().unwrap_or(1);
         if old.get("spec") != obj.get("spec") {
             generation += 1;

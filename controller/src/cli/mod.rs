@@ -197,7 +197,13 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Validate(args) => validate::run(&args),
         Command::Crd => crd::run(),
         Command::Lab(_) => not_implemented("lab"),
-        Command::Agent(_) => not_implemented("agent"),
+        Command::Agent(args) => ordnet::agent::run_command(ordnet::agent::CommandLine {
+            node: args.node,
+            kubeconfig: args.kubeconfig,
+            bpf: args.datapath == DatapathArg::Bpf,
+            uplink: args.uplink,
+            debug_addr: args.debug_addr,
+        }),
     }
 }
 

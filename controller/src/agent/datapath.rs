@@ -1,0 +1,134 @@
+//! What the agent programs: the [`Datapath`] trait and its `none` implementation, which keeps
+//! exactly what it was told (per local endpoint and direction: the MapState's keys and values,
+//! and the isolation; the ipcache) so tests and the debug API see the programmed state.
+
+use std::collections::BTreeMap;
+
+use ipnet::IpNet;
+use ordnet_engine::{Engine, EngineDelta};
+use ordnet_mapstate::{Direction, Identity, Key, StateEntry};
+
+/// One endpoint and direction as programmed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProgrammedPolicy {
+    pub entries: BTreeMap<Key, StateEntry>,
+    pub isolated: bool,
+}
+
+/// One local endpoint as programmed: `[ingress, egress]`.
+pub type ProgrammedEndpoint = [ProgrammedPolicy; 2];
+
+/// The index of a direction in a [`ProgrammedEndpoint`].
+pub fn dir_index(d: Direction) -> usize {
+    match d {
+        Direction::Ingress => 0,
+        Direction::Egress => 1,
+    }
+}
+
+/// A node's datapath, as the agent drives it.
+pub trait Datapath: Send {
+    /// Programs everything from scratch (the first programming after the initial sync).
+    fn program_full(&mut self, engine: &Engine) -> Result<(), String>;
+    /// Applies the deltas of one batch of changes (in order).
+    fn apply(&mut self, engine: &Engine, deltas: &[EngineDelta]) -> Result<(), String>;
+    /// The programmed MapStates, per local endpoint (`ns/name`).
+    fn programmed(&self) -> &BTreeMap<String, ProgrammedEndpoint>;
+    /// The programmed ipcache.
+    fn ipcache(&self) -> &BTreeMap<IpNet, Identity>;
+}
+
+/// `--datapath none`: computes everything, touches no kernel state, remembers what it was told.
+#[derive(Debug, Default)]
+pub struct NoneDatapath {
+    endpoints: BTreeMap<String, ProgrammedEndpoint>,
+    ipcache: BTreeMap<IpNet, Identity>,
+}
+
+impl Datapath for NoneDatapath {
+    fn program_full(&mut self, engine: &Engine) -> Result<(), String> {
+        self.endpoints.clear();
+        for ep in engine.endpoints() {
+            let mut programmed = ProgrammedEndpoint::default();
+            for dir in [Direction::Ingress, Direction::Egress] {
+                let policy = engine.policy(ep, dir);
+                programmed[dir_index(dir)] = ProgrammedPolicy {
+                    entries: policy
+                        .mapstate
+                        .iter()
+                        .into_iter()
+                        .map(|(k, e)| (k, e.clone()))
+                        .collect(),
+                    isolated: policy.isolated,
+                };
+            }
+            self.endpoints.insert(ep.id(), programmed);
+        }
+        self.ipcache = engine.ipcache().into_iter().collect();
+        Ok(())
+    }
+
+    fn apply(&mut self, _engine: &Engine, deltas: &[EngineDelta]) -> Result<(), String> {
+        for delta in deltas {
+            for gone in &delta.endpoints_removed {
+                self.endpoints.remove(gone);
+            }
+            for new in &delta.endpoints_added {
+                self.endpoints
+                    .insert(new.clone(), ProgrammedEndpoint::default());
+            }
+            for u in &delta.updates {
+                let ep = self.endpoints.get_mut(&u.endpoint).ok_or_else(|| {
+                    format!(
+                        "update for {}, which is not a programmed endpoint",
+                        u.endpoint
+                    )
+                })?;
+                let p = &mut ep[dir_index(u.direction)];
+                for (k, _) in &u.changes.removed {
+                    if p.entries.remove(k).is_none() {
+                        return Err(format!(
+                            "{} {}: removal of a key that is not programmed",
+                            u.endpoint,
+                            u.direction.as_str()
+                        ));
+                    }
+                }
+                for (k, _, new) in &u.changes.changed {
+                    if p.entries.insert(*k, new.clone()).is_none() {
+                        return Err(format!(
+                            "{} {}: change of a key that is not programmed",
+                            u.endpoint,
+                            u.direction.as_str()
+                        ));
+                    }
+                }
+                for (k, e) in &u.changes.added {
+                    p.entries.insert(*k, e.clone());
+                }
+                if let Some(isolated) = u.isolated {
+                    p.isolated = isolated;
+                }
+            }
+            for c in &delta.ipcache {
+                match c.new {
+                    Some(id) => {
+                        self.ipcache.insert(c.prefix, id);
+                    }
+                    None => {
+                        self.ipcache.remove(&c.prefix);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn programmed(&self) -> &BTreeMap<String, ProgrammedEndpoint> {
+        &self.endpoints
+    }
+
+    fn ipcache(&self) -> &BTreeMap<IpNet, Identity> {
+        &self.ipcache
+    }
+}

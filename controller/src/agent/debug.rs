@@ -1,0 +1,341 @@
+//! The agent's debug API (HTTP/1.1, `--debug-addr`, loopback by default). Paths are documented
+//! in `docs/agent.md`:
+//!
+//! * `GET /healthz`: 200 while the process serves;
+//! * `GET /readyz`: 200 once the initial sync is programmed, 503 before;
+//! * `GET /metrics`: Prometheus text;
+//! * `GET /v1/problems`: the objects skipped as invalid (JSON);
+//! * `GET /v1/matrix?protocol=TCP&port=80&external=IP&family=4`: `ordnet matrix -o json` over
+//!   this node's endpoints;
+//! * `GET /v1/trace?from=SRC&to=DST&protocol=TCP&port=80&family=4`: `ordnet trace -o json`
+//!   (every pod end must be an endpoint of this node: only its MapStates are programmed here);
+//! * `GET /v1/dump?pod=NS/NAME&direction=ingress|egress`: `ordnet dump -o json`.
+//!
+//! Every answer comes from the engine whose MapStates the datapath holds (they are updated
+//! together, under the same locks).
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use ordnet_engine::{EndpointPolicy, Engine, FlowEnd, IdentityKind, IpFamily};
+use ordnet_mapstate::dump::Dump;
+use ordnet_mapstate::{Direction, Identity, Protocol};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use super::AgentState;
+
+/// Binds `addr` and serves the debug API; returns the bound address and the server task.
+pub async fn serve(
+    addr: SocketAddr,
+    state: Arc<AgentState>,
+) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
+    let listener = TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let state = state.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req: Request<Incoming>| {
+                    let state = state.clone();
+                    async move { Ok::<_, Infallible>(route(&state, &req)) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    Ok((bound, task))
+}
+
+fn respond(code: StatusCode, content_type: &str, body: String) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(code)
+        .header("content-type", content_type)
+        .body(Full::new(Bytes::from(body)))
+        .expect("response")
+}
+
+fn text(code: StatusCode, body: impl Into<String>) -> Response<Full<Bytes>> {
+    let mut b = body.into();
+    if !b.ends_with('\n') {
+        b.push('\n');
+    }
+    respond(code, "text/plain; charset=utf-8", b)
+}
+
+fn json(body: String) -> Response<Full<Bytes>> {
+    respond(StatusCode::OK, "application/json", body)
+}
+
+/// The query parameters (repeated keys keep every value, in order).
+fn query(req: &Request<Incoming>) -> BTreeMap<String, Vec<String>> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for pair in req.uri().query().unwrap_or_default().split('&') {
+        if pair.is_empty() {
+            continue;
+        }
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        out.entry(decode(k)).or_default().push(decode(v));
+    }
+    out
+}
+
+fn decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = (b[i] == b'%' && i + 2 < b.len())
+            .then(|| std::str::from_utf8(&b[i + 1..i + 3]).ok())
+            .flatten()
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (hex, b[i]) {
+            (Some(v), _) => {
+                out.push(v);
+                i += 3;
+            }
+            (None, b'+') => {
+                out.push(b' ');
+                i += 1;
+            }
+            (None, c) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn one<'a>(q: &'a BTreeMap<String, Vec<String>>, k: &str) -> Option<&'a str> {
+    q.get(k).and_then(|v| v.last()).map(String::as_str)
+}
+
+/// A bad request: 400 with the message.
+struct Bad(String);
+
+fn protocol(q: &BTreeMap<String, Vec<String>>) -> Result<Protocol, Bad> {
+    match one(q, "protocol")
+        .unwrap_or("TCP")
+        .to_ascii_uppercase()
+        .as_str()
+    {
+        "TCP" => Ok(Protocol::Tcp),
+        "UDP" => Ok(Protocol::Udp),
+        "SCTP" => Ok(Protocol::Sctp),
+        other => Err(Bad(format!("protocol: {other:?} is not TCP, UDP or SCTP"))),
+    }
+}
+
+fn port(q: &BTreeMap<String, Vec<String>>) -> Result<u16, Bad> {
+    let p = one(q, "port").unwrap_or("80");
+    p.parse()
+        .map_err(|_| Bad(format!("port: {p:?} is not a port number")))
+}
+
+fn family(q: &BTreeMap<String, Vec<String>>) -> Result<IpFamily, Bad> {
+    match one(q, "family").unwrap_or("4") {
+        "4" => Ok(IpFamily::V4),
+        "6" => Ok(IpFamily::V6),
+        other => Err(Bad(format!("family: {other:?} is not 4 or 6"))),
+    }
+}
+
+fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+    if req.method() != Method::GET {
+        return text(StatusCode::METHOD_NOT_ALLOWED, "only GET");
+    }
+    let q = query(req);
+    match req.uri().path() {
+        "/healthz" => text(StatusCode::OK, "ok"),
+        "/readyz" => {
+            if state.ready() {
+                text(StatusCode::OK, "ready")
+            } else {
+                text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "not ready: waiting for the initial lists",
+                )
+            }
+        }
+        "/metrics" => respond(
+            StatusCode::OK,
+            "text/plain; version=0.0.4; charset=utf-8",
+            state.metrics.render(state.ready(), state.problems().len()),
+        ),
+        "/v1/problems" => json(
+            serde_json::to_string_pretty(&state.problems()).expect("problems serialize") + "\n",
+        ),
+        path @ ("/v1/matrix" | "/v1/trace" | "/v1/dump") => {
+            let answer = state.with_engine(|engine| match path {
+                "/v1/matrix" => matrix(engine, &q),
+                "/v1/trace" => trace(engine, &q),
+                _ => dump(engine, &q),
+            });
+            match answer {
+                None => text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "not ready: waiting for the initial lists",
+                ),
+                Some(Ok(body)) => json(body),
+                Some(Err(Bad(m))) => text(StatusCode::BAD_REQUEST, m),
+            }
+        }
+        _ => text(StatusCode::NOT_FOUND, "not found"),
+    }
+}
+
+fn matrix(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, Bad> {
+    let proto = protocol(q)?;
+    let port = port(q)?;
+    let family = family(q)?;
+    let mut externals: Vec<IpAddr> = Vec::new();
+    for e in q.get("external").into_iter().flatten() {
+        let ip: IpAddr = e
+            .parse()
+            .map_err(|_| Bad(format!("external: {e:?} is not an IP address")))?;
+        if !family.contains(ip) {
+            return Err(Bad(format!(
+                "external: {ip} is not of the requested family"
+            )));
+        }
+        if !externals.contains(&ip) {
+            externals.push(ip);
+        }
+    }
+    let m = ordnet_engine::matrix(engine, proto, port, &externals, family);
+    Ok(serde_json::to_string_pretty(&m).expect("the matrix serializes") + "\n")
+}
+
+/// Whether `end` is evaluated by this node: a pod end (by name or by address) must be an
+/// endpoint of this node, because only its MapStates are programmed here.
+fn local_end(engine: &Engine, end: &FlowEnd, text: &str) -> Result<(), Bad> {
+    match end {
+        FlowEnd::Pod { namespace, name } => match engine.endpoint(namespace, name) {
+            Some(_) => Ok(()),
+            None => Err(Bad(format!(
+                "{text}: {namespace}/{name} is not an endpoint of this node (ask the agent of its node)"
+            ))),
+        },
+        FlowEnd::Ip(ip) => {
+            if engine.endpoints().iter().any(|ep| ep.ips.contains(ip)) {
+                return Ok(());
+            }
+            match engine.identity_info(engine.identity_of(*ip)) {
+                Some(info) if matches!(info.kind, IdentityKind::Pod) => Err(Bad(format!(
+                    "{text}: {ip} is the address of a pod of another node ({}); ask the agent of its node",
+                    info.members.join(", ")
+                ))),
+                _ => Ok(()),
+            }
+        }
+    }
+}
+
+fn trace(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, Bad> {
+    let proto = protocol(q)?;
+    let port = port(q)?;
+    let family = family(q)?;
+    let from_s = one(q, "from").ok_or_else(|| Bad("from: required".into()))?;
+    let to_s = one(q, "to").ok_or_else(|| Bad("to: required".into()))?;
+    let from = engine
+        .resolve(from_s)
+        .map_err(|e| Bad(format!("from: {e}")))?;
+    let to = engine.resolve(to_s).map_err(|e| Bad(format!("to: {e}")))?;
+    local_end(engine, &from, "from")?;
+    local_end(engine, &to, "to")?;
+    let t = engine.flow(&from, &to, family, proto, port);
+    Ok(serde_json::to_string_pretty(&t).expect("the trace serializes") + "\n")
+}
+
+/// The label of an identity, as `ordnet dump` shows it (mirrors `cli/render.rs`; the agent
+/// test compares the two outputs).
+pub fn identity_label(engine: &Engine, id: Identity) -> Option<String> {
+    let info = engine.identity_info(id)?;
+    Some(match info.kind {
+        IdentityKind::Pod => {
+            let ns = info
+                .namespace_labels
+                .get("kubernetes.io/metadata.name")
+                .map(String::as_str)
+                .unwrap_or("?");
+            let labels = if info.labels.is_empty() {
+                "(no labels)".to_string()
+            } else {
+                info.labels
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
+            const SHOWN: usize = 3;
+            let mut members = info.members.iter().take(SHOWN).cloned().collect::<Vec<_>>();
+            if info.members.len() > SHOWN {
+                members.push(format!("+{} more", info.members.len() - SHOWN));
+            }
+            format!("{ns}/{labels} [{}]", members.join(", "))
+        }
+        IdentityKind::Cidr(net) => format!("cidr {net}"),
+        IdentityKind::World => "world".to_string(),
+    })
+}
+
+/// What the default is and why (as `ordnet dump` words it).
+fn default_note(endpoint: &str, p: &EndpointPolicy) -> String {
+    let dir = p.mapstate.direction();
+    if p.isolated {
+        let by: Vec<String> = p
+            .isolated_by
+            .iter()
+            .map(|o| match &o.namespace {
+                Some(ns) => format!("{} {ns}/{}", o.kind, o.name),
+                None => format!("{} {}", o.kind, o.name),
+            })
+            .collect();
+        format!("{endpoint} is isolated for {dir} by {}", by.join(", "))
+    } else {
+        format!("{endpoint} is not isolated for {dir}")
+    }
+}
+
+fn dump(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, Bad> {
+    let pod = one(q, "pod").ok_or_else(|| Bad("pod: required (NAMESPACE/NAME)".into()))?;
+    let (ns, name) = pod
+        .split_once('/')
+        .ok_or_else(|| Bad(format!("pod: {pod:?}: expected NAMESPACE/NAME")))?;
+    let dirs = match one(q, "direction") {
+        None | Some("") => vec![Direction::Ingress, Direction::Egress],
+        Some("ingress") => vec![Direction::Ingress],
+        Some("egress") => vec![Direction::Egress],
+        Some(other) => {
+            return Err(Bad(format!(
+                "direction: {other:?} is not ingress or egress"
+            )));
+        }
+    };
+    let ep = engine.endpoint(ns, name).ok_or_else(|| {
+        Bad(match engine.resolve(pod) {
+            Err(e) => format!("pod: {e}"),
+            Ok(_) => format!("pod: {pod} is not an endpoint of this node"),
+        })
+    })?;
+    let mut d = Dump::new(ep.id()).labels(|id| identity_label(engine, id));
+    for dir in dirs {
+        let p = engine.policy(ep, dir);
+        d = d.side(&p.mapstate, Some(default_note(&ep.id(), p)));
+    }
+    Ok(d.json_string())
+}

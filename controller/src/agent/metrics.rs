@@ -1,0 +1,264 @@
+//! The agent's Prometheus metrics (text exposition format 0.0.4, written by hand).
+
+use std::fmt::Write;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ordnet_engine::Engine;
+
+use super::Datapath;
+
+/// A monotonically increasing count.
+#[derive(Debug, Default)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    pub fn inc(&self) {
+        self.add(1);
+    }
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Upper bounds (seconds) of the duration histograms' buckets.
+pub const BUCKETS: [f64; 14] = [
+    0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+];
+
+/// A duration histogram with [`BUCKETS`].
+#[derive(Debug, Default)]
+pub struct Histogram(Mutex<HistogramData>);
+
+#[derive(Debug, Default, Clone)]
+pub struct HistogramData {
+    /// Non-cumulative counts per bucket, then the `+Inf` overflow.
+    pub counts: [u64; BUCKETS.len() + 1],
+    pub sum: f64,
+    pub count: u64,
+}
+
+impl Histogram {
+    pub fn observe(&self, seconds: f64) {
+        let mut h = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let i = BUCKETS
+            .iter()
+            .position(|b| seconds <= *b)
+            .unwrap_or(BUCKETS.len());
+        h.counts[i] += 1;
+        h.sum += seconds;
+        h.count += 1;
+    }
+    pub fn data(&self) -> HistogramData {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// Sizes, as of the last programming.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Sizes {
+    pub identities: u64,
+    pub endpoints: u64,
+    pub entries_ingress: u64,
+    pub entries_egress: u64,
+    pub shared_mapstates: u64,
+    pub ipcache: u64,
+}
+
+/// Every metric of the agent.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    pub object_changes: Counter,
+    pub batches: Counter,
+    pub relists: Counter,
+    pub watch_errors: Counter,
+    pub invalid_objects: Counter,
+    pub engine_errors: Counter,
+    pub datapath_errors: Counter,
+    pub compile_seconds: Histogram,
+    pub apply_seconds: Histogram,
+    pub change_latency_seconds: Histogram,
+    sizes: Mutex<Sizes>,
+}
+
+impl Metrics {
+    pub fn set_sizes(&self, engine: &Engine, dp: &dyn Datapath) {
+        let mut s = Sizes {
+            identities: engine.identities().count() as u64,
+            endpoints: dp.programmed().len() as u64,
+            shared_mapstates: engine.shared_mapstates() as u64,
+            ipcache: dp.ipcache().len() as u64,
+            ..Sizes::default()
+        };
+        for ep in dp.programmed().values() {
+            s.entries_ingress += ep[0].entries.len() as u64;
+            s.entries_egress += ep[1].entries.len() as u64;
+        }
+        *self.sizes.lock().unwrap_or_else(|e| e.into_inner()) = s;
+    }
+
+    pub fn sizes(&self) -> Sizes {
+        *self.sizes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self, ready: bool, invalid_now: usize) -> String {
+        let mut out = String::new();
+        let s = self.sizes();
+        gauge(
+            &mut out,
+            "ordnet_ready",
+            "1 once the initial sync is programmed.",
+            u64::from(ready),
+        );
+        gauge(
+            &mut out,
+            "ordnet_identities",
+            "Identities allocated.",
+            s.identities,
+        );
+        gauge(
+            &mut out,
+            "ordnet_endpoints",
+            "Local endpoints programmed.",
+            s.endpoints,
+        );
+        gauge(
+            &mut out,
+            "ordnet_ipcache_entries",
+            "ipcache prefixes programmed.",
+            s.ipcache,
+        );
+        gauge(
+            &mut out,
+            "ordnet_shared_mapstates",
+            "Distinct MapStates (endpoints with equal inputs share one).",
+            s.shared_mapstates,
+        );
+        let _ = writeln!(
+            out,
+            "# HELP ordnet_mapstate_entries MapState keys programmed, summed over local endpoints.\n\
+             # TYPE ordnet_mapstate_entries gauge\n\
+             ordnet_mapstate_entries{{direction=\"ingress\"}} {}\n\
+             ordnet_mapstate_entries{{direction=\"egress\"}} {}",
+            s.entries_ingress, s.entries_egress
+        );
+        gauge(
+            &mut out,
+            "ordnet_invalid_objects",
+            "Objects currently skipped as invalid.",
+            invalid_now as u64,
+        );
+        counter(
+            &mut out,
+            "ordnet_object_changes_total",
+            "Object changes applied to the engine.",
+            &self.object_changes,
+        );
+        counter(
+            &mut out,
+            "ordnet_update_batches_total",
+            "Coalesced batches of changes applied.",
+            &self.batches,
+        );
+        counter(
+            &mut out,
+            "ordnet_relists_total",
+            "Re-lists after the initial one (410 Gone, restarts).",
+            &self.relists,
+        );
+        counter(
+            &mut out,
+            "ordnet_watch_errors_total",
+            "Watch errors (retried with backoff).",
+            &self.watch_errors,
+        );
+        counter(
+            &mut out,
+            "ordnet_invalid_objects_total",
+            "Invalid object versions seen and skipped.",
+            &self.invalid_objects,
+        );
+        counter(
+            &mut out,
+            "ordnet_engine_errors_total",
+            "Objects the engine could not use.",
+            &self.engine_errors,
+        );
+        counter(
+            &mut out,
+            "ordnet_datapath_errors_total",
+            "Datapath programming errors.",
+            &self.datapath_errors,
+        );
+        histogram(
+            &mut out,
+            "ordnet_compile_duration_seconds",
+            "Engine computation per batch (the first one: the full build).",
+            &self.compile_seconds,
+        );
+        histogram(
+            &mut out,
+            "ordnet_apply_duration_seconds",
+            "Engine computation plus datapath programming per batch.",
+            &self.apply_seconds,
+        );
+        histogram(
+            &mut out,
+            "ordnet_change_latency_seconds",
+            "From the first watch event of a batch received to the datapath updated.",
+            &self.change_latency_seconds,
+        );
+        out
+    }
+}
+
+fn gauge(out: &mut String, name: &str, help: &str, v: u64) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
+}
+
+fn counter(out: &mut String, name: &str, help: &str, c: &Counter) {
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+        c.get()
+    );
+}
+
+fn histogram(out: &mut String, name: &str, help: &str, h: &Histogram) {
+    let d = h.data();
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+    let mut cumulative = 0;
+    for (i, b) in BUCKETS.iter().enumerate() {
+        cumulative += d.counts[i];
+        let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
+    }
+    cumulative += d.counts[BUCKETS.len()];
+    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cumulative}");
+    let _ = writeln!(out, "{name}_sum {}", d.sum);
+    let _ = writeln!(out, "{name}_count {}", d.count);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let h = Histogram::default();
+        h.observe(0.0003);
+        h.observe(0.02);
+        h.observe(100.0);
+        let mut out = String::new();
+        histogram(&mut out, "x", "help", &h);
+        assert!(out.contains("x_bucket{le=\"0.0001\"} 0\n"));
+        assert!(out.contains("x_bucket{le=\"0.0005\"} 1\n"));
+        assert!(out.contains("x_bucket{le=\"0.025\"} 2\n"));
+        assert!(out.contains("x_bucket{le=\"10\"} 2\n"));
+        assert!(out.contains("x_bucket{le=\"+Inf\"} 3\n"));
+        assert!(out.contains("x_count 3\n"));
+    }
+}

@@ -1,0 +1,754 @@
+//! `ordnet agent`: the node agent.
+//!
+//! * Five watchers (`kube::runtime::watcher` with the default backoff) on Namespaces, Pods,
+//!   NetworkPolicies, OrderedNetworkPolicies and ClusterOrderedNetworkPolicies feed one channel.
+//! * The agent keeps a view of every object it was told about (with its resource version and
+//!   whether it is valid). Nothing is computed until every watcher finished its initial list;
+//!   then the engine is built from the valid objects (MapStates for this node's pods only) and
+//!   the datapath is programmed in one go.
+//! * After that, each burst of watch events (everything in the channel) is coalesced per object
+//!   and applied with `Engine::apply`; the datapath gets the deltas. A re-list (after 410 Gone or
+//!   an API server restart) is diffed against the view, so only real differences reach the
+//!   engine, and the last good state stays programmed meanwhile.
+//! * An invalid object (crds validation) is skipped (left out, like the offline CLI does),
+//!   recorded in [`AgentState::problems`] and counted; everything else keeps working.
+//!
+//! The debug API ([`debug`]) serves health, metrics and the matrix/trace/dump answers from the
+//! programmed state.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
+use kube::{Api, Client, Resource};
+use ordnet_crds::validate;
+use ordnet_crds::{ClusterObjects, ClusterOrderedNetworkPolicy, Loaded, OrderedNetworkPolicy};
+use ordnet_engine::{BuildOptions, Engine, EngineDelta, Object, ObjectChange, ObjectKind};
+use serde::de::DeserializeOwned;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+pub mod datapath;
+pub mod debug;
+pub mod metrics;
+
+pub use datapath::{Datapath, NoneDatapath, ProgrammedEndpoint, ProgrammedPolicy};
+use metrics::Metrics;
+
+/// How the agent runs.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// This node's name: its pods are the local endpoints.
+    pub node: String,
+    /// The debug API's address (port 0: any free port; see [`AgentHandle::debug_addr`]).
+    pub debug_addr: SocketAddr,
+}
+
+/// The five kinds, in the order the engine prefers to see them.
+pub const KINDS: [ObjectKind; 5] = [
+    ObjectKind::Namespace,
+    ObjectKind::Pod,
+    ObjectKind::NetworkPolicy,
+    ObjectKind::OrderedNetworkPolicy,
+    ObjectKind::ClusterOrderedNetworkPolicy,
+];
+
+fn kind_index(k: ObjectKind) -> usize {
+    KINDS
+        .iter()
+        .position(|x| *x == k)
+        .expect("every kind is listed")
+}
+
+/// The name of a kind as Kubernetes spells it.
+pub fn kind_name(k: ObjectKind) -> &'static str {
+    match k {
+        ObjectKind::Namespace => "Namespace",
+        ObjectKind::Pod => "Pod",
+        ObjectKind::NetworkPolicy => "NetworkPolicy",
+        ObjectKind::OrderedNetworkPolicy => "OrderedNetworkPolicy",
+        ObjectKind::ClusterOrderedNetworkPolicy => "ClusterOrderedNetworkPolicy",
+    }
+}
+
+/// An object's identity in the view: (kind index, namespace or "", name).
+pub type ObjKey = (usize, String, String);
+
+/// One object the agent was told about.
+#[derive(Debug, Clone)]
+struct ViewEntry {
+    resource_version: Option<String>,
+    object: Object,
+    /// Validation errors (`field: message`); empty = valid (and in the engine once synced).
+    problems: Vec<String>,
+}
+
+fn object_kind(o: &Object) -> ObjectKind {
+    match o {
+        Object::Namespace(_) => ObjectKind::Namespace,
+        Object::Pod(_) => ObjectKind::Pod,
+        Object::NetworkPolicy(_) => ObjectKind::NetworkPolicy,
+        Object::OrderedNetworkPolicy(_) => ObjectKind::OrderedNetworkPolicy,
+        Object::ClusterOrderedNetworkPolicy(_) => ObjectKind::ClusterOrderedNetworkPolicy,
+    }
+}
+
+fn object_meta(o: &Object) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+    match o {
+        Object::Namespace(x) => &x.metadata,
+        Object::Pod(x) => &x.metadata,
+        Object::NetworkPolicy(x) => &x.metadata,
+        Object::OrderedNetworkPolicy(x) => &x.metadata,
+        Object::ClusterOrderedNetworkPolicy(x) => &x.metadata,
+    }
+}
+
+fn object_key(o: &Object) -> ObjKey {
+    let kind = object_kind(o);
+    let meta = object_meta(o);
+    let ns = match kind {
+        ObjectKind::Namespace | ObjectKind::ClusterOrderedNetworkPolicy => String::new(),
+        _ => meta.namespace.clone().unwrap_or_else(|| "default".into()),
+    };
+    (kind_index(kind), ns, meta.name.clone().unwrap_or_default())
+}
+
+fn validate_object(o: &Object) -> Vec<String> {
+    let errors = match o {
+        Object::Namespace(x) => validate::validate_namespace(x),
+        Object::Pod(x) => validate::validate_pod(x),
+        Object::NetworkPolicy(x) => validate::validate_network_policy(x),
+        Object::OrderedNetworkPolicy(x) => validate::validate_ordered_network_policy(x),
+        Object::ClusterOrderedNetworkPolicy(x) => {
+            validate::validate_cluster_ordered_network_policy(x)
+        }
+    };
+    errors.iter().map(|e| e.to_string()).collect()
+}
+
+/// One watch event, typed.
+#[derive(Debug)]
+enum WatchMsg {
+    Init(ObjectKind),
+    InitApply(Object),
+    InitDone(ObjectKind),
+    Apply(Object),
+    Delete(Object),
+    Error(ObjectKind, String),
+}
+
+/// An object the agent could not use.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ObjectProblem {
+    pub kind: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    pub name: String,
+    pub resource_version: Option<String>,
+    pub errors: Vec<String>,
+}
+
+/// Everything the agent shares with the debug API and with tests.
+pub struct AgentState {
+    pub node: String,
+    /// `None` until the initial sync is done and the datapath programmed.
+    engine: RwLock<Option<Engine>>,
+    datapath: Mutex<Box<dyn Datapath>>,
+    problems: RwLock<BTreeMap<ObjKey, ObjectProblem>>,
+    pub metrics: Metrics,
+}
+
+impl AgentState {
+    /// Whether the initial sync is done and the datapath programmed.
+    pub fn ready(&self) -> bool {
+        self.engine
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// Runs `f` on the engine (after the initial sync).
+    pub fn with_engine<T>(&self, f: impl FnOnce(&Engine) -> T) -> Option<T> {
+        self.engine
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(f)
+    }
+
+    /// Runs `f` on the engine and the datapath together (a consistent view).
+    pub fn with_programmed<T>(&self, f: impl FnOnce(&Engine, &dyn Datapath) -> T) -> Option<T> {
+        let engine = self.engine.read().unwrap_or_else(|e| e.into_inner());
+        let dp = self.datapath.lock().unwrap_or_else(|e| e.into_inner());
+        engine.as_ref().map(|e| f(e, dp.as_ref()))
+    }
+
+    /// The objects currently skipped as invalid.
+    pub fn problems(&self) -> Vec<ObjectProblem> {
+        self.problems
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+}
+
+/// A running agent. Dropping it stops it.
+pub struct AgentHandle {
+    pub state: Arc<AgentState>,
+    debug_addr: SocketAddr,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl AgentHandle {
+    /// Where the debug API listens.
+    pub fn debug_addr(&self) -> SocketAddr {
+        self.debug_addr
+    }
+
+    /// Stops every task of the agent.
+    pub fn shutdown(&mut self) {
+        for t in self.tasks.drain(..) {
+            t.abort();
+        }
+    }
+
+    /// Waits until one of the agent's tasks ends (they only end on a fatal error).
+    pub async fn wait(&mut self) {
+        if self.tasks.is_empty() {
+            return;
+        }
+        let tasks = std::mem::take(&mut self.tasks);
+        let (_, _, rest) = futures::future::select_all(tasks).await;
+        self.tasks = rest;
+    }
+}
+
+impl Drop for AgentHandle {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn spawn_watch<K>(
+    client: Client,
+    kind: ObjectKind,
+    wrap: fn(K) -> Object,
+    tx: mpsc::UnboundedSender<WatchMsg>,
+) -> JoinHandle<()>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    tokio::spawn(async move {
+        let api: Api<K> = Api::all(client);
+        let mut stream = watcher::watcher(api, watcher::Config::default())
+            .default_backoff()
+            .boxed();
+        while let Some(ev) = stream.next().await {
+            let msg = match ev {
+                Ok(Event::Init) => WatchMsg::Init(kind),
+                Ok(Event::InitApply(o)) => WatchMsg::InitApply(wrap(o)),
+                Ok(Event::InitDone) => WatchMsg::InitDone(kind),
+                Ok(Event::Apply(o)) => WatchMsg::Apply(wrap(o)),
+                Ok(Event::Delete(o)) => WatchMsg::Delete(wrap(o)),
+                Err(e) => WatchMsg::Error(kind, e.to_string()),
+            };
+            if tx.send(msg).is_err() {
+                return;
+            }
+        }
+    })
+}
+
+/// Starts the agent on `client` with `datapath`: watchers, the apply loop and the debug API.
+pub async fn start(
+    config: AgentConfig,
+    client: Client,
+    datapath: Box<dyn Datapath>,
+) -> std::io::Result<AgentHandle> {
+    let state = Arc::new(AgentState {
+        node: config.node.clone(),
+        engine: RwLock::new(None),
+        datapath: Mutex::new(datapath),
+        problems: RwLock::new(BTreeMap::new()),
+        metrics: Metrics::default(),
+    });
+    let (debug_addr, debug_task) = debug::serve(config.debug_addr, state.clone()).await?;
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut tasks = vec![
+        debug_task,
+        spawn_watch::<Namespace>(
+            client.clone(),
+            ObjectKind::Namespace,
+            Object::Namespace,
+            tx.clone(),
+        ),
+        spawn_watch::<Pod>(client.clone(), ObjectKind::Pod, Object::Pod, tx.clone()),
+        spawn_watch::<NetworkPolicy>(
+            client.clone(),
+            ObjectKind::NetworkPolicy,
+            Object::NetworkPolicy,
+            tx.clone(),
+        ),
+        spawn_watch::<OrderedNetworkPolicy>(
+            client.clone(),
+            ObjectKind::OrderedNetworkPolicy,
+            Object::OrderedNetworkPolicy,
+            tx.clone(),
+        ),
+        spawn_watch::<ClusterOrderedNetworkPolicy>(
+            client,
+            ObjectKind::ClusterOrderedNetworkPolicy,
+            Object::ClusterOrderedNetworkPolicy,
+            tx,
+        ),
+    ];
+    let loop_state = state.clone();
+    tasks.push(tokio::spawn(async move {
+        Applier::new(loop_state, config.node).run(rx).await;
+    }));
+    Ok(AgentHandle {
+        state,
+        debug_addr,
+        tasks,
+    })
+}
+
+/// The apply loop's own state.
+struct Applier {
+    state: Arc<AgentState>,
+    node: String,
+    view: BTreeMap<ObjKey, ViewEntry>,
+    /// Per kind: whether its initial list is done (ever).
+    synced: [bool; 5],
+    /// Per kind: the re-list being collected (`Some` between `Init` and `InitDone`).
+    relist: [Option<BTreeMap<ObjKey, Object>>; 5],
+    /// Keys touched since the last apply: their current view entry (or absence) is what the
+    /// engine must get.
+    dirty: BTreeSet<ObjKey>,
+    /// Keys the engine has (valid objects applied).
+    in_engine: BTreeSet<ObjKey>,
+}
+
+impl Applier {
+    fn new(state: Arc<AgentState>, node: String) -> Applier {
+        Applier {
+            state,
+            node,
+            view: BTreeMap::new(),
+            synced: [false; 5],
+            relist: Default::default(),
+            dirty: BTreeSet::new(),
+            in_engine: BTreeSet::new(),
+        }
+    }
+
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<WatchMsg>) {
+        while let Some(first) = rx.recv().await {
+            let observed = Instant::now();
+            self.handle(first);
+            // Coalesce the burst: everything already queued.
+            while let Ok(msg) = rx.try_recv() {
+                self.handle(msg);
+            }
+            if !self.state.ready() {
+                if self.synced.iter().all(|s| *s) {
+                    self.initial_program();
+                }
+                continue;
+            }
+            self.apply_dirty(observed);
+        }
+    }
+
+    fn handle(&mut self, msg: WatchMsg) {
+        match msg {
+            WatchMsg::Init(kind) => {
+                let k = kind_index(kind);
+                if self.synced[k] {
+                    self.state.metrics.relists.inc();
+                }
+                self.relist[k] = Some(BTreeMap::new());
+            }
+            WatchMsg::InitApply(o) => {
+                let key = object_key(&o);
+                match self.relist[key.0].as_mut() {
+                    Some(buf) => {
+                        buf.insert(key, o);
+                    }
+                    // Not expected (the watcher always sends Init first); treat as an update.
+                    None => self.upsert(key, o),
+                }
+            }
+            WatchMsg::InitDone(kind) => {
+                let k = kind_index(kind);
+                let listed = self.relist[k].take().unwrap_or_default();
+                let gone: Vec<ObjKey> = self
+                    .view
+                    .keys()
+                    .filter(|key| key.0 == k && !listed.contains_key(*key))
+                    .cloned()
+                    .collect();
+                for key in gone {
+                    self.remove(key);
+                }
+                for (key, o) in listed {
+                    self.upsert(key, o);
+                }
+                self.synced[k] = true;
+            }
+            WatchMsg::Apply(o) => {
+                let key = object_key(&o);
+                self.upsert(key, o);
+            }
+            WatchMsg::Delete(o) => {
+                let key = object_key(&o);
+                self.remove(key);
+            }
+            WatchMsg::Error(kind, e) => {
+                self.state.metrics.watch_errors.inc();
+                eprintln!("ordnet agent: watch {}: {e}", kind_name(kind));
+            }
+        }
+    }
+
+    fn upsert(&mut self, key: ObjKey, object: Object) {
+        let rv = object_meta(&object).resource_version.clone();
+        if let Some(old) = self.view.get(&key)
+            && rv.is_some()
+            && old.resource_version == rv
+        {
+            return;
+        }
+        let problems = validate_object(&object);
+        {
+            let mut p = self
+                .state
+                .problems
+                .write()
+                .unwrap_or_else(|e| e.into_inner());
+            if problems.is_empty() {
+                p.remove(&key);
+            } else {
+                self.state.metrics.invalid_objects.inc();
+                eprintln!(
+                    "ordnet agent: skipping invalid {} {}{}: {}",
+                    kind_name(KINDS[key.0]),
+                    if key.1.is_empty() {
+                        String::new()
+                    } else {
+                        format!("{}/", key.1)
+                    },
+                    key.2,
+                    problems.join("; ")
+                );
+                p.insert(
+                    key.clone(),
+                    ObjectProblem {
+                        kind: kind_name(KINDS[key.0]),
+                        namespace: (!key.1.is_empty()).then(|| key.1.clone()),
+                        name: key.2.clone(),
+                        resource_version: rv.clone(),
+                        errors: problems.clone(),
+                    },
+                );
+            }
+        }
+        self.view.insert(
+            key.clone(),
+            ViewEntry {
+                resource_version: rv,
+                object,
+                problems,
+            },
+        );
+        self.dirty.insert(key);
+    }
+
+    fn remove(&mut self, key: ObjKey) {
+        if self.view.remove(&key).is_some() {
+            self.state
+                .problems
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&key);
+            self.dirty.insert(key);
+        }
+    }
+
+    fn options(&self) -> BuildOptions {
+        BuildOptions {
+            node: Some(self.node.clone()),
+        }
+    }
+
+    /// The valid objects of the view, as the offline loader would give them.
+    fn cluster_objects(&self) -> ClusterObjects {
+        let mut objects = ClusterObjects::default();
+        for entry in self.view.values().filter(|e| e.problems.is_empty()) {
+            match entry.object.clone() {
+                Object::Namespace(o) => objects.namespaces.push(loaded(o)),
+                Object::Pod(o) => objects.pods.push(loaded(o)),
+                Object::NetworkPolicy(o) => objects.network_policies.push(loaded(o)),
+                Object::OrderedNetworkPolicy(o) => objects.ordered_policies.push(loaded(o)),
+                Object::ClusterOrderedNetworkPolicy(o) => {
+                    objects.cluster_ordered_policies.push(loaded(o))
+                }
+            }
+        }
+        objects
+    }
+
+    fn initial_program(&mut self) {
+        let started = Instant::now();
+        let objects = self.cluster_objects();
+        let engine = Engine::build_with(&objects, &self.options());
+        self.state
+            .metrics
+            .compile_seconds
+            .observe(started.elapsed().as_secs_f64());
+        for e in engine.errors() {
+            self.state.metrics.engine_errors.inc();
+            eprintln!("ordnet agent: left out: {e}");
+        }
+        self.in_engine = self
+            .view
+            .iter()
+            .filter(|(_, e)| e.problems.is_empty())
+            .map(|(k, _)| k.clone())
+            .collect();
+        self.dirty.clear();
+        // Lock order everywhere: engine, then datapath.
+        let mut slot = self.state.engine.write().unwrap_or_else(|e| e.into_inner());
+        let mut dp = self
+            .state
+            .datapath
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Err(e) = dp.program_full(&engine) {
+            self.state.metrics.datapath_errors.inc();
+            eprintln!("ordnet agent: programming the datapath: {e}");
+        }
+        self.state.metrics.set_sizes(&engine, dp.as_ref());
+        *slot = Some(engine);
+        self.state
+            .metrics
+            .apply_seconds
+            .observe(started.elapsed().as_secs_f64());
+    }
+
+    fn apply_dirty(&mut self, observed: Instant) {
+        if self.dirty.is_empty() {
+            return;
+        }
+        let dirty = std::mem::take(&mut self.dirty);
+        let mut upserts = Vec::new();
+        let mut deletes = Vec::new();
+        for key in dirty {
+            match self.view.get(&key) {
+                Some(e) if e.problems.is_empty() => {
+                    self.in_engine.insert(key);
+                    upserts.push(ObjectChange::Upsert(e.object.clone()));
+                }
+                _ => {
+                    if self.in_engine.remove(&key) {
+                        let kind = KINDS[key.0];
+                        deletes.push(ObjectChange::Delete {
+                            kind,
+                            namespace: (!key.1.is_empty()).then_some(key.1),
+                            name: key.2,
+                        });
+                    }
+                }
+            }
+        }
+        // Deletions of policies before pods before namespaces; upserts in kind order.
+        deletes.reverse();
+        let changes = upserts.len() + deletes.len();
+        if changes == 0 {
+            return;
+        }
+        let started = Instant::now();
+        // Lock order everywhere: engine, then datapath.
+        let mut slot = self.state.engine.write().unwrap_or_else(|e| e.into_inner());
+        let mut dp = self
+            .state
+            .datapath
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let Some(engine) = slot.as_mut() else {
+            return;
+        };
+        let deltas: Vec<EngineDelta> = upserts
+            .into_iter()
+            .chain(deletes)
+            .map(|c| engine.apply(c))
+            .collect();
+        for d in &deltas {
+            for e in &d.errors {
+                self.state.metrics.engine_errors.inc();
+                eprintln!("ordnet agent: not applied: {e}");
+            }
+        }
+        self.state
+            .metrics
+            .compile_seconds
+            .observe(started.elapsed().as_secs_f64());
+        if let Err(e) = dp.apply(engine, &deltas) {
+            // The recorded state no longer follows the engine: program everything again.
+            self.state.metrics.datapath_errors.inc();
+            eprintln!("ordnet agent: applying to the datapath: {e}; reprogramming");
+            if let Err(e) = dp.program_full(engine) {
+                eprintln!("ordnet agent: programming the datapath: {e}");
+            }
+        }
+        self.state.metrics.set_sizes(engine, dp.as_ref());
+        self.state.metrics.object_changes.add(changes as u64);
+        self.state.metrics.batches.inc();
+        self.state
+            .metrics
+            .apply_seconds
+            .observe(started.elapsed().as_secs_f64());
+        self.state
+            .metrics
+            .change_latency_seconds
+            .observe(observed.elapsed().as_secs_f64());
+    }
+}
+
+fn loaded<T>(object: T) -> Loaded<T> {
+    Loaded {
+        object,
+        source: None,
+    }
+}
+
+/// The kube client for `--kubeconfig PATH`, or the default (in-cluster, then the usual
+/// kubeconfig lookup).
+pub async fn client_for(kubeconfig: Option<&std::path::Path>) -> Result<Client, String> {
+    let config = match kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .map_err(|e| format!("--kubeconfig {}: {e}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(|e| format!("--kubeconfig {}: {e}", path.display()))?
+        }
+        None => kube::Config::infer()
+            .await
+            .map_err(|e| format!("no cluster configuration: {e}"))?,
+    };
+    Client::try_from(config).map_err(|e| format!("kube client: {e}"))
+}
+
+/// Waits until `f` holds, polling every 20 ms, for at most `limit`.
+pub async fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The `ordnet agent` command line, as parsed.
+#[derive(Debug, Clone)]
+pub struct CommandLine {
+    pub node: String,
+    pub kubeconfig: Option<std::path::PathBuf>,
+    /// `--datapath bpf` (otherwise `none`).
+    pub bpf: bool,
+    pub uplink: Option<String>,
+    pub debug_addr: String,
+}
+
+/// Runs `ordnet agent` until SIGTERM/SIGINT (exit 0) or a fatal error (exit 1); usage errors
+/// exit 2.
+pub fn run_command(cmd: CommandLine) -> std::process::ExitCode {
+    use std::process::ExitCode;
+    if cmd.bpf {
+        eprintln!(
+            "ordnet agent: --datapath bpf: not implemented yet (use --datapath none to compute and serve the debug API without touching the kernel)"
+        );
+        return ExitCode::from(2);
+    }
+    if cmd.uplink.is_some() {
+        eprintln!(
+            "ordnet agent: --uplink: not implemented yet (it only applies to --datapath bpf)"
+        );
+        return ExitCode::from(2);
+    }
+    if cmd.node.is_empty() {
+        eprintln!("ordnet agent: --node must not be empty");
+        return ExitCode::from(2);
+    }
+    let debug_addr: SocketAddr = match cmd.debug_addr.parse() {
+        Ok(a) => a,
+        Err(_) => {
+            eprintln!(
+                "ordnet agent: --debug-addr {}: expected IP:PORT",
+                cmd.debug_addr
+            );
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("ordnet agent: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    runtime.block_on(async move {
+        let client = match client_for(cmd.kubeconfig.as_deref()).await {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("ordnet agent: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        let config = AgentConfig {
+            node: cmd.node,
+            debug_addr,
+        };
+        let mut handle = match start(config, client, Box::new(NoneDatapath::default())).await {
+            Ok(h) => h,
+            Err(e) => {
+                eprintln!("ordnet agent: --debug-addr {debug_addr}: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        eprintln!(
+            "ordnet agent: node {}, datapath none, debug API on http://{}",
+            handle.state.node,
+            handle.debug_addr()
+        );
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("ordnet agent: {e}");
+                    return ExitCode::from(1);
+                }
+            };
+        tokio::select! {
+            _ = term.recv() => ExitCode::SUCCESS,
+            _ = tokio::signal::ctrl_c() => ExitCode::SUCCESS,
+            _ = handle.wait() => {
+                eprintln!("ordnet agent: a task ended unexpectedly");
+                ExitCode::from(1)
+            }
+        }
+    })
+}

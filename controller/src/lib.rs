@@ -1,0 +1,4 @@
+//! The `ordnet` crate: the node agent as a library (the binary's `ordnet agent`, and the agent
+//! integration tests, run it in-process).
+
+pub mod agent;

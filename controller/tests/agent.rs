@@ -1,0 +1,472 @@
+//! The node agent against the fake API server (the real kube client, list/watch over HTTP),
+//! with `--datapath none`: after every scripted change the MapStates the agent programmed must
+//! equal what the offline engine computes for the same objects.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use ordnet::agent::{self, AgentConfig, AgentHandle, NoneDatapath};
+use ordnet_engine::{Engine, Signature};
+use ordnet_mapstate::{L4Prefix, OrderKey, Origin, Peer, Verdict};
+use ordnet_testsuite::fakeapi::FakeApi;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const NODE: &str = "node-1";
+const LIMIT: Duration = Duration::from_secs(15);
+
+type Keys = Vec<(
+    Option<Signature>,
+    L4Prefix,
+    Verdict,
+    OrderKey,
+    Vec<Origin>,
+    bool,
+)>;
+/// Per endpoint: (ingress isolated, ingress keys, egress isolated, egress keys).
+type Canon = BTreeMap<String, (bool, Keys, bool, Keys)>;
+
+/// What the agent programmed, identities replaced by what they stand for.
+fn programmed(h: &AgentHandle) -> Option<(Canon, BTreeMap<IpNet, Signature>)> {
+    h.state.with_programmed(|engine, dp| {
+        let sig = |id| {
+            engine
+                .identity_signature(id)
+                .cloned()
+                .unwrap_or_else(|| panic!("programmed identity {id} is unknown to the engine"))
+        };
+        let side = |p: &agent::ProgrammedPolicy| -> Keys {
+            let mut keys: Keys = p
+                .entries
+                .iter()
+                .map(|(k, e)| {
+                    (
+                        match k.peer {
+                            Peer::Any => None,
+                            Peer::Id(id) => Some(sig(id)),
+                        },
+                        k.prefix,
+                        e.verdict,
+                        e.order,
+                        e.origins.iter().map(|o| (**o).clone()).collect(),
+                        e.synthesized,
+                    )
+                })
+                .collect();
+            keys.sort();
+            keys
+        };
+        let canon = dp
+            .programmed()
+            .iter()
+            .map(|(ep, [i, e])| (ep.clone(), (i.isolated, side(i), e.isolated, side(e))))
+            .collect();
+        let ipcache = dp.ipcache().iter().map(|(p, id)| (*p, sig(*id))).collect();
+        (canon, ipcache)
+    })
+}
+
+/// The fake server's objects as manifests, through the offline loader and validator.
+fn offline_objects(api: &FakeApi) -> ordnet_crds::ClusterObjects {
+    let mut docs = Vec::new();
+    for (v, k) in [
+        ("v1", "Namespace"),
+        ("v1", "Pod"),
+        ("networking.k8s.io/v1", "NetworkPolicy"),
+        ("ordnet.io/v1alpha1", "OrderedNetworkPolicy"),
+        ("ordnet.io/v1alpha1", "ClusterOrderedNetworkPolicy"),
+    ] {
+        for o in api.list(v, k) {
+            docs.push(serde_json::to_string(&o).unwrap());
+        }
+    }
+    let outcome = ordnet_crds::manifest::load_str(Path::new("fake-api"), &docs.join("\n---\n"));
+    ordnet_crds::validated(outcome).objects
+}
+
+/// What the offline engine computes: this node's endpoints, and the whole ipcache.
+fn offline(api: &FakeApi) -> (Canon, BTreeMap<IpNet, Signature>) {
+    let objects = offline_objects(api);
+    let engine = Engine::build(&objects);
+    let snap = engine.snapshot();
+    let side = |p: &ordnet_engine::PolicySnapshot| -> Keys {
+        let mut keys: Keys = p
+            .keys
+            .iter()
+            .map(|(peer, prefix, e)| {
+                (
+                    peer.clone(),
+                    *prefix,
+                    e.verdict,
+                    e.order,
+                    e.origins.clone(),
+                    e.synthesized,
+                )
+            })
+            .collect();
+        keys.sort();
+        keys
+    };
+    let canon = snap
+        .endpoints
+        .iter()
+        .filter(|(_, e)| e.node.as_deref() == Some(NODE))
+        .map(|(name, e)| {
+            (
+                name.clone(),
+                (
+                    e.ingress.isolated,
+                    side(&e.ingress),
+                    e.egress.isolated,
+                    side(&e.egress),
+                ),
+            )
+        })
+        .collect();
+    (canon, snap.ipcache)
+}
+
+/// Polls until the agent's programmed state equals the offline one.
+async fn converges(api: &FakeApi, h: &AgentHandle, step: &str) {
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    loop {
+        let want = offline(api);
+        let got = programmed(h);
+        if got.as_ref() == Some(&want) {
+            return;
+        }
+        if tokio::time::Instant::now() > deadline {
+            let got = got
+                .map(|g| format!("{g:#?}"))
+                .unwrap_or_else(|| "not ready".into());
+            panic!(
+                "{step}: the agent did not converge in {LIMIT:?}\n--- agent:\n{got}\n--- offline:\n{want:#?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await.unwrap();
+    let text = String::from_utf8(buf).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    let code = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (code, body.to_string())
+}
+
+/// Loads every YAML document of `dir` into the fake server.
+fn load_dir(api: &FakeApi, dir: &Path) {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    files.sort();
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let v: Value = serde::Deserialize::deserialize(doc).unwrap();
+            if v.is_object() {
+                api.create(v).unwrap();
+            }
+        }
+    }
+}
+
+fn repo() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+}
+
+async fn start_agent(api: &FakeApi) -> AgentHandle {
+    let h = agent::start(
+        AgentConfig {
+            node: NODE.into(),
+            debug_addr: "127.0.0.1:0".parse().unwrap(),
+        },
+        api.client(),
+        Box::new(NoneDatapath::default()),
+    )
+    .await
+    .unwrap();
+    let addr = h.debug_addr();
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    while http_get(addr, "/readyz").await.0 != 200 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not ready in {LIMIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    h
+}
+
+fn get(api: &FakeApi, v: &str, k: &str, ns: &str, name: &str) -> Value {
+    api.get(v, k, ns, name)
+        .unwrap_or_else(|| panic!("{k} {ns}/{name}"))
+}
+
+/// Runs the `ordnet` binary on the fake server's objects.
+fn offline_cli(api: &FakeApi, args: &[&str]) -> String {
+    let dir = std::env::temp_dir().join(format!("ordnet-agent-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("objects.yaml");
+    let mut docs = Vec::new();
+    for (v, k) in [
+        ("v1", "Namespace"),
+        ("v1", "Pod"),
+        ("networking.k8s.io/v1", "NetworkPolicy"),
+        ("ordnet.io/v1alpha1", "OrderedNetworkPolicy"),
+        ("ordnet.io/v1alpha1", "ClusterOrderedNetworkPolicy"),
+    ] {
+        for o in api.list(v, k) {
+            docs.push(serde_json::to_string(&o).unwrap());
+        }
+    }
+    std::fs::write(&file, docs.join("\n---\n")).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ordnet"))
+        .args(args)
+        .arg("-f")
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
+    let api = FakeApi::start().await.unwrap();
+    load_dir(&api, &repo().join("examples/qa-prod"));
+    let h = start_agent(&api).await;
+    converges(&api, &h, "initial sync").await;
+    assert!(!programmed(&h).unwrap().0.is_empty());
+
+    // The debug API answers like the offline CLI.
+    let addr = h.debug_addr();
+    let (code, m) = http_get(addr, "/v1/matrix?protocol=TCP&port=8081&external=192.0.2.1").await;
+    assert_eq!(code, 200, "{m}");
+    let cli = offline_cli(
+        &api,
+        &[
+            "matrix",
+            "--protocol",
+            "TCP",
+            "--port",
+            "8081",
+            "--external",
+            "192.0.2.1",
+            "-o",
+            "json",
+        ],
+    );
+    assert_eq!(m, cli);
+    let (code, d) = http_get(addr, "/v1/dump?pod=prod/artifacts").await;
+    assert_eq!(code, 200, "{d}");
+    let cli = offline_cli(&api, &["dump", "--pod", "prod/artifacts", "-o", "json"]);
+    assert_eq!(d, cli);
+    let (code, t) = http_get(
+        addr,
+        "/v1/trace?from=qa/grafana&to=prod/artifacts&protocol=TCP&port=8081",
+    )
+    .await;
+    assert_eq!(code, 200, "{t}");
+    let cli = offline_cli(
+        &api,
+        &[
+            "trace",
+            "--from",
+            "qa/grafana",
+            "--to",
+            "prod/artifacts",
+            "--port",
+            "8081",
+            "-o",
+            "json",
+        ],
+    );
+    assert_eq!(
+        serde_json::from_str::<Value>(&t).unwrap(),
+        serde_json::from_str::<Value>(&cli).unwrap()
+    );
+    let (code, _) = http_get(addr, "/v1/dump?pod=prod/nope").await;
+    assert_eq!(code, 400);
+
+    // Relabel a pod.
+    let mut p = get(&api, "v1", "Pod", "qa", "grafana");
+    p["metadata"]["labels"]["app"] = json!("tester");
+    api.update(p).unwrap();
+    converges(&api, &h, "relabel pod").await;
+
+    // Relabel a namespace: qa is no longer qa for the guardrail.
+    let mut n = get(&api, "v1", "Namespace", "", "qa");
+    n["metadata"]["labels"]["env"] = json!("staging");
+    api.update(n).unwrap();
+    converges(&api, &h, "relabel namespace").await;
+    let mut n = get(&api, "v1", "Namespace", "", "qa");
+    n["metadata"]["labels"]["env"] = json!("qa");
+    api.update(n).unwrap();
+    converges(&api, &h, "relabel namespace back").await;
+
+    // Edit a priority: the exception loses against the guardrail.
+    let mut c = get(
+        &api,
+        "ordnet.io/v1alpha1",
+        "ClusterOrderedNetworkPolicy",
+        "",
+        "grafana-reads-artifacts",
+    );
+    c["spec"]["priority"] = json!(-5);
+    api.update(c).unwrap();
+    converges(&api, &h, "edit priority").await;
+
+    // A pod on another node only feeds the ipcache.
+    api.create(json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"namespace": "qa", "name": "remote", "labels": {"app": "tester"}},
+        "spec": {"nodeName": "node-2", "containers": [{"name": "c", "image": "i"}]},
+        "status": {"podIP": "10.244.9.9"}}))
+        .unwrap();
+    converges(&api, &h, "remote pod").await;
+    let (_, ipcache) = programmed(&h).unwrap();
+    assert!(ipcache.contains_key(&"10.244.9.9/32".parse::<IpNet>().unwrap()));
+    assert!(!programmed(&h).unwrap().0.contains_key("qa/remote"));
+    let (code, msg) = http_get(addr, "/v1/trace?from=qa/remote&to=prod/artifacts").await;
+    assert_eq!(code, 400);
+    assert!(msg.contains("not an endpoint of this node"), "{msg}");
+
+    // An invalid object is skipped and reported; everything else keeps working.
+    api.create(
+        json!({"apiVersion": "ordnet.io/v1alpha1", "kind": "OrderedNetworkPolicy",
+        "metadata": {"namespace": "prod", "name": "broken"},
+        "spec": {"priority": 5, "podSelector": {}, "ingress": [{"action": "Allow",
+            "from": [{"ipBlock": {"cidr": "not-a-cidr"}}]}]}}),
+    )
+    .unwrap();
+    let mut p = get(&api, "v1", "Pod", "prod", "db");
+    p["metadata"]["labels"]["tier"] = json!("data");
+    api.update(p).unwrap();
+    converges(&api, &h, "invalid object").await;
+    assert!(
+        agent::wait_until(LIMIT, || h
+            .state
+            .problems()
+            .iter()
+            .any(|p| p.name == "broken"))
+        .await
+    );
+    let (_, problems) = http_get(addr, "/v1/problems").await;
+    assert!(
+        problems.contains("broken") && problems.contains("cidr"),
+        "{problems}"
+    );
+
+    // Delete a policy.
+    api.delete(
+        "ordnet.io/v1alpha1",
+        "ClusterOrderedNetworkPolicy",
+        "",
+        "qa-must-not-reach-prod",
+    )
+    .unwrap();
+    converges(&api, &h, "delete policy").await;
+    // Deleting the invalid object clears its problem.
+    api.delete(
+        "ordnet.io/v1alpha1",
+        "OrderedNetworkPolicy",
+        "prod",
+        "broken",
+    )
+    .unwrap();
+    assert!(agent::wait_until(LIMIT, || h.state.problems().is_empty()).await);
+
+    // Dropped watches resume.
+    api.drop_watches();
+    let mut p = get(&api, "v1", "Pod", "qa", "tester");
+    p["metadata"]["labels"]["app"] = json!("grafana");
+    api.update(p).unwrap();
+    converges(&api, &h, "drop watches").await;
+
+    // An API server restart: history gone, every watch gets 410 and re-lists; changes made
+    // meanwhile (including a delete the agent never sees as an event) converge.
+    let relists = h.state.metrics.relists.get();
+    api.restart();
+    api.delete("v1", "Pod", "prod", "api").unwrap();
+    let mut n = get(&api, "v1", "Namespace", "", "prod");
+    n["metadata"]["labels"]["tier"] = json!("gold");
+    api.update(n).unwrap();
+    converges(&api, &h, "restart and re-list").await;
+    assert!(agent::wait_until(LIMIT, || h.state.metrics.relists.get() >= relists + 5).await);
+    api.create(
+        json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"namespace": "qa", "name": "deny-all"},
+        "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}}),
+    )
+    .unwrap();
+    converges(&api, &h, "after the re-list").await;
+
+    let (code, metrics) = http_get(addr, "/metrics").await;
+    assert_eq!(code, 200);
+    for want in [
+        "ordnet_ready 1",
+        "ordnet_endpoints 4",
+        "ordnet_invalid_objects 0",
+        "ordnet_change_latency_seconds_count",
+        "ordnet_compile_duration_seconds_bucket{le=\"+Inf\"}",
+    ] {
+        assert!(metrics.contains(want), "{want} missing from\n{metrics}");
+    }
+    assert!(h.state.metrics.object_changes.get() >= 10);
+    assert_eq!(http_get(addr, "/healthz").await.0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_programmed_before_every_initial_list() {
+    let api = FakeApi::start().await.unwrap();
+    load_dir(&api, &repo().join("examples/qa-prod"));
+    // Compaction before the agent starts is harmless: its first watches start at the lists.
+    api.compact();
+    let h = start_agent(&api).await;
+    // Ready means programmed from complete lists: the first programmed state is the full one.
+    let (canon, _) = programmed(&h).unwrap();
+    assert_eq!(canon, offline(&api).0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_scenarios_converge() {
+    let dir = repo().join("testsuite/data/conformance");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    files.sort();
+    assert!(files.len() > 50);
+    for f in files {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let scenario: Value = serde_yaml::from_str(&text).unwrap();
+        let api = FakeApi::start().await.unwrap();
+        for o in scenario["objects"].as_array().unwrap() {
+            let mut o = o.clone();
+            if o["kind"] == "Pod" && o["spec"]["nodeName"].is_null() {
+                o["spec"]["nodeName"] = json!(NODE);
+            }
+            api.create(o).unwrap();
+        }
+        let h = start_agent(&api).await;
+        converges(&api, &h, &f.display().to_string()).await;
+    }
+}
