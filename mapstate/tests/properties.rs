@@ -165,6 +165,17 @@ fn check_state(ms: &MapState, entries: &[PolicyEntry], default: Verdict) -> Resu
     Ok(())
 }
 
+/// The number of random cases: as written in release builds (`cargo test --release`, the
+/// intended way to run these); a sixth in unoptimized builds, where the same cases run about ten
+/// times slower (`cargo test --workspace` in CI).
+fn runs(release: u64) -> u64 {
+    if cfg!(debug_assertions) {
+        release / 6
+    } else {
+        release
+    }
+}
+
 fn result(r: Result<(), String>) -> TestResult {
     match r {
         Ok(()) => TestResult::passed(),
@@ -179,7 +190,7 @@ fn lookup_equals_reference() {
         result(check_lookup(&input.entries, input.default, &ms, &random))
     }
     QuickCheck::new()
-        .tests(3000)
+        .tests(runs(3000))
         .quickcheck(prop as fn(Input, Vec<u16>) -> TestResult);
 }
 
@@ -197,7 +208,7 @@ fn build_equals_definition() {
         TestResult::passed()
     }
     QuickCheck::new()
-        .tests(3000)
+        .tests(runs(3000))
         .quickcheck(prop as fn(Input) -> TestResult);
 }
 
@@ -238,7 +249,7 @@ fn incremental_equals_from_scratch() {
         TestResult::passed()
     }
     QuickCheck::new()
-        .tests(1500)
+        .tests(runs(1500))
         .quickcheck(prop as fn(Input, Vec<u8>) -> TestResult);
 }
 
@@ -288,7 +299,7 @@ fn identity_selection_changes_equal_from_scratch() {
         result(check_lookup(&entries, input.default, &ms, &[]))
     }
     QuickCheck::new()
-        .tests(1500)
+        .tests(runs(1500))
         .quickcheck(prop as fn(Input, Vec<(u8, u8, bool)>) -> TestResult);
 }
 
@@ -464,7 +475,7 @@ fn mixed_batches_equal_from_scratch() {
         result(check_lookup(&live, default, &ms, &[]))
     }
     QuickCheck::new()
-        .tests(1500)
+        .tests(runs(1500))
         .quickcheck(prop as fn(Scenario) -> TestResult);
 }
 
@@ -507,7 +518,7 @@ fn failed_batch_changes_nothing() {
         TestResult::passed()
     }
     QuickCheck::new()
-        .tests(500)
+        .tests(runs(500))
         .quickcheck(prop as fn(Scenario, u8) -> TestResult);
 }
 
@@ -537,7 +548,7 @@ fn insertion_order_independent() {
         TestResult::passed()
     }
     QuickCheck::new()
-        .tests(1500)
+        .tests(runs(1500))
         .quickcheck(prop as fn(Input, Vec<u64>) -> TestResult);
 }
 
@@ -645,7 +656,7 @@ fn no_entry_needed_twice() {
         TestResult::passed()
     }
     QuickCheck::new()
-        .tests(1500)
+        .tests(runs(1500))
         .quickcheck(prop as fn(Input) -> TestResult);
 }
 
@@ -699,7 +710,7 @@ fn safe_order_never_opens_a_transient_allow() {
         TestResult::passed()
     }
     QuickCheck::new()
-        .tests(500)
+        .tests(runs(500))
         .quickcheck(prop as fn(Scenario, Input, Vec<u16>) -> TestResult);
 }
 
@@ -750,6 +761,6 @@ fn probes_reach_every_key() {
         TestResult::passed()
     }
     QuickCheck::new()
-        .tests(1000)
+        .tests(runs(1000))
         .quickcheck(prop as fn(Input) -> TestResult);
 }
