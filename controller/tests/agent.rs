@@ -188,11 +188,47 @@ fn repo() -> &'static Path {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
 }
 
+/// Waits until the policy's status has `Accepted` = `status` at `generation` (and a message
+/// containing `message`).
+async fn accepted(
+    api: &FakeApi,
+    kind: &str,
+    ns: &str,
+    name: &str,
+    status: &str,
+    generation: i64,
+    message: &str,
+) {
+    let ok = |o: &Value| {
+        o["metadata"]["generation"] == generation
+            && o["status"]["observedGeneration"] == generation
+            && o["status"]["conditions"].as_array().is_some_and(|cs| {
+                cs.iter().any(|c| {
+                    c["type"] == "Accepted"
+                        && c["status"] == status
+                        && c["observedGeneration"] == generation
+                        && c["message"].as_str().is_some_and(|m| m.contains(message))
+                })
+            })
+    };
+    let found = agent::wait_until(LIMIT, || {
+        api.get("ordnet.io/v1alpha1", kind, ns, name)
+            .is_some_and(|o| ok(&o))
+    })
+    .await;
+    assert!(
+        found,
+        "{kind} {ns}/{name}: {:#?}",
+        api.get("ordnet.io/v1alpha1", kind, ns, name)
+    );
+}
+
 async fn start_agent(api: &FakeApi) -> AgentHandle {
     let h = agent::start(
         AgentConfig {
             node: NODE.into(),
             debug_addr: "127.0.0.1:0".parse().unwrap(),
+            namespace: "kube-system".into(),
         },
         api.client(),
         Box::new(NoneDatapath::default()),
@@ -306,6 +342,20 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     let (code, _) = http_get(addr, "/v1/dump?pod=prod/nope").await;
     assert_eq!(code, 400);
 
+    // One agent holds the Lease and writes every ordered policy's status.
+    assert!(agent::wait_until(LIMIT, || h.state.is_status_writer()).await);
+    let lease = get(
+        &api,
+        "coordination.k8s.io/v1",
+        "Lease",
+        "kube-system",
+        "ordnet-status-writer",
+    );
+    assert_eq!(lease["spec"]["holderIdentity"], NODE);
+    for name in ["qa-must-not-reach-prod", "grafana-reads-artifacts"] {
+        accepted(&api, "ClusterOrderedNetworkPolicy", "", name, "True", 1, "").await;
+    }
+
     // Relabel a pod.
     let mut p = get(&api, "v1", "Pod", "qa", "grafana");
     p["metadata"]["labels"]["app"] = json!("tester");
@@ -333,6 +383,16 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     c["spec"]["priority"] = json!(-5);
     api.update(c).unwrap();
     converges(&api, &h, "edit priority").await;
+    accepted(
+        &api,
+        "ClusterOrderedNetworkPolicy",
+        "",
+        "grafana-reads-artifacts",
+        "True",
+        2,
+        "",
+    )
+    .await;
 
     // A pod on another node only feeds the ipcache.
     api.create(json!({"apiVersion": "v1", "kind": "Pod",
@@ -372,6 +432,26 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     assert!(
         problems.contains("broken") && problems.contains("cidr"),
         "{problems}"
+    );
+    accepted(
+        &api,
+        "OrderedNetworkPolicy",
+        "prod",
+        "broken",
+        "False",
+        1,
+        "spec.ingress[0].from[0].ipBlock.cidr",
+    )
+    .await;
+    assert!(
+        agent::wait_until(LIMIT, || api.events().iter().any(|e| e["reason"]
+            == "InvalidObject"
+            && e["regarding"]["name"] == "broken"
+            && e["type"] == "Warning"
+            && e["note"].as_str().is_some_and(|n| n.contains("cidr"))))
+        .await,
+        "{:#?}",
+        api.events()
     );
 
     // Delete a policy.

@@ -18,6 +18,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -31,12 +32,13 @@ use ordnet_crds::validate;
 use ordnet_crds::{ClusterObjects, ClusterOrderedNetworkPolicy, Loaded, OrderedNetworkPolicy};
 use ordnet_engine::{BuildOptions, Engine, EngineDelta, Object, ObjectChange, ObjectKind};
 use serde::de::DeserializeOwned;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 pub mod datapath;
 pub mod debug;
 pub mod metrics;
+pub mod status;
 
 pub use datapath::{Datapath, NoneDatapath, ProgrammedEndpoint, ProgrammedPolicy};
 use metrics::Metrics;
@@ -48,6 +50,8 @@ pub struct AgentConfig {
     pub node: String,
     /// The debug API's address (port 0: any free port; see [`AgentHandle::debug_addr`]).
     pub debug_addr: SocketAddr,
+    /// The namespace of the status writer's Lease (the agent's own namespace).
+    pub namespace: String,
 }
 
 /// The five kinds, in the order the engine prefers to see them.
@@ -129,7 +133,12 @@ fn validate_object(o: &Object) -> Vec<String> {
             validate::validate_cluster_ordered_network_policy(x)
         }
     };
-    errors.iter().map(|e| e.to_string()).collect()
+    // Warnings do not make an object invalid (the offline loader keeps it too).
+    errors
+        .iter()
+        .filter(|e| e.severity == ordnet_crds::Severity::Error)
+        .map(|e| e.to_string())
+        .collect()
 }
 
 /// One watch event, typed.
@@ -162,6 +171,8 @@ pub struct AgentState {
     datapath: Mutex<Box<dyn Datapath>>,
     problems: RwLock<BTreeMap<ObjKey, ObjectProblem>>,
     pub metrics: Metrics,
+    /// Whether this agent holds the status writer Lease.
+    leader: Arc<AtomicBool>,
 }
 
 impl AgentState {
@@ -187,6 +198,11 @@ impl AgentState {
         let engine = self.engine.read().unwrap_or_else(|e| e.into_inner());
         let dp = self.datapath.lock().unwrap_or_else(|e| e.into_inner());
         engine.as_ref().map(|e| f(e, dp.as_ref()))
+    }
+
+    /// Whether this agent is the status writer (holds the Lease).
+    pub fn is_status_writer(&self) -> bool {
+        self.leader.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The objects currently skipped as invalid.
@@ -279,7 +295,10 @@ pub async fn start(
         datapath: Mutex::new(datapath),
         problems: RwLock::new(BTreeMap::new()),
         metrics: Metrics::default(),
+        leader: Arc::new(AtomicBool::new(false)),
     });
+    let (wanted_tx, wanted_rx) = watch::channel(BTreeMap::new());
+    let (events_tx, events_rx) = mpsc::unbounded_channel();
     let (debug_addr, debug_task) = debug::serve(config.debug_addr, state.clone()).await?;
     let (tx, rx) = mpsc::unbounded_channel();
     let mut tasks = vec![
@@ -303,6 +322,22 @@ pub async fn start(
             Object::OrderedNetworkPolicy,
             tx.clone(),
         ),
+        tokio::spawn(status::lease_loop(
+            client.clone(),
+            config.namespace.clone(),
+            config.node.clone(),
+            state.leader.clone(),
+        )),
+        tokio::spawn(status::status_loop(
+            client.clone(),
+            state.leader.clone(),
+            wanted_rx,
+        )),
+        tokio::spawn(status::event_loop(
+            client.clone(),
+            config.node.clone(),
+            events_rx,
+        )),
         spawn_watch::<ClusterOrderedNetworkPolicy>(
             client,
             ObjectKind::ClusterOrderedNetworkPolicy,
@@ -312,7 +347,9 @@ pub async fn start(
     ];
     let loop_state = state.clone();
     tasks.push(tokio::spawn(async move {
-        Applier::new(loop_state, config.node).run(rx).await;
+        Applier::new(loop_state, config.node, wanted_tx, events_tx)
+            .run(rx)
+            .await;
     }));
     Ok(AgentHandle {
         state,
@@ -335,10 +372,19 @@ struct Applier {
     dirty: BTreeSet<ObjKey>,
     /// Keys the engine has (valid objects applied).
     in_engine: BTreeSet<ObjKey>,
+    /// The wanted status of every ordered policy (for the status writer).
+    wanted: watch::Sender<BTreeMap<ObjKey, status::WantedStatus>>,
+    /// Problems to publish as Events.
+    events: mpsc::UnboundedSender<status::ProblemEvent>,
 }
 
 impl Applier {
-    fn new(state: Arc<AgentState>, node: String) -> Applier {
+    fn new(
+        state: Arc<AgentState>,
+        node: String,
+        wanted: watch::Sender<BTreeMap<ObjKey, status::WantedStatus>>,
+        events: mpsc::UnboundedSender<status::ProblemEvent>,
+    ) -> Applier {
         Applier {
             state,
             node,
@@ -347,6 +393,8 @@ impl Applier {
             relist: Default::default(),
             dirty: BTreeSet::new(),
             in_engine: BTreeSet::new(),
+            wanted,
+            events,
         }
     }
 
@@ -461,6 +509,17 @@ impl Applier {
                 );
             }
         }
+        if !problems.is_empty() {
+            let _ = self.events.send(status::ProblemEvent {
+                object: object.clone(),
+                errors: problems.clone(),
+            });
+        }
+        if let Some(w) = status::wanted(&object, &problems) {
+            self.wanted.send_modify(|m| {
+                m.insert(key.clone(), w);
+            });
+        }
         self.view.insert(
             key.clone(),
             ViewEntry {
@@ -474,6 +533,7 @@ impl Applier {
 
     fn remove(&mut self, key: ObjKey) {
         if self.view.remove(&key).is_some() {
+            self.wanted.send_if_modified(|m| m.remove(&key).is_some());
             self.state
                 .problems
                 .write()
@@ -721,6 +781,7 @@ pub fn run_command(cmd: CommandLine) -> std::process::ExitCode {
         let config = AgentConfig {
             node: cmd.node,
             debug_addr,
+            namespace: std::env::var("POD_NAMESPACE").unwrap_or_else(|_| "kube-system".into()),
         };
         let mut handle = match start(config, client, Box::new(NoneDatapath::default())).await {
             Ok(h) => h,
