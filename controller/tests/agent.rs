@@ -224,11 +224,16 @@ async fn accepted(
 }
 
 async fn start_agent(api: &FakeApi) -> AgentHandle {
+    start_agent_on(api, NODE).await
+}
+
+async fn start_agent_on(api: &FakeApi, node: &str) -> AgentHandle {
     let h = agent::start(
         AgentConfig {
-            node: NODE.into(),
+            node: node.into(),
             debug_addr: "127.0.0.1:0".parse().unwrap(),
             namespace: "kube-system".into(),
+            lease_renew_every: Duration::from_millis(100),
         },
         api.client(),
         Box::new(NoneDatapath::default()),
@@ -511,6 +516,7 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     }
     assert!(h.state.metrics.object_changes.get() >= 10);
     assert_eq!(http_get(addr, "/healthz").await.0, 200);
+    assert_least_privilege(&api, "kube-system");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -549,4 +555,136 @@ async fn conformance_scenarios_converge() {
         let h = start_agent(&api).await;
         converges(&api, &h, &f.display().to_string()).await;
     }
+}
+
+/// (group, resource or resource/subresource, verb, namespace) of one API request.
+fn rbac_request(method: &str, uri: &str) -> (String, String, String, Option<String>) {
+    let (path, query) = uri.split_once('?').unwrap_or((uri, ""));
+    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let (group, rest) = match segs.as_slice() {
+        ["api", _, rest @ ..] => (String::new(), rest.to_vec()),
+        ["apis", g, _, rest @ ..] => (g.to_string(), rest.to_vec()),
+        _ => panic!("unexpected path {uri}"),
+    };
+    let (ns, rest) = match rest.as_slice() {
+        ["namespaces", ns, tail @ ..] if !tail.is_empty() => (Some(ns.to_string()), tail.to_vec()),
+        _ => (None, rest),
+    };
+    let resource = match rest.as_slice() {
+        [r] | [r, _] => r.to_string(),
+        [r, _, sub] => format!("{r}/{sub}"),
+        _ => panic!("unexpected path {uri}"),
+    };
+    let named = rest.len() >= 2;
+    let verb = match method {
+        "GET" if query.contains("watch=true") => "watch",
+        "GET" if named => "get",
+        "GET" => "list",
+        "POST" => "create",
+        "PUT" => "update",
+        "PATCH" => "patch",
+        "DELETE" => "delete",
+        other => panic!("unexpected method {other}"),
+    };
+    (group, resource, verb.to_string(), ns)
+}
+
+fn rule_allows(rule: &Value, group: &str, resource: &str, verb: &str) -> bool {
+    let has = |field: &str, v: &str| {
+        rule[field]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|x| x == v || x == "*"))
+    };
+    has("apiGroups", group) && has("resources", resource) && has("verbs", verb)
+}
+
+/// Every request the agent made is allowed by deploy/rbac.yaml (the ClusterRole, or the
+/// Role in the agent's own namespace), and the roles grant nothing the agent does not use.
+fn assert_least_privilege(api: &FakeApi, agent_namespace: &str) {
+    let text = std::fs::read_to_string(repo().join("deploy/rbac.yaml")).unwrap();
+    let docs: Vec<Value> = serde_yaml::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .collect();
+    let rules = |kind: &str| -> Vec<Value> {
+        docs.iter()
+            .filter(|d| d["kind"] == kind)
+            .flat_map(|d| d["rules"].as_array().unwrap().clone())
+            .collect()
+    };
+    let (cluster, ns_role) = (rules("ClusterRole"), rules("Role"));
+    let mut used = std::collections::BTreeSet::new();
+    for r in api.requests() {
+        let (group, resource, verb, ns) = rbac_request(&r.method, &r.uri);
+        let by_cluster = cluster
+            .iter()
+            .position(|x| rule_allows(x, &group, &resource, &verb));
+        let by_role = (ns.as_deref() == Some(agent_namespace))
+            .then(|| {
+                ns_role
+                    .iter()
+                    .position(|x| rule_allows(x, &group, &resource, &verb))
+            })
+            .flatten();
+        assert!(
+            by_cluster.is_some() || by_role.is_some(),
+            "{} {} ({verb} {group}/{resource}) is not allowed by deploy/rbac.yaml",
+            r.method,
+            r.uri
+        );
+        used.insert((group, resource, verb));
+    }
+    // Nothing granted that is never used (watch implies list; get is granted with list/watch for
+    // kubectl-style debugging of the same resources, and status patches imply nothing else).
+    for rule in cluster.iter().chain(&ns_role) {
+        for g in rule["apiGroups"].as_array().unwrap() {
+            for res in rule["resources"].as_array().unwrap() {
+                for v in rule["verbs"].as_array().unwrap() {
+                    let (g, res, v) = (
+                        g.as_str().unwrap(),
+                        res.as_str().unwrap(),
+                        v.as_str().unwrap(),
+                    );
+                    // The kube Recorder patches an Event only when the same event repeats.
+                    if (g, res, v) == ("events.k8s.io", "events", "patch") {
+                        continue;
+                    }
+                    if v == "get"
+                        && used.contains(&(g.to_string(), res.to_string(), "list".to_string()))
+                    {
+                        continue;
+                    }
+                    assert!(
+                        used.contains(&(g.to_string(), res.to_string(), v.to_string())),
+                        "deploy/rbac.yaml grants {v} on {g}/{res}, which the agent never used"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_one_agent_writes_status() {
+    let api = FakeApi::start().await.unwrap();
+    load_dir(&api, &repo().join("examples/qa-prod"));
+    let a = start_agent(&api).await;
+    let b = start_agent_on(&api, "node-2").await;
+    assert!(
+        agent::wait_until(LIMIT, || a.state.is_status_writer()
+            || b.state.is_status_writer())
+        .await
+    );
+    // Over many renewal rounds (100 ms each) the two never both hold the Lease.
+    for _ in 0..100 {
+        assert!(!(a.state.is_status_writer() && b.state.is_status_writer()));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let lease = get(
+        &api,
+        "coordination.k8s.io/v1",
+        "Lease",
+        "kube-system",
+        "ordnet-status-writer",
+    );
+    assert_eq!(lease["spec"]["leaseTransitions"], 0);
 }

@@ -52,6 +52,9 @@ pub struct AgentConfig {
     pub debug_addr: SocketAddr,
     /// The namespace of the status writer's Lease (the agent's own namespace).
     pub namespace: String,
+    /// How often the Lease is renewed or tried ([`status::RENEW_EVERY`] by default; it must
+    /// stay well below [`status::LEASE_SECONDS`]).
+    pub lease_renew_every: Duration,
 }
 
 /// The five kinds, in the order the engine prefers to see them.
@@ -327,6 +330,7 @@ pub async fn start(
             config.namespace.clone(),
             config.node.clone(),
             state.leader.clone(),
+            config.lease_renew_every,
         )),
         tokio::spawn(status::status_loop(
             client.clone(),
@@ -782,6 +786,7 @@ pub fn run_command(cmd: CommandLine) -> std::process::ExitCode {
             node: cmd.node,
             debug_addr,
             namespace: std::env::var("POD_NAMESPACE").unwrap_or_else(|_| "kube-system".into()),
+            lease_renew_every: status::RENEW_EVERY,
         };
         let mut handle = match start(config, client, Box::new(NoneDatapath::default())).await {
             Ok(h) => h,

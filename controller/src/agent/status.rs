@@ -2,7 +2,7 @@
 //!
 //! * Exactly one agent writes status at a time: the holder of the `coordination.k8s.io/v1`
 //!   Lease [`LEASE_NAME`] (in the agent's namespace). Every agent tries to acquire it every
-//!   [`RENEW_EVERY`]; the holder renews it; a holder that stopped renewing for
+//!   [`RENEW_EVERY`] (configurable); the holder renews it; a holder that stopped renewing for
 //!   `leaseDurationSeconds` loses it to the next agent that looks. Updates are guarded by the
 //!   Lease's resourceVersion (409 Conflict = somebody else was faster).
 //! * The status writer sets, on every OrderedNetworkPolicy and ClusterOrderedNetworkPolicy,
@@ -37,7 +37,7 @@ pub const LEASE_NAME: &str = "ordnet-status-writer";
 pub const FIELD_MANAGER: &str = "ordnet-agent";
 /// How long a Lease holds without renewal.
 pub const LEASE_SECONDS: i32 = 15;
-/// How often the Lease is renewed or tried.
+/// How often the Lease is renewed or tried (by default; see `AgentConfig::lease_renew_every`).
 pub const RENEW_EVERY: Duration = Duration::from_secs(5);
 
 /// What the status of one policy should say.
@@ -100,6 +100,7 @@ pub async fn lease_loop(
     namespace: String,
     identity: String,
     leader: Arc<AtomicBool>,
+    every: Duration,
 ) {
     let leases: Api<Lease> = Api::namespaced(client, &namespace);
     loop {
@@ -116,7 +117,7 @@ pub async fn lease_loop(
                 if held { "acquired" } else { "lost" }
             );
         }
-        tokio::time::sleep(RENEW_EVERY).await;
+        tokio::time::sleep(every).await;
     }
 }
 
