@@ -132,3 +132,91 @@ impl Datapath for NoneDatapath {
         &self.ipcache
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use ordnet_engine::{BuildOptions, EndpointUpdate};
+    use ordnet_mapstate::{ChangeSet, L4Prefix, OrderKey, Peer, Verdict};
+
+    use super::*;
+
+    fn entry(verdict: Verdict, priority: i32) -> StateEntry {
+        StateEntry {
+            verdict,
+            order: OrderKey::new(priority, 0),
+            entries: Vec::new(),
+            origins: Vec::new(),
+            synthesized: false,
+        }
+    }
+
+    fn update(changes: ChangeSet, isolated: Option<bool>) -> EngineDelta {
+        EngineDelta {
+            updates: vec![EndpointUpdate {
+                endpoint: "x/a".into(),
+                direction: Direction::Egress,
+                changes,
+                isolated,
+                rebuilt: false,
+            }],
+            ..EngineDelta::default()
+        }
+    }
+
+    #[test]
+    fn deltas_add_change_and_remove_keys() {
+        let engine = Engine::empty(BuildOptions::default());
+        let mut dp = NoneDatapath::default();
+        let k1 = Key {
+            peer: Peer::Id(7),
+            prefix: L4Prefix::packet(6, 80),
+        };
+        let k2 = Key {
+            peer: Peer::Any,
+            prefix: L4Prefix::ANY,
+        };
+        let added = EngineDelta {
+            endpoints_added: vec!["x/a".into()],
+            ..update(
+                ChangeSet {
+                    added: vec![
+                        (k1, entry(Verdict::Allow, 1)),
+                        (k2, entry(Verdict::Deny, 2)),
+                    ],
+                    ..ChangeSet::default()
+                },
+                Some(true),
+            )
+        };
+        dp.apply(&engine, &[added]).unwrap();
+        let changed = update(
+            ChangeSet {
+                changed: vec![(k1, entry(Verdict::Allow, 1), entry(Verdict::Deny, 0))],
+                removed: vec![(k2, entry(Verdict::Deny, 2))],
+                ..ChangeSet::default()
+            },
+            Some(false),
+        );
+        dp.apply(&engine, &[changed]).unwrap();
+        let ep = &dp.programmed()["x/a"];
+        assert_eq!(ep[1].entries.len(), 1);
+        assert_eq!(ep[1].entries[&k1], entry(Verdict::Deny, 0));
+        assert!(!ep[1].isolated);
+        assert!(ep[0].entries.is_empty());
+        // A removal of a key that is not programmed is an error (the agent then reprograms).
+        let bad = update(
+            ChangeSet {
+                removed: vec![(k2, entry(Verdict::Deny, 2))],
+                ..ChangeSet::default()
+            },
+            None,
+        );
+        assert!(dp.apply(&engine, &[bad]).is_err());
+        let gone = EngineDelta {
+            endpoints_removed: vec!["x/a".into()],
+            ..EngineDelta::default()
+        };
+        dp.apply(&engine, &[gone]).unwrap();
+        assert!(dp.programmed().is_empty());
+    }
+}
