@@ -346,6 +346,78 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     );
     let (code, _) = http_get(addr, "/v1/dump?pod=prod/nope").await;
     assert_eq!(code, 400);
+    // `ordnet matrix|trace|dump --agent ADDR -o json` print the agent's answers, which equal
+    // the offline output.
+    let agent_addr = addr.to_string();
+    for args in [
+        vec![
+            "matrix",
+            "--protocol",
+            "TCP",
+            "--port",
+            "8081",
+            "--external",
+            "192.0.2.1",
+            "-o",
+            "json",
+        ],
+        vec![
+            "trace",
+            "--from",
+            "qa/grafana",
+            "--to",
+            "10.244.2.10",
+            "--port",
+            "8081",
+            "-o",
+            "json",
+        ],
+        vec![
+            "dump",
+            "--pod",
+            "prod/artifacts",
+            "--direction",
+            "ingress",
+            "-o",
+            "json",
+        ],
+    ] {
+        let offline = offline_cli(&api, &args);
+        let a = agent_addr.clone();
+        let out = tokio::task::spawn_blocking(move || {
+            std::process::Command::new(env!("CARGO_BIN_EXE_ordnet"))
+                .args(&args)
+                .args(["--agent", &a])
+                .output()
+                .unwrap()
+        })
+        .await
+        .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(String::from_utf8(out.stdout).unwrap(), offline);
+    }
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_ordnet"))
+            .args([
+                "dump",
+                "--pod",
+                "prod/nope",
+                "-o",
+                "json",
+                "--agent",
+                &agent_addr,
+            ])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("prod/nope"));
 
     // One agent holds the Lease and writes every ordered policy's status.
     assert!(agent::wait_until(LIMIT, || h.state.is_status_writer()).await);

@@ -257,7 +257,20 @@ fn trace(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, B
     let to = engine.resolve(to_s).map_err(|e| Bad(format!("to: {e}")))?;
     local_end(engine, &from, "from")?;
     local_end(engine, &to, "to")?;
+    // Like `ordnet trace`: the family of an address end, else IPv4 (or `family=`).
+    let family = match (&from, &to) {
+        (FlowEnd::Ip(a), FlowEnd::Ip(b)) if a.is_ipv4() != b.is_ipv4() => {
+            return Err(Bad(format!(
+                "from {a} and to {b} are not of the same IP family"
+            )));
+        }
+        (FlowEnd::Ip(ip), _) | (_, FlowEnd::Ip(ip)) => IpFamily::of(*ip),
+        _ => family,
+    };
     let t = engine.flow(&from, &to, family, proto, port);
+    if let Some(e) = &t.error {
+        return Err(Bad(e.clone()));
+    }
     Ok(serde_json::to_string_pretty(&t).expect("the trace serializes") + "\n")
 }
 

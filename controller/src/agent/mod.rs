@@ -35,6 +35,7 @@ use serde::de::DeserializeOwned;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
+pub mod client;
 pub mod datapath;
 pub mod debug;
 pub mod metrics;

@@ -13,6 +13,21 @@ use super::{DirectionArg, DumpArgs, DumpFormat};
 
 /// Runs `ordnet dump`.
 pub fn run(args: &DumpArgs) -> ExitCode {
+    if let Some(addr) = &args.source.agent {
+        if args.output != DumpFormat::Json {
+            eprintln!(
+                "ordnet dump: not implemented yet: --agent with -o tree or dot (use -o json)"
+            );
+            return ExitCode::from(2);
+        }
+        let mut query = format!("/v1/dump?pod={}", ordnet::agent::client::encode(&args.pod));
+        match args.direction {
+            Some(DirectionArg::Ingress) => query.push_str("&direction=ingress"),
+            Some(DirectionArg::Egress) => query.push_str("&direction=egress"),
+            None => {}
+        }
+        return ordnet::agent::client::print_answer("dump", addr, &query);
+    }
     let engine = match render::load_engine("dump", &args.source) {
         Ok(e) => e,
         Err(code) => return code,

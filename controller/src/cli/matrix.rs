@@ -34,6 +34,25 @@ pub fn run(args: &MatrixArgs) -> ExitCode {
             externals.push(*ip);
         }
     }
+    if let Some(addr) = &args.source.agent {
+        if args.output != TableOrJson::Json {
+            eprintln!("ordnet matrix: not implemented yet: --agent with -o table (use -o json)");
+            return ExitCode::from(2);
+        }
+        let mut query = format!(
+            "/v1/matrix?protocol={}&port={}&family={}",
+            format!("{:?}", args.protocol).to_uppercase(),
+            args.port,
+            args.family
+        );
+        for ip in &externals {
+            query.push_str(&format!(
+                "&external={}",
+                ordnet::agent::client::encode(&ip.to_string())
+            ));
+        }
+        return ordnet::agent::client::print_answer("matrix", addr, &query);
+    }
     let engine = match render::load_engine("matrix", &args.source) {
         Ok(e) => e,
         Err(code) => return code,

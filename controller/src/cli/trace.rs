@@ -15,6 +15,20 @@ use super::{TextOrJson, TraceArgs};
 
 /// Runs `ordnet trace`.
 pub fn run(args: &TraceArgs) -> ExitCode {
+    if let Some(addr) = &args.source.agent {
+        if args.output != TextOrJson::Json {
+            eprintln!("ordnet trace: not implemented yet: --agent with -o text (use -o json)");
+            return ExitCode::from(2);
+        }
+        let query = format!(
+            "/v1/trace?from={}&to={}&protocol={}&port={}",
+            ordnet::agent::client::encode(&args.from),
+            ordnet::agent::client::encode(&args.to),
+            format!("{:?}", args.protocol).to_uppercase(),
+            args.port
+        );
+        return ordnet::agent::client::print_answer("trace", addr, &query);
+    }
     let engine = match render::load_engine("trace", &args.source) {
         Ok(e) => e,
         Err(code) => return code,
