@@ -100,6 +100,21 @@ fn dechunk(mut s: &str) -> String {
     out
 }
 
+/// `ordnet CMD --agent ADDR`: prints the agent's answer to `path_and_query` as is (it is already
+/// the offline command's output); exit 0, or 1 with the agent's or the connection's message.
+pub fn print_answer(cmd: &str, addr: &str, path_and_query: &str) -> std::process::ExitCode {
+    match get(addr, path_and_query) {
+        Ok(body) => {
+            print!("{body}");
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("ordnet {cmd}: {e}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,20 +141,5 @@ mod tests {
             .port();
         let e = get(&format!("127.0.0.1:{port}"), "/healthz").unwrap_err();
         assert!(matches!(e, AgentError::Unreachable(_)), "{e:?}");
-    }
-}
-
-/// `ordnet CMD --agent ADDR`: prints the agent's answer to `path_and_query` as is (it is already
-/// the offline command's output); exit 0, or 1 with the agent's or the connection's message.
-pub fn print_answer(cmd: &str, addr: &str, path_and_query: &str) -> std::process::ExitCode {
-    match get(addr, path_and_query) {
-        Ok(body) => {
-            print!("{body}");
-            std::process::ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("ordnet {cmd}: {e}");
-            std::process::ExitCode::from(1)
-        }
     }
 }
