@@ -127,6 +127,7 @@ pub struct FlowTrace {
 
 /// One side of a flow: the lookup in one endpoint's MapState.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct SideTrace {
     /// `ns/name` of the endpoint whose MapState was consulted.
     pub endpoint: String,
@@ -142,7 +143,7 @@ pub struct SideTrace {
 
 /// What decided one side.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(tag = "kind", rename_all = "lowercase")]
+#[serde(tag = "kind", rename_all = "lowercase", rename_all_fields = "camelCase")]
 pub enum SideDecision {
     /// A MapState key matched; `entry.origins` names the deciding rule(s).
     Matched { key: Key, entry: StateEntry },

@@ -39,6 +39,7 @@ pub struct StateEntry {
 
 /// Why a policy entry does not appear at one of its keys.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Covered {
     pub entry: EntryId,
     /// The key the entry would have had.

@@ -13,12 +13,22 @@ use crate::prefix::L4Prefix;
 pub type Identity = u32;
 
 /// The peer part of a MapState key: one identity, or the wildcard "any identity".
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+/// Serializes as the identity number, or the string `"*"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Peer {
     /// The wildcard: consulted only when the packet's identity has no matching key.
     Any,
     /// One specific identity.
     Id(Identity),
+}
+
+impl Serialize for Peer {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Peer::Any => s.serialize_str("*"),
+            Peer::Id(id) => s.serialize_u32(*id),
+        }
+    }
 }
 
 impl fmt::Display for Peer {
@@ -56,6 +66,7 @@ impl fmt::Display for Direction {
 /// What a rule does with the traffic it matches. `Deny` sorts before `Allow`: at an equal order
 /// key deny wins.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Verdict {
     Deny,
     Allow,
@@ -123,8 +134,8 @@ impl fmt::Display for Protocol {
     }
 }
 
-/// The L4 part of a policy entry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+/// The L4 part of a policy entry. Serializes as its display text (`any`, `TCP`, `TCP/80-90`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum L4Match {
     /// Every IP protocol (ICMP included) and every port.
     Any,
@@ -176,6 +187,12 @@ impl L4Match {
     }
 }
 
+impl Serialize for L4Match {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 impl fmt::Display for L4Match {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
@@ -209,6 +226,7 @@ impl fmt::Display for OrderKey {
 /// Where an entry comes from, so `trace` and `dump` can name the deciding rule. The strings are
 /// opaque to this crate (the engine fills in Kubernetes kinds and names).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Origin {
     pub kind: String,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -246,6 +264,7 @@ impl fmt::Display for EntryId {
 
 /// Which peers an entry applies to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Selector {
     /// Every identity (and addresses without one).
     Any,
