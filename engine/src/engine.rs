@@ -9,8 +9,8 @@ use ipnet::IpNet;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use ordnet_crds::ClusterObjects;
 use ordnet_mapstate::{
-    Decision, Direction, EntryId, Identity, Key, L4Match, MapState, Origin, PolicyEntry, Protocol,
-    Selector, StateEntry, Verdict,
+    Decision, Direction, EntryId, Identity, Key, L4Match, MapState, OrderKey, Origin, PolicyEntry,
+    Protocol, Selector, StateEntry, Verdict,
 };
 use serde::Serialize;
 
@@ -143,7 +143,11 @@ pub struct SideTrace {
 
 /// What decided one side.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(tag = "kind", rename_all = "lowercase", rename_all_fields = "camelCase")]
+#[serde(
+    tag = "kind",
+    rename_all = "lowercase",
+    rename_all_fields = "camelCase"
+)]
 pub enum SideDecision {
     /// A MapState key matched; `entry.origins` names the deciding rule(s).
     Matched { key: Key, entry: StateEntry },
@@ -200,6 +204,27 @@ pub(crate) struct EntryKey {
     pub named: Option<String>,
 }
 
+/// An egress named-port group of one rule: the entries `(origin, spec, name, n)` for every
+/// number `n` the selected pods resolve the name to.
+#[derive(Debug, Clone)]
+pub(crate) struct NamedGroup {
+    pub origin: Arc<Origin>,
+    pub order: OrderKey,
+    pub verdict: Verdict,
+    pub sel: SelId,
+    pub spec: Arc<PeerSpec>,
+    pub name: String,
+    pub proto: Protocol,
+}
+
+/// What identity notifications touch in one policy's entries of one shared state.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PolicyIndex {
+    /// Entries whose selector is exactly one cached selector.
+    pub plain: Vec<(SelId, EntryId)>,
+    pub named: Vec<NamedGroup>,
+}
+
 /// One shared MapState computation.
 #[derive(Debug, Clone)]
 pub(crate) struct Shared {
@@ -207,11 +232,17 @@ pub(crate) struct Shared {
     /// The endpoints that use it.
     pub users: BTreeSet<PodKey>,
     pub entries: HashMap<EntryId, EntryKey>,
+    /// Per policy of the key: the entries that follow selector notifications.
+    pub notify: BTreeMap<PolicyRef, PolicyIndex>,
 }
+
+/// The number of a selector in the selector cache (never reused).
+pub(crate) type SelId = u32;
 
 /// One entry of the selector cache.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct SelState {
+    pub id: SelId,
     pub ids: BTreeSet<Identity>,
     /// The policies that use this peer.
     pub users: BTreeSet<PolicyRef>,
@@ -253,6 +284,7 @@ pub struct Engine {
     pub(crate) policy_shared: HashMap<PolicyRef, HashSet<Arc<ShareKey>>>,
     pub(crate) entry_ids: HashMap<EntryKey, EntryId>,
     pub(crate) next_entry: u64,
+    pub(crate) next_sel: SelId,
     pub(crate) errors: Vec<EngineError>,
 }
 
@@ -428,6 +460,7 @@ impl Engine {
             policy_shared: HashMap::new(),
             entry_ids: HashMap::new(),
             next_entry: 0,
+            next_sel: 0,
             errors: Vec::new(),
         };
         e.world = e.ids.acquire(Signature::World, "").0;
@@ -672,9 +705,11 @@ impl Engine {
             return false;
         }
         let ids = self.evaluate_selector(&spec);
+        self.next_sel += 1;
         self.selectors.insert(
             spec,
             SelState {
+                id: self.next_sel,
                 ids,
                 users: BTreeSet::from([user]),
             },
@@ -803,6 +838,7 @@ impl Engine {
         policy: &Policy,
         key: &ShareKey,
         out: &mut BTreeMap<EntryId, (EntryKey, PolicyEntry)>,
+        index: &mut PolicyIndex,
     ) {
         let di = dir_index(key.dir);
         for rule in &policy.rules[di] {
@@ -856,11 +892,20 @@ impl Engine {
                                 let spec = peer
                                     .clone()
                                     .unwrap_or_else(|| Arc::new(PeerSpec::all_pods()));
-                                let ids = self
+                                let (sel, ids) = self
                                     .selectors
                                     .get(&spec)
-                                    .map(|s| s.ids.iter().copied().collect::<Vec<_>>())
+                                    .map(|s| (s.id, s.ids.iter().copied().collect::<Vec<_>>()))
                                     .unwrap_or_default();
+                                index.named.push(NamedGroup {
+                                    origin: rule.origin.clone(),
+                                    order: rule.order,
+                                    verdict: rule.verdict,
+                                    sel,
+                                    spec: spec.clone(),
+                                    name: name.clone(),
+                                    proto: *proto,
+                                });
                                 for (n, group) in self.group_by_port(ids, name, *proto) {
                                     made.push((
                                         EntryKey {
@@ -879,6 +924,12 @@ impl Engine {
                         let id = self.entry_id(&ek);
                         if out.contains_key(&id) {
                             continue;
+                        }
+                        if ek.named.is_none()
+                            && let Some(p) = &ek.peer
+                            && let Some(st) = self.selectors.get(p)
+                        {
+                            index.plain.push((st.id, id));
                         }
                         let entry = PolicyEntry {
                             id,
@@ -911,9 +962,12 @@ impl Engine {
     /// Computes a shared MapState from scratch.
     pub(crate) fn compile(&mut self, key: &ShareKey) -> Shared {
         let mut entries = BTreeMap::new();
+        let mut notify = BTreeMap::new();
         for id in &key.policies {
             if let Some(p) = self.policies.get(id).cloned() {
-                self.policy_entries(&p, key, &mut entries);
+                let mut index = PolicyIndex::default();
+                self.policy_entries(&p, key, &mut entries, &mut index);
+                notify.insert(id.clone(), index);
             }
         }
         let (isolated, isolated_by) = self.isolation(key);
@@ -939,6 +993,7 @@ impl Engine {
             },
             users: BTreeSet::new(),
             entries: keys,
+            notify,
         }
     }
 
@@ -958,14 +1013,33 @@ impl Engine {
         }
         let mut s = self.compile(key);
         s.users.insert(user.clone());
+        self.insert_shared(key.clone(), s);
+        true
+    }
+
+    /// Stores a shared computation and indexes it by policy.
+    pub(crate) fn insert_shared(&mut self, key: Arc<ShareKey>, s: Shared) {
         for p in &key.policies {
             self.policy_shared
                 .entry(p.clone())
                 .or_default()
                 .insert(key.clone());
         }
-        self.shared.insert(key.clone(), s);
-        true
+        self.shared.insert(key, s);
+    }
+
+    /// Removes a shared computation (whatever its users) and its index entries.
+    pub(crate) fn remove_shared(&mut self, key: &Arc<ShareKey>) -> Option<Shared> {
+        let s = self.shared.remove(key)?;
+        for p in &key.policies {
+            if let Some(set) = self.policy_shared.get_mut(p) {
+                set.remove(key);
+                if set.is_empty() {
+                    self.policy_shared.remove(p);
+                }
+            }
+        }
+        Some(s)
     }
 
     /// Drops a use of a shared computation; it goes when unused.
@@ -977,15 +1051,7 @@ impl Engine {
         if !s.users.is_empty() {
             return;
         }
-        self.shared.remove(key);
-        for p in &key.policies {
-            if let Some(set) = self.policy_shared.get_mut(p) {
-                set.remove(key);
-                if set.is_empty() {
-                    self.policy_shared.remove(p);
-                }
-            }
-        }
+        self.remove_shared(key);
     }
 
     /// Adds the endpoint record of pod `k` and compiles its MapStates.

@@ -34,12 +34,12 @@ use ordnet_mapstate::{
 use serde::Serialize;
 
 use crate::engine::{
-    Endpoint, Engine, EntryKey, PodKey, PodRec, ShareKey, pod_key_text, read_namespace, read_pod,
-    selects,
+    Endpoint, Engine, EntryKey, NamedGroup, PodKey, PodRec, PolicyIndex, SelId, ShareKey,
+    pod_key_text, read_namespace, read_pod, selects,
 };
 use crate::identity::Signature;
 use crate::model::{
-    DIRECTIONS, EngineError, PeerSpec, Policy, PolicyKind, PolicyRef, PortSpec, dir_index,
+    DIRECTIONS, EngineError, PeerSpec, Policy, PolicyKind, PolicyRef, dir_index,
     translate_cluster_policy, translate_network_policy, translate_ordered_policy,
 };
 
@@ -131,6 +131,10 @@ impl EngineDelta {
             && self.errors.is_empty()
     }
 }
+
+/// At most this many policies may differ between an endpoint's old and new share keys for the
+/// endpoint to take its old MapState over instead of compiling a new one.
+const MAX_DERIVE_DIFF: usize = 3;
 
 /// A changed policy: (old, new); `None` = absent.
 type PolicyVersions = (Option<Arc<Policy>>, Option<Arc<Policy>>);
@@ -523,23 +527,32 @@ impl Engine {
                 }
             }
         }
-        let mut gained: HashMap<Arc<PeerSpec>, BTreeSet<Identity>> = HashMap::new();
-        let mut lost: HashMap<Arc<PeerSpec>, BTreeSet<Identity>> = HashMap::new();
+        // Notifications: per selector id, the identities gained and lost; and the policies
+        // that use a notified selector.
+        let mut gained: HashMap<SelId, BTreeSet<Identity>> = HashMap::new();
+        let mut lost: HashMap<SelId, BTreeSet<Identity>> = HashMap::new();
+        let mut notified_policies: BTreeSet<PolicyRef> = BTreeSet::new();
         if !added_ids.is_empty() || !removed_ids.is_empty() {
             let added_sigs: Vec<(Identity, Signature)> = added_ids
                 .iter()
                 .filter_map(|id| self.ids.sig(*id).map(|s| (*id, s.clone())))
                 .collect();
             for (spec, st) in self.selectors.iter_mut() {
+                let mut changed = false;
                 for (id, sig) in &added_sigs {
                     if selects(spec, sig) && st.ids.insert(*id) {
-                        gained.entry(spec.clone()).or_default().insert(*id);
+                        gained.entry(st.id).or_default().insert(*id);
+                        changed = true;
                     }
                 }
                 for id in removed_ids.keys() {
                     if st.ids.remove(id) {
-                        lost.entry(spec.clone()).or_default().insert(*id);
+                        lost.entry(st.id).or_default().insert(*id);
+                        changed = true;
                     }
+                }
+                if changed {
+                    notified_policies.extend(st.users.iter().cloned());
                 }
             }
         }
@@ -583,9 +596,37 @@ impl Engine {
                 (false, false) => {}
             }
         }
-        // Old states of moving endpoints, before any update.
+        // A moving endpoint that is the only user of its old MapState, when its new key has no
+        // MapState yet and few policies differ between the keys, takes the old MapState over
+        // and updates it in place (below, like any affected state, with the differing policies
+        // diffed in full); the ChangeSet of that update is exactly the endpoint's change.
+        // Otherwise the new MapState is compiled (or joined, if another endpoint has it) and
+        // the endpoint gets the diff between a snapshot of its old state, taken before any
+        // update, and the new one. (Copying a MapState costs about as much as compiling it, so
+        // a shared old state is never copied.)
+        let arriving: HashSet<Arc<ShareKey>> =
+            moving.iter().map(|(_, _, _, new)| new.clone()).collect();
+        let mut derived: HashMap<Arc<ShareKey>, (PodKey, BTreeSet<PolicyRef>)> = HashMap::new();
         let mut snapshots: HashMap<Arc<ShareKey>, StateSnapshot> = HashMap::new();
-        for (_, _, old, _) in &moving {
+        let changed: BTreeSet<PolicyRef> = p.policies.keys().cloned().collect();
+        for (k, _, old, new) in &moving {
+            if !self.shared.contains_key(new) && !derived.contains_key(new) {
+                let sole = !arriving.contains(old)
+                    && self
+                        .shared
+                        .get(old)
+                        .is_some_and(|o| o.users.len() == 1 && o.users.contains(k));
+                let full = self.key_diff(old, new, &changed);
+                if sole
+                    && full.len() <= MAX_DERIVE_DIFF
+                    && let Some(mut s) = self.remove_shared(old)
+                {
+                    s.users.clear();
+                    self.insert_shared(new.clone(), s);
+                    derived.insert(new.clone(), (k.clone(), full));
+                    continue;
+                }
+            }
             if !snapshots.contains_key(old)
                 && let Some(s) = self.shared.get(old)
             {
@@ -595,8 +636,6 @@ impl Engine {
                 );
             }
         }
-        let arriving: HashSet<Arc<ShareKey>> =
-            moving.iter().map(|(_, _, _, new)| new.clone()).collect();
         let leaving: HashSet<(PodKey, usize)> = moving
             .iter()
             .map(|(k, d, _, _)| (k.clone(), *d))
@@ -607,23 +646,20 @@ impl Engine {
             )
             .collect();
 
-        // Shared states to update.
-        let mut affected: BTreeSet<Arc<ShareKey>> = BTreeSet::new();
-        for (id, (old, new)) in &p.policies {
-            if old.is_some() && new.is_some() {
-                affected.extend(self.policy_shared.get(id).into_iter().flatten().cloned());
+        // Shared states to update (each once; keys compared by address).
+        let mut affected: Vec<Arc<ShareKey>> = Vec::new();
+        let mut seen: HashSet<*const ShareKey> = HashSet::new();
+        let updated = p
+            .policies
+            .iter()
+            .filter(|(_, (old, new))| old.is_some() && new.is_some())
+            .map(|(id, _)| id);
+        for pol in updated.chain(notified_policies.iter()) {
+            for key in self.policy_shared.get(pol).into_iter().flatten() {
+                if !derived.contains_key(key) && seen.insert(Arc::as_ptr(key)) {
+                    affected.push(key.clone());
+                }
             }
-        }
-        let mut users_of_changed: BTreeSet<PolicyRef> = BTreeSet::new();
-        for spec in gained.keys().chain(lost.keys()) {
-            if let Some(st) = self.selectors.get(spec) {
-                users_of_changed.extend(st.users.iter().cloned());
-            }
-        }
-        // Selectors that lost their last user in this change are gone from the cache; their
-        // policies changed and are handled by the policy diff.
-        for pol in &users_of_changed {
-            affected.extend(self.policy_shared.get(pol).into_iter().flatten().cloned());
         }
         let mut state_changes: Vec<(Arc<ShareKey>, ChangeSet, Option<bool>)> = Vec::new();
         for key in affected {
@@ -635,8 +671,27 @@ impl Engine {
             {
                 continue;
             }
-            let (cs, iso) = self.update_state(&key, &p, &added_ids, &removed_ids, &gained, &lost);
+            let full: BTreeSet<PolicyRef> = key
+                .policies
+                .iter()
+                .filter(|p| changed.contains(*p))
+                .cloned()
+                .collect();
+            let (cs, iso) =
+                self.update_state(&key, &full, &added_ids, &removed_ids, &gained, &lost);
             state_changes.push((key, cs, iso));
+        }
+        let mut derived_changes: HashMap<PodKey, Vec<(usize, ChangeSet, Option<bool>)>> =
+            HashMap::new();
+        for (key, (mover, full)) in &derived {
+            let before = self.shared.get(key).map(|s| s.policy.isolated);
+            let (cs, _) = self.update_state(key, full, &added_ids, &removed_ids, &gained, &lost);
+            let after = self.shared.get(key).map(|s| s.policy.isolated);
+            let iso = if before != after { after } else { None };
+            derived_changes
+                .entry(mover.clone())
+                .or_default()
+                .push((dir_index(key.dir), cs, iso));
         }
         for (key, cs, iso) in state_changes {
             if cs.is_empty() && iso.is_none() {
@@ -668,15 +723,30 @@ impl Engine {
             if let Some(keys) = self.ep_keys.get_mut(k) {
                 keys[*d] = new.clone();
             }
-            let (snapshot, old_isolated) = snapshots
-                .get(old)
-                .map(|(v, i)| (v.as_slice(), Some(*i)))
-                .unwrap_or((&[], None));
-            let Some(s) = self.shared.get(new) else {
-                continue;
+            let derived_cs = derived
+                .get(new)
+                .filter(|(mover, _)| mover == k)
+                .and_then(|_| derived_changes.get_mut(k))
+                .and_then(|v| {
+                    let pos = v.iter().position(|(dd, _, _)| dd == d)?;
+                    Some(v.remove(pos))
+                });
+            let (cs, iso) = match derived_cs {
+                Some((_, cs, iso)) => (cs, iso),
+                None => {
+                    let (snapshot, old_isolated) = snapshots
+                        .get(old)
+                        .map(|(v, i)| (v.as_slice(), Some(*i)))
+                        .unwrap_or((&[], None));
+                    let Some(s) = self.shared.get(new) else {
+                        continue;
+                    };
+                    let cs = diff_states(snapshot, &s.policy.mapstate.iter());
+                    let iso =
+                        (old_isolated != Some(s.policy.isolated)).then_some(s.policy.isolated);
+                    (cs, iso)
+                }
             };
-            let cs = diff_states(snapshot, &s.policy.mapstate.iter());
-            let iso = (old_isolated != Some(s.policy.isolated)).then_some(s.policy.isolated);
             delta.updates.push(EndpointUpdate {
                 endpoint: pod_key_text(k),
                 direction: DIRECTIONS[*d],
@@ -747,6 +817,32 @@ impl Engine {
         delta
     }
 
+    /// The policies whose entries must be diffed in full when a state of key `old` becomes one
+    /// of key `new`: those in only one of the keys, the changed ones, and (when the endpoint's
+    /// own named ports differ) those with ingress named ports.
+    fn key_diff(
+        &self,
+        old: &ShareKey,
+        new: &ShareKey,
+        changed: &BTreeSet<PolicyRef>,
+    ) -> BTreeSet<PolicyRef> {
+        let a: BTreeSet<&PolicyRef> = old.policies.iter().collect();
+        let b: BTreeSet<&PolicyRef> = new.policies.iter().collect();
+        let mut out: BTreeSet<PolicyRef> =
+            a.symmetric_difference(&b).map(|p| (*p).clone()).collect();
+        for p in a.intersection(&b) {
+            let named = old.own_ports != new.own_ports
+                && self
+                    .policies
+                    .get(*p)
+                    .is_some_and(|pol| !pol.named_ports(Direction::Ingress).is_empty());
+            if changed.contains(*p) || named {
+                out.insert((*p).clone());
+            }
+        }
+        out
+    }
+
     /// Local endpoints that a policy's subject may select (all pods of its namespace, or all).
     fn subject_candidates(&self, p: &Policy) -> Vec<PodKey> {
         match &p.id.namespace {
@@ -765,145 +861,126 @@ impl Engine {
     fn update_state(
         &mut self,
         key: &Arc<ShareKey>,
-        p: &Pending,
+        full: &BTreeSet<PolicyRef>,
         added_ids: &BTreeSet<Identity>,
         removed_ids: &BTreeMap<Identity, Signature>,
-        gained: &HashMap<Arc<PeerSpec>, BTreeSet<Identity>>,
-        lost: &HashMap<Arc<PeerSpec>, BTreeSet<Identity>>,
+        gained: &HashMap<SelId, BTreeSet<Identity>>,
+        lost: &HashMap<SelId, BTreeSet<Identity>>,
     ) -> (ChangeSet, Option<bool>) {
-        let di = dir_index(key.dir);
         let mut updates: Vec<Update> = Vec::new();
         let mut add_keys: Vec<(EntryId, EntryKey)> = Vec::new();
         let mut remove_keys: Vec<EntryId> = Vec::new();
+        let mut new_indexes: Vec<(PolicyRef, Option<PolicyIndex>)> = Vec::new();
         // AddIdentity selections: id -> entries.
         let mut selections: BTreeMap<Identity, Vec<EntryId>> = BTreeMap::new();
         let mut removes: BTreeSet<Identity> = BTreeSet::new();
         let mut policy_changed = false;
-        for pref in &key.policies {
-            let Some(policy) = self.policies.get(pref).cloned() else {
-                continue;
-            };
-            if p.policies.contains_key(pref) {
-                policy_changed = true;
-                // Full diff of this policy's entries.
-                let mut desired = BTreeMap::new();
-                self.policy_entries(&policy, key, &mut desired);
-                let s = &self.shared[key];
-                let current: Vec<EntryId> = s
-                    .entries
-                    .iter()
-                    .filter(|(_, ek)| same_policy(&ek.origin, pref))
-                    .map(|(id, _)| *id)
-                    .collect();
-                for id in current {
-                    match desired.remove(&id) {
-                        None => {
-                            updates.push(Update::RemoveEntry(id));
-                            remove_keys.push(id);
-                        }
-                        Some((_, want)) => {
-                            let have = s.policy.mapstate.policy_entry(id);
-                            match (have.map(|e| &e.selector), &want.selector) {
-                                (Some(Selector::Ids(h)), Selector::Ids(w)) => {
-                                    let add: Vec<Identity> = w.difference(h).copied().collect();
-                                    let del: Vec<Identity> = h.difference(w).copied().collect();
-                                    if !add.is_empty() {
-                                        updates.push(Update::Select {
-                                            entry: id,
-                                            ids: add,
-                                        });
-                                    }
-                                    if !del.is_empty() {
-                                        updates.push(Update::Deselect {
-                                            entry: id,
-                                            ids: del,
-                                        });
-                                    }
-                                }
-                                (Some(Selector::Any), Selector::Any) => {}
-                                _ => {
-                                    updates.push(Update::RemoveEntry(id));
-                                    updates.push(Update::AddEntry(want));
-                                }
-                            }
-                        }
-                    }
-                }
-                for (id, (ek, e)) in desired {
-                    updates.push(Update::AddEntry(e));
-                    add_keys.push((id, ek));
-                }
+        let Some(shared) = self.shared.get(key) else {
+            return (ChangeSet::default(), None);
+        };
+        // The indexes of unchanged policies (cloned: the named groups need &mut self below).
+        let mut named: Vec<NamedGroup> = Vec::new();
+        for (pref, index) in &shared.notify {
+            if full.contains(pref) {
                 continue;
             }
-            // Notifications for an unchanged policy.
-            for rule in &policy.rules[di] {
-                let peers: Vec<Option<&Arc<PeerSpec>>> = match &rule.peers {
-                    None => vec![None],
-                    Some(v) => v.iter().map(Some).collect(),
-                };
-                let ports: Vec<Option<&PortSpec>> = match &rule.ports {
-                    None => vec![None],
-                    Some(v) => v.iter().map(Some).collect(),
-                };
-                for peer in &peers {
-                    for port in &ports {
-                        match (port, key.dir) {
-                            (Some(PortSpec::Named { proto, name }), Direction::Egress) => {
-                                let spec = peer
-                                    .cloned()
-                                    .unwrap_or_else(|| Arc::new(PeerSpec::all_pods()));
-                                if let Some(l) = lost.get(&spec) {
-                                    removes.extend(l.iter().copied());
+            for (sel, id) in &index.plain {
+                if let Some(g) = gained.get(sel) {
+                    for i in g {
+                        let v = selections.entry(*i).or_default();
+                        if !v.contains(id) {
+                            v.push(*id);
+                        }
+                    }
+                }
+                if let Some(l) = lost.get(sel) {
+                    removes.extend(l.iter().copied());
+                }
+            }
+            for g in &index.named {
+                if gained.contains_key(&g.sel) || lost.contains_key(&g.sel) {
+                    named.push(g.clone());
+                }
+            }
+        }
+        for g in &named {
+            if let Some(l) = lost.get(&g.sel) {
+                removes.extend(l.iter().copied());
+            }
+            self.named_notifications(
+                key,
+                g,
+                gained.get(&g.sel),
+                lost.get(&g.sel),
+                removed_ids,
+                &mut updates,
+                &mut add_keys,
+                &mut remove_keys,
+                &mut selections,
+            );
+        }
+        // Changed policies: full diff of their entries (no entries if the policy is gone or
+        // not in the key).
+        for pref in full {
+            let policy = self
+                .policies
+                .get(pref)
+                .filter(|_| key.policies.binary_search(pref).is_ok())
+                .cloned();
+            policy_changed = true;
+            let mut desired = BTreeMap::new();
+            match policy {
+                Some(policy) => {
+                    let mut index = PolicyIndex::default();
+                    self.policy_entries(&policy, key, &mut desired, &mut index);
+                    new_indexes.push((pref.clone(), Some(index)));
+                }
+                None => new_indexes.push((pref.clone(), None)),
+            }
+            let s = &self.shared[key];
+            let current: Vec<EntryId> = s
+                .entries
+                .iter()
+                .filter(|(_, ek)| same_policy(&ek.origin, pref))
+                .map(|(id, _)| *id)
+                .collect();
+            for id in current {
+                match desired.remove(&id) {
+                    None => {
+                        updates.push(Update::RemoveEntry(id));
+                        remove_keys.push(id);
+                    }
+                    Some((_, want)) => {
+                        let have = s.policy.mapstate.policy_entry(id);
+                        match (have.map(|e| &e.selector), &want.selector) {
+                            (Some(Selector::Ids(h)), Selector::Ids(w)) => {
+                                let add: Vec<Identity> = w.difference(h).copied().collect();
+                                let del: Vec<Identity> = h.difference(w).copied().collect();
+                                if !add.is_empty() {
+                                    updates.push(Update::Select {
+                                        entry: id,
+                                        ids: add,
+                                    });
                                 }
-                                self.named_notifications(
-                                    key,
-                                    &rule.origin,
-                                    rule.order,
-                                    rule.verdict,
-                                    &spec,
-                                    name,
-                                    *proto,
-                                    gained.get(&spec),
-                                    lost.get(&spec),
-                                    removed_ids,
-                                    &mut updates,
-                                    &mut add_keys,
-                                    &mut remove_keys,
-                                    &mut selections,
-                                );
+                                if !del.is_empty() {
+                                    updates.push(Update::Deselect {
+                                        entry: id,
+                                        ids: del,
+                                    });
+                                }
                             }
+                            (Some(Selector::Any), Selector::Any) => {}
                             _ => {
-                                let Some(spec) = peer else { continue };
-                                let l4s = self.plain_l4(port, key);
-                                for l4 in l4s {
-                                    let ek = EntryKey {
-                                        origin: rule.origin.clone(),
-                                        peer: Some((*spec).clone()),
-                                        l4,
-                                        named: None,
-                                    };
-                                    let Some(&id) = self.entry_ids.get(&ek) else {
-                                        continue;
-                                    };
-                                    if self.shared[key].policy.mapstate.policy_entry(id).is_none() {
-                                        continue;
-                                    }
-                                    if let Some(g) = gained.get(*spec) {
-                                        for i in g {
-                                            let v = selections.entry(*i).or_default();
-                                            if !v.contains(&id) {
-                                                v.push(id);
-                                            }
-                                        }
-                                    }
-                                    if let Some(l) = lost.get(*spec) {
-                                        removes.extend(l.iter().copied());
-                                    }
-                                }
+                                updates.push(Update::RemoveEntry(id));
+                                updates.push(Update::AddEntry(want));
                             }
                         }
                     }
                 }
+            }
+            for (id, (ek, e)) in desired {
+                updates.push(Update::AddEntry(e));
+                add_keys.push((id, ek));
             }
         }
         for (id, selected_by) in selections {
@@ -921,7 +998,7 @@ impl Engine {
         // Removals go first so that emptied named entries can be removed after them.
         let mut batch: Vec<Update> = removes.into_iter().map(Update::RemoveIdentity).collect();
         batch.extend(updates);
-        let (isolated, isolated_by) = self.isolation(key);
+        let isolation = policy_changed.then(|| self.isolation(key));
         let s = self.shared.get_mut(key).expect("affected state exists");
         let cs = match s.policy.mapstate.apply(batch) {
             Ok(cs) => cs,
@@ -944,8 +1021,14 @@ impl Engine {
         for (id, ek) in add_keys {
             s.entries.insert(id, ek);
         }
+        for (pref, index) in new_indexes {
+            match index {
+                Some(index) => s.notify.insert(pref, index),
+                None => s.notify.remove(&pref),
+            };
+        }
         let mut iso = None;
-        if policy_changed {
+        if let Some((isolated, isolated_by)) = isolation {
             if s.policy.isolated != isolated {
                 iso = Some(isolated);
             }
@@ -960,25 +1043,6 @@ impl Engine {
         (cs, iso)
     }
 
-    /// The L4 matches of a non-egress-named port item for a share key.
-    fn plain_l4(&self, port: &Option<&PortSpec>, key: &ShareKey) -> Vec<L4Match> {
-        match port {
-            None => vec![L4Match::Any],
-            Some(PortSpec::Proto(p)) => vec![L4Match::Proto(*p)],
-            Some(PortSpec::Range { proto, first, last }) => vec![L4Match::Ports {
-                proto: *proto,
-                first: *first,
-                last: *last,
-            }],
-            Some(PortSpec::Named { proto, name }) => key
-                .own_ports
-                .iter()
-                .find(|((n, p), _)| n == name && p == proto)
-                .map(|(_, v)| v.iter().map(|n| L4Match::port(*proto, *n)).collect())
-                .unwrap_or_default(),
-        }
-    }
-
     /// Updates for one egress named-port group (rule, peer, name) after identity
     /// notifications: new identities join the entry of their port number (created if it does
     /// not exist); entries whose last identity went are removed.
@@ -986,12 +1050,7 @@ impl Engine {
     fn named_notifications(
         &mut self,
         key: &Arc<ShareKey>,
-        origin: &Arc<ordnet_mapstate::Origin>,
-        order: ordnet_mapstate::OrderKey,
-        verdict: Verdict,
-        spec: &Arc<PeerSpec>,
-        name: &str,
-        proto: Protocol,
+        group: &NamedGroup,
         gained: Option<&BTreeSet<Identity>>,
         lost: Option<&BTreeSet<Identity>>,
         removed_ids: &BTreeMap<Identity, Signature>,
@@ -1000,6 +1059,16 @@ impl Engine {
         remove_keys: &mut Vec<EntryId>,
         selections: &mut BTreeMap<Identity, Vec<EntryId>>,
     ) {
+        let NamedGroup {
+            origin,
+            order,
+            verdict,
+            spec,
+            name,
+            proto,
+            ..
+        } = group;
+        let (order, verdict, proto, name) = (*order, *verdict, *proto, name.as_str());
         let ek = |n: u16| EntryKey {
             origin: origin.clone(),
             peer: Some(spec.clone()),
