@@ -1,3 +1,4 @@
 //! Shared helpers of the cross-crate tests (see tests/).
 
 pub mod fakeapi;
+pub mod reference;

@@ -1,0 +1,534 @@
+//! A reference evaluator written directly from `shared/spec/SEMANTICS.md`: policies are
+//! evaluated against the pods and addresses themselves, rule by rule. No identities, no
+//! selector cache, no tries, and no code of the engine: it exists to catch engine bugs, so it
+//! shares nothing with it but the API types (and the crds label-selector matcher).
+//!
+//! * §2: the candidate rules of (endpoint, direction) are the rules of that direction of every
+//!   policy whose subject selects the endpoint; among the matching ones the smallest order key
+//!   `(priority, index)` decides, deny winning ties; no match = the isolation default.
+//! * §3: a NetworkPolicy isolates in the directions of its effective `policyTypes` (absent or
+//!   empty: Ingress, plus Egress when it has egress rules) and its rules of other directions are
+//!   ignored; an ordered policy isolates in D if `defaultDeny.D`, else if it has an Allow in D.
+//! * §4: peers as NetworkPolicyPeer (pod selectors only ever match pods; a podSelector alone
+//!   means the policy's namespace, or any namespace for a cluster policy); ipBlock matches any
+//!   address in `cidr` and in no `except`, pod addresses included.
+//! * §5: protocol defaults to TCP; no ports = everything; a named port is resolved on the
+//!   destination pod (the endpoint for ingress, the peer for egress, never a non-pod).
+//! * A flow needs the source pod's egress and the destination pod's ingress; a pod to itself is
+//!   allowed. Host-network pods are not pods here (their addresses are plain addresses).
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use k8s_openapi::api::networking::v1::{NetworkPolicyPeer, NetworkPolicyPort};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use ordnet_crds::ClusterObjects;
+use ordnet_crds::selector::Selector;
+
+type Labels = BTreeMap<String, String>;
+
+const NAME_LABEL: &str = "kubernetes.io/metadata.name";
+
+/// Direction seen from the endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dir {
+    Ingress,
+    Egress,
+}
+
+/// One end of a flow.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum End {
+    Pod { namespace: String, name: String },
+    Ip(IpAddr),
+}
+
+#[derive(Debug, Clone)]
+struct RefPod {
+    namespace: String,
+    name: String,
+    labels: Labels,
+    ips: Vec<IpAddr>,
+    /// (name, protocol number, port)
+    ports: Vec<(String, u8, u16)>,
+}
+
+/// A peer, kept close to the API.
+#[derive(Debug, Clone)]
+enum RefPeer {
+    Pods {
+        /// `None` = the policy's own namespace (`own`), or every namespace when `own` is None.
+        namespaces: Option<Selector>,
+        own: Option<String>,
+        pods: Option<Selector>,
+    },
+    Block {
+        cidr: IpNet,
+        except: Vec<IpNet>,
+    },
+}
+
+#[derive(Debug, Clone)]
+struct RefPort {
+    protocol: u8,
+    port: Option<IntOrString>,
+    end_port: Option<i32>,
+}
+
+#[derive(Debug, Clone)]
+struct RefRule {
+    key: (i64, u64),
+    deny: bool,
+    /// Empty = every peer.
+    peers: Vec<RefPeer>,
+    /// Empty = everything.
+    ports: Vec<RefPort>,
+}
+
+#[derive(Debug, Clone)]
+struct RefPolicy {
+    /// `Some(ns)`: pods of that namespace matching `pods`; `None`: pods matching `pods` in
+    /// namespaces matching `namespaces`.
+    namespace: Option<String>,
+    namespaces: Selector,
+    pods: Selector,
+    isolates: [bool; 2],
+    rules: [Vec<RefRule>; 2],
+}
+
+/// The reference evaluator over one set of objects.
+#[derive(Debug, Clone)]
+pub struct Reference {
+    ns_labels: BTreeMap<String, Labels>,
+    pods: Vec<RefPod>,
+    policies: Vec<RefPolicy>,
+}
+
+fn proto_number(p: Option<&str>) -> Option<u8> {
+    match p.unwrap_or("TCP") {
+        "TCP" => Some(6),
+        "UDP" => Some(17),
+        "SCTP" => Some(132),
+        _ => None,
+    }
+}
+
+fn sel(s: Option<&LabelSelector>) -> Result<Option<Selector>, String> {
+    s.map(|s| Selector::parse(s).map_err(|e| format!("bad selector: {e:?}")))
+        .transpose()
+}
+
+fn net(text: &str) -> Result<IpNet, String> {
+    text.parse::<IpNet>()
+        .map(|n| n.trunc())
+        .map_err(|e| format!("bad CIDR {text}: {e}"))
+}
+
+fn idx(d: Dir) -> usize {
+    match d {
+        Dir::Ingress => 0,
+        Dir::Egress => 1,
+    }
+}
+
+impl Reference {
+    /// Reads the objects. Errors for objects the reference cannot read (the engine would
+    /// reject them too).
+    pub fn new(objects: &ClusterObjects) -> Result<Reference, String> {
+        let mut ns_labels = BTreeMap::new();
+        for ns in &objects.namespaces {
+            let name = ns.object.metadata.name.clone().unwrap_or_default();
+            let mut labels = ns.object.metadata.labels.clone().unwrap_or_default();
+            labels.insert(NAME_LABEL.to_string(), name.clone());
+            ns_labels.insert(name, labels);
+        }
+        let mut pods = Vec::new();
+        for p in &objects.pods {
+            let pod = &p.object;
+            let spec = pod.spec.as_ref();
+            if spec.and_then(|s| s.host_network).unwrap_or(false) {
+                continue;
+            }
+            let mut ips: Vec<IpAddr> = Vec::new();
+            if let Some(st) = &pod.status {
+                for t in st
+                    .pod_ip
+                    .iter()
+                    .chain(st.pod_ips.iter().flatten().map(|p| &p.ip))
+                {
+                    if let Ok(ip) = t.parse::<IpAddr>()
+                        && !ips.contains(&ip)
+                    {
+                        ips.push(ip);
+                    }
+                }
+            }
+            let mut ports = Vec::new();
+            for c in spec.map(|s| s.containers.as_slice()).unwrap_or_default() {
+                for cp in c.ports.iter().flatten() {
+                    if let (Some(n), Some(pr)) = (&cp.name, proto_number(cp.protocol.as_deref())) {
+                        ports.push((n.clone(), pr, cp.container_port as u16));
+                    }
+                }
+            }
+            pods.push(RefPod {
+                namespace: pod
+                    .metadata
+                    .namespace
+                    .clone()
+                    .unwrap_or_else(|| "default".into()),
+                name: pod.metadata.name.clone().unwrap_or_default(),
+                labels: pod.metadata.labels.clone().unwrap_or_default(),
+                ips,
+                ports,
+            });
+        }
+        let mut policies = Vec::new();
+        for np in &objects.network_policies {
+            let np = &np.object;
+            let ns = np
+                .metadata
+                .namespace
+                .clone()
+                .unwrap_or_else(|| "default".into());
+            let spec = np.spec.clone().unwrap_or_default();
+            let ingress = spec.ingress.unwrap_or_default();
+            let egress = spec.egress.unwrap_or_default();
+            let types = spec.policy_types.unwrap_or_default();
+            let isolates = if types.is_empty() {
+                [true, !egress.is_empty()]
+            } else {
+                [
+                    types.iter().any(|t| t == "Ingress"),
+                    types.iter().any(|t| t == "Egress"),
+                ]
+            };
+            let np_peer = |p: &NetworkPolicyPeer| -> Result<RefPeer, String> {
+                match &p.ip_block {
+                    Some(b) => Ok(RefPeer::Block {
+                        cidr: net(&b.cidr)?,
+                        except: b
+                            .except
+                            .iter()
+                            .flatten()
+                            .map(|e| net(e))
+                            .collect::<Result<_, _>>()?,
+                    }),
+                    None => Ok(RefPeer::Pods {
+                        namespaces: sel(p.namespace_selector.as_ref())?,
+                        own: Some(ns.clone()),
+                        pods: sel(p.pod_selector.as_ref())?,
+                    }),
+                }
+            };
+            let np_port = |p: &NetworkPolicyPort| -> Result<RefPort, String> {
+                Ok(RefPort {
+                    protocol: proto_number(p.protocol.as_deref()).ok_or("bad protocol")?,
+                    port: p.port.clone(),
+                    end_port: p.end_port,
+                })
+            };
+            let mut rules: [Vec<RefRule>; 2] = [Vec::new(), Vec::new()];
+            if isolates[0] {
+                for r in &ingress {
+                    rules[0].push(RefRule {
+                        key: (0, 0),
+                        deny: false,
+                        peers: r
+                            .from
+                            .iter()
+                            .flatten()
+                            .map(np_peer)
+                            .collect::<Result<_, _>>()?,
+                        ports: r
+                            .ports
+                            .iter()
+                            .flatten()
+                            .map(np_port)
+                            .collect::<Result<_, _>>()?,
+                    });
+                }
+            }
+            if isolates[1] {
+                for r in &egress {
+                    rules[1].push(RefRule {
+                        key: (0, 0),
+                        deny: false,
+                        peers: r
+                            .to
+                            .iter()
+                            .flatten()
+                            .map(np_peer)
+                            .collect::<Result<_, _>>()?,
+                        ports: r
+                            .ports
+                            .iter()
+                            .flatten()
+                            .map(np_port)
+                            .collect::<Result<_, _>>()?,
+                    });
+                }
+            }
+            policies.push(RefPolicy {
+                namespace: Some(ns.clone()),
+                namespaces: Selector::everything(),
+                pods: sel(spec.pod_selector.as_ref())?.unwrap_or_default(),
+                isolates,
+                rules,
+            });
+        }
+        type Ordered<'a> = (
+            Option<String>,
+            Selector,
+            Selector,
+            i32,
+            Option<&'a ordnet_crds::DefaultDeny>,
+            &'a [ordnet_crds::IngressRule],
+            &'a [ordnet_crds::EgressRule],
+        );
+        let mut ordered: Vec<Ordered<'_>> = Vec::new();
+        for p in &objects.ordered_policies {
+            let s = &p.object.spec;
+            ordered.push((
+                Some(
+                    p.object
+                        .metadata
+                        .namespace
+                        .clone()
+                        .unwrap_or_else(|| "default".into()),
+                ),
+                Selector::everything(),
+                sel(Some(&s.pod_selector))?.unwrap_or_default(),
+                s.priority,
+                s.default_deny.as_ref(),
+                &s.ingress,
+                &s.egress,
+            ));
+        }
+        for p in &objects.cluster_ordered_policies {
+            let s = &p.object.spec;
+            ordered.push((
+                None,
+                sel(Some(&s.namespace_selector))?.unwrap_or_default(),
+                sel(Some(&s.pod_selector))?.unwrap_or_default(),
+                s.priority,
+                s.default_deny.as_ref(),
+                &s.ingress,
+                &s.egress,
+            ));
+        }
+        for (namespace, namespaces, pods, priority, dd, ingress, egress) in ordered {
+            let peer = |p: &ordnet_crds::Peer| -> Result<RefPeer, String> {
+                match &p.ip_block {
+                    Some(b) => Ok(RefPeer::Block {
+                        cidr: net(&b.cidr)?,
+                        except: b.except.iter().map(|e| net(e)).collect::<Result<_, _>>()?,
+                    }),
+                    None => Ok(RefPeer::Pods {
+                        namespaces: sel(p.namespace_selector.as_ref())?,
+                        own: namespace.clone(),
+                        pods: sel(p.pod_selector.as_ref())?,
+                    }),
+                }
+            };
+            let port = |p: &ordnet_crds::Port| RefPort {
+                protocol: p.protocol.number(),
+                port: p.port.clone(),
+                end_port: p.end_port,
+            };
+            let deny = |a: ordnet_crds::Action| a == ordnet_crds::Action::Deny;
+            let mut rules: [Vec<RefRule>; 2] = [Vec::new(), Vec::new()];
+            for (i, r) in ingress.iter().enumerate() {
+                rules[0].push(RefRule {
+                    key: (i64::from(priority), i as u64),
+                    deny: deny(r.action),
+                    peers: r.from.iter().map(peer).collect::<Result<_, _>>()?,
+                    ports: r.ports.iter().map(port).collect(),
+                });
+            }
+            for (i, r) in egress.iter().enumerate() {
+                rules[1].push(RefRule {
+                    key: (i64::from(priority), i as u64),
+                    deny: deny(r.action),
+                    peers: r.to.iter().map(peer).collect::<Result<_, _>>()?,
+                    ports: r.ports.iter().map(port).collect(),
+                });
+            }
+            let has_allow = |d: usize| rules[d].iter().any(|r| !r.deny);
+            let isolates = [
+                dd.and_then(|d| d.ingress).unwrap_or_else(|| has_allow(0)),
+                dd.and_then(|d| d.egress).unwrap_or_else(|| has_allow(1)),
+            ];
+            policies.push(RefPolicy {
+                namespace,
+                namespaces,
+                pods,
+                isolates,
+                rules,
+            });
+        }
+        Ok(Reference {
+            ns_labels,
+            pods,
+            policies,
+        })
+    }
+
+    fn labels_of_ns(&self, ns: &str) -> Labels {
+        self.ns_labels
+            .get(ns)
+            .cloned()
+            .unwrap_or_else(|| Labels::from([(NAME_LABEL.to_string(), ns.to_string())]))
+    }
+
+    fn pod_by_name(&self, ns: &str, name: &str) -> Option<usize> {
+        self.pods
+            .iter()
+            .position(|p| p.namespace == ns && p.name == name && !p.ips.is_empty())
+    }
+
+    fn pod_by_ip(&self, ip: IpAddr) -> Option<usize> {
+        self.pods.iter().position(|p| p.ips.contains(&ip))
+    }
+
+    /// Whether the flow is allowed. A pod end is probed at its first address of the family
+    /// (`v6`), else its first address.
+    pub fn allowed(&self, from: &End, to: &End, v6: bool, proto: u8, port: u16) -> Option<bool> {
+        let point = |e: &End| -> Option<(IpAddr, Option<usize>)> {
+            match e {
+                End::Ip(ip) => Some((*ip, self.pod_by_ip(*ip))),
+                End::Pod { namespace, name } => {
+                    let i = self.pod_by_name(namespace, name)?;
+                    let ips = &self.pods[i].ips;
+                    let ip = ips
+                        .iter()
+                        .find(|ip| ip.is_ipv6() == v6)
+                        .or(ips.first())
+                        .copied()?;
+                    Some((ip, Some(i)))
+                }
+            }
+        };
+        let (src_ip, src) = point(from)?;
+        let (dst_ip, dst) = point(to)?;
+        if src.is_some() && src == dst {
+            return Some(true);
+        }
+        let egress_ok = src.is_none_or(|s| self.side(s, Dir::Egress, dst_ip, dst, proto, port));
+        let ingress_ok = dst.is_none_or(|d| self.side(d, Dir::Ingress, src_ip, src, proto, port));
+        Some(egress_ok && ingress_ok)
+    }
+
+    /// The verdict of one side: endpoint `ep`, direction `d`, the other end `peer_ip`
+    /// (`peer_pod` if it is a pod).
+    pub fn side_allows(&self, ep: usize, d: Dir, peer_ip: IpAddr, proto: u8, port: u16) -> bool {
+        self.side(ep, d, peer_ip, self.pod_by_ip(peer_ip), proto, port)
+    }
+
+    fn side(
+        &self,
+        ep: usize,
+        d: Dir,
+        peer_ip: IpAddr,
+        peer_pod: Option<usize>,
+        proto: u8,
+        port: u16,
+    ) -> bool {
+        let e = &self.pods[ep];
+        let e_ns = self.labels_of_ns(&e.namespace);
+        let mut isolated = false;
+        let mut best: Option<((i64, u64), bool)> = None;
+        for p in &self.policies {
+            let selects = match &p.namespace {
+                Some(ns) => *ns == e.namespace && p.pods.matches(&e.labels),
+                None => p.namespaces.matches(&e_ns) && p.pods.matches(&e.labels),
+            };
+            if !selects {
+                continue;
+            }
+            isolated |= p.isolates[idx(d)];
+            for r in &p.rules[idx(d)] {
+                if !self.rule_matches(r, ep, d, peer_ip, peer_pod, proto, port) {
+                    continue;
+                }
+                best = match best {
+                    None => Some((r.key, r.deny)),
+                    Some((k, deny)) if r.key < k => {
+                        let _ = deny;
+                        Some((r.key, r.deny))
+                    }
+                    Some((k, deny)) if r.key == k => Some((k, deny || r.deny)),
+                    other => other,
+                };
+            }
+        }
+        match best {
+            Some((_, deny)) => !deny,
+            None => !isolated,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rule_matches(
+        &self,
+        r: &RefRule,
+        ep: usize,
+        d: Dir,
+        peer_ip: IpAddr,
+        peer_pod: Option<usize>,
+        proto: u8,
+        port: u16,
+    ) -> bool {
+        let peer_ok = r.peers.is_empty()
+            || r.peers.iter().any(|p| match p {
+                RefPeer::Block { cidr, except } => {
+                    cidr.contains(&peer_ip) && !except.iter().any(|e| e.contains(&peer_ip))
+                }
+                RefPeer::Pods {
+                    namespaces,
+                    own,
+                    pods,
+                } => {
+                    let Some(pp) = peer_pod else { return false };
+                    let pod = &self.pods[pp];
+                    let ns_ok = match (namespaces, own) {
+                        (Some(s), _) => s.matches(&self.labels_of_ns(&pod.namespace)),
+                        (None, Some(own)) => pod.namespace == *own,
+                        (None, None) => true,
+                    };
+                    ns_ok && pods.as_ref().is_none_or(|s| s.matches(&pod.labels))
+                }
+            });
+        if !peer_ok {
+            return false;
+        }
+        r.ports.is_empty()
+            || r.ports.iter().any(|p| {
+                if p.protocol != proto {
+                    return false;
+                }
+                match &p.port {
+                    None => true,
+                    Some(IntOrString::Int(n)) => {
+                        let first = i64::from(*n);
+                        let last = i64::from(p.end_port.unwrap_or(*n));
+                        first <= i64::from(port) && i64::from(port) <= last
+                    }
+                    Some(IntOrString::String(name)) => {
+                        let dest = match d {
+                            Dir::Ingress => Some(ep),
+                            Dir::Egress => peer_pod,
+                        };
+                        dest.is_some_and(|i| {
+                            self.pods[i]
+                                .ports
+                                .iter()
+                                .any(|(n, pr, num)| n == name && *pr == proto && *num == port)
+                        })
+                    }
+                }
+            })
+    }
+}
