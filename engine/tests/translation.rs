@@ -1,0 +1,432 @@
+//! Unit tests of translation, defaulting, identities and isolation on small hand-written
+//! clusters.
+
+use std::net::IpAddr;
+use std::path::Path;
+
+use ordnet_engine::{Engine, FlowEnd, IdentityKind, IpFamily, PolicyKind, SideDecision};
+use ordnet_mapstate::{Direction, Protocol, Verdict};
+
+const BASE: &str = r#"
+apiVersion: v1
+kind: Namespace
+metadata: {name: x, labels: {ns: x}}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: y, labels: {ns: y}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: a, namespace: x, labels: {app: web}}
+spec: {containers: [{name: c, image: i, ports: [{name: http, containerPort: 80}, {name: dns, containerPort: 53, protocol: UDP}]}]}
+status: {podIP: 10.0.0.1}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: b, namespace: x, labels: {app: web}}
+spec: {containers: [{name: c, image: i, ports: [{name: http, containerPort: 8080}]}]}
+status: {podIP: 10.0.0.2}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: c, namespace: y, labels: {app: db}}
+spec: {containers: [{name: c, image: i}]}
+status: {podIP: 10.0.1.3, podIPs: [{ip: 10.0.1.3}, {ip: "fd00::3"}]}
+"#;
+
+fn engine(extra: &str) -> Engine {
+    let text = format!("{BASE}\n---\n{extra}");
+    let out = ordnet_crds::manifest::load_str(Path::new("t.yaml"), &text);
+    assert!(!out.has_errors(), "{:?}", out.problems);
+    let e = Engine::build(&out.objects);
+    assert!(e.errors().is_empty(), "{:?}", e.errors());
+    e
+}
+
+fn pod(ns: &str, n: &str) -> FlowEnd {
+    FlowEnd::Pod {
+        namespace: ns.into(),
+        name: n.into(),
+    }
+}
+
+fn ip(s: &str) -> FlowEnd {
+    FlowEnd::Ip(s.parse().unwrap())
+}
+
+fn allowed(e: &Engine, from: &FlowEnd, to: &FlowEnd, proto: Protocol, port: u16) -> bool {
+    e.flow(from, to, IpFamily::V4, proto, port).verdict == Verdict::Allow
+}
+
+fn isolated(e: &Engine, ns: &str, n: &str, d: Direction) -> bool {
+    e.policy(e.endpoint(ns, n).unwrap(), d).isolated
+}
+
+#[test]
+fn policy_types_defaulting() {
+    // Only an egress section, no policyTypes: isolated both ways.
+    let e = engine(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: x}\n\
+         spec: {podSelector: {}, egress: [{to: [{podSelector: {}}]}]}",
+    );
+    assert!(isolated(&e, "x", "a", Direction::Ingress));
+    assert!(isolated(&e, "x", "a", Direction::Egress));
+    assert!(!isolated(&e, "y", "c", Direction::Ingress));
+    // x/a's egress allows x/b, but x/b's ingress is isolated with no ingress rule.
+    let t = e.flow(
+        &pod("x", "a"),
+        &pod("x", "b"),
+        IpFamily::V4,
+        Protocol::Tcp,
+        80,
+    );
+    assert_eq!(t.egress.unwrap().verdict, Verdict::Allow);
+    assert_eq!(t.ingress.unwrap().verdict, Verdict::Deny);
+    assert_eq!(t.verdict, Verdict::Deny);
+    assert!(!allowed(
+        &e,
+        &pod("x", "a"),
+        &pod("y", "c"),
+        Protocol::Tcp,
+        80
+    ));
+    assert!(!allowed(
+        &e,
+        &pod("y", "c"),
+        &pod("x", "a"),
+        Protocol::Tcp,
+        80
+    ));
+    // `egress: []` adds no Egress.
+    let e = engine(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: x}\n\
+         spec: {podSelector: {}, egress: []}",
+    );
+    assert!(isolated(&e, "x", "a", Direction::Ingress));
+    assert!(!isolated(&e, "x", "a", Direction::Egress));
+    // Ingress rules with policyTypes [Egress] are ignored, and ingress is not isolated.
+    let e = engine(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: x}\n\
+         spec: {podSelector: {}, policyTypes: [Egress], ingress: [{from: [{podSelector: {}}]}]}",
+    );
+    assert!(!isolated(&e, "x", "a", Direction::Ingress));
+    assert!(isolated(&e, "x", "a", Direction::Egress));
+    let p = e.policies().next().unwrap();
+    assert_eq!(p.id.kind, PolicyKind::NetworkPolicy);
+    assert!(p.rules[0].is_empty());
+    // policyTypes [Ingress, Egress] without rules: deny both.
+    let e = engine(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: x}\n\
+         spec: {podSelector: {matchLabels: {app: web}}, policyTypes: [Ingress, Egress]}",
+    );
+    assert!(!allowed(
+        &e,
+        &pod("x", "a"),
+        &pod("x", "b"),
+        Protocol::Udp,
+        53
+    ));
+    assert!(allowed(
+        &e,
+        &pod("y", "c"),
+        &ip("192.0.2.1"),
+        Protocol::Tcp,
+        1
+    ));
+}
+
+#[test]
+fn empty_port_item_is_tcp_only_and_rules_are_index_zero() {
+    let e = engine(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: x}\n\
+         spec: {podSelector: {}, ingress: [{ports: [{}]}, {from: [{namespaceSelector: {matchLabels: {ns: y}}}]}]}",
+    );
+    assert!(allowed(
+        &e,
+        &pod("y", "c"),
+        &pod("x", "a"),
+        Protocol::Udp,
+        9
+    ));
+    assert!(allowed(
+        &e,
+        &ip("192.0.2.1"),
+        &pod("x", "a"),
+        Protocol::Tcp,
+        9
+    ));
+    assert!(!allowed(
+        &e,
+        &ip("192.0.2.1"),
+        &pod("x", "a"),
+        Protocol::Udp,
+        9
+    ));
+    for r in e.policies().flat_map(|p| p.rules[0].iter()) {
+        assert_eq!((r.order.priority, r.order.index), (0, 0));
+    }
+    // The origins keep the real rule index for trace.
+    let idx: Vec<u32> = e
+        .policies()
+        .flat_map(|p| p.rules[0].iter().map(|r| r.origin.rule_index))
+        .collect();
+    assert_eq!(idx, [0, 1]);
+}
+
+#[test]
+fn identities_split_only_where_a_selector_distinguishes() {
+    // No selector distinguishes x/a and x/b: one identity.
+    let e = engine(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: y}\n\
+         spec: {podSelector: {}, ingress: [{ports: [{port: http}]}]}",
+    );
+    let a = e.endpoint("x", "a").unwrap().identities.clone();
+    let b = e.endpoint("x", "b").unwrap().identities.clone();
+    assert_eq!(
+        a, b,
+        "an ingress named port resolves on the subject and splits nothing"
+    );
+    // An ipBlock containing only x/a's address splits them.
+    let e = engine(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: y}\n\
+         spec: {podSelector: {}, ingress: [{from: [{ipBlock: {cidr: 10.0.0.0/24, except: [10.0.0.2/32]}}]}]}",
+    );
+    let a = e.endpoint("x", "a").unwrap().identities[0];
+    let b = e.endpoint("x", "b").unwrap().identities[0];
+    assert_ne!(a, b);
+    assert!(allowed(
+        &e,
+        &pod("x", "a"),
+        &pod("y", "c"),
+        Protocol::Tcp,
+        80
+    ));
+    assert!(!allowed(
+        &e,
+        &pod("x", "b"),
+        &pod("y", "c"),
+        Protocol::Tcp,
+        80
+    ));
+    assert!(allowed(
+        &e,
+        &ip("10.0.0.77"),
+        &pod("y", "c"),
+        Protocol::Tcp,
+        80
+    ));
+    assert!(!allowed(
+        &e,
+        &ip("10.0.1.77"),
+        &pod("y", "c"),
+        Protocol::Tcp,
+        80
+    ));
+    // CIDR identities: one per prefix in use (cidr and except), world for the rest.
+    let cidr = e.identity_of("10.0.0.77".parse().unwrap());
+    assert_eq!(
+        e.identity_info(cidr).unwrap().kind,
+        IdentityKind::Cidr("10.0.0.0/24".parse().unwrap())
+    );
+    assert_eq!(
+        e.identity_of("198.51.100.1".parse().unwrap()),
+        e.world_identity()
+    );
+    assert_ne!(
+        e.identity_of("10.0.0.2".parse().unwrap()),
+        e.identity_of("10.0.0.200".parse().unwrap())
+    );
+    // The dual-stack pod gets one identity per address; they differ only if a selector says so.
+    let c = &e.endpoint("y", "c").unwrap().identities;
+    assert_eq!(c.len(), 2);
+    assert_eq!(c[0], c[1]);
+    // An egress named port resolving differently splits x/a (80) and x/b (8080).
+    let e = engine(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: y}\n\
+         spec: {podSelector: {}, policyTypes: [Egress], egress: [{ports: [{port: http}]}]}",
+    );
+    let a = e.endpoint("x", "a").unwrap().identities[0];
+    let b = e.endpoint("x", "b").unwrap().identities[0];
+    assert_ne!(a, b);
+    assert_ne!(a, 0);
+    assert!(allowed(
+        &e,
+        &pod("y", "c"),
+        &pod("x", "a"),
+        Protocol::Tcp,
+        80
+    ));
+    assert!(!allowed(
+        &e,
+        &pod("y", "c"),
+        &pod("x", "a"),
+        Protocol::Tcp,
+        8080
+    ));
+    assert!(allowed(
+        &e,
+        &pod("y", "c"),
+        &pod("x", "b"),
+        Protocol::Tcp,
+        8080
+    ));
+    assert!(!allowed(
+        &e,
+        &pod("y", "c"),
+        &pod("x", "b"),
+        Protocol::Tcp,
+        80
+    ));
+    // `to` empty: the named port still never matches a non-pod destination.
+    assert!(!allowed(
+        &e,
+        &pod("y", "c"),
+        &ip("192.0.2.1"),
+        Protocol::Tcp,
+        80
+    ));
+    // ... and a name with another protocol does not match.
+    assert!(!allowed(
+        &e,
+        &pod("y", "c"),
+        &pod("x", "a"),
+        Protocol::Udp,
+        80
+    ));
+}
+
+#[test]
+fn cluster_policy_subject_and_peers() {
+    // A podSelector alone in a cluster policy's peer means any namespace.
+    let e = engine(
+        "apiVersion: ordnet.io/v1alpha1\nkind: ClusterOrderedNetworkPolicy\nmetadata: {name: g}\n\
+         spec: {priority: -1, namespaceSelector: {matchLabels: {ns: y}}, \
+         ingress: [{action: Deny, from: [{podSelector: {matchLabels: {app: web}}}]}]}",
+    );
+    assert!(!allowed(
+        &e,
+        &pod("x", "a"),
+        &pod("y", "c"),
+        Protocol::Tcp,
+        80
+    ));
+    assert!(allowed(
+        &e,
+        &ip("192.0.2.1"),
+        &pod("y", "c"),
+        Protocol::Tcp,
+        80
+    ));
+    // Deny-only: not isolating.
+    assert!(!isolated(&e, "y", "c", Direction::Ingress));
+    assert!(!isolated(&e, "x", "a", Direction::Ingress));
+    // The same peer in an OrderedNetworkPolicy means the policy's namespace only.
+    let e = engine(
+        "apiVersion: ordnet.io/v1alpha1\nkind: OrderedNetworkPolicy\nmetadata: {name: o, namespace: y}\n\
+         spec: {priority: 1, podSelector: {}, \
+         ingress: [{action: Deny, from: [{podSelector: {matchLabels: {app: web}}}]}]}",
+    );
+    assert!(allowed(
+        &e,
+        &pod("x", "a"),
+        &pod("y", "c"),
+        Protocol::Tcp,
+        80
+    ));
+}
+
+#[test]
+fn trace_names_rules_and_isolating_policies() {
+    let e = engine(
+        "apiVersion: ordnet.io/v1alpha1\nkind: OrderedNetworkPolicy\nmetadata: {name: o, namespace: y}\n\
+         spec: {priority: 7, podSelector: {}, \
+         ingress: [{action: Allow, from: [{namespaceSelector: {matchLabels: {ns: x}}}], ports: [{port: 80}]}]}",
+    );
+    let t = e.flow(
+        &pod("x", "a"),
+        &pod("y", "c"),
+        IpFamily::V4,
+        Protocol::Tcp,
+        80,
+    );
+    assert_eq!(t.verdict, Verdict::Allow);
+    assert!(t.egress.is_some());
+    let ing = t.ingress.unwrap();
+    match ing.decision {
+        SideDecision::Matched { entry, .. } => {
+            assert_eq!(entry.origins[0].name, "o");
+            assert_eq!(entry.origins[0].priority, 7);
+        }
+        other => panic!("{other:?}"),
+    }
+    let t = e.flow(
+        &pod("x", "a"),
+        &pod("y", "c"),
+        IpFamily::V4,
+        Protocol::Tcp,
+        81,
+    );
+    assert_eq!(t.verdict, Verdict::Deny);
+    match t.ingress.unwrap().decision {
+        SideDecision::Default {
+            isolated,
+            isolated_by,
+        } => {
+            assert!(isolated);
+            assert_eq!(isolated_by[0].name, "o");
+        }
+        other => panic!("{other:?}"),
+    }
+    // A pod to itself, by name or by its own address, is exempt.
+    let t = e.flow(
+        &pod("y", "c"),
+        &ip("10.0.1.3"),
+        IpFamily::V4,
+        Protocol::Tcp,
+        81,
+    );
+    assert_eq!(t.verdict, Verdict::Allow);
+    assert!(t.exemption.is_some());
+    // JSON uses lowercase verdicts.
+    let j = serde_json::to_value(&t).unwrap();
+    assert_eq!(j["verdict"], "allow");
+    // IPv6 probes use the pod's IPv6 address.
+    let t = e.flow(
+        &pod("x", "a"),
+        &pod("y", "c"),
+        IpFamily::V6,
+        Protocol::Tcp,
+        80,
+    );
+    assert_eq!(
+        t.ingress.unwrap().peer_address,
+        "10.0.0.1".parse::<IpAddr>().unwrap(),
+        "x/a has no IPv6 address: its first address is used"
+    );
+    assert!(e.resolve("x/nope").is_err());
+    assert!(e.resolve("garbage").is_err());
+}
+
+#[test]
+fn invalid_objects_are_reported_not_fatal() {
+    let mut out = ordnet_crds::manifest::load_str(
+        Path::new("t.yaml"),
+        &format!(
+            "{BASE}\n---\napiVersion: ordnet.io/v1alpha1\nkind: OrderedNetworkPolicy\n\
+             metadata: {{name: bad, namespace: x}}\n\
+             spec: {{priority: 1, podSelector: {{}}, ingress: [{{action: Allow, from: [{{ipBlock: {{cidr: 10.0.0.0/8, except: [11.0.0.0/16]}}}}]}}]}}"
+        ),
+    );
+    // Skip crds validation on purpose: the engine must defend itself.
+    out.problems.clear();
+    let e = Engine::build(&out.objects);
+    assert_eq!(e.errors().len(), 1);
+    let err = &e.errors()[0];
+    assert_eq!(err.object, "OrderedNetworkPolicy x/bad");
+    assert_eq!(err.field, "spec.ingress[0].from[0].ipBlock.except[0]");
+    assert!(Engine::try_build(&out.objects).is_err());
+    // Everything else still works.
+    assert_eq!(e.endpoints().len(), 3);
+    assert!(!isolated(&e, "x", "a", Direction::Ingress));
+}
