@@ -88,6 +88,16 @@ fn load(api: &FakeApi) {
     }
 }
 
+/// The next value of a label `PREFIX<k>` (k + 1 modulo `n`): always a real change.
+fn next(current: &serde_json::Value, prefix: &str, n: usize) -> String {
+    let k: usize = current
+        .as_str()
+        .and_then(|v| v.strip_prefix(prefix))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    format!("{prefix}{}", (k + 1) % n)
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i]
@@ -132,6 +142,7 @@ async fn bench_2000_pods_1000_policies() {
     assert_eq!(endpoints, PODS / NODES);
 
     let mut latencies = Vec::new();
+    let mut by_kind: [Vec<Duration>; 4] = Default::default();
     for i in 0..200 {
         let before = h.state.metrics.batches.get();
         let t0 = Instant::now();
@@ -143,14 +154,16 @@ async fn bench_2000_pods_1000_policies() {
                 let mut o = api
                     .get("v1", "Pod", &format!("ns{ns}"), &format!("pod{p}"))
                     .unwrap();
-                o["metadata"]["labels"]["app"] = json!(format!("app{}", (i * 13) % 50));
+                o["metadata"]["labels"]["app"] =
+                    json!(next(&o["metadata"]["labels"]["app"], "app", 50));
                 api.update(o).unwrap();
             }
             // Relabel a namespace.
             2 => {
                 let n = i % NAMESPACES;
                 let mut o = api.get("v1", "Namespace", "", &format!("ns{n}")).unwrap();
-                o["metadata"]["labels"]["team"] = json!(format!("t{}", i % 7));
+                o["metadata"]["labels"]["team"] =
+                    json!(next(&o["metadata"]["labels"]["team"], "t", 5));
                 api.update(o).unwrap();
             }
             // Edit a priority.
@@ -179,10 +192,37 @@ async fn bench_2000_pods_1000_policies() {
         }
         assert!(done, "change {i} was not applied within 10 s");
         latencies.push(t0.elapsed());
+        by_kind[i % 4].push(t0.elapsed());
     }
     assert!(!h.state.is_status_writer());
     latencies.sort();
+    for (name, mut l) in [
+        "pod app label",
+        "pod app label",
+        "namespace label",
+        "priority",
+    ]
+    .into_iter()
+    .zip(by_kind)
+    .skip(1)
+    {
+        l.sort();
+        println!(
+            "  {name}: p50 {:.2?}, max {:.2?}",
+            percentile(&l, 0.5),
+            l.last().unwrap()
+        );
+    }
     let s = h.state.metrics.sizes();
+    let (compile, apply) = (
+        h.state.metrics.compile_seconds.data(),
+        h.state.metrics.apply_seconds.data(),
+    );
+    println!(
+        "  engine (Engine::apply) {:.1} ms of {:.1} ms in the agent's batches, incl. the initial build",
+        compile.sum * 1000.0,
+        apply.sum * 1000.0
+    );
     println!(
         "agent bench: {PODS} pods ({endpoints} local), 1000 policies; initial sync {:.2?}; \
          change->programmed over {} changes: p50 {:.2?}, p99 {:.2?}, max {:.2?}; \
