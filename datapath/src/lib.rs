@@ -1,41 +1,169 @@
-//! ordnet datapath (userspace side): loads the XDP program that `build.rs` built, gives access
-//! to its map, and runs it on test frames through `BPF_PROG_TEST_RUN`.
+//! ordnet datapath (userspace side): loads the XDP program that `build.rs` built, programs its
+//! maps from MapStates, attaches it to interfaces, survives restarts through bpffs pins, and
+//! runs the kernel's own decision function in userspace over an exact copy of the maps.
+//!
+//! The agent and `ordnet lab` use the same API:
 //!
 //! ```no_run
-//! use ordnet_datapath::{Datapath, common::{ACTION_DENY, PortKey, craft}};
-//! let mut dp = Datapath::load()?; // needs root (CAP_BPF + CAP_NET_ADMIN)
-//! dp.set_port_verdict(PortKey::new(4, 6, 80), ACTION_DENY)?;
-//! let frame = craft::ipv4_frame(craft::L4::Tcp { sport: 1234, dport: 80 });
-//! let run = dp.test_run(&frame)?;
-//! assert_eq!(run.action, ordnet_datapath::XdpAction::Drop);
+//! use std::net::IpAddr;
+//! use ordnet_datapath::{Datapath, DatapathConfig, EndpointSpec};
+//! use ordnet_mapstate::{Direction, MapState, Verdict};
+//!
+//! // Needs root (CAP_BPF + CAP_NET_ADMIN). With `pin_dir`, maps, program and links are pinned
+//! // there and a restarted process adopts them (`Datapath::open`).
+//! let mut dp = Datapath::open(DatapathConfig::default())?;
+//! dp.set_host_addresses(&["10.0.0.254".parse::<IpAddr>().unwrap()])?;
+//! dp.set_identity("10.0.1.7/32".parse().unwrap(), 1234)?; // a remote pod
+//! let ingress = MapState::new(Direction::Ingress, Verdict::Deny);
+//! let egress = MapState::new(Direction::Egress, Verdict::Allow);
+//! let ips = ["10.0.0.5".parse().unwrap()];
+//! dp.upsert_endpoint(1, EndpointSpec { ips: &ips, identity: 99, ingress: &ingress, egress: &egress })?;
+//! dp.attach("veth1234", aya::programs::XdpMode::default())?;
 //! # Ok::<(), ordnet_datapath::DatapathError>(())
 //! ```
 
-use std::time::Duration;
+pub mod bench;
+mod control;
+mod flat;
+mod kernel;
+mod store;
+pub mod sys;
+mod tables;
+
+use std::{
+    collections::BTreeMap,
+    net::IpAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use aya::{
-    Ebpf, TestRunOptions,
-    maps::{HashMap, MapData, MapError},
-    programs::{ProgramError, TestRun as _, Xdp},
+    Ebpf, EbpfLoader, TestRunOptions,
+    maps::{Array, HashMap, MapData, MapError, MapType, lpm_trie::LpmTrie},
+    programs::{
+        ProgramError, TestRun as _, Xdp, XdpMode,
+        links::{FdLink, PinnedLink},
+        xdp::{XdpLink, XdpLinkId},
+    },
 };
+pub use control::{Control, ControlError, EndpointSpec, EndpointState, ip_key, key_ip, net_key};
+pub use flat::{
+    CellInputs, CellWords, FlatRuleSet, FlattenError, RuleSetContent, cell_words, flatten,
+    verdict_code,
+};
+pub use ipnet::IpNet;
+pub use kernel::KernelTables;
 pub use ordnet_datapath_common as common;
-use ordnet_datapath_common::{PORT_VERDICTS_MAP, PROGRAM_NAME, PortKey, Verdict};
+use ordnet_datapath_common::{
+    Decision, Verdict,
+    layout::{
+        BLOCK_WORDS, CELLS_PER_RULESET, CtEntry, CtKey, DEFAULT_CT_ENTRIES,
+        DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS,
+        DEFAULT_POLICY_ENTRIES, IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_CT, MAP_IPCACHE,
+        MAP_IPCIDR, MAP_POLICY, MAP_STATE, PROGRAM_NAME, PolicyKey, PolicyValue, State,
+    },
+};
+pub use store::{SlotInfo, Store, StoreError, WriteStats};
+pub use tables::{MemTables, Mirror, TableWriter, UserCt, Write, WriteError, monotonic_ns};
 
-/// The eBPF object (ELF) built by `build.rs` from `datapath/ebpf`.
+/// The enforcing eBPF object (ELF) built by `build.rs` from `datapath/ebpf` (bin `ordnet-xdp`).
 pub static EBPF_OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ordnet-xdp"));
 
-/// Errors of the loader.
+/// The benchmark eBPF object (bin `ordnet-xdp-bench`): floor, layout variants, Cilium reference.
+pub static BENCH_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ordnet-xdp-bench"));
+
+/// Every map of the enforcing program, by name.
+pub const MAP_NAMES: [&str; 7] = [
+    MAP_IPCACHE,
+    MAP_IPCIDR,
+    MAP_CELLS,
+    MAP_BLOCKS,
+    MAP_POLICY,
+    MAP_CT,
+    MAP_STATE,
+];
+
+/// Errors of the datapath.
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
     #[error("loading the eBPF object: {0}")]
     Object(#[from] Box<aya::EbpfError>),
     #[error("XDP program {PROGRAM_NAME}: {0}")]
     Program(#[from] ProgramError),
-    #[error("map {PORT_VERDICTS_MAP}: {0}")]
+    #[error("map: {0}")]
     Map(#[from] MapError),
     #[error("the eBPF object has no {0}")]
     Missing(&'static str),
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    #[error(transparent)]
+    Write(#[from] WriteError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("pins already exist in {0}: adopt them (Datapath::adopt/open) or remove them")]
+    AlreadyPinned(PathBuf),
+    #[error("no pinned ordnet maps in {0}")]
+    NotPinned(PathBuf),
+    #[error("pinned map {name} does not match this program: {detail}")]
+    IncompatiblePin { name: &'static str, detail: String },
+    #[error("{0} is not attached")]
+    NotAttached(String),
+    #[error("pinning needs a pin directory (DatapathConfig::pin_dir)")]
+    NoPinDir,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DatapathError + '_ {
+    move |source| DatapathError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Sizes and pinning of the datapath.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DatapathConfig {
+    /// A directory on a BPF filesystem for the pins (maps, program, links), e.g.
+    /// `/sys/fs/bpf/ordnet`; `None`: nothing is pinned and everything disappears with the
+    /// process.
+    pub pin_dir: Option<PathBuf>,
+    /// Rule set slots (distinct policies on the node, plus the ones being replaced).
+    pub max_rulesets: u32,
+    /// Refined 256-word cell blocks (port blocks in which some key boundary falls).
+    pub max_blocks: u32,
+    /// Policy hash capacity (identity keys + wildcard bookkeeping keys of all rule sets).
+    pub policy_entries: u32,
+    /// Exact ipcache capacity (addresses).
+    pub ipcache_entries: u32,
+    /// CIDR ipcache capacity (prefixes).
+    pub cidr_entries: u32,
+    /// Connection-tracking capacity (flows, LRU).
+    pub ct_entries: u32,
+    /// How long a released rule set slot or cell block keeps its contents before reuse (a
+    /// packet that read the old reference must still find them).
+    pub grace: Duration,
+}
+
+impl Default for DatapathConfig {
+    fn default() -> Self {
+        DatapathConfig {
+            pin_dir: None,
+            max_rulesets: DEFAULT_MAX_RULESETS,
+            max_blocks: DEFAULT_MAX_BLOCKS,
+            policy_entries: DEFAULT_POLICY_ENTRIES,
+            ipcache_entries: DEFAULT_IPCACHE_ENTRIES,
+            cidr_entries: DEFAULT_IPCIDR_ENTRIES,
+            ct_entries: DEFAULT_CT_ENTRIES,
+            grace: Duration::from_millis(20),
+        }
+    }
 }
 
 /// Return value of an XDP program.
@@ -81,36 +209,315 @@ pub struct TestRunOutcome {
     pub avg_duration: Duration,
 }
 
-/// The loaded XDP program and its map.
+/// Runs an XDP program on a frame `repeat` times (`BPF_PROG_TEST_RUN`).
+pub fn test_run_program(
+    program: &Xdp,
+    frame: &[u8],
+    repeat: u32,
+) -> Result<TestRunOutcome, ProgramError> {
+    let result = program.test_run(TestRunOptions {
+        data_in: Some(frame),
+        repeat,
+        ..TestRunOptions::default()
+    })?;
+    Ok(TestRunOutcome {
+        action: XdpAction::from(result.return_value),
+        avg_duration: result.duration,
+    })
+}
+
+/// Kernel memory of the maps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryReport {
+    /// `memlock` of each map (fdinfo): preallocated maps count their full capacity, hash maps
+    /// without preallocation and LPM tries what their elements use.
+    pub maps: Vec<(&'static str, u64)>,
+    pub total: u64,
+    pub endpoints: usize,
+    pub rulesets: usize,
+}
+
+/// What adopting pinned maps found and did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdoptReport {
+    pub endpoints: usize,
+    pub rulesets: usize,
+    pub links: Vec<String>,
+    /// Repair writes (zero after a clean shutdown).
+    pub repairs: WriteStats,
+}
+
+/// The loaded XDP program, its maps and the control state that programs them.
 pub struct Datapath {
     ebpf: Ebpf,
-    port_verdicts: HashMap<MapData, PortKey, u8>,
+    tables: KernelTables,
+    control: Control,
+    config: DatapathConfig,
+    links: BTreeMap<String, LinkHandle>,
+}
+
+/// An attachment: pinned (survives the process) or owned by the loaded program.
+enum LinkHandle {
+    Pinned(PinnedLink),
+    Owned(XdpLinkId),
+}
+
+fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, DatapathError>
+where
+    T: TryFrom<aya::maps::Map, Error = MapError>,
+{
+    let map = ebpf.take_map(name).ok_or(DatapathError::Missing(name))?;
+    Ok(T::try_from(map)?)
 }
 
 impl Datapath {
-    /// Creates the map and loads (verifies) the XDP program in the kernel. Needs root, or
-    /// CAP_BPF + CAP_NET_ADMIN (+ CAP_PERFMON for the verifier's full pointer checks).
-    ///
-    /// Does not raise `RLIMIT_MEMLOCK`: kernels since 5.11 account BPF memory to the memory
-    /// cgroup instead.
-    pub fn load() -> Result<Self, DatapathError> {
-        let mut ebpf = Ebpf::load(EBPF_OBJECT).map_err(Box::new)?;
+    /// Creates fresh maps (pinned if `config.pin_dir` is set; an existing pin is an error) and
+    /// loads the program.
+    pub fn create(config: DatapathConfig) -> Result<Datapath, DatapathError> {
+        if let Some(dir) = &config.pin_dir
+            && MAP_NAMES.iter().any(|m| dir.join(m).exists())
+        {
+            return Err(DatapathError::AlreadyPinned(dir.clone()));
+        }
+        let (ebpf, tables) = Self::load(&config)?;
+        let mut dp = Datapath {
+            ebpf,
+            control: Control::new(Store::new(
+                config.max_rulesets,
+                config.max_blocks,
+                config.grace,
+            )),
+            tables,
+            config,
+            links: BTreeMap::new(),
+        };
+        // Revision 1: connection-tracking entries start stamped with a real revision.
+        dp.control.set_hosts(&mut dp.tables, &[])?;
+        dp.pin_program()?;
+        Ok(dp)
+    }
+
+    /// Adopts the maps pinned in `config.pin_dir` by an earlier process: loads a new program
+    /// instance on them, swaps it into every pinned link (atomically: `bpf_link_update`),
+    /// and rebuilds the control state from the maps. Nothing is written in the normal case,
+    /// so traffic sees no change at all.
+    pub fn adopt(mut config: DatapathConfig) -> Result<(Datapath, AdoptReport), DatapathError> {
+        let dir = config.pin_dir.clone().ok_or(DatapathError::NoPinDir)?;
+        if !MAP_NAMES.iter().all(|m| dir.join(m).exists()) {
+            return Err(DatapathError::NotPinned(dir));
+        }
+        // The pinned maps keep their sizes: take them from the kernel.
+        let cells = aya::maps::MapInfo::from_pin(dir.join(MAP_CELLS))?;
+        let blocks = aya::maps::MapInfo::from_pin(dir.join(MAP_BLOCKS))?;
+        config.max_rulesets = cells.max_entries() / CELLS_PER_RULESET;
+        config.max_blocks = blocks.max_entries() / BLOCK_WORDS;
+        let (mut ebpf, mut tables) = Self::load(&config)?;
+        Self::check_pins(&ebpf, &tables)?;
+        tables.mirror = tables.read_all()?;
+        let (control, repairs) = Control::adopt(
+            &mut tables,
+            config.max_rulesets,
+            config.max_blocks,
+            config.grace,
+        )?;
+        // Swap the new program into the pinned links.
+        let mut links = BTreeMap::new();
+        let link_dir = dir.join("links");
+        if link_dir.exists() {
+            let program: &mut Xdp = ebpf
+                .program_mut(PROGRAM_NAME)
+                .ok_or(DatapathError::Missing(PROGRAM_NAME))?
+                .try_into()?;
+            for entry in std::fs::read_dir(&link_dir).map_err(io_err(&link_dir))? {
+                let entry = entry.map_err(io_err(&link_dir))?;
+                let path = entry.path();
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let pinned = PinnedLink::from_pin(&path).map_err(|e| DatapathError::Io {
+                    path: path.clone(),
+                    source: std::io::Error::other(e),
+                })?;
+                let link =
+                    XdpLink::try_from(FdLink::from(pinned)).map_err(|e| DatapathError::Io {
+                        path: path.clone(),
+                        source: std::io::Error::other(e),
+                    })?;
+                let id = program.attach_to_link(link)?;
+                // The pin keeps the link (and the new program) attached; this handle is not
+                // needed.
+                let link = program.take_link(id)?;
+                drop(FdLink::try_from(link).map_err(|e| DatapathError::Io {
+                    path: path.clone(),
+                    source: std::io::Error::other(e),
+                })?);
+                let pinned = PinnedLink::from_pin(&path).map_err(|e| DatapathError::Io {
+                    path: path.clone(),
+                    source: std::io::Error::other(e),
+                })?;
+                links.insert(name, LinkHandle::Pinned(pinned));
+            }
+        }
+        let report = AdoptReport {
+            endpoints: control.endpoints().len(),
+            rulesets: control.store().slots_in_use().len(),
+            links: links.keys().cloned().collect(),
+            repairs,
+        };
+        let mut dp = Datapath {
+            ebpf,
+            tables,
+            control,
+            config,
+            links,
+        };
+        dp.pin_program()?;
+        Ok((dp, report))
+    }
+
+    /// [`Datapath::adopt`] if `config.pin_dir` holds pinned maps, else [`Datapath::create`].
+    pub fn open(config: DatapathConfig) -> Result<Datapath, DatapathError> {
+        match &config.pin_dir {
+            Some(dir) if MAP_NAMES.iter().all(|m| dir.join(m).exists()) => {
+                Ok(Self::adopt(config)?.0)
+            }
+            _ => Self::create(config),
+        }
+    }
+
+    /// Removes every pin in `dir` (maps, program, links): the maps disappear once no program
+    /// or process uses them, and pinned links detach.
+    pub fn remove_pins(dir: &Path) -> Result<(), DatapathError> {
+        for name in MAP_NAMES.iter().copied().chain([PROGRAM_NAME]) {
+            let p = dir.join(name);
+            if p.exists() {
+                std::fs::remove_file(&p).map_err(io_err(&p))?;
+            }
+        }
+        let links = dir.join("links");
+        if links.exists() {
+            std::fs::remove_dir_all(&links).map_err(io_err(&links))?;
+        }
+        Ok(())
+    }
+
+    fn load(config: &DatapathConfig) -> Result<(Ebpf, KernelTables), DatapathError> {
+        let mut loader = EbpfLoader::new();
+        loader
+            .map_max_entries(MAP_IPCACHE, config.ipcache_entries)
+            .map_max_entries(MAP_IPCIDR, config.cidr_entries)
+            .map_max_entries(MAP_CELLS, config.max_rulesets * CELLS_PER_RULESET)
+            .map_max_entries(MAP_BLOCKS, config.max_blocks * BLOCK_WORDS)
+            .map_max_entries(MAP_POLICY, config.policy_entries)
+            .map_max_entries(MAP_CT, config.ct_entries);
+        if let Some(dir) = &config.pin_dir {
+            std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+            for name in MAP_NAMES {
+                loader.map_pin_path(name, dir.join(name));
+            }
+        }
+        let mut ebpf = loader.load(EBPF_OBJECT).map_err(Box::new)?;
         let program: &mut Xdp = ebpf
             .program_mut(PROGRAM_NAME)
             .ok_or(DatapathError::Missing(PROGRAM_NAME))?
             .try_into()?;
         program.load()?;
-        let map = ebpf
-            .take_map(PORT_VERDICTS_MAP)
-            .ok_or(DatapathError::Missing(PORT_VERDICTS_MAP))?;
-        let port_verdicts = HashMap::try_from(map)?;
-        Ok(Self {
-            ebpf,
-            port_verdicts,
-        })
+        let cells: Array<MapData, u32> = take(&mut ebpf, MAP_CELLS)?;
+        let blocks: Array<MapData, u32> = take(&mut ebpf, MAP_BLOCKS)?;
+        let mirror = MemTables::new(cells.len(), blocks.len());
+        let tables = KernelTables {
+            ipcache: take(&mut ebpf, MAP_IPCACHE)?,
+            cidr: take::<LpmTrie<MapData, IpKey, IpInfo>>(&mut ebpf, MAP_IPCIDR)?,
+            cells,
+            blocks,
+            policy: take::<HashMap<MapData, PolicyKey, PolicyValue>>(&mut ebpf, MAP_POLICY)?,
+            ct: take::<HashMap<MapData, CtKey, CtEntry>>(&mut ebpf, MAP_CT)?,
+            state: take::<Array<MapData, State>>(&mut ebpf, MAP_STATE)?,
+            mirror,
+        };
+        Ok((ebpf, tables))
     }
 
-    /// The loaded XDP program (e.g. to attach it to an interface).
+    /// Pinned maps are opened by path without any check: make sure they are ours.
+    fn check_pins(_ebpf: &Ebpf, t: &KernelTables) -> Result<(), DatapathError> {
+        use aya::maps::IterableMap as _;
+        let checks: [(&'static str, &MapData, MapType, usize, usize); 7] = [
+            (
+                MAP_IPCACHE,
+                t.ipcache.map(),
+                MapType::Hash,
+                size_of::<IpKey>(),
+                size_of::<IpInfo>(),
+            ),
+            (
+                MAP_IPCIDR,
+                t.cidr.map(),
+                MapType::LpmTrie,
+                4 + size_of::<IpKey>(),
+                size_of::<IpInfo>(),
+            ),
+            (MAP_CELLS, t.cells.map(), MapType::Array, 4, 4),
+            (MAP_BLOCKS, t.blocks.map(), MapType::Array, 4, 4),
+            (
+                MAP_POLICY,
+                t.policy.map(),
+                MapType::Hash,
+                size_of::<PolicyKey>(),
+                size_of::<PolicyValue>(),
+            ),
+            (
+                MAP_CT,
+                t.ct.map(),
+                MapType::LruHash,
+                size_of::<CtKey>(),
+                size_of::<CtEntry>(),
+            ),
+            (
+                MAP_STATE,
+                t.state.map(),
+                MapType::Array,
+                4,
+                size_of::<State>(),
+            ),
+        ];
+        for (name, map, ty, key, value) in checks {
+            let info = map.info()?;
+            let actual = (
+                info.map_type()?,
+                info.key_size() as usize,
+                info.value_size() as usize,
+            );
+            if actual != (ty, key, value) {
+                return Err(DatapathError::IncompatiblePin {
+                    name,
+                    detail: format!("type/key/value {actual:?}, expected {:?}", (ty, key, value)),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn pin_program(&mut self) -> Result<(), DatapathError> {
+        let Some(dir) = self.config.pin_dir.clone() else {
+            return Ok(());
+        };
+        let path = dir.join(PROGRAM_NAME);
+        if path.exists() {
+            std::fs::remove_file(&path).map_err(io_err(&path))?;
+        }
+        self.program_mut()?
+            .pin(&path)
+            .map_err(|e| DatapathError::Io {
+                path: path.clone(),
+                source: std::io::Error::other(e),
+            })?;
+        Ok(())
+    }
+
+    /// The effective configuration (after adoption: the pinned maps' sizes).
+    pub fn config(&self) -> &DatapathConfig {
+        &self.config
+    }
+
+    /// The loaded XDP program.
     pub fn program(&self) -> Result<&Xdp, DatapathError> {
         Ok(self
             .ebpf
@@ -119,8 +526,7 @@ impl Datapath {
             .try_into()?)
     }
 
-    /// Mutable access to the loaded XDP program (attach/detach).
-    pub fn program_mut(&mut self) -> Result<&mut Xdp, DatapathError> {
+    fn program_mut(&mut self) -> Result<&mut Xdp, DatapathError> {
         Ok(self
             .ebpf
             .program_mut(PROGRAM_NAME)
@@ -128,86 +534,266 @@ impl Datapath {
             .try_into()?)
     }
 
-    /// The `PORT_VERDICTS` map.
-    pub fn port_verdicts(&self) -> &HashMap<MapData, PortKey, u8> {
-        &self.port_verdicts
-    }
-
-    /// Sets the action (`ACTION_ALLOW` / `ACTION_DENY`) for a key.
-    pub fn set_port_verdict(&mut self, key: PortKey, action: u8) -> Result<(), DatapathError> {
-        Ok(self.port_verdicts.insert(key, action, 0)?)
-    }
-
-    /// Removes the entry for `key`; returns whether there was one.
-    pub fn remove_port_verdict(&mut self, key: &PortKey) -> Result<bool, DatapathError> {
-        match self.port_verdicts.remove(key) {
-            Ok(()) => Ok(true),
-            Err(MapError::KeyNotFound) => Ok(false),
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    /// The action stored for `key`, if any.
-    pub fn port_verdict(&self, key: &PortKey) -> Result<Option<u8>, DatapathError> {
-        match self.port_verdicts.get(key, 0) {
-            Ok(v) => Ok(Some(v)),
-            Err(MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    /// Removes every entry.
-    pub fn clear_port_verdicts(&mut self) -> Result<(), DatapathError> {
-        let keys = self
-            .port_verdicts
-            .keys()
-            .collect::<Result<Vec<PortKey>, MapError>>()?;
-        for key in keys {
-            self.remove_port_verdict(&key)?;
+    /// Attaches the program to an interface (a pod's host-side veth, or the node's uplink).
+    /// With a pin directory the link is pinned (`<pin_dir>/links/<iface>`) and survives this
+    /// process; without one it is detached when the `Datapath` is dropped.
+    pub fn attach(&mut self, iface: &str, mode: XdpMode) -> Result<(), DatapathError> {
+        let pin_dir = self.config.pin_dir.clone();
+        let program = self.program_mut()?;
+        let id = program.attach(iface, mode)?;
+        match pin_dir {
+            Some(dir) => {
+                let link = program.take_link(id)?;
+                let fd = FdLink::try_from(link).map_err(|e| DatapathError::Io {
+                    path: dir.clone(),
+                    source: std::io::Error::other(e),
+                })?;
+                let links = dir.join("links");
+                std::fs::create_dir_all(&links).map_err(io_err(&links))?;
+                let path = links.join(iface);
+                let pinned = fd.pin(&path).map_err(|e| DatapathError::Io {
+                    path: path.clone(),
+                    source: std::io::Error::other(e),
+                })?;
+                self.links
+                    .insert(iface.to_string(), LinkHandle::Pinned(pinned));
+            }
+            None => {
+                self.links.insert(iface.to_string(), LinkHandle::Owned(id));
+            }
         }
         Ok(())
     }
 
-    /// Runs the program once on `frame` (which must be at least 14 bytes: the kernel rejects
-    /// shorter XDP test input with `EINVAL`).
+    /// Detaches the program from an interface (and removes the link's pin).
+    pub fn detach(&mut self, iface: &str) -> Result<(), DatapathError> {
+        match self.links.remove(iface) {
+            Some(LinkHandle::Pinned(pinned)) => {
+                let link = pinned.unpin().map_err(|source| DatapathError::Io {
+                    path: PathBuf::from(iface),
+                    source,
+                })?;
+                drop(link);
+                Ok(())
+            }
+            Some(LinkHandle::Owned(id)) => Ok(self.program_mut()?.detach(id)?),
+            None => Err(DatapathError::NotAttached(iface.to_string())),
+        }
+    }
+
+    /// Interfaces the program is attached to (by this process or adopted from pins).
+    pub fn attached(&self) -> impl Iterator<Item = &str> {
+        self.links.keys().map(String::as_str)
+    }
+
+    // ---------------------------------------------------------------- control plane
+
+    /// Sets this node's own addresses: traffic between them and local endpoints is never
+    /// filtered.
+    pub fn set_host_addresses(&mut self, ips: &[IpAddr]) -> Result<WriteStats, DatapathError> {
+        Ok(self.control.set_hosts(&mut self.tables, ips)?)
+    }
+
+    /// This node's addresses.
+    pub fn host_addresses(&self) -> Vec<IpAddr> {
+        self.control.hosts().collect()
+    }
+
+    /// Sets the identity of a network: a single address (remote pod, node) or a CIDR.
+    pub fn set_identity(&mut self, net: IpNet, identity: u32) -> Result<WriteStats, DatapathError> {
+        self.set_identities(&[(net, Some(identity))])
+    }
+
+    /// Removes the identity of a network.
+    pub fn remove_identity(&mut self, net: IpNet) -> Result<WriteStats, DatapathError> {
+        self.set_identities(&[(net, None)])
+    }
+
+    /// Sets (`Some`) or removes (`None`) identities of networks, in one batch.
+    pub fn set_identities(
+        &mut self,
+        entries: &[(IpNet, Option<u32>)],
+    ) -> Result<WriteStats, DatapathError> {
+        Ok(self.control.set_identities(&mut self.tables, entries)?)
+    }
+
+    /// Creates or changes one local endpoint: addresses, identity and both MapStates.
+    pub fn upsert_endpoint(
+        &mut self,
+        id: u32,
+        spec: EndpointSpec<'_>,
+    ) -> Result<WriteStats, DatapathError> {
+        self.update_endpoints(&[(id, spec)])
+    }
+
+    /// Creates or changes several endpoints in one operation. Endpoints with identical
+    /// MapStates share one rule set; when every user of a rule set moves to the same new
+    /// MapState in one batch, only the changed keys are written (in place, in the safe order).
+    pub fn update_endpoints(
+        &mut self,
+        batch: &[(u32, EndpointSpec<'_>)],
+    ) -> Result<WriteStats, DatapathError> {
+        Ok(self.control.update_endpoints(&mut self.tables, batch)?)
+    }
+
+    /// Removes an endpoint.
+    pub fn remove_endpoint(&mut self, id: u32) -> Result<WriteStats, DatapathError> {
+        Ok(self.control.remove_endpoints(&mut self.tables, &[id])?)
+    }
+
+    /// The endpoints, by id.
+    pub fn endpoints(&self) -> &BTreeMap<u32, EndpointState> {
+        self.control.endpoints()
+    }
+
+    /// The rule sets in use.
+    pub fn rulesets(&self) -> Vec<SlotInfo> {
+        self.control.store().slots_in_use()
+    }
+
+    /// The keys of a rule set slot.
+    pub fn ruleset_content(&self, slot: u32) -> Option<&RuleSetContent> {
+        self.control.store().content(slot)
+    }
+
+    /// Clears released rule sets whose grace period is over (also done by every update).
+    pub fn reclaim(&mut self) -> Result<WriteStats, DatapathError> {
+        Ok(self.control.reclaim(&mut self.tables)?)
+    }
+
+    /// The global policy revision.
+    pub fn revision(&self) -> u64 {
+        self.control.revision()
+    }
+
+    // ---------------------------------------------------------------- verdicts
+
+    /// Runs the program once on `frame` (at least 14 bytes: the kernel rejects shorter XDP
+    /// test input with `EINVAL`).
     pub fn test_run(&self, frame: &[u8]) -> Result<TestRunOutcome, DatapathError> {
         self.test_run_repeat(frame, 1)
     }
 
     /// Runs the program `repeat` times on `frame`; `avg_duration` is the kernel's per-run
-    /// average, i.e. the cost of the program per packet plus the test harness' per-run reset.
+    /// average (program + test harness reset).
     pub fn test_run_repeat(
         &self,
         frame: &[u8],
         repeat: u32,
     ) -> Result<TestRunOutcome, DatapathError> {
-        let result = self.program()?.test_run(TestRunOptions {
-            data_in: Some(frame),
-            repeat,
-            ..TestRunOptions::default()
-        })?;
-        Ok(TestRunOutcome {
-            action: XdpAction::from(result.return_value),
-            avg_duration: result.duration,
-        })
+        Ok(test_run_program(self.program()?, frame, repeat)?)
     }
 
-    /// The verdict userspace computes for `frame` with the shared parser and verdict function
-    /// (`ordnet_datapath_common::{parse, verdict}`) against the live map: the same code and
-    /// the same data the kernel program uses.
-    pub fn userspace_verdict(&self, frame: &[u8]) -> Result<Verdict, DatapathError> {
-        let parsed = common::parse(frame);
-        let mut lookup_error = None;
-        let verdict = common::verdict(&parsed, |key| match self.port_verdict(key) {
-            Ok(v) => v,
-            Err(e) => {
-                lookup_error = Some(e);
-                None
-            }
-        });
-        match lookup_error {
-            Some(e) => Err(e),
-            None => Ok(verdict),
+    /// An exact copy of what the maps hold (connection tracking excepted).
+    pub fn tables(&self) -> &MemTables {
+        self.tables.tables()
+    }
+
+    /// The kernel's decision function run in userspace over the copy of the maps, for a
+    /// packet of a flow that is not tracked (connection-tracking writes are discarded).
+    pub fn userspace_decide(&self, frame: &[u8]) -> Decision {
+        let ct = UserCt::default();
+        self.userspace_decide_with(frame, &ct)
+    }
+
+    /// The same with a caller-owned connection-tracking table (to follow a packet sequence).
+    pub fn userspace_decide_with(&self, frame: &[u8], ct: &UserCt) -> Decision {
+        ordnet_datapath_common::decide(
+            &ordnet_datapath_common::parse(frame),
+            &self.tables().with_ct(ct),
+        )
+    }
+
+    /// Compares the kernel maps with the userspace copy; returns the differences.
+    pub fn verify(&self) -> Result<Vec<String>, DatapathError> {
+        let kernel = self.tables.read_all()?;
+        let mine = self.tables();
+        let mut diffs = Vec::new();
+        if kernel.ipcache != mine.ipcache {
+            diffs.push(format!(
+                "ipcache: kernel {} entries, userspace {}",
+                kernel.ipcache.len(),
+                mine.ipcache.len()
+            ));
         }
+        if kernel.cidr != mine.cidr {
+            diffs.push("cidr differs".into());
+        }
+        if kernel.cells != mine.cells {
+            let n = kernel
+                .cells
+                .iter()
+                .zip(&mine.cells)
+                .filter(|(a, b)| a != b)
+                .count();
+            diffs.push(format!("cells: {n} words differ"));
+        }
+        // Blocks that no cell references may hold anything.
+        let referenced: Vec<u32> = mine
+            .cells
+            .iter()
+            .filter(|w| *w & ordnet_datapath_common::layout::CELL_REFINED != 0)
+            .map(|w| w & !ordnet_datapath_common::layout::CELL_REFINED)
+            .collect();
+        for b in referenced {
+            let r = (b * BLOCK_WORDS) as usize..((b + 1) * BLOCK_WORDS) as usize;
+            if kernel.blocks[r.clone()] != mine.blocks[r] {
+                diffs.push(format!("block {b} differs"));
+            }
+        }
+        if kernel.policy != mine.policy {
+            diffs.push(format!(
+                "policy: kernel {} keys, userspace {}",
+                kernel.policy.len(),
+                mine.policy.len()
+            ));
+        }
+        if kernel.revision != mine.revision {
+            diffs.push(format!(
+                "revision: kernel {}, userspace {}",
+                kernel.revision, mine.revision
+            ));
+        }
+        Ok(diffs)
+    }
+
+    /// Every connection-tracking entry.
+    pub fn ct_entries(&self) -> Result<Vec<(CtKey, CtEntry)>, DatapathError> {
+        Ok(self.tables.ct_entries()?)
+    }
+
+    /// Forgets every tracked flow.
+    pub fn ct_clear(&mut self) -> Result<(), DatapathError> {
+        Ok(self.tables.ct_clear()?)
+    }
+
+    /// Kernel memory of every map.
+    pub fn memory(&self) -> Result<MemoryReport, DatapathError> {
+        use aya::maps::IterableMap as _;
+        use std::os::fd::AsFd as _;
+        let t = &self.tables;
+        let fds: [(&'static str, &MapData); 7] = [
+            (MAP_IPCACHE, t.ipcache.map()),
+            (MAP_IPCIDR, t.cidr.map()),
+            (MAP_CELLS, t.cells.map()),
+            (MAP_BLOCKS, t.blocks.map()),
+            (MAP_POLICY, t.policy.map()),
+            (MAP_CT, t.ct.map()),
+            (MAP_STATE, t.state.map()),
+        ];
+        let mut maps = Vec::new();
+        for (name, map) in fds {
+            let bytes = sys::map_memlock(map.fd().as_fd()).map_err(|source| DatapathError::Io {
+                path: PathBuf::from(name),
+                source,
+            })?;
+            maps.push((name, bytes));
+        }
+        Ok(MemoryReport {
+            total: maps.iter().map(|(_, b)| b).sum(),
+            maps,
+            endpoints: self.endpoints().len(),
+            rulesets: self.rulesets().len(),
+        })
     }
 }

@@ -28,6 +28,8 @@ pub const V6_DST: [u8; 16] = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]
 pub enum L4 {
     /// A 20-byte TCP SYN.
     Tcp { sport: u16, dport: u16 },
+    /// A 20-byte TCP header with the given flags (`TCP_SYN | TCP_ACK`, ...).
+    TcpFlags { sport: u16, dport: u16, flags: u8 },
     /// A UDP header followed by 4 payload bytes.
     Udp { sport: u16, dport: u16 },
     /// An SCTP common header followed by a minimal INIT chunk.
@@ -42,7 +44,7 @@ impl L4 {
     /// The protocol number for the IP header (ICMP vs ICMPv6 depends on `ipv6`).
     pub fn protocol(self, ipv6: bool) -> u8 {
         match self {
-            Self::Tcp { .. } => IPPROTO_TCP,
+            Self::Tcp { .. } | Self::TcpFlags { .. } => IPPROTO_TCP,
             Self::Udp { .. } => IPPROTO_UDP,
             Self::Sctp { .. } => IPPROTO_SCTP,
             Self::Echo if ipv6 => IPPROTO_ICMPV6,
@@ -55,6 +57,15 @@ impl L4 {
     pub fn bytes(self, ipv6: bool) -> Vec<u8> {
         match self {
             Self::Tcp { sport, dport } => tcp(sport, dport),
+            Self::TcpFlags {
+                sport,
+                dport,
+                flags,
+            } => {
+                let mut h = tcp(sport, dport);
+                h[13] = flags;
+                h
+            }
             Self::Udp { sport, dport } => udp(sport, dport, &[1, 2, 3, 4]),
             Self::Sctp { sport, dport } => sctp(sport, dport),
             Self::Echo => {
@@ -245,14 +256,35 @@ pub fn sctp(sport: u16, dport: u16) -> Vec<u8> {
 
 /// Ethernet + IPv4 (10.0.0.1 -> 10.0.0.2) + `l4`, untagged.
 pub fn ipv4_frame(l4: L4) -> Vec<u8> {
-    let ip = Ipv4::new(V4_SRC, V4_DST, l4.protocol(false)).build(&l4.bytes(false));
-    ethernet(&[], ETH_P_IP, &ip)
+    ipv4_frame_between(V4_SRC, V4_DST, l4)
 }
 
 /// Ethernet + IPv6 (fd00::1 -> fd00::2) + `l4`, untagged.
 pub fn ipv6_frame(l4: L4) -> Vec<u8> {
-    let ip = ipv6(V6_SRC, V6_DST, l4.protocol(true), &l4.bytes(true));
+    ipv6_frame_between(V6_SRC, V6_DST, l4)
+}
+
+/// Ethernet + IPv4 from `src` to `dst` + `l4`, untagged.
+pub fn ipv4_frame_between(src: [u8; 4], dst: [u8; 4], l4: L4) -> Vec<u8> {
+    let ip = Ipv4::new(src, dst, l4.protocol(false)).build(&l4.bytes(false));
+    ethernet(&[], ETH_P_IP, &ip)
+}
+
+/// Ethernet + IPv6 from `src` to `dst` + `l4`, untagged.
+pub fn ipv6_frame_between(src: [u8; 16], dst: [u8; 16], l4: L4) -> Vec<u8> {
+    let ip = ipv6(src, dst, l4.protocol(true), &l4.bytes(true));
     ethernet(&[], ETH_P_IPV6, &ip)
+}
+
+/// An IPv4 or IPv6 frame between two addresses of the same family (`None` if the families
+/// differ).
+pub fn frame_between(src: std::net::IpAddr, dst: std::net::IpAddr, l4: L4) -> Option<Vec<u8>> {
+    use std::net::IpAddr;
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => Some(ipv4_frame_between(s.octets(), d.octets(), l4)),
+        (IpAddr::V6(s), IpAddr::V6(d)) => Some(ipv6_frame_between(s.octets(), d.octets(), l4)),
+        _ => None,
+    }
 }
 
 /// Ethernet + IPv6 whose payload is `ext_headers` (each a complete extension header whose

@@ -105,6 +105,9 @@ pub struct IpPacket {
     pub sport: u16,
     /// Destination port (host byte order); 0 when `protocol` has no ports or for a later fragment.
     pub dport: u16,
+    /// TCP flags (byte 13 of the TCP header: FIN 0x01, SYN 0x02, RST 0x04, ACK 0x10, ...);
+    /// 0 for other protocols and later fragments.
+    pub tcp_flags: u8,
     /// Fragmentation state.
     pub fragment: Fragment,
 }
@@ -242,8 +245,8 @@ fn parse_ipv4<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, Parse
     let src = ipv4_in_16([h[12], h[13], h[14], h[15]]);
     let dst = ipv4_in_16([h[16], h[17], h[18], h[19]]);
     let protocol = h[9];
-    let (sport, dport) = if fragment == Fragment::Subsequent {
-        (0, 0)
+    let (sport, dport, tcp_flags) = if fragment == Fragment::Subsequent {
+        (0, 0, 0)
     } else {
         parse_l4(frame, protocol, l3 + ihl, ip_end, fragment)?
     };
@@ -254,6 +257,7 @@ fn parse_ipv4<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, Parse
         protocol,
         sport,
         dport,
+        tcp_flags,
         fragment,
     })
 }
@@ -331,6 +335,7 @@ fn parse_ipv6<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, Parse
                     protocol: ext[0],
                     sport: 0,
                     dport: 0,
+                    tcp_flags: 0,
                     fragment: Fragment::Subsequent,
                 });
             }
@@ -344,7 +349,7 @@ fn parse_ipv6<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, Parse
     if is_ipv6_ext_header(next_header) {
         return Err(ParseError::TooManyExtensionHeaders);
     }
-    let (sport, dport) = parse_l4(frame, next_header, off, ip_end, fragment)?;
+    let (sport, dport, tcp_flags) = parse_l4(frame, next_header, off, ip_end, fragment)?;
     Ok(IpPacket {
         ip_version: 6,
         src,
@@ -352,11 +357,13 @@ fn parse_ipv6<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, Parse
         protocol: next_header,
         sport,
         dport,
+        tcp_flags,
         fragment,
     })
 }
 
-/// Reads the ports of TCP, UDP and SCTP; other protocols have none (0, 0).
+/// Reads the ports of TCP, UDP and SCTP (and the TCP flags); other protocols have none
+/// (0, 0, 0).
 ///
 /// `l4` is the offset of the upper-layer header, `ip_end` the end of the IP packet according to
 /// its length field (already known to be inside the frame).
@@ -367,13 +374,13 @@ fn parse_l4<F: Frame + ?Sized>(
     l4: usize,
     ip_end: usize,
     fragment: Fragment,
-) -> Result<(u16, u16), ParseError> {
+) -> Result<(u16, u16, u8), ParseError> {
     let fixed_len = match protocol {
         IPPROTO_TCP => 20,
         IPPROTO_UDP => 8,
         // Common header: ports, verification tag, checksum.
         IPPROTO_SCTP => 12,
-        _ => return Ok((0, 0)),
+        _ => return Ok((0, 0, 0)),
     };
     if l4 + fixed_len > ip_end {
         return Err(ParseError::TruncatedL4Header);
@@ -389,6 +396,7 @@ fn parse_l4<F: Frame + ?Sized>(
     let dport = be16(p[2], p[3]);
     // Lengths can only be checked against the IP payload when the datagram is not fragmented.
     let whole = fragment == Fragment::No;
+    let mut tcp_flags = 0;
     match protocol {
         IPPROTO_TCP => {
             // Data offset and flags (2 bytes: see `Frame::load` on why no 1-byte loads).
@@ -402,6 +410,7 @@ fn parse_l4<F: Frame + ?Sized>(
             if whole && l4 + header_len > ip_end {
                 return Err(ParseError::TruncatedL4Header);
             }
+            tcp_flags = doff[1];
         }
         IPPROTO_UDP if whole => {
             let udp_len = usize::from(be16(p[4], p[5]));
@@ -411,5 +420,5 @@ fn parse_l4<F: Frame + ?Sized>(
         }
         _ => {}
     }
-    Ok((sport, dport))
+    Ok((sport, dport, tcp_flags))
 }

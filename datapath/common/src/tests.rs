@@ -1,15 +1,24 @@
 //! Host unit tests of the shared parser and verdict function.
 
-use std::{cell::Cell, vec, vec::Vec};
+use std::{
+    cell::{Cell, RefCell},
+    collections::HashMap,
+    vec,
+    vec::Vec,
+};
 
 use quickcheck::{QuickCheck, TestResult};
 
 use crate::{
-    ACTION_ALLOW, ACTION_DENY, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6,
-    Fragment, IPPROTO_AH, IPPROTO_DSTOPTS, IPPROTO_ESP, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS,
-    IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_NONE, IPPROTO_ROUTING, IPPROTO_SCTP, IPPROTO_TCP,
-    IPPROTO_UDP, IpPacket, MAX_HEADER_BYTES, ParseError, Parsed, PortKey, Verdict, craft,
-    craft::L4, ipv4_in_16, parse, verdict,
+    DatapathMaps, Decision, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6, Fragment,
+    IPPROTO_AH, IPPROTO_DSTOPTS, IPPROTO_ESP, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS, IPPROTO_ICMP,
+    IPPROTO_ICMPV6, IPPROTO_NONE, IPPROTO_ROUTING, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
+    IpPacket, MAX_HEADER_BYTES, ParseError, Parsed, Reason, TCP_ACK, TCP_SYN, Verdict, craft,
+    craft::L4,
+    decide, ipv4_in_16,
+    layout::*,
+    lookup::{Match, PolicyMaps},
+    parse,
 };
 
 fn p(frame: &[u8]) -> Result<Parsed, ParseError> {
@@ -64,6 +73,7 @@ fn hand_written_frame_and_checksum() {
             protocol: IPPROTO_TCP,
             sport: 41102,
             dport: 443,
+            tcp_flags: 0x02,
             fragment: Fragment::No,
         }))
     );
@@ -477,64 +487,329 @@ fn ipv6_extension_header_errors() {
     assert_eq!(ip(&inside).dport, 80);
 }
 
-#[test]
-fn verdict_policy() {
-    let calls = Cell::new(0);
-    let lookup = |table: &'static [(PortKey, u8)]| {
-        let calls = &calls;
-        move |k: &PortKey| {
-            calls.set(calls.get() + 1);
-            table.iter().find(|(key, _)| key == k).map(|(_, v)| *v)
-        }
+/// In-memory maps for `decide`, counting every read.
+#[derive(Default)]
+struct Mock {
+    revision: u64,
+    ipcache: HashMap<IpKey, IpInfo>,
+    /// (key, address prefix length) -> info, searched linearly (longest wins).
+    cidr: Vec<(IpKey, u32, IpInfo)>,
+    cells: Vec<u32>,
+    blocks: Vec<u32>,
+    policy: HashMap<PolicyKey, PolicyValue>,
+    ct: RefCell<HashMap<CtKey, CtEntry>>,
+    now: Cell<u64>,
+    reads: Cell<usize>,
+}
+
+impl Mock {
+    fn read(&self) {
+        self.reads.set(self.reads.get() + 1);
+    }
+}
+
+impl PolicyMaps for Mock {
+    fn cell(&self, index: u32) -> Option<u32> {
+        self.read();
+        self.cells.get(index as usize).copied()
+    }
+    fn block_word(&self, index: u32) -> Option<u32> {
+        self.read();
+        self.blocks.get(index as usize).copied()
+    }
+    fn policy(&self, key: &PolicyKey) -> Option<PolicyValue> {
+        self.read();
+        self.policy.get(key).copied()
+    }
+}
+
+impl DatapathMaps for Mock {
+    fn revision(&self) -> u64 {
+        self.revision
+    }
+    fn ipcache(&self, key: &IpKey) -> Option<IpInfo> {
+        self.read();
+        self.ipcache.get(key).copied()
+    }
+    fn ipcidr(&self, key: &IpKey) -> Option<IpInfo> {
+        self.read();
+        let bits = |a: &[u8; 16]| u128::from_be_bytes(*a);
+        self.cidr
+            .iter()
+            .filter(|(k, len, _)| {
+                let mask = if *len == 0 {
+                    0
+                } else {
+                    u128::MAX << (128 - len)
+                };
+                k.family == key.family && bits(&k.addr) & mask == bits(&key.addr) & mask
+            })
+            .max_by_key(|(_, len, _)| *len)
+            .map(|(_, _, info)| *info)
+    }
+    fn ct_lookup(&self, key: &CtKey) -> Option<CtEntry> {
+        self.ct.borrow().get(key).copied()
+    }
+    fn ct_store(&self, key: &CtKey, entry: &CtEntry) {
+        self.ct.borrow_mut().insert(*key, *entry);
+    }
+    fn ct_delete(&self, key: &CtKey) {
+        self.ct.borrow_mut().remove(key);
+    }
+    fn now_ns(&self) -> u64 {
+        self.now.get()
+    }
+}
+
+const A: [u8; 4] = [10, 0, 0, 1];
+const B: [u8; 4] = [10, 0, 0, 2];
+const REMOTE: [u8; 4] = [10, 9, 0, 7];
+const WORLD: [u8; 4] = [192, 0, 2, 1];
+const NODE: [u8; 4] = [10, 0, 0, 254];
+
+fn key4(a: [u8; 4]) -> IpKey {
+    IpKey::new(FAMILY_V4, ipv4_in_16(a))
+}
+
+fn endpoint(id: u32, identity: u32, ingress: PolicyRef, egress: PolicyRef) -> IpInfo {
+    IpInfo {
+        identity,
+        flags: IP_FLAG_ENDPOINT,
+        endpoint: id,
+        ingress,
+        egress,
+    }
+}
+
+fn tcp(sport: u16, dport: u16, flags: u8) -> L4 {
+    L4::TcpFlags {
+        sport,
+        dport,
+        flags,
+    }
+}
+
+/// Rule set 1: identity 7 may reach TCP/80 (allow, /24), identity 8 is denied TCP/* (/8),
+/// `*` is denied TCP/22 and allowed UDP/*. Rule set 0 is empty.
+fn mock() -> Mock {
+    let mut m = Mock {
+        revision: 1,
+        ..Mock::default()
     };
-    static DENY_TCP80: [(PortKey, u8); 2] = [
-        (PortKey::new(4, IPPROTO_TCP, 80), ACTION_DENY),
-        (PortKey::new(6, IPPROTO_TCP, 443), ACTION_ALLOW),
-    ];
-    let v4 = craft::ipv4_frame(TCP80);
-    assert_eq!(verdict(&p(&v4), lookup(&DENY_TCP80)), Verdict::Drop);
-    assert_eq!(verdict(&p(&v4), lookup(&[])), Verdict::Pass);
-    // Same port over IPv6 or UDP is a different key.
-    assert_eq!(
-        verdict(&p(&craft::ipv6_frame(TCP80)), lookup(&DENY_TCP80)),
-        Verdict::Pass
+    m.cells = vec![0; 2 * CELLS_PER_RULESET as usize];
+    m.blocks = vec![0; 256];
+    let rs = CELLS_PER_RULESET as usize;
+    // TCP: every high byte has identity 8's /8 key; high byte 0 is refined for 22 and 80.
+    for hi in 0..256 {
+        m.cells[rs + hi] = cell_word(1 << 8, WILD_NONE);
+    }
+    m.cells[rs] = CELL_REFINED; // block 0
+    for lo in 0..256 {
+        m.blocks[lo] = cell_word(1 << 8, WILD_NONE);
+    }
+    m.blocks[22] = cell_word(1 << 8, WILD_DENY);
+    m.blocks[80] = cell_word((1 << 8) | (1 << 24), WILD_NONE);
+    // UDP: wildcard allow everywhere.
+    for hi in 0..256 {
+        m.cells[rs + 256 + hi] = cell_word(0, WILD_ALLOW);
+    }
+    let pk = |identity, prefix| PolicyKey {
+        ruleset: 1,
+        identity,
+        prefix,
+    };
+    m.policy
+        .insert(pk(7, prefix_bits(6, 80, 24)), PolicyValue::new(V_ALLOW));
+    m.policy
+        .insert(pk(8, prefix_bits(6, 0, 8)), PolicyValue::new(V_DENY));
+    // A: ingress isolated by rule set 1 (default deny), egress unrestricted.
+    // B: ingress unrestricted, egress rule set 1 with default allow.
+    m.ipcache.insert(
+        key4(A),
+        endpoint(1, 7, PolicyRef::new(1, V_DENY), PolicyRef::new(0, V_ALLOW)),
     );
-    let udp80 = craft::ipv4_frame(L4::Udp {
-        sport: 1,
-        dport: 80,
-    });
-    assert_eq!(verdict(&p(&udp80), lookup(&DENY_TCP80)), Verdict::Pass);
-    let v6_443 = craft::ipv6_frame(L4::Tcp {
-        sport: 1,
-        dport: 443,
-    });
-    assert_eq!(verdict(&p(&v6_443), lookup(&DENY_TCP80)), Verdict::Pass);
-    static UNKNOWN_VALUE: [(PortKey, u8); 1] = [(PortKey::new(4, IPPROTO_TCP, 80), 7)];
-    assert_eq!(verdict(&p(&v4), lookup(&UNKNOWN_VALUE)), Verdict::Drop);
-    assert_eq!(calls.get(), 6);
-    // No lookup for errors, non-IP frames and later fragments.
-    static DENY_ALL_ICMP_AND_FRAGMENTS: [(PortKey, u8); 2] = [
-        (PortKey::new(4, IPPROTO_TCP, 0), ACTION_DENY),
-        (PortKey::new(4, IPPROTO_ICMP, 0), ACTION_DENY),
-    ];
-    calls.set(0);
+    m.ipcache.insert(
+        key4(B),
+        endpoint(2, 8, PolicyRef::new(0, V_ALLOW), PolicyRef::new(1, V_ALLOW)),
+    );
+    m.ipcache.insert(
+        key4(REMOTE),
+        IpInfo {
+            identity: 7,
+            ..IpInfo::default()
+        },
+    );
+    m.ipcache.insert(
+        key4(NODE),
+        IpInfo {
+            flags: IP_FLAG_HOST,
+            ..IpInfo::default()
+        },
+    );
+    m.cidr.push((
+        key4([192, 0, 2, 0]),
+        24,
+        IpInfo {
+            identity: 8,
+            ..IpInfo::default()
+        },
+    ));
+    m
+}
+
+fn run(m: &Mock, src: [u8; 4], dst: [u8; 4], l4: L4) -> Decision {
+    decide(&parse(&craft::ipv4_frame_between(src, dst, l4)[..]), m)
+}
+
+#[test]
+fn decide_without_lookups() {
+    let m = mock();
     assert_eq!(
-        verdict(&Err(ParseError::TruncatedEthernet), lookup(&[])),
+        decide(&Err(ParseError::TruncatedEthernet), &m).verdict,
         Verdict::Drop
     );
     let arp = craft::ethernet(&[], ETH_P_ARP, &[0; 28]);
-    assert_eq!(verdict(&p(&arp), lookup(&[])), Verdict::Pass);
-    let mut later = v4.clone();
+    assert_eq!(decide(&p(&arp), &m).reason, Reason::NotIp);
+    let mut later = craft::ipv4_frame_between(REMOTE, A, L4::Udp { sport: 1, dport: 9 });
     craft::set_ipv4_fragment(&mut later, 14, false, 3);
+    assert_eq!(decide(&p(&later), &m).reason, Reason::LaterFragment);
+    assert_eq!(m.reads.get(), 0, "no map read for these");
+    // Neither side local: two ipcache reads, nothing else.
     assert_eq!(
-        verdict(&p(&later), lookup(&DENY_ALL_ICMP_AND_FRAGMENTS)),
-        Verdict::Pass
+        run(&m, REMOTE, WORLD, tcp(1, 22, TCP_SYN)).reason,
+        Reason::NotLocal
     );
-    assert_eq!(calls.get(), 0);
-    let icmp = craft::ipv4_frame(L4::Echo);
+    assert_eq!(m.reads.get(), 2);
+    assert!(m.ct.borrow().is_empty());
+}
+
+#[test]
+fn decide_exemptions() {
+    let m = mock();
+    // A is ingress-isolated, but its node and itself may always talk to it.
+    assert_eq!(run(&m, NODE, A, tcp(1, 9, TCP_SYN)).reason, Reason::Host);
+    assert_eq!(run(&m, A, NODE, tcp(9, 1, TCP_SYN)).reason, Reason::Host);
     assert_eq!(
-        verdict(&p(&icmp), lookup(&DENY_ALL_ICMP_AND_FRAGMENTS)),
+        run(&m, A, A, tcp(1, 9, TCP_SYN)).reason,
+        Reason::SameEndpoint
+    );
+    assert!(m.ct.borrow().is_empty(), "exempt traffic is not tracked");
+}
+
+#[test]
+fn decide_policy_both_sides() {
+    let m = mock();
+    // REMOTE (identity 7) -> A: ingress of A, rule set 1: TCP/80 allowed for 7 only.
+    let d = run(&m, REMOTE, A, tcp(1, 80, TCP_SYN));
+    assert_eq!(d.verdict, Verdict::Pass);
+    assert_eq!(
+        d.ingress.map(|i| i.by),
+        Some(Match::Specific {
+            prefix: prefix_bits(6, 80, 24)
+        })
+    );
+    assert_eq!(d.egress, None, "the remote source has no egress check here");
+    let d = run(&m, REMOTE, A, tcp(1, 81, TCP_SYN));
+    assert_eq!(
+        (d.verdict, d.reason),
+        (Verdict::Drop, Reason::IngressDenied)
+    );
+    assert_eq!(d.ingress.map(|i| i.by), Some(Match::Default));
+    // Wildcard deny of TCP/22 beats A's default even for identity 7.
+    let d = run(&m, REMOTE, A, tcp(1, 22, TCP_SYN));
+    assert_eq!(
+        d.ingress.map(|i| (i.allow, i.by)),
+        Some((false, Match::Wildcard))
+    );
+    // Unknown address (no identity): only `*` applies; UDP is allowed for everyone.
+    let d = run(
+        &m,
+        [203, 0, 113, 5],
+        A,
+        L4::Udp {
+            sport: 5,
+            dport: 53,
+        },
+    );
+    assert_eq!(d.verdict, Verdict::Pass);
+    // B (identity 8) -> A on TCP/80: egress of B (rule set 1, identity of A = 7: allowed),
+    // ingress of A (identity of B = 8: TCP/* denied). Both checked at the sender.
+    let d = run(&m, B, A, tcp(1, 80, TCP_SYN));
+    assert_eq!(d.egress.map(|e| e.allow), Some(true));
+    assert_eq!(
+        (d.verdict, d.reason),
+        (Verdict::Drop, Reason::IngressDenied)
+    );
+    // B -> WORLD (CIDR identity 8) TCP/443: B's egress denies identity 8 TCP/*.
+    let d = run(&m, B, WORLD, tcp(1, 443, TCP_SYN));
+    assert_eq!((d.verdict, d.reason), (Verdict::Drop, Reason::EgressDenied));
+    // ICMP only sees length-0 keys: none in rule set 1, so A's default (deny) applies.
+    let d = run(&m, REMOTE, A, L4::Echo);
+    assert_eq!(d.reason, Reason::IngressDenied);
+    assert_eq!(
+        m.ct.borrow().len(),
+        2,
+        "tracked: the allowed TCP/80 SYN and the UDP datagram; nothing for denials and ICMP"
+    );
+}
+
+#[test]
+fn decide_connection_tracking() {
+    let mut m = mock();
+    // REMOTE:1000 -> A:80 SYN allowed by A's ingress.
+    let syn = run(&m, REMOTE, A, tcp(1000, 80, TCP_SYN));
+    assert_eq!(syn.reason, Reason::Allowed);
+    assert_eq!(m.ct.borrow().len(), 1);
+    // The reply from A passes through tracking, no policy lookup.
+    let reads = m.reads.get();
+    let reply = run(&m, A, REMOTE, tcp(80, 1000, TCP_SYN | TCP_ACK));
+    assert_eq!(reply.reason, Reason::Reply);
+    assert_eq!(m.reads.get() - reads, 2, "only the two ipcache reads");
+    // A flow whose reverse direction is isolated: A -> B passes (A's egress and B's ingress
+    // are unrestricted), while B -> A as a new flow is denied by A's ingress (default deny).
+    let a_to_b = run(&m, A, B, tcp(2000, 5432, TCP_SYN));
+    assert_eq!(a_to_b.verdict, Verdict::Pass);
+    let b_to_a_new = run(&m, B, A, tcp(5432, 2000, TCP_SYN));
+    assert_eq!(
+        b_to_a_new.verdict,
+        Verdict::Drop,
+        "a new SYN from B is checked"
+    );
+    let b_to_a_reply = run(&m, B, A, tcp(5432, 2000, TCP_SYN | TCP_ACK));
+    assert_eq!(b_to_a_reply.reason, Reason::Reply);
+    // A denied SYN creates no state.
+    let before = m.ct.borrow().len();
+    assert_eq!(
+        run(&m, REMOTE, A, tcp(1001, 81, TCP_SYN)).verdict,
         Verdict::Drop
+    );
+    assert_eq!(m.ct.borrow().len(), before);
+    // A policy change (revision bump) that no longer allows REMOTE -> A:80: the established
+    // flow is re-checked on its next packet, in either direction, and dropped.
+    m.revision = 2;
+    m.policy.remove(&PolicyKey {
+        ruleset: 1,
+        identity: 7,
+        prefix: prefix_bits(6, 80, 24),
+    });
+    let d = run(&m, A, REMOTE, tcp(80, 1000, TCP_ACK));
+    assert_eq!(
+        (d.verdict, d.reason),
+        (Verdict::Drop, Reason::RecheckDenied)
+    );
+    assert_eq!(m.ct.borrow().len(), before - 1, "the entry is gone");
+    // The A -> B flow is still allowed: re-checked, restamped, and the reply passes again.
+    let d = run(&m, B, A, tcp(5432, 2000, TCP_ACK));
+    assert_eq!(d.reason, Reason::Rechecked);
+    let d = run(&m, B, A, tcp(5432, 2000, TCP_ACK));
+    assert_eq!(d.reason, Reason::Reply);
+    // Idle entries expire.
+    m.now.set(CT_LIFETIME_TCP_NS + 10);
+    let d = run(&m, B, A, tcp(5432, 2000, TCP_ACK));
+    assert_eq!(
+        d.verdict,
+        Verdict::Drop,
+        "expired: checked as new, and B -> A is denied"
     );
 }
 

@@ -1,6 +1,28 @@
-//! The decision: parse result + one map lookup -> PASS or DROP.
+//! The per-packet decision: parse result + ipcache + connection tracking + policy lookups ->
+//! PASS or DROP. The XDP program and userspace run this same function over their own
+//! implementation of [`DatapathMaps`].
+//!
+//! Rules (`docs/datapath.md` §3, §5):
+//! * not IP -> PASS; malformed (possibly) IP -> DROP; later fragment -> PASS without lookups;
+//! * neither address is a local endpoint -> PASS (not ours to judge);
+//! * either address belongs to this node -> PASS (traffic between a pod and its own node);
+//! * source and destination are the same local endpoint -> PASS;
+//! * TCP/UDP/SCTP: a tracked flow (either direction) stamped with the current policy revision
+//!   passes; a stale one is re-checked in its original direction (allowed: restamped and passed;
+//!   denied: entry deleted, packet dropped). A TCP packet with SYN and without ACK is always a
+//!   new connection attempt and always checked;
+//! * otherwise the policy decides: egress of the source when it is a local endpoint, ingress of
+//!   the destination when it is a local endpoint, both must allow. An allowed TCP/UDP/SCTP packet
+//!   creates (or refreshes) the tracking entry; a denied one creates nothing.
 
-use crate::{ACTION_ALLOW, Fragment, ParseError, Parsed, PortKey};
+use crate::{
+    Fragment, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, IpPacket, ParseError, Parsed,
+    layout::{
+        CT_INITIATOR_A, CT_LIFETIME_OTHER_NS, CT_LIFETIME_TCP_NS, CT_REFRESH_NS, CtEntry, CtKey,
+        IpInfo, IpKey,
+    },
+    lookup::{PolicyDecision, PolicyMaps, policy_lookup},
+};
 
 /// What the XDP program returns for a frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -11,30 +33,328 @@ pub enum Verdict {
     Drop,
 }
 
-/// The verdict for a parsed frame. `lookup` reads the verdict map; it is called at most once.
-///
-/// The policy (documented in `docs/datapath.md`):
-/// * a frame that is positively not IP (ARP, LLDP, ...) passes: the policy governs IP only;
-/// * a frame that is, or may be, IP but whose headers are truncated or invalid is dropped
-///   (fail closed; the kernel would discard such a packet anyway);
-/// * a later IP fragment passes without a lookup: it has no ports, and the first fragment,
-///   which has them, was already subject to the policy (dropping it makes the datagram
-///   impossible to reassemble);
-/// * otherwise the map decides for (IP version, protocol, destination port): no entry or
-///   [`ACTION_ALLOW`] passes; [`crate::ACTION_DENY`] drops, and so does any unknown value
-///   (fail closed).
+/// TCP flag bits (byte 13 of the TCP header).
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_ACK: u8 = 0x10;
+
+/// Everything the decision reads and writes besides the packet.
+pub trait DatapathMaps: PolicyMaps {
+    /// The global policy revision.
+    fn revision(&self) -> u64;
+    /// ipcache, exact part.
+    fn ipcache(&self, key: &IpKey) -> Option<IpInfo>;
+    /// ipcache, prefix part: longest prefix match of the full address.
+    fn ipcidr(&self, key: &IpKey) -> Option<IpInfo>;
+    fn ct_lookup(&self, key: &CtKey) -> Option<CtEntry>;
+    /// Insert or replace a tracking entry (errors, e.g. a full map, are ignored: the packet's
+    /// verdict does not depend on them).
+    fn ct_store(&self, key: &CtKey, entry: &CtEntry);
+    fn ct_delete(&self, key: &CtKey);
+    /// Monotonic clock in ns (the kernel's `bpf_ktime_get_ns`, userspace `CLOCK_MONOTONIC`).
+    fn now_ns(&self) -> u64;
+}
+
+/// Why a packet got its verdict.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// Not IPv4/IPv6 (PASS).
+    NotIp,
+    /// Truncated or invalid headers (DROP).
+    Malformed(ParseError),
+    /// A non-first IP fragment (PASS, no lookups).
+    LaterFragment,
+    /// Neither address is a local endpoint (PASS).
+    NotLocal,
+    /// One address belongs to this node (PASS).
+    Host,
+    /// Source and destination are the same local endpoint (PASS).
+    SameEndpoint,
+    /// A packet of a tracked flow from its initiator, revision current (PASS).
+    Established,
+    /// A packet of a tracked flow towards its initiator, revision current (PASS).
+    Reply,
+    /// A tracked flow with an older revision whose original direction is still allowed
+    /// (PASS, restamped).
+    Rechecked,
+    /// A tracked flow with an older revision that the policy no longer allows (DROP, entry
+    /// deleted).
+    RecheckDenied,
+    /// Allowed by policy (PASS; a TCP/UDP/SCTP flow is now tracked).
+    Allowed,
+    /// Denied by the source endpoint's egress policy (DROP).
+    EgressDenied,
+    /// Denied by the destination endpoint's ingress policy (DROP).
+    IngressDenied,
+}
+
+/// The verdict of one packet and how it came about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Decision {
+    pub verdict: Verdict,
+    pub reason: Reason,
+    /// The egress lookup of the (original-direction) source, when it was made.
+    pub egress: Option<PolicyDecision>,
+    /// The ingress lookup of the (original-direction) destination, when it was made.
+    pub ingress: Option<PolicyDecision>,
+}
+
+impl Decision {
+    #[inline(always)]
+    const fn simple(verdict: Verdict, reason: Reason) -> Self {
+        Self {
+            verdict,
+            reason,
+            egress: None,
+            ingress: None,
+        }
+    }
+}
+
+/// One direction of a flow as the policy sees it.
+#[derive(Clone, Copy)]
+struct Flow {
+    /// The sender when it is a local endpoint.
+    from: Option<IpInfo>,
+    /// The sender's identity (only needed, and only computed, when `to` is local).
+    from_id: u32,
+    to: Option<IpInfo>,
+    to_id: u32,
+    protocol: u8,
+    dport: u16,
+}
+
+/// Both policy checks of one direction; egress first.
 #[inline(always)]
-pub fn verdict(
-    parsed: &Result<Parsed, ParseError>,
-    lookup: impl FnOnce(&PortKey) -> Option<u8>,
-) -> Verdict {
-    match parsed {
-        Err(_) => Verdict::Drop,
-        Ok(Parsed::NotIp { .. }) => Verdict::Pass,
-        Ok(Parsed::Ip(ip)) if ip.fragment == Fragment::Subsequent => Verdict::Pass,
-        Ok(Parsed::Ip(ip)) => match lookup(&PortKey::new(ip.ip_version, ip.protocol, ip.dport)) {
-            None | Some(ACTION_ALLOW) => Verdict::Pass,
-            Some(_) => Verdict::Drop,
+fn evaluate<M: DatapathMaps + ?Sized>(maps: &M, flow: &Flow) -> Decision {
+    let mut d = Decision::simple(Verdict::Pass, Reason::Allowed);
+    if let Some(from) = flow.from {
+        let e = policy_lookup(maps, from.egress, flow.to_id, flow.protocol, flow.dport);
+        d.egress = Some(e);
+        if !e.allow {
+            d.verdict = Verdict::Drop;
+            d.reason = Reason::EgressDenied;
+            return d;
+        }
+    }
+    if let Some(to) = flow.to {
+        let i = policy_lookup(maps, to.ingress, flow.from_id, flow.protocol, flow.dport);
+        d.ingress = Some(i);
+        if !i.allow {
+            d.verdict = Verdict::Drop;
+            d.reason = Reason::IngressDenied;
+        }
+    }
+    d
+}
+
+/// The identity of an address: its exact ipcache entry, else the longest CIDR entry, else 0.
+#[inline(always)]
+fn identity_of<M: DatapathMaps + ?Sized>(
+    maps: &M,
+    exact: Option<IpInfo>,
+    family: u8,
+    addr: &[u8; 16],
+) -> u32 {
+    match exact {
+        Some(info) => info.identity,
+        None => match maps.ipcidr(&IpKey::new(family, *addr)) {
+            Some(info) => info.identity,
+            None => 0,
         },
     }
+}
+
+#[inline(always)]
+fn addr_words(a: &[u8; 16]) -> (u64, u64) {
+    (
+        u64::from_be_bytes([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]),
+        u64::from_be_bytes([a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]),
+    )
+}
+
+/// The canonical tracking key of a packet's flow, and whether the packet's source is side `a`.
+#[inline(always)]
+pub fn ct_key(p: &IpPacket) -> (CtKey, bool) {
+    let (s_hi, s_lo) = addr_words(&p.src);
+    let (d_hi, d_lo) = addr_words(&p.dst);
+    let src_is_a = (s_hi, s_lo, p.sport) <= (d_hi, d_lo, p.dport);
+    let key = if src_is_a {
+        CtKey {
+            family: p.ip_version,
+            protocol: p.protocol,
+            _pad: 0,
+            port_a: p.sport,
+            port_b: p.dport,
+            addr_a: p.src,
+            addr_b: p.dst,
+        }
+    } else {
+        CtKey {
+            family: p.ip_version,
+            protocol: p.protocol,
+            _pad: 0,
+            port_a: p.dport,
+            port_b: p.sport,
+            addr_a: p.dst,
+            addr_b: p.src,
+        }
+    };
+    (key, src_is_a)
+}
+
+/// Whether the protocol's flows are tracked.
+#[inline(always)]
+pub const fn tracked(protocol: u8) -> bool {
+    matches!(protocol, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP)
+}
+
+#[inline(always)]
+const fn lifetime(protocol: u8) -> u64 {
+    if protocol == IPPROTO_TCP {
+        CT_LIFETIME_TCP_NS
+    } else {
+        CT_LIFETIME_OTHER_NS
+    }
+}
+
+/// The decision for a parsed frame.
+#[inline(always)]
+pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, maps: &M) -> Decision {
+    let p = match parsed {
+        Err(e) => return Decision::simple(Verdict::Drop, Reason::Malformed(*e)),
+        Ok(Parsed::NotIp { .. }) => return Decision::simple(Verdict::Pass, Reason::NotIp),
+        Ok(Parsed::Ip(p)) => p,
+    };
+    if p.fragment == Fragment::Subsequent {
+        return Decision::simple(Verdict::Pass, Reason::LaterFragment);
+    }
+    let src = maps.ipcache(&IpKey::new(p.ip_version, p.src));
+    let dst = maps.ipcache(&IpKey::new(p.ip_version, p.dst));
+    let src_ep = src.filter(IpInfo::is_endpoint);
+    let dst_ep = dst.filter(IpInfo::is_endpoint);
+    if src_ep.is_none() && dst_ep.is_none() {
+        return Decision::simple(Verdict::Pass, Reason::NotLocal);
+    }
+    if src.is_some_and(|i| i.is_host()) || dst.is_some_and(|i| i.is_host()) {
+        return Decision::simple(Verdict::Pass, Reason::Host);
+    }
+    if let (Some(s), Some(d)) = (src_ep, dst_ep)
+        && s.endpoint == d.endpoint
+    {
+        return Decision::simple(Verdict::Pass, Reason::SameEndpoint);
+    }
+    // A side's identity is only needed to check the other side's policy.
+    let src_id = if dst_ep.is_some() {
+        identity_of(maps, src, p.ip_version, &p.src)
+    } else {
+        0
+    };
+    let dst_id = if src_ep.is_some() {
+        identity_of(maps, dst, p.ip_version, &p.dst)
+    } else {
+        0
+    };
+    let forward = Flow {
+        from: src_ep,
+        from_id: src_id,
+        to: dst_ep,
+        to_id: dst_id,
+        protocol: p.protocol,
+        dport: p.dport,
+    };
+    if !tracked(p.protocol) {
+        return evaluate(maps, &forward);
+    }
+
+    let revision = maps.revision();
+    let (key, src_is_a) = ct_key(p);
+    let initiator = if src_is_a { CT_INITIATOR_A } else { 0 };
+    let syn = p.protocol == IPPROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+    let mut now = 0;
+    let existing = match maps.ct_lookup(&key) {
+        Some(e) => {
+            now = maps.now_ns();
+            // An entry from the future (clock reset) counts as fresh.
+            (now.saturating_sub(e.last_seen) <= lifetime(p.protocol)).then_some(e)
+        }
+        None => None,
+    };
+
+    if let Some(e) = existing
+        && !syn
+    {
+        let from_initiator = e.flags & CT_INITIATOR_A == initiator;
+        if e.revision == revision {
+            if now.saturating_sub(e.last_seen) > CT_REFRESH_NS {
+                maps.ct_store(
+                    &key,
+                    &CtEntry {
+                        last_seen: now,
+                        ..e
+                    },
+                );
+            }
+            let reason = if from_initiator {
+                Reason::Established
+            } else {
+                Reason::Reply
+            };
+            return Decision::simple(Verdict::Pass, reason);
+        }
+        // The policy changed since the flow was checked: check its original direction again.
+        let original = if from_initiator {
+            forward
+        } else {
+            Flow {
+                from: dst_ep,
+                from_id: dst_id,
+                to: src_ep,
+                to_id: src_id,
+                protocol: p.protocol,
+                dport: p.sport,
+            }
+        };
+        let mut d = evaluate(maps, &original);
+        if d.verdict == Verdict::Pass {
+            maps.ct_store(
+                &key,
+                &CtEntry {
+                    revision,
+                    last_seen: now,
+                    ..e
+                },
+            );
+            d.reason = Reason::Rechecked;
+        } else {
+            maps.ct_delete(&key);
+            d.reason = Reason::RecheckDenied;
+        }
+        return d;
+    }
+
+    let d = evaluate(maps, &forward);
+    if d.verdict == Verdict::Pass {
+        let fresh = existing.is_some_and(|e| {
+            e.revision == revision
+                && e.flags == initiator
+                && now.saturating_sub(e.last_seen) <= CT_REFRESH_NS
+        });
+        if !fresh {
+            if existing.is_none() {
+                now = maps.now_ns();
+            }
+            maps.ct_store(
+                &key,
+                &CtEntry {
+                    revision,
+                    last_seen: now,
+                    flags: initiator,
+                    _pad: 0,
+                },
+            );
+        }
+    }
+    d
 }

@@ -1,13 +1,11 @@
 //! The ordnet XDP program.
 //!
-//! Parses the frame with the parser shared with userspace
-//! ([`ordnet_datapath_common::parse`]), looks the (IP version, L4 protocol, destination port)
-//! up in the one map `PORT_VERDICTS`, and returns `XDP_PASS` or `XDP_DROP` as
-//! [`ordnet_datapath_common::verdict`] decides. It never returns `XDP_ABORTED`.
-//!
-//! Malformed-packet policy (see `docs/datapath.md`): frames that are positively not IP pass;
-//! frames that are, or may be, IP with truncated or invalid headers drop; later IP fragments
-//! pass without a lookup; everything else is decided by the map (no entry = pass).
+//! Attached to each pod's host-side veth (the pod's egress) and to the node's uplink (traffic
+//! from other nodes). For every frame it runs [`ordnet_datapath_common::decide`] over the maps
+//! below: parse (shared parser), ipcache lookups of both addresses, exemptions, connection
+//! tracking, and the policy lookups of the flattened rule sets (egress of a local source,
+//! ingress of a local destination). It returns `XDP_PASS` or `XDP_DROP`, never `XDP_ABORTED`.
+//! See `docs/datapath.md`.
 //!
 //! Built for `bpfel-unknown-none` by `datapath/build.rs` (aya-build). On the host the crate also
 //! compiles (so `cargo clippy --workspace` lints the program code), as an ordinary binary whose
@@ -16,65 +14,115 @@
 #![cfg_attr(target_arch = "bpf", no_main)]
 
 use aya_ebpf::{
-    bindings::xdp_action,
+    bindings::{BPF_F_NO_PREALLOC, xdp_action},
+    helpers::bpf_ktime_get_ns,
     macros::{map, xdp},
-    maps::HashMap,
+    maps::{Array, HashMap, LpmTrie, LruHashMap, lpm_trie::Key},
     programs::XdpContext,
 };
 use ordnet_datapath_common::{
-    Frame, MAX_HEADER_BYTES, PORT_VERDICTS_MAX_ENTRIES, PortKey, Verdict, parse, verdict,
+    DatapathMaps, Verdict, decide,
+    layout::{
+        BLOCK_WORDS, CELLS_PER_RULESET, CtEntry, CtKey, DEFAULT_CT_ENTRIES,
+        DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS,
+        DEFAULT_POLICY_ENTRIES, IpInfo, IpKey, PolicyKey, PolicyValue, State,
+    },
+    lookup::PolicyMaps,
+    parse,
 };
+use ordnet_datapath_ebpf::XdpFrame;
 
-/// (IP version, L4 protocol, destination port) -> `ACTION_ALLOW` / `ACTION_DENY`.
-#[map(name = "PORT_VERDICTS")]
-static PORT_VERDICTS: HashMap<PortKey, u8> =
-    HashMap::with_max_entries(PORT_VERDICTS_MAX_ENTRIES, 0);
+#[map(name = "ORDNET_IPCACHE")]
+static IPCACHE: HashMap<IpKey, IpInfo> =
+    HashMap::with_max_entries(DEFAULT_IPCACHE_ENTRIES, BPF_F_NO_PREALLOC);
 
-/// The XDP packet as a [`Frame`] for the shared parser.
-struct XdpFrame {
-    data: usize,
-    data_end: usize,
-}
+#[map(name = "ORDNET_IPCIDR")]
+static IPCIDR: LpmTrie<IpKey, IpInfo> = LpmTrie::with_max_entries(DEFAULT_IPCIDR_ENTRIES, 0);
 
-impl Frame for XdpFrame {
+#[map(name = "ORDNET_CELLS")]
+static CELLS: Array<u32> = Array::with_max_entries(DEFAULT_MAX_RULESETS * CELLS_PER_RULESET, 0);
+
+#[map(name = "ORDNET_BLOCKS")]
+static BLOCKS: Array<u32> = Array::with_max_entries(DEFAULT_MAX_BLOCKS * BLOCK_WORDS, 0);
+
+#[map(name = "ORDNET_POLICY")]
+static POLICY: HashMap<PolicyKey, PolicyValue> =
+    HashMap::with_max_entries(DEFAULT_POLICY_ENTRIES, BPF_F_NO_PREALLOC);
+
+#[map(name = "ORDNET_CT")]
+static CT: LruHashMap<CtKey, CtEntry> = LruHashMap::with_max_entries(DEFAULT_CT_ENTRIES, 0);
+
+#[map(name = "ORDNET_STATE")]
+static STATE: Array<State> = Array::with_max_entries(1, 0);
+
+/// The program's maps as the shared decision code sees them.
+struct KernelMaps;
+
+impl PolicyMaps for KernelMaps {
     #[inline(always)]
-    fn load<const N: usize>(&self, offset: usize) -> Option<[u8; N]> {
-        // The verifier only accepts a packet read when it has just seen `data + offset + N`
-        // compared with `data_end` (on the same pointer) and `offset` bounded. The parser's own
-        // length checks logically imply this comparison, so LLVM would delete it as redundant;
-        // `black_box` hides `offset` from the optimizer (it costs a stack spill, no branch), so
-        // the bound and the comparison below are always emitted.
-        const { assert!(N >= 2, "1-byte loads defeat the verifier's range tracking") };
-        let offset = core::hint::black_box(offset);
-        if offset > MAX_HEADER_BYTES - N {
-            return None;
-        }
-        let start = self.data + offset;
-        if start + N > self.data_end {
-            return None;
-        }
-        // SAFETY: `start..start + N` lies inside the packet (checked just above); the read is
-        // unaligned-safe.
-        Some(unsafe { core::ptr::read_unaligned(start as *const [u8; N]) })
+    fn cell(&self, index: u32) -> Option<u32> {
+        CELLS.get(index).copied()
     }
 
     #[inline(always)]
-    fn holds(&self, len: usize) -> bool {
-        self.data + len <= self.data_end
+    fn block_word(&self, index: u32) -> Option<u32> {
+        BLOCKS.get(index).copied()
+    }
+
+    #[inline(always)]
+    fn policy(&self, key: &PolicyKey) -> Option<PolicyValue> {
+        // SAFETY: the value is copied out immediately; no reference outlives the lookup.
+        unsafe { POLICY.get(key) }.copied()
+    }
+}
+
+impl DatapathMaps for KernelMaps {
+    #[inline(always)]
+    fn revision(&self) -> u64 {
+        STATE.get(0).map_or(0, |s| s.revision)
+    }
+
+    #[inline(always)]
+    fn ipcache(&self, key: &IpKey) -> Option<IpInfo> {
+        // SAFETY: as above.
+        unsafe { IPCACHE.get(key) }.copied()
+    }
+
+    #[inline(always)]
+    fn ipcidr(&self, key: &IpKey) -> Option<IpInfo> {
+        IPCIDR
+            .get(&Key::new(IpKey::LPM_FIXED_BITS + 128, *key))
+            .copied()
+    }
+
+    #[inline(always)]
+    fn ct_lookup(&self, key: &CtKey) -> Option<CtEntry> {
+        // SAFETY: as above.
+        unsafe { CT.get(key) }.copied()
+    }
+
+    #[inline(always)]
+    fn ct_store(&self, key: &CtKey, entry: &CtEntry) {
+        // A full map evicts (LRU); any other error only means the flow is checked again.
+        let _ = CT.insert(key, entry, 0);
+    }
+
+    #[inline(always)]
+    fn ct_delete(&self, key: &CtKey) {
+        let _ = CT.remove(key);
+    }
+
+    #[inline(always)]
+    fn now_ns(&self) -> u64 {
+        // SAFETY: a plain helper call without arguments.
+        unsafe { bpf_ktime_get_ns() }
     }
 }
 
 #[xdp]
 pub fn ordnet_xdp(ctx: XdpContext) -> u32 {
-    let frame = XdpFrame {
-        data: ctx.data(),
-        data_end: ctx.data_end(),
-    };
-    let parsed = parse(&frame);
-    // SAFETY: the map holds plain `u8` values; the reference is copied out immediately and
-    // not kept across any other map operation.
-    let lookup = |key: &PortKey| unsafe { PORT_VERDICTS.get(key) }.copied();
-    match verdict(&parsed, lookup) {
+    let frame = XdpFrame::new(&ctx);
+    match decide(&parse(&frame), &KernelMaps).verdict {
         Verdict::Pass => xdp_action::XDP_PASS,
         Verdict::Drop => xdp_action::XDP_DROP,
     }

@@ -1,0 +1,293 @@
+//! Map names, key and value layouts of the enforcing datapath (`docs/datapath.md` §4).
+//!
+//! Every type here is `#[repr(C)]`, made of integers and byte arrays only, with explicit padding
+//! fields, so every byte the kernel hashes or compares is defined and the kernel and userspace
+//! see the same bytes.
+//!
+//! | map | kind | key → value |
+//! |---|---|---|
+//! | [`MAP_IPCACHE`] | hash, no prealloc | [`IpKey`] (one address) → [`IpInfo`] |
+//! | [`MAP_IPCIDR`] | LPM trie | [`IpKey`] prefix → [`IpInfo`] |
+//! | [`MAP_CELLS`] | array | rule set × protocol slot × high port byte → cell word |
+//! | [`MAP_BLOCKS`] | array | block × low port byte → cell word |
+//! | [`MAP_POLICY`] | hash, no prealloc | [`PolicyKey`] (rule set, identity, prefix) → [`PolicyValue`] |
+//! | [`MAP_CT`] | LRU hash | [`CtKey`] (canonical 5-tuple) → [`CtEntry`] |
+//! | [`MAP_STATE`] | array, 1 entry | 0 → [`State`] (global policy revision) |
+
+/// Name of the XDP program in the eBPF object.
+pub const PROGRAM_NAME: &str = "ordnet_xdp";
+
+/// ipcache, exact part: one address (every /32 and /128: pods, nodes, local endpoints).
+pub const MAP_IPCACHE: &str = "ORDNET_IPCACHE";
+/// ipcache, prefix part: CIDR identities (longest prefix match), consulted on an exact miss.
+pub const MAP_IPCIDR: &str = "ORDNET_IPCIDR";
+/// Cell words per rule set (first level of the port classification).
+pub const MAP_CELLS: &str = "ORDNET_CELLS";
+/// Refined cell blocks (second level: one word per low port byte).
+pub const MAP_BLOCKS: &str = "ORDNET_BLOCKS";
+/// The identity-specific keys of every rule set (and, for userspace only, the wildcard keys).
+pub const MAP_POLICY: &str = "ORDNET_POLICY";
+/// Connection tracking.
+pub const MAP_CT: &str = "ORDNET_CT";
+/// Global state: the policy revision.
+pub const MAP_STATE: &str = "ORDNET_STATE";
+
+/// Default capacities (userspace can override them at load time).
+pub const DEFAULT_IPCACHE_ENTRIES: u32 = 65_536;
+pub const DEFAULT_IPCIDR_ENTRIES: u32 = 16_384;
+pub const DEFAULT_MAX_RULESETS: u32 = 512;
+pub const DEFAULT_MAX_BLOCKS: u32 = 2_048;
+pub const DEFAULT_POLICY_ENTRIES: u32 = 262_144;
+pub const DEFAULT_CT_ENTRIES: u32 = 262_144;
+
+/// Verdict encoding in [`PolicyValue::verdict`] and [`PolicyRef::default`]. Zero (what an
+/// unwritten value holds) and every other value mean deny: fail closed.
+pub const V_ALLOW: u8 = 1;
+pub const V_DENY: u8 = 2;
+
+/// [`IpKey::family`] values.
+pub const FAMILY_V4: u8 = 4;
+pub const FAMILY_V6: u8 = 6;
+
+/// One address of either family as a hash key, and the data part of the LPM key
+/// (`prefix_len` = 32 + the address prefix length: family and padding are always matched).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct IpKey {
+    /// [`FAMILY_V4`] or [`FAMILY_V6`] (a `u32`, not a byte plus padding: LLVM turns the
+    /// zeroing of a 3-byte pad into a `memset` call).
+    pub family: u32,
+    /// IPv6 address, or IPv4 address in bytes 0..4 and zeros after (as the parser stores it).
+    pub addr: [u8; 16],
+}
+
+impl IpKey {
+    #[inline(always)]
+    pub const fn new(family: u8, addr: [u8; 16]) -> Self {
+        Self {
+            family: family as u32,
+            addr,
+        }
+    }
+
+    /// Bits of the key before the address (family + padding), always fully matched in the
+    /// LPM trie.
+    pub const LPM_FIXED_BITS: u32 = 32;
+}
+
+/// [`IpInfo::flags`]: the address is a local endpoint (`endpoint`, `ingress`, `egress` valid).
+pub const IP_FLAG_ENDPOINT: u32 = 1;
+/// [`IpInfo::flags`]: the address belongs to this node (its own traffic is never filtered).
+pub const IP_FLAG_HOST: u32 = 2;
+
+/// The policy of one endpoint in one direction: which rule set, and the isolation default.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct PolicyRef {
+    /// Rule set slot (0 = the permanent empty rule set).
+    pub ruleset: u32,
+    /// [`V_ALLOW`] or [`V_DENY`]: the verdict when no key matches.
+    pub default: u8,
+    pub _pad: [u8; 3],
+}
+
+impl PolicyRef {
+    pub const fn new(ruleset: u32, default: u8) -> Self {
+        Self {
+            ruleset,
+            default,
+            _pad: [0; 3],
+        }
+    }
+
+    /// The default as a verdict.
+    #[inline(always)]
+    pub const fn default_allows(&self) -> bool {
+        self.default == V_ALLOW
+    }
+}
+
+/// ipcache value: what an address is. For a local endpoint it also carries the endpoint's
+/// policy references, so one lookup yields everything (and switching an endpoint to another
+/// rule set is one atomic value replacement in a no-prealloc hash map).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct IpInfo {
+    /// Security identity (0 = none: only wildcard keys apply).
+    pub identity: u32,
+    /// `IP_FLAG_*`.
+    pub flags: u32,
+    /// Local endpoint id (non-zero) when `flags` has [`IP_FLAG_ENDPOINT`].
+    pub endpoint: u32,
+    pub ingress: PolicyRef,
+    pub egress: PolicyRef,
+}
+
+impl IpInfo {
+    #[inline(always)]
+    pub fn is_endpoint(&self) -> bool {
+        self.flags & IP_FLAG_ENDPOINT != 0 && self.endpoint != 0
+    }
+
+    #[inline(always)]
+    pub fn is_host(&self) -> bool {
+        self.flags & IP_FLAG_HOST != 0
+    }
+}
+
+/// Cell words per rule set in [`MAP_CELLS`]: 3 protocol slots (TCP, UDP, SCTP) × 256 high port
+/// bytes, plus one word for every other protocol (which only length-0 keys can match).
+pub const CELLS_PER_RULESET: u32 = 3 * 256 + 1;
+/// Index of the "other protocol" word inside a rule set's cells.
+pub const OTHER_SLOT_CELL: u32 = 3 * 256;
+/// Words per refined block in [`MAP_BLOCKS`] (one per low port byte).
+pub const BLOCK_WORDS: u32 = 256;
+
+/// Cell word: bit L (0..=24) set = some identity of the rule set has a key of prefix length L
+/// covering this cell.
+pub const CELL_MASK_BITS: u32 = (1 << 25) - 1;
+/// Cell word: the wildcard (`*`) verdict of the cell, 2 bits at [`CELL_WILD_SHIFT`]:
+/// [`WILD_NONE`] (no wildcard key covers it: the endpoint's default applies), [`WILD_ALLOW`],
+/// [`WILD_DENY`] (3 = invalid, treated as deny).
+pub const CELL_WILD_SHIFT: u32 = 25;
+pub const WILD_NONE: u32 = 0;
+pub const WILD_ALLOW: u32 = 1;
+pub const WILD_DENY: u32 = 2;
+/// Cell word in [`MAP_CELLS`] only: the cell is refined; bits 0..31 hold the block number in
+/// [`MAP_BLOCKS`]. Never set in a block word.
+pub const CELL_REFINED: u32 = 1 << 31;
+
+/// A cell word from its parts.
+#[inline(always)]
+pub const fn cell_word(mask: u32, wild: u32) -> u32 {
+    (mask & CELL_MASK_BITS) | ((wild & 3) << CELL_WILD_SHIFT)
+}
+
+/// Protocol slot of the cell table: TCP 0, UDP 1, SCTP 2, anything else `None` (the "other"
+/// word).
+#[inline(always)]
+pub const fn proto_slot(protocol: u8) -> Option<u32> {
+    match protocol {
+        6 => Some(0),
+        17 => Some(1),
+        132 => Some(2),
+        _ => None,
+    }
+}
+
+/// Protocol number of a slot (inverse of [`proto_slot`]).
+pub const SLOT_PROTOCOLS: [u8; 3] = [6, 17, 132];
+
+/// The (protocol, port) prefix of a key: bits 31..24 protocol, 23..8 port, 7..0 the prefix
+/// length (0..=24). The top bits beyond the length are zero. This is `L4Prefix::raw() | len`.
+#[inline(always)]
+pub const fn prefix_bits(protocol: u8, port: u16, len: u32) -> u32 {
+    let raw = ((protocol as u32) << 24) | ((port as u32) << 8);
+    let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
+    (raw & mask) | len
+}
+
+/// Key of [`MAP_POLICY`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct PolicyKey {
+    pub ruleset: u32,
+    /// Identity; 0 = the wildcard `*` (stored for userspace bookkeeping only: the program folds
+    /// the wildcard keys into the cell words and never probes identity 0).
+    pub identity: u32,
+    /// [`prefix_bits`].
+    pub prefix: u32,
+}
+
+/// Value of [`MAP_POLICY`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct PolicyValue {
+    /// [`V_ALLOW`] or [`V_DENY`].
+    pub verdict: u8,
+    pub _pad: [u8; 3],
+}
+
+impl PolicyValue {
+    pub const fn new(verdict: u8) -> Self {
+        Self {
+            verdict,
+            _pad: [0; 3],
+        }
+    }
+}
+
+/// Key of [`MAP_CT`]: the 5-tuple in canonical order (the endpoint `(addr, port)` that sorts
+/// first is `a`), so both directions of a flow find the same entry with one lookup.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct CtKey {
+    pub family: u8,
+    pub protocol: u8,
+    pub _pad: u16,
+    pub port_a: u16,
+    pub port_b: u16,
+    pub addr_a: [u8; 16],
+    pub addr_b: [u8; 16],
+}
+
+/// [`CtEntry::flags`]: the flow was opened by side `a` (else by side `b`).
+pub const CT_INITIATOR_A: u32 = 1;
+
+/// Value of [`MAP_CT`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct CtEntry {
+    /// The global policy revision the flow was last checked against.
+    pub revision: u64,
+    /// Monotonic time (ns, `bpf_ktime_get_ns`) of the last refresh.
+    pub last_seen: u64,
+    /// `CT_*` flags.
+    pub flags: u32,
+    pub _pad: u32,
+}
+
+/// Value of [`MAP_STATE`] (one entry, index 0).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct State {
+    /// Bumped by userspace after every completed change of policy, endpoints or ipcache; a
+    /// connection-tracking entry stamped with an older revision is re-checked.
+    pub revision: u64,
+    pub _reserved: u64,
+}
+
+/// Idle lifetime of a tracked TCP flow.
+pub const CT_LIFETIME_TCP_NS: u64 = 6 * 3600 * 1_000_000_000;
+/// Idle lifetime of a tracked UDP or SCTP flow.
+pub const CT_LIFETIME_OTHER_NS: u64 = 120 * 1_000_000_000;
+/// `last_seen` is rewritten at most this often per flow (saves a write per packet).
+pub const CT_REFRESH_NS: u64 = 1_000_000_000;
+
+const _: () = {
+    assert!(core::mem::size_of::<IpKey>() == 20);
+    assert!(core::mem::align_of::<IpKey>() == 4);
+    assert!(core::mem::size_of::<PolicyRef>() == 8);
+    assert!(core::mem::size_of::<IpInfo>() == 28);
+    assert!(core::mem::size_of::<PolicyKey>() == 12);
+    assert!(core::mem::size_of::<PolicyValue>() == 4);
+    assert!(core::mem::size_of::<CtKey>() == 40);
+    assert!(core::mem::size_of::<CtEntry>() == 24);
+    assert!(core::mem::size_of::<State>() == 16);
+};
+
+// SAFETY: all of these are `repr(C)`, `Copy`, made only of integers and integer arrays, with
+// every padding byte an explicit field (sizes asserted above), so any byte pattern is valid and
+// all bytes are initialised.
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    unsafe impl aya::Pod for IpKey {}
+    unsafe impl aya::Pod for IpInfo {}
+    unsafe impl aya::Pod for PolicyRef {}
+    unsafe impl aya::Pod for PolicyKey {}
+    unsafe impl aya::Pod for PolicyValue {}
+    unsafe impl aya::Pod for CtKey {}
+    unsafe impl aya::Pod for CtEntry {}
+    unsafe impl aya::Pod for State {}
+}

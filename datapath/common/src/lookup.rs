@@ -1,0 +1,205 @@
+//! The policy lookup on the flattened maps: one rule set, one identity, one (protocol, port).
+//!
+//! Layout (see `docs/datapath.md` §4): a rule set is the MapState of an endpoint and direction
+//! with its keys kept as they are. The identity-specific keys live in a hash map keyed by
+//! (rule set, identity, prefix). The port space of a rule set is cut into **cells**: the
+//! coarsest partition such that every key's block either contains a cell or is disjoint from
+//! it. Each cell has one 32-bit word in an array (two levels: per high port byte, refined per
+//! low byte only where a key boundary falls inside the 256-port block) holding
+//!
+//! * the set of prefix lengths at which *some* identity has a key covering the cell, and
+//! * the wildcard (`*`) verdict of the cell (the verdict of the longest `*` key covering it, or
+//!   "none").
+//!
+//! A lookup reads the cell word (one or two inlined array reads), probes the hash map for the
+//! packet's identity only at the lengths in the word, longest first (the first hit is the
+//! identity's longest matching key), and otherwise takes the wildcard verdict, or the
+//! endpoint's default when there is none. That is exactly the MapState lookup contract: own
+//! identity's longest match first, `*` only on a miss, else the isolation default. The number
+//! of probes is the number of distinct key lengths covering the cell (at most 25, in practice
+//! 0-2), independent of how many keys, identities or endpoints there are.
+
+use crate::layout::{
+    BLOCK_WORDS, CELL_MASK_BITS, CELL_REFINED, CELL_WILD_SHIFT, CELLS_PER_RULESET, OTHER_SLOT_CELL,
+    PolicyKey, PolicyRef, PolicyValue, V_ALLOW, WILD_ALLOW, WILD_NONE, prefix_bits, proto_slot,
+};
+
+/// Read access to the three policy maps. The kernel implements it over the BPF maps, userspace
+/// over its in-memory copy of a rule set (or over the live maps).
+pub trait PolicyMaps {
+    /// Word `index` of the cell array (`None` if out of range).
+    fn cell(&self, index: u32) -> Option<u32>;
+    /// Word `index` of the refined-block array (`None` if out of range).
+    fn block_word(&self, index: u32) -> Option<u32>;
+    /// The value of a key of the policy hash map.
+    fn policy(&self, key: &PolicyKey) -> Option<PolicyValue>;
+}
+
+/// What decided a policy lookup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Match {
+    /// The identity's own key of this prefix length (`prefix_bits` form in `prefix`).
+    Specific { prefix: u32 },
+    /// The wildcard verdict of the cell.
+    Wildcard,
+    /// No key matched: the endpoint's isolation default.
+    Default,
+    /// A map read failed or held an invalid value (fail closed: deny).
+    Invalid,
+}
+
+/// Result of [`policy_lookup`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PolicyDecision {
+    pub allow: bool,
+    pub by: Match,
+}
+
+/// Upper bound of hash probes per lookup: one per possible prefix length (0..=24).
+pub const MAX_PROBES: u32 = 25;
+
+/// Index of the cell word of `(protocol, port)` in rule set `ruleset`.
+#[inline(always)]
+pub fn cell_index(ruleset: u32, protocol: u8, port: u16) -> Option<u32> {
+    let base = ruleset.checked_mul(CELLS_PER_RULESET)?;
+    let within = match proto_slot(protocol) {
+        Some(slot) => slot * 256 + u32::from(port >> 8),
+        None => OTHER_SLOT_CELL,
+    };
+    base.checked_add(within)
+}
+
+/// The cell word (never a refinement reference) of `(protocol, port)` in `ruleset`.
+#[inline(always)]
+pub fn cell_word_of<M: PolicyMaps + ?Sized>(
+    maps: &M,
+    ruleset: u32,
+    protocol: u8,
+    port: u16,
+) -> Option<u32> {
+    let word = maps.cell(cell_index(ruleset, protocol, port)?)?;
+    if word & CELL_REFINED == 0 {
+        return Some(word);
+    }
+    // Other protocols have one word only; it is never refined.
+    proto_slot(protocol)?;
+    let block = word & !CELL_REFINED;
+    let index = block
+        .checked_mul(BLOCK_WORDS)?
+        .checked_add(u32::from(port & 0xff))?;
+    let word = maps.block_word(index)?;
+    (word & CELL_REFINED == 0).then_some(word)
+}
+
+/// The index of the highest set bit of a non-zero `v` (branch-light, no `ctlz` instruction on
+/// BPF).
+#[inline(always)]
+pub fn highest_bit(mut v: u32) -> u32 {
+    let mut r = 0;
+    if v >= 1 << 16 {
+        v >>= 16;
+        r += 16;
+    }
+    if v >= 1 << 8 {
+        v >>= 8;
+        r += 8;
+    }
+    if v >= 1 << 4 {
+        v >>= 4;
+        r += 4;
+    }
+    if v >= 1 << 2 {
+        v >>= 2;
+        r += 2;
+    }
+    if v >= 1 << 1 {
+        r += 1;
+    }
+    r
+}
+
+/// The verdict of rule set `policy.ruleset` for a packet of `identity` (0 = none: only the
+/// wildcard applies) to `(protocol, port)`, with `policy.default` as the isolation default.
+#[inline(always)]
+pub fn policy_lookup<M: PolicyMaps + ?Sized>(
+    maps: &M,
+    policy: PolicyRef,
+    identity: u32,
+    protocol: u8,
+    port: u16,
+) -> PolicyDecision {
+    let Some(word) = cell_word_of(maps, policy.ruleset, protocol, port) else {
+        return PolicyDecision {
+            allow: false,
+            by: Match::Invalid,
+        };
+    };
+    let mut mask = word & CELL_MASK_BITS;
+    if identity != 0 {
+        for _ in 0..MAX_PROBES {
+            if mask == 0 {
+                break;
+            }
+            let len = highest_bit(mask);
+            mask &= !(1 << len);
+            let prefix = prefix_bits(protocol, port, len);
+            let key = PolicyKey {
+                ruleset: policy.ruleset,
+                identity,
+                prefix,
+            };
+            if let Some(v) = maps.policy(&key) {
+                return PolicyDecision {
+                    allow: v.verdict == V_ALLOW,
+                    by: Match::Specific { prefix },
+                };
+            }
+        }
+    }
+    match (word >> CELL_WILD_SHIFT) & 3 {
+        WILD_NONE => PolicyDecision {
+            allow: policy.default == V_ALLOW,
+            by: Match::Default,
+        },
+        WILD_ALLOW => PolicyDecision {
+            allow: true,
+            by: Match::Wildcard,
+        },
+        _ => PolicyDecision {
+            allow: false,
+            by: Match::Wildcard,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn highest_bit_of_every_single_and_double_bit() {
+        for i in 0..32 {
+            assert_eq!(highest_bit(1 << i), i);
+            for j in 0..i {
+                assert_eq!(highest_bit((1 << i) | (1 << j)), i);
+            }
+        }
+        assert_eq!(highest_bit(u32::MAX), 31);
+    }
+
+    #[test]
+    fn prefix_bits_masks_and_tags_the_length() {
+        assert_eq!(prefix_bits(6, 80, 24), (6 << 24) | (80 << 8) | 24);
+        assert_eq!(prefix_bits(6, 80, 8), (6 << 24) | 8);
+        assert_eq!(prefix_bits(6, 80, 0), 0);
+        assert_eq!(prefix_bits(6, 0x1234, 16), (6 << 24) | (0x12 << 16) | 16);
+    }
+
+    #[test]
+    fn cell_index_bounds() {
+        assert_eq!(cell_index(0, 6, 0), Some(0));
+        assert_eq!(cell_index(1, 17, 0x0100), Some(769 + 256 + 1));
+        assert_eq!(cell_index(2, 1, 0), Some(2 * 769 + 768));
+        assert_eq!(cell_index(u32::MAX, 6, 0), None);
+    }
+}

@@ -1,0 +1,639 @@
+//! The control plane of the datapath maps: endpoints, ipcache and rule set sharing, written
+//! through a [`TableWriter`]. The kernel-backed `Datapath` and the tests use this same code.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    time::Duration,
+};
+
+use ipnet::IpNet;
+use ordnet_datapath_common::layout::{
+    FAMILY_V4, FAMILY_V6, IP_FLAG_ENDPOINT, IP_FLAG_HOST, IpInfo, IpKey, PolicyRef, V_ALLOW, V_DENY,
+};
+use ordnet_mapstate::{Direction, MapState};
+
+use crate::{
+    flat::{FlattenError, RuleSetContent, flatten},
+    store::{Store, StoreError, WriteStats},
+    tables::{TableWriter, Write, WriteError},
+};
+
+/// A local endpoint (pod) as the caller describes it.
+#[derive(Debug, Clone, Copy)]
+pub struct EndpointSpec<'a> {
+    /// Its addresses (any number, both families).
+    pub ips: &'a [IpAddr],
+    /// Its security identity (what peers' policies see).
+    pub identity: u32,
+    /// Its MapStates (the isolation default of each is the endpoint's default).
+    pub ingress: &'a MapState,
+    pub egress: &'a MapState,
+}
+
+/// A local endpoint as the datapath holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointState {
+    pub ips: Vec<IpAddr>,
+    pub identity: u32,
+    pub ingress: PolicyRef,
+    pub egress: PolicyRef,
+}
+
+impl EndpointState {
+    pub fn policy(&self, dir: Direction) -> PolicyRef {
+        match dir {
+            Direction::Ingress => self.ingress,
+            Direction::Egress => self.egress,
+        }
+    }
+}
+
+/// Errors of control-plane operations. Validation errors leave everything unchanged.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("endpoint id 0 is reserved")]
+    ZeroEndpointId,
+    #[error("endpoint {endpoint} {direction}: {source}")]
+    Flatten {
+        endpoint: u32,
+        direction: Direction,
+        #[source]
+        source: FlattenError,
+    },
+    #[error("address {ip} belongs to endpoint {owner}")]
+    AddressInUse { ip: IpAddr, owner: u32 },
+    #[error("unknown endpoint {0}")]
+    UnknownEndpoint(u32),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Write(#[from] WriteError),
+}
+
+/// The ipcache key of an address.
+pub fn ip_key(ip: IpAddr) -> IpKey {
+    match ip {
+        IpAddr::V4(v4) => {
+            let mut a = [0u8; 16];
+            a[..4].copy_from_slice(&v4.octets());
+            IpKey::new(FAMILY_V4, a)
+        }
+        IpAddr::V6(v6) => IpKey::new(FAMILY_V6, v6.octets()),
+    }
+}
+
+/// The address of an ipcache key.
+pub fn key_ip(key: &IpKey) -> IpAddr {
+    if key.family == u32::from(FAMILY_V4) {
+        IpAddr::V4(Ipv4Addr::new(
+            key.addr[0],
+            key.addr[1],
+            key.addr[2],
+            key.addr[3],
+        ))
+    } else {
+        IpAddr::V6(Ipv6Addr::from(key.addr))
+    }
+}
+
+/// The CIDR key (masked address) and address prefix length of a network.
+pub fn net_key(net: IpNet) -> (IpKey, u32) {
+    let net = net.trunc();
+    (ip_key(net.addr()), u32::from(net.prefix_len()))
+}
+
+fn is_host_prefix(net: &IpNet) -> bool {
+    net.prefix_len() == net.max_prefix_len()
+}
+
+/// Endpoints, ipcache and rule sets.
+#[derive(Debug)]
+pub struct Control {
+    pub(crate) store: Store,
+    endpoints: BTreeMap<u32, EndpointState>,
+    ip_owner: HashMap<IpKey, u32>,
+    /// Identities of single addresses that are not local endpoints (remote pods, nodes, ...).
+    remote: HashMap<IpKey, u32>,
+    hosts: BTreeSet<IpKey>,
+    cidr: BTreeMap<(IpKey, u32), u32>,
+    revision: u64,
+}
+
+struct Planned {
+    id: u32,
+    ips: Vec<IpAddr>,
+    identity: u32,
+    /// [ingress, egress]: (content, default).
+    dirs: [(RuleSetContent, u8); 2],
+}
+
+const DIRS: [Direction; 2] = [Direction::Ingress, Direction::Egress];
+
+fn with_dir(state: &EndpointState, dir: usize, r: PolicyRef) -> EndpointState {
+    let mut s = state.clone();
+    if dir == 0 {
+        s.ingress = r;
+    } else {
+        s.egress = r;
+    }
+    s
+}
+
+impl Control {
+    pub fn new(store: Store) -> Control {
+        Control {
+            store,
+            endpoints: BTreeMap::new(),
+            ip_owner: HashMap::new(),
+            remote: HashMap::new(),
+            hosts: BTreeSet::new(),
+            cidr: BTreeMap::new(),
+            revision: 0,
+        }
+    }
+
+    pub fn revision(&self) -> u64 {
+        self.revision
+    }
+
+    pub fn endpoints(&self) -> &BTreeMap<u32, EndpointState> {
+        &self.endpoints
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// The exact ipcache record an address should have: its endpoint's, else the host record,
+    /// else its identity, else none.
+    fn record(&self, key: &IpKey, overrides: &HashMap<u32, EndpointState>) -> Option<IpInfo> {
+        if let Some(id) = self.ip_owner.get(key) {
+            let ep = overrides.get(id).or_else(|| self.endpoints.get(id))?;
+            return Some(IpInfo {
+                identity: ep.identity,
+                flags: IP_FLAG_ENDPOINT,
+                endpoint: *id,
+                ingress: ep.ingress,
+                egress: ep.egress,
+            });
+        }
+        if self.hosts.contains(key) {
+            return Some(IpInfo {
+                identity: self.remote.get(key).copied().unwrap_or(0),
+                flags: IP_FLAG_HOST,
+                ..IpInfo::default()
+            });
+        }
+        self.remote.get(key).map(|&identity| IpInfo {
+            identity,
+            ..IpInfo::default()
+        })
+    }
+
+    /// Writes the records of `keys` (only those that differ from the tables).
+    fn write_records<W: TableWriter + ?Sized>(
+        &self,
+        w: &mut W,
+        keys: impl IntoIterator<Item = IpKey>,
+        overrides: &HashMap<u32, EndpointState>,
+        stats: &mut WriteStats,
+    ) -> Result<(), WriteError> {
+        let mut batch = Vec::new();
+        let mut seen = BTreeSet::new();
+        for key in keys {
+            if !seen.insert(key) {
+                continue;
+            }
+            let want = self.record(&key, overrides);
+            let have = w.tables().ipcache.get(&key).copied();
+            match want {
+                Some(v) if have != Some(v) => batch.push(Write::IpUpsert(key, v)),
+                None if have.is_some() => batch.push(Write::IpDelete(key)),
+                _ => {}
+            }
+        }
+        stats.write(w, &batch)
+    }
+
+    /// Bumps the policy revision: tracked flows are re-checked against the new state.
+    fn bump<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        stats: &mut WriteStats,
+    ) -> Result<(), WriteError> {
+        self.revision += 1;
+        stats.write(w, &[Write::Revision(self.revision)])
+    }
+
+    /// Creates or changes endpoints. Rule sets are shared by content; a rule set used only by
+    /// endpoints of this batch that all move to the same new content is changed in place
+    /// (only the differing keys are written, in the safe order); otherwise the new content is
+    /// installed beside the old one (or an existing identical rule set is reused) and each
+    /// endpoint is switched with one record write per address.
+    pub fn update_endpoints<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        batch: &[(u32, EndpointSpec<'_>)],
+    ) -> Result<WriteStats, ControlError> {
+        let mut stats = WriteStats::default();
+        self.store.reclaim(w, &mut stats)?;
+        // 1. Validate and flatten; nothing is written before this succeeds.
+        let batch_ids: BTreeSet<u32> = batch.iter().map(|(id, _)| *id).collect();
+        let mut new_owner: HashMap<IpKey, u32> = HashMap::new();
+        let mut planned = Vec::with_capacity(batch.len());
+        for (id, spec) in batch {
+            if *id == 0 {
+                return Err(ControlError::ZeroEndpointId);
+            }
+            for ip in spec.ips {
+                let key = ip_key(*ip);
+                if let Some(&owner) = self.ip_owner.get(&key)
+                    && owner != *id
+                    && !batch_ids.contains(&owner)
+                {
+                    return Err(ControlError::AddressInUse { ip: *ip, owner });
+                }
+                if let Some(&other) = new_owner.get(&key)
+                    && other != *id
+                {
+                    return Err(ControlError::AddressInUse {
+                        ip: *ip,
+                        owner: other,
+                    });
+                }
+                new_owner.insert(key, *id);
+            }
+            let flat = |dir: Direction, ms: &MapState| {
+                flatten(ms).map_err(|source| ControlError::Flatten {
+                    endpoint: *id,
+                    direction: dir,
+                    source,
+                })
+            };
+            let mut ips = spec.ips.to_vec();
+            ips.sort();
+            ips.dedup();
+            planned.push(Planned {
+                id: *id,
+                ips,
+                identity: spec.identity,
+                dirs: [
+                    flat(Direction::Ingress, spec.ingress)?,
+                    flat(Direction::Egress, spec.egress)?,
+                ],
+            });
+        }
+
+        // 2. Which rule sets change in place: every user of the slot is in this batch and all
+        // of them want the same new content, which exists nowhere yet.
+        let old: Vec<Option<EndpointState>> = planned
+            .iter()
+            .map(|p| self.endpoints.get(&p.id).cloned())
+            .collect();
+        let mut users: BTreeMap<u32, Vec<(usize, usize)>> = BTreeMap::new();
+        for (i, o) in old.iter().enumerate() {
+            if let Some(o) = o {
+                for d in 0..2 {
+                    let slot = o.policy(DIRS[d]).ruleset;
+                    if slot != 0 {
+                        users.entry(slot).or_default().push((i, d));
+                    }
+                }
+            }
+        }
+        let mut in_place: BTreeMap<u32, RuleSetContent> = BTreeMap::new();
+        for (&slot, us) in &users {
+            let first = &planned[us[0].0].dirs[us[0].1].0;
+            let current = self.store.content(slot);
+            if us.len() as u32 == self.store.refs(slot)
+                && us.iter().all(|&(i, d)| &planned[i].dirs[d].0 == first)
+                && !first.is_empty()
+                && current != Some(first)
+                && self.store.find(first).is_none()
+                && !in_place.values().any(|c| c == first)
+                // Nobody in the batch may want the slot's current content.
+                && !planned.iter().any(|p| p.dirs.iter().any(|(c, _)| Some(c) == current))
+            {
+                in_place.insert(slot, first.clone());
+            }
+        }
+        let is_in_place = |i: usize, d: usize| {
+            old[i]
+                .as_ref()
+                .is_some_and(|o| in_place.contains_key(&o.policy(DIRS[d]).ruleset))
+        };
+
+        // 3. Install new contents (invisible until a record points at them).
+        let mut targets = vec![[0u32; 2]; planned.len()];
+        let mut installed = Vec::new();
+        let mut added_refs = Vec::new();
+        let mut result = Ok(());
+        'plan: for (i, p) in planned.iter().enumerate() {
+            for d in 0..2 {
+                let old_slot = old[i].as_ref().map(|o| o.policy(DIRS[d]).ruleset);
+                if is_in_place(i, d) {
+                    targets[i][d] = old_slot.unwrap_or(0);
+                    continue;
+                }
+                let content = &p.dirs[d].0;
+                // A content some rule set gets by an in-place change is shared with it.
+                let after_update = in_place
+                    .iter()
+                    .find(|(_, c)| *c == content)
+                    .map(|(s, _)| *s);
+                let slot = match after_update.or_else(|| self.store.find(content)) {
+                    Some(s) => {
+                        if Some(s) != old_slot {
+                            self.store.add_ref(s);
+                            added_refs.push(s);
+                        }
+                        s
+                    }
+                    None => match self.store.install(w, content.clone(), &mut stats) {
+                        Ok(s) => {
+                            installed.push(s);
+                            s
+                        }
+                        Err(e) => {
+                            result = Err(e);
+                            break 'plan;
+                        }
+                    },
+                };
+                targets[i][d] = slot;
+            }
+        }
+        if let Err(e) = result {
+            for s in installed.into_iter().chain(added_refs) {
+                self.store.release(s, &mut stats);
+            }
+            return Err(e.into());
+        }
+
+        // 4. Defaults that tighten on a rule set changed in place go first (a default is the
+        // weakest wildcard key: deny upserts first, allow upserts last).
+        let mut pre = HashMap::new();
+        for (i, p) in planned.iter().enumerate() {
+            let Some(o) = &old[i] else { continue };
+            let mut s = o.clone();
+            for d in 0..2 {
+                let r = o.policy(DIRS[d]);
+                if is_in_place(i, d) && r.default == V_ALLOW && p.dirs[d].1 == V_DENY {
+                    s = with_dir(&s, d, PolicyRef::new(r.ruleset, V_DENY));
+                }
+            }
+            if &s != o {
+                pre.insert(p.id, s);
+            }
+        }
+        if !pre.is_empty() {
+            let keys: Vec<IpKey> = pre
+                .values()
+                .flat_map(|s| s.ips.iter().map(|ip| ip_key(*ip)))
+                .collect();
+            self.write_records(w, keys, &pre, &mut stats)?;
+        }
+
+        // 5. In-place changes.
+        for (slot, content) in in_place {
+            self.store.update_in_place(w, slot, content, &mut stats)?;
+        }
+
+        // 6. Switch: the final records (one atomic write per address).
+        let mut touched = Vec::new();
+        for (i, p) in planned.iter().enumerate() {
+            let state = EndpointState {
+                ips: p.ips.clone(),
+                identity: p.identity,
+                ingress: PolicyRef::new(targets[i][0], p.dirs[0].1),
+                egress: PolicyRef::new(targets[i][1], p.dirs[1].1),
+            };
+            if let Some(o) = &old[i] {
+                for ip in &o.ips {
+                    let key = ip_key(*ip);
+                    if self.ip_owner.get(&key) == Some(&p.id) {
+                        self.ip_owner.remove(&key);
+                    }
+                    touched.push(key);
+                }
+            }
+            self.endpoints.insert(p.id, state);
+        }
+        for p in &planned {
+            for ip in &p.ips {
+                let key = ip_key(*ip);
+                self.ip_owner.insert(key, p.id);
+                touched.push(key);
+            }
+        }
+        // New addresses first, then the ones an endpoint gave up.
+        touched.sort_by_key(|k| !self.ip_owner.contains_key(k));
+        self.write_records(w, touched, &HashMap::new(), &mut stats)?;
+
+        // 7. Release what is no longer used (cleared after the grace period).
+        for (i, o) in old.iter().enumerate() {
+            if let Some(o) = o {
+                for d in 0..2 {
+                    let before = o.policy(DIRS[d]).ruleset;
+                    if before != targets[i][d] {
+                        self.store.release(before, &mut stats);
+                    }
+                }
+            }
+        }
+        self.bump(w, &mut stats)?;
+        Ok(stats)
+    }
+
+    /// Removes endpoints: their addresses lose the endpoint record (falling back to a host or
+    /// identity record if one was set), their rule sets lose a user.
+    pub fn remove_endpoints<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        ids: &[u32],
+    ) -> Result<WriteStats, ControlError> {
+        let mut stats = WriteStats::default();
+        for id in ids {
+            if !self.endpoints.contains_key(id) {
+                return Err(ControlError::UnknownEndpoint(*id));
+            }
+        }
+        let mut keys = Vec::new();
+        let mut slots = Vec::new();
+        for id in ids {
+            if let Some(ep) = self.endpoints.remove(id) {
+                for ip in &ep.ips {
+                    let key = ip_key(*ip);
+                    if self.ip_owner.get(&key) == Some(id) {
+                        self.ip_owner.remove(&key);
+                    }
+                    keys.push(key);
+                }
+                slots.push(ep.ingress.ruleset);
+                slots.push(ep.egress.ruleset);
+            }
+        }
+        self.write_records(w, keys, &HashMap::new(), &mut stats)?;
+        for s in slots {
+            self.store.release(s, &mut stats);
+        }
+        self.bump(w, &mut stats)?;
+        self.store.reclaim(w, &mut stats)?;
+        Ok(stats)
+    }
+
+    /// Sets (`Some`) or removes (`None`) the identity of networks: single addresses go to the
+    /// exact ipcache, shorter prefixes to the CIDR trie.
+    pub fn set_identities<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        entries: &[(IpNet, Option<u32>)],
+    ) -> Result<WriteStats, ControlError> {
+        let mut stats = WriteStats::default();
+        let mut exact = Vec::new();
+        let mut cidr_writes = Vec::new();
+        for (net, identity) in entries {
+            if is_host_prefix(net) {
+                let key = ip_key(net.addr());
+                match identity {
+                    Some(id) => self.remote.insert(key, *id),
+                    None => self.remote.remove(&key),
+                };
+                exact.push(key);
+            } else {
+                let (key, len) = net_key(*net);
+                let k = (key, len);
+                match identity {
+                    Some(id) => {
+                        if self.cidr.insert(k, *id) != Some(*id) {
+                            cidr_writes.push(Write::CidrUpsert(
+                                key,
+                                len,
+                                IpInfo {
+                                    identity: *id,
+                                    ..IpInfo::default()
+                                },
+                            ));
+                        }
+                    }
+                    None => {
+                        if self.cidr.remove(&k).is_some() {
+                            cidr_writes.push(Write::CidrDelete(key, len));
+                        }
+                    }
+                }
+            }
+        }
+        self.write_records(w, exact, &HashMap::new(), &mut stats)?;
+        stats.write(w, &cidr_writes)?;
+        self.bump(w, &mut stats)?;
+        Ok(stats)
+    }
+
+    /// Replaces the set of this node's own addresses.
+    pub fn set_hosts<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        ips: &[IpAddr],
+    ) -> Result<WriteStats, ControlError> {
+        let mut stats = WriteStats::default();
+        let new: BTreeSet<IpKey> = ips.iter().map(|ip| ip_key(*ip)).collect();
+        let keys: Vec<IpKey> = self.hosts.union(&new).copied().collect();
+        self.hosts = new;
+        self.write_records(w, keys, &HashMap::new(), &mut stats)?;
+        self.bump(w, &mut stats)?;
+        Ok(stats)
+    }
+
+    pub fn hosts(&self) -> impl Iterator<Item = IpAddr> + '_ {
+        self.hosts.iter().map(key_ip)
+    }
+
+    /// Clears released rule sets whose grace period is over.
+    pub fn reclaim<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+    ) -> Result<WriteStats, ControlError> {
+        let mut stats = WriteStats::default();
+        self.store.reclaim(w, &mut stats)?;
+        Ok(stats)
+    }
+
+    /// Rebuilds the control state from the tables (agent restart): endpoints, hosts and
+    /// identities from the ipcache, rule sets from the policy keys. In the normal case nothing
+    /// is written; see [`Store::adopt`] for the repairs after an interrupted operation.
+    pub fn adopt<W: TableWriter + ?Sized>(
+        w: &mut W,
+        max_rulesets: u32,
+        max_blocks: u32,
+        grace: Duration,
+    ) -> Result<(Control, WriteStats), ControlError> {
+        let mut stats = WriteStats::default();
+        let mut endpoints: BTreeMap<u32, EndpointState> = BTreeMap::new();
+        let mut ip_owner = HashMap::new();
+        let mut remote = HashMap::new();
+        let mut hosts = BTreeSet::new();
+        let mut inconsistent = BTreeSet::new();
+        let mut records: Vec<(IpKey, IpInfo)> =
+            w.tables().ipcache.iter().map(|(k, v)| (*k, *v)).collect();
+        records.sort_by_key(|(k, _)| *k);
+        for (key, info) in records {
+            if info.is_endpoint() {
+                let ep = endpoints
+                    .entry(info.endpoint)
+                    .or_insert_with(|| EndpointState {
+                        ips: Vec::new(),
+                        identity: info.identity,
+                        ingress: info.ingress,
+                        egress: info.egress,
+                    });
+                if (ep.identity, ep.ingress, ep.egress)
+                    != (info.identity, info.ingress, info.egress)
+                {
+                    inconsistent.insert(info.endpoint);
+                }
+                ep.ips.push(key_ip(&key));
+                ip_owner.insert(key, info.endpoint);
+            } else {
+                if info.is_host() {
+                    hosts.insert(key);
+                }
+                if !info.is_host() || info.identity != 0 {
+                    remote.insert(key, info.identity);
+                }
+            }
+        }
+        let mut refs: BTreeMap<u32, u32> = BTreeMap::new();
+        for ep in endpoints.values() {
+            *refs.entry(ep.ingress.ruleset).or_default() += 1;
+            *refs.entry(ep.egress.ruleset).or_default() += 1;
+        }
+        let store = Store::adopt(w, max_rulesets, max_blocks, grace, &refs, &mut stats)?;
+        let cidr = w
+            .tables()
+            .cidr
+            .iter()
+            .map(|((k, len), v)| ((*k, *len), v.identity))
+            .collect();
+        let control = Control {
+            store,
+            endpoints,
+            ip_owner,
+            remote,
+            hosts,
+            cidr,
+            revision: w.tables().revision,
+        };
+        if !inconsistent.is_empty() {
+            // Records of one endpoint disagree (interrupted switch): make them all say what the
+            // first address says.
+            let keys: Vec<IpKey> = inconsistent
+                .iter()
+                .flat_map(|id| control.endpoints[id].ips.iter().map(|ip| ip_key(*ip)))
+                .collect();
+            control.write_records(w, keys, &HashMap::new(), &mut stats)?;
+        }
+        Ok((control, stats))
+    }
+}

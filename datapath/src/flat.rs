@@ -1,0 +1,381 @@
+//! Flattening a MapState into the datapath's rule set layout, and the userspace lookup over it.
+//!
+//! A rule set is the MapState's keys with their verdicts, nothing else ([`RuleSetContent`]):
+//! identity keys go to the policy hash map as they are, and the wildcard keys plus the set of
+//! key lengths are folded into **cell words** (see `ordnet_datapath_common::lookup`). This module
+//! computes those words ([`CellInputs`], [`cell_words`]); the same functions serve the kernel
+//! tables (`store`) and the self-contained [`FlatRuleSet`] that the CLI can use without a
+//! kernel.
+
+use std::collections::BTreeMap;
+
+use ordnet_datapath_common::{
+    layout::{
+        CELL_REFINED, CELLS_PER_RULESET, OTHER_SLOT_CELL, PolicyKey, PolicyRef, PolicyValue,
+        SLOT_PROTOCOLS, V_ALLOW, V_DENY, WILD_ALLOW, WILD_DENY, WILD_NONE, cell_word, prefix_bits,
+        proto_slot,
+    },
+    lookup::{PolicyDecision, PolicyMaps, policy_lookup},
+};
+use ordnet_mapstate::{MapState, Peer, Verdict};
+
+/// Why a MapState cannot be flattened.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FlattenError {
+    /// A key fixes a protocol other than TCP, UDP or SCTP, or only part of the protocol bits.
+    /// (MapStates built from policy entries never contain one.)
+    #[error(
+        "key {key} cannot be flattened: only the wildcard protocol or TCP/UDP/SCTP prefixes are supported"
+    )]
+    UnsupportedPrefix { key: String },
+    /// Identity 0 is the datapath's wildcard and not a valid identity.
+    #[error("identity 0 is reserved for the wildcard and cannot have keys")]
+    ZeroIdentity,
+}
+
+/// The datapath encoding of a verdict.
+pub fn verdict_code(v: Verdict) -> u8 {
+    match v {
+        Verdict::Allow => V_ALLOW,
+        Verdict::Deny => V_DENY,
+    }
+}
+
+/// The keys of a flattened rule set: what is shared between endpoints whose MapStates are
+/// identical (the isolation default is not part of it: it lives in the endpoint record).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct RuleSetContent {
+    /// (identity, prefix bits) -> `V_ALLOW`/`V_DENY`.
+    pub specific: BTreeMap<(u32, u32), u8>,
+    /// `*` keys: prefix bits -> `V_ALLOW`/`V_DENY`.
+    pub wildcard: BTreeMap<u32, u8>,
+}
+
+impl RuleSetContent {
+    pub fn is_empty(&self) -> bool {
+        self.specific.is_empty() && self.wildcard.is_empty()
+    }
+
+    /// Number of keys.
+    pub fn len(&self) -> usize {
+        self.specific.len() + self.wildcard.len()
+    }
+
+    /// The inputs of the cell computation.
+    pub fn cell_inputs(&self) -> CellInputs {
+        let mut inputs = CellInputs {
+            wildcard: self.wildcard.clone(),
+            ..CellInputs::default()
+        };
+        for &(_, prefix) in self.specific.keys() {
+            inputs.add_specific(prefix);
+        }
+        inputs
+    }
+}
+
+/// A MapState prefix in the datapath's `prefix_bits` form, if the datapath supports it.
+fn encode_prefix(prefix: &ordnet_mapstate::L4Prefix) -> Result<u32, FlattenError> {
+    let len = prefix.len();
+    let supported =
+        len == 0 || (len >= 8 && prefix.protocol().and_then(proto_slot).is_some() && len <= 24);
+    if !supported {
+        return Err(FlattenError::UnsupportedPrefix {
+            key: prefix.to_string(),
+        });
+    }
+    Ok(prefix.raw() | u32::from(len))
+}
+
+/// The keys of a MapState as a rule set, and its isolation default (`V_ALLOW`/`V_DENY`).
+pub fn flatten(ms: &MapState) -> Result<(RuleSetContent, u8), FlattenError> {
+    let mut content = RuleSetContent::default();
+    for (key, entry) in ms.iter() {
+        let prefix = encode_prefix(&key.prefix)?;
+        let v = verdict_code(entry.verdict);
+        match key.peer {
+            Peer::Any => {
+                content.wildcard.insert(prefix, v);
+            }
+            Peer::Id(0) => return Err(FlattenError::ZeroIdentity),
+            Peer::Id(id) => {
+                content.specific.insert((id, prefix), v);
+            }
+        }
+    }
+    Ok((content, verdict_code(ms.default_verdict())))
+}
+
+/// What the cell words of a rule set are computed from: how many identity keys sit at each
+/// prefix (only "some or none" matters for the word) and the `*` verdict at each prefix.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CellInputs {
+    pub specific_count: BTreeMap<u32, u32>,
+    pub wildcard: BTreeMap<u32, u8>,
+}
+
+impl CellInputs {
+    pub fn add_specific(&mut self, prefix: u32) {
+        *self.specific_count.entry(prefix).or_default() += 1;
+    }
+
+    pub fn remove_specific(&mut self, prefix: u32) {
+        if let Some(n) = self.specific_count.get_mut(&prefix) {
+            *n -= 1;
+            if *n == 0 {
+                self.specific_count.remove(&prefix);
+            }
+        }
+    }
+}
+
+/// The words of one first-level cell: the same word for all its ports, or one per low port
+/// byte.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CellWords {
+    Uniform(u32),
+    Refined(Box<[u32; 256]>),
+}
+
+fn prefix_len(prefix: u32) -> u32 {
+    prefix & 0xff
+}
+
+fn wild_code(v: u8) -> u32 {
+    if v == V_ALLOW { WILD_ALLOW } else { WILD_DENY }
+}
+
+/// The words of first-level cell `cell` (0..CELLS_PER_RULESET) of a rule set.
+pub fn cell_words(inputs: &CellInputs, cell: u32) -> CellWords {
+    if cell == OTHER_SLOT_CELL {
+        // Other protocols: only length-0 keys can match.
+        let mask = u32::from(inputs.specific_count.contains_key(&0));
+        let wild = inputs.wildcard.get(&0).map_or(WILD_NONE, |v| wild_code(*v));
+        return CellWords::Uniform(cell_word(mask, wild));
+    }
+    let slot = cell / 256;
+    let hi = cell % 256;
+    let proto = SLOT_PROTOCOLS[slot as usize];
+    let first_port = (hi << 8) as u16;
+    // Ancestors of (and equal to) the 256-port block: lengths 0 and 8..=16.
+    let mut mask = 0u32;
+    let mut wild = WILD_NONE;
+    for len in core::iter::once(0).chain(8..=16) {
+        let p = prefix_bits(proto, first_port, len);
+        if inputs.specific_count.contains_key(&p) {
+            mask |= 1 << len;
+        }
+        if let Some(v) = inputs.wildcard.get(&p) {
+            wild = wild_code(*v); // longer overrides shorter (ascending lengths)
+        }
+    }
+    // Descendants: keys of length 17..=24 inside the block.
+    let lo = prefix_bits(proto, first_port, 24) & !0xff;
+    let hi_bound = lo | (0xff << 8) | 0xff;
+    let specific: Vec<u32> = inputs
+        .specific_count
+        .range(lo..=hi_bound)
+        .map(|(p, _)| *p)
+        .filter(|p| prefix_len(*p) > 16)
+        .collect();
+    let mut wildcard: Vec<(u32, u8)> = inputs
+        .wildcard
+        .range(lo..=hi_bound)
+        .map(|(p, v)| (*p, *v))
+        .filter(|(p, _)| prefix_len(*p) > 16)
+        .collect();
+    if specific.is_empty() && wildcard.is_empty() {
+        return CellWords::Uniform(cell_word(mask, wild));
+    }
+    let mut masks = [mask; 256];
+    let mut wilds = [wild; 256];
+    let port_span = |p: u32| {
+        let len = prefix_len(p);
+        let first = (p >> 8) & 0xff;
+        let count = 1u32 << (24 - len);
+        (first, first + count - 1, len)
+    };
+    for p in specific {
+        let (a, b, len) = port_span(p);
+        for m in &mut masks[a as usize..=b as usize] {
+            *m |= 1 << len;
+        }
+    }
+    // Shorter first, so that a longer key overrides the shorter ones inside it.
+    wildcard.sort_by_key(|(p, _)| prefix_len(*p));
+    for (p, v) in wildcard {
+        let (a, b, _) = port_span(p);
+        for w in &mut wilds[a as usize..=b as usize] {
+            *w = wild_code(v);
+        }
+    }
+    let mut words = Box::new([0u32; 256]);
+    for i in 0..256 {
+        words[i] = cell_word(masks[i], wilds[i]);
+    }
+    if words.iter().all(|w| *w == words[0]) {
+        CellWords::Uniform(words[0])
+    } else {
+        CellWords::Refined(words)
+    }
+}
+
+/// The first-level cells whose words a key at `prefix` can influence.
+pub fn affected_cells(prefix: u32) -> std::ops::RangeInclusive<u32> {
+    let len = prefix_len(prefix);
+    if len == 0 {
+        return 0..=CELLS_PER_RULESET - 1;
+    }
+    let proto = (prefix >> 24) as u8;
+    let slot = proto_slot(proto).expect("flattened prefixes have a supported protocol");
+    let first = (prefix >> 8) & 0xffff;
+    let last = if len <= 8 {
+        0xffff
+    } else {
+        first | ((1u32 << (24 - len)) - 1)
+    };
+    (slot * 256 + (first >> 8))..=(slot * 256 + (last >> 8))
+}
+
+/// A flattened rule set on its own, with the cell words computed exactly as they are written to
+/// the kernel. Its [`FlatRuleSet::lookup`] runs the kernel's lookup function
+/// ([`policy_lookup`]) over it: the userspace verdict of a MapState as the datapath sees it.
+#[derive(Debug, Clone)]
+pub struct FlatRuleSet {
+    content: RuleSetContent,
+    default: u8,
+    l1: Vec<u32>,
+    blocks: Vec<u32>,
+}
+
+impl FlatRuleSet {
+    /// Flattens a MapState.
+    pub fn from_mapstate(ms: &MapState) -> Result<FlatRuleSet, FlattenError> {
+        let (content, default) = flatten(ms)?;
+        Ok(FlatRuleSet::new(content, default))
+    }
+
+    /// A rule set from its keys and default (`V_ALLOW`/`V_DENY`).
+    pub fn new(content: RuleSetContent, default: u8) -> FlatRuleSet {
+        let inputs = content.cell_inputs();
+        let mut l1 = Vec::with_capacity(CELLS_PER_RULESET as usize);
+        let mut blocks = Vec::new();
+        for cell in 0..CELLS_PER_RULESET {
+            match cell_words(&inputs, cell) {
+                CellWords::Uniform(w) => l1.push(w),
+                CellWords::Refined(words) => {
+                    l1.push(CELL_REFINED | (blocks.len() / 256) as u32);
+                    blocks.extend_from_slice(&words[..]);
+                }
+            }
+        }
+        FlatRuleSet {
+            content,
+            default,
+            l1,
+            blocks,
+        }
+    }
+
+    pub fn content(&self) -> &RuleSetContent {
+        &self.content
+    }
+
+    /// `V_ALLOW` or `V_DENY`.
+    pub fn default_code(&self) -> u8 {
+        self.default
+    }
+
+    /// Number of refined 256-word blocks.
+    pub fn refined_blocks(&self) -> usize {
+        self.blocks.len() / 256
+    }
+
+    /// The datapath's decision for a packet of `identity` (`None`: an address without identity)
+    /// to `(protocol, port)`.
+    pub fn lookup(&self, identity: Option<u32>, protocol: u8, port: u16) -> PolicyDecision {
+        policy_lookup(
+            self,
+            PolicyRef::new(0, self.default),
+            identity.unwrap_or(0),
+            protocol,
+            port,
+        )
+    }
+
+    /// The verdict of [`FlatRuleSet::lookup`].
+    pub fn verdict(&self, identity: Option<u32>, protocol: u8, port: u16) -> Verdict {
+        if self.lookup(identity, protocol, port).allow {
+            Verdict::Allow
+        } else {
+            Verdict::Deny
+        }
+    }
+}
+
+impl PolicyMaps for FlatRuleSet {
+    fn cell(&self, index: u32) -> Option<u32> {
+        self.l1.get(index as usize).copied()
+    }
+
+    fn block_word(&self, index: u32) -> Option<u32> {
+        self.blocks.get(index as usize).copied()
+    }
+
+    fn policy(&self, key: &PolicyKey) -> Option<PolicyValue> {
+        if key.ruleset != 0 {
+            return None;
+        }
+        self.content
+            .specific
+            .get(&(key.identity, key.prefix))
+            .map(|v| PolicyValue::new(*v))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn affected_cells_of_each_length() {
+        assert_eq!(affected_cells(0), 0..=768);
+        assert_eq!(affected_cells(prefix_bits(6, 0, 8)), 0..=255);
+        assert_eq!(affected_cells(prefix_bits(17, 0, 8)), 256..=511);
+        assert_eq!(affected_cells(prefix_bits(132, 80, 24)), 512..=512);
+        assert_eq!(affected_cells(prefix_bits(6, 0x1200, 16)), 0x12..=0x12);
+        assert_eq!(affected_cells(prefix_bits(6, 0x1000, 12)), 0x10..=0x1f);
+        assert_eq!(affected_cells(prefix_bits(6, 0xff00, 20)), 0xff..=0xff);
+    }
+
+    #[test]
+    fn words_of_nested_keys() {
+        let mut inputs = CellInputs::default();
+        inputs.add_specific(prefix_bits(6, 80, 24));
+        inputs.add_specific(prefix_bits(6, 0, 8));
+        inputs.wildcard.insert(0, V_ALLOW);
+        inputs.wildcard.insert(prefix_bits(6, 80, 22), V_DENY); // 80..=83
+        let CellWords::Refined(w) = cell_words(&inputs, 0) else {
+            panic!("block 0 of TCP must be refined")
+        };
+        let base = 1 << 8; // the TCP/* identity key
+        assert_eq!(w[79], cell_word(base, WILD_ALLOW));
+        assert_eq!(w[80], cell_word(base | 1 << 24, WILD_DENY));
+        assert_eq!(w[81], cell_word(base, WILD_DENY));
+        assert_eq!(w[83], cell_word(base, WILD_DENY));
+        assert_eq!(w[84], cell_word(base, WILD_ALLOW));
+        assert_eq!(
+            cell_words(&inputs, 1),
+            CellWords::Uniform(cell_word(base, WILD_ALLOW))
+        );
+        assert_eq!(
+            cell_words(&inputs, 256),
+            CellWords::Uniform(cell_word(0, WILD_ALLOW)),
+            "UDP: only the any-protocol wildcard"
+        );
+        assert_eq!(
+            cell_words(&inputs, OTHER_SLOT_CELL),
+            CellWords::Uniform(cell_word(0, WILD_ALLOW))
+        );
+    }
+}

@@ -1,0 +1,711 @@
+//! Rule set slots in the kernel tables: install, in-place update in a safe order, sharing by
+//! content, release with deferred reuse.
+//!
+//! A slot `s` owns cell words `s * CELLS_PER_RULESET ..` of the cell array, the policy keys with
+//! `ruleset = s`, and the refined blocks its cell words point to. Slot 0 is the permanent empty
+//! rule set (all words zero: no keys, no wildcard, the default decides).
+//!
+//! **Update safety** (`docs/datapath.md` §6). A packet reads one cell word (through at most one
+//! block) and then probes the policy hash; every single write changes one word or one key, and
+//! the kernel applies a batch element by element. An in-place update runs in phases:
+//!
+//! * A: add the lengths of new identity keys to the cell masks (a longer mask only causes probes
+//!   that miss: no verdict changes);
+//! * 1..4: the key changes in the order of `ChangeSet::safe_order` — upserts to deny, deletions
+//!   of allows, deletions of denies, upserts to allow — identity keys as hash writes, wildcard
+//!   keys as rewrites of the affected cell words (each word is independently old or new, and a
+//!   packet reads one word, so every packet sees a state that is a prefix of the safe order);
+//! * Z: drop the lengths of removed identity keys from the masks.
+//!
+//! A cell that becomes refined gets its block fully written before the first-level word points
+//! to it; a block or slot that is no longer referenced is reused only after a grace period, so
+//! a packet that read the old reference while it was switched still finds the old contents.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, VecDeque},
+    hash::{DefaultHasher, Hash, Hasher},
+    thread,
+    time::{Duration, Instant},
+};
+
+use ordnet_datapath_common::layout::{
+    BLOCK_WORDS, CELL_REFINED, CELLS_PER_RULESET, PolicyKey, PolicyValue, V_ALLOW, V_DENY,
+};
+
+use crate::{
+    flat::{CellInputs, CellWords, RuleSetContent, affected_cells, cell_words},
+    tables::{TableWriter, Write, WriteError},
+};
+
+/// Counts of what an operation wrote.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WriteStats {
+    /// Rule sets written into a fresh slot.
+    pub rulesets_installed: u32,
+    /// Rule sets changed in place.
+    pub rulesets_updated: u32,
+    /// Rule sets no longer used (released for deferred reuse).
+    pub rulesets_released: u32,
+    /// Policy hash writes (upserts + deletes).
+    pub policy_writes: u32,
+    /// First-level cell word writes.
+    pub cell_writes: u32,
+    /// Block word writes.
+    pub block_writes: u32,
+    /// ipcache / CIDR writes.
+    pub ip_writes: u32,
+    /// Batches (one syscall each in the kernel writer).
+    pub batches: u32,
+}
+
+impl WriteStats {
+    /// Writes `batch` (if not empty) and counts it.
+    pub(crate) fn write<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        batch: &[Write],
+    ) -> Result<(), WriteError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        w.write(batch)?;
+        self.batches += 1;
+        for op in batch {
+            match op {
+                Write::Cell(..) => self.cell_writes += 1,
+                Write::Block(..) => self.block_writes += 1,
+                Write::PolicyUpsert(..) | Write::PolicyDelete(..) => self.policy_writes += 1,
+                Write::IpUpsert(..)
+                | Write::IpDelete(..)
+                | Write::CidrUpsert(..)
+                | Write::CidrDelete(..) => self.ip_writes += 1,
+                Write::Revision(_) => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Errors of the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(transparent)]
+    Write(#[from] WriteError),
+    #[error("no free rule set slot (all {0} in use); raise max_rulesets")]
+    NoSlot(u32),
+    #[error("no free cell block (all {0} in use); raise max_blocks")]
+    NoBlock(u32),
+}
+
+#[derive(Debug, Clone)]
+struct RuleSet {
+    content: RuleSetContent,
+    inputs: CellInputs,
+    hash: u64,
+    refs: u32,
+}
+
+fn content_hash(c: &RuleSetContent) -> u64 {
+    let mut h = DefaultHasher::new();
+    c.hash(&mut h);
+    h.finish()
+}
+
+/// The keys of `slot` as the tables hold them.
+fn slot_content<W: TableWriter + ?Sized>(w: &W, slot: u32) -> RuleSetContent {
+    let mut c = RuleSetContent::default();
+    for (k, v) in &w.tables().policy {
+        if k.ruleset != slot {
+            continue;
+        }
+        if k.identity == 0 {
+            c.wildcard.insert(k.prefix, v.verdict);
+        } else {
+            c.specific.insert((k.identity, k.prefix), v.verdict);
+        }
+    }
+    c
+}
+
+/// Summary of one slot, for inspection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotInfo {
+    pub slot: u32,
+    pub keys: usize,
+    pub refs: u32,
+}
+
+/// The rule set slots.
+#[derive(Debug)]
+pub struct Store {
+    max_rulesets: u32,
+    max_blocks: u32,
+    grace: Duration,
+    slots: Vec<Option<RuleSet>>,
+    free_slots: VecDeque<u32>,
+    retired_slots: VecDeque<(u32, Instant)>,
+    free_blocks: VecDeque<u32>,
+    retired_blocks: VecDeque<(u32, Instant)>,
+    by_hash: HashMap<u64, Vec<u32>>,
+}
+
+/// The writes of one phase, in the order they must be applied.
+#[derive(Default)]
+struct Phase {
+    blocks: Vec<Write>,
+    cells: Vec<Write>,
+    policy: Vec<Write>,
+    /// Blocks no longer referenced once `cells` is written.
+    retire: Vec<u32>,
+}
+
+impl Store {
+    /// An empty store for tables of `max_rulesets` slots and `max_blocks` blocks; released slots
+    /// and blocks are reused after `grace`.
+    pub fn new(max_rulesets: u32, max_blocks: u32, grace: Duration) -> Store {
+        let mut slots = vec![None; max_rulesets as usize];
+        slots[0] = Some(RuleSet {
+            content: RuleSetContent::default(),
+            inputs: CellInputs::default(),
+            hash: content_hash(&RuleSetContent::default()),
+            refs: 0,
+        });
+        Store {
+            max_rulesets,
+            max_blocks,
+            grace,
+            slots,
+            free_slots: (1..max_rulesets).collect(),
+            retired_slots: VecDeque::new(),
+            free_blocks: (0..max_blocks).collect(),
+            retired_blocks: VecDeque::new(),
+            by_hash: HashMap::new(),
+        }
+    }
+
+    /// The content of a slot in use.
+    pub fn content(&self, slot: u32) -> Option<&RuleSetContent> {
+        self.slots.get(slot as usize)?.as_ref().map(|r| &r.content)
+    }
+
+    /// Slots in use (not 0), with their size and number of users.
+    pub fn slots_in_use(&self) -> Vec<SlotInfo> {
+        self.slots
+            .iter()
+            .enumerate()
+            .skip(1)
+            .filter_map(|(i, r)| {
+                r.as_ref().map(|r| SlotInfo {
+                    slot: i as u32,
+                    keys: r.content.len(),
+                    refs: r.refs,
+                })
+            })
+            .collect()
+    }
+
+    /// Blocks referenced by slots in use.
+    pub fn blocks_in_use(&self) -> u32 {
+        self.max_blocks - self.free_blocks.len() as u32 - self.retired_blocks.len() as u32
+    }
+
+    /// The slot holding exactly `content`, if any (slot 0 for the empty content).
+    pub fn find(&self, content: &RuleSetContent) -> Option<u32> {
+        if content.is_empty() {
+            return Some(0);
+        }
+        self.by_hash
+            .get(&content_hash(content))?
+            .iter()
+            .copied()
+            .find(|s| self.content(*s) == Some(content))
+    }
+
+    pub fn refs(&self, slot: u32) -> u32 {
+        self.slots
+            .get(slot as usize)
+            .and_then(|r| r.as_ref())
+            .map_or(0, |r| r.refs)
+    }
+
+    pub fn add_ref(&mut self, slot: u32) {
+        if let Some(Some(r)) = self.slots.get_mut(slot as usize) {
+            r.refs += 1;
+        }
+    }
+
+    /// Drops one reference; a slot (other than 0) without references is released: it keeps its
+    /// contents for the grace period (packets may still be using it), then it is cleared.
+    pub fn release(&mut self, slot: u32, stats: &mut WriteStats) {
+        if slot == 0 {
+            return;
+        }
+        let Some(Some(r)) = self.slots.get_mut(slot as usize) else {
+            return;
+        };
+        r.refs = r.refs.saturating_sub(1);
+        if r.refs == 0 {
+            let hash = r.hash;
+            if let Some(v) = self.by_hash.get_mut(&hash) {
+                v.retain(|s| *s != slot);
+                if v.is_empty() {
+                    self.by_hash.remove(&hash);
+                }
+            }
+            self.retired_slots.push_back((slot, Instant::now()));
+            stats.rulesets_released += 1;
+        }
+    }
+
+    /// Clears released slots and frees released blocks whose grace period is over.
+    pub fn reclaim<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        stats: &mut WriteStats,
+    ) -> Result<(), StoreError> {
+        let now = Instant::now();
+        while let Some(&(b, t)) = self.retired_blocks.front() {
+            if now.duration_since(t) < self.grace {
+                break;
+            }
+            self.retired_blocks.pop_front();
+            self.free_blocks.push_back(b);
+        }
+        while let Some(&(slot, t)) = self.retired_slots.front() {
+            if now.duration_since(t) < self.grace {
+                break;
+            }
+            self.retired_slots.pop_front();
+            // A released slot may have been taken back into use by `find` + `add_ref`? No:
+            // released slots leave the content index, so nothing can find them.
+            self.clear_slot(w, slot, stats)?;
+            self.free_slots.push_back(slot);
+        }
+        Ok(())
+    }
+
+    /// Removes a slot's keys and zeroes its words (only for a slot nobody can read any more).
+    fn clear_slot<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        slot: u32,
+        stats: &mut WriteStats,
+    ) -> Result<(), StoreError> {
+        let Some(r) = self.slots[slot as usize].take() else {
+            return Ok(());
+        };
+        let mut policy = Vec::with_capacity(r.content.len());
+        for &(identity, prefix) in r.content.specific.keys() {
+            policy.push(Write::PolicyDelete(PolicyKey {
+                ruleset: slot,
+                identity,
+                prefix,
+            }));
+        }
+        for &prefix in r.content.wildcard.keys() {
+            policy.push(Write::PolicyDelete(PolicyKey {
+                ruleset: slot,
+                identity: 0,
+                prefix,
+            }));
+        }
+        let base = slot * CELLS_PER_RULESET;
+        let mut cells = Vec::new();
+        for i in 0..CELLS_PER_RULESET {
+            let word = w.tables().cells[(base + i) as usize];
+            if word & CELL_REFINED != 0 {
+                self.free_blocks.push_back(word & !CELL_REFINED);
+            }
+            if word != 0 {
+                cells.push(Write::Cell(base + i, 0));
+            }
+        }
+        stats.write(w, &policy)?;
+        stats.write(w, &cells)?;
+        Ok(())
+    }
+
+    fn alloc_slot<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        stats: &mut WriteStats,
+    ) -> Result<u32, StoreError> {
+        loop {
+            if let Some(s) = self.free_slots.pop_front() {
+                return Ok(s);
+            }
+            let Some(&(_, t)) = self.retired_slots.front() else {
+                return Err(StoreError::NoSlot(self.max_rulesets));
+            };
+            // Wait out the oldest released slot's grace period.
+            thread::sleep(self.grace.saturating_sub(t.elapsed()));
+            self.reclaim(w, stats)?;
+        }
+    }
+
+    fn alloc_block(&mut self) -> Result<u32, StoreError> {
+        loop {
+            if let Some(b) = self.free_blocks.pop_front() {
+                return Ok(b);
+            }
+            let Some(&(_, t)) = self.retired_blocks.front() else {
+                return Err(StoreError::NoBlock(self.max_blocks));
+            };
+            // Wait out the oldest released block's grace period. (Only blocks are reclaimed
+            // here: clearing slots would issue writes in the middle of a phase.)
+            thread::sleep(self.grace.saturating_sub(t.elapsed()));
+            let now = Instant::now();
+            while let Some(&(b, t)) = self.retired_blocks.front() {
+                if now.duration_since(t) < self.grace {
+                    break;
+                }
+                self.retired_blocks.pop_front();
+                self.free_blocks.push_back(b);
+            }
+        }
+    }
+
+    /// The writes that bring the given first-level cells of `slot` to the words of `inputs`.
+    fn realize<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        slot: u32,
+        inputs: &CellInputs,
+        cells: &BTreeSet<u32>,
+        phase: &mut Phase,
+    ) -> Result<(), StoreError> {
+        let base = slot * CELLS_PER_RULESET;
+        for &cell in cells {
+            let index = base + cell;
+            let current = w.tables().cells[index as usize];
+            match (current & CELL_REFINED != 0, cell_words(inputs, cell)) {
+                (false, CellWords::Uniform(word)) => {
+                    if current != word {
+                        phase.cells.push(Write::Cell(index, word));
+                    }
+                }
+                (false, CellWords::Refined(words)) => {
+                    let b = self.alloc_block()?;
+                    for (i, word) in words.iter().enumerate() {
+                        phase
+                            .blocks
+                            .push(Write::Block(b * BLOCK_WORDS + i as u32, *word));
+                    }
+                    phase.cells.push(Write::Cell(index, CELL_REFINED | b));
+                }
+                (true, CellWords::Uniform(word)) => {
+                    phase.cells.push(Write::Cell(index, word));
+                    phase.retire.push(current & !CELL_REFINED);
+                }
+                (true, CellWords::Refined(words)) => {
+                    let b = current & !CELL_REFINED;
+                    let old = &w.tables().blocks
+                        [(b * BLOCK_WORDS) as usize..((b + 1) * BLOCK_WORDS) as usize];
+                    for (i, word) in words.iter().enumerate() {
+                        if old[i] != *word {
+                            phase
+                                .blocks
+                                .push(Write::Block(b * BLOCK_WORDS + i as u32, *word));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn run_phase<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        stats: &mut WriteStats,
+        phase: Phase,
+    ) -> Result<(), StoreError> {
+        stats.write(w, &phase.blocks)?;
+        stats.write(w, &phase.cells)?;
+        stats.write(w, &phase.policy)?;
+        let now = Instant::now();
+        self.retired_blocks
+            .extend(phase.retire.into_iter().map(|b| (b, now)));
+        Ok(())
+    }
+
+    /// Writes `content` into a fresh slot (invisible until an endpoint record points to it) and
+    /// returns the slot, with one reference.
+    pub fn install<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        content: RuleSetContent,
+        stats: &mut WriteStats,
+    ) -> Result<u32, StoreError> {
+        let slot = self.alloc_slot(w, stats)?;
+        let inputs = content.cell_inputs();
+        let mut phase = Phase::default();
+        let all: BTreeSet<u32> = (0..CELLS_PER_RULESET).collect();
+        self.realize(w, slot, &inputs, &all, &mut phase)?;
+        phase.policy.reserve(content.len());
+        for (&(identity, prefix), &v) in &content.specific {
+            phase.policy.push(Write::PolicyUpsert(
+                PolicyKey {
+                    ruleset: slot,
+                    identity,
+                    prefix,
+                },
+                PolicyValue::new(v),
+            ));
+        }
+        for (&prefix, &v) in &content.wildcard {
+            phase.policy.push(Write::PolicyUpsert(
+                PolicyKey {
+                    ruleset: slot,
+                    identity: 0,
+                    prefix,
+                },
+                PolicyValue::new(v),
+            ));
+        }
+        self.run_phase(w, stats, phase)?;
+        let hash = content_hash(&content);
+        self.by_hash.entry(hash).or_default().push(slot);
+        self.slots[slot as usize] = Some(RuleSet {
+            content,
+            inputs,
+            hash,
+            refs: 1,
+        });
+        stats.rulesets_installed += 1;
+        Ok(slot)
+    }
+
+    /// Changes the keys of `slot` to `new` in place, writing only what differs, in the safe
+    /// order described in the module documentation.
+    pub fn update_in_place<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        slot: u32,
+        new: RuleSetContent,
+        stats: &mut WriteStats,
+    ) -> Result<(), StoreError> {
+        assert!(slot != 0, "slot 0 is the permanent empty rule set");
+        let mut rs = self.slots[slot as usize]
+            .take()
+            .expect("update_in_place of a slot in use");
+        let result = self.update_slot(w, slot, &mut rs, &new, stats);
+        if let Some(v) = self.by_hash.get_mut(&rs.hash) {
+            v.retain(|s| *s != slot);
+            if v.is_empty() {
+                self.by_hash.remove(&rs.hash);
+            }
+        }
+        if result.is_ok() {
+            rs.content = new;
+        } else {
+            // A write failed part-way: take the keys as the tables now hold them, and try to
+            // bring the words in line with them (best effort; the error is reported anyway).
+            rs.content = slot_content(w, slot);
+            rs.inputs = rs.content.cell_inputs();
+            let all: BTreeSet<u32> = (0..CELLS_PER_RULESET).collect();
+            let mut phase = Phase::default();
+            if self.realize(w, slot, &rs.inputs, &all, &mut phase).is_ok() {
+                let _ = self.run_phase(w, stats, phase);
+            }
+        }
+        rs.hash = content_hash(&rs.content);
+        self.by_hash.entry(rs.hash).or_default().push(slot);
+        self.slots[slot as usize] = Some(rs);
+        result?;
+        stats.rulesets_updated += 1;
+        Ok(())
+    }
+
+    fn update_slot<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        slot: u32,
+        rs: &mut RuleSet,
+        new: &RuleSetContent,
+        stats: &mut WriteStats,
+    ) -> Result<(), StoreError> {
+        let old = &rs.content;
+        let mut spec_added = Vec::new();
+        let mut spec_changed = Vec::new();
+        let mut spec_removed = Vec::new();
+        for (k, &v) in &new.specific {
+            match old.specific.get(k) {
+                None => spec_added.push((*k, v)),
+                Some(&o) if o != v => spec_changed.push((*k, v)),
+                Some(_) => {}
+            }
+        }
+        for (k, &v) in &old.specific {
+            if !new.specific.contains_key(k) {
+                spec_removed.push((*k, v));
+            }
+        }
+        let mut wild_upserts = Vec::new();
+        let mut wild_removed = Vec::new();
+        for (&p, &v) in &new.wildcard {
+            if old.wildcard.get(&p) != Some(&v) {
+                wild_upserts.push((p, v));
+            }
+        }
+        for (&p, &v) in &old.wildcard {
+            if !new.wildcard.contains_key(&p) {
+                wild_removed.push((p, v));
+            }
+        }
+        let key = |identity: u32, prefix: u32| PolicyKey {
+            ruleset: slot,
+            identity,
+            prefix,
+        };
+
+        // Phase A: widen the masks.
+        let mut region = BTreeSet::new();
+        for &((_, p), _) in &spec_added {
+            rs.inputs.add_specific(p);
+            region.extend(affected_cells(p));
+        }
+        let mut phase = Phase::default();
+        self.realize(w, slot, &rs.inputs, &region, &mut phase)?;
+        self.run_phase(w, stats, phase)?;
+
+        // Phases 1..4 (ChangeSet::safe_order).
+        for (upsert, verdict) in [
+            (true, V_DENY),
+            (false, V_ALLOW),
+            (false, V_DENY),
+            (true, V_ALLOW),
+        ] {
+            let mut phase = Phase::default();
+            let mut region = BTreeSet::new();
+            if upsert {
+                for &((id, p), v) in spec_added.iter().chain(&spec_changed) {
+                    if v == verdict {
+                        phase
+                            .policy
+                            .push(Write::PolicyUpsert(key(id, p), PolicyValue::new(v)));
+                    }
+                }
+                for &(p, v) in &wild_upserts {
+                    if v == verdict {
+                        rs.inputs.wildcard.insert(p, v);
+                        region.extend(affected_cells(p));
+                        phase
+                            .policy
+                            .push(Write::PolicyUpsert(key(0, p), PolicyValue::new(v)));
+                    }
+                }
+            } else {
+                for &((id, p), v) in &spec_removed {
+                    if v == verdict {
+                        phase.policy.push(Write::PolicyDelete(key(id, p)));
+                    }
+                }
+                for &(p, v) in &wild_removed {
+                    if v == verdict {
+                        rs.inputs.wildcard.remove(&p);
+                        region.extend(affected_cells(p));
+                        phase.policy.push(Write::PolicyDelete(key(0, p)));
+                    }
+                }
+            }
+            self.realize(w, slot, &rs.inputs, &region, &mut phase)?;
+            self.run_phase(w, stats, phase)?;
+        }
+
+        // Phase Z: narrow the masks.
+        let mut region = BTreeSet::new();
+        for &((_, p), _) in &spec_removed {
+            rs.inputs.remove_specific(p);
+            region.extend(affected_cells(p));
+        }
+        let mut phase = Phase::default();
+        self.realize(w, slot, &rs.inputs, &region, &mut phase)?;
+        self.run_phase(w, stats, phase)?;
+        debug_assert_eq!(rs.inputs, new.cell_inputs());
+        Ok(())
+    }
+
+    /// Rebuilds the store from what the tables hold (agent restart). Returns the store and the
+    /// writes that repair inconsistencies (none when the previous process finished its last
+    /// operation): cell words that do not match the slot's keys are recomputed, and slots that
+    /// no endpoint references are cleared.
+    pub fn adopt<W: TableWriter + ?Sized>(
+        w: &mut W,
+        max_rulesets: u32,
+        max_blocks: u32,
+        grace: Duration,
+        refs: &BTreeMap<u32, u32>,
+        stats: &mut WriteStats,
+    ) -> Result<Store, StoreError> {
+        let mut store = Store::new(max_rulesets, max_blocks, grace);
+        let mut contents: BTreeMap<u32, RuleSetContent> = BTreeMap::new();
+        for (k, v) in &w.tables().policy {
+            let c = contents.entry(k.ruleset).or_default();
+            if k.identity == 0 {
+                c.wildcard.insert(k.prefix, v.verdict);
+            } else {
+                c.specific.insert((k.identity, k.prefix), v.verdict);
+            }
+        }
+        // Blocks referenced by any slot's words.
+        let mut used_blocks = BTreeSet::new();
+        let mut slots_with_words = BTreeSet::new();
+        for slot in 0..max_rulesets {
+            let base = slot * CELLS_PER_RULESET;
+            for i in 0..CELLS_PER_RULESET {
+                let word = w.tables().cells[(base + i) as usize];
+                if word != 0 {
+                    slots_with_words.insert(slot);
+                }
+                if word & CELL_REFINED != 0 {
+                    used_blocks.insert(word & !CELL_REFINED);
+                }
+            }
+        }
+        store.free_blocks = (0..max_blocks)
+            .filter(|b| !used_blocks.contains(b))
+            .collect();
+        let mut in_use = BTreeSet::new();
+        for (&slot, &n) in refs {
+            if slot != 0 && slot < max_rulesets && n > 0 {
+                in_use.insert(slot);
+            }
+        }
+        for &slot in &in_use {
+            let content = contents.remove(&slot).unwrap_or_default();
+            let inputs = content.cell_inputs();
+            let hash = content_hash(&content);
+            store.by_hash.entry(hash).or_default().push(slot);
+            store.slots[slot as usize] = Some(RuleSet {
+                content,
+                inputs: inputs.clone(),
+                hash,
+                refs: refs[&slot],
+            });
+            // Repair words that do not match the keys (an interrupted update).
+            let mut phase = Phase::default();
+            let all: BTreeSet<u32> = (0..CELLS_PER_RULESET).collect();
+            store.realize(w, slot, &inputs, &all, &mut phase)?;
+            store.run_phase(w, stats, phase)?;
+        }
+        // Everything else is garbage of an interrupted operation: clear it.
+        let orphans: BTreeSet<u32> = contents
+            .keys()
+            .copied()
+            .chain(slots_with_words.iter().copied())
+            .filter(|s| *s != 0 && !in_use.contains(s) && *s < max_rulesets)
+            .collect();
+        for slot in &orphans {
+            store.slots[*slot as usize] = Some(RuleSet {
+                content: contents.remove(slot).unwrap_or_default(),
+                inputs: CellInputs::default(),
+                hash: 0,
+                refs: 0,
+            });
+            store.clear_slot(w, *slot, stats)?;
+        }
+        store.free_slots = (1..max_rulesets).filter(|s| !in_use.contains(s)).collect();
+        Ok(store)
+    }
+}

@@ -1,0 +1,179 @@
+//! Raw `bpf(2)` calls aya 0.14 does not offer: batched map updates, deletes and lookups. Plus
+//! the kernel-reported memory of a map and the bpffs mount check.
+
+use std::{
+    ffi::CString,
+    io,
+    mem::size_of,
+    os::fd::{AsRawFd as _, BorrowedFd},
+    path::Path,
+};
+
+use aya::Pod;
+
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
+
+/// The `batch` member of `union bpf_attr`.
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+fn bpf(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
+    // SAFETY: `attr` is a valid, fully initialised `bpf_attr` prefix of the size passed; the
+    // pointers in it reference live buffers of the sizes the kernel expects (checked by the
+    // callers).
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr as *mut BatchAttr,
+            size_of::<BatchAttr>() as u32,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// `BPF_MAP_UPDATE_BATCH`: `keys[i] -> values[i]` in order. On error, returns how many
+/// elements were applied.
+pub fn update_batch<K: Pod, V: Pod>(
+    fd: BorrowedFd<'_>,
+    keys: &[K],
+    values: &[V],
+) -> Result<(), (usize, io::Error)> {
+    assert_eq!(keys.len(), values.len());
+    let mut done = 0;
+    // The kernel caps nothing, but keep single syscalls reasonably sized.
+    for (ks, vs) in keys.chunks(65_536).zip(values.chunks(65_536)) {
+        let mut attr = BatchAttr {
+            keys: ks.as_ptr() as u64,
+            values: vs.as_ptr() as u64,
+            count: ks.len() as u32,
+            map_fd: fd.as_raw_fd() as u32,
+            ..BatchAttr::default()
+        };
+        if let Err(e) = bpf(BPF_MAP_UPDATE_BATCH, &mut attr) {
+            return Err((done + attr.count as usize, e));
+        }
+        done += ks.len();
+    }
+    Ok(())
+}
+
+/// `BPF_MAP_DELETE_BATCH` (hash maps). On error, returns how many keys were deleted.
+pub fn delete_batch<K: Pod>(fd: BorrowedFd<'_>, keys: &[K]) -> Result<(), (usize, io::Error)> {
+    let mut done = 0;
+    for ks in keys.chunks(65_536) {
+        let mut attr = BatchAttr {
+            keys: ks.as_ptr() as u64,
+            count: ks.len() as u32,
+            map_fd: fd.as_raw_fd() as u32,
+            ..BatchAttr::default()
+        };
+        if let Err(e) = bpf(BPF_MAP_DELETE_BATCH, &mut attr) {
+            return Err((done + attr.count as usize, e));
+        }
+        done += ks.len();
+    }
+    Ok(())
+}
+
+/// `BPF_MAP_LOOKUP_BATCH` until the end: every (key, value) of a hash or array map.
+pub fn lookup_all<K: Pod + Default, V: Pod + Default>(
+    fd: BorrowedFd<'_>,
+) -> io::Result<Vec<(K, V)>> {
+    const CHUNK: usize = 8192;
+    let mut out = Vec::new();
+    let mut keys = vec![K::default(); CHUNK];
+    let mut values = vec![V::default(); CHUNK];
+    // The batch cursor is opaque; 8 bytes or the key size, whichever is larger, holds it.
+    let token = size_of::<K>().max(8);
+    let mut in_batch = vec![0u8; token];
+    let mut out_batch = vec![0u8; token];
+    let mut first = true;
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if first { 0 } else { in_batch.as_ptr() as u64 },
+            out_batch: out_batch.as_mut_ptr() as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: CHUNK as u32,
+            map_fd: fd.as_raw_fd() as u32,
+            ..BatchAttr::default()
+        };
+        let r = bpf(BPF_MAP_LOOKUP_BATCH, &mut attr);
+        let n = attr.count as usize;
+        out.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
+        match r {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
+            Err(e) => return Err(e),
+        }
+        in_batch.copy_from_slice(&out_batch);
+        first = false;
+    }
+}
+
+/// The memory the kernel charges for a map (`memlock` in its fdinfo): for preallocated maps
+/// the full capacity, for the others what their elements use.
+pub fn map_memlock(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd()))?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("memlock:"))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| io::Error::other("no memlock line in the map's fdinfo"))
+}
+
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Whether `dir` is (on) a BPF filesystem.
+pub fn is_bpffs(dir: &Path) -> bool {
+    let Ok(c) = CString::new(dir.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs writes into the zeroed struct; `c` is a valid C string.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::statfs(c.as_ptr(), &mut st) };
+    r == 0 && st.f_type as i64 == BPF_FS_MAGIC
+}
+
+/// Makes sure `dir` is a BPF filesystem, mounting one there if it is not (needs root).
+pub fn ensure_bpffs(dir: &Path) -> io::Result<()> {
+    if is_bpffs(dir) {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir)?;
+    if is_bpffs(dir) {
+        return Ok(());
+    }
+    let target = CString::new(dir.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
+    let fstype = c"bpf";
+    // SAFETY: valid C strings; no data argument.
+    let r = unsafe {
+        libc::mount(
+            fstype.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}

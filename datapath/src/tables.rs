@@ -1,0 +1,247 @@
+//! The datapath's maps as data: [`MemTables`] holds exactly the keys and values the kernel maps
+//! hold, and [`TableWriter`] is the one interface through which the control plane changes them.
+//!
+//! * The kernel writer (`kernel::KernelTables`) writes every batch to the BPF maps and then to
+//!   its [`MemTables`] mirror, so userspace can run the kernel's own decision function over the
+//!   same bytes ([`MemTables`] implements `DatapathMaps`).
+//! * Tests use [`MemTables`] directly as the writer, and can observe every single element write
+//!   (the kernel applies a batch element by element, so these are exactly the intermediate
+//!   states packets can see).
+
+use std::{
+    cell::RefCell,
+    collections::{BTreeMap, HashMap},
+};
+
+use ordnet_datapath_common::{
+    DatapathMaps,
+    layout::{CtEntry, CtKey, IpInfo, IpKey, PolicyKey, PolicyValue},
+    lookup::PolicyMaps,
+};
+
+/// One write to one map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Write {
+    Cell(u32, u32),
+    Block(u32, u32),
+    PolicyUpsert(PolicyKey, PolicyValue),
+    PolicyDelete(PolicyKey),
+    IpUpsert(IpKey, IpInfo),
+    IpDelete(IpKey),
+    CidrUpsert(IpKey, u32, IpInfo),
+    CidrDelete(IpKey, u32),
+    Revision(u64),
+}
+
+/// Errors of a table write.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    #[error("{map}: {op} failed after {done} of {total} elements: {source}")]
+    Syscall {
+        map: &'static str,
+        op: &'static str,
+        done: usize,
+        total: usize,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{map}: {source}")]
+    Map {
+        map: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("{0} is full ({1} entries)")]
+    Full(&'static str, u32),
+}
+
+/// Batched writes to the datapath maps. Each call is one batch; elements are applied in order.
+pub trait TableWriter {
+    fn write(&mut self, writes: &[Write]) -> Result<(), WriteError>;
+    /// Current state (what has been written so far).
+    fn tables(&self) -> &MemTables;
+}
+
+/// An in-memory copy of the datapath maps.
+#[derive(Debug, Clone, Default)]
+pub struct MemTables {
+    pub ipcache: HashMap<IpKey, IpInfo>,
+    /// (key, address prefix length) -> info.
+    pub cidr: BTreeMap<(IpKey, u32), IpInfo>,
+    /// Address prefix lengths present per family (for the longest-prefix search).
+    cidr_lengths: BTreeMap<(u32, u32), usize>,
+    pub cells: Vec<u32>,
+    pub blocks: Vec<u32>,
+    pub policy: HashMap<PolicyKey, PolicyValue>,
+    pub revision: u64,
+}
+
+impl MemTables {
+    /// Empty tables of the given array sizes (in words).
+    pub fn new(cells: u32, blocks: u32) -> MemTables {
+        MemTables {
+            cells: vec![0; cells as usize],
+            blocks: vec![0; blocks as usize],
+            ..MemTables::default()
+        }
+    }
+
+    /// Applies one write.
+    pub fn apply(&mut self, w: &Write) {
+        match *w {
+            Write::Cell(i, v) => self.cells[i as usize] = v,
+            Write::Block(i, v) => self.blocks[i as usize] = v,
+            Write::PolicyUpsert(k, v) => {
+                self.policy.insert(k, v);
+            }
+            Write::PolicyDelete(k) => {
+                self.policy.remove(&k);
+            }
+            Write::IpUpsert(k, v) => {
+                self.ipcache.insert(k, v);
+            }
+            Write::IpDelete(k) => {
+                self.ipcache.remove(&k);
+            }
+            Write::CidrUpsert(k, len, v) => {
+                if self.cidr.insert((k, len), v).is_none() {
+                    *self.cidr_lengths.entry((k.family, len)).or_default() += 1;
+                }
+            }
+            Write::CidrDelete(k, len) => {
+                if self.cidr.remove(&(k, len)).is_some()
+                    && let Some(n) = self.cidr_lengths.get_mut(&(k.family, len))
+                {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.cidr_lengths.remove(&(k.family, len));
+                    }
+                }
+            }
+            Write::Revision(r) => self.revision = r,
+        }
+    }
+
+    /// Longest-prefix match of a full address in the CIDR table.
+    pub fn cidr_lookup(&self, key: &IpKey) -> Option<IpInfo> {
+        let addr = u128::from_be_bytes(key.addr);
+        self.cidr_lengths
+            .range((key.family, 0)..=(key.family, 128))
+            .rev()
+            .find_map(|(&(_, len), _)| {
+                let mask = if len == 0 {
+                    0
+                } else {
+                    u128::MAX << (128 - len)
+                };
+                let masked = IpKey {
+                    family: key.family,
+                    addr: (addr & mask).to_be_bytes(),
+                };
+                self.cidr.get(&(masked, len)).copied()
+            })
+    }
+
+    /// This state with a connection-tracking table: the full `DatapathMaps` of the kernel
+    /// program.
+    pub fn with_ct<'a>(&'a self, ct: &'a UserCt) -> Mirror<'a> {
+        Mirror { tables: self, ct }
+    }
+}
+
+impl TableWriter for MemTables {
+    fn write(&mut self, writes: &[Write]) -> Result<(), WriteError> {
+        for w in writes {
+            self.apply(w);
+        }
+        Ok(())
+    }
+
+    fn tables(&self) -> &MemTables {
+        self
+    }
+}
+
+impl PolicyMaps for MemTables {
+    fn cell(&self, index: u32) -> Option<u32> {
+        self.cells.get(index as usize).copied()
+    }
+
+    fn block_word(&self, index: u32) -> Option<u32> {
+        self.blocks.get(index as usize).copied()
+    }
+
+    fn policy(&self, key: &PolicyKey) -> Option<PolicyValue> {
+        self.policy.get(key).copied()
+    }
+}
+
+/// A userspace connection-tracking table and clock for [`Mirror`].
+#[derive(Debug, Default)]
+pub struct UserCt {
+    pub entries: RefCell<HashMap<CtKey, CtEntry>>,
+    /// `None`: CLOCK_MONOTONIC (the kernel's `bpf_ktime_get_ns` clock); `Some`: a fixed time.
+    pub clock: Option<u64>,
+}
+
+/// Monotonic time in ns, the clock of `bpf_ktime_get_ns`.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the valid timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// [`MemTables`] plus a connection-tracking table: everything `decide` reads.
+#[derive(Debug, Clone, Copy)]
+pub struct Mirror<'a> {
+    pub tables: &'a MemTables,
+    pub ct: &'a UserCt,
+}
+
+impl PolicyMaps for Mirror<'_> {
+    fn cell(&self, index: u32) -> Option<u32> {
+        self.tables.cell(index)
+    }
+
+    fn block_word(&self, index: u32) -> Option<u32> {
+        self.tables.block_word(index)
+    }
+
+    fn policy(&self, key: &PolicyKey) -> Option<PolicyValue> {
+        self.tables.policy(key)
+    }
+}
+
+impl DatapathMaps for Mirror<'_> {
+    fn revision(&self) -> u64 {
+        self.tables.revision
+    }
+
+    fn ipcache(&self, key: &IpKey) -> Option<IpInfo> {
+        self.tables.ipcache.get(key).copied()
+    }
+
+    fn ipcidr(&self, key: &IpKey) -> Option<IpInfo> {
+        self.tables.cidr_lookup(key)
+    }
+
+    fn ct_lookup(&self, key: &CtKey) -> Option<CtEntry> {
+        self.ct.entries.borrow().get(key).copied()
+    }
+
+    fn ct_store(&self, key: &CtKey, entry: &CtEntry) {
+        self.ct.entries.borrow_mut().insert(*key, *entry);
+    }
+
+    fn ct_delete(&self, key: &CtKey) {
+        self.ct.entries.borrow_mut().remove(key);
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.ct.clock.unwrap_or_else(monotonic_ns)
+    }
+}

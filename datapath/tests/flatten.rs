@@ -1,0 +1,451 @@
+//! Host tests (no kernel needed) of the flattened layout: the userspace lookup over a flattened
+//! rule set equals the MapState lookup; the alternative layouts of the benchmark do too; and
+//! the control plane's writes never open a transient allow, write only changed keys, and share
+//! rule sets between endpoints with identical MapStates.
+
+mod common;
+
+use std::{collections::HashMap, net::IpAddr, time::Duration};
+
+use common::*;
+use ordnet_datapath::{
+    Control, EndpointSpec, FlatRuleSet, MemTables, Store, TableWriter, Write, WriteError,
+    bench::{cilium_layout, class_layout, lpm_layout, probe_layout},
+    common::{
+        alt,
+        layout::{CELL_REFINED, CELLS_PER_RULESET, PolicyRef},
+        lookup::{cell_index, policy_lookup},
+    },
+    flatten, ip_key,
+};
+use ordnet_mapstate::{Direction, MapState, Verdict, reference};
+
+fn allow(v: Verdict) -> bool {
+    v == Verdict::Allow
+}
+
+#[test]
+fn flat_lookup_equals_mapstate_and_reference() {
+    let mut rng = Rng::new(0x5eed_f1a7);
+    let mut probes_checked = 0usize;
+    for case in 0..2000 {
+        let default = arb_verdict(&mut rng);
+        let entries = arb_entries(&mut rng, 14, IDS);
+        let ms = build(Direction::Ingress, default, &entries);
+        let flat = FlatRuleSet::from_mapstate(&ms).expect("flatten");
+        for id in probe_ids() {
+            for (proto, port) in probe_points(&[&ms]) {
+                let want = ms.lookup(id, proto, port).verdict();
+                let reference = reference::evaluate(&entries, default, id, proto, port);
+                let got = flat.verdict(id, proto, port);
+                assert_eq!(
+                    (got, want),
+                    (reference, reference),
+                    "case {case}: id {id:?} proto {proto} port {port}: flat {got}, mapstate \
+                     {want}, reference {reference}\nkeys: {:#?}",
+                    ms.iter()
+                );
+                probes_checked += 1;
+            }
+        }
+    }
+    println!("flatten: {probes_checked} probes agree (flat == MapState == reference)");
+}
+
+#[test]
+fn alternative_layouts_equal_mapstate() {
+    let mut rng = Rng::new(0xa17_1a70);
+    for case in 0..400 {
+        let ms = arb_mapstate(&mut rng, Direction::Egress, 12);
+        let (content, default) = flatten(&ms).expect("flatten");
+        let classes = class_layout(&content, 3);
+        let probes = probe_layout(&content, 3);
+        let lpm = lpm_layout(&content, 3);
+        let cilium = cilium_layout(&ms, true);
+        for id in probe_ids() {
+            let i = id.unwrap_or(0);
+            for (proto, port) in probe_points(&[&ms]) {
+                let want = allow(ms.lookup(id, proto, port).verdict());
+                let got = [
+                    alt::class_lookup(&classes, 3, default, i, proto, port),
+                    alt::probe_lookup(&probes, 3, default, i, proto, port),
+                    alt::lpm_lookup(&lpm, 3, default, i, proto, port),
+                    alt::cilium_lookup(&cilium, default, true, i, proto, port),
+                ];
+                assert_eq!(
+                    got,
+                    [want; 4],
+                    "case {case}: id {id:?} proto {proto} port {port} (classes, probes, lpm, \
+                     cilium)\nkeys: {:#?}",
+                    ms.iter()
+                );
+            }
+        }
+    }
+}
+
+/// A writer that applies every element on its own and checks the tables after each.
+struct Checking<F: FnMut(&MemTables, &Write)> {
+    t: MemTables,
+    check: F,
+    elements: usize,
+}
+
+impl<F: FnMut(&MemTables, &Write)> TableWriter for Checking<F> {
+    fn write(&mut self, writes: &[Write]) -> Result<(), WriteError> {
+        for w in writes {
+            self.t.apply(w);
+            self.elements += 1;
+            (self.check)(&self.t, w);
+        }
+        Ok(())
+    }
+
+    fn tables(&self) -> &MemTables {
+        &self.t
+    }
+}
+
+/// The probes a single write can affect: a cell word only its own cell, a block word only
+/// its own port in cells that point to the block, a policy key only its identity; anything
+/// else (an endpoint record) all of them. Probes outside that set keep their verdict, so
+/// checking the affected ones after every write checks every intermediate state.
+struct ProbeIndex {
+    by_cell: HashMap<u32, Vec<usize>>,
+    by_id: HashMap<u32, Vec<usize>>,
+    all: Vec<usize>,
+}
+
+impl ProbeIndex {
+    fn new(probes: &[(Option<u32>, u8, u16)]) -> ProbeIndex {
+        let mut by_cell: HashMap<u32, Vec<usize>> = HashMap::new();
+        let mut by_id: HashMap<u32, Vec<usize>> = HashMap::new();
+        for (i, &(id, proto, port)) in probes.iter().enumerate() {
+            by_cell
+                .entry(cell_index(0, proto, port).unwrap())
+                .or_default()
+                .push(i);
+            by_id.entry(id.unwrap_or(0)).or_default().push(i);
+        }
+        ProbeIndex {
+            by_cell,
+            by_id,
+            all: (0..probes.len()).collect(),
+        }
+    }
+
+    fn affected(&self, t: &MemTables, w: &Write, probes: &[(Option<u32>, u8, u16)]) -> Vec<usize> {
+        let record = t.ipcache[&ip_key(EP_IP.parse().unwrap())];
+        let slots = [record.ingress.ruleset, record.egress.ruleset];
+        let empty = Vec::new();
+        match *w {
+            Write::Cell(i, _) => {
+                let (slot, cell) = (i / CELLS_PER_RULESET, i % CELLS_PER_RULESET);
+                if slots.contains(&slot) {
+                    self.by_cell.get(&cell).unwrap_or(&empty).clone()
+                } else {
+                    Vec::new()
+                }
+            }
+            Write::Block(i, _) => {
+                let (block, lo) = (i / 256, i % 256);
+                let mut out = Vec::new();
+                for s in slots {
+                    for cell in 0..CELLS_PER_RULESET {
+                        if t.cells[(s * CELLS_PER_RULESET + cell) as usize] == CELL_REFINED | block
+                        {
+                            out.extend(
+                                self.by_cell
+                                    .get(&cell)
+                                    .unwrap_or(&empty)
+                                    .iter()
+                                    .filter(|&&p| u32::from(probes[p].2 & 0xff) == lo),
+                            );
+                        }
+                    }
+                }
+                out
+            }
+            Write::PolicyUpsert(k, _) | Write::PolicyDelete(k) => {
+                if slots.contains(&k.ruleset) {
+                    self.by_id.get(&k.identity).unwrap_or(&empty).clone()
+                } else {
+                    Vec::new()
+                }
+            }
+            _ => self.all.clone(),
+        }
+    }
+}
+
+const EP_IP: &str = "10.0.0.9";
+
+fn verdicts(t: &MemTables, probes: &[(Option<u32>, u8, u16)]) -> Vec<[bool; 2]> {
+    let record = t.ipcache[&ip_key(EP_IP.parse().unwrap())];
+    probes
+        .iter()
+        .map(|&(id, proto, port)| {
+            let v = |r: PolicyRef| policy_lookup(t, r, id.unwrap_or(0), proto, port).allow;
+            [v(record.ingress), v(record.egress)]
+        })
+        .collect()
+}
+
+fn expected(ms: [&MapState; 2], probes: &[(Option<u32>, u8, u16)]) -> Vec<[bool; 2]> {
+    probes
+        .iter()
+        .map(|&(id, proto, port)| {
+            [
+                allow(ms[0].lookup(id, proto, port).verdict()),
+                allow(ms[1].lookup(id, proto, port).verdict()),
+            ]
+        })
+        .collect()
+}
+
+fn probes_of(states: &[&MapState]) -> Vec<(Option<u32>, u8, u16)> {
+    let points = probe_points(states);
+    probe_ids()
+        .into_iter()
+        .flat_map(|id| points.iter().map(move |&(p, port)| (id, p, port)))
+        .collect()
+}
+
+/// Key-level difference of two MapStates' flattened keys (what an in-place update must write).
+fn changed_keys(a: &MapState, b: &MapState) -> usize {
+    let (a, _) = flatten(a).unwrap();
+    let (b, _) = flatten(b).unwrap();
+    let spec = a
+        .specific
+        .iter()
+        .filter(|(k, v)| b.specific.get(k) != Some(v))
+        .count()
+        + b.specific
+            .keys()
+            .filter(|k| !a.specific.contains_key(k))
+            .count();
+    let wild = a
+        .wildcard
+        .iter()
+        .filter(|(k, v)| b.wildcard.get(k) != Some(v))
+        .count()
+        + b.wildcard
+            .keys()
+            .filter(|k| !a.wildcard.contains_key(k))
+            .count();
+    spec + wild
+}
+
+#[test]
+fn in_place_updates_never_open_a_transient_allow() {
+    let mut rng = Rng::new(0x00de_17a5);
+    let ips: Vec<IpAddr> = vec![EP_IP.parse().unwrap()];
+    let mut in_place = 0;
+    let mut element_checks = 0usize;
+    for case in 0..150 {
+        let old = [
+            arb_mapstate(&mut rng, Direction::Ingress, 10),
+            arb_mapstate(&mut rng, Direction::Egress, 10),
+        ];
+        // The new state: a few entries added/removed/changed, or something unrelated.
+        let new = [
+            arb_mapstate(&mut rng, Direction::Ingress, 10),
+            arb_mapstate(&mut rng, Direction::Egress, 10),
+        ];
+        let probes = probes_of(&[&old[0], &old[1], &new[0], &new[1]]);
+        let want_old = expected([&old[0], &old[1]], &probes);
+        let want_new = expected([&new[0], &new[1]], &probes);
+        let mut control = Control::new(Store::new(8, 64, Duration::ZERO));
+        let mut t = MemTables::new(8 * 769, 64 * 256);
+        control
+            .update_endpoints(
+                &mut t,
+                &[(
+                    1,
+                    EndpointSpec {
+                        ips: &ips,
+                        identity: 42,
+                        ingress: &old[0],
+                        egress: &old[1],
+                    },
+                )],
+            )
+            .unwrap();
+        assert_eq!(verdicts(&t, &probes), want_old, "case {case}: install");
+        let index = ProbeIndex::new(&probes);
+        let mut w = Checking {
+            t,
+            check: |t: &MemTables, write: &Write| {
+                for i in index.affected(t, write, &probes) {
+                    let probe = probes[i];
+                    let now = verdicts(t, std::slice::from_ref(&probe))[0];
+                    for d in 0..2 {
+                        assert!(
+                            !now[d] || want_old[i][d] || want_new[i][d],
+                            "case {case}: transient allow for {probe:?} direction {d} after \
+                             {write:?}"
+                        );
+                    }
+                    element_checks += 1;
+                }
+            },
+            elements: 0,
+        };
+        let stats = control
+            .update_endpoints(
+                &mut w,
+                &[(
+                    1,
+                    EndpointSpec {
+                        ips: &ips,
+                        identity: 42,
+                        ingress: &new[0],
+                        egress: &new[1],
+                    },
+                )],
+            )
+            .unwrap();
+        let got = verdicts(&w.t, &probes);
+        if got != want_new {
+            let bad: Vec<_> = probes
+                .iter()
+                .zip(got.iter().zip(&want_new))
+                .filter(|(_, (g, w))| g != w)
+                .take(5)
+                .collect();
+            panic!(
+                "case {case}: final verdicts differ, e.g. {bad:?}\nstats {stats:?}\nrecord {:?}\n\
+                 old {:?}\nnew {:?}",
+                w.t.ipcache[&ip_key(EP_IP.parse().unwrap())],
+                [flatten(&old[0]).unwrap(), flatten(&old[1]).unwrap()],
+                [flatten(&new[0]).unwrap(), flatten(&new[1]).unwrap()],
+            );
+        }
+        if stats.rulesets_updated > 0 {
+            in_place += 1;
+        }
+        // Only what changed is written: one policy write per changed key when every direction
+        // was changed in place or left alone (a fresh install writes its keys once, invisibly;
+        // a released rule set is cleared later).
+        if stats.rulesets_installed == 0 && stats.rulesets_released == 0 {
+            assert_eq!(
+                stats.policy_writes as usize,
+                changed_keys(&old[0], &new[0]) + changed_keys(&old[1], &new[1]),
+                "case {case}"
+            );
+        }
+    }
+    assert!(in_place > 100, "too few in-place updates: {in_place}");
+    println!(
+        "in-place updates: {in_place} of 150 cases; {element_checks} (probe, intermediate state) \
+         pairs checked"
+    );
+}
+
+#[test]
+fn identical_mapstates_share_one_ruleset() {
+    let mut rng = Rng::new(0x5_4a2e);
+    let a = [
+        arb_mapstate(&mut rng, Direction::Ingress, 12),
+        arb_mapstate(&mut rng, Direction::Egress, 12),
+    ];
+    let mut control = Control::new(Store::new(16, 256, Duration::ZERO));
+    let mut t = MemTables::new(16 * 769, 256 * 256);
+    let ips: Vec<Vec<IpAddr>> = (0..1000u32)
+        .map(|i| vec![IpAddr::from([10, 1, (i >> 8) as u8, i as u8])])
+        .collect();
+    let batch: Vec<(u32, EndpointSpec)> = (0..1000)
+        .map(|i| {
+            (
+                i as u32 + 1,
+                EndpointSpec {
+                    ips: &ips[i],
+                    identity: 100,
+                    ingress: &a[0],
+                    egress: &a[1],
+                },
+            )
+        })
+        .collect();
+    control.update_endpoints(&mut t, &batch).unwrap();
+    let distinct = usize::from(!flatten(&a[0]).unwrap().0.is_empty())
+        + usize::from(!flatten(&a[1]).unwrap().0.is_empty())
+        - usize::from(
+            flatten(&a[0]).unwrap().0 == flatten(&a[1]).unwrap().0
+                && !flatten(&a[0]).unwrap().0.is_empty(),
+        );
+    assert_eq!(control.store().slots_in_use().len(), distinct);
+
+    // Everyone moves to the same new policy in one batch: changed in place.
+    let mut b = a.clone();
+    for (i, ms) in b.iter_mut().enumerate() {
+        let mut entries: Vec<_> = ms.policy_entries().cloned().collect();
+        let mut e = arb_entry(&mut rng, 1000 + i as u64, IDS);
+        e.verdict = Verdict::Deny;
+        e.order = ordnet_mapstate::OrderKey::new(-5, 0);
+        entries.push(e);
+        *ms = build(ms.direction(), ms.default_verdict(), &entries);
+    }
+    let batch: Vec<(u32, EndpointSpec)> = (0..1000)
+        .map(|i| {
+            (
+                i as u32 + 1,
+                EndpointSpec {
+                    ips: &ips[i],
+                    identity: 100,
+                    ingress: &b[0],
+                    egress: &b[1],
+                },
+            )
+        })
+        .collect();
+    let stats = control.update_endpoints(&mut t, &batch).unwrap();
+    assert_eq!(stats.rulesets_installed, 0, "{stats:?}");
+    assert_eq!(
+        stats.policy_writes as usize,
+        changed_keys(&a[0], &b[0]) + changed_keys(&a[1], &b[1])
+    );
+    assert_eq!(stats.ip_writes, 0, "no endpoint record changes: same slots");
+
+    // One endpoint diverges: it gets its own copy, the others keep theirs.
+    let stats = control
+        .update_endpoints(
+            &mut t,
+            &[(
+                7,
+                EndpointSpec {
+                    ips: &ips[6],
+                    identity: 100,
+                    ingress: &a[0],
+                    egress: &b[1],
+                },
+            )],
+        )
+        .unwrap();
+    let ingress_changes = flatten(&a[0]).unwrap().0 != flatten(&b[0]).unwrap().0;
+    assert_eq!(
+        stats.ip_writes,
+        u32::from(ingress_changes),
+        "one record write, if any"
+    );
+    let ep7 = control.endpoints()[&7].clone();
+    let ep8 = control.endpoints()[&8].clone();
+    assert_eq!(ep7.egress, ep8.egress, "unchanged direction still shared");
+    let v = |t: &MemTables, ep: u32, id, proto, port| {
+        let r = t.ipcache[&ip_key(ips[ep as usize - 1][0])];
+        policy_lookup(t, r.ingress, id, proto, port).allow
+    };
+    for id in probe_ids() {
+        for (proto, port) in probe_points(&[&a[0], &b[0]]) {
+            let i = id.unwrap_or(0);
+            assert_eq!(
+                v(&t, 7, i, proto, port),
+                allow(a[0].lookup(id, proto, port).verdict())
+            );
+            assert_eq!(
+                v(&t, 8, i, proto, port),
+                allow(b[0].lookup(id, proto, port).verdict())
+            );
+        }
+    }
+}
