@@ -760,3 +760,82 @@ async fn exactly_one_agent_writes_status() {
     );
     assert_eq!(lease["spec"]["leaseTransitions"], 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_runs_from_a_kubeconfig_and_exits_0_on_sigterm() {
+    let api = FakeApi::start().await.unwrap();
+    load_dir(&api, &repo().join("examples/qa-prod"));
+    let dir = std::env::temp_dir().join(format!("ordnet-agent-bin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kubeconfig = dir.join("kubeconfig");
+    std::fs::write(&kubeconfig, api.kubeconfig_yaml()).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let debug = format!("127.0.0.1:{port}");
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_ordnet"))
+        .args([
+            "agent",
+            "--node",
+            NODE,
+            "--datapath",
+            "none",
+            "--debug-addr",
+            &debug,
+        ])
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Kills the agent if the test fails before it exits.
+    struct KillOnDrop(u32, bool);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            if !self.1 {
+                let _ = std::process::Command::new("kill")
+                    .args(["-KILL", &self.0.to_string()])
+                    .status();
+            }
+        }
+    }
+    let mut guard = KillOnDrop(child.id(), false);
+    let addr: SocketAddr = debug.parse().unwrap();
+    let deadline = tokio::time::Instant::now() + LIMIT;
+    loop {
+        let ready = match tokio::net::TcpStream::connect(addr).await {
+            Ok(_) => http_get(addr, "/readyz").await.0 == 200,
+            Err(_) => false,
+        };
+        if ready {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the agent binary was not ready in {LIMIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (_, m) = http_get(addr, "/v1/matrix?port=8081").await;
+    assert_eq!(
+        m,
+        offline_cli(&api, &["matrix", "--port", "8081", "-o", "json"])
+    );
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    guard.1 = true;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
