@@ -319,3 +319,71 @@ fn paths_parse_like_the_api_server() {
     assert!(parse_path("/apis/coordination.k8s.io/v1/namespaces/a/leases/l/status").is_err());
     assert_eq!(percent_decode("a%3Db+c%2"), "a=b c%2");
 }
+
+#[tokio::test]
+async fn streaming_lists_and_bookmarks() {
+    let api = FakeApi::start().await.unwrap();
+    api.create(pod("a", "p1", "web")).unwrap();
+    api.create(pod("b", "p2", "web")).unwrap();
+    let pods: Api<Pod> = Api::all(api.client());
+    // sendInitialEvents=true: the initial ADDEDs, then the initial-events-end bookmark.
+    let mut s: Stream = Box::pin(watcher(pods, watcher::Config::default().streaming_lists()));
+    let mut names = read_init(&mut s).await;
+    names.sort();
+    assert_eq!(names, vec!["p1", "p2"]);
+    assert!(
+        api.requests().iter().all(|r| !r.uri.contains("limit=")),
+        "a streaming list does not list: {:#?}",
+        api.requests()
+    );
+    api.create(pod("a", "p3", "web")).unwrap();
+    match next_event(&mut s).await {
+        Event::Apply(p) => assert_eq!(p.metadata.name.as_deref(), Some("p3")),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn raw_watch_sends_bookmarks_on_request_and_410_for_compacted_versions() {
+    use http_body_util::BodyExt;
+    let api = FakeApi::start().await.unwrap();
+    api.create(pod("a", "p1", "web")).unwrap();
+    let rv = api.resource_version();
+    let client = api.client();
+    let req = http::Request::get(format!(
+        "/api/v1/pods?watch=true&allowWatchBookmarks=true&resourceVersion={rv}"
+    ))
+    .body(Vec::new())
+    .unwrap();
+    let resp = client
+        .send(req.map(kube::client::Body::from))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    api.bookmark();
+    let frame = timeout(Duration::from_secs(5), body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let line: Value = serde_json::from_slice(frame.data_ref().unwrap()).unwrap();
+    assert_eq!(line["type"], "BOOKMARK");
+    assert_eq!(
+        line["object"]["metadata"]["resourceVersion"],
+        rv.to_string()
+    );
+    api.compact();
+    let req = http::Request::get(format!("/api/v1/pods?watch=true&resourceVersion={rv}"))
+        .body(Vec::new())
+        .unwrap();
+    let resp = client
+        .send(req.map(kube::client::Body::from))
+        .await
+        .unwrap();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let line: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(line["type"], "ERROR");
+    assert_eq!(line["object"]["code"], 410);
+    assert_eq!(line["object"]["reason"], "Expired");
+}
