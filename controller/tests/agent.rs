@@ -705,8 +705,7 @@ fn assert_least_privilege(api: &FakeApi, agent_namespace: &str) {
         );
         used.insert((group, resource, verb));
     }
-    // Nothing granted that is never used (watch implies list; get is granted with list/watch for
-    // kubectl-style debugging of the same resources, and status patches imply nothing else).
+    // Nothing granted that is never used.
     for rule in cluster.iter().chain(&ns_role) {
         for g in rule["apiGroups"].as_array().unwrap() {
             for res in rule["resources"].as_array().unwrap() {
@@ -718,11 +717,6 @@ fn assert_least_privilege(api: &FakeApi, agent_namespace: &str) {
                     );
                     // The kube Recorder patches an Event only when the same event repeats.
                     if (g, res, v) == ("events.k8s.io", "events", "patch") {
-                        continue;
-                    }
-                    if v == "get"
-                        && used.contains(&(g.to_string(), res.to_string(), "list".to_string()))
-                    {
                         continue;
                     }
                     assert!(
