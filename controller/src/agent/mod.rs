@@ -158,6 +158,7 @@ enum WatchMsg {
 
 /// An object the agent could not use.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct ObjectProblem {
     pub kind: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
