@@ -16,10 +16,13 @@ use super::{ProtocolArg, Source};
 
 /// Loads `-f` manifests, validates them and builds the engine. Warnings go to stderr; on any
 /// error every error is printed to stderr as `FILE: KIND NS/NAME: FIELD: message` and the exit
-/// code is 1. `--agent` is not implemented yet (exit 2).
+/// code is 1. The subcommands answer `--agent ADDR` themselves (JSON output only) before calling
+/// this; any other `--agent` use ends here with exit 2.
 pub fn load_engine(cmd: &str, source: &Source) -> Result<Engine, ExitCode> {
     if source.agent.is_some() {
-        eprintln!("ordnet {cmd}: not implemented yet: --agent (read manifests with -f PATH)");
+        eprintln!(
+            "ordnet {cmd}: not implemented yet: --agent with this output format (use -o json)"
+        );
         return Err(ExitCode::from(2));
     }
     let outcome = ordnet_crds::load_and_validate(&source.files);
