@@ -8,8 +8,12 @@ use std::{
 };
 
 use ipnet::IpNet;
-use ordnet_datapath_common::layout::{
-    FAMILY_V4, FAMILY_V6, IP_FLAG_ENDPOINT, IP_FLAG_HOST, IpInfo, IpKey, PolicyRef, V_ALLOW, V_DENY,
+use ordnet_datapath_common::{
+    addr_bytes, addr_words,
+    layout::{
+        FAMILY_V4, FAMILY_V6, IP_FLAG_ENDPOINT, IP_FLAG_HOST, IpInfo, IpKey, PolicyRef, V_ALLOW,
+        V_DENY,
+    },
 };
 use ordnet_mapstate::{Direction, MapState};
 
@@ -77,23 +81,19 @@ pub fn ip_key(ip: IpAddr) -> IpKey {
         IpAddr::V4(v4) => {
             let mut a = [0u8; 16];
             a[..4].copy_from_slice(&v4.octets());
-            IpKey::new(FAMILY_V4, a)
+            IpKey::new(FAMILY_V4, addr_words(a))
         }
-        IpAddr::V6(v6) => IpKey::new(FAMILY_V6, v6.octets()),
+        IpAddr::V6(v6) => IpKey::new(FAMILY_V6, addr_words(v6.octets())),
     }
 }
 
 /// The address of an ipcache key.
 pub fn key_ip(key: &IpKey) -> IpAddr {
+    let b = addr_bytes(key.addr);
     if key.family == u32::from(FAMILY_V4) {
-        IpAddr::V4(Ipv4Addr::new(
-            key.addr[0],
-            key.addr[1],
-            key.addr[2],
-            key.addr[3],
-        ))
+        IpAddr::V4(Ipv4Addr::new(b[0], b[1], b[2], b[3]))
     } else {
-        IpAddr::V6(Ipv6Addr::from(key.addr))
+        IpAddr::V6(Ipv6Addr::from(b))
     }
 }
 
@@ -294,8 +294,8 @@ impl Control {
         let mut users: BTreeMap<u32, Vec<(usize, usize)>> = BTreeMap::new();
         for (i, o) in old.iter().enumerate() {
             if let Some(o) = o {
-                for d in 0..2 {
-                    let slot = o.policy(DIRS[d]).ruleset;
+                for (d, dir) in DIRS.iter().enumerate() {
+                    let slot = o.policy(*dir).ruleset;
                     if slot != 0 {
                         users.entry(slot).or_default().push((i, d));
                     }
@@ -377,8 +377,8 @@ impl Control {
         for (i, p) in planned.iter().enumerate() {
             let Some(o) = &old[i] else { continue };
             let mut s = o.clone();
-            for d in 0..2 {
-                let r = o.policy(DIRS[d]);
+            for (d, dir) in DIRS.iter().enumerate() {
+                let r = o.policy(*dir);
                 if is_in_place(i, d) && r.default == V_ALLOW && p.dirs[d].1 == V_DENY {
                     s = with_dir(&s, d, PolicyRef::new(r.ruleset, V_DENY));
                 }

@@ -177,3 +177,36 @@ pub fn ensure_bpffs(dir: &Path) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// `BPF_OBJ_GET`: a file descriptor of a pinned object (map, program, link).
+pub fn obj_get(path: &Path) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd as _;
+    #[repr(C)]
+    #[derive(Default)]
+    struct ObjAttr {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+        path_fd: i32,
+        _pad: u32,
+    }
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(io::Error::other)?;
+    let mut attr = ObjAttr {
+        pathname: c.as_ptr() as u64,
+        ..ObjAttr::default()
+    };
+    // SAFETY: a valid BPF_OBJ_GET attribute; `c` outlives the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            7 as libc::c_long,
+            &mut attr as *mut ObjAttr,
+            size_of::<ObjAttr>() as u32,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel returned a new file descriptor that nobody else owns.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(r as i32) })
+}

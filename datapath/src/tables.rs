@@ -14,7 +14,7 @@ use std::{
 };
 
 use ordnet_datapath_common::{
-    DatapathMaps,
+    DatapathMaps, addr_bytes, addr_words,
     layout::{CtEntry, CtKey, IpInfo, IpKey, PolicyKey, PolicyValue},
     lookup::PolicyMaps,
 };
@@ -124,7 +124,7 @@ impl MemTables {
 
     /// Longest-prefix match of a full address in the CIDR table.
     pub fn cidr_lookup(&self, key: &IpKey) -> Option<IpInfo> {
-        let addr = u128::from_be_bytes(key.addr);
+        let addr = u128::from_be_bytes(addr_bytes(key.addr));
         self.cidr_lengths
             .range((key.family, 0)..=(key.family, 128))
             .rev()
@@ -136,7 +136,7 @@ impl MemTables {
                 };
                 let masked = IpKey {
                     family: key.family,
-                    addr: (addr & mask).to_be_bytes(),
+                    addr: addr_words((addr & mask).to_be_bytes()),
                 };
                 self.cidr.get(&(masked, len)).copied()
             })
@@ -221,12 +221,12 @@ impl DatapathMaps for Mirror<'_> {
         self.tables.revision
     }
 
-    fn ipcache(&self, key: &IpKey) -> Option<IpInfo> {
-        self.tables.ipcache.get(key).copied()
+    fn ipcache(&self, key: &IpKey) -> Option<&IpInfo> {
+        self.tables.ipcache.get(key)
     }
 
-    fn ipcidr(&self, key: &IpKey) -> Option<IpInfo> {
-        self.tables.cidr_lookup(key)
+    fn ipcidr(&self, key: &IpKey) -> Option<u32> {
+        self.tables.cidr_lookup(key).map(|i| i.identity)
     }
 
     fn ct_lookup(&self, key: &CtKey) -> Option<CtEntry> {

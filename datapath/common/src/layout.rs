@@ -57,13 +57,15 @@ pub struct IpKey {
     /// [`FAMILY_V4`] or [`FAMILY_V6`] (a `u32`, not a byte plus padding: LLVM turns the
     /// zeroing of a 3-byte pad into a `memset` call).
     pub family: u32,
-    /// IPv6 address, or IPv4 address in bytes 0..4 and zeros after (as the parser stores it).
-    pub addr: [u8; 16],
+    /// The address bytes as memory-order words (`addr_words`): an IPv6 address, or an IPv4
+    /// address in word 0 and zeros after (as the parser stores it). In memory this is exactly
+    /// the 16 address bytes, so the LPM trie matches prefixes of the address.
+    pub addr: [u32; 4],
 }
 
 impl IpKey {
     #[inline(always)]
-    pub const fn new(family: u8, addr: [u8; 16]) -> Self {
+    pub const fn new(family: u8, addr: [u32; 4]) -> Self {
         Self {
             family: family as u32,
             addr,
@@ -227,8 +229,9 @@ pub struct CtKey {
     pub _pad: u16,
     pub port_a: u16,
     pub port_b: u16,
-    pub addr_a: [u8; 16],
-    pub addr_b: [u8; 16],
+    /// Memory-order address words, as in [`IpKey::addr`].
+    pub addr_a: [u32; 4],
+    pub addr_b: [u32; 4],
 }
 
 /// [`CtEntry::flags`]: the flow was opened by side `a` (else by side `b`).

@@ -36,7 +36,7 @@ pub use parse::{
     IPPROTO_AH, IPPROTO_DSTOPTS, IPPROTO_ESP, IPPROTO_FRAGMENT, IPPROTO_HIP, IPPROTO_HOPOPTS,
     IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_MH, IPPROTO_NONE, IPPROTO_ROUTING, IPPROTO_SCTP,
     IPPROTO_SHIM6, IPPROTO_TCP, IPPROTO_UDP, IpPacket, MAX_HEADER_BYTES, MAX_IPV6_EXT_HEADERS,
-    MAX_VLAN_TAGS, ParseError, Parsed, ipv4_in_16, parse,
+    MAX_VLAN_TAGS, ParseError, Parsed, addr_bytes, addr_words, ipv4_in_16, parse,
 };
 pub use verdict::{
     DatapathMaps, Decision, Reason, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, Verdict, ct_key, decide,

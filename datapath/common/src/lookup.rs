@@ -91,31 +91,12 @@ pub fn cell_word_of<M: PolicyMaps + ?Sized>(
     (word & CELL_REFINED == 0).then_some(word)
 }
 
-/// The index of the highest set bit of a non-zero `v` (branch-light, no `ctlz` instruction on
-/// BPF).
+/// The index of the highest set bit of a non-zero `v`. On BPF, LLVM expands `ctlz` into a
+/// branch-free sequence, so the verifier sees one symbolic result per loop iteration instead of
+/// a constant per branch (a branchy version multiplies the verifier's states per probe).
 #[inline(always)]
-pub fn highest_bit(mut v: u32) -> u32 {
-    let mut r = 0;
-    if v >= 1 << 16 {
-        v >>= 16;
-        r += 16;
-    }
-    if v >= 1 << 8 {
-        v >>= 8;
-        r += 8;
-    }
-    if v >= 1 << 4 {
-        v >>= 4;
-        r += 4;
-    }
-    if v >= 1 << 2 {
-        v >>= 2;
-        r += 2;
-    }
-    if v >= 1 << 1 {
-        r += 1;
-    }
-    r
+pub fn highest_bit(v: u32) -> u32 {
+    31 - v.leading_zeros()
 }
 
 /// The verdict of rule set `policy.ruleset` for a packet of `identity` (0 = none: only the

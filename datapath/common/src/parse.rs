@@ -57,6 +57,12 @@ pub trait Frame {
     /// range when the pointer's constant offset is 0.
     fn load<const N: usize>(&self, offset: usize) -> Option<[u8; N]>;
 
+    /// The 4 bytes at `offset..offset + 4` as one `u32` in memory order
+    /// (`u32::from_ne_bytes`), or `None` when the frame is shorter. Used for addresses: four
+    /// words keep register pressure low where sixteen separately loaded bytes would be spilled
+    /// to the 512-byte BPF stack.
+    fn load_word(&self, offset: usize) -> Option<u32>;
+
     /// Whether the frame is at least `len` bytes long (`len` may be up to 65 597: an IP
     /// packet's end according to its length field).
     fn holds(&self, len: usize) -> bool;
@@ -68,6 +74,11 @@ impl Frame for [u8] {
         let end = offset.checked_add(N)?;
         let bytes = self.get(offset..end)?;
         bytes.try_into().ok()
+    }
+
+    #[inline(always)]
+    fn load_word(&self, offset: usize) -> Option<u32> {
+        self.load::<4>(offset).map(u32::from_ne_bytes)
     }
 
     #[inline(always)]
@@ -93,10 +104,11 @@ pub enum Fragment {
 pub struct IpPacket {
     /// 4 or 6.
     pub ip_version: u8,
-    /// Source address; an IPv4 address is in bytes 0..4 and the remaining bytes are zero.
-    pub src: [u8; 16],
+    /// Source address as four words in memory order ([`addr_words`] of the 16 address bytes);
+    /// an IPv4 address is word 0, the other words are zero.
+    pub src: [u32; 4],
     /// Destination address, same convention as `src`.
-    pub dst: [u8; 16],
+    pub dst: [u32; 4],
     /// Upper-layer protocol: the IPv4 protocol field, or for IPv6 the first next-header value
     /// that is not a skipped extension header. For a later fragment: the protocol the fragment
     /// header (IPv6) or IP header (IPv4) names.
@@ -169,10 +181,40 @@ fn be16(hi: u8, lo: u8) -> u16 {
     u16::from_be_bytes([hi, lo])
 }
 
-/// An IPv4 address in the 16-byte address fields of [`IpPacket`] (bytes 0..4, rest zero).
+/// An IPv4 address in 16 address bytes (bytes 0..4, rest zero).
 #[inline(always)]
 pub fn ipv4_in_16(a: [u8; 4]) -> [u8; 16] {
     [a[0], a[1], a[2], a[3], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+}
+
+/// 16 address bytes as the four memory-order words [`IpPacket`] and the map keys use.
+#[inline(always)]
+pub fn addr_words(b: [u8; 16]) -> [u32; 4] {
+    [
+        u32::from_ne_bytes([b[0], b[1], b[2], b[3]]),
+        u32::from_ne_bytes([b[4], b[5], b[6], b[7]]),
+        u32::from_ne_bytes([b[8], b[9], b[10], b[11]]),
+        u32::from_ne_bytes([b[12], b[13], b[14], b[15]]),
+    ]
+}
+
+/// The inverse of [`addr_words`].
+#[inline(always)]
+pub fn addr_bytes(w: [u32; 4]) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    for (i, word) in w.iter().enumerate() {
+        b[4 * i..4 * i + 4].copy_from_slice(&word.to_ne_bytes());
+    }
+    b
+}
+
+/// Bounded word load.
+#[inline(always)]
+fn load_word<F: Frame + ?Sized>(frame: &F, offset: usize) -> Option<u32> {
+    if offset > MAX_HEADER_BYTES - 4 {
+        return None;
+    }
+    frame.load_word(offset)
 }
 
 /// Bounded load: every packet read of the parser goes through here.
@@ -242,8 +284,13 @@ fn parse_ipv4<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, Parse
     } else {
         Fragment::No
     };
-    let src = ipv4_in_16([h[12], h[13], h[14], h[15]]);
-    let dst = ipv4_in_16([h[16], h[17], h[18], h[19]]);
+    // The header was loaded whole, so these cannot fail; the word loads keep the address out
+    // of sixteen single-byte registers.
+    let (Some(s), Some(d)) = (load_word(frame, l3 + 12), load_word(frame, l3 + 16)) else {
+        return Err(ParseError::TruncatedIpv4Header);
+    };
+    let src = [s, 0, 0, 0];
+    let dst = [d, 0, 0, 0];
     let protocol = h[9];
     let (sport, dport, tcp_flags) = if fragment == Fragment::Subsequent {
         (0, 0, 0)
@@ -282,12 +329,18 @@ fn parse_ipv6<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, Parse
     let Some(h) = load::<F, 8>(frame, l3) else {
         return Err(ParseError::TruncatedIpv6Header);
     };
-    let Some(src) = load::<F, 16>(frame, l3 + 8) else {
-        return Err(ParseError::TruncatedIpv6Header);
-    };
-    let Some(dst) = load::<F, 16>(frame, l3 + 24) else {
-        return Err(ParseError::TruncatedIpv6Header);
-    };
+    let mut src = [0u32; 4];
+    let mut dst = [0u32; 4];
+    for i in 0..4 {
+        let (Some(s), Some(d)) = (
+            load_word(frame, l3 + 8 + 4 * i),
+            load_word(frame, l3 + 24 + 4 * i),
+        ) else {
+            return Err(ParseError::TruncatedIpv6Header);
+        };
+        src[i] = s;
+        dst[i] = d;
+    }
     if h[0] >> 4 != 6 {
         return Err(ParseError::BadIpVersion);
     }

@@ -13,7 +13,8 @@ use crate::{
     DatapathMaps, Decision, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6, Fragment,
     IPPROTO_AH, IPPROTO_DSTOPTS, IPPROTO_ESP, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS, IPPROTO_ICMP,
     IPPROTO_ICMPV6, IPPROTO_NONE, IPPROTO_ROUTING, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
-    IpPacket, MAX_HEADER_BYTES, ParseError, Parsed, Reason, TCP_ACK, TCP_SYN, Verdict, craft,
+    IpPacket, MAX_HEADER_BYTES, ParseError, Parsed, Reason, TCP_ACK, TCP_SYN, Verdict, addr_bytes,
+    addr_words, craft,
     craft::L4,
     decide, ipv4_in_16,
     layout::*,
@@ -68,8 +69,8 @@ fn hand_written_frame_and_checksum() {
         p(&HAND_TCP),
         Ok(Parsed::Ip(IpPacket {
             ip_version: 4,
-            src: ipv4_in_16([172, 16, 10, 99]),
-            dst: ipv4_in_16([172, 16, 10, 12]),
+            src: addr_words(ipv4_in_16([172, 16, 10, 99])),
+            dst: addr_words(ipv4_in_16([172, 16, 10, 12])),
             protocol: IPPROTO_TCP,
             sport: 41102,
             dport: 443,
@@ -121,15 +122,18 @@ fn all_l4_protocols_both_versions() {
             (v4.ip_version, v4.protocol, v4.sport, v4.dport),
             (4, proto, sport, dport)
         );
-        assert_eq!(v4.src, ipv4_in_16(craft::V4_SRC));
-        assert_eq!(v4.dst, ipv4_in_16(craft::V4_DST));
+        assert_eq!(v4.src, addr_words(ipv4_in_16(craft::V4_SRC)));
+        assert_eq!(v4.dst, addr_words(ipv4_in_16(craft::V4_DST)));
         assert_eq!(v4.fragment, Fragment::No);
         let v6 = ip(&craft::ipv6_frame(l4));
         assert_eq!(
             (v6.ip_version, v6.protocol, v6.sport, v6.dport),
             (6, proto, sport, dport)
         );
-        assert_eq!((v6.src, v6.dst), (craft::V6_SRC, craft::V6_DST));
+        assert_eq!(
+            (v6.src, v6.dst),
+            (addr_words(craft::V6_SRC), addr_words(craft::V6_DST))
+        );
     }
     let icmp = ip(&craft::ipv4_frame(L4::Echo));
     assert_eq!(
@@ -527,13 +531,13 @@ impl DatapathMaps for Mock {
     fn revision(&self) -> u64 {
         self.revision
     }
-    fn ipcache(&self, key: &IpKey) -> Option<IpInfo> {
+    fn ipcache(&self, key: &IpKey) -> Option<&IpInfo> {
         self.read();
-        self.ipcache.get(key).copied()
+        self.ipcache.get(key)
     }
-    fn ipcidr(&self, key: &IpKey) -> Option<IpInfo> {
+    fn ipcidr(&self, key: &IpKey) -> Option<u32> {
         self.read();
-        let bits = |a: &[u8; 16]| u128::from_be_bytes(*a);
+        let bits = |a: &[u32; 4]| u128::from_be_bytes(addr_bytes(*a));
         self.cidr
             .iter()
             .filter(|(k, len, _)| {
@@ -545,7 +549,7 @@ impl DatapathMaps for Mock {
                 k.family == key.family && bits(&k.addr) & mask == bits(&key.addr) & mask
             })
             .max_by_key(|(_, len, _)| *len)
-            .map(|(_, _, info)| *info)
+            .map(|(_, _, info)| info.identity)
     }
     fn ct_lookup(&self, key: &CtKey) -> Option<CtEntry> {
         self.ct.borrow().get(key).copied()
@@ -568,7 +572,7 @@ const WORLD: [u8; 4] = [192, 0, 2, 1];
 const NODE: [u8; 4] = [10, 0, 0, 254];
 
 fn key4(a: [u8; 4]) -> IpKey {
-    IpKey::new(FAMILY_V4, ipv4_in_16(a))
+    IpKey::new(FAMILY_V4, addr_words(ipv4_in_16(a)))
 }
 
 fn endpoint(id: u32, identity: u32, ingress: PolicyRef, egress: PolicyRef) -> IpInfo {

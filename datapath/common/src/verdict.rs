@@ -19,7 +19,7 @@ use crate::{
     Fragment, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, IpPacket, ParseError, Parsed,
     layout::{
         CT_INITIATOR_A, CT_LIFETIME_OTHER_NS, CT_LIFETIME_TCP_NS, CT_REFRESH_NS, CtEntry, CtKey,
-        IpInfo, IpKey,
+        IpInfo, IpKey, PolicyRef,
     },
     lookup::{PolicyDecision, PolicyMaps, policy_lookup},
 };
@@ -43,10 +43,11 @@ pub const TCP_ACK: u8 = 0x10;
 pub trait DatapathMaps: PolicyMaps {
     /// The global policy revision.
     fn revision(&self) -> u64;
-    /// ipcache, exact part.
-    fn ipcache(&self, key: &IpKey) -> Option<IpInfo>;
-    /// ipcache, prefix part: longest prefix match of the full address.
-    fn ipcidr(&self, key: &IpKey) -> Option<IpInfo>;
+    /// ipcache, exact part. (A reference: in the kernel the map value itself, which stays
+    /// valid for the program run; copies would not fit the 512-byte stack.)
+    fn ipcache(&self, key: &IpKey) -> Option<&IpInfo>;
+    /// ipcache, prefix part: the identity of the longest prefix matching the full address.
+    fn ipcidr(&self, key: &IpKey) -> Option<u32>;
     fn ct_lookup(&self, key: &CtKey) -> Option<CtEntry>;
     /// Insert or replace a tracking entry (errors, e.g. a full map, are ignored: the packet's
     /// verdict does not depend on them).
@@ -112,14 +113,19 @@ impl Decision {
     }
 }
 
-/// One direction of a flow as the policy sees it.
+/// One direction of a flow as the policy sees it. Plain values with flags instead of `Option`s
+/// of structs: LLVM may copy the undefined payload of a `None` through merged paths, and the
+/// verifier rejects reading uninitialised registers.
 #[derive(Clone, Copy)]
 struct Flow {
-    /// The sender when it is a local endpoint.
-    from: Option<IpInfo>,
+    /// The sender is a local endpoint, whose egress policy is `from`.
+    from_local: bool,
+    from: PolicyRef,
     /// The sender's identity (only needed, and only computed, when `to` is local).
     from_id: u32,
-    to: Option<IpInfo>,
+    /// The receiver is a local endpoint, whose ingress policy is `to`.
+    to_local: bool,
+    to: PolicyRef,
     to_id: u32,
     protocol: u8,
     dport: u16,
@@ -129,8 +135,8 @@ struct Flow {
 #[inline(always)]
 fn evaluate<M: DatapathMaps + ?Sized>(maps: &M, flow: &Flow) -> Decision {
     let mut d = Decision::simple(Verdict::Pass, Reason::Allowed);
-    if let Some(from) = flow.from {
-        let e = policy_lookup(maps, from.egress, flow.to_id, flow.protocol, flow.dport);
+    if flow.from_local {
+        let e = policy_lookup(maps, flow.from, flow.to_id, flow.protocol, flow.dport);
         d.egress = Some(e);
         if !e.allow {
             d.verdict = Verdict::Drop;
@@ -138,8 +144,8 @@ fn evaluate<M: DatapathMaps + ?Sized>(maps: &M, flow: &Flow) -> Decision {
             return d;
         }
     }
-    if let Some(to) = flow.to {
-        let i = policy_lookup(maps, to.ingress, flow.from_id, flow.protocol, flow.dport);
+    if flow.to_local {
+        let i = policy_lookup(maps, flow.to, flow.from_id, flow.protocol, flow.dport);
         d.ingress = Some(i);
         if !i.allow {
             d.verdict = Verdict::Drop;
@@ -153,33 +159,23 @@ fn evaluate<M: DatapathMaps + ?Sized>(maps: &M, flow: &Flow) -> Decision {
 #[inline(always)]
 fn identity_of<M: DatapathMaps + ?Sized>(
     maps: &M,
-    exact: Option<IpInfo>,
+    exact: Option<&IpInfo>,
     family: u8,
-    addr: &[u8; 16],
+    addr: &[u32; 4],
 ) -> u32 {
     match exact {
         Some(info) => info.identity,
-        None => match maps.ipcidr(&IpKey::new(family, *addr)) {
-            Some(info) => info.identity,
-            None => 0,
-        },
+        None => maps.ipcidr(&IpKey::new(family, *addr)).unwrap_or(0),
     }
-}
-
-#[inline(always)]
-fn addr_words(a: &[u8; 16]) -> (u64, u64) {
-    (
-        u64::from_be_bytes([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]),
-        u64::from_be_bytes([a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]),
-    )
 }
 
 /// The canonical tracking key of a packet's flow, and whether the packet's source is side `a`.
 #[inline(always)]
 pub fn ct_key(p: &IpPacket) -> (CtKey, bool) {
-    let (s_hi, s_lo) = addr_words(&p.src);
-    let (d_hi, d_lo) = addr_words(&p.dst);
-    let src_is_a = (s_hi, s_lo, p.sport) <= (d_hi, d_lo, p.dport);
+    // Any total order does, as long as kernel and userspace use the same: the raw words.
+    let s = &p.src;
+    let d = &p.dst;
+    let src_is_a = (s[0], s[1], s[2], s[3], p.sport) <= (d[0], d[1], d[2], d[3], p.dport);
     let key = if src_is_a {
         CtKey {
             family: p.ip_version,
@@ -232,34 +228,40 @@ pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, map
     }
     let src = maps.ipcache(&IpKey::new(p.ip_version, p.src));
     let dst = maps.ipcache(&IpKey::new(p.ip_version, p.dst));
-    let src_ep = src.filter(IpInfo::is_endpoint);
-    let dst_ep = dst.filter(IpInfo::is_endpoint);
-    if src_ep.is_none() && dst_ep.is_none() {
+    let src_local = src.is_some_and(|i| i.is_endpoint());
+    let dst_local = dst.is_some_and(|i| i.is_endpoint());
+    if !src_local && !dst_local {
         return Decision::simple(Verdict::Pass, Reason::NotLocal);
     }
     if src.is_some_and(|i| i.is_host()) || dst.is_some_and(|i| i.is_host()) {
         return Decision::simple(Verdict::Pass, Reason::Host);
     }
-    if let (Some(s), Some(d)) = (src_ep, dst_ep)
-        && s.endpoint == d.endpoint
-    {
+    let endpoint = |i: Option<&IpInfo>| i.map_or(0, |i| i.endpoint);
+    if src_local && dst_local && endpoint(src) == endpoint(dst) {
         return Decision::simple(Verdict::Pass, Reason::SameEndpoint);
     }
     // A side's identity is only needed to check the other side's policy.
-    let src_id = if dst_ep.is_some() {
+    let src_id = if dst_local {
         identity_of(maps, src, p.ip_version, &p.src)
     } else {
         0
     };
-    let dst_id = if src_ep.is_some() {
+    let dst_id = if src_local {
         identity_of(maps, dst, p.ip_version, &p.dst)
     } else {
         0
     };
+    let policy = |i: Option<&IpInfo>, egress: bool| {
+        i.map_or(PolicyRef::default(), |i| {
+            if egress { i.egress } else { i.ingress }
+        })
+    };
     let forward = Flow {
-        from: src_ep,
+        from_local: src_local,
+        from: policy(src, true),
         from_id: src_id,
-        to: dst_ep,
+        to_local: dst_local,
+        to: policy(dst, false),
         to_id: dst_id,
         protocol: p.protocol,
         dport: p.dport,
@@ -273,26 +275,27 @@ pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, map
     let initiator = if src_is_a { CT_INITIATOR_A } else { 0 };
     let syn = p.protocol == IPPROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
     let mut now = 0;
-    let existing = match maps.ct_lookup(&key) {
+    let (tracked_flow, entry) = match maps.ct_lookup(&key) {
         Some(e) => {
             now = maps.now_ns();
             // An entry from the future (clock reset) counts as fresh.
-            (now.saturating_sub(e.last_seen) <= lifetime(p.protocol)).then_some(e)
+            (now.saturating_sub(e.last_seen) <= lifetime(p.protocol), e)
         }
-        None => None,
+        None => (false, CtEntry::default()),
     };
 
-    if let Some(e) = existing
-        && !syn
-    {
-        let from_initiator = e.flags & CT_INITIATOR_A == initiator;
-        if e.revision == revision {
-            if now.saturating_sub(e.last_seen) > CT_REFRESH_NS {
+    // Which direction to check: the packet's own, or (for a tracked flow whose revision is
+    // stale) the flow's original direction. One `evaluate` call site keeps the program small.
+    let recheck = tracked_flow && !syn;
+    let flow = if recheck {
+        let from_initiator = entry.flags & CT_INITIATOR_A == initiator;
+        if entry.revision == revision {
+            if now.saturating_sub(entry.last_seen) > CT_REFRESH_NS {
                 maps.ct_store(
                     &key,
                     &CtEntry {
                         last_seen: now,
-                        ..e
+                        ..entry
                     },
                 );
             }
@@ -303,27 +306,32 @@ pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, map
             };
             return Decision::simple(Verdict::Pass, reason);
         }
-        // The policy changed since the flow was checked: check its original direction again.
-        let original = if from_initiator {
+        if from_initiator {
             forward
         } else {
             Flow {
-                from: dst_ep,
+                from_local: dst_local,
+                from: policy(dst, true),
                 from_id: dst_id,
-                to: src_ep,
+                to_local: src_local,
+                to: policy(src, false),
                 to_id: src_id,
                 protocol: p.protocol,
                 dport: p.sport,
             }
-        };
-        let mut d = evaluate(maps, &original);
+        }
+    } else {
+        forward
+    };
+    let mut d = evaluate(maps, &flow);
+    if recheck {
         if d.verdict == Verdict::Pass {
             maps.ct_store(
                 &key,
                 &CtEntry {
                     revision,
                     last_seen: now,
-                    ..e
+                    ..entry
                 },
             );
             d.reason = Reason::Rechecked;
@@ -333,16 +341,13 @@ pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, map
         }
         return d;
     }
-
-    let d = evaluate(maps, &forward);
     if d.verdict == Verdict::Pass {
-        let fresh = existing.is_some_and(|e| {
-            e.revision == revision
-                && e.flags == initiator
-                && now.saturating_sub(e.last_seen) <= CT_REFRESH_NS
-        });
+        let fresh = tracked_flow
+            && entry.revision == revision
+            && entry.flags == initiator
+            && now.saturating_sub(entry.last_seen) <= CT_REFRESH_NS;
         if !fresh {
-            if existing.is_none() {
+            if now == 0 {
                 now = maps.now_ns();
             }
             maps.ct_store(

@@ -141,7 +141,7 @@ struct Lpm;
 impl LpmMaps for Lpm {
     #[inline(always)]
     fn lpm(&self, prefix_len: u32, data: &LpmPolicyData) -> Option<PolicyValue> {
-        LPM_POLICY.get(&Key::new(prefix_len, *data)).copied()
+        LPM_POLICY.get(Key::new(prefix_len, *data)).copied()
     }
 }
 
@@ -150,7 +150,7 @@ struct Cilium;
 impl CiliumMaps for Cilium {
     #[inline(always)]
     fn cilium(&self, prefix_len: u32, data: &CiliumData) -> Option<CiliumValue> {
-        CIL_POLICY.get(&Key::new(prefix_len, *data)).copied()
+        CIL_POLICY.get(Key::new(prefix_len, *data)).copied()
     }
 }
 
@@ -166,7 +166,8 @@ fn run(ctx: &XdpContext, decide: impl FnOnce(PolicyRef, u32, &IpPacket) -> bool)
     let Some(cfg) = BENCH_CFG.get(0).copied() else {
         return xdp_action::XDP_DROP;
     };
-    let identity = u32::from_be_bytes([0, p.src[1], p.src[2], p.src[3]]);
+    // The low 24 bits of the IPv4 source address (memory-order word 0).
+    let identity = u32::from_be(p.src[0]) & 0x00ff_ffff;
     if decide(cfg, identity, &p) {
         xdp_action::XDP_PASS
     } else {
@@ -183,7 +184,7 @@ pub fn bench_floor(ctx: XdpContext) -> u32 {
             prefix: prefix_bits(p.protocol, p.dport, 24),
         };
         // SAFETY: the value is copied out immediately.
-        match unsafe { FLOOR.get(&key) }.copied() {
+        match unsafe { FLOOR.get(key) }.copied() {
             Some(v) => v.verdict == V_ALLOW,
             None => cfg.default == V_ALLOW,
         }

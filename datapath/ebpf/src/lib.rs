@@ -5,6 +5,8 @@
 //! cargo then re-runs datapath's build script (which builds the eBPF objects) whenever this
 //! crate or one of its dependencies (`ordnet-datapath-common`) changes.
 #![no_std]
+// BPF inline assembly (one 32-bit packet load, see `read_u32`) is behind this gate.
+#![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
 
 use aya_ebpf::programs::XdpContext;
 use ordnet_datapath_common::{Frame, MAX_HEADER_BYTES};
@@ -48,7 +50,51 @@ impl Frame for XdpFrame {
     }
 
     #[inline(always)]
+    fn load_word(&self, offset: usize) -> Option<u32> {
+        // Same pattern as `load`.
+        let offset = core::hint::black_box(offset);
+        if offset > MAX_HEADER_BYTES - 4 {
+            return None;
+        }
+        let start = self.data + offset;
+        if start + 4 > self.data_end {
+            return None;
+        }
+        Some(read_u32(start))
+    }
+
+    #[inline(always)]
     fn holds(&self, len: usize) -> bool {
         self.data + len <= self.data_end
     }
+}
+
+/// One 32-bit load from the packet. `read_unaligned` would make LLVM emit four byte loads
+/// (the BPF backend assumes no misaligned access), and `ptr::read` of a possibly misaligned
+/// pointer is undefined behaviour in Rust; the instruction itself is fine: the verifier only
+/// enforces packet alignment on architectures without efficient unaligned access, where it
+/// would reject the program at load time rather than misbehave.
+#[cfg(target_arch = "bpf")]
+#[inline(always)]
+fn read_u32(addr: usize) -> u32 {
+    let v: u64;
+    // SAFETY: `addr..addr + 4` lies inside the packet (checked by the caller right before);
+    // the asm only reads those 4 bytes.
+    unsafe {
+        core::arch::asm!(
+            "{0} = *(u32 *)({1} + 0)",
+            lateout(reg) v,
+            in(reg) addr,
+            options(pure, readonly, nostack, preserves_flags)
+        );
+    }
+    v as u32
+}
+
+/// Host build of the crate (never executed: the host binary does nothing).
+#[cfg(not(target_arch = "bpf"))]
+#[inline(always)]
+fn read_u32(addr: usize) -> u32 {
+    // SAFETY: see the BPF version; on the host this code is only compiled, never run.
+    unsafe { (addr as *const u32).read_unaligned() }
 }

@@ -83,16 +83,17 @@ impl DatapathMaps for KernelMaps {
     }
 
     #[inline(always)]
-    fn ipcache(&self, key: &IpKey) -> Option<IpInfo> {
-        // SAFETY: as above.
-        unsafe { IPCACHE.get(key) }.copied()
+    fn ipcache(&self, key: &IpKey) -> Option<&IpInfo> {
+        // SAFETY: a map value stays valid (RCU) for the whole program run, and the program
+        // never writes to it.
+        unsafe { IPCACHE.get(key) }
     }
 
     #[inline(always)]
-    fn ipcidr(&self, key: &IpKey) -> Option<IpInfo> {
+    fn ipcidr(&self, key: &IpKey) -> Option<u32> {
         IPCIDR
-            .get(&Key::new(IpKey::LPM_FIXED_BITS + 128, *key))
-            .copied()
+            .get(Key::new(IpKey::LPM_FIXED_BITS + 128, *key))
+            .map(|i| i.identity)
     }
 
     #[inline(always)]
