@@ -155,24 +155,24 @@ struct Pending {
 }
 
 /// The diff between two key lists (both sorted by key).
-pub(crate) fn diff_states(old: &[(Key, StateEntry)], new: &[(Key, &StateEntry)]) -> ChangeSet {
+pub(crate) fn diff_states(old: &[(Key, &StateEntry)], new: &[(Key, &StateEntry)]) -> ChangeSet {
     let mut cs = ChangeSet::default();
     let (mut i, mut j) = (0, 0);
     while i < old.len() || j < new.len() {
         match (old.get(i), new.get(j)) {
             (Some((ko, eo)), Some((kn, en))) if ko == kn => {
-                if eo != *en {
-                    cs.changed.push((*ko, eo.clone(), (*en).clone()));
+                if eo != en {
+                    cs.changed.push((*ko, (*eo).clone(), (*en).clone()));
                 }
                 i += 1;
                 j += 1;
             }
             (Some((ko, eo)), Some((kn, _))) if ko < kn => {
-                cs.removed.push((*ko, eo.clone()));
+                cs.removed.push((*ko, (*eo).clone()));
                 i += 1;
             }
             (Some((ko, eo)), None) => {
-                cs.removed.push((*ko, eo.clone()));
+                cs.removed.push((*ko, (*eo).clone()));
                 i += 1;
             }
             (_, Some((kn, en))) => {
@@ -609,6 +609,15 @@ impl Engine {
         let mut derived: HashMap<Arc<ShareKey>, (PodKey, BTreeSet<PolicyRef>)> = HashMap::new();
         let mut snapshots: HashMap<Arc<ShareKey>, StateSnapshot> = HashMap::new();
         let changed: BTreeSet<PolicyRef> = p.policies.keys().cloned().collect();
+        let leaving: HashSet<(PodKey, usize)> = moving
+            .iter()
+            .map(|(k, d, _, _)| (k.clone(), *d))
+            .chain(
+                removing
+                    .iter()
+                    .flat_map(|k| [(k.clone(), 0), (k.clone(), 1)]),
+            )
+            .collect();
         for (k, _, old, new) in &moving {
             if !self.shared.contains_key(new) && !derived.contains_key(new) {
                 let sole = !arriving.contains(old)
@@ -627,8 +636,15 @@ impl Engine {
                     continue;
                 }
             }
+            // A state that every user leaves (and nobody joins) is not updated below: the
+            // endpoint's ChangeSet is diffed against it directly, without a copy.
             if !snapshots.contains_key(old)
                 && let Some(s) = self.shared.get(old)
+                && (arriving.contains(old)
+                    || !s
+                        .users
+                        .iter()
+                        .all(|u| leaving.contains(&(u.clone(), dir_index(old.dir)))))
             {
                 snapshots.insert(
                     old.clone(),
@@ -636,15 +652,6 @@ impl Engine {
                 );
             }
         }
-        let leaving: HashSet<(PodKey, usize)> = moving
-            .iter()
-            .map(|(k, d, _, _)| (k.clone(), *d))
-            .chain(
-                removing
-                    .iter()
-                    .flat_map(|k| [(k.clone(), 0), (k.clone(), 1)]),
-            )
-            .collect();
 
         // Shared states to update (each once; keys compared by address).
         let mut affected: Vec<Arc<ShareKey>> = Vec::new();
@@ -719,7 +726,6 @@ impl Engine {
             self.use_shared(new, k);
         }
         for (k, d, old, new) in &moving {
-            self.unuse_shared(old, k);
             if let Some(keys) = self.ep_keys.get_mut(k) {
                 keys[*d] = new.clone();
             }
@@ -734,19 +740,28 @@ impl Engine {
             let (cs, iso) = match derived_cs {
                 Some((_, cs, iso)) => (cs, iso),
                 None => {
-                    let (snapshot, old_isolated) = snapshots
-                        .get(old)
-                        .map(|(v, i)| (v.as_slice(), Some(*i)))
-                        .unwrap_or((&[], None));
                     let Some(s) = self.shared.get(new) else {
+                        self.unuse_shared(old, k);
                         continue;
                     };
-                    let cs = diff_states(snapshot, &s.policy.mapstate.iter());
+                    let (cs, old_isolated) = match (snapshots.get(old), self.shared.get(old)) {
+                        (Some((v, i)), _) => {
+                            let v: Vec<(Key, &StateEntry)> =
+                                v.iter().map(|(k, e)| (*k, e)).collect();
+                            (diff_states(&v, &s.policy.mapstate.iter()), Some(*i))
+                        }
+                        (None, Some(o)) => (
+                            diff_states(&o.policy.mapstate.iter(), &s.policy.mapstate.iter()),
+                            Some(o.policy.isolated),
+                        ),
+                        (None, None) => (diff_states(&[], &s.policy.mapstate.iter()), None),
+                    };
                     let iso =
                         (old_isolated != Some(s.policy.isolated)).then_some(s.policy.isolated);
                     (cs, iso)
                 }
             };
+            self.unuse_shared(old, k);
             delta.updates.push(EndpointUpdate {
                 endpoint: pod_key_text(k),
                 direction: DIRECTIONS[*d],
@@ -1006,10 +1021,12 @@ impl Engine {
                 // Cannot happen (entry ids are tracked exactly); fall back to a rebuild.
                 debug_assert!(false, "incremental MapState update rejected: {e}");
                 let users = s.users.clone();
-                let old = owned(s.policy.mapstate.iter());
                 let mut fresh = self.compile(key);
                 fresh.users = users;
-                let cs = diff_states(&old, &fresh.policy.mapstate.iter());
+                let cs = diff_states(
+                    &self.shared[key].policy.mapstate.iter(),
+                    &fresh.policy.mapstate.iter(),
+                );
                 self.shared.insert(key.clone(), fresh);
                 let s = &self.shared[key];
                 return (cs, Some(s.policy.isolated));
