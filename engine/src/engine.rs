@@ -236,6 +236,28 @@ pub(crate) struct Shared {
     pub notify: BTreeMap<PolicyRef, PolicyIndex>,
 }
 
+/// Frees a MapState that is no longer used on a background thread. A MapState of a few thousand
+/// keys is thousands of small allocations (per-identity tries, entry lists): freeing them took
+/// about as long as compiling it, on the critical path of [`Engine::apply`]. Falls back to
+/// freeing in place if the thread cannot be started.
+fn drop_later(s: Shared) {
+    use std::sync::OnceLock;
+    use std::sync::mpsc::{Sender, channel};
+    static DROPPER: OnceLock<Option<Sender<Shared>>> = OnceLock::new();
+    let tx = DROPPER.get_or_init(|| {
+        let (tx, rx) = channel::<Shared>();
+        std::thread::Builder::new()
+            .name("ordnet-free".into())
+            .spawn(move || rx.into_iter().for_each(drop))
+            .ok()
+            .map(|_| tx)
+    });
+    if let Some(tx) = tx {
+        // On a send error the value comes back and is dropped here.
+        let _ = tx.send(s);
+    }
+}
+
 /// The number of a selector in the selector cache (never reused).
 pub(crate) type SelId = u32;
 
@@ -1051,7 +1073,9 @@ impl Engine {
         if !s.users.is_empty() {
             return;
         }
-        self.remove_shared(key);
+        if let Some(s) = self.remove_shared(key) {
+            drop_later(s);
+        }
     }
 
     /// Adds the endpoint record of pod `k` and compiles its MapStates.

@@ -166,17 +166,19 @@ pub struct MapState {
     default: Verdict,
     entries: BTreeMap<EntryId, PolicyEntry>,
     /// Candidate contributions per peer and block (the input, indexed).
-    cand: HashMap<Peer, Candidates>,
+    /// (Boxed: a `PrefixMap` is ~400 bytes, most peers have one or two blocks, and a map of
+    /// thousands of inline tries wasted its empty slots and copied them on every growth.)
+    cand: HashMap<Peer, Box<Candidates>>,
     /// Identities that have specific candidates at each block (with contribution counts).
     spec_index: PrefixMap<L4Prefix, Vec<(Identity, u32)>>,
     /// The state: one trie per peer.
-    tries: HashMap<Peer, PrefixMap<L4Prefix, StateEntry>>,
+    tries: HashMap<Peer, Box<PrefixMap<L4Prefix, StateEntry>>>,
     /// The `*` keys by protocol (256 for the "every protocol" key) and rank, strongest first:
     /// finds the `*` keys stronger than an own key without visiting the weaker ones.
     /// (With a copy of each `*` entry: `*` has few keys, and the walk then needs no trie lookup.)
     star_rank: BTreeMap<u16, BTreeMap<(Rank, L4Prefix), StateEntry>>,
     /// Covered contributions per peer, at the block where they would have been.
-    covered: HashMap<Peer, PrefixMap<L4Prefix, Vec<Covered>>>,
+    covered: HashMap<Peer, Box<PrefixMap<L4Prefix, Vec<Covered>>>>,
 }
 
 /// One item of an ordered insertion.
@@ -222,6 +224,18 @@ impl MapState {
         entries: impl IntoIterator<Item = PolicyEntry>,
     ) -> Result<MapState, UpdateError> {
         let mut ms = MapState::new(direction, default);
+        let entries: Vec<PolicyEntry> = entries.into_iter().collect();
+        // Reserve the per-peer maps once instead of growing them identity by identity.
+        let mut peers: Vec<Identity> = Vec::new();
+        for e in &entries {
+            if let Selector::Ids(ids) = &e.selector {
+                peers.extend(ids.iter().copied());
+            }
+        }
+        peers.sort_unstable();
+        peers.dedup();
+        ms.cand.reserve(peers.len() + 1);
+        ms.tries.reserve(peers.len() + 1);
         for e in entries {
             if ms.entries.contains_key(&e.id) {
                 return Err(UpdateError::DuplicateEntry(e.id));
@@ -641,13 +655,16 @@ impl MapState {
         let Some(own) = self.cand.get(&peer) else {
             return (out, notes);
         };
-        let mut nodes: Vec<Node<'_>> = region_iter(own, &region)
-            .map(|(prefix, cs)| Node {
-                prefix,
-                own: cs,
-                wild: None,
-            })
-            .collect();
+        let mut nodes: Vec<Node<'_>> = Vec::with_capacity(if region == L4Prefix::ANY {
+            own.len() + 4
+        } else {
+            4
+        });
+        nodes.extend(region_iter(own, &region).map(|(prefix, cs)| Node {
+            prefix,
+            own: cs,
+            wild: None,
+        }));
         if nodes.is_empty() {
             return (out, notes);
         }
@@ -912,6 +929,9 @@ impl MapState {
 
     /// Replaces the covered notes of `peer` inside `region`.
     fn write_notes(&mut self, peer: Peer, region: L4Prefix, notes: Vec<Covered>) {
+        if notes.is_empty() && !self.covered.contains_key(&peer) {
+            return;
+        }
         let cov = self.covered.entry(peer).or_default();
         if !cov.is_empty() {
             let stale: Vec<L4Prefix> = cov.children(&region).map(|(p, _)| p).collect();
