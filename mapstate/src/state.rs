@@ -313,22 +313,24 @@ impl MapState {
 
     /// Every key and entry, sorted by peer (`*` first) and prefix (parents before children).
     pub fn iter(&self) -> Vec<(Key, &StateEntry)> {
-        let mut out: Vec<(Key, &StateEntry)> = self
-            .tries
-            .iter()
-            .flat_map(|(peer, t)| {
-                t.iter().map(move |(prefix, e)| {
-                    (
-                        Key {
-                            peer: *peer,
-                            prefix,
-                        },
-                        e,
-                    )
-                })
-            })
-            .collect();
-        out.sort_by_key(|e| e.0);
+        // Peer by peer in peer order (each trie iterates its keys in prefix order).
+        let mut peers: Vec<(&Peer, &PrefixMap<L4Prefix, StateEntry>)> =
+            self.tries.iter().map(|(p, t)| (p, &**t)).collect();
+        peers.sort_unstable_by_key(|(p, _)| **p);
+        let mut out: Vec<(Key, &StateEntry)> = Vec::with_capacity(self.len());
+        for (peer, t) in peers {
+            out.extend(t.iter().map(|(prefix, e)| {
+                (
+                    Key {
+                        peer: *peer,
+                        prefix,
+                    },
+                    e,
+                )
+            }));
+        }
+        // Keys are unique; nearly sorted input makes this close to linear.
+        out.sort_unstable_by_key(|e| e.0);
         out
     }
 
