@@ -400,9 +400,15 @@ impl Layout {
     }
 }
 
+/// The class layout is not installed above this many hash entries (it grows with
+/// identities × port classes; see `docs/datapath.md` §4.3).
+pub const CLASS_LIMIT: usize = 1 << 21;
+
 /// Entries each layout needed for one rule set.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LayoutSizes {
+    /// Whether the class layout was small enough to install.
+    pub classes_installed: bool,
     pub mapstate_keys: usize,
     pub floor: usize,
     pub ordnet_policy: usize,
@@ -487,8 +493,21 @@ where
 }
 
 impl BenchObject {
-    /// Loads the benchmark object (all programs) with room for `entries` keys per layout.
-    pub fn load(entries: u32) -> Result<BenchObject, DatapathError> {
+    /// Loads the benchmark object (all programs) and writes `ms` into every layout's maps (as
+    /// rule set [`BENCH_RULESET`], with the isolation default of `ms`). The class layout is
+    /// skipped (and its program must not be run) when it needs more than [`CLASS_LIMIT`]
+    /// entries; [`LayoutSizes::classes_installed`] says which.
+    pub fn load(ms: &MapState) -> Result<(BenchObject, LayoutSizes), DatapathError> {
+        let (content, _) = flatten(ms).map_err(|source| {
+            DatapathError::Control(crate::ControlError::Flatten {
+                endpoint: 0,
+                direction: ms.direction(),
+                source,
+            })
+        })?;
+        let classes = class_layout(&content, BENCH_RULESET);
+        let install_classes = classes.entries.len() <= CLASS_LIMIT;
+        let entries = (ms.len() as u32 + 16).next_power_of_two();
         let mut loader = EbpfLoader::new();
         for m in [
             "FLOOR",
@@ -499,7 +518,12 @@ impl BenchObject {
         ] {
             loader.map_max_entries(m, entries.max(1024));
         }
-        loader.map_max_entries("CLS_POLICY", (entries * 4).max(1 << 16));
+        let class_entries = if install_classes {
+            classes.entries.len() as u32 + 16
+        } else {
+            16
+        };
+        loader.map_max_entries("CLS_POLICY", class_entries.next_power_of_two().max(1024));
         let mut ebpf = loader.load(crate::BENCH_OBJECT).map_err(Box::new)?;
         for l in Layout::ALL {
             let p: &mut Xdp = ebpf
@@ -517,19 +541,18 @@ impl BenchObject {
             policy: take(&mut ebpf, "ORDNET_POLICY")?,
             mirror,
         };
-        Ok(BenchObject { ebpf, ordnet })
+        let mut obj = BenchObject { ebpf, ordnet };
+        let sizes = obj.install(ms, content, install_classes.then_some(classes))?;
+        Ok((obj, sizes))
     }
 
-    /// Writes `ms` as rule set [`BENCH_RULESET`] (egress, isolation default of `ms`) into every
-    /// layout's maps. Once per object: load a fresh object for another rule set.
-    pub fn install(&mut self, ms: &MapState) -> Result<LayoutSizes, DatapathError> {
-        let (content, default) = flatten(ms).map_err(|source| {
-            DatapathError::Control(crate::ControlError::Flatten {
-                endpoint: 0,
-                direction: ms.direction(),
-                source,
-            })
-        })?;
+    fn install(
+        &mut self,
+        ms: &MapState,
+        content: RuleSetContent,
+        classes: Option<ClassLayout>,
+    ) -> Result<LayoutSizes, DatapathError> {
+        let default = verdict_code(ms.default_verdict());
         let rs = BENCH_RULESET;
         let mut sizes = LayoutSizes {
             mapstate_keys: ms.len(),
@@ -583,8 +606,8 @@ impl BenchObject {
             upd("FLOOR", sys::update_batch(floor.map().fd().as_fd(), &k, &v))?;
         }
         // Classes.
-        {
-            let cl = class_layout(&content, rs);
+        if let Some(cl) = classes {
+            sizes.classes_installed = true;
             sizes.classes = cl.classes;
             sizes.class_entries = cl.entries.len();
             sizes.class_blocks = cl.blocks.len() as u32 / BLOCK_WORDS;
@@ -607,6 +630,11 @@ impl BenchObject {
                 "CLS_POLICY",
                 sys::update_batch(policy.map().fd().as_fd(), &k, &v),
             )?;
+        } else {
+            let cl = class_layout(&content, rs);
+            sizes.classes = cl.classes;
+            sizes.class_entries = cl.entries.len();
+            sizes.class_blocks = cl.blocks.len() as u32 / BLOCK_WORDS;
         }
         // Probes.
         {

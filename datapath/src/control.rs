@@ -11,8 +11,8 @@ use ipnet::IpNet;
 use ordnet_datapath_common::{
     addr_bytes, addr_words,
     layout::{
-        FAMILY_V4, FAMILY_V6, IP_FLAG_ENDPOINT, IP_FLAG_HOST, IpInfo, IpKey, PolicyRef, V_ALLOW,
-        V_DENY,
+        FAMILY_V4, FAMILY_V6, IP_FLAG_ENDPOINT, IP_FLAG_HOST, IpInfo, IpKey, PolicyRef, State,
+        V_ALLOW, V_DENY,
     },
 };
 use ordnet_mapstate::{Direction, MapState};
@@ -117,7 +117,8 @@ pub struct Control {
     remote: HashMap<IpKey, u32>,
     hosts: BTreeSet<IpKey>,
     cidr: BTreeMap<(IpKey, u32), u32>,
-    revision: u64,
+    /// The state written on every revision bump (revision, clock parameters).
+    state: State,
 }
 
 struct Planned {
@@ -141,7 +142,9 @@ fn with_dir(state: &EndpointState, dir: usize, r: PolicyRef) -> EndpointState {
 }
 
 impl Control {
-    pub fn new(store: Store) -> Control {
+    /// A control plane for empty tables. `state` gives the clock parameters (its revision is
+    /// the starting point; the first operation writes revision + 1).
+    pub fn new(store: Store, state: State) -> Control {
         Control {
             store,
             endpoints: BTreeMap::new(),
@@ -149,12 +152,17 @@ impl Control {
             remote: HashMap::new(),
             hosts: BTreeSet::new(),
             cidr: BTreeMap::new(),
-            revision: 0,
+            state,
         }
     }
 
     pub fn revision(&self) -> u64 {
-        self.revision
+        self.state.revision
+    }
+
+    /// The state (revision, clock parameters) last written.
+    pub fn state(&self) -> &State {
+        &self.state
     }
 
     pub fn endpoints(&self) -> &BTreeMap<u32, EndpointState> {
@@ -222,8 +230,8 @@ impl Control {
         w: &mut W,
         stats: &mut WriteStats,
     ) -> Result<(), WriteError> {
-        self.revision += 1;
-        stats.write(w, &[Write::Revision(self.revision)])
+        self.state.revision += 1;
+        stats.write(w, &[Write::State(self.state)])
     }
 
     /// Creates or changes endpoints. Rule sets are shared by content; a rule set used only by
@@ -623,7 +631,7 @@ impl Control {
             remote,
             hosts,
             cidr,
-            revision: w.tables().revision,
+            state: w.tables().state,
         };
         if !inconsistent.is_empty() {
             // Records of one endpoint disagree (interrupted switch): make them all say what the

@@ -36,7 +36,7 @@ enum Kind {
     IpUpsert,
     IpDelete,
     Cidr,
-    Revision,
+    State,
 }
 
 fn kind(w: &Write) -> Kind {
@@ -48,7 +48,7 @@ fn kind(w: &Write) -> Kind {
         Write::IpUpsert(..) => Kind::IpUpsert,
         Write::IpDelete(..) => Kind::IpDelete,
         Write::CidrUpsert(..) | Write::CidrDelete(..) => Kind::Cidr,
-        Write::Revision(..) => Kind::Revision,
+        Write::State(..) => Kind::State,
     }
 }
 
@@ -170,14 +170,10 @@ impl KernelTables {
                 }
                 Ok(())
             }
-            Kind::Revision => {
+            Kind::State => {
                 for (done, w) in run.iter().enumerate() {
-                    let Write::Revision(r) = *w else {
+                    let Write::State(state) = *w else {
                         unreachable!()
-                    };
-                    let state = State {
-                        revision: r,
-                        _reserved: 0,
                     };
                     self.state.set(0, state, 0).map_err(|source| {
                         (
@@ -235,14 +231,10 @@ impl KernelTables {
         {
             t.policy.insert(k, v);
         }
-        t.revision = self
-            .state
-            .get(&0, 0)
-            .map_err(|source| WriteError::Map {
-                map: MAP_STATE,
-                source,
-            })?
-            .revision;
+        t.state = self.state.get(&0, 0).map_err(|source| WriteError::Map {
+            map: MAP_STATE,
+            source,
+        })?;
         Ok(t)
     }
 

@@ -57,10 +57,11 @@ pub use ordnet_datapath_common as common;
 use ordnet_datapath_common::{
     Decision, Verdict,
     layout::{
-        BLOCK_WORDS, CELLS_PER_RULESET, CtEntry, CtKey, DEFAULT_CT_ENTRIES,
-        DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS,
-        DEFAULT_POLICY_ENTRIES, IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_CT, MAP_IPCACHE,
-        MAP_IPCIDR, MAP_POLICY, MAP_STATE, PROGRAM_NAME, PolicyKey, PolicyValue, State,
+        BLOCK_WORDS, CELLS_PER_RULESET, CT_LIFETIME_OTHER_SECS, CT_LIFETIME_TCP_SECS,
+        CT_REFRESH_SECS, CtEntry, CtKey, DEFAULT_CT_ENTRIES, DEFAULT_IPCACHE_ENTRIES,
+        DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES,
+        IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_CT, MAP_IPCACHE, MAP_IPCIDR, MAP_POLICY,
+        MAP_STATE, PROGRAM_NAME, PolicyKey, PolicyValue, State,
     },
 };
 pub use store::{SlotInfo, Store, StoreError, WriteStats};
@@ -149,6 +150,27 @@ pub struct DatapathConfig {
     /// How long a released rule set slot or cell block keeps its contents before reuse (a
     /// packet that read the old reference must still find them).
     pub grace: Duration,
+    /// Idle lifetime of a tracked TCP flow.
+    pub ct_tcp_lifetime: Duration,
+    /// Idle lifetime of a tracked UDP or SCTP flow.
+    pub ct_other_lifetime: Duration,
+    /// How often at most a tracked flow's last-seen time is rewritten.
+    pub ct_refresh: Duration,
+}
+
+impl DatapathConfig {
+    /// The global state for a kernel clock of `hz` ticks per second (revision 0).
+    pub fn clock_state(&self, hz: u64) -> State {
+        let ticks = |d: Duration| (d.as_millis() as u64).saturating_mul(hz) / 1000;
+        State {
+            revision: 0,
+            hz,
+            ct_tcp_ticks: ticks(self.ct_tcp_lifetime),
+            ct_other_ticks: ticks(self.ct_other_lifetime),
+            ct_refresh_ticks: ticks(self.ct_refresh).max(1),
+            _reserved: 0,
+        }
+    }
 }
 
 impl Default for DatapathConfig {
@@ -162,6 +184,9 @@ impl Default for DatapathConfig {
             cidr_entries: DEFAULT_IPCIDR_ENTRIES,
             ct_entries: DEFAULT_CT_ENTRIES,
             grace: Duration::from_millis(20),
+            ct_tcp_lifetime: Duration::from_secs(CT_LIFETIME_TCP_SECS),
+            ct_other_lifetime: Duration::from_secs(CT_LIFETIME_OTHER_SECS),
+            ct_refresh: Duration::from_secs(CT_REFRESH_SECS),
         }
     }
 }
@@ -280,13 +305,14 @@ impl Datapath {
             return Err(DatapathError::AlreadyPinned(dir.clone()));
         }
         let (ebpf, tables) = Self::load(&config)?;
+        // The program's clock is jiffies: lifetimes are written in ticks of the kernel's HZ.
+        let hz = sys::kernel_hz().unwrap_or(sys::FALLBACK_HZ);
         let mut dp = Datapath {
             ebpf,
-            control: Control::new(Store::new(
-                config.max_rulesets,
-                config.max_blocks,
-                config.grace,
-            )),
+            control: Control::new(
+                Store::new(config.max_rulesets, config.max_blocks, config.grace),
+                config.clock_state(hz),
+            ),
             tables,
             config,
             links: BTreeMap::new(),
@@ -748,10 +774,10 @@ impl Datapath {
                 mine.policy.len()
             ));
         }
-        if kernel.revision != mine.revision {
+        if kernel.state != mine.state {
             diffs.push(format!(
-                "revision: kernel {}, userspace {}",
-                kernel.revision, mine.revision
+                "state: kernel {:?}, userspace {:?}",
+                kernel.state, mine.state
             ));
         }
         Ok(diffs)

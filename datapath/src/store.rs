@@ -79,7 +79,7 @@ impl WriteStats {
                 | Write::IpDelete(..)
                 | Write::CidrUpsert(..)
                 | Write::CidrDelete(..) => self.ip_writes += 1,
-                Write::Revision(_) => {}
+                Write::State(_) => {}
             }
         }
         Ok(())

@@ -210,3 +210,30 @@ pub fn obj_get(path: &Path) -> io::Result<std::os::fd::OwnedFd> {
     // SAFETY: the kernel returned a new file descriptor that nobody else owns.
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(r as i32) })
 }
+
+/// The HZ to assume when the kernel's cannot be measured (the largest common value: lifetimes
+/// come out longer, never shorter, than configured).
+pub const FALLBACK_HZ: u64 = 1000;
+
+fn read_jiffies() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/timer_list").ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("jiffies:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// The kernel's HZ (rate of `jiffies`, the XDP program's clock), measured from
+/// `/proc/timer_list` (root only) over ~50 ms and rounded to the nearest configurable value
+/// (100, 250, 300, 1000). `None` if it cannot be read.
+pub fn kernel_hz() -> Option<u64> {
+    let t0 = std::time::Instant::now();
+    let j0 = read_jiffies()?;
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let j1 = read_jiffies()?;
+    let rate = (j1.saturating_sub(j0)) as f64 / t0.elapsed().as_secs_f64();
+    [100u64, 250, 300, 1000].into_iter().min_by(|a, b| {
+        (*a as f64 - rate)
+            .abs()
+            .total_cmp(&(*b as f64 - rate).abs())
+    })
+}

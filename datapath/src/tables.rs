@@ -15,7 +15,7 @@ use std::{
 
 use ordnet_datapath_common::{
     DatapathMaps, addr_bytes, addr_words,
-    layout::{CtEntry, CtKey, IpInfo, IpKey, PolicyKey, PolicyValue},
+    layout::{CtEntry, CtKey, IpInfo, IpKey, PolicyKey, PolicyValue, State},
     lookup::PolicyMaps,
 };
 
@@ -30,7 +30,8 @@ pub enum Write {
     IpDelete(IpKey),
     CidrUpsert(IpKey, u32, IpInfo),
     CidrDelete(IpKey, u32),
-    Revision(u64),
+    /// The global state (revision and clock parameters).
+    State(State),
 }
 
 /// Errors of a table write.
@@ -73,7 +74,7 @@ pub struct MemTables {
     pub cells: Vec<u32>,
     pub blocks: Vec<u32>,
     pub policy: HashMap<PolicyKey, PolicyValue>,
-    pub revision: u64,
+    pub state: State,
 }
 
 impl MemTables {
@@ -118,7 +119,7 @@ impl MemTables {
                     }
                 }
             }
-            Write::Revision(r) => self.revision = r,
+            Write::State(s) => self.state = s,
         }
     }
 
@@ -180,11 +181,12 @@ impl PolicyMaps for MemTables {
 #[derive(Debug, Default)]
 pub struct UserCt {
     pub entries: RefCell<HashMap<CtKey, CtEntry>>,
-    /// `None`: CLOCK_MONOTONIC (the kernel's `bpf_ktime_get_ns` clock); `Some`: a fixed time.
+    /// `None`: CLOCK_MONOTONIC in ticks of the state's `hz` (the kernel counts jiffies; only
+    /// differences matter); `Some`: a fixed time in ticks.
     pub clock: Option<u64>,
 }
 
-/// Monotonic time in ns, the clock of `bpf_ktime_get_ns`.
+/// Monotonic time in ns.
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
@@ -217,8 +219,8 @@ impl PolicyMaps for Mirror<'_> {
 }
 
 impl DatapathMaps for Mirror<'_> {
-    fn revision(&self) -> u64 {
-        self.tables.revision
+    fn state(&self) -> Option<&State> {
+        Some(&self.tables.state)
     }
 
     fn ipcache(&self, key: &IpKey) -> Option<&IpInfo> {
@@ -241,7 +243,10 @@ impl DatapathMaps for Mirror<'_> {
         self.ct.entries.borrow_mut().remove(key);
     }
 
-    fn now_ns(&self) -> u64 {
-        self.ct.clock.unwrap_or_else(monotonic_ns)
+    fn now(&self) -> u64 {
+        self.ct.clock.unwrap_or_else(|| {
+            let hz = self.tables.state.hz.max(1);
+            (u128::from(monotonic_ns()) * u128::from(hz) / 1_000_000_000) as u64
+        })
     }
 }

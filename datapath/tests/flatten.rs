@@ -13,7 +13,7 @@ use ordnet_datapath::{
     bench::{cilium_layout, class_layout, lpm_layout, probe_layout},
     common::{
         alt,
-        layout::{CELL_REFINED, CELLS_PER_RULESET, PolicyRef},
+        layout::{CELL_REFINED, CELLS_PER_RULESET, PolicyRef, State},
         lookup::{cell_index, policy_lookup},
     },
     flatten, ip_key,
@@ -255,7 +255,7 @@ fn in_place_updates_never_open_a_transient_allow() {
         let probes = probes_of(&[&old[0], &old[1], &new[0], &new[1]]);
         let want_old = expected([&old[0], &old[1]], &probes);
         let want_new = expected([&new[0], &new[1]], &probes);
-        let mut control = Control::new(Store::new(8, 64, Duration::ZERO));
+        let mut control = Control::new(Store::new(8, 64, Duration::ZERO), State::default());
         let mut t = MemTables::new(8 * 769, 64 * 256);
         control
             .update_endpoints(
@@ -349,7 +349,7 @@ fn identical_mapstates_share_one_ruleset() {
         arb_mapstate(&mut rng, Direction::Ingress, 12),
         arb_mapstate(&mut rng, Direction::Egress, 12),
     ];
-    let mut control = Control::new(Store::new(16, 256, Duration::ZERO));
+    let mut control = Control::new(Store::new(16, 256, Duration::ZERO), State::default());
     let mut t = MemTables::new(16 * 769, 256 * 256);
     let ips: Vec<Vec<IpAddr>> = (0..1000u32)
         .map(|i| vec![IpAddr::from([10, 1, (i >> 8) as u8, i as u8])])

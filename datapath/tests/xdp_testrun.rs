@@ -1636,7 +1636,7 @@ fn restart_adopts_pins_without_changing_verdicts() {
     assert_eq!(after.cidr, before.cidr);
     assert_eq!(after.cells, before.cells);
     assert_eq!(after.policy, before.policy);
-    assert_eq!(after.revision, before.revision);
+    assert_eq!(after.state, before.state);
     assert_eq!(dp.verify().unwrap(), Vec::<String>::new());
     for (f, want) in frames.iter().zip(&expected) {
         assert_eq!(

@@ -243,7 +243,7 @@ pub const CT_INITIATOR_A: u32 = 1;
 pub struct CtEntry {
     /// The global policy revision the flow was last checked against.
     pub revision: u64,
-    /// Monotonic time (ns, `bpf_ktime_get_ns`) of the last refresh.
+    /// Clock ticks (`bpf_jiffies64`) of the last refresh.
     pub last_seen: u64,
     /// `CT_*` flags.
     pub flags: u32,
@@ -257,15 +257,24 @@ pub struct State {
     /// Bumped by userspace after every completed change of policy, endpoints or ipcache; a
     /// connection-tracking entry stamped with an older revision is re-checked.
     pub revision: u64,
+    /// Clock ticks per second (the kernel's `HZ`: the program's clock is `bpf_jiffies64`, an
+    /// inlined load; `bpf_ktime_get_ns` is a helper call that cost ~30 ns per packet here).
+    pub hz: u64,
+    /// Idle lifetime of a tracked TCP flow, in ticks.
+    pub ct_tcp_ticks: u64,
+    /// Idle lifetime of a tracked UDP or SCTP flow, in ticks.
+    pub ct_other_ticks: u64,
+    /// A flow's `last_seen` is rewritten at most this often (saves a write per packet).
+    pub ct_refresh_ticks: u64,
     pub _reserved: u64,
 }
 
-/// Idle lifetime of a tracked TCP flow.
-pub const CT_LIFETIME_TCP_NS: u64 = 6 * 3600 * 1_000_000_000;
-/// Idle lifetime of a tracked UDP or SCTP flow.
-pub const CT_LIFETIME_OTHER_NS: u64 = 120 * 1_000_000_000;
-/// `last_seen` is rewritten at most this often per flow (saves a write per packet).
-pub const CT_REFRESH_NS: u64 = 1_000_000_000;
+/// Default idle lifetime of a tracked TCP flow (seconds).
+pub const CT_LIFETIME_TCP_SECS: u64 = 6 * 3600;
+/// Default idle lifetime of a tracked UDP or SCTP flow (seconds).
+pub const CT_LIFETIME_OTHER_SECS: u64 = 120;
+/// Default refresh interval of `last_seen` (seconds).
+pub const CT_REFRESH_SECS: u64 = 1;
 
 const _: () = {
     assert!(core::mem::size_of::<IpKey>() == 20);
@@ -276,7 +285,7 @@ const _: () = {
     assert!(core::mem::size_of::<PolicyValue>() == 4);
     assert!(core::mem::size_of::<CtKey>() == 40);
     assert!(core::mem::size_of::<CtEntry>() == 24);
-    assert!(core::mem::size_of::<State>() == 16);
+    assert!(core::mem::size_of::<State>() == 48);
 };
 
 // SAFETY: all of these are `repr(C)`, `Copy`, made only of integers and integer arrays, with

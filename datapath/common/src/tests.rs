@@ -494,7 +494,7 @@ fn ipv6_extension_header_errors() {
 /// In-memory maps for `decide`, counting every read.
 #[derive(Default)]
 struct Mock {
-    revision: u64,
+    state: State,
     ipcache: HashMap<IpKey, IpInfo>,
     /// (key, address prefix length) -> info, searched linearly (longest wins).
     cidr: Vec<(IpKey, u32, IpInfo)>,
@@ -528,8 +528,8 @@ impl PolicyMaps for Mock {
 }
 
 impl DatapathMaps for Mock {
-    fn revision(&self) -> u64 {
-        self.revision
+    fn state(&self) -> Option<&State> {
+        Some(&self.state)
     }
     fn ipcache(&self, key: &IpKey) -> Option<&IpInfo> {
         self.read();
@@ -560,7 +560,7 @@ impl DatapathMaps for Mock {
     fn ct_delete(&self, key: &CtKey) {
         self.ct.borrow_mut().remove(key);
     }
-    fn now_ns(&self) -> u64 {
+    fn now(&self) -> u64 {
         self.now.get()
     }
 }
@@ -597,7 +597,14 @@ fn tcp(sport: u16, dport: u16, flags: u8) -> L4 {
 /// `*` is denied TCP/22 and allowed UDP/*. Rule set 0 is empty.
 fn mock() -> Mock {
     let mut m = Mock {
-        revision: 1,
+        state: State {
+            revision: 1,
+            hz: 1000,
+            ct_tcp_ticks: 3_600_000,
+            ct_other_ticks: 60_000,
+            ct_refresh_ticks: 1000,
+            _reserved: 0,
+        },
         ..Mock::default()
     };
     m.cells = vec![0; 2 * CELLS_PER_RULESET as usize];
@@ -790,7 +797,7 @@ fn decide_connection_tracking() {
     assert_eq!(m.ct.borrow().len(), before);
     // A policy change (revision bump) that no longer allows REMOTE -> A:80: the established
     // flow is re-checked on its next packet, in either direction, and dropped.
-    m.revision = 2;
+    m.state.revision = 2;
     m.policy.remove(&PolicyKey {
         ruleset: 1,
         identity: 7,
@@ -808,7 +815,7 @@ fn decide_connection_tracking() {
     let d = run(&m, B, A, tcp(5432, 2000, TCP_ACK));
     assert_eq!(d.reason, Reason::Reply);
     // Idle entries expire.
-    m.now.set(CT_LIFETIME_TCP_NS + 10);
+    m.now.set(m.state.ct_tcp_ticks + 10);
     let d = run(&m, B, A, tcp(5432, 2000, TCP_ACK));
     assert_eq!(
         d.verdict,

@@ -17,10 +17,7 @@
 
 use crate::{
     Fragment, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, IpPacket, ParseError, Parsed,
-    layout::{
-        CT_INITIATOR_A, CT_LIFETIME_OTHER_NS, CT_LIFETIME_TCP_NS, CT_REFRESH_NS, CtEntry, CtKey,
-        IpInfo, IpKey, PolicyRef,
-    },
+    layout::{CT_INITIATOR_A, CtEntry, CtKey, IpInfo, IpKey, PolicyRef, State},
     lookup::{PolicyDecision, PolicyMaps, policy_lookup},
 };
 
@@ -41,8 +38,8 @@ pub const TCP_ACK: u8 = 0x10;
 
 /// Everything the decision reads and writes besides the packet.
 pub trait DatapathMaps: PolicyMaps {
-    /// The global policy revision.
-    fn revision(&self) -> u64;
+    /// The global state (policy revision, clock parameters).
+    fn state(&self) -> Option<&State>;
     /// ipcache, exact part. (A reference: in the kernel the map value itself, which stays
     /// valid for the program run; copies would not fit the 512-byte stack.)
     fn ipcache(&self, key: &IpKey) -> Option<&IpInfo>;
@@ -53,8 +50,8 @@ pub trait DatapathMaps: PolicyMaps {
     /// verdict does not depend on them).
     fn ct_store(&self, key: &CtKey, entry: &CtEntry);
     fn ct_delete(&self, key: &CtKey);
-    /// Monotonic clock in ns (the kernel's `bpf_ktime_get_ns`, userspace `CLOCK_MONOTONIC`).
-    fn now_ns(&self) -> u64;
+    /// Monotonic clock in ticks of `State::hz` (the kernel's `bpf_jiffies64`).
+    fn now(&self) -> u64;
 }
 
 /// Why a packet got its verdict.
@@ -206,15 +203,6 @@ pub const fn tracked(protocol: u8) -> bool {
     matches!(protocol, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP)
 }
 
-#[inline(always)]
-const fn lifetime(protocol: u8) -> u64 {
-    if protocol == IPPROTO_TCP {
-        CT_LIFETIME_TCP_NS
-    } else {
-        CT_LIFETIME_OTHER_NS
-    }
-}
-
 /// The decision for a parsed frame.
 #[inline(always)]
 pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, maps: &M) -> Decision {
@@ -270,16 +258,29 @@ pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, map
         return evaluate(maps, &forward);
     }
 
-    let revision = maps.revision();
+    // Without a state (impossible once userspace initialised the map) every entry is expired
+    // and the revision 0: flows are checked as new.
+    let (revision, lifetime, refresh) = match maps.state() {
+        Some(s) => (
+            s.revision,
+            if p.protocol == IPPROTO_TCP {
+                s.ct_tcp_ticks
+            } else {
+                s.ct_other_ticks
+            },
+            s.ct_refresh_ticks,
+        ),
+        None => (0, 0, 0),
+    };
     let (key, src_is_a) = ct_key(p);
     let initiator = if src_is_a { CT_INITIATOR_A } else { 0 };
     let syn = p.protocol == IPPROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
-    let mut now = 0;
+    let mut now: u64 = 0;
     let (tracked_flow, entry) = match maps.ct_lookup(&key) {
         Some(e) => {
-            now = maps.now_ns();
+            now = maps.now();
             // An entry from the future (clock reset) counts as fresh.
-            (now.saturating_sub(e.last_seen) <= lifetime(p.protocol), e)
+            (now.saturating_sub(e.last_seen) <= lifetime, e)
         }
         None => (false, CtEntry::default()),
     };
@@ -290,7 +291,7 @@ pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, map
     let flow = if recheck {
         let from_initiator = entry.flags & CT_INITIATOR_A == initiator;
         if entry.revision == revision {
-            if now.saturating_sub(entry.last_seen) > CT_REFRESH_NS {
+            if now.saturating_sub(entry.last_seen) > refresh {
                 maps.ct_store(
                     &key,
                     &CtEntry {
@@ -345,10 +346,10 @@ pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, map
         let fresh = tracked_flow
             && entry.revision == revision
             && entry.flags == initiator
-            && now.saturating_sub(entry.last_seen) <= CT_REFRESH_NS;
+            && now.saturating_sub(entry.last_seen) <= refresh;
         if !fresh {
             if now == 0 {
-                now = maps.now_ns();
+                now = maps.now();
             }
             maps.ct_store(
                 &key,

@@ -15,7 +15,7 @@
 
 use aya_ebpf::{
     bindings::{BPF_F_NO_PREALLOC, xdp_action},
-    helpers::bpf_ktime_get_ns,
+    helpers::bpf_jiffies64,
     macros::{map, xdp},
     maps::{Array, HashMap, LpmTrie, LruHashMap, lpm_trie::Key},
     programs::XdpContext,
@@ -78,8 +78,8 @@ impl PolicyMaps for KernelMaps {
 
 impl DatapathMaps for KernelMaps {
     #[inline(always)]
-    fn revision(&self) -> u64 {
-        STATE.get(0).map_or(0, |s| s.revision)
+    fn state(&self) -> Option<&State> {
+        STATE.get(0)
     }
 
     #[inline(always)]
@@ -114,9 +114,10 @@ impl DatapathMaps for KernelMaps {
     }
 
     #[inline(always)]
-    fn now_ns(&self) -> u64 {
-        // SAFETY: a plain helper call without arguments.
-        unsafe { bpf_ktime_get_ns() }
+    fn now(&self) -> u64 {
+        // SAFETY: a helper without arguments; the verifier inlines it into a load of
+        // `jiffies_64` (`bpf_ktime_get_ns` is a real call: ~30 ns per packet more here).
+        unsafe { bpf_jiffies64() }
     }
 }
 
