@@ -131,7 +131,77 @@ impl Contrib {
 /// The contributions at one block, strongest first (most blocks have one or two).
 type Contribs = SmallVec<[Contrib; 2]>;
 
-type Candidates = PrefixMap<L4Prefix, Contribs>;
+/// The candidate contributions of one peer, sorted by block. In the block order a block sorts
+/// just before its subtree, so a subtree is one contiguous run and the ancestors of a block all
+/// sort before it. (A sorted vector rather than a trie: most identities have one to a few
+/// blocks, and a `PrefixMap` costs ~400 bytes and several allocations even when small.)
+#[derive(Debug, Clone, Default)]
+struct Candidates(Vec<(L4Prefix, Contribs)>);
+
+impl Candidates {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (L4Prefix, &Contribs)> + '_ {
+        self.0.iter().map(|(p, c)| (*p, c))
+    }
+
+    fn find(&self, block: &L4Prefix) -> Result<usize, usize> {
+        self.0.binary_search_by(|(p, _)| p.cmp(block))
+    }
+
+    fn entry(&mut self, block: L4Prefix) -> &mut Contribs {
+        let i = match self.find(&block) {
+            Ok(i) => i,
+            Err(i) => {
+                self.0.insert(i, (block, Contribs::new()));
+                i
+            }
+        };
+        &mut self.0[i].1
+    }
+
+    fn get_mut(&mut self, block: &L4Prefix) -> Option<&mut Contribs> {
+        let i = self.find(block).ok()?;
+        Some(&mut self.0[i].1)
+    }
+
+    fn remove(&mut self, block: &L4Prefix) {
+        if let Ok(i) = self.find(block) {
+            self.0.remove(i);
+        }
+    }
+
+    /// Calls `f` for the blocks strictly above `region` and then for `region` and its subtree.
+    fn region<'a>(&'a self, region: L4Prefix, mut f: impl FnMut(L4Prefix, &'a Contribs)) {
+        let start = self.0.partition_point(|(p, _)| *p < region);
+        if start <= 32 {
+            for (p, c) in &self.0[..start] {
+                if p.covers(&region) {
+                    f(*p, c);
+                }
+            }
+        } else {
+            for len in 0..region.len() {
+                let a = <L4Prefix as prefix_trie::Prefix>::from_repr_len(region.raw(), len);
+                if let Ok(i) = self.find(&a) {
+                    f(a, &self.0[i].1);
+                }
+            }
+        }
+        for (p, c) in &self.0[start..] {
+            if !region.covers(p) {
+                break;
+            }
+            f(*p, c);
+        }
+    }
+}
 
 /// `(order key, verdict)`: lower is stronger.
 type Rank = (OrderKey, Verdict);
@@ -224,24 +294,39 @@ impl MapState {
         entries: impl IntoIterator<Item = PolicyEntry>,
     ) -> Result<MapState, UpdateError> {
         let mut ms = MapState::new(direction, default);
-        let entries: Vec<PolicyEntry> = entries.into_iter().collect();
-        // Reserve the per-peer maps once instead of growing them identity by identity.
-        let mut peers: Vec<Identity> = Vec::new();
-        for e in &entries {
-            if let Selector::Ids(ids) = &e.selector {
-                peers.extend(ids.iter().copied());
-            }
-        }
-        peers.sort_unstable();
-        peers.dedup();
-        ms.cand.reserve(peers.len() + 1);
-        ms.tries.reserve(peers.len() + 1);
+        // The candidate index in one go: every (peer, block, contribution), sorted, then cut
+        // into one sorted `Candidates` per peer.
+        let mut all: Vec<(Peer, L4Prefix, Contrib)> = Vec::new();
         for e in entries {
             if ms.entries.contains_key(&e.id) {
                 return Err(UpdateError::DuplicateEntry(e.id));
             }
-            ms.index_entry_cand(&e);
+            let c = Contrib {
+                order: e.order,
+                verdict: e.verdict,
+                entry: e.id,
+            };
+            let blocks = e.l4.blocks();
+            match &e.selector {
+                Selector::Any => all.extend(blocks.iter().map(|b| (Peer::Any, *b, c))),
+                Selector::Ids(ids) => {
+                    for id in ids {
+                        all.extend(blocks.iter().map(|b| (Peer::Id(*id), *b, c)));
+                    }
+                }
+            }
             ms.entries.insert(e.id, e);
+        }
+        all.sort_unstable();
+        let peer_count = all.chunk_by(|a, b| a.0 == b.0).count();
+        ms.cand.reserve(peer_count);
+        ms.tries.reserve(peer_count);
+        for group in all.chunk_by(|a, b| a.0 == b.0) {
+            let blocks = group
+                .chunk_by(|a, b| a.1 == b.1)
+                .map(|g| (g[0].1, g.iter().map(|x| x.2).collect::<Contribs>()))
+                .collect();
+            ms.cand.insert(group[0].0, Box::new(Candidates(blocks)));
         }
         // The identity index in one go: per block, the identities with candidates there.
         let mut pairs: Vec<(L4Prefix, Identity, u32)> = Vec::new();
@@ -549,30 +634,6 @@ impl MapState {
         }
     }
 
-    /// Indexes the candidates of a new entry, leaving the identity index to the caller.
-    fn index_entry_cand(&mut self, e: &PolicyEntry) {
-        let c = Contrib {
-            order: e.order,
-            verdict: e.verdict,
-            entry: e.id,
-        };
-        let blocks = e.l4.blocks();
-        match &e.selector {
-            Selector::Any => {
-                for b in blocks {
-                    self.index_cand(Peer::Any, b, c, true);
-                }
-            }
-            Selector::Ids(ids) => {
-                for id in ids {
-                    for b in &blocks {
-                        self.index_cand(Peer::Id(*id), *b, c, true);
-                    }
-                }
-            }
-        }
-    }
-
     fn index_entry(&mut self, e: &PolicyEntry, add: bool) {
         let c = Contrib {
             order: e.order,
@@ -621,7 +682,7 @@ impl MapState {
     fn index_cand(&mut self, peer: Peer, block: L4Prefix, c: Contrib, add: bool) {
         let cand = self.cand.entry(peer).or_default();
         if add {
-            let v = cand.entry(block).or_default();
+            let v = cand.entry(block);
             let pos = v.binary_search(&c).unwrap_or_else(|p| p);
             v.insert(pos, c);
         } else if let Some(v) = cand.get_mut(&block) {
@@ -662,11 +723,13 @@ impl MapState {
         } else {
             4
         });
-        nodes.extend(region_iter(own, &region).map(|(prefix, cs)| Node {
-            prefix,
-            own: cs,
-            wild: None,
-        }));
+        own.region(region, |prefix, cs| {
+            nodes.push(Node {
+                prefix,
+                own: cs,
+                wild: None,
+            })
+        });
         if nodes.is_empty() {
             return (out, notes);
         }
@@ -998,17 +1061,6 @@ impl MapState {
         }
         ordered_insert(&items, Peer::Id(id), L4Prefix::ANY).0.len()
     }
-}
-
-/// The candidate blocks on the ancestor chain of `region` and in its subtree, each once.
-fn region_iter<'a>(
-    map: &'a Candidates,
-    region: &L4Prefix,
-) -> impl Iterator<Item = (L4Prefix, &'a Contribs)> {
-    let region = *region;
-    map.cover(&region)
-        .filter(move |(p, _)| *p != region)
-        .chain(map.children(&region))
 }
 
 /// Ordered insertion of `items` into a scratch trie: sorted by order key, deny before allow,
