@@ -6,8 +6,8 @@ use std::os::fd::AsFd as _;
 
 use aya::maps::{Array, HashMap, IterableMap, MapData, lpm_trie::Key, lpm_trie::LpmTrie};
 use ordnet_datapath_common::layout::{
-    CtEntry, CtKey, IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_CT, MAP_IPCACHE, MAP_IPCIDR,
-    MAP_POLICY, MAP_STATE, PolicyKey, PolicyValue, State,
+    Ct4Key, CtEntry, CtKey, FAMILY_V4, IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_CT4, MAP_CT6,
+    MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY, MAP_STATE, PolicyKey, PolicyValue,
 };
 
 use crate::{
@@ -17,13 +17,15 @@ use crate::{
 
 /// Handles of the enforcing program's maps.
 pub struct KernelTables {
-    pub(crate) ipcache: HashMap<MapData, IpKey, IpInfo>,
+    pub(crate) ip4: HashMap<MapData, u32, IpInfo>,
+    pub(crate) ip6: HashMap<MapData, [u32; 4], IpInfo>,
     pub(crate) cidr: LpmTrie<MapData, IpKey, IpInfo>,
     pub(crate) cells: Array<MapData, u32>,
     pub(crate) blocks: Array<MapData, u32>,
     pub(crate) policy: HashMap<MapData, PolicyKey, PolicyValue>,
-    pub(crate) ct: HashMap<MapData, CtKey, CtEntry>,
-    pub(crate) state: Array<MapData, State>,
+    pub(crate) ct4: HashMap<MapData, Ct4Key, CtEntry>,
+    pub(crate) ct6: HashMap<MapData, CtKey, CtEntry>,
+    pub(crate) state: Array<MapData, ordnet_datapath_common::layout::State>,
     pub(crate) mirror: MemTables,
 }
 
@@ -37,6 +39,22 @@ enum Kind {
     IpDelete,
     Cidr,
     State,
+}
+
+/// The length of the longest prefix of `run` that was certainly applied when the writes
+/// matching `failed_family` stopped after `done` of them (the other family's run was either
+/// complete or not started; only the prefix before the first unapplied write counts).
+fn positions(run: &[Write], failed_family: impl Fn(&&Write) -> bool, done: usize) -> usize {
+    let mut seen = 0;
+    for (i, w) in run.iter().enumerate() {
+        if failed_family(&w) {
+            if seen == done {
+                return i;
+            }
+            seen += 1;
+        }
+    }
+    run.len()
 }
 
 fn kind(w: &Write) -> Kind {
@@ -120,30 +138,80 @@ impl KernelTables {
                     n,
                 ))
             }
-            Kind::IpUpsert => {
-                let (keys, values): (Vec<IpKey>, Vec<IpInfo>) = run
+            Kind::IpUpsert | Kind::IpDelete => {
+                // One run per family (the order between the two families does not matter:
+                // different keys), each in its original order.
+                let v4 = |w: &&Write| match w {
+                    Write::IpUpsert(k, _) | Write::IpDelete(k) => k.family == u32::from(FAMILY_V4),
+                    _ => unreachable!(),
+                };
+                let (run4, run6): (Vec<&Write>, Vec<&Write>) = run.iter().partition(v4);
+                let upsert = kind(&run[0]) == Kind::IpUpsert;
+                let (op, name4, name6) = if upsert {
+                    ("update batch", MAP_IP4, MAP_IP6)
+                } else {
+                    ("delete batch", MAP_IP4, MAP_IP6)
+                };
+                let pairs4: Vec<(u32, IpInfo)> = run4
                     .iter()
-                    .map(|w| match *w {
-                        Write::IpUpsert(k, v) => (k, v),
-                        _ => unreachable!(),
-                    })
-                    .unzip();
-                sys::update_batch(self.ipcache.map().fd().as_fd(), &keys, &values)
-                    .map_err(syscall_error(MAP_IPCACHE, "update batch", n))
-            }
-            Kind::IpDelete => {
-                let keys: Vec<IpKey> = run
-                    .iter()
-                    .map(|w| match *w {
-                        Write::IpDelete(k) => k,
+                    .map(|w| match **w {
+                        Write::IpUpsert(k, v) => (k.addr[0], v),
+                        Write::IpDelete(k) => (k.addr[0], IpInfo::default()),
                         _ => unreachable!(),
                     })
                     .collect();
-                sys::delete_batch(self.ipcache.map().fd().as_fd(), &keys).map_err(syscall_error(
-                    MAP_IPCACHE,
-                    "delete batch",
-                    n,
-                ))
+                let pairs6: Vec<([u32; 4], IpInfo)> = run6
+                    .iter()
+                    .map(|w| match **w {
+                        Write::IpUpsert(k, v) => (k.addr, v),
+                        Write::IpDelete(k) => (k.addr, IpInfo::default()),
+                        _ => unreachable!(),
+                    })
+                    .collect();
+                let r4 = if upsert {
+                    let (ks, vs): (Vec<u32>, Vec<IpInfo>) = pairs4.into_iter().unzip();
+                    sys::update_batch(self.ip4.map().fd().as_fd(), &ks, &vs)
+                } else {
+                    let ks: Vec<u32> = pairs4.into_iter().map(|(k, _)| k).collect();
+                    sys::delete_batch(self.ip4.map().fd().as_fd(), &ks)
+                };
+                // On a failure, count only the writes known to be applied (those of the
+                // failing family before the failure); the mirror then under-reports, never
+                // over-reports.
+                if let Err((done, source)) = r4 {
+                    let applied = positions(run, v4, done);
+                    return Err((
+                        applied,
+                        WriteError::Syscall {
+                            map: name4,
+                            op,
+                            done,
+                            total: n,
+                            source,
+                        },
+                    ));
+                }
+                let r6 = if upsert {
+                    let (ks, vs): (Vec<[u32; 4]>, Vec<IpInfo>) = pairs6.into_iter().unzip();
+                    sys::update_batch(self.ip6.map().fd().as_fd(), &ks, &vs)
+                } else {
+                    let ks: Vec<[u32; 4]> = pairs6.into_iter().map(|(k, _)| k).collect();
+                    sys::delete_batch(self.ip6.map().fd().as_fd(), &ks)
+                };
+                if let Err((done, source)) = r6 {
+                    let applied = positions(run, |w| !v4(w), done);
+                    return Err((
+                        applied,
+                        WriteError::Syscall {
+                            map: name6,
+                            op,
+                            done,
+                            total: n,
+                            source,
+                        },
+                    ));
+                }
+                Ok(())
             }
             Kind::Cidr => {
                 // The LPM trie has no batch operations.
@@ -200,10 +268,18 @@ impl KernelTables {
             source: e,
         };
         let mut t = MemTables::new(self.cells.len(), self.blocks.len());
-        for (k, v) in sys::lookup_all::<IpKey, IpInfo>(self.ipcache.map().fd().as_fd())
-            .map_err(|e| read(MAP_IPCACHE, e))?
+        for (a, v) in sys::lookup_all::<u32, IpInfo>(self.ip4.map().fd().as_fd())
+            .map_err(|e| read(MAP_IP4, e))?
         {
-            t.apply(&Write::IpUpsert(k, v));
+            t.apply(&Write::IpUpsert(IpKey::new(FAMILY_V4, [a, 0, 0, 0]), v));
+        }
+        for (a, v) in sys::lookup_all::<[u32; 4], IpInfo>(self.ip6.map().fd().as_fd())
+            .map_err(|e| read(MAP_IP6, e))?
+        {
+            t.apply(&Write::IpUpsert(
+                IpKey::new(ordnet_datapath_common::layout::FAMILY_V6, a),
+                v,
+            ));
         }
         for item in self.cidr.iter() {
             let (k, v) = item.map_err(|source| WriteError::Map {
@@ -238,30 +314,46 @@ impl KernelTables {
         Ok(t)
     }
 
-    /// Every connection-tracking entry.
+    /// Every connection-tracking entry (both families).
     pub fn ct_entries(&self) -> Result<Vec<(CtKey, CtEntry)>, WriteError> {
-        sys::lookup_all::<CtKey, CtEntry>(self.ct.map().fd().as_fd()).map_err(|source| {
-            WriteError::Syscall {
-                map: MAP_CT,
+        let err = |map| {
+            move |source| WriteError::Syscall {
+                map,
                 op: "lookup batch",
                 done: 0,
                 total: 0,
                 source,
             }
-        })
+        };
+        let mut out: Vec<(CtKey, CtEntry)> =
+            sys::lookup_all::<Ct4Key, CtEntry>(self.ct4.map().fd().as_fd())
+                .map_err(err(MAP_CT4))?
+                .into_iter()
+                .map(|(k, v)| (k.full(), v))
+                .collect();
+        out.extend(
+            sys::lookup_all::<CtKey, CtEntry>(self.ct6.map().fd().as_fd()).map_err(err(MAP_CT6))?,
+        );
+        Ok(out)
     }
 
     /// Deletes every connection-tracking entry.
     pub fn ct_clear(&mut self) -> Result<(), WriteError> {
-        let keys: Vec<CtKey> = self.ct_entries()?.into_iter().map(|(k, _)| k).collect();
-        for k in keys {
-            match self.ct.remove(&k) {
+        for (k, _) in self.ct_entries()? {
+            let r = if k.family == FAMILY_V4 {
+                self.ct4.remove(&Ct4Key::of(&k))
+            } else {
+                self.ct6.remove(&k)
+            };
+            match r {
                 Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
                 Err(source) => {
-                    return Err(WriteError::Map {
-                        map: MAP_CT,
-                        source,
-                    });
+                    let map = if k.family == FAMILY_V4 {
+                        MAP_CT4
+                    } else {
+                        MAP_CT6
+                    };
+                    return Err(WriteError::Map { map, source });
                 }
             }
         }

@@ -58,10 +58,10 @@ use ordnet_datapath_common::{
     Decision, Verdict,
     layout::{
         BLOCK_WORDS, CELLS_PER_RULESET, CT_LIFETIME_OTHER_SECS, CT_LIFETIME_TCP_SECS,
-        CT_REFRESH_SECS, CtEntry, CtKey, DEFAULT_CT_ENTRIES, DEFAULT_IPCACHE_ENTRIES,
+        CT_REFRESH_SECS, Ct4Key, CtEntry, CtKey, DEFAULT_CT_ENTRIES, DEFAULT_IPCACHE_ENTRIES,
         DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES,
-        IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_CT, MAP_IPCACHE, MAP_IPCIDR, MAP_POLICY,
-        MAP_STATE, PROGRAM_NAME, PolicyKey, PolicyValue, State,
+        IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_CT4, MAP_CT6, MAP_IP4, MAP_IP6, MAP_IPCIDR,
+        MAP_POLICY, MAP_STATE, PROGRAM_NAME, PolicyKey, PolicyValue, State,
     },
 };
 pub use store::{SlotInfo, Store, StoreError, WriteStats};
@@ -76,14 +76,8 @@ pub static BENCH_OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ordnet-xdp-bench"));
 
 /// Every map of the enforcing program, by name.
-pub const MAP_NAMES: [&str; 7] = [
-    MAP_IPCACHE,
-    MAP_IPCIDR,
-    MAP_CELLS,
-    MAP_BLOCKS,
-    MAP_POLICY,
-    MAP_CT,
-    MAP_STATE,
+pub const MAP_NAMES: [&str; 9] = [
+    MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_CELLS, MAP_BLOCKS, MAP_POLICY, MAP_CT4, MAP_CT6, MAP_STATE,
 ];
 
 /// Errors of the datapath.
@@ -428,12 +422,14 @@ impl Datapath {
     fn load(config: &DatapathConfig) -> Result<(Ebpf, KernelTables), DatapathError> {
         let mut loader = EbpfLoader::new();
         loader
-            .map_max_entries(MAP_IPCACHE, config.ipcache_entries)
+            .map_max_entries(MAP_IP4, config.ipcache_entries)
+            .map_max_entries(MAP_IP6, config.ipcache_entries)
             .map_max_entries(MAP_IPCIDR, config.cidr_entries)
             .map_max_entries(MAP_CELLS, config.max_rulesets * CELLS_PER_RULESET)
             .map_max_entries(MAP_BLOCKS, config.max_blocks * BLOCK_WORDS)
             .map_max_entries(MAP_POLICY, config.policy_entries)
-            .map_max_entries(MAP_CT, config.ct_entries);
+            .map_max_entries(MAP_CT4, config.ct_entries)
+            .map_max_entries(MAP_CT6, config.ct_entries);
         if let Some(dir) = &config.pin_dir {
             std::fs::create_dir_all(dir).map_err(io_err(dir))?;
             for name in MAP_NAMES {
@@ -450,12 +446,14 @@ impl Datapath {
         let blocks: Array<MapData, u32> = take(&mut ebpf, MAP_BLOCKS)?;
         let mirror = MemTables::new(cells.len(), blocks.len());
         let tables = KernelTables {
-            ipcache: take(&mut ebpf, MAP_IPCACHE)?,
+            ip4: take(&mut ebpf, MAP_IP4)?,
+            ip6: take(&mut ebpf, MAP_IP6)?,
             cidr: take::<LpmTrie<MapData, IpKey, IpInfo>>(&mut ebpf, MAP_IPCIDR)?,
             cells,
             blocks,
             policy: take::<HashMap<MapData, PolicyKey, PolicyValue>>(&mut ebpf, MAP_POLICY)?,
-            ct: take::<HashMap<MapData, CtKey, CtEntry>>(&mut ebpf, MAP_CT)?,
+            ct4: take::<HashMap<MapData, Ct4Key, CtEntry>>(&mut ebpf, MAP_CT4)?,
+            ct6: take::<HashMap<MapData, CtKey, CtEntry>>(&mut ebpf, MAP_CT6)?,
             state: take::<Array<MapData, State>>(&mut ebpf, MAP_STATE)?,
             mirror,
         };
@@ -465,14 +463,9 @@ impl Datapath {
     /// Pinned maps are opened by path without any check: make sure they are ours.
     fn check_pins(_ebpf: &Ebpf, t: &KernelTables) -> Result<(), DatapathError> {
         use aya::maps::IterableMap as _;
-        let checks: [(&'static str, &MapData, MapType, usize, usize); 7] = [
-            (
-                MAP_IPCACHE,
-                t.ipcache.map(),
-                MapType::Hash,
-                size_of::<IpKey>(),
-                size_of::<IpInfo>(),
-            ),
+        let checks: [(&'static str, &MapData, MapType, usize, usize); 9] = [
+            (MAP_IP4, t.ip4.map(), MapType::Hash, 4, size_of::<IpInfo>()),
+            (MAP_IP6, t.ip6.map(), MapType::Hash, 16, size_of::<IpInfo>()),
             (
                 MAP_IPCIDR,
                 t.cidr.map(),
@@ -490,8 +483,15 @@ impl Datapath {
                 size_of::<PolicyValue>(),
             ),
             (
-                MAP_CT,
-                t.ct.map(),
+                MAP_CT4,
+                t.ct4.map(),
+                MapType::LruHash,
+                size_of::<Ct4Key>(),
+                size_of::<CtEntry>(),
+            ),
+            (
+                MAP_CT6,
+                t.ct6.map(),
                 MapType::LruHash,
                 size_of::<CtKey>(),
                 size_of::<CtEntry>(),
@@ -798,13 +798,15 @@ impl Datapath {
         use aya::maps::IterableMap as _;
         use std::os::fd::AsFd as _;
         let t = &self.tables;
-        let fds: [(&'static str, &MapData); 7] = [
-            (MAP_IPCACHE, t.ipcache.map()),
+        let fds: [(&'static str, &MapData); 9] = [
+            (MAP_IP4, t.ip4.map()),
+            (MAP_IP6, t.ip6.map()),
             (MAP_IPCIDR, t.cidr.map()),
             (MAP_CELLS, t.cells.map()),
             (MAP_BLOCKS, t.blocks.map()),
             (MAP_POLICY, t.policy.map()),
-            (MAP_CT, t.ct.map()),
+            (MAP_CT4, t.ct4.map()),
+            (MAP_CT6, t.ct6.map()),
             (MAP_STATE, t.state.map()),
         ];
         let mut maps = Vec::new();

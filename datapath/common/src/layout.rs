@@ -6,19 +6,22 @@
 //!
 //! | map | kind | key → value |
 //! |---|---|---|
-//! | [`MAP_IPCACHE`] | hash, no prealloc | [`IpKey`] (one address) → [`IpInfo`] |
+//! | [`MAP_IP4`], [`MAP_IP6`] | hash, no prealloc | one address (`u32` / `[u32; 4]`) → [`IpInfo`] |
 //! | [`MAP_IPCIDR`] | LPM trie | [`IpKey`] prefix → [`IpInfo`] |
 //! | [`MAP_CELLS`] | array | rule set × protocol slot × high port byte → cell word |
 //! | [`MAP_BLOCKS`] | array | block × low port byte → cell word |
 //! | [`MAP_POLICY`] | hash, no prealloc | [`PolicyKey`] (rule set, identity, prefix) → [`PolicyValue`] |
-//! | [`MAP_CT`] | LRU hash | [`CtKey`] (canonical 5-tuple) → [`CtEntry`] |
+//! | [`MAP_CT4`], [`MAP_CT6`] | LRU hash | canonical 5-tuple ([`Ct4Key`] / [`CtKey`]) → [`CtEntry`] |
 //! | [`MAP_STATE`] | array, 1 entry | 0 → [`State`] (global policy revision) |
 
 /// Name of the XDP program in the eBPF object.
 pub const PROGRAM_NAME: &str = "ordnet_xdp";
 
-/// ipcache, exact part: one address (every /32 and /128: pods, nodes, local endpoints).
-pub const MAP_IPCACHE: &str = "ORDNET_IPCACHE";
+/// ipcache, exact part, IPv4: one address (every /32: pods, nodes, local endpoints). Keyed by
+/// the address word alone: a 4-byte key hashes and compares much faster than an [`IpKey`].
+pub const MAP_IP4: &str = "ORDNET_IP4";
+/// ipcache, exact part, IPv6 (every /128), keyed by the four address words.
+pub const MAP_IP6: &str = "ORDNET_IP6";
 /// ipcache, prefix part: CIDR identities (longest prefix match), consulted on an exact miss.
 pub const MAP_IPCIDR: &str = "ORDNET_IPCIDR";
 /// Cell words per rule set (first level of the port classification).
@@ -27,8 +30,10 @@ pub const MAP_CELLS: &str = "ORDNET_CELLS";
 pub const MAP_BLOCKS: &str = "ORDNET_BLOCKS";
 /// The identity-specific keys of every rule set (and, for userspace only, the wildcard keys).
 pub const MAP_POLICY: &str = "ORDNET_POLICY";
-/// Connection tracking.
-pub const MAP_CT: &str = "ORDNET_CT";
+/// Connection tracking, IPv4 flows ([`Ct4Key`], 16 bytes).
+pub const MAP_CT4: &str = "ORDNET_CT4";
+/// Connection tracking, IPv6 flows ([`CtKey`], 40 bytes).
+pub const MAP_CT6: &str = "ORDNET_CT6";
 /// Global state: the policy revision.
 pub const MAP_STATE: &str = "ORDNET_STATE";
 
@@ -38,7 +43,7 @@ pub const DEFAULT_IPCIDR_ENTRIES: u32 = 16_384;
 pub const DEFAULT_MAX_RULESETS: u32 = 512;
 pub const DEFAULT_MAX_BLOCKS: u32 = 2_048;
 pub const DEFAULT_POLICY_ENTRIES: u32 = 262_144;
-pub const DEFAULT_CT_ENTRIES: u32 = 262_144;
+pub const DEFAULT_CT_ENTRIES: u32 = 65_536;
 
 /// Verdict encoding in [`PolicyValue::verdict`] and [`PolicyRef::default`]. Zero (what an
 /// unwritten value holds) and every other value mean deny: fail closed.
@@ -145,9 +150,12 @@ pub const OTHER_SLOT_CELL: u32 = 3 * 256;
 /// Words per refined block in [`MAP_BLOCKS`] (one per low port byte).
 pub const BLOCK_WORDS: u32 = 256;
 
-/// Cell word: bit L (0..=24) set = some identity of the rule set has a key of prefix length L
-/// covering this cell.
-pub const CELL_MASK_BITS: u32 = (1 << 25) - 1;
+/// Cell word, bits 0..18: the key lengths at which *some* identity of the rule set has a key
+/// covering this cell, compressed: bit 0 = length 0, bit `L - 7` = length `L` (8..=24; lengths
+/// 1..7 do not exist: a key fixes all protocol bits or none).
+pub const CELL_MASK_BITS: u32 = (1 << 18) - 1;
+/// Cell word, bits 18..23: the longest of those lengths (the first probe, without a bit scan).
+pub const CELL_HINT_SHIFT: u32 = 18;
 /// Cell word: the wildcard (`*`) verdict of the cell, 2 bits at [`CELL_WILD_SHIFT`]:
 /// [`WILD_NONE`] (no wildcard key covers it: the endpoint's default applies), [`WILD_ALLOW`],
 /// [`WILD_DENY`] (3 = invalid, treated as deny).
@@ -159,10 +167,29 @@ pub const WILD_DENY: u32 = 2;
 /// [`MAP_BLOCKS`]. Never set in a block word.
 pub const CELL_REFINED: u32 = 1 << 31;
 
-/// A cell word from its parts.
+/// The compressed mask bit of key length `len` (0 or 8..=24).
 #[inline(always)]
-pub const fn cell_word(mask: u32, wild: u32) -> u32 {
-    (mask & CELL_MASK_BITS) | ((wild & 3) << CELL_WILD_SHIFT)
+pub const fn length_bit(len: u32) -> u32 {
+    if len == 0 { 1 } else { 1 << (len - 7) }
+}
+
+/// The key length of compressed mask bit `bit` (inverse of [`length_bit`]).
+#[inline(always)]
+pub const fn bit_length(bit: u32) -> u32 {
+    if bit == 0 { 0 } else { bit + 7 }
+}
+
+/// A cell word from the set of key lengths (bit L set = length L, L in {0} and 8..=24) and the
+/// wildcard verdict.
+#[inline(always)]
+pub const fn cell_word(lengths: u32, wild: u32) -> u32 {
+    let compressed = (lengths & 1) | ((lengths >> 7) & !1 & CELL_MASK_BITS);
+    let longest = if lengths == 0 {
+        0
+    } else {
+        31 - lengths.leading_zeros()
+    };
+    compressed | (longest << CELL_HINT_SHIFT) | ((wild & 3) << CELL_WILD_SHIFT)
 }
 
 /// Protocol slot of the cell table: TCP 0, UDP 1, SCTP 2, anything else `None` (the "other"
@@ -234,6 +261,48 @@ pub struct CtKey {
     pub addr_b: [u32; 4],
 }
 
+/// Key of [`MAP_CT4`]: a [`CtKey`] of family 4 without the unused address words.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Ct4Key {
+    pub protocol: u8,
+    pub _pad: u8,
+    pub _pad2: u16,
+    pub port_a: u16,
+    pub port_b: u16,
+    pub addr_a: u32,
+    pub addr_b: u32,
+}
+
+impl Ct4Key {
+    /// The IPv4 key of a family-4 [`CtKey`].
+    #[inline(always)]
+    pub const fn of(k: &CtKey) -> Ct4Key {
+        Ct4Key {
+            protocol: k.protocol,
+            _pad: 0,
+            _pad2: 0,
+            port_a: k.port_a,
+            port_b: k.port_b,
+            addr_a: k.addr_a[0],
+            addr_b: k.addr_b[0],
+        }
+    }
+
+    /// The [`CtKey`] it stands for.
+    pub const fn full(&self) -> CtKey {
+        CtKey {
+            family: FAMILY_V4,
+            protocol: self.protocol,
+            _pad: 0,
+            port_a: self.port_a,
+            port_b: self.port_b,
+            addr_a: [self.addr_a, 0, 0, 0],
+            addr_b: [self.addr_b, 0, 0, 0],
+        }
+    }
+}
+
 /// [`CtEntry::flags`]: the flow was opened by side `a` (else by side `b`).
 pub const CT_INITIATOR_A: u32 = 1;
 
@@ -284,6 +353,7 @@ const _: () = {
     assert!(core::mem::size_of::<PolicyKey>() == 12);
     assert!(core::mem::size_of::<PolicyValue>() == 4);
     assert!(core::mem::size_of::<CtKey>() == 40);
+    assert!(core::mem::size_of::<Ct4Key>() == 16);
     assert!(core::mem::size_of::<CtEntry>() == 24);
     assert!(core::mem::size_of::<State>() == 48);
 };
@@ -300,6 +370,7 @@ mod pod {
     unsafe impl aya::Pod for PolicyKey {}
     unsafe impl aya::Pod for PolicyValue {}
     unsafe impl aya::Pod for CtKey {}
+    unsafe impl aya::Pod for Ct4Key {}
     unsafe impl aya::Pod for CtEntry {}
     unsafe impl aya::Pod for State {}
 }

@@ -16,12 +16,13 @@
 //! identity's longest matching key), and otherwise takes the wildcard verdict, or the
 //! endpoint's default when there is none. That is exactly the MapState lookup contract: own
 //! identity's longest match first, `*` only on a miss, else the isolation default. The number
-//! of probes is the number of distinct key lengths covering the cell (at most 25, in practice
+//! of probes is the number of distinct key lengths covering the cell (at most 18, in practice
 //! 0-2), independent of how many keys, identities or endpoints there are.
 
 use crate::layout::{
-    BLOCK_WORDS, CELL_MASK_BITS, CELL_REFINED, CELL_WILD_SHIFT, CELLS_PER_RULESET, OTHER_SLOT_CELL,
-    PolicyKey, PolicyRef, PolicyValue, V_ALLOW, WILD_ALLOW, WILD_NONE, prefix_bits, proto_slot,
+    BLOCK_WORDS, CELL_HINT_SHIFT, CELL_MASK_BITS, CELL_REFINED, CELL_WILD_SHIFT, CELLS_PER_RULESET,
+    OTHER_SLOT_CELL, PolicyKey, PolicyRef, PolicyValue, V_ALLOW, WILD_ALLOW, WILD_NONE, bit_length,
+    length_bit, prefix_bits, proto_slot,
 };
 
 /// Read access to the three policy maps. The kernel implements it over the BPF maps, userspace
@@ -55,8 +56,8 @@ pub struct PolicyDecision {
     pub by: Match,
 }
 
-/// Upper bound of hash probes per lookup: one per possible prefix length (0..=24).
-pub const MAX_PROBES: u32 = 25;
+/// Upper bound of hash probes per lookup: one per possible key length (0 and 8..=24).
+pub const MAX_PROBES: u32 = 18;
 
 /// Index of the cell word of `(protocol, port)` in rule set `ruleset`.
 #[inline(always)]
@@ -116,13 +117,11 @@ pub fn policy_lookup<M: PolicyMaps + ?Sized>(
         };
     };
     let mut mask = word & CELL_MASK_BITS;
-    if identity != 0 {
+    if identity != 0 && mask != 0 {
+        // The longest length is in the word; the others (rare) come from a bit scan.
+        let mut len = (word >> CELL_HINT_SHIFT) & 31;
+        mask &= !length_bit(len);
         for _ in 0..MAX_PROBES {
-            if mask == 0 {
-                break;
-            }
-            let len = highest_bit(mask);
-            mask &= !(1 << len);
             let prefix = prefix_bits(protocol, port, len);
             let key = PolicyKey {
                 ruleset: policy.ruleset,
@@ -135,6 +134,12 @@ pub fn policy_lookup<M: PolicyMaps + ?Sized>(
                     by: Match::Specific { prefix },
                 };
             }
+            if mask == 0 {
+                break;
+            }
+            let bit = highest_bit(mask);
+            mask &= !(1 << bit);
+            len = bit_length(bit);
         }
     }
     match (word >> CELL_WILD_SHIFT) & 3 {

@@ -8,9 +8,9 @@
 //! * either address belongs to this node -> PASS (traffic between a pod and its own node);
 //! * source and destination are the same local endpoint -> PASS;
 //! * TCP/UDP/SCTP: a tracked flow (either direction) stamped with the current policy revision
-//!   passes; a stale one is re-checked in its original direction (allowed: restamped and passed;
-//!   denied: entry deleted, packet dropped). A TCP packet with SYN and without ACK is always a
-//!   new connection attempt and always checked;
+//!   passes (this is checked first: one lookup); a stale one is re-checked in its original
+//!   direction (allowed: restamped and passed; denied: entry deleted, packet dropped). A TCP
+//!   packet with SYN and without ACK is always a new connection attempt and always checked;
 //! * otherwise the policy decides: egress of the source when it is a local endpoint, ingress of
 //!   the destination when it is a local endpoint, both must allow. An allowed TCP/UDP/SCTP packet
 //!   creates (or refreshes) the tracking entry; a denied one creates nothing.
@@ -214,6 +214,62 @@ pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, map
     if p.fragment == Fragment::Subsequent {
         return Decision::simple(Verdict::Pass, Reason::LaterFragment);
     }
+
+    // 1. Connection tracking first: a packet of a tracked flow whose stamp is current passes
+    // after this one lookup (no ipcache, no policy). Entries exist only for flows that involve
+    // a local endpoint and were allowed; the revision changes whenever an endpoint, an
+    // identity or a policy changes, so a current stamp means the decision still holds.
+    // A pure SYN is a new connection attempt: it is checked below, and looks at the tracking
+    // table only once the policy has allowed it.
+    let is_tracked = tracked(p.protocol);
+    let syn = p.protocol == IPPROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+    // Without a state (impossible once userspace initialised the map) every entry is expired
+    // and the revision 0: flows are checked as new.
+    let (revision, lifetime, refresh) = match maps.state() {
+        Some(s) => (
+            s.revision,
+            if p.protocol == IPPROTO_TCP {
+                s.ct_tcp_ticks
+            } else {
+                s.ct_other_ticks
+            },
+            s.ct_refresh_ticks,
+        ),
+        None => (0, 0, 0),
+    };
+    let (key, src_is_a) = ct_key(p);
+    let initiator = if src_is_a { CT_INITIATOR_A } else { 0 };
+    let mut now: u64 = 0;
+    // A live (not expired) entry of this flow, when one was looked up.
+    let mut live = false;
+    let mut entry = CtEntry::default();
+    if is_tracked && !syn {
+        if let Some(e) = maps.ct_lookup(&key) {
+            now = maps.now();
+            // An entry from the future (clock reset) counts as fresh.
+            live = now.saturating_sub(e.last_seen) <= lifetime;
+            entry = e;
+        }
+        if live && entry.revision == revision {
+            if now.saturating_sub(entry.last_seen) > refresh {
+                maps.ct_store(
+                    &key,
+                    &CtEntry {
+                        last_seen: now,
+                        ..entry
+                    },
+                );
+            }
+            let reason = if entry.flags & CT_INITIATOR_A == initiator {
+                Reason::Established
+            } else {
+                Reason::Reply
+            };
+            return Decision::simple(Verdict::Pass, reason);
+        }
+    }
+
+    // 2. Who the two ends are.
     let src = maps.ipcache(&IpKey::new(p.ip_version, p.src));
     let dst = maps.ipcache(&IpKey::new(p.ip_version, p.dst));
     let src_local = src.is_some_and(|i| i.is_endpoint());
@@ -244,88 +300,39 @@ pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, map
             if egress { i.egress } else { i.ingress }
         })
     };
-    let forward = Flow {
-        from_local: src_local,
-        from: policy(src, true),
-        from_id: src_id,
-        to_local: dst_local,
-        to: policy(dst, false),
-        to_id: dst_id,
-        protocol: p.protocol,
-        dport: p.dport,
-    };
-    if !tracked(p.protocol) {
-        return evaluate(maps, &forward);
-    }
 
-    // Without a state (impossible once userspace initialised the map) every entry is expired
-    // and the revision 0: flows are checked as new.
-    let (revision, lifetime, refresh) = match maps.state() {
-        Some(s) => (
-            s.revision,
-            if p.protocol == IPPROTO_TCP {
-                s.ct_tcp_ticks
-            } else {
-                s.ct_other_ticks
-            },
-            s.ct_refresh_ticks,
-        ),
-        None => (0, 0, 0),
-    };
-    let (key, src_is_a) = ct_key(p);
-    let initiator = if src_is_a { CT_INITIATOR_A } else { 0 };
-    let syn = p.protocol == IPPROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
-    let mut now: u64 = 0;
-    let (tracked_flow, entry) = match maps.ct_lookup(&key) {
-        Some(e) => {
-            now = maps.now();
-            // An entry from the future (clock reset) counts as fresh.
-            (now.saturating_sub(e.last_seen) <= lifetime, e)
-        }
-        None => (false, CtEntry::default()),
-    };
-
-    // Which direction to check: the packet's own, or (for a tracked flow whose revision is
-    // stale) the flow's original direction. One `evaluate` call site keeps the program small.
-    let recheck = tracked_flow && !syn;
-    let flow = if recheck {
-        let from_initiator = entry.flags & CT_INITIATOR_A == initiator;
-        if entry.revision == revision {
-            if now.saturating_sub(entry.last_seen) > refresh {
-                maps.ct_store(
-                    &key,
-                    &CtEntry {
-                        last_seen: now,
-                        ..entry
-                    },
-                );
-            }
-            let reason = if from_initiator {
-                Reason::Established
-            } else {
-                Reason::Reply
-            };
-            return Decision::simple(Verdict::Pass, reason);
-        }
-        if from_initiator {
-            forward
-        } else {
-            Flow {
-                from_local: dst_local,
-                from: policy(dst, true),
-                from_id: dst_id,
-                to_local: src_local,
-                to: policy(src, false),
-                to_id: src_id,
-                protocol: p.protocol,
-                dport: p.sport,
-            }
+    // 3. The policy: of the packet's own direction, or, for a live entry with an older stamp,
+    // of the flow's original direction (one `evaluate` call site keeps the program small).
+    let from_initiator = entry.flags & CT_INITIATOR_A == initiator;
+    let flow = if live && !from_initiator {
+        Flow {
+            from_local: dst_local,
+            from: policy(dst, true),
+            from_id: dst_id,
+            to_local: src_local,
+            to: policy(src, false),
+            to_id: src_id,
+            protocol: p.protocol,
+            dport: p.sport,
         }
     } else {
-        forward
+        Flow {
+            from_local: src_local,
+            from: policy(src, true),
+            from_id: src_id,
+            to_local: dst_local,
+            to: policy(dst, false),
+            to_id: dst_id,
+            protocol: p.protocol,
+            dport: p.dport,
+        }
     };
     let mut d = evaluate(maps, &flow);
-    if recheck {
+    if !is_tracked {
+        return d;
+    }
+    if live {
+        // A re-check: restamp, or forget the flow.
         if d.verdict == Verdict::Pass {
             maps.ct_store(
                 &key,
@@ -343,10 +350,14 @@ pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, map
         return d;
     }
     if d.verdict == Verdict::Pass {
-        let fresh = tracked_flow
-            && entry.revision == revision
-            && entry.flags == initiator
-            && now.saturating_sub(entry.last_seen) <= refresh;
+        // Track the allowed flow, unless (a repeated SYN) an identical fresh entry exists.
+        let mut fresh = false;
+        if syn && let Some(e) = maps.ct_lookup(&key) {
+            now = maps.now();
+            fresh = e.revision == revision
+                && e.flags == initiator
+                && now.saturating_sub(e.last_seen) <= refresh;
+        }
         if !fresh {
             if now == 0 {
                 now = maps.now();

@@ -23,17 +23,21 @@ use aya_ebpf::{
 use ordnet_datapath_common::{
     DatapathMaps, Verdict, decide,
     layout::{
-        BLOCK_WORDS, CELLS_PER_RULESET, CtEntry, CtKey, DEFAULT_CT_ENTRIES,
+        BLOCK_WORDS, CELLS_PER_RULESET, Ct4Key, CtEntry, CtKey, DEFAULT_CT_ENTRIES,
         DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS,
-        DEFAULT_POLICY_ENTRIES, IpInfo, IpKey, PolicyKey, PolicyValue, State,
+        DEFAULT_POLICY_ENTRIES, FAMILY_V4, IpInfo, IpKey, PolicyKey, PolicyValue, State,
     },
     lookup::PolicyMaps,
     parse,
 };
 use ordnet_datapath_ebpf::XdpFrame;
 
-#[map(name = "ORDNET_IPCACHE")]
-static IPCACHE: HashMap<IpKey, IpInfo> =
+#[map(name = "ORDNET_IP4")]
+static IP4: HashMap<u32, IpInfo> =
+    HashMap::with_max_entries(DEFAULT_IPCACHE_ENTRIES, BPF_F_NO_PREALLOC);
+
+#[map(name = "ORDNET_IP6")]
+static IP6: HashMap<[u32; 4], IpInfo> =
     HashMap::with_max_entries(DEFAULT_IPCACHE_ENTRIES, BPF_F_NO_PREALLOC);
 
 #[map(name = "ORDNET_IPCIDR")]
@@ -49,8 +53,11 @@ static BLOCKS: Array<u32> = Array::with_max_entries(DEFAULT_MAX_BLOCKS * BLOCK_W
 static POLICY: HashMap<PolicyKey, PolicyValue> =
     HashMap::with_max_entries(DEFAULT_POLICY_ENTRIES, BPF_F_NO_PREALLOC);
 
-#[map(name = "ORDNET_CT")]
-static CT: LruHashMap<CtKey, CtEntry> = LruHashMap::with_max_entries(DEFAULT_CT_ENTRIES, 0);
+#[map(name = "ORDNET_CT4")]
+static CT4: LruHashMap<Ct4Key, CtEntry> = LruHashMap::with_max_entries(DEFAULT_CT_ENTRIES, 0);
+
+#[map(name = "ORDNET_CT6")]
+static CT6: LruHashMap<CtKey, CtEntry> = LruHashMap::with_max_entries(DEFAULT_CT_ENTRIES, 0);
 
 #[map(name = "ORDNET_STATE")]
 static STATE: Array<State> = Array::with_max_entries(1, 0);
@@ -86,7 +93,13 @@ impl DatapathMaps for KernelMaps {
     fn ipcache(&self, key: &IpKey) -> Option<&IpInfo> {
         // SAFETY: a map value stays valid (RCU) for the whole program run, and the program
         // never writes to it.
-        unsafe { IPCACHE.get(key) }
+        unsafe {
+            if key.family == u32::from(FAMILY_V4) {
+                IP4.get(key.addr[0])
+            } else {
+                IP6.get(key.addr)
+            }
+        }
     }
 
     #[inline(always)]
@@ -98,19 +111,33 @@ impl DatapathMaps for KernelMaps {
 
     #[inline(always)]
     fn ct_lookup(&self, key: &CtKey) -> Option<CtEntry> {
-        // SAFETY: as above.
-        unsafe { CT.get(key) }.copied()
+        // SAFETY: the value is copied out immediately.
+        unsafe {
+            if key.family == FAMILY_V4 {
+                CT4.get(Ct4Key::of(key)).copied()
+            } else {
+                CT6.get(key).copied()
+            }
+        }
     }
 
     #[inline(always)]
     fn ct_store(&self, key: &CtKey, entry: &CtEntry) {
         // A full map evicts (LRU); any other error only means the flow is checked again.
-        let _ = CT.insert(key, entry, 0);
+        let _ = if key.family == FAMILY_V4 {
+            CT4.insert(Ct4Key::of(key), entry, 0)
+        } else {
+            CT6.insert(key, entry, 0)
+        };
     }
 
     #[inline(always)]
     fn ct_delete(&self, key: &CtKey) {
-        let _ = CT.remove(key);
+        let _ = if key.family == FAMILY_V4 {
+            CT4.remove(Ct4Key::of(key))
+        } else {
+            CT6.remove(key)
+        };
     }
 
     #[inline(always)]
