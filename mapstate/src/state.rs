@@ -248,7 +248,8 @@ pub struct MapState {
     /// (With a copy of each `*` entry: `*` has few keys, and the walk then needs no trie lookup.)
     star_rank: BTreeMap<u16, BTreeMap<(Rank, L4Prefix), StateEntry>>,
     /// Covered contributions per peer, at the block where they would have been.
-    covered: HashMap<Peer, Box<PrefixMap<L4Prefix, Vec<Covered>>>>,
+    /// (Sorted by block like [`Candidates`]: a region's notes are one contiguous run.)
+    covered: HashMap<Peer, Vec<(L4Prefix, Vec<Covered>)>>,
 }
 
 /// One item of an ordered insertion.
@@ -438,7 +439,7 @@ impl MapState {
         let mut out: Vec<&Covered> = self
             .covered
             .values()
-            .flat_map(|t| t.values().flatten())
+            .flat_map(|t| t.iter().flat_map(|(_, v)| v))
             .collect();
         out.sort();
         out
@@ -998,12 +999,16 @@ impl MapState {
             return;
         }
         let cov = self.covered.entry(peer).or_default();
-        if !cov.is_empty() {
-            let stale: Vec<L4Prefix> = cov.children(&region).map(|(p, _)| p).collect();
-            for p in stale {
-                cov.remove(&p);
-            }
-        }
+        // The stale notes: the run of blocks inside `region`.
+        let start = cov.partition_point(|(p, _)| *p < region);
+        let end = start
+            + cov[start..]
+                .iter()
+                .take_while(|(p, _)| region.covers(p))
+                .count();
+        let mut notes = notes;
+        notes.sort_by_key(|n| n.key.prefix);
+        let mut groups: Vec<(L4Prefix, Vec<Covered>)> = Vec::new();
         let mut notes = notes.into_iter().peekable();
         while let Some(first) = notes.next() {
             let prefix = first.key.prefix;
@@ -1012,8 +1017,9 @@ impl MapState {
                 v.push(n);
             }
             v.sort();
-            cov.insert(prefix, v);
+            groups.push((prefix, v));
         }
+        cov.splice(start..end, groups);
         if cov.is_empty() {
             self.covered.remove(&peer);
         }
