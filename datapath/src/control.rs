@@ -15,10 +15,10 @@ use ordnet_datapath_common::{
         V_ALLOW, V_DENY,
     },
 };
-use ordnet_mapstate::{Direction, MapState};
+use ordnet_mapstate::{ChangeSet, Direction, MapState, Verdict};
 
 use crate::{
-    flat::{FlattenError, RuleSetContent, flatten},
+    flat::{ContentDiff, FlattenError, RuleSetContent, flatten, verdict_code},
     store::{Store, StoreError, WriteStats},
     tables::{TableWriter, Write, WriteError},
 };
@@ -69,10 +69,58 @@ pub enum ControlError {
     AddressInUse { ip: IpAddr, owner: u32 },
     #[error("unknown endpoint {0}")]
     UnknownEndpoint(u32),
+    #[error(
+        "endpoint {endpoint} {direction}: the change set does not fit the datapath's keys \
+         ({detail}); apply the full MapState instead"
+    )]
+    StaleChanges {
+        endpoint: u32,
+        direction: Direction,
+        detail: String,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
     Write(#[from] WriteError),
+}
+
+/// Number of keys `diff` adds to `content` (upserts of keys it does not have).
+fn added(content: &RuleSetContent, diff: &ContentDiff) -> usize {
+    diff.specific_upserts
+        .iter()
+        .filter(|(k, _)| !content.specific.contains_key(k))
+        .count()
+        + diff
+            .wildcard_upserts
+            .iter()
+            .filter(|(p, _)| !content.wildcard.contains_key(p))
+            .count()
+}
+
+/// Whether `diff` fits `content`: removals of existing keys with their verdicts, and upserts
+/// that change something.
+fn check_diff(content: &RuleSetContent, diff: &ContentDiff) -> Result<(), String> {
+    for (k, v) in &diff.specific_removes {
+        if content.specific.get(k) != Some(v) {
+            return Err(format!("no identity key {k:?} with verdict {v} to remove"));
+        }
+    }
+    for (p, v) in &diff.wildcard_removes {
+        if content.wildcard.get(p) != Some(v) {
+            return Err(format!("no wildcard key {p:#x} with verdict {v} to remove"));
+        }
+    }
+    for (k, v) in &diff.specific_upserts {
+        if content.specific.get(k) == Some(v) {
+            return Err(format!("identity key {k:?} already has verdict {v}"));
+        }
+    }
+    for (p, v) in &diff.wildcard_upserts {
+        if content.wildcard.get(p) == Some(v) {
+            return Err(format!("wildcard key {p:#x} already has verdict {v}"));
+        }
+    }
+    Ok(())
 }
 
 /// The ipcache key of an address.
@@ -452,6 +500,174 @@ impl Control {
         }
         self.bump(w, &mut stats)?;
         Ok(stats)
+    }
+
+    /// Applies MapState change sets (what `MapState::apply` returned) to endpoints' rule sets,
+    /// with the new isolation defaults: O(size of the changes) when a rule set changes in
+    /// place. As in [`Control::update_endpoints`], a rule set is changed in place when every
+    /// endpoint using it is in the batch with the same key changes; otherwise the changed
+    /// content is shared with an identical rule set if one exists, or installed beside the old
+    /// one (a copy: O(keys)).
+    pub fn apply_changes<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        batch: &[(u32, Direction, &ChangeSet, Verdict)],
+    ) -> Result<WriteStats, ControlError> {
+        let mut stats = WriteStats::default();
+        self.store.reclaim(w, &mut stats)?;
+        // 1. Validate: endpoints exist, changes convert and fit the current keys.
+        let mut items = Vec::with_capacity(batch.len());
+        for &(id, dir, changes, default) in batch {
+            let ep = self
+                .endpoints
+                .get(&id)
+                .ok_or(ControlError::UnknownEndpoint(id))?;
+            let old = ep.policy(dir);
+            let diff =
+                ContentDiff::from_changeset(changes).map_err(|source| ControlError::Flatten {
+                    endpoint: id,
+                    direction: dir,
+                    source,
+                })?;
+            let empty = RuleSetContent::default();
+            let content = self.store.content(old.ruleset).unwrap_or(&empty);
+            check_diff(content, &diff).map_err(|detail| ControlError::StaleChanges {
+                endpoint: id,
+                direction: dir,
+                detail,
+            })?;
+            items.push((id, dir, old, diff, verdict_code(default)));
+        }
+        let d_index = |dir: Direction| usize::from(dir == Direction::Egress);
+
+        // 2. Rule sets changed in place: all users in the batch with the same changes, and
+        // the result exists nowhere else.
+        let mut users: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+        for (i, it) in items.iter().enumerate() {
+            if it.2.ruleset != 0 && !it.3.is_empty() {
+                users.entry(it.2.ruleset).or_default().push(i);
+            }
+        }
+        let mut in_place: BTreeMap<u32, usize> = BTreeMap::new();
+        for (&slot, us) in &users {
+            let first = &items[us[0]].3;
+            // (`existing_after` is `Some(0)` when the result is empty: the users then move to
+            // slot 0 instead.)
+            if us.len() as u32 == self.store.refs(slot)
+                && us.iter().all(|&i| &items[i].3 == first)
+                && self.existing_after(slot, first).is_none()
+            {
+                in_place.insert(slot, us[0]);
+            }
+        }
+
+        // 3. The other changed rule sets: an identical one, or a fresh copy.
+        let mut targets: Vec<u32> = items.iter().map(|it| it.2.ruleset).collect();
+        for (i, it) in items.iter().enumerate() {
+            let slot = it.2.ruleset;
+            if it.3.is_empty() || in_place.contains_key(&slot) {
+                continue;
+            }
+            let target = match self.existing_after(slot, &it.3) {
+                Some(t) => {
+                    self.store.add_ref(t);
+                    t
+                }
+                None => {
+                    let mut content = self.store.content(slot).cloned().unwrap_or_default();
+                    content.apply(&it.3);
+                    if content.is_empty() {
+                        0
+                    } else {
+                        match self.store.install(w, content, &mut stats) {
+                            Ok(s) => s,
+                            Err(e) => {
+                                for (j, t) in targets.iter().enumerate().take(i) {
+                                    if *t != items[j].2.ruleset {
+                                        self.store.release(*t, &mut stats);
+                                    }
+                                }
+                                return Err(e.into());
+                            }
+                        }
+                    }
+                }
+            };
+            targets[i] = target;
+        }
+
+        // 4. Tightening defaults of in-place rule sets first.
+        let mut pre: HashMap<u32, EndpointState> = HashMap::new();
+        for it in &items {
+            if in_place.contains_key(&it.2.ruleset) && it.2.default == V_ALLOW && it.4 == V_DENY {
+                let base = pre
+                    .get(&it.0)
+                    .cloned()
+                    .unwrap_or_else(|| self.endpoints[&it.0].clone());
+                let s = with_dir(&base, d_index(it.1), PolicyRef::new(it.2.ruleset, V_DENY));
+                pre.insert(it.0, s);
+            }
+        }
+        if !pre.is_empty() {
+            let keys: Vec<IpKey> = pre
+                .values()
+                .flat_map(|s| s.ips.iter().map(|ip| ip_key(*ip)))
+                .collect();
+            self.write_records(w, keys, &pre, &mut stats)?;
+        }
+
+        // 5. In-place changes.
+        for (&slot, &i) in &in_place {
+            self.store
+                .update_with_diff(w, slot, &items[i].3, &mut stats)?;
+        }
+
+        // 6. Final records, then release what is no longer used.
+        let mut touched = Vec::new();
+        for (i, it) in items.iter().enumerate() {
+            let ep = self.endpoints.get_mut(&it.0).expect("validated");
+            let r = PolicyRef::new(targets[i], it.4);
+            match it.1 {
+                Direction::Ingress => ep.ingress = r,
+                Direction::Egress => ep.egress = r,
+            }
+            touched.extend(ep.ips.iter().map(|ip| ip_key(*ip)));
+        }
+        self.write_records(w, touched, &HashMap::new(), &mut stats)?;
+        for (i, it) in items.iter().enumerate() {
+            if targets[i] != it.2.ruleset {
+                self.store.release(it.2.ruleset, &mut stats);
+            }
+        }
+        self.bump(w, &mut stats)?;
+        Ok(stats)
+    }
+
+    /// A slot other than `slot` whose content equals `slot`'s content with `diff` applied
+    /// (0 for the empty content). The full comparison only runs on a hash match.
+    fn existing_after(&self, slot: u32, diff: &ContentDiff) -> Option<u32> {
+        let empty = RuleSetContent::default();
+        let content = self.store.content(slot).unwrap_or(&empty);
+        let removed = diff.specific_removes.len() + diff.wildcard_removes.len();
+        if content.len() + added(content, diff) == removed {
+            return Some(0);
+        }
+        let hash = content.hash_after(self.store.hash(slot).unwrap_or(0), diff);
+        let candidates: Vec<u32> = self
+            .store
+            .slots_with_hash(hash)
+            .iter()
+            .copied()
+            .filter(|s| *s != slot)
+            .collect();
+        if candidates.is_empty() {
+            return None;
+        }
+        let mut after = content.clone();
+        after.apply(diff);
+        candidates
+            .into_iter()
+            .find(|s| self.store.content(*s) == Some(&after))
     }
 
     /// Removes endpoints: their addresses lose the endpoint record (falling back to a host or

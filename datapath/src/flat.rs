@@ -17,7 +17,7 @@ use ordnet_datapath_common::{
     },
     lookup::{PolicyDecision, PolicyMaps, policy_lookup},
 };
-use ordnet_mapstate::{MapState, Peer, Verdict};
+use ordnet_mapstate::{ChangeSet, MapState, Peer, Verdict};
 
 /// Why a MapState cannot be flattened.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -31,6 +31,111 @@ pub enum FlattenError {
     /// Identity 0 is the datapath's wildcard and not a valid identity.
     #[error("identity 0 is reserved for the wildcard and cannot have keys")]
     ZeroIdentity,
+}
+
+/// Key changes of a rule set: upserts carry the new verdict, removals the old one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ContentDiff {
+    /// ((identity, prefix), new verdict) of identity keys added or changed.
+    pub specific_upserts: Vec<((u32, u32), u8)>,
+    /// ((identity, prefix), old verdict) of identity keys removed.
+    pub specific_removes: Vec<((u32, u32), u8)>,
+    /// (prefix, new verdict) of `*` keys added or changed.
+    pub wildcard_upserts: Vec<(u32, u8)>,
+    /// (prefix, old verdict) of `*` keys removed.
+    pub wildcard_removes: Vec<(u32, u8)>,
+}
+
+impl ContentDiff {
+    pub fn is_empty(&self) -> bool {
+        self.specific_upserts.is_empty()
+            && self.specific_removes.is_empty()
+            && self.wildcard_upserts.is_empty()
+            && self.wildcard_removes.is_empty()
+    }
+
+    /// Number of key writes.
+    pub fn len(&self) -> usize {
+        self.specific_upserts.len()
+            + self.specific_removes.len()
+            + self.wildcard_upserts.len()
+            + self.wildcard_removes.len()
+    }
+
+    /// What turns `old` into `new` (O(size of both)).
+    pub fn between(old: &RuleSetContent, new: &RuleSetContent) -> ContentDiff {
+        let mut d = ContentDiff::default();
+        for (k, &v) in &new.specific {
+            if old.specific.get(k) != Some(&v) {
+                d.specific_upserts.push((*k, v));
+            }
+        }
+        for (k, &v) in &old.specific {
+            if !new.specific.contains_key(k) {
+                d.specific_removes.push((*k, v));
+            }
+        }
+        for (&p, &v) in &new.wildcard {
+            if old.wildcard.get(&p) != Some(&v) {
+                d.wildcard_upserts.push((p, v));
+            }
+        }
+        for (&p, &v) in &old.wildcard {
+            if !new.wildcard.contains_key(&p) {
+                d.wildcard_removes.push((p, v));
+            }
+        }
+        d
+    }
+
+    /// The key changes of a MapState update (O(size of the change set)). Changes that touch
+    /// only a key's metadata (order key, origins) and not its verdict are not key changes.
+    pub fn from_changeset(changes: &ChangeSet) -> Result<ContentDiff, FlattenError> {
+        let mut d = ContentDiff::default();
+        let key = |k: &ordnet_mapstate::Key| -> Result<(Option<u32>, u32), FlattenError> {
+            let prefix = encode_prefix(&k.prefix)?;
+            match k.peer {
+                Peer::Any => Ok((None, prefix)),
+                Peer::Id(0) => Err(FlattenError::ZeroIdentity),
+                Peer::Id(id) => Ok((Some(id), prefix)),
+            }
+        };
+        let upsert = |d: &mut ContentDiff, k, v| -> Result<(), FlattenError> {
+            match key(k)? {
+                (Some(id), p) => d.specific_upserts.push(((id, p), v)),
+                (None, p) => d.wildcard_upserts.push((p, v)),
+            }
+            Ok(())
+        };
+        for (k, e) in &changes.added {
+            upsert(&mut d, k, verdict_code(e.verdict))?;
+        }
+        for (k, old, new) in &changes.changed {
+            if old.verdict != new.verdict {
+                upsert(&mut d, k, verdict_code(new.verdict))?;
+            }
+        }
+        for (k, old) in &changes.removed {
+            match key(k)? {
+                (Some(id), p) => d
+                    .specific_removes
+                    .push(((id, p), verdict_code(old.verdict))),
+                (None, p) => d.wildcard_removes.push((p, verdict_code(old.verdict))),
+            }
+        }
+        Ok(d)
+    }
+}
+
+/// A hash of one key and its verdict; a rule set's content hash is the XOR of its keys' hashes,
+/// so it can be updated per changed key.
+pub fn key_hash(identity: u32, prefix: u32, verdict: u8) -> u64 {
+    // SplitMix64 finaliser over the packed key: cheap and well mixed.
+    let mut x = (u64::from(identity) << 32) ^ u64::from(prefix) ^ (u64::from(verdict) << 56);
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
 }
 
 /// The datapath encoding of a verdict.
@@ -59,6 +164,57 @@ impl RuleSetContent {
     /// Number of keys.
     pub fn len(&self) -> usize {
         self.specific.len() + self.wildcard.len()
+    }
+
+    /// The content hash (XOR of [`key_hash`] over the keys; `*` keys have identity 0).
+    pub fn content_hash(&self) -> u64 {
+        let s = self
+            .specific
+            .iter()
+            .fold(0, |h, (&(id, p), &v)| h ^ key_hash(id, p, v));
+        self.wildcard
+            .iter()
+            .fold(s, |h, (&p, &v)| h ^ key_hash(0, p, v))
+    }
+
+    /// The content hash after applying `d`, from the hash before (O(size of `d`)).
+    pub fn hash_after(&self, hash: u64, d: &ContentDiff) -> u64 {
+        let mut h = hash;
+        for &((id, p), v) in &d.specific_upserts {
+            if let Some(&old) = self.specific.get(&(id, p)) {
+                h ^= key_hash(id, p, old);
+            }
+            h ^= key_hash(id, p, v);
+        }
+        for &((id, p), v) in &d.specific_removes {
+            h ^= key_hash(id, p, v);
+        }
+        for &(p, v) in &d.wildcard_upserts {
+            if let Some(&old) = self.wildcard.get(&p) {
+                h ^= key_hash(0, p, old);
+            }
+            h ^= key_hash(0, p, v);
+        }
+        for &(p, v) in &d.wildcard_removes {
+            h ^= key_hash(0, p, v);
+        }
+        h
+    }
+
+    /// Applies a diff (its removals must be keys of `self` with those verdicts).
+    pub fn apply(&mut self, d: &ContentDiff) {
+        for (k, _) in &d.specific_removes {
+            self.specific.remove(k);
+        }
+        for (p, _) in &d.wildcard_removes {
+            self.wildcard.remove(p);
+        }
+        for (k, v) in &d.specific_upserts {
+            self.specific.insert(*k, *v);
+        }
+        for (p, v) in &d.wildcard_upserts {
+            self.wildcard.insert(*p, *v);
+        }
     }
 
     /// The inputs of the cell computation.

@@ -6,8 +6,8 @@ use std::os::fd::AsFd as _;
 
 use aya::maps::{Array, HashMap, IterableMap, MapData, lpm_trie::Key, lpm_trie::LpmTrie};
 use ordnet_datapath_common::layout::{
-    Ct4Key, CtEntry, CtKey, FAMILY_V4, IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_CT4, MAP_CT6,
-    MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY, MAP_STATE, PolicyKey, PolicyValue,
+    Ct4Key, CtEntry, CtKey, FAMILY_V4, IpInfo, IpKey, MAP_CT4, MAP_CT6, MAP_IP4, MAP_IP6,
+    MAP_IPCIDR, MAP_POLICY, MAP_STATE, PolicyKey, PolicyValue,
 };
 
 use crate::{
@@ -22,6 +22,9 @@ pub struct KernelTables {
     pub(crate) cidr: LpmTrie<MapData, IpKey, IpInfo>,
     pub(crate) cells: Array<MapData, u32>,
     pub(crate) blocks: Array<MapData, u32>,
+    /// The two arrays, mapped: their words are written with atomic stores, no syscall.
+    pub(crate) cells_mem: sys::MappedWords,
+    pub(crate) blocks_mem: sys::MappedWords,
     pub(crate) policy: HashMap<MapData, PolicyKey, PolicyValue>,
     pub(crate) ct4: HashMap<MapData, Ct4Key, CtEntry>,
     pub(crate) ct6: HashMap<MapData, CtKey, CtEntry>,
@@ -95,23 +98,20 @@ impl KernelTables {
         let n = run.len();
         match kind(&run[0]) {
             Kind::Cell | Kind::Block => {
-                let (map, name) = if kind(&run[0]) == Kind::Cell {
-                    (&self.cells, MAP_CELLS)
+                // Plain (release) stores into the mapped arrays, in order: a block's words are
+                // visible before a cell word that points to the block.
+                let mem = if kind(&run[0]) == Kind::Cell {
+                    &self.cells_mem
                 } else {
-                    (&self.blocks, MAP_BLOCKS)
+                    &self.blocks_mem
                 };
-                let (keys, values): (Vec<u32>, Vec<u32>) = run
-                    .iter()
-                    .map(|w| match *w {
-                        Write::Cell(i, v) | Write::Block(i, v) => (i, v),
+                for w in run {
+                    match *w {
+                        Write::Cell(i, v) | Write::Block(i, v) => mem.set(i as usize, v),
                         _ => unreachable!(),
-                    })
-                    .unzip();
-                sys::update_batch(map.map().fd().as_fd(), &keys, &values).map_err(syscall_error(
-                    name,
-                    "update batch",
-                    n,
-                ))
+                    }
+                }
+                Ok(())
             }
             Kind::PolicyUpsert => {
                 let (keys, values): (Vec<PolicyKey>, Vec<PolicyValue>) = run
@@ -292,15 +292,11 @@ impl KernelTables {
                 v,
             ));
         }
-        for (i, v) in sys::lookup_all::<u32, u32>(self.cells.map().fd().as_fd())
-            .map_err(|e| read(MAP_CELLS, e))?
-        {
-            t.cells[i as usize] = v;
+        for (i, w) in t.cells.iter_mut().enumerate() {
+            *w = self.cells_mem.get(i);
         }
-        for (i, v) in sys::lookup_all::<u32, u32>(self.blocks.map().fd().as_fd())
-            .map_err(|e| read(MAP_BLOCKS, e))?
-        {
-            t.blocks[i as usize] = v;
+        for (i, w) in t.blocks.iter_mut().enumerate() {
+            *w = self.blocks_mem.get(i);
         }
         for (k, v) in sys::lookup_all::<PolicyKey, PolicyValue>(self.policy.map().fd().as_fd())
             .map_err(|e| read(MAP_POLICY, e))?

@@ -48,8 +48,8 @@ use aya::{
 };
 pub use control::{Control, ControlError, EndpointSpec, EndpointState, ip_key, key_ip, net_key};
 pub use flat::{
-    CellInputs, CellWords, FlatRuleSet, FlattenError, RuleSetContent, cell_words, flatten,
-    verdict_code,
+    CellInputs, CellWords, ContentDiff, FlatRuleSet, FlattenError, RuleSetContent, cell_words,
+    flatten, key_hash, verdict_code,
 };
 pub use ipnet::IpNet;
 pub use kernel::KernelTables;
@@ -64,6 +64,7 @@ use ordnet_datapath_common::{
         MAP_POLICY, MAP_STATE, PROGRAM_NAME, PolicyKey, PolicyValue, State,
     },
 };
+use ordnet_mapstate::{ChangeSet, Direction};
 pub use store::{SlotInfo, Store, StoreError, WriteStats};
 pub use tables::{MemTables, Mirror, TableWriter, UserCt, Write, WriteError, monotonic_ns};
 
@@ -445,7 +446,21 @@ impl Datapath {
         let cells: Array<MapData, u32> = take(&mut ebpf, MAP_CELLS)?;
         let blocks: Array<MapData, u32> = take(&mut ebpf, MAP_BLOCKS)?;
         let mirror = MemTables::new(cells.len(), blocks.len());
+        let map_err = |name: &'static str| {
+            move |source| DatapathError::IncompatiblePin {
+                name,
+                detail: format!("cannot mmap it ({source}): not created with BPF_F_MMAPABLE?"),
+            }
+        };
+        use aya::maps::IterableMap as _;
+        use std::os::fd::AsFd as _;
+        let cells_mem = sys::MappedWords::new(cells.map().fd().as_fd(), cells.len() as usize)
+            .map_err(map_err(MAP_CELLS))?;
+        let blocks_mem = sys::MappedWords::new(blocks.map().fd().as_fd(), blocks.len() as usize)
+            .map_err(map_err(MAP_BLOCKS))?;
         let tables = KernelTables {
+            cells_mem,
+            blocks_mem,
             ip4: take(&mut ebpf, MAP_IP4)?,
             ip6: take(&mut ebpf, MAP_IP6)?,
             cidr: take::<LpmTrie<MapData, IpKey, IpInfo>>(&mut ebpf, MAP_IPCIDR)?,
@@ -660,6 +675,18 @@ impl Datapath {
         batch: &[(u32, EndpointSpec<'_>)],
     ) -> Result<WriteStats, DatapathError> {
         Ok(self.control.update_endpoints(&mut self.tables, batch)?)
+    }
+
+    /// Applies MapState change sets (as `MapState::apply` returns them) to endpoints, with the
+    /// new isolation defaults. In the common case (every endpoint that uses a rule set gets the
+    /// same changes) the cost is the size of the changes, not of the MapState. A change set
+    /// that does not fit the datapath's keys (e.g. computed against another state) is an error
+    /// and nothing is written: apply the full MapState with `update_endpoints` then.
+    pub fn apply_changes(
+        &mut self,
+        batch: &[(u32, Direction, &ChangeSet, ordnet_mapstate::Verdict)],
+    ) -> Result<WriteStats, DatapathError> {
+        Ok(self.control.apply_changes(&mut self.tables, batch)?)
     }
 
     /// Removes an endpoint.

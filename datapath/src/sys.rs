@@ -237,3 +237,83 @@ pub fn kernel_hz() -> Option<u64> {
             .total_cmp(&(*b as f64 - rate).abs())
     })
 }
+
+/// A shared, writable mapping of a `BPF_F_MMAPABLE` array map of `u32` values: its words are
+/// read and written with atomic loads and stores (the program reads them concurrently). The
+/// kernel stores array elements 8-byte aligned, so value `i` sits at byte `8 * i`.
+#[derive(Debug)]
+pub struct MappedWords {
+    ptr: *mut u32,
+    words: usize,
+    bytes: usize,
+}
+
+// SAFETY: the mapping is owned by this value and only accessed through atomic operations.
+unsafe impl Send for MappedWords {}
+// SAFETY: as above.
+unsafe impl Sync for MappedWords {}
+
+/// Byte stride of array map elements (`round_up(value_size, 8)`).
+const ELEMENT: usize = 8;
+
+impl MappedWords {
+    /// Maps the `words` values of an mmapable array map.
+    pub fn new(fd: BorrowedFd<'_>, words: usize) -> io::Result<MappedWords> {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+        let bytes = (words * ELEMENT).div_ceil(page) * page;
+        // SAFETY: a fresh shared mapping of the map's value area; the kernel checks the size
+        // against the map.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(MappedWords {
+            ptr: ptr.cast(),
+            words,
+            bytes,
+        })
+    }
+
+    fn word(&self, i: usize) -> &std::sync::atomic::AtomicU32 {
+        assert!(i < self.words, "word {i} out of {}", self.words);
+        // SAFETY: element `i` is inside the mapping (8-byte stride, page-aligned start) and
+        // lives as long as `self`; every access to it is atomic.
+        unsafe { std::sync::atomic::AtomicU32::from_ptr(self.ptr.add(i * ELEMENT / 4)) }
+    }
+
+    /// Reads word `i`.
+    pub fn get(&self, i: usize) -> u32 {
+        self.word(i).load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Writes word `i` (release: everything written before is visible to a reader that sees
+    /// this value).
+    pub fn set(&self, i: usize, v: u32) {
+        self.word(i).store(v, std::sync::atomic::Ordering::Release);
+    }
+
+    pub fn len(&self) -> usize {
+        self.words
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.words == 0
+    }
+}
+
+impl Drop for MappedWords {
+    fn drop(&mut self) {
+        // SAFETY: the mapping created in `new`, unmapped once.
+        unsafe { libc::munmap(self.ptr.cast(), self.bytes) };
+    }
+}

@@ -449,3 +449,179 @@ fn identical_mapstates_share_one_ruleset() {
         }
     }
 }
+
+/// A random update of a MapState built from `entries` (which it keeps in sync).
+fn random_update(
+    rng: &mut Rng,
+    entries: &mut Vec<ordnet_mapstate::PolicyEntry>,
+    next_id: &mut u64,
+) -> ordnet_mapstate::Update {
+    use ordnet_mapstate::{Selector, Update};
+    loop {
+        match rng.below(4) {
+            0 | 1 => {
+                let e = arb_entry(rng, *next_id, IDS);
+                *next_id += 1;
+                entries.push(e.clone());
+                return Update::AddEntry(e);
+            }
+            2 if !entries.is_empty() => {
+                let i = rng.below(entries.len());
+                return Update::RemoveEntry(entries.remove(i).id);
+            }
+            _ => {
+                let candidates: Vec<usize> = entries
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, e)| matches!(e.selector, Selector::Ids(_)))
+                    .map(|(i, _)| i)
+                    .collect();
+                if candidates.is_empty() {
+                    continue;
+                }
+                let i = rng.pick(&candidates);
+                let id = 1 + rng.below(IDS as usize) as u32;
+                let entry = entries[i].id;
+                let Selector::Ids(set) = &mut entries[i].selector else {
+                    unreachable!()
+                };
+                return if set.insert(id) {
+                    Update::Select {
+                        entry,
+                        ids: vec![id],
+                    }
+                } else {
+                    set.remove(&id);
+                    Update::Deselect {
+                        entry,
+                        ids: vec![id],
+                    }
+                };
+            }
+        }
+    }
+}
+
+#[test]
+fn change_sets_apply_in_place_safely() {
+    let mut rng = Rng::new(0x0c4a_9e5e);
+    let ips: Vec<IpAddr> = vec![EP_IP.parse().unwrap()];
+    let other: Vec<IpAddr> = vec!["10.0.0.10".parse().unwrap()];
+    let (mut in_place, mut copies, mut checks) = (0, 0, 0usize);
+    for case in 0..150 {
+        let mut entries = [
+            arb_entries(&mut rng, 10, IDS),
+            arb_entries(&mut rng, 10, IDS),
+        ];
+        let defaults = [arb_verdict(&mut rng), arb_verdict(&mut rng)];
+        let dirs = [Direction::Ingress, Direction::Egress];
+        let mut ms: Vec<MapState> = (0..2)
+            .map(|d| build(dirs[d], defaults[d], &entries[d]))
+            .collect();
+        let mut control = Control::new(Store::new(16, 128, Duration::ZERO), State::default());
+        let mut t = MemTables::new(16 * 769, 128 * 256);
+        // A second endpoint shares the rule sets in half of the cases (then the change is a
+        // copy unless both get it).
+        let shared = case % 2 == 1;
+        let mut batch = vec![(
+            1,
+            EndpointSpec {
+                ips: &ips,
+                identity: 42,
+                ingress: &ms[0],
+                egress: &ms[1],
+            },
+        )];
+        if shared {
+            batch.push((
+                2,
+                EndpointSpec {
+                    ips: &other,
+                    identity: 43,
+                    ingress: &ms[0],
+                    egress: &ms[1],
+                },
+            ));
+        }
+        control.update_endpoints(&mut t, &batch).unwrap();
+        let mut next_id = 1000;
+        for step in 0..4 {
+            let d = rng.below(2);
+            let before = [ms[0].clone(), ms[1].clone()];
+            let update = random_update(&mut rng, &mut entries[d], &mut next_id);
+            let changes = ms[d].apply([update]).unwrap();
+            let new_default = if rng.chance(4) {
+                arb_verdict(&mut rng)
+            } else {
+                ms[d].default_verdict()
+            };
+            ms[d].set_default(new_default);
+            // Released rule sets are cleared first (their writes are not this change's).
+            control.reclaim(&mut t).unwrap();
+            let probes = probes_of(&[&before[0], &before[1], &ms[0], &ms[1]]);
+            let want_old = expected([&before[0], &before[1]], &probes);
+            let want_new = expected([&ms[0], &ms[1]], &probes);
+            let index = ProbeIndex::new(&probes);
+            let mut w = Checking {
+                t,
+                check: |t: &MemTables, write: &Write| {
+                    for i in index.affected(t, write, &probes) {
+                        let now = verdicts(t, std::slice::from_ref(&probes[i]))[0];
+                        for dd in 0..2 {
+                            assert!(
+                                !now[dd] || want_old[i][dd] || want_new[i][dd],
+                                "case {case} step {step}: transient allow for {:?} after {write:?}",
+                                probes[i]
+                            );
+                        }
+                        checks += 1;
+                    }
+                },
+                elements: 0,
+            };
+            // With a shared rule set, sometimes only endpoint 1 gets the change.
+            let both = shared && rng.chance(2);
+            let mut items = vec![(1, dirs[d], &changes, new_default)];
+            if both {
+                items.push((2, dirs[d], &changes, new_default));
+            }
+            let stats = control.apply_changes(&mut w, &items).unwrap();
+            t = w.t;
+            assert_eq!(
+                verdicts(&t, &probes),
+                want_new,
+                "case {case} step {step}: final"
+            );
+            if stats.rulesets_updated > 0 {
+                in_place += 1;
+                let diff = ordnet_datapath::ContentDiff::from_changeset(&changes).unwrap();
+                assert_eq!(
+                    stats.policy_writes as usize,
+                    diff.len(),
+                    "only the changed keys"
+                );
+            }
+            if stats.rulesets_installed > 0 {
+                copies += 1;
+            }
+            if shared && !both {
+                // Endpoint 2 keeps the old policy: catch up so the next step starts equal.
+                let spec = EndpointSpec {
+                    ips: &other,
+                    identity: 43,
+                    ingress: &ms[0],
+                    egress: &ms[1],
+                };
+                control.update_endpoints(&mut t, &[(2, spec)]).unwrap();
+            }
+        }
+    }
+    assert!(
+        in_place > 100 && copies > 20,
+        "{in_place} in place, {copies} copies"
+    );
+    println!(
+        "change sets: {in_place} in place, {copies} copies; {checks} (probe, intermediate state) \
+         pairs checked"
+    );
+}

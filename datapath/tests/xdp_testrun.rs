@@ -1520,7 +1520,24 @@ impl Drop for Bpffs {
     }
 }
 
+/// Deletes the test veth pair on drop (also when the test fails).
+struct Veth(&'static str);
+
+impl Drop for Veth {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", self.0])
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+}
+
 fn veth_pair(a: &str, b: &str) -> bool {
+    // A pair left behind by an earlier, interrupted run.
+    let _ = std::process::Command::new("ip")
+        .args(["link", "del", a])
+        .stderr(std::process::Stdio::null())
+        .status();
     std::process::Command::new("ip")
         .args(["link", "add", a, "type", "veth", "peer", "name", b])
         .status()
@@ -1571,6 +1588,7 @@ fn restart_adopts_pins_without_changing_verdicts() {
     world_setup(&mut dp);
     world_endpoints(&mut dp, &world);
     let veth = veth_pair("ordnet-t0", "ordnet-t1");
+    let _veth_guard = Veth("ordnet-t0");
     if veth {
         dp.attach("ordnet-t0", aya::programs::XdpMode::default())
             .unwrap();
@@ -1689,9 +1707,7 @@ fn restart_adopts_pins_without_changing_verdicts() {
     assert_eq!(dp.verify().unwrap(), Vec::<String>::new());
     if veth {
         dp.detach("ordnet-t0").unwrap();
-        let _ = std::process::Command::new("ip")
-            .args(["link", "del", "ordnet-t0"])
-            .status();
+        assert_eq!(link_prog_id("ordnet-t0"), None, "detached");
     }
     println!(
         "xdp_testrun: restart: adopted {} endpoints, {} rule sets, links {:?} in {:.1} ms with \

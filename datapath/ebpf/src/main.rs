@@ -14,7 +14,7 @@
 #![cfg_attr(target_arch = "bpf", no_main)]
 
 use aya_ebpf::{
-    bindings::{BPF_F_NO_PREALLOC, xdp_action},
+    bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC, xdp_action},
     helpers::bpf_jiffies64,
     macros::{map, xdp},
     maps::{Array, HashMap, LpmTrie, LruHashMap, lpm_trie::Key},
@@ -43,11 +43,14 @@ static IP6: HashMap<[u32; 4], IpInfo> =
 #[map(name = "ORDNET_IPCIDR")]
 static IPCIDR: LpmTrie<IpKey, IpInfo> = LpmTrie::with_max_entries(DEFAULT_IPCIDR_ENTRIES, 0);
 
+/// Mmapable: userspace writes the words with plain atomic stores instead of syscalls.
 #[map(name = "ORDNET_CELLS")]
-static CELLS: Array<u32> = Array::with_max_entries(DEFAULT_MAX_RULESETS * CELLS_PER_RULESET, 0);
+static CELLS: Array<u32> =
+    Array::with_max_entries(DEFAULT_MAX_RULESETS * CELLS_PER_RULESET, BPF_F_MMAPABLE);
 
 #[map(name = "ORDNET_BLOCKS")]
-static BLOCKS: Array<u32> = Array::with_max_entries(DEFAULT_MAX_BLOCKS * BLOCK_WORDS, 0);
+static BLOCKS: Array<u32> =
+    Array::with_max_entries(DEFAULT_MAX_BLOCKS * BLOCK_WORDS, BPF_F_MMAPABLE);
 
 #[map(name = "ORDNET_POLICY")]
 static POLICY: HashMap<PolicyKey, PolicyValue> =
