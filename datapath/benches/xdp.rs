@@ -232,6 +232,7 @@ fn main() {
          kernel-reported ns/packet (64-byte IPv4 TCP frames)\n"
     );
     let shapes = [Shape::Narrow, Shape::Mixed];
+    let mut varied_ns: BTreeMap<(Shape, usize, Layout), f64> = BTreeMap::new();
     let mut layout_ns: BTreeMap<(Shape, usize, Layout, usize), f64> = BTreeMap::new();
     let mut full_ns: BTreeMap<(usize, &'static str), f64> = BTreeMap::new();
     let mut floor_ns: BTreeMap<usize, f64> = BTreeMap::new();
@@ -240,7 +241,16 @@ fn main() {
             let t = Instant::now();
             let (ms, _) = ruleset(n, shape);
             let build = t.elapsed();
-            layouts(n, shape, &ms, repeat, rounds, &mut layout_ns, build);
+            layouts(
+                n,
+                shape,
+                &ms,
+                repeat,
+                rounds,
+                &mut layout_ns,
+                &mut varied_ns,
+                build,
+            );
             if shape == Shape::Mixed {
                 floor_ns.insert(n, layout_ns[&(shape, n, Layout::Floor, 0)]);
                 full_program(n, &ms, repeat, rounds, &mut full_ns);
@@ -299,6 +309,35 @@ fn main() {
         }
     }
 
+    for shape in shapes {
+        println!(
+            "\nVaried packets, {shape:?} rule set: {VARIED} SYNs of distinct identities and \
+             ports (each allowed by the identity's own key), each run once; mean of the \
+             kernel-reported per-run times, median of {rounds} passes"
+        );
+        print!("{:>28}", "layout \\ entries");
+        for n in &sizes {
+            print!("{n:>10}");
+        }
+        println!("{:>12}", format!("{last}/{first}"));
+        for l in Layout::ALL {
+            print!("{:>28}", l.name());
+            for n in &sizes {
+                match varied_ns.get(&(shape, *n, l)) {
+                    Some(v) => print!("{v:>10.1}"),
+                    None => print!("{:>10}", "-"),
+                }
+            }
+            match (
+                varied_ns.get(&(shape, last, l)),
+                varied_ns.get(&(shape, first, l)),
+            ) {
+                (Some(a), Some(b)) => println!("{:>12.2}", a / b),
+                _ => println!("{:>12}", "-"),
+            }
+        }
+    }
+
     println!("\nFull ordnet program (parse, ipcache x2, conntrack, policy), Mixed rule set:");
     let names: Vec<&'static str> = full_ns
         .keys()
@@ -334,7 +373,11 @@ fn main() {
     apply_times();
 }
 
-/// Measures every layout's program on the three probe packets.
+/// Distinct packets of the varied measurement.
+const VARIED: usize = 4096;
+
+/// Measures every layout's program on the three probe packets, and on many distinct ones.
+#[allow(clippy::too_many_arguments)]
 fn layouts(
     n: usize,
     shape: Shape,
@@ -342,6 +385,7 @@ fn layouts(
     repeat: u32,
     rounds: usize,
     layout_ns: &mut BTreeMap<(Shape, usize, Layout, usize), f64>,
+    varied_ns: &mut BTreeMap<(Shape, usize, Layout), f64>,
     build: Duration,
 ) {
     let probes = probes(ms, n);
@@ -378,6 +422,49 @@ fn layouts(
         for (l, v) in samples {
             layout_ns.insert((shape, n, l, pi), median(v));
         }
+    }
+    // Varied packets: identity i's own port j, over many identities.
+    let ids = identities(n);
+    let per = if n < 8 { n as u32 } else { 8 };
+    let mut seed = 0x9e37_79b9_u64;
+    let mut next = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let frames: Vec<Vec<u8>> = (0..VARIED)
+        .map(|_| {
+            let i = 1 + (next() % u64::from(ids)) as u32;
+            let j = (next() % u64::from(per.max(1))) as u32;
+            frame64(v4(i), [10, 200, 0, 1], 40000, port(i, j), TCP_SYN)
+        })
+        .collect();
+    for f in frames.iter().take(64) {
+        for &l in &measured {
+            assert_eq!(
+                obj.run(l, f, 1).unwrap().action,
+                XdpAction::Pass,
+                "{}",
+                l.name()
+            );
+        }
+    }
+    let mut passes: BTreeMap<Layout, Vec<f64>> = BTreeMap::new();
+    for _ in 0..rounds {
+        for &l in &measured {
+            let total: f64 = frames
+                .iter()
+                .map(|f| ns(obj.run(l, f, 1).unwrap().avg_duration))
+                .sum();
+            passes
+                .entry(l)
+                .or_default()
+                .push(total / frames.len() as f64);
+        }
+    }
+    for (l, v) in passes {
+        varied_ns.insert((shape, n, l), median(v));
     }
     println!(
         "{n:>6} requested, {shape:?}: MapState {} keys (built in {:.1} ms); entries: floor {}, \

@@ -432,36 +432,19 @@ pub struct BenchObject {
 
 /// The benchmark object's copy of the enforcing layout's policy maps, as a [`TableWriter`].
 struct PolicyOnlyTables {
-    cells: Array<MapData, u32>,
-    blocks: Array<MapData, u32>,
+    cells: sys::MappedWords,
+    blocks: sys::MappedWords,
     policy: BpfHashMap<MapData, PolicyKey, PolicyValue>,
     mirror: MemTables,
 }
 
 impl TableWriter for PolicyOnlyTables {
     fn write(&mut self, writes: &[Write]) -> Result<(), WriteError> {
-        let err = |map: &'static str| {
-            move |(done, source)| WriteError::Syscall {
-                map,
-                op: "update batch",
-                done,
-                total: 0,
-                source,
-            }
-        };
-        let mut cells = (Vec::new(), Vec::new());
-        let mut blocks = (Vec::new(), Vec::new());
         let mut policy = (Vec::new(), Vec::new());
         for w in writes {
             match *w {
-                Write::Cell(i, v) => {
-                    cells.0.push(i);
-                    cells.1.push(v);
-                }
-                Write::Block(i, v) => {
-                    blocks.0.push(i);
-                    blocks.1.push(v);
-                }
+                Write::Cell(i, v) => self.cells.set(i as usize, v),
+                Write::Block(i, v) => self.blocks.set(i as usize, v),
                 Write::PolicyUpsert(k, v) => {
                     policy.0.push(k);
                     policy.1.push(v);
@@ -470,13 +453,15 @@ impl TableWriter for PolicyOnlyTables {
             }
             self.mirror.apply(w);
         }
-        sys::update_batch(self.cells.map().fd().as_fd(), &cells.0, &cells.1)
-            .map_err(err("ORDNET_CELLS"))?;
-        sys::update_batch(self.blocks.map().fd().as_fd(), &blocks.0, &blocks.1)
-            .map_err(err("ORDNET_BLOCKS"))?;
-        sys::update_batch(self.policy.map().fd().as_fd(), &policy.0, &policy.1)
-            .map_err(err("ORDNET_POLICY"))?;
-        Ok(())
+        sys::update_batch(self.policy.map().fd().as_fd(), &policy.0, &policy.1).map_err(
+            |(done, source)| WriteError::Syscall {
+                map: "ORDNET_POLICY",
+                op: "update batch",
+                done,
+                total: policy.0.len(),
+                source,
+            },
+        )
     }
 
     fn tables(&self) -> &MemTables {
@@ -532,14 +517,22 @@ impl BenchObject {
                 .try_into()?;
             p.load()?;
         }
-        let cells: Array<MapData, u32> = take(&mut ebpf, "ORDNET_CELLS")?;
-        let blocks: Array<MapData, u32> = take(&mut ebpf, "ORDNET_BLOCKS")?;
-        let mirror = MemTables::new(cells.len(), blocks.len());
+        let cells: Array<MapData, u64> = take(&mut ebpf, "ORDNET_CELLS")?;
+        let blocks: Array<MapData, u64> = take(&mut ebpf, "ORDNET_BLOCKS")?;
+        let (cw, bw) = (cells.len() * 2, blocks.len() * 2);
+        let mmap = |map: &Array<MapData, u64>, words: u32| {
+            sys::MappedWords::new(map.map().fd().as_fd(), words as usize).map_err(|source| {
+                DatapathError::Io {
+                    path: "benchmark cell arrays".into(),
+                    source,
+                }
+            })
+        };
         let ordnet = PolicyOnlyTables {
-            cells,
-            blocks,
+            cells: mmap(&cells, cw)?,
+            blocks: mmap(&blocks, bw)?,
+            mirror: MemTables::new(cw, bw),
             policy: take(&mut ebpf, "ORDNET_POLICY")?,
-            mirror,
         };
         let mut obj = BenchObject { ebpf, ordnet };
         let sizes = obj.install(ms, content, install_classes.then_some(classes))?;
@@ -563,8 +556,8 @@ impl BenchObject {
 
         // Ordnet: the store's own install into slot 1 (slot 0 stays empty).
         let mut store = Store::new(
-            self.ordnet.cells.len() / CELLS_PER_RULESET,
-            self.ordnet.blocks.len() / BLOCK_WORDS,
+            self.ordnet.cells.len() as u32 / CELLS_PER_RULESET,
+            self.ordnet.blocks.len() as u32 / BLOCK_WORDS,
             std::time::Duration::ZERO,
         );
         let mut stats = WriteStats::default();

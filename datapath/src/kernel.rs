@@ -20,8 +20,8 @@ pub struct KernelTables {
     pub(crate) ip4: HashMap<MapData, u32, IpInfo>,
     pub(crate) ip6: HashMap<MapData, [u32; 4], IpInfo>,
     pub(crate) cidr: LpmTrie<MapData, IpKey, IpInfo>,
-    pub(crate) cells: Array<MapData, u32>,
-    pub(crate) blocks: Array<MapData, u32>,
+    pub(crate) cells: Array<MapData, u64>,
+    pub(crate) blocks: Array<MapData, u64>,
     /// The two arrays, mapped: their words are written with atomic stores, no syscall.
     pub(crate) cells_mem: sys::MappedWords,
     pub(crate) blocks_mem: sys::MappedWords,
@@ -267,7 +267,7 @@ impl KernelTables {
             total: 0,
             source: e,
         };
-        let mut t = MemTables::new(self.cells.len(), self.blocks.len());
+        let mut t = MemTables::new(self.cells_mem.len() as u32, self.blocks_mem.len() as u32);
         for (a, v) in sys::lookup_all::<u32, IpInfo>(self.ip4.map().fd().as_fd())
             .map_err(|e| read(MAP_IP4, e))?
         {

@@ -61,7 +61,7 @@ use ordnet_datapath_common::{
         CT_REFRESH_SECS, Ct4Key, CtEntry, CtKey, DEFAULT_CT_ENTRIES, DEFAULT_IPCACHE_ENTRIES,
         DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES,
         IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_CT4, MAP_CT6, MAP_IP4, MAP_IP6, MAP_IPCIDR,
-        MAP_POLICY, MAP_STATE, PROGRAM_NAME, PolicyKey, PolicyValue, State,
+        MAP_POLICY, MAP_STATE, PROGRAM_NAME, PolicyKey, PolicyValue, State, pairs,
     },
 };
 use ordnet_mapstate::{ChangeSet, Direction};
@@ -330,8 +330,8 @@ impl Datapath {
         // The pinned maps keep their sizes: take them from the kernel.
         let cells = aya::maps::MapInfo::from_pin(dir.join(MAP_CELLS))?;
         let blocks = aya::maps::MapInfo::from_pin(dir.join(MAP_BLOCKS))?;
-        config.max_rulesets = cells.max_entries() / CELLS_PER_RULESET;
-        config.max_blocks = blocks.max_entries() / BLOCK_WORDS;
+        config.max_rulesets = cells.max_entries() * 2 / CELLS_PER_RULESET;
+        config.max_blocks = blocks.max_entries() * 2 / BLOCK_WORDS;
         let (mut ebpf, mut tables) = Self::load(&config)?;
         Self::check_pins(&ebpf, &tables)?;
         tables.mirror = tables.read_all()?;
@@ -426,8 +426,8 @@ impl Datapath {
             .map_max_entries(MAP_IP4, config.ipcache_entries)
             .map_max_entries(MAP_IP6, config.ipcache_entries)
             .map_max_entries(MAP_IPCIDR, config.cidr_entries)
-            .map_max_entries(MAP_CELLS, config.max_rulesets * CELLS_PER_RULESET)
-            .map_max_entries(MAP_BLOCKS, config.max_blocks * BLOCK_WORDS)
+            .map_max_entries(MAP_CELLS, pairs(config.max_rulesets * CELLS_PER_RULESET))
+            .map_max_entries(MAP_BLOCKS, pairs(config.max_blocks * BLOCK_WORDS))
             .map_max_entries(MAP_POLICY, config.policy_entries)
             .map_max_entries(MAP_CT4, config.ct_entries)
             .map_max_entries(MAP_CT6, config.ct_entries);
@@ -443,9 +443,10 @@ impl Datapath {
             .ok_or(DatapathError::Missing(PROGRAM_NAME))?
             .try_into()?;
         program.load()?;
-        let cells: Array<MapData, u32> = take(&mut ebpf, MAP_CELLS)?;
-        let blocks: Array<MapData, u32> = take(&mut ebpf, MAP_BLOCKS)?;
-        let mirror = MemTables::new(cells.len(), blocks.len());
+        let cells: Array<MapData, u64> = take(&mut ebpf, MAP_CELLS)?;
+        let blocks: Array<MapData, u64> = take(&mut ebpf, MAP_BLOCKS)?;
+        let (cell_words, block_words) = (cells.len() * 2, blocks.len() * 2);
+        let mirror = MemTables::new(cell_words, block_words);
         let map_err = |name: &'static str| {
             move |source| DatapathError::IncompatiblePin {
                 name,
@@ -454,9 +455,9 @@ impl Datapath {
         };
         use aya::maps::IterableMap as _;
         use std::os::fd::AsFd as _;
-        let cells_mem = sys::MappedWords::new(cells.map().fd().as_fd(), cells.len() as usize)
+        let cells_mem = sys::MappedWords::new(cells.map().fd().as_fd(), cell_words as usize)
             .map_err(map_err(MAP_CELLS))?;
-        let blocks_mem = sys::MappedWords::new(blocks.map().fd().as_fd(), blocks.len() as usize)
+        let blocks_mem = sys::MappedWords::new(blocks.map().fd().as_fd(), block_words as usize)
             .map_err(map_err(MAP_BLOCKS))?;
         let tables = KernelTables {
             cells_mem,
@@ -488,8 +489,8 @@ impl Datapath {
                 4 + size_of::<IpKey>(),
                 size_of::<IpInfo>(),
             ),
-            (MAP_CELLS, t.cells.map(), MapType::Array, 4, 4),
-            (MAP_BLOCKS, t.blocks.map(), MapType::Array, 4, 4),
+            (MAP_CELLS, t.cells.map(), MapType::Array, 4, 8),
+            (MAP_BLOCKS, t.blocks.map(), MapType::Array, 4, 8),
             (
                 MAP_POLICY,
                 t.policy.map(),

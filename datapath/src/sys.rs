@@ -238,9 +238,9 @@ pub fn kernel_hz() -> Option<u64> {
     })
 }
 
-/// A shared, writable mapping of a `BPF_F_MMAPABLE` array map of `u32` values: its words are
-/// read and written with atomic loads and stores (the program reads them concurrently). The
-/// kernel stores array elements 8-byte aligned, so value `i` sits at byte `8 * i`.
+/// A shared, writable mapping of a `BPF_F_MMAPABLE` array map of `u64` elements seen as `u32`
+/// words (word `i` at byte `4 * i`: two words per element, see `layout::pair_index`): read and
+/// written with atomic loads and stores (the program reads them concurrently).
 #[derive(Debug)]
 pub struct MappedWords {
     ptr: *mut u32,
@@ -253,11 +253,11 @@ unsafe impl Send for MappedWords {}
 // SAFETY: as above.
 unsafe impl Sync for MappedWords {}
 
-/// Byte stride of array map elements (`round_up(value_size, 8)`).
-const ELEMENT: usize = 8;
+/// Bytes per word.
+const ELEMENT: usize = 4;
 
 impl MappedWords {
-    /// Maps the `words` values of an mmapable array map.
+    /// Maps `words` words (`words / 2` elements) of an mmapable array map of `u64`.
     pub fn new(fd: BorrowedFd<'_>, words: usize) -> io::Result<MappedWords> {
         // SAFETY: sysconf has no preconditions.
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;

@@ -1264,6 +1264,66 @@ fn conntrack_replies_and_policy_changes() {
     println!("xdp_testrun: conntrack: {checked} packets checked (kernel == userspace == expected)");
 }
 
+/// Idle tracked flows expire on the program's clock (jiffies, lifetimes in ticks of the
+/// calibrated HZ), and a refreshed flow does not.
+#[test]
+fn conntrack_entries_expire() {
+    if !privileged() {
+        return;
+    }
+    let mut dp = Datapath::create(DatapathConfig {
+        ct_other_lifetime: Duration::from_millis(300),
+        ct_refresh: Duration::from_millis(20),
+        ..small_config()
+    })
+    .unwrap();
+    world_setup(&mut dp);
+    let isolated = MapState::new(Direction::Ingress, Verdict::Deny);
+    let a_ips = [ip(A4), ip(A6)];
+    dp.upsert_endpoint(
+        1,
+        EndpointSpec {
+            ips: &a_ips,
+            identity: 2,
+            ingress: &isolated,
+            egress: &open(Direction::Egress),
+        },
+    )
+    .unwrap();
+    let state = dp.tables().state;
+    assert!(
+        [100, 250, 300, 1000].contains(&state.hz),
+        "calibrated HZ {}",
+        state.hz
+    );
+    let (a, r) = (ip(A4), remote(7, false));
+    let udp = |s, d, sport, dport| craft::frame_between(s, d, L4::Udp { sport, dport }).unwrap();
+    let run = |dp: &Datapath, f: &[u8]| dp.test_run(f).unwrap().action;
+    // Two flows; only the first keeps sending.
+    assert_eq!(run(&dp, &udp(a, r, 1111, 53)), PASS);
+    assert_eq!(run(&dp, &udp(a, r, 2222, 53)), PASS);
+    assert_eq!(run(&dp, &udp(r, a, 53, 2222)), PASS, "reply while fresh");
+    for _ in 0..10 {
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(
+            run(&dp, &udp(r, a, 53, 1111)),
+            PASS,
+            "refreshed by its replies"
+        );
+    }
+    // 600 ms without a packet of the second flow: twice its lifetime.
+    assert_eq!(
+        run(&dp, &udp(r, a, 53, 2222)),
+        DROP,
+        "an expired flow is a new one, and A's ingress is isolated"
+    );
+    assert_eq!(run(&dp, &udp(r, a, 53, 1111)), PASS);
+    println!(
+        "xdp_testrun: conntrack expiry: HZ {}, UDP lifetime {} ticks, refresh {} ticks",
+        state.hz, state.ct_other_ticks, state.ct_refresh_ticks
+    );
+}
+
 // ------------------------------------------------------------------ update safety
 
 /// A probe frame: bytes, whether it is A's ingress (else egress), peer identity, protocol, port.

@@ -150,6 +150,26 @@ pub const OTHER_SLOT_CELL: u32 = 3 * 256;
 /// Words per refined block in [`MAP_BLOCKS`] (one per low port byte).
 pub const BLOCK_WORDS: u32 = 256;
 
+/// [`MAP_CELLS`] and [`MAP_BLOCKS`] are arrays of `u64` elements holding two 32-bit words each
+/// (word `2i` in the low half, `2i + 1` in the high half): the kernel pads array elements to 8
+/// bytes, so `u32` elements would waste half of the memory (and cache). Userspace maps the
+/// arrays (`BPF_F_MMAPABLE`) and sees a plain `u32` array.
+#[inline(always)]
+pub const fn pair_index(word: u32) -> u32 {
+    word >> 1
+}
+
+/// Word `word` out of its element `pair` (see [`pair_index`]).
+#[inline(always)]
+pub const fn pair_word(pair: u64, word: u32) -> u32 {
+    (pair >> ((word & 1) * 32)) as u32
+}
+
+/// Elements needed for `words` words.
+pub const fn pairs(words: u32) -> u32 {
+    words.div_ceil(2)
+}
+
 /// Cell word, bits 0..18: the key lengths at which *some* identity of the rule set has a key
 /// covering this cell, compressed: bit 0 = length 0, bit `L - 7` = length `L` (8..=24; lengths
 /// 1..7 do not exist: a key fixes all protocol bits or none).

@@ -20,7 +20,7 @@
 #![cfg_attr(target_arch = "bpf", no_main)]
 
 use aya_ebpf::{
-    bindings::{BPF_F_NO_PREALLOC, xdp_action},
+    bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC, xdp_action},
     macros::{map, xdp},
     maps::{Array, HashMap, LpmTrie, lpm_trie::Key},
     programs::XdpContext,
@@ -32,7 +32,8 @@ use ordnet_datapath_common::{
         ProbeMaps, ProbeMeta,
     },
     layout::{
-        BLOCK_WORDS, CELLS_PER_RULESET, PolicyKey, PolicyRef, PolicyValue, V_ALLOW, prefix_bits,
+        BLOCK_WORDS, CELLS_PER_RULESET, PolicyKey, PolicyRef, PolicyValue, V_ALLOW, pair_index,
+        pair_word, pairs, prefix_bits,
     },
     lookup::{PolicyMaps, policy_lookup},
     parse,
@@ -52,9 +53,11 @@ static FLOOR: HashMap<PolicyKey, PolicyValue> =
     HashMap::with_max_entries(ENTRIES, BPF_F_NO_PREALLOC);
 
 #[map(name = "ORDNET_CELLS")]
-static CELLS: Array<u32> = Array::with_max_entries(RULESETS * CELLS_PER_RULESET, 0);
+static CELLS: Array<u64> =
+    Array::with_max_entries(pairs(RULESETS * CELLS_PER_RULESET), BPF_F_MMAPABLE);
 #[map(name = "ORDNET_BLOCKS")]
-static BLOCKS: Array<u32> = Array::with_max_entries(BLOCKS_MAX * BLOCK_WORDS, 0);
+static BLOCKS: Array<u64> =
+    Array::with_max_entries(pairs(BLOCKS_MAX * BLOCK_WORDS), BPF_F_MMAPABLE);
 #[map(name = "ORDNET_POLICY")]
 static POLICY: HashMap<PolicyKey, PolicyValue> =
     HashMap::with_max_entries(ENTRIES, BPF_F_NO_PREALLOC);
@@ -84,11 +87,11 @@ struct Ordnet;
 impl PolicyMaps for Ordnet {
     #[inline(always)]
     fn cell(&self, index: u32) -> Option<u32> {
-        CELLS.get(index).copied()
+        CELLS.get(pair_index(index)).map(|p| pair_word(*p, index))
     }
     #[inline(always)]
     fn block_word(&self, index: u32) -> Option<u32> {
-        BLOCKS.get(index).copied()
+        BLOCKS.get(pair_index(index)).map(|p| pair_word(*p, index))
     }
     #[inline(always)]
     fn policy(&self, key: &PolicyKey) -> Option<PolicyValue> {

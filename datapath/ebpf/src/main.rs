@@ -26,6 +26,7 @@ use ordnet_datapath_common::{
         BLOCK_WORDS, CELLS_PER_RULESET, Ct4Key, CtEntry, CtKey, DEFAULT_CT_ENTRIES,
         DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS,
         DEFAULT_POLICY_ENTRIES, FAMILY_V4, IpInfo, IpKey, PolicyKey, PolicyValue, State,
+        pair_index, pair_word, pairs,
     },
     lookup::PolicyMaps,
     parse,
@@ -43,14 +44,17 @@ static IP6: HashMap<[u32; 4], IpInfo> =
 #[map(name = "ORDNET_IPCIDR")]
 static IPCIDR: LpmTrie<IpKey, IpInfo> = LpmTrie::with_max_entries(DEFAULT_IPCIDR_ENTRIES, 0);
 
-/// Mmapable: userspace writes the words with plain atomic stores instead of syscalls.
+/// Two words per element (`pair_index`); mmapable: userspace writes the words with plain
+/// atomic stores instead of syscalls.
 #[map(name = "ORDNET_CELLS")]
-static CELLS: Array<u32> =
-    Array::with_max_entries(DEFAULT_MAX_RULESETS * CELLS_PER_RULESET, BPF_F_MMAPABLE);
+static CELLS: Array<u64> = Array::with_max_entries(
+    pairs(DEFAULT_MAX_RULESETS * CELLS_PER_RULESET),
+    BPF_F_MMAPABLE,
+);
 
 #[map(name = "ORDNET_BLOCKS")]
-static BLOCKS: Array<u32> =
-    Array::with_max_entries(DEFAULT_MAX_BLOCKS * BLOCK_WORDS, BPF_F_MMAPABLE);
+static BLOCKS: Array<u64> =
+    Array::with_max_entries(pairs(DEFAULT_MAX_BLOCKS * BLOCK_WORDS), BPF_F_MMAPABLE);
 
 #[map(name = "ORDNET_POLICY")]
 static POLICY: HashMap<PolicyKey, PolicyValue> =
@@ -71,12 +75,12 @@ struct KernelMaps;
 impl PolicyMaps for KernelMaps {
     #[inline(always)]
     fn cell(&self, index: u32) -> Option<u32> {
-        CELLS.get(index).copied()
+        CELLS.get(pair_index(index)).map(|p| pair_word(*p, index))
     }
 
     #[inline(always)]
     fn block_word(&self, index: u32) -> Option<u32> {
-        BLOCKS.get(index).copied()
+        BLOCKS.get(pair_index(index)).map(|p| pair_word(*p, index))
     }
 
     #[inline(always)]
