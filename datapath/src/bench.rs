@@ -356,6 +356,8 @@ impl CiliumMaps for CiliumLayout {
 /// A layout of the benchmark.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Layout {
+    /// Parsing and the config read only, no policy decision (the shared baseline).
+    Parse,
     /// One exact hash lookup (the floor).
     Floor,
     /// The enforcing layout.
@@ -368,7 +370,8 @@ pub enum Layout {
 }
 
 impl Layout {
-    pub const ALL: [Layout; 6] = [
+    pub const ALL: [Layout; 7] = [
+        Layout::Parse,
         Layout::Floor,
         Layout::Ordnet,
         Layout::Classes,
@@ -379,6 +382,7 @@ impl Layout {
 
     pub fn program(self) -> &'static str {
         match self {
+            Layout::Parse => "bench_parse",
             Layout::Floor => "bench_floor",
             Layout::Ordnet => "bench_ordnet",
             Layout::Classes => "bench_classes",
@@ -390,6 +394,7 @@ impl Layout {
 
     pub fn name(self) -> &'static str {
         match self {
+            Layout::Parse => "parse only (no policy)",
             Layout::Floor => "floor (1 hash)",
             Layout::Ordnet => "ordnet cells+probes",
             Layout::Classes => "port classes",

@@ -5,6 +5,7 @@
 //!
 //! | program | decision |
 //! |---|---|
+//! | `bench_parse` | none (always PASS): the part every program shares |
 //! | `bench_floor` | one hash lookup of the exact (rule set, identity, proto/port) key: the floor |
 //! | `bench_ordnet` | [`policy_lookup`]: the enforcing layout (cell word + probes at the lengths in it) |
 //! | `bench_classes` | [`alt::class_lookup`]: port classes, (identity, class) then (0, class) |
@@ -176,6 +177,15 @@ fn run(ctx: &XdpContext, decide: impl FnOnce(PolicyRef, u32, &IpPacket) -> bool)
     } else {
         xdp_action::XDP_DROP
     }
+}
+
+/// The shared part of every program: parse and read the config, no policy.
+#[xdp]
+pub fn bench_parse(ctx: XdpContext) -> u32 {
+    run(&ctx, |cfg, identity, p| {
+        core::hint::black_box((cfg.ruleset, identity, p.dport));
+        true
+    })
 }
 
 #[xdp]
