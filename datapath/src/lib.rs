@@ -853,3 +853,9 @@ impl Datapath {
         })
     }
 }
+
+// The agent keeps the datapath in an async task: it must be `Send`.
+const _: fn() = || {
+    fn send<T: Send>() {}
+    send::<Datapath>();
+};
