@@ -77,6 +77,40 @@ pub struct IdentityInfo {
     pub members: Vec<String>,
 }
 
+impl IdentityInfo {
+    /// What the identity stands for, as people read it in `trace` and `dump`:
+    /// `prod/app=api [prod/api]` (namespace / pod labels [up to three members]), `cidr 10.0.0.0/8`,
+    /// `world`.
+    pub fn label(&self) -> String {
+        match &self.kind {
+            IdentityKind::Pod => {
+                let ns = self
+                    .namespace_labels
+                    .get("kubernetes.io/metadata.name")
+                    .map(String::as_str)
+                    .unwrap_or("?");
+                let labels = if self.labels.is_empty() {
+                    "(no labels)".to_string()
+                } else {
+                    self.labels
+                        .iter()
+                        .map(|(k, v)| format!("{k}={v}"))
+                        .collect::<Vec<_>>()
+                        .join(",")
+                };
+                const SHOWN: usize = 3;
+                let mut members = self.members.iter().take(SHOWN).cloned().collect::<Vec<_>>();
+                if self.members.len() > SHOWN {
+                    members.push(format!("+{} more", self.members.len() - SHOWN));
+                }
+                format!("{ns}/{labels} [{}]", members.join(", "))
+            }
+            IdentityKind::Cidr(net) => format!("cidr {net}"),
+            IdentityKind::World => "world".to_string(),
+        }
+    }
+}
+
 /// A named container port of a pod: (name, protocol, number).
 pub type NamedPort = (String, Protocol, u16);
 

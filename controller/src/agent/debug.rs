@@ -274,36 +274,9 @@ fn trace(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, B
     Ok(serde_json::to_string_pretty(&t).expect("the trace serializes") + "\n")
 }
 
-/// The label of an identity, as `ordnet dump` shows it (mirrors `cli/render.rs`; the agent
-/// test compares the two outputs).
+/// The label of an identity, as `ordnet dump` shows it (`IdentityInfo::label`).
 pub fn identity_label(engine: &Engine, id: Identity) -> Option<String> {
-    let info = engine.identity_info(id)?;
-    Some(match info.kind {
-        IdentityKind::Pod => {
-            let ns = info
-                .namespace_labels
-                .get("kubernetes.io/metadata.name")
-                .map(String::as_str)
-                .unwrap_or("?");
-            let labels = if info.labels.is_empty() {
-                "(no labels)".to_string()
-            } else {
-                info.labels
-                    .iter()
-                    .map(|(k, v)| format!("{k}={v}"))
-                    .collect::<Vec<_>>()
-                    .join(",")
-            };
-            const SHOWN: usize = 3;
-            let mut members = info.members.iter().take(SHOWN).cloned().collect::<Vec<_>>();
-            if info.members.len() > SHOWN {
-                members.push(format!("+{} more", info.members.len() - SHOWN));
-            }
-            format!("{ns}/{labels} [{}]", members.join(", "))
-        }
-        IdentityKind::Cidr(net) => format!("cidr {net}"),
-        IdentityKind::World => "world".to_string(),
-    })
+    engine.identity_info(id).map(|info| info.label())
 }
 
 /// What the default is and why (as `ordnet dump` words it).

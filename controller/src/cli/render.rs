@@ -9,7 +9,7 @@ use std::process::ExitCode;
 
 use ordnet_crds::Source as ObjectSource;
 use ordnet_crds::{ClusterObjects, Loaded, ObjectRef};
-use ordnet_engine::{Engine, IdentityKind};
+use ordnet_engine::Engine;
 use ordnet_mapstate::{Identity, Origin, Protocol, Verdict};
 
 use super::{ProtocolArg, Source};
@@ -100,33 +100,7 @@ pub fn protocol(p: ProtocolArg) -> Protocol {
 
 /// What an identity stands for, e.g. `prod/app=api [prod/api]`, `cidr 10.0.0.0/8`, `world`.
 pub fn identity_label(engine: &Engine, id: Identity) -> Option<String> {
-    let info = engine.identity_info(id)?;
-    Some(match info.kind {
-        IdentityKind::Pod => {
-            let ns = info
-                .namespace_labels
-                .get("kubernetes.io/metadata.name")
-                .map(String::as_str)
-                .unwrap_or("?");
-            let labels = if info.labels.is_empty() {
-                "(no labels)".to_string()
-            } else {
-                info.labels
-                    .iter()
-                    .map(|(k, v)| format!("{k}={v}"))
-                    .collect::<Vec<_>>()
-                    .join(",")
-            };
-            const SHOWN: usize = 3;
-            let mut members = info.members.iter().take(SHOWN).cloned().collect::<Vec<_>>();
-            if info.members.len() > SHOWN {
-                members.push(format!("+{} more", info.members.len() - SHOWN));
-            }
-            format!("{ns}/{labels} [{}]", members.join(", "))
-        }
-        IdentityKind::Cidr(net) => format!("cidr {net}"),
-        IdentityKind::World => "world".to_string(),
-    })
+    engine.identity_info(id).map(|info| info.label())
 }
 
 /// `OrderedNetworkPolicy prod/artifacts-ports` (the policy an origin belongs to).
