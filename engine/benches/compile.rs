@@ -253,6 +253,24 @@ fn main() {
         engine.selector_count(),
         engine.shared_mapstates(),
     );
+    // The shadowed-rule report (cluster-wide, from the node engine; engine/src/shadow.rs).
+    let mut shadow_times = Vec::new();
+    let mut shadowed = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        shadowed = engine.shadowed_rules();
+        shadow_times.push(t.elapsed());
+    }
+    let ordered_rules: usize = engine
+        .policies()
+        .filter(|p| p.id.kind != ordnet_engine::PolicyKind::NetworkPolicy)
+        .map(|p| p.rules[0].len() + p.rules[1].len())
+        .sum();
+    println!(
+        "shadowed rules (whole cluster, from the node engine): {} of {ordered_rules} ordered rules; {}",
+        shadowed.len(),
+        stats(shadow_times)
+    );
     if std::env::var_os("ORDNET_BENCH_SKIP_FULL").is_none() {
         let t = Instant::now();
         let full = Engine::build(&objects);

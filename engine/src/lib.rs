@@ -10,6 +10,7 @@
 //! * [`Engine`]: identities, selector cache, per-endpoint MapStates (shared between endpoints with
 //!   equal inputs), the query API (`docs/contracts/engine-api.md`).
 //! * [`matrix()`]: the `ordnet matrix` computation.
+//! * [`shadow`]: [`Engine::shadowed_rules`], ordered rules that stronger rules always pre-empt.
 //!
 //! `docs/engine.md` explains the design.
 
@@ -18,6 +19,7 @@ pub mod identity;
 pub mod incremental;
 pub mod matrix;
 pub mod model;
+pub mod shadow;
 pub mod snapshot;
 
 pub use engine::{
@@ -30,4 +32,5 @@ pub use incremental::{
 };
 pub use matrix::{Matrix, MatrixResult, matrix};
 pub use model::{EngineError, PeerSpec, Policy, PolicyKind, PolicyRef, PortSpec, Rule, Subject};
+pub use shadow::ShadowedRule;
 pub use snapshot::{EndpointSnapshot, PolicySnapshot, SnapEntry, Snapshot};

@@ -32,7 +32,7 @@ type Labels = BTreeMap<String, String>;
 const NAME_LABEL: &str = "kubernetes.io/metadata.name";
 
 /// Direction seen from the endpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Dir {
     Ingress,
     Egress,
@@ -77,8 +77,30 @@ struct RefPort {
     end_port: Option<i32>,
 }
 
+/// Names one rule of one policy: kind, namespace (none for cluster policies), name, direction
+/// and the rule's position in its list.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RuleName {
+    pub kind: &'static str,
+    pub namespace: Option<String>,
+    pub name: String,
+    pub direction: Dir,
+    pub index: usize,
+}
+
+/// The rules of one side of a packet (see [`Reference::side_rules`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SideRules {
+    /// Every candidate rule that matches the packet.
+    pub matching: Vec<RuleName>,
+    /// The rules that decide it: the matching rules of the smallest order key, and of those
+    /// only the Deny rules if there is one.
+    pub deciding: Vec<RuleName>,
+}
+
 #[derive(Debug, Clone)]
 struct RefRule {
+    name: RuleName,
     key: (i64, u64),
     deny: bool,
     /// Empty = every peer.
@@ -230,10 +252,19 @@ impl Reference {
                     end_port: p.end_port,
                 })
             };
+            let np_name = np.metadata.name.clone().unwrap_or_default();
+            let rule_name = |direction: Dir, index: usize| RuleName {
+                kind: "NetworkPolicy",
+                namespace: Some(ns.clone()),
+                name: np_name.clone(),
+                direction,
+                index,
+            };
             let mut rules: [Vec<RefRule>; 2] = [Vec::new(), Vec::new()];
             if isolates[0] {
-                for r in &ingress {
+                for (i, r) in ingress.iter().enumerate() {
                     rules[0].push(RefRule {
+                        name: rule_name(Dir::Ingress, i),
                         key: (0, 0),
                         deny: false,
                         peers: r
@@ -252,8 +283,9 @@ impl Reference {
                 }
             }
             if isolates[1] {
-                for r in &egress {
+                for (i, r) in egress.iter().enumerate() {
                     rules[1].push(RefRule {
+                        name: rule_name(Dir::Egress, i),
                         key: (0, 0),
                         deny: false,
                         peers: r
@@ -280,6 +312,7 @@ impl Reference {
             });
         }
         type Ordered<'a> = (
+            (&'static str, String),
             Option<String>,
             Selector,
             Selector,
@@ -292,6 +325,10 @@ impl Reference {
         for p in &objects.ordered_policies {
             let s = &p.object.spec;
             ordered.push((
+                (
+                    "OrderedNetworkPolicy",
+                    p.object.metadata.name.clone().unwrap_or_default(),
+                ),
                 Some(
                     p.object
                         .metadata
@@ -310,6 +347,10 @@ impl Reference {
         for p in &objects.cluster_ordered_policies {
             let s = &p.object.spec;
             ordered.push((
+                (
+                    "ClusterOrderedNetworkPolicy",
+                    p.object.metadata.name.clone().unwrap_or_default(),
+                ),
                 None,
                 sel(Some(&s.namespace_selector))?.unwrap_or_default(),
                 sel(Some(&s.pod_selector))?.unwrap_or_default(),
@@ -319,7 +360,14 @@ impl Reference {
                 &s.egress,
             ));
         }
-        for (namespace, namespaces, pods, priority, dd, ingress, egress) in ordered {
+        for ((kind, name), namespace, namespaces, pods, priority, dd, ingress, egress) in ordered {
+            let rule_name = |direction: Dir, index: usize| RuleName {
+                kind,
+                namespace: namespace.clone(),
+                name: name.clone(),
+                direction,
+                index,
+            };
             let peer = |p: &ordnet_crds::Peer| -> Result<RefPeer, String> {
                 match &p.ip_block {
                     Some(b) => Ok(RefPeer::Block {
@@ -342,6 +390,7 @@ impl Reference {
             let mut rules: [Vec<RefRule>; 2] = [Vec::new(), Vec::new()];
             for (i, r) in ingress.iter().enumerate() {
                 rules[0].push(RefRule {
+                    name: rule_name(Dir::Ingress, i),
                     key: (i64::from(priority), i as u64),
                     deny: deny(r.action),
                     peers: r.from.iter().map(peer).collect::<Result<_, _>>()?,
@@ -350,6 +399,7 @@ impl Reference {
             }
             for (i, r) in egress.iter().enumerate() {
                 rules[1].push(RefRule {
+                    name: rule_name(Dir::Egress, i),
                     key: (i64::from(priority), i as u64),
                     deny: deny(r.action),
                     peers: r.to.iter().map(peer).collect::<Result<_, _>>()?,
@@ -436,18 +486,9 @@ impl Reference {
         proto: u8,
         port: u16,
     ) -> bool {
-        let e = &self.pods[ep];
-        let e_ns = self.labels_of_ns(&e.namespace);
         let mut isolated = false;
         let mut best: Option<((i64, u64), bool)> = None;
-        for p in &self.policies {
-            let selects = match &p.namespace {
-                Some(ns) => *ns == e.namespace && p.pods.matches(&e.labels),
-                None => p.namespaces.matches(&e_ns) && p.pods.matches(&e.labels),
-            };
-            if !selects {
-                continue;
-            }
+        for p in self.policies.iter().filter(|p| self.selects(p, ep)) {
             isolated |= p.isolates[idx(d)];
             for r in &p.rules[idx(d)] {
                 if !self.rule_matches(r, ep, d, peer_ip, peer_pod, proto, port) {
@@ -468,6 +509,64 @@ impl Reference {
             Some((_, deny)) => !deny,
             None => !isolated,
         }
+    }
+
+    /// Whether policy `p` selects endpoint `ep`.
+    fn selects(&self, p: &RefPolicy, ep: usize) -> bool {
+        let e = &self.pods[ep];
+        match &p.namespace {
+            Some(ns) => *ns == e.namespace && p.pods.matches(&e.labels),
+            None => {
+                p.namespaces.matches(&self.labels_of_ns(&e.namespace)) && p.pods.matches(&e.labels)
+            }
+        }
+    }
+
+    /// The endpoints: `(namespace, name)` of every pod with an address.
+    pub fn endpoints(&self) -> Vec<(String, String)> {
+        self.pods
+            .iter()
+            .filter(|p| !p.ips.is_empty())
+            .map(|p| (p.namespace.clone(), p.name.clone()))
+            .collect()
+    }
+
+    /// Which rules match and which decide one side of a packet: endpoint `namespace/name`,
+    /// direction `d`, the other end `peer_ip`. `None` if the endpoint is not a pod with an
+    /// address.
+    pub fn side_rules(
+        &self,
+        namespace: &str,
+        name: &str,
+        d: Dir,
+        peer_ip: IpAddr,
+        proto: u8,
+        port: u16,
+    ) -> Option<SideRules> {
+        let ep = self.pod_by_name(namespace, name)?;
+        let peer_pod = self.pod_by_ip(peer_ip);
+        let mut matching: Vec<&RefRule> = Vec::new();
+        for p in self.policies.iter().filter(|p| self.selects(p, ep)) {
+            for r in &p.rules[idx(d)] {
+                if self.rule_matches(r, ep, d, peer_ip, peer_pod, proto, port) {
+                    matching.push(r);
+                }
+            }
+        }
+        let mut out = SideRules {
+            matching: matching.iter().map(|r| r.name.clone()).collect(),
+            deciding: Vec::new(),
+        };
+        if let Some(best) = matching.iter().map(|r| r.key).min() {
+            let first: Vec<&&RefRule> = matching.iter().filter(|r| r.key == best).collect();
+            let any_deny = first.iter().any(|r| r.deny);
+            out.deciding = first
+                .iter()
+                .filter(|r| r.deny || !any_deny)
+                .map(|r| r.name.clone())
+                .collect();
+        }
+        Some(out)
     }
 
     #[allow(clippy::too_many_arguments)]

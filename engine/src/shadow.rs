@@ -1,0 +1,545 @@
+//! Shadowed rules: ordered rules that can never decide a packet because stronger rules take
+//! every packet they match, for every endpoint their policy selects.
+//!
+//! # Definition (from SEMANTICS.md §2)
+//!
+//! For an endpoint E and direction D, the candidate rules are the rules of D of every policy
+//! whose subject selects E. A packet is (peer address, IP protocol, port). Each rule has the
+//! rank `(order key, action)` with `Deny` before `Allow`: the rule(s) with the smallest rank
+//! among the matching candidates decide the packet (§2 steps 1–2: the smallest order key, and at
+//! that key a `Deny` wins, so an `Allow` at the same key as a matching `Deny` decides nothing,
+//! while two `Deny`s — or two `Allow`s — at one key both decide it).
+//!
+//! Rule r of an `OrderedNetworkPolicy` or `ClusterOrderedNetworkPolicy` P is **shadowed** when
+//!
+//! 1. for every endpoint E that P's subject selects, and every packet that r matches at E, some
+//!    candidate rule of E with a strictly smaller rank matches that packet too (so r decides no
+//!    packet anywhere), and
+//! 2. r matches at least one packet at some selected endpoint.
+//!
+//! Its **shadowing rules** are the rules that decide some packet r matches at some selected
+//! endpoint (those that actually take r's traffic, not every stronger rule that overlaps it).
+//!
+//! Condition 2 leaves out rules that match nothing at all: a policy that selects no endpoint,
+//! a rule whose peers select nothing, or an ingress named port that no selected pod serves.
+//! Those rules decide nothing either, but not *because of* stronger rules; they are not
+//! reported (a separate "selects nothing" report is out of scope). The isolation default is not
+//! a rule: it never shadows anything. `NetworkPolicy` rules (rank `((0, 0), Allow)`) can
+//! shadow ordered rules, but are never reported themselves (they have no status).
+//!
+//! The analysis is of the current cluster: a rule shadowed now can decide packets after a pod
+//! or namespace appears or is relabelled (the status writer recomputes it after every change).
+//!
+//! # How (exact at the level of identities, never a false positive)
+//!
+//! * **Packets** are taken at the level of identities: a peer address has exactly one identity
+//!   (its pod's, its longest CIDR prefix in use, or `world`) and every selector sees only the
+//!   identity, so the matching of every rule at E is a function of (identity, protocol, port).
+//!   The analysis quantifies over every identity the engine has (cluster-wide, pods of every
+//!   node), every protocol 0–255 and every port 0–65535: a superset of the real packets. A rule
+//!   found to decide nothing over that superset decides no real packet, so a report is never
+//!   false. (In rare cases the superset is larger than reality — a CIDR identity whose whole
+//!   prefix is taken by pod addresses or longer prefixes, protocols without ports, port 0 — and
+//!   a rule is then conservatively not reported.)
+//! * **Endpoint classes.** What the rules match at E depends only on the set of policies that
+//!   select E and, for ingress named ports, on what the names resolve to on E (the engine's
+//!   share key). The analysis enumerates the distinct classes of every pod with an identity
+//!   across the cluster (not only this node's endpoints: the policies, pods and identities the
+//!   engine holds are cluster-wide even when MapStates are built for one node), and checks each
+//!   class once. Within a class only the policies with a priority ≤ r's can hold stronger rules,
+//!   so results are memoized per (rule, those policies, resolved ingress named ports).
+//! * **Coverage.** Each rule at a class is a union of rectangles `identities × [lo, hi]` over the
+//!   linear protocol/port space `protocol << 16 | port` (a named egress port gives one rectangle
+//!   per number it resolves to, with the peer identities that resolve to it). For each rectangle
+//!   of r the port span is cut at every boundary of the stronger rectangles; on each piece the
+//!   stronger rules are scanned in rank order with a bitset of the identities already taken by
+//!   stronger ranks: a stronger rule that adds identities decides something of r (it is a
+//!   shadowing rule); identities of r left over mean r decides a packet (r is not shadowed, and
+//!   it is not examined in any other class).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use ordnet_mapstate::{Direction, Identity, OrderKey, Origin, Protocol, Verdict};
+use serde::Serialize;
+
+use crate::engine::Engine;
+use crate::identity::resolve_named;
+use crate::model::{PeerSpec, Policy, PolicyKind, PolicyRef, PortSpec, Rule, dir_index};
+
+/// One shadowed rule of an ordered policy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ShadowedRule {
+    /// The policy (an `OrderedNetworkPolicy` or `ClusterOrderedNetworkPolicy`).
+    pub policy: PolicyRef,
+    pub direction: Direction,
+    /// The rule's index in `spec.ingress` / `spec.egress`.
+    pub index: u32,
+    /// The rules that decide the packets this rule matches, strongest first (then by origin).
+    /// Never empty.
+    pub shadowed_by: Vec<Arc<Origin>>,
+}
+
+/// The last point of the linear protocol/port space (`protocol << 16 | port`).
+const L4_LAST: u32 = (1 << 24) - 1;
+
+/// A set of identities, as a bitset over the engine's identities in ascending order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Bits(Vec<u64>);
+
+impl Bits {
+    fn empty(n: usize) -> Bits {
+        Bits(vec![0; n.div_ceil(64)])
+    }
+
+    fn set(&mut self, i: usize) {
+        self.0[i / 64] |= 1 << (i % 64);
+    }
+
+    fn clear(&mut self) {
+        self.0.iter_mut().for_each(|w| *w = 0);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.iter().all(|w| *w == 0)
+    }
+
+    fn intersects(&self, o: &Bits) -> bool {
+        self.0.iter().zip(&o.0).any(|(a, b)| a & b != 0)
+    }
+
+    /// Whether `self ∩ mask` has an element outside `other`.
+    fn masked_not_in(&self, mask: &Bits, other: &Bits) -> bool {
+        self.0
+            .iter()
+            .zip(&mask.0)
+            .zip(&other.0)
+            .any(|((a, m), o)| a & m & !o != 0)
+    }
+
+    /// `self |= other ∩ mask`.
+    fn or_masked(&mut self, other: &Bits, mask: &Bits) {
+        for ((a, b), m) in self.0.iter_mut().zip(&other.0).zip(&mask.0) {
+            *a |= b & m;
+        }
+    }
+
+    fn or(&mut self, other: &Bits) {
+        for (a, b) in self.0.iter_mut().zip(&other.0) {
+            *a |= b;
+        }
+    }
+}
+
+/// The packets one rule matches at one endpoint class: identities × a protocol/port span.
+#[derive(Debug, Clone)]
+struct Rect {
+    lo: u32,
+    hi: u32,
+    ids: Arc<Bits>,
+}
+
+/// A rule: (policy number, direction index, position in the policy's rules of that direction).
+type RuleId = (usize, usize, usize);
+
+/// The rank of a rule: smaller decides first; equal ranks decide together.
+type Rank = (OrderKey, Verdict);
+
+fn rank(r: &Rule) -> Rank {
+    (r.order, r.verdict)
+}
+
+/// The pod identities of a peer per number a named port resolves to on them.
+type NamedGroups = Arc<Vec<(u16, Arc<Bits>)>>;
+
+/// Resolved ingress named ports of an endpoint class.
+type OwnPorts = Vec<((String, Protocol), Vec<u16>)>;
+
+/// What one rule does at one endpoint class.
+#[derive(Debug, Clone)]
+enum Outcome {
+    /// It matches no packet there.
+    Nothing,
+    /// It decides some packet there.
+    Decides,
+    /// Everything it matches there is taken by stronger rules: these.
+    Covered(BTreeSet<RuleId>),
+}
+
+/// What is known about one ordered rule so far.
+enum Status {
+    Decides,
+    Covered(BTreeSet<RuleId>),
+}
+
+struct Analysis<'a> {
+    engine: &'a Engine,
+    policies: Vec<&'a Arc<Policy>>,
+    /// Identity -> bit.
+    bit: HashMap<Identity, usize>,
+    n: usize,
+    all: Arc<Bits>,
+    selectors: HashMap<Arc<PeerSpec>, Arc<Bits>>,
+    named: HashMap<(Arc<PeerSpec>, String, Protocol), NamedGroups>,
+    /// Rectangles of rules that do not depend on the class (no ingress named port).
+    rects: HashMap<RuleId, Arc<Vec<Rect>>>,
+}
+
+fn span(proto: Protocol, first: u16, last: u16) -> (u32, u32) {
+    let base = u32::from(proto.number()) << 16;
+    (base | u32::from(first), base | u32::from(last))
+}
+
+impl<'a> Analysis<'a> {
+    fn new(engine: &'a Engine) -> Analysis<'a> {
+        let bit: HashMap<Identity, usize> = engine
+            .identities()
+            .enumerate()
+            .map(|(i, info)| (info.id, i))
+            .collect();
+        let n = bit.len();
+        let mut all = Bits::empty(n);
+        (0..n).for_each(|i| all.set(i));
+        Analysis {
+            engine,
+            policies: engine.policies.values().collect(),
+            bit,
+            n,
+            all: Arc::new(all),
+            selectors: HashMap::new(),
+            named: HashMap::new(),
+            rects: HashMap::new(),
+        }
+    }
+
+    fn bits<'i>(&self, ids: impl IntoIterator<Item = &'i Identity>) -> Bits {
+        let mut b = Bits::empty(self.n);
+        for id in ids {
+            if let Some(&i) = self.bit.get(id) {
+                b.set(i);
+            }
+        }
+        b
+    }
+
+    /// The identities a peer selects.
+    fn selector(&mut self, spec: &Arc<PeerSpec>) -> Arc<Bits> {
+        if let Some(b) = self.selectors.get(spec) {
+            return b.clone();
+        }
+        let b = Arc::new(match self.engine.selector_identities(spec) {
+            Some(ids) => self.bits(ids),
+            None => self.bits(&self.engine.evaluate_selector(spec)),
+        });
+        self.selectors.insert(spec.clone(), b.clone());
+        b
+    }
+
+    /// The pod identities of a peer grouped by the number `(name, proto)` resolves to on them.
+    fn named_groups(&mut self, spec: &Arc<PeerSpec>, name: &str, proto: Protocol) -> NamedGroups {
+        let key = (spec.clone(), name.to_string(), proto);
+        if let Some(g) = self.named.get(&key) {
+            return g.clone();
+        }
+        let ids: Vec<Identity> = match self.engine.selector_identities(spec) {
+            Some(ids) => ids.iter().copied().collect(),
+            None => self.engine.evaluate_selector(spec).into_iter().collect(),
+        };
+        let groups: Vec<(u16, Arc<Bits>)> = self
+            .engine
+            .group_by_port(ids, name, proto)
+            .into_iter()
+            .map(|(n, set)| (n, Arc::new(self.bits(&set))))
+            .collect();
+        let groups = Arc::new(groups);
+        self.named.insert(key, groups.clone());
+        groups
+    }
+
+    /// The rectangles of rule `id` at a class with resolved ingress named ports `own`.
+    fn rule_rects(&mut self, id: RuleId, own: &OwnPorts) -> Arc<Vec<Rect>> {
+        if let Some(r) = self.rects.get(&id) {
+            return r.clone();
+        }
+        let policy = self.policies[id.0];
+        let rule = &policy.rules[id.1][id.2];
+        let dir = if id.1 == 0 {
+            Direction::Ingress
+        } else {
+            Direction::Egress
+        };
+        let mut out = Vec::new();
+        let peers: Vec<Option<&Arc<PeerSpec>>> = match &rule.peers {
+            None => vec![None],
+            Some(v) => v.iter().map(Some).collect(),
+        };
+        let ports: Vec<Option<&PortSpec>> = match &rule.ports {
+            None => vec![None],
+            Some(v) => v.iter().map(Some).collect(),
+        };
+        let mut class_dependent = false;
+        for peer in &peers {
+            let ids = match peer {
+                None => self.all.clone(),
+                Some(p) => self.selector(p),
+            };
+            for port in &ports {
+                match port {
+                    None => out.push(Rect {
+                        lo: 0,
+                        hi: L4_LAST,
+                        ids: ids.clone(),
+                    }),
+                    Some(PortSpec::Proto(p)) => {
+                        let (lo, hi) = span(*p, 0, u16::MAX);
+                        out.push(Rect {
+                            lo,
+                            hi,
+                            ids: ids.clone(),
+                        });
+                    }
+                    Some(PortSpec::Range { proto, first, last }) => {
+                        let (lo, hi) = span(*proto, *first, *last);
+                        out.push(Rect {
+                            lo,
+                            hi,
+                            ids: ids.clone(),
+                        });
+                    }
+                    Some(PortSpec::Named { proto, name }) => match dir {
+                        Direction::Ingress => {
+                            class_dependent = true;
+                            let nums = own
+                                .iter()
+                                .find(|((n, p), _)| n == name && p == proto)
+                                .map(|(_, v)| v.as_slice())
+                                .unwrap_or_default();
+                            for n in nums {
+                                let (lo, hi) = span(*proto, *n, *n);
+                                out.push(Rect {
+                                    lo,
+                                    hi,
+                                    ids: ids.clone(),
+                                });
+                            }
+                        }
+                        Direction::Egress => {
+                            let spec = match peer {
+                                Some(p) => (*p).clone(),
+                                None => Arc::new(PeerSpec::all_pods()),
+                            };
+                            for (n, group) in self.named_groups(&spec, name, *proto).iter() {
+                                let (lo, hi) = span(*proto, *n, *n);
+                                out.push(Rect {
+                                    lo,
+                                    hi,
+                                    ids: group.clone(),
+                                });
+                            }
+                        }
+                    },
+                }
+            }
+        }
+        out.retain(|r| !r.ids.is_empty());
+        let out = Arc::new(out);
+        if !class_dependent {
+            self.rects.insert(id, out.clone());
+        }
+        out
+    }
+
+    /// What rule `r` does at a class whose candidate rules of its direction are `stronger`
+    /// (every candidate with a smaller rank, sorted by rank).
+    fn outcome(&mut self, r: RuleId, stronger: &[(Rank, RuleId)], own: &OwnPorts) -> Outcome {
+        let mine = self.rule_rects(r, own);
+        if mine.is_empty() {
+            return Outcome::Nothing;
+        }
+        let theirs: Vec<(Rank, RuleId, Arc<Vec<Rect>>)> = stronger
+            .iter()
+            .map(|(rk, id)| (*rk, *id, self.rule_rects(*id, own)))
+            .collect();
+        let mut by = BTreeSet::new();
+        let mut covered = Bits::empty(self.n);
+        let mut group = Bits::empty(self.n);
+        for m in mine.iter() {
+            // The stronger rectangles that overlap this one, in rank order.
+            let overlapping: Vec<(Rank, RuleId, &Rect)> = theirs
+                .iter()
+                .flat_map(|(rk, id, rects)| rects.iter().map(move |x| (*rk, *id, x)))
+                .filter(|(_, _, x)| x.lo <= m.hi && x.hi >= m.lo && x.ids.intersects(&m.ids))
+                .collect();
+            let mut cuts: Vec<u32> = vec![m.lo, m.hi.saturating_add(1)];
+            for (_, _, x) in &overlapping {
+                cuts.push(x.lo.max(m.lo));
+                cuts.push(x.hi.min(m.hi).saturating_add(1));
+            }
+            cuts.sort_unstable();
+            cuts.dedup();
+            for w in cuts.windows(2) {
+                let (lo, hi) = (w[0], w[1] - 1);
+                covered.clear();
+                group.clear();
+                let mut current: Option<Rank> = None;
+                for (rk, id, x) in &overlapping {
+                    if x.lo > lo || x.hi < hi {
+                        continue;
+                    }
+                    if current != Some(*rk) {
+                        covered.or(&group);
+                        group.clear();
+                        current = Some(*rk);
+                    }
+                    if x.ids.masked_not_in(&m.ids, &covered) {
+                        by.insert(*id);
+                    }
+                    group.or_masked(&x.ids, &m.ids);
+                }
+                covered.or(&group);
+                if m.ids.masked_not_in(&self.all, &covered) {
+                    return Outcome::Decides;
+                }
+            }
+        }
+        Outcome::Covered(by)
+    }
+}
+
+impl Engine {
+    /// Every shadowed rule of every `OrderedNetworkPolicy` and `ClusterOrderedNetworkPolicy`
+    /// (see the [module documentation](crate::shadow) for the exact definition), sorted by
+    /// policy, direction and index. Works on a node-scoped engine too: it uses only what the
+    /// engine knows cluster-wide (policies, pods, identities, selectors), never MapStates.
+    pub fn shadowed_rules(&self) -> Vec<ShadowedRule> {
+        let mut a = Analysis::new(self);
+        let index: HashMap<&PolicyRef, usize> = a
+            .policies
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (&p.id, i))
+            .collect();
+        // The distinct endpoint classes per direction: selecting policies (by number) and, for
+        // ingress, what their ingress named ports resolve to on the endpoint.
+        let mut classes: [BTreeSet<(Vec<usize>, OwnPorts)>; 2] = Default::default();
+        for (k, rec) in &self.pods {
+            if !rec.addressed() || rec.ids.is_empty() {
+                continue;
+            }
+            let selecting: Vec<usize> = self
+                .selecting_policies(k)
+                .iter()
+                .filter_map(|id| index.get(id).copied())
+                .collect();
+            if !selecting
+                .iter()
+                .any(|&i| a.policies[i].id.kind != PolicyKind::NetworkPolicy)
+            {
+                continue;
+            }
+            let mut names: Vec<(String, Protocol)> = selecting
+                .iter()
+                .flat_map(|&i| a.policies[i].named_ports(Direction::Ingress))
+                .collect();
+            names.sort();
+            names.dedup();
+            let own: OwnPorts = names
+                .into_iter()
+                .map(|(n, p)| {
+                    let r = resolve_named(&rec.ports, &n, p);
+                    ((n, p), r)
+                })
+                .collect();
+            classes[0].insert((selecting.clone(), own));
+            classes[1].insert((selecting, Vec::new()));
+        }
+        let mut status: BTreeMap<RuleId, Status> = BTreeMap::new();
+        type MemoKey = (RuleId, Vec<usize>, OwnPorts);
+        let mut memo: HashMap<MemoKey, Outcome> = HashMap::new();
+        for (di, set) in classes.iter().enumerate() {
+            for (selecting, own) in set {
+                let mut rules: Vec<(Rank, RuleId)> = selecting
+                    .iter()
+                    .flat_map(|&pi| {
+                        a.policies[pi].rules[di]
+                            .iter()
+                            .enumerate()
+                            .map(move |(ri, rule)| (rank(rule), (pi, di, ri)))
+                    })
+                    .collect();
+                rules.sort();
+                for (pos, &(rk, id)) in rules.iter().enumerate() {
+                    let policy = a.policies[id.0];
+                    if policy.id.kind == PolicyKind::NetworkPolicy
+                        || matches!(status.get(&id), Some(Status::Decides))
+                    {
+                        continue;
+                    }
+                    let stronger_end = rules[..pos].partition_point(|(x, _)| *x < rk);
+                    let stronger = &rules[..stronger_end];
+                    let key: MemoKey = (
+                        id,
+                        selecting
+                            .iter()
+                            .copied()
+                            .filter(|&pi| a.policies[pi].priority <= policy.priority)
+                            .collect(),
+                        own.clone(),
+                    );
+                    let outcome = match memo.get(&key) {
+                        Some(o) => o.clone(),
+                        None => {
+                            let o = a.outcome(id, stronger, own);
+                            memo.insert(key, o.clone());
+                            o
+                        }
+                    };
+                    match outcome {
+                        Outcome::Nothing => {}
+                        Outcome::Decides => {
+                            status.insert(id, Status::Decides);
+                        }
+                        Outcome::Covered(by) => match status
+                            .entry(id)
+                            .or_insert_with(|| Status::Covered(BTreeSet::new()))
+                        {
+                            Status::Covered(all) => all.extend(by),
+                            Status::Decides => {}
+                        },
+                    }
+                }
+            }
+        }
+        let mut out: Vec<ShadowedRule> = status
+            .into_iter()
+            .filter_map(|(id, s)| match s {
+                Status::Covered(by) => Some((id, by)),
+                Status::Decides => None,
+            })
+            .map(|(id, by)| {
+                let policy = a.policies[id.0];
+                let rule = &policy.rules[id.1][id.2];
+                let mut shadowed_by: Vec<&Rule> = by
+                    .iter()
+                    .map(|b| &a.policies[b.0].rules[b.1][b.2])
+                    .collect();
+                shadowed_by.sort_by(|x, y| (rank(x), &x.origin).cmp(&(rank(y), &y.origin)));
+                ShadowedRule {
+                    policy: policy.id.clone(),
+                    direction: rule.origin.direction,
+                    index: rule.origin.rule_index,
+                    shadowed_by: shadowed_by.iter().map(|r| r.origin.clone()).collect(),
+                }
+            })
+            .collect();
+        out.sort_by(|x, y| {
+            (&x.policy, dir_index(x.direction), x.index).cmp(&(
+                &y.policy,
+                dir_index(y.direction),
+                y.index,
+            ))
+        });
+        out
+    }
+}
