@@ -60,8 +60,8 @@ fn floor_entries(entries: &[PolicyEntry]) -> HashMap<Key, StateEntry> {
                     StateEntry {
                         verdict: e.verdict,
                         order: e.order,
-                        entries: vec![e.id],
-                        origins: vec![e.origin.clone()],
+                        entries: vec![e.id].into(),
+                        origins: vec![e.origin.clone()].into(),
                         synthesized: false,
                     },
                 );

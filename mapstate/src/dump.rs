@@ -1034,7 +1034,7 @@ impl<'a> Dump<'a> {
                     match n.entry {
                         Some(e) => {
                             let _ = write!(label, "\n{} {}", e.verdict, order_text(&e.order));
-                            for o in &e.origins {
+                            for o in e.origins.iter() {
                                 let _ = write!(label, "\n{}", origin_text(o));
                             }
                             let colour = match e.verdict {

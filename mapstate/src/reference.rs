@@ -127,8 +127,8 @@ pub fn state(entries: &[PolicyEntry]) -> (Vec<(Key, StateEntry)>, Vec<Covered>) 
                 StateEntry {
                     verdict,
                     order,
-                    entries: ids,
-                    origins,
+                    entries: ids.into(),
+                    origins: origins.into(),
                     synthesized: peer != Peer::Any && !own,
                 },
             ));

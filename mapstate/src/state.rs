@@ -24,14 +24,18 @@ pub struct Key {
 
 /// A value of the MapState: what the datapath needs (the verdict) plus what a person debugging
 /// needs (order key, origins, flags).
+///
+/// The two lists are shared slices (`Arc<[_]>`; build one from a `Vec` with `.into()`): values
+/// are cloned into every ChangeSet, diff and synthesized copy, and a clone is then two
+/// reference-count increments instead of two allocations.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct StateEntry {
     pub verdict: Verdict,
     pub order: OrderKey,
     /// The policy entries merged into this key (equal order key and verdict), sorted.
-    pub entries: Vec<EntryId>,
+    pub entries: Arc<[EntryId]>,
     /// Their origins, sorted and de-duplicated.
-    pub origins: Vec<Arc<Origin>>,
+    pub origins: Arc<[Arc<Origin>]>,
     /// A covering entry: a wildcard (`*`) entry copied under a specific identity because it is
     /// stronger than a broader specific entry of that identity.
     pub synthesized: bool,
@@ -838,7 +842,7 @@ impl MapState {
                                 .map(|c| c.entry)
                                 .collect();
                             if let Some(w) = wild.filter(|w| (w.order, w.verdict) == best) {
-                                ids.extend(&w.entries);
+                                ids.extend(w.entries.iter());
                                 ids.sort_unstable();
                                 ids.dedup();
                             }
@@ -1038,8 +1042,8 @@ impl MapState {
         StateEntry {
             verdict,
             order,
-            entries,
-            origins,
+            entries: entries.into(),
+            origins: origins.into(),
             synthesized: false,
         }
     }

@@ -144,8 +144,8 @@ mod tests {
         StateEntry {
             verdict,
             order: OrderKey::new(priority, 0),
-            entries: Vec::new(),
-            origins: Vec::new(),
+            entries: Vec::new().into(),
+            origins: Vec::new().into(),
             synthesized: false,
         }
     }
