@@ -833,3 +833,166 @@ async fn the_binary_runs_from_a_kubeconfig_and_exits_0_on_sigterm() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Waits until `check` holds for the stored policy; panics with the object otherwise.
+async fn policy_status(
+    api: &FakeApi,
+    kind: &str,
+    ns: &str,
+    name: &str,
+    what: &str,
+    check: impl Fn(&Value) -> bool,
+) {
+    let found = agent::wait_until(LIMIT, || {
+        api.get("ordnet.io/v1alpha1", kind, ns, name)
+            .is_some_and(|o| check(&o))
+    })
+    .await;
+    assert!(
+        found,
+        "{kind} {ns}/{name}: {what}: {:#?}",
+        api.get("ordnet.io/v1alpha1", kind, ns, name)
+    );
+}
+
+/// The condition of type `type_` at `generation`: (status, reason, message).
+fn condition(o: &Value, type_: &str, generation: i64) -> Option<(String, String, String)> {
+    if o["status"]["observedGeneration"] != generation {
+        return None;
+    }
+    o["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_ && c["observedGeneration"] == generation)
+        .map(|c| {
+            (
+                c["status"].as_str().unwrap_or("").to_string(),
+                c["reason"].as_str().unwrap_or("").to_string(),
+                c["message"].as_str().unwrap_or("").to_string(),
+            )
+        })
+}
+
+fn shadowed_rules(o: &Value) -> Vec<Value> {
+    o["status"]["shadowedRules"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadowed_rules_are_reported_in_status_and_events() {
+    let api = FakeApi::start().await.unwrap();
+    load_dir(&api, &repo().join("examples/qa-prod"));
+    let h = start_agent(&api).await;
+    assert!(agent::wait_until(LIMIT, || h.state.is_status_writer()).await);
+    let conp = "ClusterOrderedNetworkPolicy";
+    let onp = "OrderedNetworkPolicy";
+    let guard = "qa-must-not-reach-prod";
+    // Nothing in the example is shadowed.
+    policy_status(&api, conp, "", guard, "not shadowed", |o| {
+        condition(o, "Accepted", 1).is_some_and(|c| c.0 == "True")
+            && condition(o, "RulesShadowed", 1)
+                .is_some_and(|c| c.0 == "False" && c.1 == "NotShadowed")
+            && shadowed_rules(o).is_empty()
+    })
+    .await;
+
+    // prod admits qa on port 80 at priority 50: the guardrail (-10) denies every qa source for
+    // every prod pod first, so the rule can never decide a packet.
+    api.create(json!({"apiVersion": "ordnet.io/v1alpha1", "kind": onp,
+        "metadata": {"namespace": "prod", "name": "qa-web"},
+        "spec": {"priority": 50, "podSelector": {}, "ingress": [
+            {"action": "Deny", "from": [{"ipBlock": {"cidr": "192.0.2.0/24"}}]},
+            {"action": "Allow", "from": [{"namespaceSelector": {"matchLabels": {"env": "qa"}}}],
+             "ports": [{"port": 80}]}]}}))
+        .unwrap();
+    let expected = json!([{
+        "direction": "Ingress",
+        "index": 1,
+        "shadowedBy": [{"kind": conp, "name": guard, "index": 0, "priority": -10,
+                        "action": "Deny"}],
+    }]);
+    let shadowed_at = |generation: i64| {
+        let expected = expected.clone();
+        move |o: &Value| {
+            let mut rules = shadowed_rules(o);
+            for r in &mut rules {
+                if let Some(m) = r.as_object_mut() {
+                    m.remove("message");
+                }
+            }
+            condition(o, "Accepted", generation).is_some_and(|c| c.0 == "True")
+                && condition(o, "RulesShadowed", generation).is_some_and(|c| {
+                    c.0 == "True"
+                        && c.1 == "Shadowed"
+                        && c.2.contains("spec.ingress[1] is shadowed by")
+                        && c.2.contains(guard)
+                })
+                && Value::Array(rules) == expected
+                && shadowed_rules(o)[0]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("never decides a packet"))
+        }
+    };
+    policy_status(&api, onp, "prod", "qa-web", "shadowed", shadowed_at(1)).await;
+    assert!(
+        agent::wait_until(LIMIT, || api.events().iter().any(|e| e["reason"]
+            == "RuleShadowed"
+            && e["type"] == "Warning"
+            && e["regarding"]["name"] == "qa-web"
+            && e["note"]
+                .as_str()
+                .is_some_and(|n| n.contains("spec.ingress[1]") && n.contains(guard))))
+        .await,
+        "{:#?}",
+        api.events()
+    );
+
+    // Edit the shadowing rule (the guardrail now only covers the database port): the report
+    // goes away although qa-web itself did not change.
+    let mut g = get(&api, "ordnet.io/v1alpha1", conp, "", guard);
+    g["spec"]["ingress"][0]["ports"] = json!([{"port": 5432}]);
+    api.update(g).unwrap();
+    policy_status(&api, onp, "prod", "qa-web", "no longer shadowed", |o| {
+        condition(o, "RulesShadowed", 1).is_some_and(|c| c.0 == "False" && c.1 == "NotShadowed")
+            && shadowed_rules(o).is_empty()
+    })
+    .await;
+
+    // Edit qa-web into the guardrail's port (generation 2): shadowed again; then delete the
+    // guardrail: not shadowed at generation 2.
+    let mut q = get(&api, "ordnet.io/v1alpha1", onp, "prod", "qa-web");
+    q["spec"]["ingress"][1]["ports"] = json!([{"port": 5432}]);
+    api.update(q).unwrap();
+    policy_status(&api, onp, "prod", "qa-web", "shadowed at 2", shadowed_at(2)).await;
+    api.delete("ordnet.io/v1alpha1", conp, "", guard).unwrap();
+    policy_status(&api, onp, "prod", "qa-web", "not shadowed at 2", |o| {
+        condition(o, "RulesShadowed", 2).is_some_and(|c| c.0 == "False")
+            && shadowed_rules(o).is_empty()
+    })
+    .await;
+
+    // An invalid policy gets its error condition, naming the field, and no shadow report.
+    api.create(json!({"apiVersion": "ordnet.io/v1alpha1", "kind": onp,
+        "metadata": {"namespace": "prod", "name": "broken"},
+        "spec": {"priority": 5, "podSelector": {}, "ingress": [{"action": "Allow",
+            "ports": [{"port": 90, "endPort": 80}]}]}}))
+        .unwrap();
+    policy_status(&api, onp, "prod", "broken", "invalid", |o| {
+        condition(o, "Accepted", 1)
+            .is_some_and(|c| c.0 == "False" && c.1 == "Invalid" && c.2.contains("endPort"))
+            && condition(o, "RulesShadowed", 1).is_none()
+            && shadowed_rules(o).is_empty()
+    })
+    .await;
+    // Fixing it makes it valid, with a shadow condition.
+    let mut b = get(&api, "ordnet.io/v1alpha1", onp, "prod", "broken");
+    b["spec"]["ingress"][0]["ports"] = json!([{"port": 80, "endPort": 90}]);
+    api.update(b).unwrap();
+    policy_status(&api, onp, "prod", "broken", "fixed", |o| {
+        condition(o, "Accepted", 2).is_some_and(|c| c.0 == "True")
+            && condition(o, "RulesShadowed", 2).is_some_and(|c| c.0 == "False")
+    })
+    .await;
+}

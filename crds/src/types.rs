@@ -35,6 +35,16 @@ pub const REASON_VALID: &str = "Valid";
 /// Reason of an `Accepted=False` condition: the object failed validation; the message lists the
 /// problems (field path and message each).
 pub const REASON_INVALID: &str = "Invalid";
+/// The type of the status condition that says whether some rules of the policy are shadowed:
+/// `True` (reason [`REASON_SHADOWED`], listed in `status.shadowedRules`) or `False` (reason
+/// [`REASON_NOT_SHADOWED`]). Only on valid policies.
+pub const CONDITION_RULES_SHADOWED: &str = "RulesShadowed";
+/// Reason of a `RulesShadowed=True` condition: stronger rules take all the traffic of some rules.
+pub const REASON_SHADOWED: &str = "Shadowed";
+/// Reason of a `RulesShadowed=False` condition.
+pub const REASON_NOT_SHADOWED: &str = "NotShadowed";
+/// Reason of the Warning Event the status writer publishes on a policy with shadowed rules.
+pub const EVENT_RULE_SHADOWED: &str = "RuleShadowed";
 
 /// Deserializes `null` as the type's default (Kubernetes treats an explicit `null` like an
 /// absent field).
@@ -582,7 +592,8 @@ pub struct PolicyStatus {
     /// Rule counts, e.g. `in 2A/1D, out 0A/1D` (printer column `Rules`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rules: Option<String>,
-    /// Rules that can never decide a packet because earlier rules cover them.
+    /// Rules that can never decide a packet because stronger rules take every packet they
+    /// match, for every pod the policy selects.
     #[serde(
         default,
         skip_serializing_if = "Vec::is_empty",
@@ -591,7 +602,7 @@ pub struct PolicyStatus {
     pub shadowed_rules: Vec<ShadowedRule>,
 }
 
-/// A rule of this policy that can never decide a packet.
+/// A rule of this policy that can never decide a packet (it is shadowed).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ShadowedRule {
@@ -600,13 +611,13 @@ pub struct ShadowedRule {
     /// The rule's index in `spec.ingress` or `spec.egress`.
     #[schemars(extend("format" = "int32", "maximum" = 2147483647))]
     pub index: u32,
-    /// The rules (of any policy) with smaller order keys that together cover it.
+    /// The stronger rules (of any policy) that decide the packets this rule matches.
     #[serde(
         default,
         skip_serializing_if = "Vec::is_empty",
         deserialize_with = "null_as_default"
     )]
-    pub covered_by: Vec<RuleReference>,
+    pub shadowed_by: Vec<RuleReference>,
     /// Human-readable explanation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,

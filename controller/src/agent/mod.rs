@@ -18,7 +18,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -178,6 +178,10 @@ pub struct AgentState {
     pub metrics: Metrics,
     /// Whether this agent holds the status writer Lease.
     leader: Arc<AtomicBool>,
+    /// The apply loop's change number (every view change counts one) that the engine has
+    /// applied; the status writer uses it to tell which object versions a shadowed-rule report
+    /// describes (`status.rs`).
+    applied: AtomicU64,
 }
 
 impl AgentState {
@@ -301,6 +305,7 @@ pub async fn start(
         problems: RwLock::new(BTreeMap::new()),
         metrics: Metrics::default(),
         leader: Arc::new(AtomicBool::new(false)),
+        applied: AtomicU64::new(0),
     });
     let (wanted_tx, wanted_rx) = watch::channel(BTreeMap::new());
     let (events_tx, events_rx) = mpsc::unbounded_channel();
@@ -336,7 +341,7 @@ pub async fn start(
         )),
         tokio::spawn(status::status_loop(
             client.clone(),
-            state.leader.clone(),
+            state.clone(),
             wanted_rx,
         )),
         tokio::spawn(status::event_loop(
@@ -382,6 +387,8 @@ struct Applier {
     wanted: watch::Sender<BTreeMap<ObjKey, status::WantedStatus>>,
     /// Problems to publish as Events.
     events: mpsc::UnboundedSender<status::ProblemEvent>,
+    /// Change number: one more for every view change (see `AgentState::applied`).
+    seq: u64,
 }
 
 impl Applier {
@@ -401,6 +408,7 @@ impl Applier {
             in_engine: BTreeSet::new(),
             wanted,
             events,
+            seq: 0,
         }
     }
 
@@ -415,10 +423,12 @@ impl Applier {
             if !self.state.ready() {
                 if self.synced.iter().all(|s| *s) {
                     self.initial_program();
+                    self.state.applied.store(self.seq, Ordering::SeqCst);
                 }
                 continue;
             }
             self.apply_dirty(observed);
+            self.state.applied.store(self.seq, Ordering::SeqCst);
         }
     }
 
@@ -481,6 +491,7 @@ impl Applier {
         {
             return;
         }
+        self.seq += 1;
         let problems = validate_object(&object);
         {
             let mut p = self
@@ -521,7 +532,7 @@ impl Applier {
                 errors: problems.clone(),
             });
         }
-        if let Some(w) = status::wanted(&object, &problems) {
+        if let Some(w) = status::wanted(&object, &problems, self.seq) {
             self.wanted.send_modify(|m| {
                 m.insert(key.clone(), w);
             });
@@ -539,6 +550,7 @@ impl Applier {
 
     fn remove(&mut self, key: ObjKey) {
         if self.view.remove(&key).is_some() {
+            self.seq += 1;
             self.wanted.send_if_modified(|m| m.remove(&key).is_some());
             self.state
                 .problems

@@ -8,28 +8,42 @@
 //! * The status writer sets, on every OrderedNetworkPolicy and ClusterOrderedNetworkPolicy,
 //!   `status.observedGeneration` and the `Accepted` condition (`True`/`Valid`, or
 //!   `False`/`Invalid` with the validation errors naming the fields) by server-side apply on the
-//!   `/status` subresource (field manager [`FIELD_MANAGER`]). It writes only when the stored
-//!   status differs from the wanted one.
+//!   `/status` subresource (field manager [`FIELD_MANAGER`]). On a valid policy it also sets
+//!   `status.shadowedRules` and the `RulesShadowed` condition from
+//!   `Engine::shadowed_rules` (cluster-wide, computed from this node's engine), and publishes a
+//!   Warning Event `RuleShadowed` when a new set of shadowed rules is written. It writes only
+//!   when the stored status differs from the wanted one.
+//! * The shadowed-rule analysis runs in the status writer only, off the apply loop (a blocking
+//!   task under the engine's read lock), after the engine applied new changes, at most once per
+//!   [`SHADOW_EVERY`] and at most 10 % of the time (the pause after an analysis is ten times
+//!   its duration when that is longer). A valid policy's status is written only from an
+//!   analysis of an engine that has applied that version of the policy.
 //! * Every agent publishes a Warning Event (events.k8s.io/v1) for each invalid object version
 //!   it sees, whether or not it holds the Lease.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client, Resource};
-use ordnet_crds::{ClusterOrderedNetworkPolicy, OrderedNetworkPolicy, PolicyStatus};
-use ordnet_engine::Object;
+use ordnet_crds::{
+    Action, CONDITION_ACCEPTED, CONDITION_RULES_SHADOWED, ClusterOrderedNetworkPolicy,
+    EVENT_RULE_SHADOWED, OrderedNetworkPolicy, PolicyStatus, REASON_INVALID, REASON_NOT_SHADOWED,
+    REASON_SHADOWED, REASON_VALID, RuleReference, ShadowedRule,
+};
+use ordnet_engine::{Object, ObjectKind, PolicyKind};
+use ordnet_mapstate::{Direction, Verdict};
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
 
-use super::ObjKey;
+use super::{AgentState, KINDS, ObjKey};
 
 /// The Lease that elects the status writer.
 pub const LEASE_NAME: &str = "ordnet-status-writer";
@@ -39,8 +53,12 @@ pub const FIELD_MANAGER: &str = "ordnet-agent";
 pub const LEASE_SECONDS: i32 = 15;
 /// How often the Lease is renewed or tried (by default; see `AgentConfig::lease_renew_every`).
 pub const RENEW_EVERY: Duration = Duration::from_secs(5);
+/// The shortest pause between two shadowed-rule analyses.
+pub const SHADOW_EVERY: Duration = Duration::from_secs(1);
+/// The longest condition message written (the API server allows 32 KiB).
+const MAX_MESSAGE: usize = 4000;
 
-/// What the status of one policy should say.
+/// What the apply loop knows about the status of one policy.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WantedStatus {
     pub generation: Option<i64>,
@@ -48,49 +66,269 @@ pub struct WantedStatus {
     pub errors: Vec<String>,
     /// The status stored in the API server, as last seen by the watch.
     pub current: Option<PolicyStatus>,
+    /// The policy, for Events.
+    pub reference: ObjectReference,
+    /// The apply loop's change number of this version of the object: a shadowed-rule report
+    /// describes it once the engine has applied this number (`AgentState::applied`).
+    pub seq: u64,
 }
 
-impl WantedStatus {
-    fn condition(&self) -> (&'static str, &'static str, String) {
-        if self.errors.is_empty() {
-            (
-                "True",
-                "Valid",
-                "the policy is valid and enforced".to_string(),
-            )
-        } else {
-            ("False", "Invalid", self.errors.join("; "))
+/// The wanted status of a policy object (`seq`: the apply loop's change number), or `None` for
+/// other kinds.
+pub fn wanted(object: &Object, errors: &[String], seq: u64) -> Option<WantedStatus> {
+    let (generation, current, reference) = match object {
+        Object::OrderedNetworkPolicy(p) => {
+            (p.metadata.generation, p.status.clone(), p.object_ref(&()))
         }
-    }
-
-    /// Whether the stored status already says what it should.
-    pub fn satisfied(&self) -> bool {
-        let Some(cur) = &self.current else {
-            return false;
-        };
-        let (status, reason, message) = self.condition();
-        cur.observed_generation == self.generation
-            && cur.conditions.iter().any(|c| {
-                c.type_ == "Accepted"
-                    && c.status == status
-                    && c.reason == reason
-                    && c.message == message
-                    && c.observed_generation == self.generation
-            })
-    }
-}
-
-/// The wanted status of a policy object, or `None` for other kinds.
-pub fn wanted(object: &Object, errors: &[String]) -> Option<WantedStatus> {
-    let (generation, current) = match object {
-        Object::OrderedNetworkPolicy(p) => (p.metadata.generation, p.status.clone()),
-        Object::ClusterOrderedNetworkPolicy(p) => (p.metadata.generation, p.status.clone()),
+        Object::ClusterOrderedNetworkPolicy(p) => {
+            (p.metadata.generation, p.status.clone(), p.object_ref(&()))
+        }
         _ => return None,
     };
     Some(WantedStatus {
         generation,
         errors: errors.to_vec(),
         current,
+        reference,
+        seq,
+    })
+}
+
+/// The status the writer wants one policy to have.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Desired {
+    pub generation: Option<i64>,
+    /// Empty = accepted.
+    pub errors: Vec<String>,
+    /// The shadowed rules (valid policies only).
+    pub shadowed: Vec<ShadowedRule>,
+}
+
+/// One condition: (type, status, reason, message).
+type Cond = (&'static str, &'static str, &'static str, String);
+
+impl Desired {
+    /// The conditions, in the order they are written.
+    pub fn conditions(&self) -> Vec<Cond> {
+        if !self.errors.is_empty() {
+            return vec![(
+                CONDITION_ACCEPTED,
+                "False",
+                REASON_INVALID,
+                clip(&self.errors.join("; ")),
+            )];
+        }
+        let shadow = if self.shadowed.is_empty() {
+            (
+                CONDITION_RULES_SHADOWED,
+                "False",
+                REASON_NOT_SHADOWED,
+                "no rule is shadowed by stronger rules".to_string(),
+            )
+        } else {
+            (
+                CONDITION_RULES_SHADOWED,
+                "True",
+                REASON_SHADOWED,
+                clip(&shadow_summary(&self.shadowed)),
+            )
+        };
+        vec![
+            (
+                CONDITION_ACCEPTED,
+                "True",
+                REASON_VALID,
+                "the policy is valid and enforced".to_string(),
+            ),
+            shadow,
+        ]
+    }
+
+    /// Whether the stored status already says this.
+    pub fn satisfied(&self, current: Option<&PolicyStatus>) -> bool {
+        let Some(cur) = current else {
+            return false;
+        };
+        let wanted = self.conditions();
+        cur.observed_generation == self.generation
+            && cur.shadowed_rules == self.shadowed
+            && cur
+                .conditions
+                .iter()
+                .filter(|c| {
+                    [CONDITION_ACCEPTED, CONDITION_RULES_SHADOWED].contains(&c.type_.as_str())
+                })
+                .all(|c| wanted.iter().any(|w| w.0 == c.type_))
+            && wanted.iter().all(|(type_, status, reason, message)| {
+                cur.conditions.iter().any(|c| {
+                    c.type_ == *type_
+                        && c.status == *status
+                        && c.reason == *reason
+                        && c.message == *message
+                        && c.observed_generation == self.generation
+                })
+            })
+    }
+}
+
+/// `spec.ingress[1] is shadowed by ClusterOrderedNetworkPolicy g ingress[0] (priority -10,
+/// Deny); ...`
+fn shadow_summary(rules: &[ShadowedRule]) -> String {
+    rules
+        .iter()
+        .map(|r| {
+            format!(
+                "spec.{}[{}] is shadowed by {}",
+                r.direction.field(),
+                r.index,
+                r.shadowed_by
+                    .iter()
+                    .map(|b| reference_text(b, r.direction))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+fn reference_text(b: &RuleReference, d: ordnet_crds::Direction) -> String {
+    let name = match &b.namespace {
+        Some(ns) => format!("{ns}/{}", b.name),
+        None => b.name.clone(),
+    };
+    format!(
+        "{} {name} {}[{}] (priority {}, {})",
+        b.kind,
+        d.field(),
+        b.index,
+        b.priority,
+        b.action
+    )
+}
+
+fn clip(s: &str) -> String {
+    truncate(s, MAX_MESSAGE)
+}
+
+/// The engine's report of one policy's shadowed rules, in the API's form.
+pub fn api_shadowed(rules: &[&ordnet_engine::ShadowedRule]) -> Vec<ShadowedRule> {
+    rules
+        .iter()
+        .map(|r| {
+            let direction = match r.direction {
+                Direction::Ingress => ordnet_crds::Direction::Ingress,
+                Direction::Egress => ordnet_crds::Direction::Egress,
+            };
+            let shadowed_by: Vec<RuleReference> = r
+                .shadowed_by
+                .iter()
+                .map(|o| RuleReference {
+                    kind: o.kind.clone(),
+                    namespace: o.namespace.clone(),
+                    name: o.name.clone(),
+                    index: o.rule_index,
+                    priority: o.priority,
+                    action: match o.action {
+                        Verdict::Allow => Action::Allow,
+                        Verdict::Deny => Action::Deny,
+                    },
+                })
+                .collect();
+            let message = format!(
+                "never decides a packet: for every pod the policy selects, stronger rules take \
+                 all the traffic it matches ({})",
+                shadowed_by
+                    .iter()
+                    .map(|b| reference_text(b, direction))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            ShadowedRule {
+                direction,
+                index: r.index,
+                shadowed_by,
+                message: Some(message),
+            }
+        })
+        .collect()
+}
+
+/// The last shadowed-rule analysis.
+struct Report {
+    /// The change number the engine had applied when it was computed.
+    seq: u64,
+    /// Per policy with shadowed rules.
+    rules: BTreeMap<ObjKey, Vec<ShadowedRule>>,
+    at: Instant,
+    took: Duration,
+}
+
+/// Runs a new analysis when the engine applied changes since the last one and the pause is over.
+async fn refresh(state: &Arc<AgentState>, report: &mut Option<Report>) {
+    let applied = state.applied.load(Ordering::SeqCst);
+    if let Some(r) = report.as_ref()
+        && (r.seq == applied || r.at.elapsed() < SHADOW_EVERY.max(r.took * 10))
+    {
+        return;
+    }
+    let started = Instant::now();
+    let st = state.clone();
+    let result = tokio::task::spawn_blocking(move || {
+        st.with_engine(|e| {
+            // Read under the engine's lock: the engine has applied at least this change number.
+            let seq = st.applied.load(Ordering::SeqCst);
+            (seq, e.shadowed_rules())
+        })
+    })
+    .await;
+    let Ok(Some((seq, rules))) = result else {
+        return;
+    };
+    let mut by_policy: BTreeMap<ObjKey, Vec<&ordnet_engine::ShadowedRule>> = BTreeMap::new();
+    for r in &rules {
+        let kind = match r.policy.kind {
+            PolicyKind::Ordered => ObjectKind::OrderedNetworkPolicy,
+            PolicyKind::ClusterOrdered => ObjectKind::ClusterOrderedNetworkPolicy,
+            PolicyKind::NetworkPolicy => continue,
+        };
+        let Some(k) = KINDS.iter().position(|x| *x == kind) else {
+            continue;
+        };
+        by_policy
+            .entry((
+                k,
+                r.policy.namespace.clone().unwrap_or_default(),
+                r.policy.name.clone(),
+            ))
+            .or_default()
+            .push(r);
+    }
+    *report = Some(Report {
+        seq,
+        rules: by_policy
+            .into_iter()
+            .map(|(k, v)| (k, api_shadowed(&v)))
+            .collect(),
+        at: Instant::now(),
+        took: started.elapsed(),
+    });
+}
+
+/// What the status of `key` should be, or `None` while no analysis describes its version yet.
+fn desired(key: &ObjKey, w: &WantedStatus, report: Option<&Report>) -> Option<Desired> {
+    if !w.errors.is_empty() {
+        return Some(Desired {
+            generation: w.generation,
+            errors: w.errors.clone(),
+            shadowed: Vec::new(),
+        });
+    }
+    let report = report.filter(|r| r.seq >= w.seq)?;
+    Some(Desired {
+        generation: w.generation,
+        errors: Vec::new(),
+        shadowed: report.rules.get(key).cloned().unwrap_or_default(),
     })
 }
 
@@ -172,33 +410,45 @@ async fn try_hold(leases: &Api<Lease>, identity: &str) -> Result<bool, kube::Err
     }
 }
 
-/// Runs the status writer: whenever `wanted` changes (or leadership is gained), writes every
-/// status that is not satisfied yet.
+/// Runs the status writer: while this agent holds the Lease, keeps the shadowed-rule analysis
+/// current and writes every status that is not satisfied yet (on changes of `wanted`, and every
+/// second).
 pub async fn status_loop(
     client: Client,
-    leader: Arc<AtomicBool>,
+    state: Arc<AgentState>,
     mut wanted: watch::Receiver<BTreeMap<ObjKey, WantedStatus>>,
 ) {
+    let recorder = Recorder::new(
+        client.clone(),
+        Reporter {
+            controller: "ordnet-agent".into(),
+            instance: Some(state.node.clone()),
+        },
+    );
     // What this writer last wrote, per object: so it does not write again before the watch
     // shows the result.
-    let mut written: BTreeMap<ObjKey, WantedStatus> = BTreeMap::new();
+    let mut written: BTreeMap<ObjKey, Desired> = BTreeMap::new();
+    let mut report: Option<Report> = None;
     loop {
-        if leader.load(Ordering::SeqCst) {
-            let todo: Vec<(ObjKey, WantedStatus)> = wanted
+        if state.is_status_writer() {
+            refresh(&state, &mut report).await;
+            let todo: Vec<(ObjKey, WantedStatus, Desired)> = wanted
                 .borrow_and_update()
                 .iter()
-                .filter(|(k, w)| {
-                    !w.satisfied()
-                        && written.get(*k).is_none_or(|prev| {
-                            prev.generation != w.generation || prev.errors != w.errors
-                        })
+                .filter_map(|(k, w)| {
+                    let d = desired(k, w, report.as_ref())?;
+                    (!d.satisfied(w.current.as_ref()) && written.get(k) != Some(&d))
+                        .then(|| (k.clone(), w.clone(), d))
                 })
-                .map(|(k, w)| (k.clone(), w.clone()))
                 .collect();
-            for (key, w) in todo {
-                match write_status(&client, &key, &w).await {
+            for (key, w, d) in todo {
+                match write_status(&client, &key, &w, &d).await {
                     Ok(()) => {
-                        written.insert(key, w);
+                        let before = w.current.as_ref().map(|c| &c.shadowed_rules);
+                        if !d.shadowed.is_empty() && before != Some(&d.shadowed) {
+                            publish_shadowed(&recorder, &w.reference, &d.shadowed).await;
+                        }
+                        written.insert(key, d);
                     }
                     Err(e) => eprintln!("ordnet agent: status of {}: {e}", key.2),
                 }
@@ -216,31 +466,64 @@ pub async fn status_loop(
     }
 }
 
-async fn write_status(client: &Client, key: &ObjKey, w: &WantedStatus) -> Result<(), kube::Error> {
-    let (status, reason, message) = w.condition();
-    let previous = w
-        .current
-        .as_ref()
-        .and_then(|s| s.conditions.iter().find(|c| c.type_ == "Accepted"));
-    // The transition time moves only when the condition's status changes.
-    let transition = match previous {
-        Some(c) if c.status == status => c.last_transition_time.clone(),
-        _ => k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now()),
+async fn publish_shadowed(
+    recorder: &Recorder,
+    reference: &ObjectReference,
+    rules: &[ShadowedRule],
+) {
+    let event = Event {
+        type_: EventType::Warning,
+        reason: EVENT_RULE_SHADOWED.into(),
+        note: Some(truncate(&shadow_summary(rules), 1000)),
+        action: "Analyze".into(),
+        secondary: None,
     };
+    if let Err(e) = recorder.publish(&event, reference).await {
+        eprintln!("ordnet agent: publishing an event: {e}");
+    }
+}
+
+async fn write_status(
+    client: &Client,
+    key: &ObjKey,
+    w: &WantedStatus,
+    d: &Desired,
+) -> Result<(), kube::Error> {
+    let now = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now());
+    let conditions: Vec<serde_json::Value> = d
+        .conditions()
+        .into_iter()
+        .map(|(type_, status, reason, message)| {
+            let previous = w
+                .current
+                .as_ref()
+                .and_then(|s| s.conditions.iter().find(|c| c.type_ == type_));
+            // The transition time moves only when the condition's status changes.
+            let transition = match previous {
+                Some(c) if c.status == status => c.last_transition_time.clone(),
+                _ => now.clone(),
+            };
+            json!({
+                "type": type_,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "observedGeneration": d.generation,
+                "lastTransitionTime": transition,
+            })
+        })
+        .collect();
     let kind = super::kind_name(super::KINDS[key.0]);
+    // Server-side apply: a condition left out (RulesShadowed of an invalid policy) is removed
+    // from what this manager owns; `shadowedRules` is always written (`[]` when none), which
+    // clears it under any patch semantics.
     let body = json!({
         "apiVersion": "ordnet.io/v1alpha1",
         "kind": kind,
         "status": {
-            "observedGeneration": w.generation,
-            "conditions": [{
-                "type": "Accepted",
-                "status": status,
-                "reason": reason,
-                "message": message,
-                "observedGeneration": w.generation,
-                "lastTransitionTime": transition,
-            }],
+            "observedGeneration": d.generation,
+            "conditions": conditions,
+            "shadowedRules": d.shadowed,
         },
     });
     let params = PatchParams::apply(FIELD_MANAGER).force();
