@@ -15,7 +15,7 @@ use std::{
 };
 
 use ordnet_datapath::{
-    Datapath, DatapathConfig, EndpointSpec, IpNet, XdpAction,
+    ControlPlane as _, Datapath, DatapathConfig, EndpointSpec, IpNet, XdpAction,
     bench::{BenchObject, Layout},
     common::{TCP_ACK, TCP_SYN, craft, craft::L4},
     flatten,
@@ -530,6 +530,7 @@ fn full_program(
         EndpointSpec {
             ips: &[a],
             identity: 77,
+            identities: &[],
             ingress: &ingress,
             egress: ms,
         },
@@ -542,6 +543,7 @@ fn full_program(
         EndpointSpec {
             ips: &[b],
             identity: id,
+            identities: &[],
             ingress: &open_in,
             egress: &open_out,
         },
@@ -580,7 +582,7 @@ fn full_program(
     let ct = ordnet_datapath::UserCt::default();
     for (name, f, want) in &full {
         let got = dp.test_run(f).unwrap().action;
-        let user = XdpAction::from(dp.userspace_decide_with(f, &ct).verdict);
+        let user = XdpAction::from(dp.decide_with(f, &ct).verdict);
         assert_eq!(
             (got, user),
             (*want, *want),
@@ -624,6 +626,7 @@ fn apply_times() {
             EndpointSpec {
                 ips: &[a],
                 identity: 5,
+                identities: &[],
                 ingress: &open,
                 egress: &ms,
             },
@@ -662,6 +665,7 @@ fn apply_times() {
                 EndpointSpec {
                     ips: &[a],
                     identity: 5,
+                    identities: &[],
                     ingress: &open,
                     egress: &ms2,
                 },

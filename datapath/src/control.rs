@@ -28,23 +28,53 @@ use crate::{
 pub struct EndpointSpec<'a> {
     /// Its addresses (any number, both families).
     pub ips: &'a [IpAddr],
-    /// Its security identity (what peers' policies see).
+    /// Its security identity (what peers' policies see), for every address unless
+    /// `identities` is given.
     pub identity: u32,
+    /// Per-address identities, in the order of `ips` (a dual-stack pod's two addresses may
+    /// have different identities); empty: every address has `identity`.
+    pub identities: &'a [u32],
     /// Its MapStates (the isolation default of each is the endpoint's default).
     pub ingress: &'a MapState,
     pub egress: &'a MapState,
 }
 
+/// New addresses of an existing endpoint ([`Control::set_endpoint_addresses`]).
+#[derive(Debug, Clone, Copy)]
+pub struct EndpointAddresses<'a> {
+    pub ips: &'a [IpAddr],
+    /// The identity of every address unless `identities` is given.
+    pub identity: u32,
+    /// Per-address identities (same order as `ips`), or empty.
+    pub identities: &'a [u32],
+}
+
 /// A local endpoint as the datapath holds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EndpointState {
+    /// Its addresses, sorted.
     pub ips: Vec<IpAddr>,
-    pub identity: u32,
+    /// The identity of each address (same order as `ips`).
+    pub identities: Vec<u32>,
     pub ingress: PolicyRef,
     pub egress: PolicyRef,
 }
 
 impl EndpointState {
+    /// The identity of one of its addresses.
+    pub fn identity_of(&self, ip: IpAddr) -> Option<u32> {
+        let i = self.ips.iter().position(|a| *a == ip)?;
+        self.identities.get(i).copied()
+    }
+
+    /// `(address, identity)` pairs, sorted by address.
+    pub fn addresses(&self) -> impl Iterator<Item = (IpAddr, u32)> + '_ {
+        self.ips
+            .iter()
+            .copied()
+            .zip(self.identities.iter().copied())
+    }
+
     pub fn policy(&self, dir: Direction) -> PolicyRef {
         match dir {
             Direction::Ingress => self.ingress,
@@ -69,6 +99,12 @@ pub enum ControlError {
     AddressInUse { ip: IpAddr, owner: u32 },
     #[error("unknown endpoint {0}")]
     UnknownEndpoint(u32),
+    #[error("endpoint {endpoint}: {identities} identities given for {ips} addresses")]
+    IdentityCount {
+        endpoint: u32,
+        ips: usize,
+        identities: usize,
+    },
     #[error(
         "endpoint {endpoint} {direction}: the change set does not fit the datapath's keys \
          ({detail}); apply the full MapState instead"
@@ -151,6 +187,31 @@ pub fn net_key(net: IpNet) -> (IpKey, u32) {
     (ip_key(net.addr()), u32::from(net.prefix_len()))
 }
 
+/// An endpoint's addresses with their identities, sorted by address (a repeated address keeps
+/// its first identity).
+fn addresses(
+    endpoint: u32,
+    ips: &[IpAddr],
+    identity: u32,
+    identities: &[u32],
+) -> Result<(Vec<IpAddr>, Vec<u32>), ControlError> {
+    if !identities.is_empty() && identities.len() != ips.len() {
+        return Err(ControlError::IdentityCount {
+            endpoint,
+            ips: ips.len(),
+            identities: identities.len(),
+        });
+    }
+    let mut pairs: Vec<(IpAddr, u32)> = ips
+        .iter()
+        .enumerate()
+        .map(|(i, ip)| (*ip, identities.get(i).copied().unwrap_or(identity)))
+        .collect();
+    pairs.sort_by_key(|(ip, _)| *ip);
+    pairs.dedup_by_key(|(ip, _)| *ip);
+    Ok(pairs.into_iter().unzip())
+}
+
 fn is_host_prefix(net: &IpNet) -> bool {
     net.prefix_len() == net.max_prefix_len()
 }
@@ -172,7 +233,7 @@ pub struct Control {
 struct Planned {
     id: u32,
     ips: Vec<IpAddr>,
-    identity: u32,
+    identities: Vec<u32>,
     /// [ingress, egress]: (content, default).
     dirs: [(RuleSetContent, u8); 2],
 }
@@ -227,7 +288,7 @@ impl Control {
         if let Some(id) = self.ip_owner.get(key) {
             let ep = overrides.get(id).or_else(|| self.endpoints.get(id))?;
             return Some(IpInfo {
-                identity: ep.identity,
+                identity: ep.identity_of(key_ip(key)).unwrap_or(0),
                 flags: IP_FLAG_ENDPOINT,
                 endpoint: *id,
                 ingress: ep.ingress,
@@ -327,13 +388,11 @@ impl Control {
                     source,
                 })
             };
-            let mut ips = spec.ips.to_vec();
-            ips.sort();
-            ips.dedup();
+            let (ips, identities) = addresses(*id, spec.ips, spec.identity, spec.identities)?;
             planned.push(Planned {
                 id: *id,
                 ips,
-                identity: spec.identity,
+                identities,
                 dirs: [
                     flat(Direction::Ingress, spec.ingress)?,
                     flat(Direction::Egress, spec.egress)?,
@@ -461,7 +520,7 @@ impl Control {
         for (i, p) in planned.iter().enumerate() {
             let state = EndpointState {
                 ips: p.ips.clone(),
-                identity: p.identity,
+                identities: p.identities.clone(),
                 ingress: PolicyRef::new(targets[i][0], p.dirs[0].1),
                 egress: PolicyRef::new(targets[i][1], p.dirs[1].1),
             };
@@ -555,20 +614,23 @@ impl Control {
             // slot 0 instead.)
             if us.len() as u32 == self.store.refs(slot)
                 && us.iter().all(|&i| &items[i].3 == first)
-                && self.existing_after(slot, first).is_none()
+                && self
+                    .existing_after(slot, first, &BTreeMap::<u32, ()>::new())
+                    .is_none()
             {
                 in_place.insert(slot, us[0]);
             }
         }
 
-        // 3. The other changed rule sets: an identical one, or a fresh copy.
+        // 3. The other changed rule sets: an identical one, or a fresh copy. A rule set changed
+        // in place is no candidate: its current content is about to change.
         let mut targets: Vec<u32> = items.iter().map(|it| it.2.ruleset).collect();
         for (i, it) in items.iter().enumerate() {
             let slot = it.2.ruleset;
             if it.3.is_empty() || in_place.contains_key(&slot) {
                 continue;
             }
-            let target = match self.existing_after(slot, &it.3) {
+            let target = match self.existing_after(slot, &it.3, &in_place) {
                 Some(t) => {
                     self.store.add_ref(t);
                     t
@@ -643,9 +705,15 @@ impl Control {
         Ok(stats)
     }
 
-    /// A slot other than `slot` whose content equals `slot`'s content with `diff` applied
-    /// (0 for the empty content). The full comparison only runs on a hash match.
-    fn existing_after(&self, slot: u32, diff: &ContentDiff) -> Option<u32> {
+    /// A slot other than `slot` (and not in `exclude`) whose content equals `slot`'s content
+    /// with `diff` applied (0 for the empty content). The full comparison only runs on a hash
+    /// match.
+    fn existing_after<V>(
+        &self,
+        slot: u32,
+        diff: &ContentDiff,
+        exclude: &BTreeMap<u32, V>,
+    ) -> Option<u32> {
         let empty = RuleSetContent::default();
         let content = self.store.content(slot).unwrap_or(&empty);
         let removed = diff.specific_removes.len() + diff.wildcard_removes.len();
@@ -658,7 +726,7 @@ impl Control {
             .slots_with_hash(hash)
             .iter()
             .copied()
-            .filter(|s| *s != slot)
+            .filter(|s| *s != slot && !exclude.contains_key(s))
             .collect();
         if candidates.is_empty() {
             return None;
@@ -668,6 +736,72 @@ impl Control {
         candidates
             .into_iter()
             .find(|s| self.store.content(*s) == Some(&after))
+    }
+
+    /// Changes the addresses and identities of existing endpoints, keeping their rule sets
+    /// (a pod whose labels changed gets a new identity; a pod re-addressed). `identities` is
+    /// per address (same order as `ips`) or empty (every address has `identity`). New addresses
+    /// are written first, then the ones an endpoint gave up lose its record.
+    pub fn set_endpoint_addresses<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        batch: &[(u32, EndpointAddresses<'_>)],
+    ) -> Result<WriteStats, ControlError> {
+        let mut stats = WriteStats::default();
+        // 1. Validate everything before changing anything.
+        let batch_ids: BTreeSet<u32> = batch.iter().map(|(id, _)| *id).collect();
+        let mut new_owner: HashMap<IpKey, u32> = HashMap::new();
+        let mut planned = Vec::with_capacity(batch.len());
+        for (id, a) in batch {
+            if !self.endpoints.contains_key(id) {
+                return Err(ControlError::UnknownEndpoint(*id));
+            }
+            let (ips, identities) = addresses(*id, a.ips, a.identity, a.identities)?;
+            for ip in &ips {
+                let key = ip_key(*ip);
+                if let Some(&owner) = self.ip_owner.get(&key)
+                    && owner != *id
+                    && !batch_ids.contains(&owner)
+                {
+                    return Err(ControlError::AddressInUse { ip: *ip, owner });
+                }
+                if let Some(other) = new_owner.insert(key, *id)
+                    && other != *id
+                {
+                    return Err(ControlError::AddressInUse {
+                        ip: *ip,
+                        owner: other,
+                    });
+                }
+            }
+            planned.push((*id, ips, identities));
+        }
+        // 2. New state, then the records: new addresses first, then the ones given up.
+        let mut touched = Vec::new();
+        for (id, ips, identities) in planned {
+            let ep = self.endpoints.get_mut(&id).expect("validated");
+            for ip in &ep.ips {
+                let key = ip_key(*ip);
+                if self.ip_owner.get(&key) == Some(&id) {
+                    self.ip_owner.remove(&key);
+                }
+                touched.push(key);
+            }
+            ep.ips = ips;
+            ep.identities = identities;
+            for ip in &ep.ips {
+                touched.push(ip_key(*ip));
+            }
+        }
+        for (id, a) in batch {
+            for ip in a.ips {
+                self.ip_owner.insert(ip_key(*ip), *id);
+            }
+        }
+        touched.sort_by_key(|k| !self.ip_owner.contains_key(k));
+        self.write_records(w, touched, &HashMap::new(), &mut stats)?;
+        self.bump(w, &mut stats)?;
+        Ok(stats)
     }
 
     /// Removes endpoints: their addresses lose the endpoint record (falling back to a host or
@@ -770,6 +904,22 @@ impl Control {
         Ok(stats)
     }
 
+    /// The identities set with [`Control::set_identities`]: single addresses (as /32 or /128)
+    /// and CIDRs, sorted.
+    pub fn identities(&self) -> Vec<(IpNet, u32)> {
+        let mut out: Vec<(IpNet, u32)> = self
+            .remote
+            .iter()
+            .map(|(k, id)| (IpNet::from(key_ip(k)), *id))
+            .chain(self.cidr.iter().filter_map(|((k, len), id)| {
+                let len = u8::try_from(*len).ok()?;
+                IpNet::new(key_ip(k), len).ok().map(|n| (n, *id))
+            }))
+            .collect();
+        out.sort();
+        out
+    }
+
     pub fn hosts(&self) -> impl Iterator<Item = IpAddr> + '_ {
         self.hosts.iter().map(key_ip)
     }
@@ -808,16 +958,15 @@ impl Control {
                     .entry(info.endpoint)
                     .or_insert_with(|| EndpointState {
                         ips: Vec::new(),
-                        identity: info.identity,
+                        identities: Vec::new(),
                         ingress: info.ingress,
                         egress: info.egress,
                     });
-                if (ep.identity, ep.ingress, ep.egress)
-                    != (info.identity, info.ingress, info.egress)
-                {
+                if (ep.ingress, ep.egress) != (info.ingress, info.egress) {
                     inconsistent.insert(info.endpoint);
                 }
                 ep.ips.push(key_ip(&key));
+                ep.identities.push(info.identity);
                 ip_owner.insert(key, info.endpoint);
             } else {
                 if info.is_host() {

@@ -2,11 +2,13 @@
 //! maps from MapStates, attaches it to interfaces, survives restarts through bpffs pins, and
 //! runs the kernel's own decision function in userspace over an exact copy of the maps.
 //!
-//! The agent and `ordnet lab` use the same API:
+//! The programming operations are the [`ControlPlane`] trait, which [`MemDatapath`] (the same
+//! control plane over in-memory tables, no kernel) implements too. The agent and `ordnet lab`
+//! use the same API (through `ordnet::program::NodeProgram`, which maps the engine onto it):
 //!
 //! ```no_run
 //! use std::net::IpAddr;
-//! use ordnet_datapath::{Datapath, DatapathConfig, EndpointSpec};
+//! use ordnet_datapath::{ControlPlane as _, Datapath, DatapathConfig, EndpointSpec};
 //! use ordnet_mapstate::{Direction, MapState, Verdict};
 //!
 //! // Needs root (CAP_BPF + CAP_NET_ADMIN). With `pin_dir`, maps, program and links are pinned
@@ -17,7 +19,7 @@
 //! let ingress = MapState::new(Direction::Ingress, Verdict::Deny);
 //! let egress = MapState::new(Direction::Egress, Verdict::Allow);
 //! let ips = ["10.0.0.5".parse().unwrap()];
-//! dp.upsert_endpoint(1, EndpointSpec { ips: &ips, identity: 99, ingress: &ingress, egress: &egress })?;
+//! dp.upsert_endpoint(1, EndpointSpec { ips: &ips, identity: 99, identities: &[], ingress: &ingress, egress: &egress })?;
 //! dp.attach("veth1234", aya::programs::XdpMode::default())?;
 //! # Ok::<(), ordnet_datapath::DatapathError>(())
 //! ```
@@ -26,13 +28,13 @@ pub mod bench;
 mod control;
 mod flat;
 mod kernel;
+mod plane;
 mod store;
 pub mod sys;
 mod tables;
 
 use std::{
     collections::BTreeMap,
-    net::IpAddr,
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -46,7 +48,9 @@ use aya::{
         xdp::{XdpLink, XdpLinkId},
     },
 };
-pub use control::{Control, ControlError, EndpointSpec, EndpointState, ip_key, key_ip, net_key};
+pub use control::{
+    Control, ControlError, EndpointAddresses, EndpointSpec, EndpointState, ip_key, key_ip, net_key,
+};
 pub use flat::{
     CellInputs, CellWords, ContentDiff, FlatRuleSet, FlattenError, RuleSetContent, cell_words,
     flatten, key_hash, verdict_code,
@@ -55,7 +59,7 @@ pub use ipnet::IpNet;
 pub use kernel::KernelTables;
 pub use ordnet_datapath_common as common;
 use ordnet_datapath_common::{
-    Decision, Verdict,
+    Verdict,
     layout::{
         BLOCK_WORDS, CELLS_PER_RULESET, CT_LIFETIME_OTHER_SECS, CT_LIFETIME_TCP_SECS,
         CT_REFRESH_SECS, Ct4Key, CtEntry, CtKey, DEFAULT_CT_ENTRIES, DEFAULT_IPCACHE_ENTRIES,
@@ -64,9 +68,12 @@ use ordnet_datapath_common::{
         MAP_POLICY, MAP_STATE, PROGRAM_NAME, PolicyKey, PolicyValue, State, pairs,
     },
 };
-use ordnet_mapstate::{ChangeSet, Direction};
+pub use plane::{ControlPlane, MemDatapath};
 pub use store::{SlotInfo, Store, StoreError, WriteStats};
-pub use tables::{MemTables, Mirror, TableWriter, UserCt, Write, WriteError, monotonic_ns};
+pub use tables::{
+    CanonicalCell, CanonicalRecord, CanonicalRuleSet, CanonicalTables, MemTables, Mirror,
+    TableWriter, UserCt, Write, WriteError, monotonic_ns,
+};
 
 /// The enforcing eBPF object (ELF) built by `build.rs` from `datapath/ebpf` (bin `ordnet-xdp`).
 pub static EBPF_OBJECT: &[u8] =
@@ -628,98 +635,6 @@ impl Datapath {
         self.links.keys().map(String::as_str)
     }
 
-    // ---------------------------------------------------------------- control plane
-
-    /// Sets this node's own addresses: traffic between them and local endpoints is never
-    /// filtered.
-    pub fn set_host_addresses(&mut self, ips: &[IpAddr]) -> Result<WriteStats, DatapathError> {
-        Ok(self.control.set_hosts(&mut self.tables, ips)?)
-    }
-
-    /// This node's addresses.
-    pub fn host_addresses(&self) -> Vec<IpAddr> {
-        self.control.hosts().collect()
-    }
-
-    /// Sets the identity of a network: a single address (remote pod, node) or a CIDR.
-    pub fn set_identity(&mut self, net: IpNet, identity: u32) -> Result<WriteStats, DatapathError> {
-        self.set_identities(&[(net, Some(identity))])
-    }
-
-    /// Removes the identity of a network.
-    pub fn remove_identity(&mut self, net: IpNet) -> Result<WriteStats, DatapathError> {
-        self.set_identities(&[(net, None)])
-    }
-
-    /// Sets (`Some`) or removes (`None`) identities of networks, in one batch.
-    pub fn set_identities(
-        &mut self,
-        entries: &[(IpNet, Option<u32>)],
-    ) -> Result<WriteStats, DatapathError> {
-        Ok(self.control.set_identities(&mut self.tables, entries)?)
-    }
-
-    /// Creates or changes one local endpoint: addresses, identity and both MapStates.
-    pub fn upsert_endpoint(
-        &mut self,
-        id: u32,
-        spec: EndpointSpec<'_>,
-    ) -> Result<WriteStats, DatapathError> {
-        self.update_endpoints(&[(id, spec)])
-    }
-
-    /// Creates or changes several endpoints in one operation. Endpoints with identical
-    /// MapStates share one rule set; when every user of a rule set moves to the same new
-    /// MapState in one batch, only the changed keys are written (in place, in the safe order).
-    pub fn update_endpoints(
-        &mut self,
-        batch: &[(u32, EndpointSpec<'_>)],
-    ) -> Result<WriteStats, DatapathError> {
-        Ok(self.control.update_endpoints(&mut self.tables, batch)?)
-    }
-
-    /// Applies MapState change sets (as `MapState::apply` returns them) to endpoints, with the
-    /// new isolation defaults. In the common case (every endpoint that uses a rule set gets the
-    /// same changes) the cost is the size of the changes, not of the MapState. A change set
-    /// that does not fit the datapath's keys (e.g. computed against another state) is an error
-    /// and nothing is written: apply the full MapState with `update_endpoints` then.
-    pub fn apply_changes(
-        &mut self,
-        batch: &[(u32, Direction, &ChangeSet, ordnet_mapstate::Verdict)],
-    ) -> Result<WriteStats, DatapathError> {
-        Ok(self.control.apply_changes(&mut self.tables, batch)?)
-    }
-
-    /// Removes an endpoint.
-    pub fn remove_endpoint(&mut self, id: u32) -> Result<WriteStats, DatapathError> {
-        Ok(self.control.remove_endpoints(&mut self.tables, &[id])?)
-    }
-
-    /// The endpoints, by id.
-    pub fn endpoints(&self) -> &BTreeMap<u32, EndpointState> {
-        self.control.endpoints()
-    }
-
-    /// The rule sets in use.
-    pub fn rulesets(&self) -> Vec<SlotInfo> {
-        self.control.store().slots_in_use()
-    }
-
-    /// The keys of a rule set slot.
-    pub fn ruleset_content(&self, slot: u32) -> Option<&RuleSetContent> {
-        self.control.store().content(slot)
-    }
-
-    /// Clears released rule sets whose grace period is over (also done by every update).
-    pub fn reclaim(&mut self) -> Result<WriteStats, DatapathError> {
-        Ok(self.control.reclaim(&mut self.tables)?)
-    }
-
-    /// The global policy revision.
-    pub fn revision(&self) -> u64 {
-        self.control.revision()
-    }
-
     // ---------------------------------------------------------------- verdicts
 
     /// Runs the program once on `frame` (at least 14 bytes: the kernel rejects shorter XDP
@@ -736,26 +651,6 @@ impl Datapath {
         repeat: u32,
     ) -> Result<TestRunOutcome, DatapathError> {
         Ok(test_run_program(self.program()?, frame, repeat)?)
-    }
-
-    /// An exact copy of what the maps hold (connection tracking excepted).
-    pub fn tables(&self) -> &MemTables {
-        self.tables.tables()
-    }
-
-    /// The kernel's decision function run in userspace over the copy of the maps, for a
-    /// packet of a flow that is not tracked (connection-tracking writes are discarded).
-    pub fn userspace_decide(&self, frame: &[u8]) -> Decision {
-        let ct = UserCt::default();
-        self.userspace_decide_with(frame, &ct)
-    }
-
-    /// The same with a caller-owned connection-tracking table (to follow a packet sequence).
-    pub fn userspace_decide_with(&self, frame: &[u8], ct: &UserCt) -> Decision {
-        ordnet_datapath_common::decide(
-            &ordnet_datapath_common::parse(frame),
-            &self.tables().with_ct(ct),
-        )
     }
 
     /// Compares the kernel maps with the userspace copy; returns the differences.
@@ -851,6 +746,22 @@ impl Datapath {
             endpoints: self.endpoints().len(),
             rulesets: self.rulesets().len(),
         })
+    }
+}
+
+/// The programming operations (endpoints, identities, host addresses, change sets) and the
+/// userspace decision, shared with [`MemDatapath`].
+impl ControlPlane for Datapath {
+    fn parts(&mut self) -> (&mut Control, &mut dyn TableWriter) {
+        (&mut self.control, &mut self.tables)
+    }
+
+    fn control(&self) -> &Control {
+        &self.control
+    }
+
+    fn tables(&self) -> &MemTables {
+        self.tables.tables()
     }
 }
 

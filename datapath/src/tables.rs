@@ -15,7 +15,10 @@ use std::{
 
 use ordnet_datapath_common::{
     DatapathMaps, addr_bytes, addr_words,
-    layout::{CtEntry, CtKey, IpInfo, IpKey, PolicyKey, PolicyValue, State},
+    layout::{
+        BLOCK_WORDS, CELL_REFINED, CELLS_PER_RULESET, CtEntry, CtKey, IpInfo, IpKey, PolicyKey,
+        PolicyValue, State,
+    },
     lookup::PolicyMaps,
 };
 
@@ -143,6 +146,63 @@ impl MemTables {
             })
     }
 
+    /// What the tables mean, independent of where things are stored: see [`CanonicalTables`].
+    pub fn canonical(&self) -> CanonicalTables {
+        let mut keys: HashMap<u32, BTreeMap<(u32, u32), u8>> = HashMap::new();
+        for (k, v) in &self.policy {
+            keys.entry(k.ruleset)
+                .or_default()
+                .insert((k.identity, k.prefix), v.verdict);
+        }
+        let mut slots: BTreeMap<u32, CanonicalRuleSet> = BTreeMap::new();
+        let mut ruleset = |slot: u32| {
+            slots
+                .entry(slot)
+                .or_insert_with(|| {
+                    let base = (slot * CELLS_PER_RULESET) as usize;
+                    let cells = (base..base + CELLS_PER_RULESET as usize)
+                        .map(|i| {
+                            let w = self.cells.get(i).copied().unwrap_or(0);
+                            if w & CELL_REFINED == 0 {
+                                CanonicalCell::Word(w)
+                            } else {
+                                let b = ((w & !CELL_REFINED) * BLOCK_WORDS) as usize;
+                                CanonicalCell::Block(
+                                    self.blocks
+                                        .get(b..b + BLOCK_WORDS as usize)
+                                        .unwrap_or_default()
+                                        .to_vec(),
+                                )
+                            }
+                        })
+                        .collect();
+                    CanonicalRuleSet {
+                        cells,
+                        keys: keys.remove(&slot).unwrap_or_default(),
+                    }
+                })
+                .clone()
+        };
+        let ipcache = self
+            .ipcache
+            .iter()
+            .map(|(k, i)| {
+                let record = CanonicalRecord {
+                    identity: i.identity,
+                    flags: i.flags,
+                    endpoint: i.endpoint,
+                    ingress: (i.ingress.default, ruleset(i.ingress.ruleset)),
+                    egress: (i.egress.default, ruleset(i.egress.ruleset)),
+                };
+                (*k, record)
+            })
+            .collect();
+        CanonicalTables {
+            ipcache,
+            cidr: self.cidr.clone(),
+        }
+    }
+
     /// This state with a connection-tracking table: the full `DatapathMaps` of the kernel
     /// program.
     pub fn with_ct<'a>(&'a self, ct: &'a UserCt) -> Mirror<'a> {
@@ -175,6 +235,42 @@ impl PolicyMaps for MemTables {
     fn policy(&self, key: &PolicyKey) -> Option<PolicyValue> {
         self.policy.get(key).copied()
     }
+}
+
+/// What [`MemTables`] mean, independent of where things happen to be stored (rule set slot and
+/// block numbers, the revision, leftovers that no record references): every address with its
+/// record, whose policy references are replaced by the default and the rule set they point to,
+/// and the CIDR table. Tables with equal canonical forms give every packet the same decision;
+/// comparing them checks that two ways of programming the same state agree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CanonicalTables {
+    pub ipcache: BTreeMap<IpKey, CanonicalRecord>,
+    pub cidr: BTreeMap<(IpKey, u32), IpInfo>,
+}
+
+/// An ipcache record with its rule sets resolved: `(default, rule set)` per direction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CanonicalRecord {
+    pub identity: u32,
+    pub flags: u32,
+    pub endpoint: u32,
+    pub ingress: (u8, CanonicalRuleSet),
+    pub egress: (u8, CanonicalRuleSet),
+}
+
+/// A rule set as the program reads it: its cell words (a refined one replaced by its block's
+/// words) and its policy keys `(identity, prefix) -> verdict`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CanonicalRuleSet {
+    pub cells: Vec<CanonicalCell>,
+    pub keys: BTreeMap<(u32, u32), u8>,
+}
+
+/// One first-level cell word, or the 256 words of its refined block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CanonicalCell {
+    Word(u32),
+    Block(Vec<u32>),
 }
 
 /// A userspace connection-tracking table and clock for [`Mirror`].

@@ -265,6 +265,7 @@ fn in_place_updates_never_open_a_transient_allow() {
                     EndpointSpec {
                         ips: &ips,
                         identity: 42,
+                        identities: &[],
                         ingress: &old[0],
                         egress: &old[1],
                     },
@@ -299,6 +300,7 @@ fn in_place_updates_never_open_a_transient_allow() {
                     EndpointSpec {
                         ips: &ips,
                         identity: 42,
+                        identities: &[],
                         ingress: &new[0],
                         egress: &new[1],
                     },
@@ -361,6 +363,7 @@ fn identical_mapstates_share_one_ruleset() {
                 EndpointSpec {
                     ips: &ips[i],
                     identity: 100,
+                    identities: &[],
                     ingress: &a[0],
                     egress: &a[1],
                 },
@@ -393,6 +396,7 @@ fn identical_mapstates_share_one_ruleset() {
                 EndpointSpec {
                     ips: &ips[i],
                     identity: 100,
+                    identities: &[],
                     ingress: &b[0],
                     egress: &b[1],
                 },
@@ -416,6 +420,7 @@ fn identical_mapstates_share_one_ruleset() {
                 EndpointSpec {
                     ips: &ips[6],
                     identity: 100,
+                    identities: &[],
                     ingress: &a[0],
                     egress: &b[1],
                 },
@@ -528,6 +533,7 @@ fn change_sets_apply_in_place_safely() {
             EndpointSpec {
                 ips: &ips,
                 identity: 42,
+                identities: &[],
                 ingress: &ms[0],
                 egress: &ms[1],
             },
@@ -538,6 +544,7 @@ fn change_sets_apply_in_place_safely() {
                 EndpointSpec {
                     ips: &other,
                     identity: 43,
+                    identities: &[],
                     ingress: &ms[0],
                     egress: &ms[1],
                 },
@@ -609,6 +616,7 @@ fn change_sets_apply_in_place_safely() {
                 let spec = EndpointSpec {
                     ips: &other,
                     identity: 43,
+                    identities: &[],
                     ingress: &ms[0],
                     egress: &ms[1],
                 };

@@ -21,7 +21,7 @@ use std::{
 
 use common::*;
 use ordnet_datapath::{
-    Datapath, DatapathConfig, EndpointSpec, IpNet, UserCt, XdpAction,
+    ControlPlane as _, Datapath, DatapathConfig, EndpointSpec, IpNet, UserCt, XdpAction,
     common::{
         ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6, IPPROTO_AH, IPPROTO_DSTOPTS,
         IPPROTO_FRAGMENT, IPPROTO_HOPOPTS, IPPROTO_ROUTING, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
@@ -124,6 +124,7 @@ fn set_ingress(dp: &mut Datapath, ingress: &MapState) {
         EndpointSpec {
             ips: &ips,
             identity: 2,
+            identities: &[],
             ingress,
             egress: &open(Direction::Egress),
         },
@@ -592,7 +593,7 @@ fn verdicts_of_crafted_frames() {
             .test_run(frame)
             .unwrap_or_else(|e| panic!("{name}: test run failed: {e}"))
             .action;
-        let userspace = XdpAction::from(dp.userspace_decide(frame).verdict);
+        let userspace = XdpAction::from(dp.decide(frame).verdict);
         if kernel != *expect || userspace != *expect {
             failures.push(format!(
                 "{name}: expected {expect:?}, kernel {kernel:?}, userspace {userspace:?} \
@@ -609,7 +610,7 @@ fn verdicts_of_crafted_frames() {
         "the kernel refuses a 13-byte frame"
     );
     assert_eq!(
-        dp.userspace_decide(runt).verdict,
+        dp.decide(runt).verdict,
         ordnet_datapath::common::Verdict::Drop
     );
     assert_eq!(dp.verify().unwrap(), Vec::<String>::new());
@@ -691,7 +692,7 @@ fn kernel_and_userspace_agree_on_mutated_frames() {
             }
         }
         let kernel = dp.test_run(&f).expect("test run").action;
-        let userspace = XdpAction::from(dp.userspace_decide_with(&f, &ct).verdict);
+        let userspace = XdpAction::from(dp.decide_with(&f, &ct).verdict);
         match kernel {
             XdpAction::Pass => pass += 1,
             XdpAction::Drop => drop += 1,
@@ -794,6 +795,7 @@ fn world_endpoints(dp: &mut Datapath, w: &World) {
             EndpointSpec {
                 ips: &a_ips,
                 identity: 2,
+                identities: &[],
                 ingress: &w.a[0],
                 egress: &w.a[1],
             },
@@ -803,6 +805,7 @@ fn world_endpoints(dp: &mut Datapath, w: &World) {
             EndpointSpec {
                 ips: &b_ips,
                 identity: 4,
+                identities: &[],
                 ingress: &w.b[0],
                 egress: &w.b[1],
             },
@@ -968,7 +971,7 @@ fn differential_random_mapstates() {
         for i in 0..PACKETS {
             let f = random_frame(&mut rng, &points);
             let kernel = dp.test_run(&f).expect("test run").action;
-            let d = dp.userspace_decide(&f);
+            let d = dp.decide(&f);
             let want = world_expect(&world, &f);
             total += 1;
             if kernel == PASS {
@@ -1024,6 +1027,7 @@ fn conntrack_replies_and_policy_changes() {
             EndpointSpec {
                 ips: &a_ips,
                 identity: 2,
+                identities: &[],
                 ingress: &isolated,
                 egress,
             },
@@ -1035,7 +1039,7 @@ fn conntrack_replies_and_policy_changes() {
     let mut checked = 0;
     let mut check = |dp: &Datapath, what: &str, f: Vec<u8>, want: XdpAction, reason: Reason| {
         let kernel = dp.test_run(&f).unwrap().action;
-        let user = dp.userspace_decide_with(&f, &ct);
+        let user = dp.decide_with(&f, &ct);
         assert_eq!(
             (kernel, XdpAction::from(user.verdict), user.reason),
             (want, want, reason),
@@ -1285,6 +1289,7 @@ fn conntrack_entries_expire() {
         EndpointSpec {
             ips: &a_ips,
             identity: 2,
+            identities: &[],
             ingress: &isolated,
             egress: &open(Direction::Egress),
         },
@@ -1402,6 +1407,7 @@ fn no_transient_allow_while_rule_sets_are_replaced() {
         EndpointSpec {
             ips,
             identity: 2,
+            identities: &[],
             ingress: &s[0],
             egress: &s[1],
         }
@@ -1466,6 +1472,7 @@ fn no_transient_allow_while_rule_sets_are_replaced() {
                 EndpointSpec {
                     ips: &b_ips,
                     identity: 4,
+                    identities: &[],
                     ingress: &states[g][0],
                     egress: &states[g][1],
                 },
@@ -1764,7 +1771,7 @@ fn restart_adopts_pins_without_changing_verdicts() {
     for f in &frames {
         let want = world_expect(&changed, f);
         assert_eq!(dp.test_run(f).unwrap().action, want);
-        assert_eq!(XdpAction::from(dp.userspace_decide(f).verdict), want);
+        assert_eq!(XdpAction::from(dp.decide(f).verdict), want);
     }
     assert_eq!(dp.verify().unwrap(), Vec::<String>::new());
     if veth {
@@ -1810,6 +1817,7 @@ fn memory_grows_with_distinct_policies_not_endpoints() {
     let spec = |i: usize| EndpointSpec {
         ips: &ips[i],
         identity: 9,
+        identities: &[],
         ingress: &ingress,
         egress: &egress,
     };

@@ -1,0 +1,595 @@
+//! The programming operations of a datapath, written once for both datapaths:
+//!
+//! * [`Datapath`](crate::Datapath): the loaded XDP program; its [`TableWriter`] writes the
+//!   BPF maps and mirrors them in a [`MemTables`];
+//! * [`MemDatapath`]: no kernel at all, the tables are a [`MemTables`] (the offline CLI, tests).
+//!
+//! Both implement [`ControlPlane`] by handing out their [`Control`] and their writer; every
+//! operation (endpoints, identities, host addresses, change sets) and the userspace decision
+//! ([`ControlPlane::decide`]: `ordnet_datapath_common::decide`, the function the XDP program
+//! runs, over the tables) is a provided method, so the two cannot drift apart.
+
+use std::{collections::BTreeMap, net::IpAddr};
+
+use ipnet::IpNet;
+use ordnet_datapath_common::Decision;
+use ordnet_mapstate::{ChangeSet, Direction, Verdict};
+
+use crate::{
+    DatapathConfig, DatapathError,
+    control::{Control, EndpointAddresses, EndpointSpec, EndpointState},
+    flat::RuleSetContent,
+    store::{SlotInfo, Store, WriteStats},
+    sys,
+    tables::{MemTables, TableWriter, UserCt},
+};
+
+/// The programming operations of a datapath (see the module documentation). Implementors
+/// provide access to their parts; everything else is provided.
+pub trait ControlPlane {
+    /// The control state and the writer of the tables, borrowed together.
+    fn parts(&mut self) -> (&mut Control, &mut dyn TableWriter);
+
+    /// The control state (endpoints, rule sets, ipcache bookkeeping).
+    fn control(&self) -> &Control;
+
+    /// An exact copy of what the maps hold (connection tracking excepted).
+    fn tables(&self) -> &MemTables;
+
+    /// Sets this node's own addresses: traffic between them and local endpoints is never
+    /// filtered.
+    fn set_host_addresses(&mut self, ips: &[IpAddr]) -> Result<WriteStats, DatapathError> {
+        let (c, w) = self.parts();
+        Ok(c.set_hosts(w, ips)?)
+    }
+
+    /// This node's addresses.
+    fn host_addresses(&self) -> Vec<IpAddr> {
+        self.control().hosts().collect()
+    }
+
+    /// Sets the identity of a network: a single address (remote pod, node) or a CIDR.
+    fn set_identity(&mut self, net: IpNet, identity: u32) -> Result<WriteStats, DatapathError> {
+        self.set_identities(&[(net, Some(identity))])
+    }
+
+    /// Removes the identity of a network.
+    fn remove_identity(&mut self, net: IpNet) -> Result<WriteStats, DatapathError> {
+        self.set_identities(&[(net, None)])
+    }
+
+    /// Sets (`Some`) or removes (`None`) identities of networks, in one batch.
+    fn set_identities(
+        &mut self,
+        entries: &[(IpNet, Option<u32>)],
+    ) -> Result<WriteStats, DatapathError> {
+        let (c, w) = self.parts();
+        Ok(c.set_identities(w, entries)?)
+    }
+
+    /// Creates or changes one local endpoint: addresses, identity and both MapStates.
+    fn upsert_endpoint(
+        &mut self,
+        id: u32,
+        spec: EndpointSpec<'_>,
+    ) -> Result<WriteStats, DatapathError> {
+        self.update_endpoints(&[(id, spec)])
+    }
+
+    /// Creates or changes several endpoints in one operation. Endpoints with identical
+    /// MapStates share one rule set; when every user of a rule set moves to the same new
+    /// MapState in one batch, only the changed keys are written (in place, in the safe order).
+    fn update_endpoints(
+        &mut self,
+        batch: &[(u32, EndpointSpec<'_>)],
+    ) -> Result<WriteStats, DatapathError> {
+        let (c, w) = self.parts();
+        Ok(c.update_endpoints(w, batch)?)
+    }
+
+    /// Applies MapState change sets (as `MapState::apply` returns them) to endpoints, with the
+    /// new isolation defaults. In the common case (every endpoint that uses a rule set gets the
+    /// same changes) the cost is the size of the changes, not of the MapState. A change set
+    /// that does not fit the datapath's keys (e.g. computed against another state) is an error
+    /// (`ControlError::StaleChanges`) and nothing is written: apply the full MapState with
+    /// `update_endpoints` then.
+    fn apply_changes(
+        &mut self,
+        batch: &[(u32, Direction, &ChangeSet, Verdict)],
+    ) -> Result<WriteStats, DatapathError> {
+        let (c, w) = self.parts();
+        Ok(c.apply_changes(w, batch)?)
+    }
+
+    /// Changes the addresses and identities of existing endpoints, keeping their rule sets.
+    fn set_endpoint_addresses(
+        &mut self,
+        batch: &[(u32, EndpointAddresses<'_>)],
+    ) -> Result<WriteStats, DatapathError> {
+        let (c, w) = self.parts();
+        Ok(c.set_endpoint_addresses(w, batch)?)
+    }
+
+    /// Removes an endpoint.
+    fn remove_endpoint(&mut self, id: u32) -> Result<WriteStats, DatapathError> {
+        self.remove_endpoints(&[id])
+    }
+
+    /// Removes several endpoints in one operation.
+    fn remove_endpoints(&mut self, ids: &[u32]) -> Result<WriteStats, DatapathError> {
+        let (c, w) = self.parts();
+        Ok(c.remove_endpoints(w, ids)?)
+    }
+
+    /// The endpoints, by id.
+    fn endpoints(&self) -> &BTreeMap<u32, EndpointState> {
+        self.control().endpoints()
+    }
+
+    /// The rule sets in use.
+    fn rulesets(&self) -> Vec<SlotInfo> {
+        self.control().store().slots_in_use()
+    }
+
+    /// The keys of a rule set slot.
+    fn ruleset_content(&self, slot: u32) -> Option<&RuleSetContent> {
+        self.control().store().content(slot)
+    }
+
+    /// Clears released rule sets whose grace period is over (also done by every update).
+    fn reclaim(&mut self) -> Result<WriteStats, DatapathError> {
+        let (c, w) = self.parts();
+        Ok(c.reclaim(w)?)
+    }
+
+    /// The global policy revision.
+    fn revision(&self) -> u64 {
+        self.control().revision()
+    }
+
+    /// The XDP program's decision function run in userspace over the tables, for a packet of
+    /// a flow that is not tracked (connection-tracking writes are discarded).
+    fn decide(&self, frame: &[u8]) -> Decision {
+        self.decide_with(frame, &UserCt::default())
+    }
+
+    /// The same with a caller-owned connection-tracking table (to follow a packet sequence).
+    fn decide_with(&self, frame: &[u8], ct: &UserCt) -> Decision {
+        ordnet_datapath_common::decide(
+            &ordnet_datapath_common::parse(frame),
+            &self.tables().with_ct(ct),
+        )
+    }
+}
+
+/// A datapath without a kernel: the same control plane writing a [`MemTables`], decided by
+/// the same function as the XDP program ([`ControlPlane::decide`]). The offline CLI programs
+/// one of these exactly as the agent programs the kernel.
+#[derive(Debug)]
+pub struct MemDatapath {
+    control: Control,
+    tables: MemTables,
+}
+
+impl MemDatapath {
+    /// Empty tables of the configuration's sizes (rule sets, blocks, grace period and
+    /// connection-tracking lifetimes; the map capacities of the kernel are not enforced). The
+    /// clock runs at [`sys::FALLBACK_HZ`] ticks per second.
+    pub fn new(config: &DatapathConfig) -> MemDatapath {
+        use ordnet_datapath_common::layout::{BLOCK_WORDS, CELLS_PER_RULESET};
+        let mut dp = MemDatapath {
+            control: Control::new(
+                Store::new(config.max_rulesets, config.max_blocks, config.grace),
+                config.clock_state(sys::FALLBACK_HZ),
+            ),
+            tables: MemTables::new(
+                config.max_rulesets * CELLS_PER_RULESET,
+                config.max_blocks * BLOCK_WORDS,
+            ),
+        };
+        // Revision 1, as a kernel datapath starts.
+        dp.control
+            .set_hosts(&mut dp.tables, &[])
+            .expect("writing to memory cannot fail");
+        dp
+    }
+}
+
+impl Default for MemDatapath {
+    fn default() -> Self {
+        MemDatapath::new(&DatapathConfig::default())
+    }
+}
+
+impl ControlPlane for MemDatapath {
+    fn parts(&mut self) -> (&mut Control, &mut dyn TableWriter) {
+        (&mut self.control, &mut self.tables)
+    }
+
+    fn control(&self) -> &Control {
+        &self.control
+    }
+
+    fn tables(&self) -> &MemTables {
+        &self.tables
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use ordnet_datapath_common::{
+        Reason, Verdict as Xdp,
+        craft::{L4, frame_between},
+    };
+    use std::sync::Arc;
+
+    use ordnet_mapstate::{
+        Direction, EntryId, Key, L4Match, L4Prefix, MapState, OrderKey, Origin, Peer, PolicyEntry,
+        Protocol, Selector, Update, Verdict,
+    };
+
+    use super::*;
+    use crate::ControlError;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    fn tcp(src: &str, dst: &str, port: u16) -> Vec<u8> {
+        frame_between(
+            ip(src),
+            ip(dst),
+            L4::Tcp {
+                sport: 40000,
+                dport: port,
+            },
+        )
+        .unwrap()
+    }
+
+    fn small() -> MemDatapath {
+        MemDatapath::new(&DatapathConfig {
+            max_rulesets: 8,
+            max_blocks: 16,
+            grace: Duration::ZERO,
+            ..DatapathConfig::default()
+        })
+    }
+
+    fn entry(id: u64, peer: u32, l4: L4Match) -> Update {
+        Update::AddEntry(PolicyEntry {
+            id: EntryId(id),
+            order: OrderKey::new(0, id as u32),
+            verdict: Verdict::Allow,
+            selector: Selector::ids([peer]),
+            l4,
+            origin: Arc::new(Origin {
+                kind: "Test".into(),
+                namespace: None,
+                name: format!("r{id}"),
+                direction: Direction::Ingress,
+                rule_index: id as u32,
+                priority: 0,
+                action: Verdict::Allow,
+            }),
+        })
+    }
+
+    /// An ingress MapState that denies by default and allows `peer` on TCP `port`.
+    fn allow_from(peer: u32, port: u16) -> MapState {
+        let mut ms = MapState::new(Direction::Ingress, Verdict::Deny);
+        ms.apply([entry(1, peer, L4Match::port(Protocol::Tcp, port))])
+            .unwrap();
+        ms
+    }
+
+    #[test]
+    fn programs_and_decides_like_the_kernel_program() {
+        let mut dp = small();
+        assert_eq!(dp.revision(), 1);
+        let open = MapState::new(Direction::Egress, Verdict::Allow);
+        let ingress = allow_from(7, 80);
+        let ips = [ip("10.0.0.5"), ip("fd00::5")];
+        dp.upsert_endpoint(
+            1,
+            EndpointSpec {
+                ips: &ips,
+                identity: 99,
+                identities: &[],
+                ingress: &ingress,
+                egress: &open,
+            },
+        )
+        .unwrap();
+        dp.set_identities(&[
+            ("10.0.1.7/32".parse().unwrap(), Some(7)),
+            ("fd00:1::7/128".parse().unwrap(), Some(7)),
+            ("10.0.1.8/32".parse().unwrap(), Some(8)),
+        ])
+        .unwrap();
+        let d = dp.decide(&tcp("10.0.1.7", "10.0.0.5", 80));
+        assert_eq!((d.verdict, d.reason), (Xdp::Pass, Reason::Allowed));
+        let d = dp.decide(&tcp("fd00:1::7", "fd00::5", 80));
+        assert_eq!((d.verdict, d.reason), (Xdp::Pass, Reason::Allowed));
+        let d = dp.decide(&tcp("10.0.1.7", "10.0.0.5", 81));
+        assert_eq!((d.verdict, d.reason), (Xdp::Drop, Reason::IngressDenied));
+        let d = dp.decide(&tcp("10.0.1.8", "10.0.0.5", 80));
+        assert_eq!(d.verdict, Xdp::Drop);
+        // Neither end local: not ours to judge.
+        assert_eq!(
+            dp.decide(&tcp("10.0.1.8", "10.0.1.7", 80)).reason,
+            Reason::NotLocal
+        );
+        // The node's own address is exempt.
+        dp.set_host_addresses(&[ip("10.0.0.254")]).unwrap();
+        assert_eq!(dp.host_addresses(), vec![ip("10.0.0.254")]);
+        assert_eq!(
+            dp.decide(&tcp("10.0.0.254", "10.0.0.5", 81)).reason,
+            Reason::Host
+        );
+        // Removing the endpoint: its address is no longer judged.
+        dp.remove_endpoint(1).unwrap();
+        assert!(dp.endpoints().is_empty());
+        assert_eq!(
+            dp.decide(&tcp("10.0.1.7", "10.0.0.5", 81)).reason,
+            Reason::NotLocal
+        );
+        // Its rule set was released and cleared (zero grace).
+        assert!(dp.rulesets().is_empty());
+    }
+
+    #[test]
+    fn per_address_identities_and_readdressing() {
+        let mut dp = small();
+        let open_in = MapState::new(Direction::Ingress, Verdict::Allow);
+        let open_out = MapState::new(Direction::Egress, Verdict::Allow);
+        // Endpoint 2 only accepts identity 11 on port 80.
+        let ingress = allow_from(11, 80);
+        let a = [ip("10.0.0.1"), ip("fd00::1")];
+        let b = [ip("10.0.0.2"), ip("fd00::2")];
+        // A dual-stack pod whose IPv6 address has another identity (11) than its IPv4 one (10).
+        dp.update_endpoints(&[
+            (
+                1,
+                EndpointSpec {
+                    ips: &a,
+                    identity: 0,
+                    identities: &[10, 11],
+                    ingress: &open_in,
+                    egress: &open_out,
+                },
+            ),
+            (
+                2,
+                EndpointSpec {
+                    ips: &b,
+                    identity: 20,
+                    identities: &[],
+                    ingress: &ingress,
+                    egress: &open_out,
+                },
+            ),
+        ])
+        .unwrap();
+        assert_eq!(dp.endpoints()[&1].identity_of(ip("fd00::1")), Some(11));
+        assert_eq!(dp.endpoints()[&2].identity_of(ip("fd00::2")), Some(20));
+        assert_eq!(
+            dp.decide(&tcp("10.0.0.1", "10.0.0.2", 80)).verdict,
+            Xdp::Drop
+        );
+        assert_eq!(dp.decide(&tcp("fd00::1", "fd00::2", 80)).verdict, Xdp::Pass);
+        // A wrong number of identities is an error, and nothing changes.
+        let before = dp.tables().canonical();
+        let e = dp
+            .upsert_endpoint(
+                3,
+                EndpointSpec {
+                    ips: &[ip("10.0.0.3")],
+                    identity: 0,
+                    identities: &[1, 2],
+                    ingress: &open_in,
+                    egress: &open_out,
+                },
+            )
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                DatapathError::Control(ControlError::IdentityCount { endpoint: 3, .. })
+            ),
+            "{e}"
+        );
+        assert_eq!(dp.tables().canonical(), before);
+        // Endpoint 1 changes identity (IPv4 now 11) and address (IPv6 moves to fd00::3).
+        let rulesets = dp.rulesets();
+        dp.set_endpoint_addresses(&[(
+            1,
+            EndpointAddresses {
+                ips: &[ip("10.0.0.1"), ip("fd00::3")],
+                identity: 11,
+                identities: &[],
+            },
+        )])
+        .unwrap();
+        assert_eq!(dp.rulesets(), rulesets, "rule sets are kept");
+        assert_eq!(
+            dp.decide(&tcp("10.0.0.1", "10.0.0.2", 80)).verdict,
+            Xdp::Pass
+        );
+        assert_eq!(dp.decide(&tcp("fd00::3", "fd00::2", 80)).verdict, Xdp::Pass);
+        // The old address is no longer an endpoint (no identity either).
+        assert!(
+            !dp.tables()
+                .ipcache
+                .contains_key(&crate::ip_key(ip("fd00::1")))
+        );
+        // An address of another endpoint cannot be taken.
+        let e = dp
+            .set_endpoint_addresses(&[(
+                1,
+                EndpointAddresses {
+                    ips: &[ip("10.0.0.2")],
+                    identity: 11,
+                    identities: &[],
+                },
+            )])
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                DatapathError::Control(ControlError::AddressInUse { owner: 2, .. })
+            ),
+            "{e}"
+        );
+        // Unknown endpoint.
+        assert!(
+            dp.set_endpoint_addresses(&[(
+                9,
+                EndpointAddresses {
+                    ips: &[],
+                    identity: 1,
+                    identities: &[],
+                },
+            )])
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn stale_change_sets_are_refused_without_writes() {
+        let mut dp = small();
+        let open_out = MapState::new(Direction::Egress, Verdict::Allow);
+        let mut ingress = allow_from(7, 80);
+        dp.upsert_endpoint(
+            1,
+            EndpointSpec {
+                ips: &[ip("10.0.0.1")],
+                identity: 5,
+                identities: &[],
+                ingress: &ingress,
+                egress: &open_out,
+            },
+        )
+        .unwrap();
+        // A real change set applies in place.
+        let cs = ingress.apply([entry(2, 8, L4Match::Any)]).unwrap();
+        let stats = dp
+            .apply_changes(&[(1, Direction::Ingress, &cs, Verdict::Deny)])
+            .unwrap();
+        assert_eq!(stats.rulesets_updated, 1, "{stats:?}");
+        dp.set_identity("10.0.1.8/32".parse().unwrap(), 8).unwrap();
+        assert_eq!(
+            dp.decide(&tcp("10.0.1.8", "10.0.0.1", 9)).verdict,
+            Xdp::Pass
+        );
+        // Applying it again does not fit: an error, and nothing is written.
+        let before = dp.tables().canonical();
+        let e = dp
+            .apply_changes(&[(1, Direction::Ingress, &cs, Verdict::Deny)])
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                DatapathError::Control(ControlError::StaleChanges { endpoint: 1, .. })
+            ),
+            "{e}"
+        );
+        assert_eq!(dp.tables().canonical(), before);
+        let key = Key {
+            peer: Peer::Id(8),
+            prefix: L4Prefix::ANY,
+        };
+        assert!(ingress.get(&key).is_some());
+    }
+
+    /// A rule set changed in place must not be shared by another change of the same batch
+    /// whose result equals its old content (regression: the egress side took the ingress
+    /// slot and then received the ingress changes too).
+    #[test]
+    fn a_rule_set_changed_in_place_is_not_shared_by_its_old_content() {
+        use ordnet_mapstate::{ChangeSet, StateEntry};
+        let mut dp = small();
+        let st = |v: Verdict| StateEntry {
+            verdict: v,
+            order: OrderKey::new(0, 0),
+            entries: Vec::new(),
+            origins: Vec::new(),
+            synthesized: false,
+        };
+        let star = Key {
+            peer: Peer::Any,
+            prefix: L4Prefix::ANY,
+        };
+        let id5 = Key {
+            peer: Peer::Id(5),
+            prefix: L4Prefix::ANY,
+        };
+        // Ingress: {* allow}; egress: empty.
+        let mut ingress = MapState::new(Direction::Ingress, Verdict::Deny);
+        ingress
+            .apply([Update::AddEntry(PolicyEntry {
+                id: EntryId(1),
+                order: OrderKey::new(0, 0),
+                verdict: Verdict::Allow,
+                selector: Selector::Any,
+                l4: L4Match::Any,
+                origin: Arc::new(Origin {
+                    kind: "Test".into(),
+                    namespace: None,
+                    name: "any".into(),
+                    direction: Direction::Ingress,
+                    rule_index: 0,
+                    priority: 0,
+                    action: Verdict::Allow,
+                }),
+            })])
+            .unwrap();
+        let egress = MapState::new(Direction::Egress, Verdict::Deny);
+        dp.upsert_endpoint(
+            1,
+            EndpointSpec {
+                ips: &[ip("10.0.0.1")],
+                identity: 9,
+                identities: &[],
+                ingress: &ingress,
+                egress: &egress,
+            },
+        )
+        .unwrap();
+        // Ingress gains a key (in place); egress becomes {* allow}, the ingress's old content.
+        let in_cs = ChangeSet {
+            added: vec![(id5, st(Verdict::Deny))],
+            ..ChangeSet::default()
+        };
+        let out_cs = ChangeSet {
+            added: vec![(star, st(Verdict::Allow))],
+            ..ChangeSet::default()
+        };
+        dp.apply_changes(&[
+            (1, Direction::Ingress, &in_cs, Verdict::Deny),
+            (1, Direction::Egress, &out_cs, Verdict::Deny),
+        ])
+        .unwrap();
+        let ep = &dp.endpoints()[&1];
+        assert_ne!(ep.ingress.ruleset, ep.egress.ruleset);
+        let egress_keys = dp.ruleset_content(ep.egress.ruleset).unwrap();
+        assert_eq!(egress_keys.len(), 1, "{egress_keys:?}");
+        assert_eq!(dp.ruleset_content(ep.ingress.ruleset).unwrap().len(), 2);
+        dp.set_identity("10.0.1.5/32".parse().unwrap(), 5).unwrap();
+        // Egress of the endpoint towards identity 5: allowed by the * key only.
+        assert_eq!(
+            dp.decide(&tcp("10.0.0.1", "10.0.1.5", 80)).verdict,
+            Xdp::Pass
+        );
+        assert_eq!(
+            dp.decide(&tcp("10.0.1.5", "10.0.0.1", 80)).verdict,
+            Xdp::Drop
+        );
+        assert_eq!(
+            dp.control().identities(),
+            vec![("10.0.1.5/32".parse().unwrap(), 5)]
+        );
+    }
+}
