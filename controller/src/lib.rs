@@ -2,3 +2,5 @@
 //! integration tests, run it in-process).
 
 pub mod agent;
+pub mod offline;
+pub mod program;
