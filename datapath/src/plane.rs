@@ -514,8 +514,8 @@ mod tests {
         let st = |v: Verdict| StateEntry {
             verdict: v,
             order: OrderKey::new(0, 0),
-            entries: Vec::new(),
-            origins: Vec::new(),
+            entries: Vec::new().into(),
+            origins: Vec::new().into(),
             synthesized: false,
         };
         let star = Key {
