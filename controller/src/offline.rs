@@ -96,12 +96,100 @@ impl OfflineDatapath {
     }
 }
 
-/// The address a flow end is probed at: an address; a pod's first address of `family` (its
-/// primary one when that is of the family). `None`: the pod has no address of the family.
+/// The address a flow end is probed at, as `Engine::flow` chooses it: an address is itself; a
+/// pod is probed at its first address of `family`, else at its first address.
 pub fn probe_address(engine: &Engine, end: &FlowEnd, family: IpFamily) -> Option<IpAddr> {
     match end {
         FlowEnd::Ip(ip) => Some(*ip),
-        FlowEnd::Pod { namespace, name } => engine.endpoint(namespace, name)?.address(family),
+        FlowEnd::Pod { namespace, name } => {
+            let ep = engine.endpoint(namespace, name)?;
+            ep.address(family).or_else(|| ep.ips.first().copied())
+        }
+    }
+}
+
+/// Why [`trace_verdict`] has no verdict.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TraceError {
+    /// The flow cannot be built (an end without an address, ends of two families).
+    Input(String),
+    /// The datapath and the engine's explanation disagree: a bug.
+    Disagreement(String),
+}
+
+/// The datapath's verdict of the flow that `explained` (`Engine::flow` of the same ends,
+/// family, protocol and port) explains, checked against it: the overall verdict and the verdict
+/// of each side the datapath looked up must be the explanation's.
+#[allow(clippy::too_many_arguments)]
+pub fn trace_verdict(
+    engine: &Engine,
+    dp: &OfflineDatapath,
+    from: &FlowEnd,
+    to: &FlowEnd,
+    family: IpFamily,
+    proto: Protocol,
+    port: u16,
+    explained: &ordnet_engine::FlowTrace,
+) -> Result<Verdict, TraceError> {
+    let addr = |end: &FlowEnd| {
+        probe_address(engine, end, family)
+            .ok_or_else(|| TraceError::Input(format!("{end} has no address")))
+    };
+    let (src, dst) = (addr(from)?, addr(to)?);
+    let d = dp.decide(src, dst, proto, port).ok_or_else(|| {
+        TraceError::Input(format!(
+            "{from} is probed at {src} and {to} at {dst}: a flow needs two addresses of one \
+             IP family"
+        ))
+    })?;
+    let verdict = match d.verdict {
+        XdpVerdict::Pass => Verdict::Allow,
+        XdpVerdict::Drop => Verdict::Deny,
+    };
+    let side = |name: &str, dp_side: Option<bool>, engine_side: Option<Verdict>| match (
+        dp_side,
+        engine_side,
+    ) {
+        (Some(allow), Some(v)) if (v == Verdict::Allow) != allow => Some(format!(
+            "{name}: datapath {}, engine {v}",
+            if allow { "allow" } else { "deny" }
+        )),
+        (Some(_), None) => Some(format!(
+            "{name}: the datapath looked it up, the engine has no {name} side"
+        )),
+        _ => None,
+    };
+    let mut wrong: Vec<String> = [
+        side(
+            "egress",
+            d.egress.map(|p| p.allow),
+            explained.egress.as_ref().map(|s| s.verdict),
+        ),
+        side(
+            "ingress",
+            d.ingress.map(|p| p.allow),
+            explained.ingress.as_ref().map(|s| s.verdict),
+        ),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if verdict != explained.verdict {
+        wrong.insert(
+            0,
+            format!(
+                "verdict: datapath {verdict} ({:?}), engine {}",
+                d.reason, explained.verdict
+            ),
+        );
+    }
+    if wrong.is_empty() {
+        Ok(verdict)
+    } else {
+        Err(TraceError::Disagreement(format!(
+            "{from} ({src}) -> {to} ({dst}) {proto}/{port}: {}",
+            wrong.join("; ")
+        )))
     }
 }
 

@@ -770,6 +770,199 @@ spec:
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `matrix` computes its verdicts with the datapath (every pod programmed into an in-memory
+/// datapath, crafted frames decided by the XDP program's function); on every protocol, both
+/// families and with external addresses they equal the engine's own MapState lookups
+/// (`ordnet_engine::matrix`, computed here in the test). `trace` agrees too, and a flow whose
+/// ends are of two families is refused.
+#[test]
+fn datapath_verdicts_equal_the_engine_on_every_protocol_and_family() {
+    let dir = scratch("protocols");
+    let file = dir.join("protocols.yaml");
+    std::fs::write(
+        &file,
+        r#"apiVersion: v1
+kind: Namespace
+metadata: {name: x, labels: {team: x}}
+---
+apiVersion: v1
+kind: Namespace
+metadata: {name: y, labels: {team: y}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: dns, namespace: x, labels: {app: dns}}
+spec:
+  containers: [{name: c, image: i, ports: [{name: dns, containerPort: 53, protocol: UDP}, {name: sig, containerPort: 3868, protocol: SCTP}]}]
+status: {podIP: 10.1.0.1, podIPs: [{ip: 10.1.0.1}, {ip: "fd00:1::1"}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: web, namespace: x, labels: {app: web}}
+status: {podIP: 10.1.0.2, podIPs: [{ip: 10.1.0.2}, {ip: "fd00:1::2"}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: client, namespace: y, labels: {app: client}}
+status: {podIP: 10.2.0.1, podIPs: [{ip: 10.2.0.1}, {ip: "fd00:2::1"}]}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: v4only, namespace: y, labels: {app: client}}
+status: {podIP: 10.2.0.2}
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: dns-in, namespace: x}
+spec:
+  podSelector: {matchLabels: {app: dns}}
+  ingress:
+  - from: [{namespaceSelector: {matchLabels: {team: y}}}]
+    ports: [{port: dns, protocol: UDP}, {port: sig, protocol: SCTP}]
+  - from: [{ipBlock: {cidr: "fd00:2::/64"}}, {ipBlock: {cidr: 203.0.113.0/24, except: [203.0.113.128/25]}}]
+    ports: [{port: 53, protocol: TCP}]
+---
+apiVersion: ordnet.io/v1alpha1
+kind: OrderedNetworkPolicy
+metadata: {name: web-out, namespace: x}
+spec:
+  priority: 10
+  podSelector: {matchLabels: {app: web}}
+  egress:
+  - action: Deny
+    to: [{podSelector: {matchLabels: {app: dns}}}]
+    ports: [{port: 53, protocol: UDP}]
+  - action: Allow
+    to: [{ipBlock: {cidr: 0.0.0.0/0}}]
+---
+apiVersion: ordnet.io/v1alpha1
+kind: ClusterOrderedNetworkPolicy
+metadata: {name: no-sctp-from-y}
+spec:
+  priority: -5
+  namespaceSelector: {matchLabels: {team: x}}
+  ingress:
+  - action: Deny
+    from: [{namespaceSelector: {matchLabels: {team: y}}, podSelector: {matchLabels: {app: client}}}]
+    ports: [{port: 3868, protocol: SCTP}]
+"#,
+    )
+    .unwrap();
+    let f = file.to_str().unwrap();
+    let outcome = ordnet_crds::load_and_validate(std::slice::from_ref(&file));
+    assert!(
+        !outcome.problems.iter().any(|p| p.is_error()),
+        "{:?}",
+        outcome.problems
+    );
+    let engine = ordnet_engine::Engine::build(&outcome.objects);
+    let mut denied = 0;
+    for (family, fam, externals) in [
+        (
+            ordnet_engine::IpFamily::V4,
+            "4",
+            vec!["203.0.113.7", "203.0.113.200", "198.51.100.1"],
+        ),
+        (
+            ordnet_engine::IpFamily::V6,
+            "6",
+            vec!["fd00:2::99", "2001:db8::1"],
+        ),
+    ] {
+        for (proto, name) in [
+            (ordnet_mapstate::Protocol::Tcp, "TCP"),
+            (ordnet_mapstate::Protocol::Udp, "UDP"),
+            (ordnet_mapstate::Protocol::Sctp, "SCTP"),
+        ] {
+            for port in [53u16, 80, 3868] {
+                let port_s = port.to_string();
+                let mut args = vec![
+                    "matrix",
+                    "-f",
+                    f,
+                    "--protocol",
+                    name,
+                    "--port",
+                    &port_s,
+                    "--family",
+                    fam,
+                    "-o",
+                    "json",
+                ];
+                for e in &externals {
+                    args.extend(["--external", e]);
+                }
+                let got = json(&run_ok(&args, 0));
+                let ips: Vec<std::net::IpAddr> =
+                    externals.iter().map(|e| e.parse().unwrap()).collect();
+                let want = ordnet_engine::matrix(&engine, proto, port, &ips, family);
+                assert_eq!(
+                    got,
+                    serde_json::to_value(&want).unwrap(),
+                    "{name}/{port} IPv{fam}"
+                );
+                denied += want
+                    .results
+                    .iter()
+                    .filter(|r| r.verdict == ordnet_mapstate::Verdict::Deny)
+                    .count();
+            }
+        }
+    }
+    assert!(
+        denied > 40,
+        "only {denied} denied pairs: the policies do not bite"
+    );
+    // trace: the datapath's verdict, with the engine's explanation.
+    let out = run_ok(
+        &[
+            "trace",
+            "-f",
+            f,
+            "--from",
+            "y/client",
+            "--to",
+            "x/dns",
+            "--protocol",
+            "SCTP",
+            "--port",
+            "3868",
+        ],
+        0,
+    );
+    assert!(out.contains(": DENY\n"), "{out}");
+    assert!(out.contains("no-sctp-from-y"), "{out}");
+    let out = run_ok(
+        &[
+            "trace",
+            "-f",
+            f,
+            "--from",
+            "fd00:2::1",
+            "--to",
+            "x/dns",
+            "--protocol",
+            "UDP",
+            "--port",
+            "53",
+        ],
+        0,
+    );
+    assert!(
+        out.starts_with("trace UDP/53 from fd00:2::1 (y/client) to x/dns (fd00:1::1): ALLOW"),
+        "{out}"
+    );
+    // y/v4only has no IPv6 address: no flow to an IPv6 address can be built.
+    let out = run(&["trace", "-f", f, "--from", "y/v4only", "--to", "fd00:1::1"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("a flow needs two addresses of one IP family"),
+        "{}",
+        text(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Every `$ ordnet ...` sample in docs/cli.md and the matrix in examples/qa-prod/README.md is
 /// what the binary prints today (samples elided with `...` are checked up to the elision).
 #[test]

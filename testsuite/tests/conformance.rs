@@ -1,6 +1,10 @@
 //! The conformance scenarios (`data/conformance/`, a copy of the shared `conformance/`
 //! directory) run through the CLI's code path: the manifest loader and validator of
-//! `ordnet_crds`, `Engine::build` and `ordnet_engine::matrix` (which `ordnet matrix` prints).
+//! `ordnet_crds`, `Engine::build`, every pod programmed as a local endpoint of an in-memory
+//! datapath (`ordnet::offline::OfflineDatapath`, through `ordnet::program`, the agent's code
+//! path) and `ordnet::offline::matrix`, which decides a crafted frame per pair with the XDP
+//! program's decision function over the flattened maps (what `ordnet matrix` prints). The
+//! engine's own MapState-lookup matrix (`ordnet_engine::matrix`) must agree pair by pair.
 //!
 //! For every scenario and every `expect` probe, every ordered pair of distinct endpoints (pods
 //! with an address, and the scenario's external addresses; pairs of two externals are skipped)
@@ -12,6 +16,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
+use ordnet_datapath::ControlPlane as _;
 use ordnet_engine::{Engine, IpFamily};
 use ordnet_mapstate::{Protocol, Verdict};
 use serde::Deserialize;
@@ -184,6 +189,19 @@ fn check(path: &Path, counts: &mut Counts) -> Vec<String> {
     };
     counts.scenarios += 1;
     let pods = pod_endpoints(&sc.objects);
+    let dp = match ordnet::offline::OfflineDatapath::build(&engine) {
+        Ok(dp) => dp,
+        Err(e) => return vec![format!("{}: programming the datapath: {e}", sc.name)],
+    };
+    // Every pod is a local endpoint of the datapath, so every pair is decided by its lookups.
+    if dp.datapath.endpoints().len() != pods.len() {
+        return vec![format!(
+            "{}: {} endpoints programmed for {} pods",
+            sc.name,
+            dp.datapath.endpoints().len(),
+            pods.len()
+        )];
+    }
     let externals: Vec<String> = sc.externals.iter().map(|ip| ip.to_string()).collect();
     let all: Vec<&String> = pods.iter().chain(&externals).collect();
     let is_pod: BTreeSet<&String> = pods.iter().collect();
@@ -214,7 +232,15 @@ fn check(path: &Path, counts: &mut Counts) -> Vec<String> {
                 )),
             }
         }
-        let m = ordnet_engine::matrix(&engine, proto, probe.port, &sc.externals, IpFamily::V4);
+        let m =
+            ordnet::offline::matrix(&engine, &dp, proto, probe.port, &sc.externals, IpFamily::V4);
+        let by_engine =
+            ordnet_engine::matrix(&engine, proto, probe.port, &sc.externals, IpFamily::V4);
+        if m != by_engine {
+            report.push(format!(
+                "{what}: the datapath's matrix differs from the engine's MapState lookups"
+            ));
+        }
         let mut got: BTreeMap<(String, String), Vec<Verdict>> = BTreeMap::new();
         for r in &m.results {
             got.entry((r.from.clone(), r.to.clone()))

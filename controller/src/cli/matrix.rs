@@ -1,5 +1,7 @@
 //! `ordnet matrix`: the verdict of every ordered pair of endpoints on one protocol and port,
-//! computed by `ordnet_engine::matrix` (MapState lookups only), as a table or as CLI.md's JSON.
+//! as a table or as CLI.md's JSON. Every pod is programmed as a local endpoint of an in-memory
+//! datapath and every verdict is a crafted frame decided by the XDP program's own decision
+//! function over the flattened maps (`ordnet::offline`).
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -58,7 +60,14 @@ pub fn run(args: &MatrixArgs) -> ExitCode {
         Err(code) => return code,
     };
     let proto = render::protocol(args.protocol);
-    let m = ordnet_engine::matrix(&engine, proto, args.port, &externals, family);
+    let dp = match ordnet::offline::OfflineDatapath::build(&engine) {
+        Ok(dp) => dp,
+        Err(e) => {
+            eprintln!("ordnet matrix: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let m = ordnet::offline::matrix(&engine, &dp, proto, args.port, &externals, family);
     match args.output {
         TableOrJson::Json => {
             println!(

@@ -1,11 +1,15 @@
-//! `ordnet trace`: the verdict of one flow and why. Both sides are looked up by
-//! `Engine::flow` (MapState lookups only); this module only renders: for each side the
-//! identities used, the key and entry that matched and the deciding rule(s), or the default and
-//! what isolates the endpoint, then the lookup path through that endpoint's MapState.
+//! `ordnet trace`: the verdict of one flow and why. The verdict is the datapath's: every pod is
+//! programmed as a local endpoint of an in-memory datapath and a crafted frame of the flow is
+//! decided by the XDP program's decision function (`ordnet::offline`). The explanation is
+//! `Engine::flow` (MapState lookups): for each side the identities used, the key and entry that
+//! matched and the deciding rule(s), or the default and what isolates the endpoint, then the
+//! lookup path through that endpoint's MapState. If the two ever disagree, that is a bug: it is
+//! reported as an internal error (exit 3) instead of printing either.
 
 use std::fmt::Write as _;
 use std::process::ExitCode;
 
+use ordnet::offline::{OfflineDatapath, TraceError, trace_verdict};
 use ordnet_engine::{Engine, FlowEnd, FlowTrace, IpFamily, SideDecision, SideTrace};
 use ordnet_mapstate::dump::{Dump, Focus, TreeOptions, key_text};
 use ordnet_mapstate::{Direction, Protocol, Verdict};
@@ -56,10 +60,31 @@ pub fn run(args: &TraceArgs) -> ExitCode {
         _ => IpFamily::V4,
     };
     let proto = render::protocol(args.protocol);
-    let t = engine.flow(&from, &to, family, proto, args.port);
+    let mut t = engine.flow(&from, &to, family, proto, args.port);
     if let Some(e) = &t.error {
         eprintln!("ordnet trace: {e}");
         return ExitCode::from(1);
+    }
+    let dp = match OfflineDatapath::build(&engine) {
+        Ok(dp) => dp,
+        Err(e) => {
+            eprintln!("ordnet trace: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match trace_verdict(&engine, &dp, &from, &to, family, proto, args.port, &t) {
+        Ok(v) => t.verdict = v,
+        Err(TraceError::Input(e)) => {
+            eprintln!("ordnet trace: {e}");
+            return ExitCode::from(1);
+        }
+        Err(TraceError::Disagreement(e)) => {
+            eprintln!(
+                "ordnet trace: INTERNAL ERROR: the datapath and the engine disagree: {e}\n\
+                 ordnet trace: this is a bug in ordnet; please report it with these manifests"
+            );
+            return ExitCode::from(3);
+        }
     }
     match args.output {
         TextOrJson::Json => println!(
