@@ -4,3 +4,4 @@
 pub mod agent;
 pub mod offline;
 pub mod program;
+pub mod render;

@@ -346,42 +346,56 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     );
     let (code, _) = http_get(addr, "/v1/dump?pod=prod/nope").await;
     assert_eq!(code, 400);
-    // `ordnet matrix|trace|dump --agent ADDR -o json` print the agent's answers, which equal
-    // the offline output.
+    // `ordnet matrix|trace|dump --agent ADDR` print the agent's answers, rendered by the
+    // offline renderer: in every output format they equal the offline output byte for byte.
     let agent_addr = addr.to_string();
-    for args in [
-        vec![
-            "matrix",
-            "--protocol",
-            "TCP",
-            "--port",
-            "8081",
-            "--external",
-            "192.0.2.1",
-            "-o",
-            "json",
-        ],
-        vec![
-            "trace",
-            "--from",
-            "qa/grafana",
-            "--to",
-            "10.244.2.10",
-            "--port",
-            "8081",
-            "-o",
-            "json",
-        ],
-        vec![
-            "dump",
-            "--pod",
-            "prod/artifacts",
-            "--direction",
-            "ingress",
-            "-o",
-            "json",
-        ],
+    let matrix = [
+        "matrix",
+        "--protocol",
+        "TCP",
+        "--port",
+        "8081",
+        "--external",
+        "192.0.2.1",
+    ];
+    let trace = [
+        "trace",
+        "--from",
+        "qa/grafana",
+        "--to",
+        "10.244.2.10",
+        "--port",
+        "8081",
+    ];
+    let trace_denied = [
+        "trace",
+        "--from",
+        "qa/tester",
+        "--to",
+        "prod/api",
+        "--port",
+        "8081",
+    ];
+    let dump = ["dump", "--pod", "prod/artifacts", "--direction", "ingress"];
+    let dump_both = ["dump", "--pod", "prod/api"];
+    let mut runs: Vec<Vec<&str>> = Vec::new();
+    for (cmd, formats) in [
+        (&matrix[..], &["table", "json"][..]),
+        (&trace[..], &["text", "json"][..]),
+        (&trace_denied[..], &["text", "json"][..]),
+        (&dump[..], &["tree", "json", "dot"][..]),
+        (&dump_both[..], &["tree", "json", "dot"][..]),
     ] {
+        for f in formats {
+            let mut args = cmd.to_vec();
+            args.extend(["-o", f]);
+            runs.push(args);
+        }
+        // The default format too.
+        runs.push(cmd.to_vec());
+    }
+    for args in runs {
+        let shown = args.join(" ");
         let offline = offline_cli(&api, &args);
         let a = agent_addr.clone();
         let out = tokio::task::spawn_blocking(move || {
@@ -398,8 +412,26 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        assert_eq!(String::from_utf8(out.stdout).unwrap(), offline);
+        assert_eq!(
+            String::from_utf8(out.stdout).unwrap(),
+            offline,
+            "ordnet {shown} --agent"
+        );
+        assert!(!offline.is_empty());
     }
+    // Colour is the client's decision (its terminal): the API renders it when asked.
+    let (code, coloured) = http_get(
+        addr,
+        "/v1/matrix?protocol=TCP&port=8081&output=table&color=1",
+    )
+    .await;
+    assert_eq!(code, 200, "{coloured}");
+    assert!(coloured.contains("\x1b[1;31mX\x1b[0m"), "{coloured}");
+    let (code, bad) = http_get(addr, "/v1/dump?pod=prod/api&output=svg").await;
+    assert_eq!(
+        (code, bad.trim()),
+        (400, "output: \"svg\" is not tree, json or dot")
+    );
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new(env!("CARGO_BIN_EXE_ordnet"))
             .args([

@@ -4,8 +4,8 @@
 //! - the built-in example `examples/qa-prod` tells its story (the demo runs exactly these
 //!   commands, so it cannot rot silently);
 //! - `trace` names the deciding rule or the default, `dump` renders tree/json/dot;
-//! - error cases: unknown pod, bad --from, invalid manifests (exit 1), usage errors and
-//!   `--agent` (exit 2); no colour when stdout is not a terminal.
+//! - error cases: unknown pod, bad --from, invalid manifests, an unreachable `--agent` (exit 1),
+//!   usage errors (exit 2); no colour when stdout is not a terminal.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -578,19 +578,26 @@ fn errors_have_the_documented_exit_codes() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("is not an IPv4 address"));
 
-    // --agent is for a later issue: say so, no output.
+    // --agent with every output format: an agent that is not there is exit 1, no output, and
+    // a message naming its address.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let agent = format!("127.0.0.1:{port}");
     for cmd in ["matrix", "trace", "dump"] {
-        let mut args = vec![cmd, "--agent", "127.0.0.1:9090"];
+        let mut args = vec![cmd, "--agent", &agent];
         match cmd {
             "trace" => args.extend(["--from", "qa/grafana", "--to", "prod/api"]),
             "dump" => args.extend(["--pod", "prod/api"]),
             _ => {}
         }
         let out = run(&args);
-        assert_eq!(out.status.code(), Some(2), "{cmd}");
+        assert_eq!(out.status.code(), Some(1), "{cmd}");
         assert!(out.stdout.is_empty(), "{cmd}");
         assert!(
-            text(&out.stderr).contains("not implemented yet: --agent"),
+            text(&out.stderr).contains(&format!("ordnet {cmd}: agent {agent}: ")),
             "{cmd}: {}",
             text(&out.stderr)
         );

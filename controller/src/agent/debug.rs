@@ -5,12 +5,17 @@
 //! * `GET /readyz`: 200 once the initial sync is programmed, 503 before;
 //! * `GET /metrics`: Prometheus text;
 //! * `GET /v1/problems`: the objects skipped as invalid (JSON);
-//! * `GET /v1/matrix?protocol=TCP&port=80&external=IP&family=4`: `ordnet matrix -o json` over
-//!   this node's endpoints;
-//! * `GET /v1/trace?from=SRC&to=DST&protocol=TCP&port=80&family=4`: `ordnet trace -o json`
-//!   (every pod end must be an endpoint of this node: only its MapStates are programmed here);
-//! * `GET /v1/dump?pod=NS/NAME&direction=ingress|egress`: `ordnet dump -o json`.
+//! * `GET /v1/matrix?protocol=TCP&port=80&external=IP&family=4&output=table|json&width=N`:
+//!   `ordnet matrix` over this node's endpoints;
+//! * `GET /v1/trace?from=SRC&to=DST&protocol=TCP&port=80&family=4&output=text|json`:
+//!   `ordnet trace` (every pod end must be an endpoint of this node: only its MapStates are
+//!   programmed here);
+//! * `GET /v1/dump?pod=NS/NAME&direction=ingress|egress&output=tree|json|dot`: `ordnet dump`.
 //!
+//! `output` defaults to `json`; `color=1` asks for ANSI colours (the client decides, from its
+//! own terminal); `width` is the table width (`$COLUMNS` of the client, default 160). The
+//! answer is rendered by `crate::render`, the renderer of the offline commands, so
+//! `ordnet matrix|trace|dump --agent ADDR` prints exactly what the offline command prints.
 //! Every answer comes from the engine whose MapStates the datapath holds (they are updated
 //! together, under the same locks).
 
@@ -25,13 +30,13 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use ordnet_engine::{EndpointPolicy, Engine, FlowEnd, IdentityKind, IpFamily};
-use ordnet_mapstate::dump::Dump;
-use ordnet_mapstate::{Direction, Identity, Protocol};
+use ordnet_engine::{Engine, FlowEnd, IdentityKind, IpFamily};
+use ordnet_mapstate::{Direction, Protocol};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use super::AgentState;
+use crate::render::{self, Style};
 
 /// Binds `addr` and serves the debug API; returns the bound address and the server task.
 pub async fn serve(
@@ -146,6 +151,21 @@ fn port(q: &BTreeMap<String, Vec<String>>) -> Result<u16, Bad> {
         .map_err(|_| Bad(format!("port: {p:?} is not a port number")))
 }
 
+/// The output format (`output=`, default `json`).
+fn output<F>(
+    q: &BTreeMap<String, Vec<String>>,
+    parse: fn(&str) -> Option<F>,
+    formats: &str,
+) -> Result<F, Bad> {
+    let o = one(q, "output").unwrap_or("json");
+    parse(o).ok_or_else(|| Bad(format!("output: {o:?} is not {formats}")))
+}
+
+/// `color=1`: ANSI colours; anything else: plain text.
+fn style(q: &BTreeMap<String, Vec<String>>) -> Style {
+    Style::new(matches!(one(q, "color"), Some("1" | "true")))
+}
+
 fn family(q: &BTreeMap<String, Vec<String>>) -> Result<IpFamily, Bad> {
     match one(q, "family").unwrap_or("4") {
         "4" => Ok(IpFamily::V4),
@@ -190,7 +210,13 @@ fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
                     StatusCode::SERVICE_UNAVAILABLE,
                     "not ready: waiting for the initial lists",
                 ),
-                Some(Ok(body)) => json(body),
+                Some(Ok(body)) => {
+                    if one(&q, "output").is_none_or(|o| o == "json") {
+                        json(body)
+                    } else {
+                        respond(StatusCode::OK, "text/plain; charset=utf-8", body)
+                    }
+                }
                 Some(Err(Bad(m))) => text(StatusCode::BAD_REQUEST, m),
             }
         }
@@ -216,8 +242,15 @@ fn matrix(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, 
             externals.push(ip);
         }
     }
+    let format = output(q, render::matrix::Format::parse, "table or json")?;
+    let width = match one(q, "width") {
+        None => 160,
+        Some(w) => w
+            .parse()
+            .map_err(|_| Bad(format!("width: {w:?} is not a number")))?,
+    };
     let m = ordnet_engine::matrix(engine, proto, port, &externals, family);
-    Ok(serde_json::to_string_pretty(&m).expect("the matrix serializes") + "\n")
+    Ok(render::matrix::render(&m, family, format, style(q), width))
 }
 
 /// Whether `end` is evaluated by this node: a pod end (by name or by address) must be an
@@ -246,6 +279,7 @@ fn local_end(engine: &Engine, end: &FlowEnd, text: &str) -> Result<(), Bad> {
 }
 
 fn trace(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, Bad> {
+    let format = output(q, render::trace::Format::parse, "text or json")?;
     let proto = protocol(q)?;
     let port = port(q)?;
     let family = family(q)?;
@@ -271,33 +305,21 @@ fn trace(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, B
     if let Some(e) = &t.error {
         return Err(Bad(e.clone()));
     }
-    Ok(serde_json::to_string_pretty(&t).expect("the trace serializes") + "\n")
-}
-
-/// The label of an identity, as `ordnet dump` shows it (`IdentityInfo::label`).
-pub fn identity_label(engine: &Engine, id: Identity) -> Option<String> {
-    engine.identity_info(id).map(|info| info.label())
-}
-
-/// What the default is and why (as `ordnet dump` words it).
-fn default_note(endpoint: &str, p: &EndpointPolicy) -> String {
-    let dir = p.mapstate.direction();
-    if p.isolated {
-        let by: Vec<String> = p
-            .isolated_by
-            .iter()
-            .map(|o| match &o.namespace {
-                Some(ns) => format!("{} {ns}/{}", o.kind, o.name),
-                None => format!("{} {}", o.kind, o.name),
-            })
-            .collect();
-        format!("{endpoint} is isolated for {dir} by {}", by.join(", "))
-    } else {
-        format!("{endpoint} is not isolated for {dir}")
-    }
+    Ok(render::trace::render(
+        engine,
+        &from,
+        &to,
+        family,
+        proto,
+        port,
+        &t,
+        format,
+        style(q),
+    ))
 }
 
 fn dump(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, Bad> {
+    let format = output(q, render::dump::Format::parse, "tree, json or dot")?;
     let pod = one(q, "pod").ok_or_else(|| Bad("pod: required (NAMESPACE/NAME)".into()))?;
     let (ns, name) = pod
         .split_once('/')
@@ -318,10 +340,5 @@ fn dump(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, Ba
             Ok(_) => format!("pod: {pod} is not an endpoint of this node"),
         })
     })?;
-    let mut d = Dump::new(ep.id()).labels(|id| identity_label(engine, id));
-    for dir in dirs {
-        let p = engine.policy(ep, dir);
-        d = d.side(&p.mapstate, Some(default_note(&ep.id(), p)));
-    }
-    Ok(d.json_string())
+    Ok(render::dump::render(engine, ep, &dirs, format, style(q)))
 }

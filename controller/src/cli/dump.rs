@@ -1,26 +1,30 @@
-//! `ordnet dump`: one endpoint's MapState trie (both directions, or one), rendered by
-//! `ordnet_mapstate::dump` as a tree, JSON or Graphviz dot, with identity labels from the engine
-//! and, per direction, what the default is and which policies isolate the endpoint.
+//! `ordnet dump`: one endpoint's MapState trie (both directions, or one), as a tree, JSON or
+//! Graphviz dot. The output is `ordnet::render::dump`, which the agent's debug API uses for
+//! `--agent` too.
 
 use std::process::ExitCode;
 
-use ordnet_engine::EndpointPolicy;
+use ordnet::render::dump::{Format, render};
+use ordnet::render::{Style, color_wanted};
 use ordnet_mapstate::Direction;
-use ordnet_mapstate::dump::{Dump, TreeOptions};
 
-use super::render::{self, Style};
+use super::load::load_engine;
 use super::{DirectionArg, DumpArgs, DumpFormat};
 
 /// Runs `ordnet dump`.
 pub fn run(args: &DumpArgs) -> ExitCode {
+    let format = match args.output {
+        DumpFormat::Tree => Format::Tree,
+        DumpFormat::Json => Format::Json,
+        DumpFormat::Dot => Format::Dot,
+    };
     if let Some(addr) = &args.source.agent {
-        if args.output != DumpFormat::Json {
-            eprintln!(
-                "ordnet dump: not implemented yet: --agent with -o tree or dot (use -o json)"
-            );
-            return ExitCode::from(2);
-        }
-        let mut query = format!("/v1/dump?pod={}", ordnet::agent::client::encode(&args.pod));
+        let mut query = format!(
+            "/v1/dump?pod={}&output={}&color={}",
+            ordnet::agent::client::encode(&args.pod),
+            format.as_str(),
+            u8::from(color_wanted())
+        );
         match args.direction {
             Some(DirectionArg::Ingress) => query.push_str("&direction=ingress"),
             Some(DirectionArg::Egress) => query.push_str("&direction=egress"),
@@ -28,7 +32,7 @@ pub fn run(args: &DumpArgs) -> ExitCode {
         }
         return ordnet::agent::client::print_answer("dump", addr, &query);
     }
-    let engine = match render::load_engine("dump", &args.source) {
+    let engine = match load_engine("dump", &args.source) {
         Ok(e) => e,
         Err(code) => return code,
     };
@@ -50,55 +54,7 @@ pub fn run(args: &DumpArgs) -> ExitCode {
         Some(DirectionArg::Ingress) => vec![Direction::Ingress],
         Some(DirectionArg::Egress) => vec![Direction::Egress],
     };
-    let policies: Vec<&EndpointPolicy> = dirs.iter().map(|d| engine.policy(ep, *d)).collect();
-    let mut dump = Dump::new(ep.id()).labels(|id| render::identity_label(&engine, id));
-    for p in &policies {
-        dump = dump.side(&p.mapstate, Some(default_note(&ep.id(), p)));
-    }
-    match args.output {
-        DumpFormat::Json => print!("{}", dump.json_string()),
-        DumpFormat::Dot => print!("{}", dump.dot()),
-        DumpFormat::Tree => {
-            let style = Style::new(render::color_wanted());
-            let addrs: Vec<String> = ep
-                .ips
-                .iter()
-                .zip(&ep.identities)
-                .map(|(ip, id)| match render::identity_label(&engine, *id) {
-                    Some(l) => format!("{ip} = identity {id} ({l})"),
-                    None => format!("{ip} = identity {id}"),
-                })
-                .collect();
-            println!(
-                "{} {}",
-                style.bold(&format!("endpoint {}:", ep.id())),
-                addrs.join(", ")
-            );
-            println!();
-            print!(
-                "{}",
-                dump.tree(TreeOptions {
-                    color: style.color,
-                    legend: true,
-                    ..TreeOptions::default()
-                })
-            );
-        }
-    }
+    let style = Style::new(color_wanted());
+    print!("{}", render(&engine, ep, &dirs, format, style));
     ExitCode::SUCCESS
-}
-
-/// What the default is and why: `isolated by NetworkPolicy x/deny-all` / `not isolated`.
-fn default_note(endpoint: &str, p: &EndpointPolicy) -> String {
-    let dir = p.mapstate.direction();
-    if p.isolated {
-        let by: Vec<String> = p
-            .isolated_by
-            .iter()
-            .map(|o| render::policy_name(o))
-            .collect();
-        format!("{endpoint} is isolated for {dir} by {}", by.join(", "))
-    } else {
-        format!("{endpoint} is not isolated for {dir}")
-    }
 }

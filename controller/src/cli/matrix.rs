@@ -1,17 +1,26 @@
 //! `ordnet matrix`: the verdict of every ordered pair of endpoints on one protocol and port,
 //! as a table or as CLI.md's JSON. Every pod is programmed as a local endpoint of an in-memory
 //! datapath and every verdict is a crafted frame decided by the XDP program's own decision
-//! function over the flattened maps (`ordnet::offline`).
+//! function over the flattened maps (`ordnet::offline`). The output is `ordnet::render::matrix`,
+//! which the agent's debug API uses for `--agent` too.
 
-use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::process::ExitCode;
 
+use ordnet::render::matrix::{Format, render};
+use ordnet::render::{Style, color_wanted};
 use ordnet_engine::IpFamily;
 
-use super::MatrixArgs;
-use super::TableOrJson;
-use super::render::{self, Style};
+use super::load::{load_engine, protocol};
+use super::{MatrixArgs, TableOrJson};
+
+/// The width the table may take: `$COLUMNS`, else 160.
+fn max_width() -> usize {
+    std::env::var("COLUMNS")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(160)
+}
 
 /// Runs `ordnet matrix`.
 pub fn run(args: &MatrixArgs) -> ExitCode {
@@ -22,6 +31,10 @@ pub fn run(args: &MatrixArgs) -> ExitCode {
             eprintln!("ordnet matrix: --family must be 4 or 6, not {other}");
             return ExitCode::from(2);
         }
+    };
+    let format = match args.output {
+        TableOrJson::Table => Format::Table,
+        TableOrJson::Json => Format::Json,
     };
     let mut externals: Vec<IpAddr> = Vec::new();
     for ip in &args.external {
@@ -36,16 +49,15 @@ pub fn run(args: &MatrixArgs) -> ExitCode {
             externals.push(*ip);
         }
     }
+    let proto = protocol(args.protocol);
     if let Some(addr) = &args.source.agent {
-        if args.output != TableOrJson::Json {
-            eprintln!("ordnet matrix: not implemented yet: --agent with -o table (use -o json)");
-            return ExitCode::from(2);
-        }
         let mut query = format!(
-            "/v1/matrix?protocol={}&port={}&family={}",
-            format!("{:?}", args.protocol).to_uppercase(),
+            "/v1/matrix?protocol={proto}&port={}&family={}&output={}&color={}&width={}",
             args.port,
-            args.family
+            args.family,
+            format.as_str(),
+            u8::from(color_wanted()),
+            max_width()
         );
         for ip in &externals {
             query.push_str(&format!(
@@ -55,11 +67,10 @@ pub fn run(args: &MatrixArgs) -> ExitCode {
         }
         return ordnet::agent::client::print_answer("matrix", addr, &query);
     }
-    let engine = match render::load_engine("matrix", &args.source) {
+    let engine = match load_engine("matrix", &args.source) {
         Ok(e) => e,
         Err(code) => return code,
     };
-    let proto = render::protocol(args.protocol);
     let dp = match ordnet::offline::OfflineDatapath::build(&engine) {
         Ok(dp) => dp,
         Err(e) => {
@@ -68,42 +79,7 @@ pub fn run(args: &MatrixArgs) -> ExitCode {
         }
     };
     let m = ordnet::offline::matrix(&engine, &dp, proto, args.port, &externals, family);
-    match args.output {
-        TableOrJson::Json => {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&m).expect("the matrix serializes")
-            );
-        }
-        TableOrJson::Table => {
-            if m.endpoints.is_empty() {
-                println!(
-                    "no endpoints: no pod has an IPv{} address and no --external was given",
-                    args.family
-                );
-                return ExitCode::SUCCESS;
-            }
-            let verdicts: BTreeMap<(String, String), _> = m
-                .results
-                .iter()
-                .map(|r| ((r.from.clone(), r.to.clone()), r.verdict))
-                .collect();
-            let max_width = std::env::var("COLUMNS")
-                .ok()
-                .and_then(|c| c.parse().ok())
-                .unwrap_or(160);
-            let style = Style::new(render::color_wanted());
-            print!(
-                "{}",
-                render::verdict_grid(
-                    &format!("{proto}/{}", args.port),
-                    &m.endpoints,
-                    &verdicts,
-                    style,
-                    max_width
-                )
-            );
-        }
-    }
+    let style = Style::new(color_wanted());
+    print!("{}", render(&m, family, format, style, max_width()));
     ExitCode::SUCCESS
 }

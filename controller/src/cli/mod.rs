@@ -8,8 +8,8 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 mod crd;
 mod dump;
+mod load;
 mod matrix;
-mod render;
 mod trace;
 mod validate;
 

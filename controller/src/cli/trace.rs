@@ -4,36 +4,38 @@
 //! `Engine::flow` (MapState lookups): for each side the identities used, the key and entry that
 //! matched and the deciding rule(s), or the default and what isolates the endpoint, then the
 //! lookup path through that endpoint's MapState. If the two ever disagree, that is a bug: it is
-//! reported as an internal error (exit 3) instead of printing either.
+//! reported as an internal error (exit 3) instead of printing either. The output is
+//! `ordnet::render::trace`, which the agent's debug API uses for `--agent` too.
 
-use std::fmt::Write as _;
 use std::process::ExitCode;
 
 use ordnet::offline::{OfflineDatapath, TraceError, trace_verdict};
-use ordnet_engine::{Engine, FlowEnd, FlowTrace, IpFamily, SideDecision, SideTrace};
-use ordnet_mapstate::dump::{Dump, Focus, TreeOptions, key_text};
-use ordnet_mapstate::{Direction, Protocol, Verdict};
+use ordnet::render::trace::{Format, render};
+use ordnet::render::{Style, color_wanted};
+use ordnet_engine::{FlowEnd, IpFamily};
 
-use super::render::{self, Cell, Style};
+use super::load::{load_engine, protocol};
 use super::{TextOrJson, TraceArgs};
 
 /// Runs `ordnet trace`.
 pub fn run(args: &TraceArgs) -> ExitCode {
+    let format = match args.output {
+        TextOrJson::Text => Format::Text,
+        TextOrJson::Json => Format::Json,
+    };
     if let Some(addr) = &args.source.agent {
-        if args.output != TextOrJson::Json {
-            eprintln!("ordnet trace: not implemented yet: --agent with -o text (use -o json)");
-            return ExitCode::from(2);
-        }
         let query = format!(
-            "/v1/trace?from={}&to={}&protocol={}&port={}",
+            "/v1/trace?from={}&to={}&protocol={}&port={}&output={}&color={}",
             ordnet::agent::client::encode(&args.from),
             ordnet::agent::client::encode(&args.to),
-            format!("{:?}", args.protocol).to_uppercase(),
-            args.port
+            protocol(args.protocol),
+            args.port,
+            format.as_str(),
+            u8::from(color_wanted())
         );
         return ordnet::agent::client::print_answer("trace", addr, &query);
     }
-    let engine = match render::load_engine("trace", &args.source) {
+    let engine = match load_engine("trace", &args.source) {
         Ok(e) => e,
         Err(code) => return code,
     };
@@ -59,7 +61,7 @@ pub fn run(args: &TraceArgs) -> ExitCode {
         (FlowEnd::Ip(ip), _) | (_, FlowEnd::Ip(ip)) => IpFamily::of(*ip),
         _ => IpFamily::V4,
     };
-    let proto = render::protocol(args.protocol);
+    let proto = protocol(args.protocol);
     let mut t = engine.flow(&from, &to, family, proto, args.port);
     if let Some(e) = &t.error {
         eprintln!("ordnet trace: {e}");
@@ -86,226 +88,12 @@ pub fn run(args: &TraceArgs) -> ExitCode {
             return ExitCode::from(3);
         }
     }
-    match args.output {
-        TextOrJson::Json => println!(
-            "{}",
-            serde_json::to_string_pretty(&t).expect("the trace serializes")
-        ),
-        TextOrJson::Text => {
-            let style = Style::new(render::color_wanted());
-            print!(
-                "{}",
-                text(&engine, &from, &to, family, proto, args.port, &t, style)
-            );
-        }
-    }
+    let style = Style::new(color_wanted());
+    print!(
+        "{}",
+        render(
+            &engine, &from, &to, family, proto, args.port, &t, format, style
+        )
+    );
     ExitCode::SUCCESS
-}
-
-/// `qa/grafana (10.244.1.10)`, `203.0.113.7`, or `10.244.1.10 (qa/grafana)` for a pod's address.
-fn end_text(engine: &Engine, end: &FlowEnd, family: IpFamily) -> String {
-    match end {
-        FlowEnd::Ip(ip) => match engine.endpoints().iter().find(|ep| ep.ips.contains(ip)) {
-            Some(ep) => format!("{ip} ({})", ep.id()),
-            None => ip.to_string(),
-        },
-        FlowEnd::Pod { namespace, name } => {
-            let ip = engine
-                .endpoint(namespace, name)
-                .and_then(|ep| ep.address(family).or_else(|| ep.ips.first().copied()));
-            match ip {
-                Some(ip) => format!("{namespace}/{name} ({ip})"),
-                None => format!("{namespace}/{name}"),
-            }
-        }
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn text(
-    engine: &Engine,
-    from: &FlowEnd,
-    to: &FlowEnd,
-    family: IpFamily,
-    proto: Protocol,
-    port: u16,
-    t: &FlowTrace,
-    style: Style,
-) -> String {
-    let mut out = String::new();
-    let verdict = style.verdict(t.verdict, &t.verdict.as_str().to_uppercase());
-    let _ = writeln!(
-        out,
-        "{} {proto}/{port} from {} to {}: {verdict}",
-        style.bold("trace"),
-        end_text(engine, from, family),
-        end_text(engine, to, family),
-    );
-    if let Some(why) = &t.exemption {
-        let _ = writeln!(out, "  {why}; no policy is consulted");
-        return out;
-    }
-    let deciding: Vec<&str> = [&t.egress, &t.ingress]
-        .into_iter()
-        .flatten()
-        .filter(|s| s.verdict == Verdict::Deny)
-        .map(|s| s.direction.as_str())
-        .collect();
-    let _ = writeln!(
-        out,
-        "  {}",
-        style.dim(&match deciding.as_slice() {
-            [] => "both sides allow (a flow needs the egress side of its source and the ingress side of its destination)".to_string(),
-            [one] => format!("denied on the {one} side (a flow needs both sides to allow)"),
-            _ => "denied on both sides".to_string(),
-        })
-    );
-    for (dir, side, end) in [
-        (Direction::Egress, &t.egress, from),
-        (Direction::Ingress, &t.ingress, to),
-    ] {
-        out.push('\n');
-        match side {
-            Some(s) => side_text(engine, s, proto, port, style, &mut out),
-            None => {
-                let _ = writeln!(
-                    out,
-                    "{} of {end}: {}",
-                    style.bold(dir.as_str()),
-                    style.dim("not a pod, no policy of its own applies")
-                );
-            }
-        }
-    }
-    out
-}
-
-fn side_text(
-    engine: &Engine,
-    s: &SideTrace,
-    proto: Protocol,
-    port: u16,
-    style: Style,
-    out: &mut String,
-) {
-    let _ = writeln!(
-        out,
-        "{} of {}: {}",
-        style.bold(s.direction.as_str()),
-        s.endpoint,
-        style.verdict(s.verdict, s.verdict.as_str())
-    );
-    let mut rows: Vec<Vec<Cell>> = Vec::new();
-    let mut row = |k: &str, v: String| {
-        rows.push(vec![Cell::plain(format!("  {k}")), Cell::plain(v)]);
-    };
-    let towards = match s.direction {
-        Direction::Egress => "to",
-        Direction::Ingress => "from",
-    };
-    let peer_id = match render::identity_label(engine, s.peer_identity) {
-        Some(l) => format!("identity {} ({l})", s.peer_identity),
-        None => format!("identity {}", s.peer_identity),
-    };
-    let peer = if s.peer == s.peer_address.to_string() {
-        s.peer.clone()
-    } else {
-        format!("{} at {}", s.peer, s.peer_address)
-    };
-    row(towards, format!("{peer}, {peer_id}"));
-    let (ns, name) = s.endpoint.split_once('/').unwrap_or(("", &s.endpoint));
-    if let Some(ep) = engine.endpoint(ns, name) {
-        let own: Vec<String> = ep
-            .ips
-            .iter()
-            .zip(&ep.identities)
-            .map(|(ip, id)| format!("{ip} identity {id}"))
-            .collect();
-        row("endpoint", format!("{} ({})", s.endpoint, own.join(", ")));
-    }
-    let policy = engine
-        .endpoint(ns, name)
-        .map(|ep| engine.policy(ep, s.direction));
-    match &s.decision {
-        SideDecision::Matched { key, entry } => {
-            let mut k = format!(
-                "{} -> {} {}",
-                key_text(key),
-                entry.verdict,
-                render_order(entry.order.priority, entry.order.index)
-            );
-            if entry.synthesized {
-                k.push_str(
-                    " [covering copy of a * entry: stronger than a broader key of the identity]",
-                );
-            }
-            row("key", k);
-            let label = if entry.origins.len() > 1 {
-                "rules"
-            } else {
-                "rule"
-            };
-            for (i, o) in entry.origins.iter().enumerate() {
-                row(if i == 0 { label } else { "" }, render::rule_text(o));
-            }
-            if entry.origins.len() > 1 {
-                row(
-                    "",
-                    "(equal order key and verdict: the rules are merged into one key)".into(),
-                );
-            }
-        }
-        SideDecision::Default {
-            isolated,
-            isolated_by,
-        } => {
-            row("key", "none matches: the default applies".into());
-            let why = if *isolated {
-                let by: Vec<String> = isolated_by.iter().map(|o| render::policy_name(o)).collect();
-                format!(
-                    "deny: {} is isolated for {} by {}",
-                    s.endpoint,
-                    s.direction,
-                    by.join(", ")
-                )
-            } else {
-                format!(
-                    "allow: {} is not isolated for {} (no policy that selects it isolates it)",
-                    s.endpoint, s.direction
-                )
-            };
-            row("default", why);
-        }
-    }
-    out.push_str(&render::table(&rows, &[], 2));
-    if let Some(policy) = policy.filter(|p| !p.mapstate.is_empty()) {
-        let _ = writeln!(
-            out,
-            "  lookup in the {} MapState of {} ({} keys; identity first, then *, then the default):",
-            s.direction,
-            s.endpoint,
-            policy.mapstate.len()
-        );
-        let dump = Dump::new(s.endpoint.clone())
-            .side(&policy.mapstate, None)
-            .labels(|id| render::identity_label(engine, id))
-            .focus(Focus {
-                identity: Some(s.peer_identity),
-                protocol: proto,
-                port,
-            });
-        let tree = dump.tree(TreeOptions {
-            color: style.color,
-            path_only: true,
-            omit_header: true,
-            ..TreeOptions::default()
-        });
-        for line in tree.lines() {
-            let _ = writeln!(out, "  {line}");
-        }
-    }
-}
-
-fn render_order(priority: i32, index: u32) -> String {
-    format!("(priority {priority}, rule index {index})")
 }
