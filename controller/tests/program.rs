@@ -9,7 +9,10 @@
 //! * a change set that does not fit (a delta applied twice) falls back to a full update of that
 //!   endpoint and the result is still exact;
 //! * a new `NodeProgram` taking over a programmed datapath (agent restart) keeps every
-//!   endpoint's id, removes nothing and changes nothing.
+//!   endpoint's id, removes nothing and changes nothing;
+//! * (root) the same program and deltas written to the kernel datapath give maps equal to the
+//!   in-memory ones, and the loaded XDP program (`BPF_PROG_TEST_RUN`) decides every probe like
+//!   the in-memory decision.
 //!
 //! Both a cluster-wide engine (every pod local, as the CLI programs it) and a node-scoped one
 //! (`build_for_node`, as the agent programs it) are covered.
@@ -26,7 +29,9 @@ use ordnet::program::NodeProgram;
 use ordnet_datapath::common::craft::{L4, frame_between};
 use ordnet_datapath::common::layout::IpKey;
 use ordnet_datapath::common::{Reason, Verdict as Xdp};
-use ordnet_datapath::{CanonicalRecord, ControlPlane as _, DatapathConfig, MemDatapath};
+use ordnet_datapath::{
+    CanonicalRecord, ControlPlane as _, Datapath, DatapathConfig, MemDatapath, MemTables, XdpAction,
+};
 use ordnet_engine::{BuildOptions, Engine, FlowEnd, IpFamily};
 use ordnet_mapstate::{Protocol, Verdict};
 
@@ -44,8 +49,8 @@ fn config() -> DatapathConfig {
 /// The canonical tables with endpoint ids replaced by the endpoints' names.
 type View = BTreeMap<IpKey, (Option<String>, CanonicalRecord)>;
 
-fn view(p: &NodeProgram, dp: &MemDatapath) -> View {
-    dp.tables()
+fn view(p: &NodeProgram, tables: &MemTables) -> View {
+    tables
         .canonical()
         .ipcache
         .into_iter()
@@ -72,7 +77,7 @@ fn scratch(engine: &Engine) -> (NodeProgram, MemDatapath) {
 
 /// Compares the two programmings; returns the first differences.
 fn compare(what: &str, a: (&NodeProgram, &MemDatapath), b: (&NodeProgram, &MemDatapath)) {
-    let (va, vb) = (view(a.0, a.1), view(b.0, b.1));
+    let (va, vb) = (view(a.0, a.1.tables()), view(b.0, b.1.tables()));
     if va == vb && a.1.tables().cidr == b.1.tables().cidr {
         return;
     }
@@ -374,4 +379,106 @@ fn duplicate_addresses_are_an_error_naming_both_pods() {
         "endpoint x/b: address 10.1.0.1 is also the address of endpoint x/a"
     );
     assert!(dp.endpoints().is_empty(), "nothing half-applied");
+}
+
+/// True when the kernel test may run; false (after saying so) when it must skip. Panics when it
+/// would skip under CI.
+fn privileged() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let euid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .unwrap_or("?")
+        .to_string();
+    if euid == "0" {
+        return true;
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "CI is set but the kernel datapath test needs root (euid is {euid}); refusing to skip"
+    );
+    eprintln!("SKIPPED: the kernel datapath needs root (euid {euid}); with CI set this fails");
+    false
+}
+
+#[test]
+fn the_kernel_datapath_is_programmed_like_the_in_memory_one() {
+    if !privileged() {
+        return;
+    }
+    let mut probes = 0;
+    for seed in 0..6u64 {
+        let mut r = Rng::new(seed + 31_000);
+        let mut world = World::random(&mut r);
+        let mut engine = Engine::build(&world.objects());
+        let mut kernel = Datapath::create(config()).expect("load the XDP program");
+        let mut mem = MemDatapath::new(&config());
+        let (mut pk, mut pm) = (NodeProgram::new(), NodeProgram::new());
+        for (p, dp) in [
+            (
+                &mut pk,
+                &mut kernel as &mut dyn ordnet_datapath::ControlPlane,
+            ),
+            (&mut pm, &mut mem),
+        ] {
+            p.set_host_addresses(dp, &[HOST.parse().unwrap()]).unwrap();
+            p.program_full(&engine, dp).unwrap();
+        }
+        let mut counter = 0;
+        for _ in 0..8 {
+            let change = random_change(&mut r, &mut world, &mut counter);
+            let d = engine.apply(change);
+            pk.apply(&engine, std::slice::from_ref(&d), &mut kernel)
+                .unwrap();
+            pm.apply(&engine, &[d], &mut mem).unwrap();
+        }
+        assert_eq!(
+            kernel.verify().unwrap(),
+            Vec::<String>::new(),
+            "seed {seed}"
+        );
+        assert_eq!(
+            view(&pk, kernel.tables()),
+            view(&pm, mem.tables()),
+            "seed {seed}"
+        );
+        let mut addrs: Vec<IpAddr> = engine
+            .endpoints()
+            .iter()
+            .flat_map(|e| e.ips.clone())
+            .collect();
+        addrs.extend(EXTERNALS.iter().map(|s| s.parse::<IpAddr>().unwrap()));
+        for &src in &addrs {
+            for &dst in &addrs {
+                if src.is_ipv4() != dst.is_ipv4() {
+                    continue;
+                }
+                for l4 in [
+                    L4::Tcp {
+                        sport: 40000,
+                        dport: 80,
+                    },
+                    L4::Udp {
+                        sport: 40001,
+                        dport: 53,
+                    },
+                    L4::Sctp {
+                        sport: 40002,
+                        dport: 8080,
+                    },
+                ] {
+                    let frame = frame_between(src, dst, l4).unwrap();
+                    let want = XdpAction::from(mem.decide(&frame).verdict);
+                    let got = kernel.test_run(&frame).unwrap().action;
+                    assert_eq!(got, want, "seed {seed}: {src} -> {dst} {l4:?}");
+                    probes += 1;
+                }
+                // Each probe is a new flow for both.
+                kernel.ct_clear().unwrap();
+            }
+        }
+    }
+    println!("{probes} probes: kernel == in-memory");
+    assert!(probes > 100, "only {probes} probes");
 }
