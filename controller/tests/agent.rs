@@ -1028,3 +1028,131 @@ async fn shadowed_rules_are_reported_in_status_and_events() {
     })
     .await;
 }
+
+/// `status.subject` and `status.rules` (printer columns Subject and Rules) of a policy.
+fn columns(o: &Value) -> (String, String) {
+    (
+        o["status"]["subject"].as_str().unwrap_or("").to_string(),
+        o["status"]["rules"].as_str().unwrap_or("").to_string(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subject_and_rules_columns_follow_the_selected_pods() {
+    let api = FakeApi::start().await.unwrap();
+    load_dir(&api, &repo().join("examples/qa-prod"));
+    // A CIDR in use that covers the pod network: a dual-stack pod then has two identities (one
+    // per address), and must still be counted once.
+    api.create(
+        json!({"apiVersion": "ordnet.io/v1alpha1", "kind": "OrderedNetworkPolicy",
+        "metadata": {"namespace": "qa", "name": "cidr-user"},
+        "spec": {"priority": 1, "podSelector": {"matchLabels": {"app": "none"}},
+            "egress": [{"action": "Deny", "to": [{"ipBlock": {"cidr": "10.244.0.0/16"}}]}]}}),
+    )
+    .unwrap();
+    let h = start_agent(&api).await;
+    assert!(agent::wait_until(LIMIT, || h.state.is_status_writer()).await);
+    let conp = "ClusterOrderedNetworkPolicy";
+    let onp = "OrderedNetworkPolicy";
+    let guard = "qa-must-not-reach-prod";
+    let exception = "grafana-reads-artifacts";
+    let expect = |ns: &'static str, kind: &'static str, name: &'static str, subject: &str| {
+        let subject = subject.to_string();
+        let api = &api;
+        async move {
+            policy_status(api, kind, ns, name, &subject.clone(), move |o| {
+                columns(o).0 == subject
+            })
+            .await
+        }
+    };
+    // Every pod of prod; one pod; one rule count per direction and action.
+    expect("", conp, guard, "3 pods in 1 namespace").await;
+    expect("", conp, exception, "1 pod in 1 namespace").await;
+    expect("prod", onp, "artifacts-ports", "1 pod").await;
+    expect("qa", onp, "cidr-user", "0 pods").await;
+    let rules = |kind, ns, name| columns(&get(&api, "ordnet.io/v1alpha1", kind, ns, name)).1;
+    assert_eq!(rules(conp, "", guard), "in 0A/1D, out 0A/0D");
+    assert_eq!(rules(conp, "", exception), "in 1A/0D, out 0A/0D");
+    assert_eq!(rules(onp, "prod", "artifacts-ports"), "in 1A/1D, out 0A/0D");
+    assert_eq!(rules(onp, "qa", "cidr-user"), "in 0A/0D, out 0A/1D");
+
+    // Converged: nothing is written again (the analysis reruns after every status write the
+    // watch shows, and finds the same answer).
+    let rv = |kind, ns, name| {
+        get(&api, "ordnet.io/v1alpha1", kind, ns, name)["metadata"]["resourceVersion"].clone()
+    };
+    let before = [rv(conp, "", guard), rv(onp, "prod", "artifacts-ports")];
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        before,
+        [rv(conp, "", guard), rv(onp, "prod", "artifacts-ports")],
+        "status rewritten although nothing changed"
+    );
+
+    // Relabel prod/api into the artifact servers: both policies that select them count it.
+    let mut pod = get(&api, "v1", "Pod", "prod", "api");
+    pod["metadata"]["labels"] = json!({"app": "artifacts"});
+    api.update(pod).unwrap();
+    expect("prod", onp, "artifacts-ports", "2 pods").await;
+    expect("", conp, exception, "2 pods in 1 namespace").await;
+    expect("", conp, guard, "3 pods in 1 namespace").await;
+
+    // A new dual-stack artifact server counts once; a pod without an address (not started)
+    // and a host-network pod are no endpoints and do not count.
+    let pod = |name: &str, status: Value, host: bool| {
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"namespace": "prod", "name": name, "labels": {"app": "artifacts"}},
+            "spec": {"nodeName": "node-2", "hostNetwork": host,
+                     "containers": [{"name": "c", "image": "x"}]},
+            "status": status})
+    };
+    api.create(pod(
+        "artifacts-2",
+        json!({"podIP": "10.244.2.20",
+               "podIPs": [{"ip": "10.244.2.20"}, {"ip": "fd00:244::20"}]}),
+        false,
+    ))
+    .unwrap();
+    api.create(pod("artifacts-pending", json!({}), false))
+        .unwrap();
+    api.create(pod(
+        "artifacts-host",
+        json!({"podIP": "192.168.0.2", "podIPs": [{"ip": "192.168.0.2"}]}),
+        true,
+    ))
+    .unwrap();
+    expect("prod", onp, "artifacts-ports", "3 pods").await;
+    expect("", conp, exception, "3 pods in 1 namespace").await;
+    expect("", conp, guard, "4 pods in 1 namespace").await;
+
+    // qa becomes a prod namespace too: the guardrail now selects pods of two namespaces.
+    let mut ns = get(&api, "v1", "Namespace", "", "qa");
+    ns["metadata"]["labels"] = json!({"env": "prod"});
+    api.update(ns).unwrap();
+    expect("", conp, guard, "6 pods in 2 namespaces").await;
+    // ... and a deleted pod leaves the count.
+    api.delete("v1", "Pod", "prod", "artifacts-2").unwrap();
+    expect("", conp, guard, "5 pods in 2 namespaces").await;
+    expect("prod", onp, "artifacts-ports", "2 pods").await;
+
+    // An invalid policy is not enforced; its rules are still counted. Fixed, it counts its pods.
+    api.create(json!({"apiVersion": "ordnet.io/v1alpha1", "kind": onp,
+        "metadata": {"namespace": "prod", "name": "broken"},
+        "spec": {"priority": 5, "podSelector": {}, "ingress": [{"action": "Allow",
+            "ports": [{"port": 90, "endPort": 80}]}], "egress": [{"action": "Deny"}]}}))
+        .unwrap();
+    policy_status(&api, onp, "prod", "broken", "not enforced", |o| {
+        condition(o, "Accepted", 1).is_some_and(|c| c.0 == "False")
+            && columns(o) == ("not enforced".into(), "in 1A/0D, out 0A/1D".into())
+    })
+    .await;
+    let mut b = get(&api, "ordnet.io/v1alpha1", onp, "prod", "broken");
+    b["spec"]["ingress"][0]["ports"] = json!([{"port": 80, "endPort": 90}]);
+    api.update(b).unwrap();
+    policy_status(&api, onp, "prod", "broken", "fixed", |o| {
+        condition(o, "Accepted", 2).is_some_and(|c| c.0 == "True")
+            && columns(o) == ("3 pods".into(), "in 1A/0D, out 0A/1D".into())
+    })
+    .await;
+}

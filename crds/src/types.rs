@@ -359,7 +359,7 @@ pub struct RuleView<'a> {
         name = "Subject",
         type_ = "string",
         json_path = ".status.subject",
-        description = "The pods the policy applies to"
+        description = "How many pods the policy applies to now"
     ),
     printcolumn(
         name = "Rules",
@@ -431,7 +431,7 @@ pub struct OrderedNetworkPolicySpec {
         name = "Subject",
         type_ = "string",
         json_path = ".status.subject",
-        description = "The pods the policy applies to"
+        description = "How many pods the policy applies to now"
     ),
     printcolumn(
         name = "Rules",
@@ -586,7 +586,8 @@ pub struct PolicyStatus {
         "x-kubernetes-list-map-keys" = ["type"]
     ))]
     pub conditions: Vec<Condition>,
-    /// A short summary of the subject, e.g. `ns=x / role=web` (printer column `Subject`).
+    /// How many pods the policy applies to across the cluster now, e.g. `12 pods`, `40 pods in
+    /// 3 namespaces`; `not enforced` when invalid (printer column `Subject`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub subject: Option<String>,
     /// Rule counts, e.g. `in 2A/1D, out 0A/1D` (printer column `Rules`).

@@ -11,8 +11,12 @@
 //!   `/status` subresource (field manager [`FIELD_MANAGER`]). On a valid policy it also sets
 //!   `status.shadowedRules` and the `RulesShadowed` condition from
 //!   `Engine::shadowed_rules` (cluster-wide, computed from this node's engine), and publishes a
-//!   Warning Event `RuleShadowed` when a new set of shadowed rules is written. It writes only
-//!   when the stored status differs from the wanted one.
+//!   Warning Event `RuleShadowed` when a new set of shadowed rules is written. It also sets the
+//!   printer-column fields `status.subject` (how many pods the policy selects across the
+//!   cluster now, from the same engine and at the same time as the shadow analysis; see
+//!   [`subjects`]) and `status.rules` (the rule counts of the spec, [`rule_counts`]). It writes
+//!   only when the stored status differs from the wanted one, and never the same wanted status
+//!   twice before the watch shows the first write.
 //! * The shadowed-rule analysis runs in the status writer only, off the apply loop (a blocking
 //!   task under the engine's read lock), after the engine applied new changes, at most once per
 //!   [`SHADOW_EVERY`] and at most 10 % of the time (the pause after an analysis is ten times
@@ -35,10 +39,11 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client, Resource};
 use ordnet_crds::{
     Action, CONDITION_ACCEPTED, CONDITION_RULES_SHADOWED, ClusterOrderedNetworkPolicy,
-    EVENT_RULE_SHADOWED, OrderedNetworkPolicy, PolicyStatus, REASON_INVALID, REASON_NOT_SHADOWED,
-    REASON_SHADOWED, REASON_VALID, RuleReference, ShadowedRule,
+    EVENT_RULE_SHADOWED, OrderedNetworkPolicy, OrderedSpec, PolicyStatus, REASON_INVALID,
+    REASON_NOT_SHADOWED, REASON_SHADOWED, REASON_VALID, RuleReference, ShadowedRule,
 };
-use ordnet_engine::{Object, ObjectKind, PolicyKind};
+use ordnet_engine::model::Labels;
+use ordnet_engine::{Engine, IdentityKind, Object, ObjectKind, PolicyKind, PolicyRef};
 use ordnet_mapstate::{Direction, Verdict};
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
@@ -57,6 +62,8 @@ pub const RENEW_EVERY: Duration = Duration::from_secs(5);
 pub const SHADOW_EVERY: Duration = Duration::from_secs(1);
 /// The longest condition message written (the API server allows 32 KiB).
 const MAX_MESSAGE: usize = 4000;
+/// `status.subject` of a policy the engine does not enforce (invalid, or left out by the engine).
+pub const NOT_ENFORCED: &str = "not enforced";
 
 /// What the apply loop knows about the status of one policy.
 #[derive(Debug, Clone, PartialEq)]
@@ -71,18 +78,26 @@ pub struct WantedStatus {
     /// The apply loop's change number of this version of the object: a shadowed-rule report
     /// describes it once the engine has applied this number (`AgentState::applied`).
     pub seq: u64,
+    /// The rule counts of this version's spec ([`rule_counts`]).
+    pub rules: String,
 }
 
 /// The wanted status of a policy object (`seq`: the apply loop's change number), or `None` for
 /// other kinds.
 pub fn wanted(object: &Object, errors: &[String], seq: u64) -> Option<WantedStatus> {
-    let (generation, current, reference) = match object {
-        Object::OrderedNetworkPolicy(p) => {
-            (p.metadata.generation, p.status.clone(), p.object_ref(&()))
-        }
-        Object::ClusterOrderedNetworkPolicy(p) => {
-            (p.metadata.generation, p.status.clone(), p.object_ref(&()))
-        }
+    let (generation, current, reference, rules) = match object {
+        Object::OrderedNetworkPolicy(p) => (
+            p.metadata.generation,
+            p.status.clone(),
+            p.object_ref(&()),
+            rule_counts(&p.spec),
+        ),
+        Object::ClusterOrderedNetworkPolicy(p) => (
+            p.metadata.generation,
+            p.status.clone(),
+            p.object_ref(&()),
+            rule_counts(&p.spec),
+        ),
         _ => return None,
     };
     Some(WantedStatus {
@@ -91,7 +106,100 @@ pub fn wanted(object: &Object, errors: &[String], seq: u64) -> Option<WantedStat
         current,
         reference,
         seq,
+        rules,
     })
+}
+
+/// `status.rules` (printer column Rules): the number of `Allow` and `Deny` rules per direction,
+/// e.g. `in 2A/1D, out 0A/1D`.
+pub fn rule_counts(spec: &impl OrderedSpec) -> String {
+    let count = |rules: Vec<ordnet_crds::RuleView<'_>>| {
+        let allow = rules.iter().filter(|r| r.action == Action::Allow).count();
+        (allow, rules.len() - allow)
+    };
+    let (ia, id) = count(spec.rules(ordnet_crds::Direction::Ingress));
+    let (ea, ed) = count(spec.rules(ordnet_crds::Direction::Egress));
+    format!("in {ia}A/{id}D, out {ea}A/{ed}D")
+}
+
+/// `status.subject` (printer column Subject) of every ordered policy the engine holds: how many
+/// pods its subject selects across the cluster now — `12 pods` for an OrderedNetworkPolicy,
+/// `40 pods in 3 namespaces` for a ClusterOrderedNetworkPolicy (`0 pods` when it selects none).
+///
+/// Counted are the pods the policy applies to: pods with an address that are not host-network
+/// (the engine's endpoints, of every node). Pods not started yet and host-network pods are not.
+/// Works on a node-scoped engine: it reads only the identities (cluster-wide: every member pod
+/// with its labels and its namespace's labels) and the policies' subjects, never MapStates.
+pub fn subjects(engine: &Engine) -> BTreeMap<ObjKey, String> {
+    // Every pod with an identity, once (a dual-stack pod may have one identity per address),
+    // with its labels and its namespace's labels.
+    let mut pods: BTreeMap<(&str, &str), (&Labels, &Labels)> = BTreeMap::new();
+    for info in engine.identities() {
+        if info.kind != IdentityKind::Pod {
+            continue;
+        }
+        for member in &info.members {
+            if let Some((ns, name)) = member.split_once('/') {
+                pods.entry((ns, name))
+                    .or_insert((&info.namespace_labels, &info.labels));
+            }
+        }
+    }
+    // Per namespace: its labels, and how many pods have each set of pod labels (pods with equal
+    // labels in one namespace are selected together: each group is matched once).
+    type Group<'a> = (&'a Labels, BTreeMap<&'a Labels, usize>);
+    let mut groups: BTreeMap<&str, Group<'_>> = BTreeMap::new();
+    for ((ns, _), (ns_labels, labels)) in pods {
+        *groups
+            .entry(ns)
+            .or_insert_with(|| (ns_labels, BTreeMap::new()))
+            .1
+            .entry(labels)
+            .or_default() += 1;
+    }
+    let plural = |n: usize, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
+    let mut out = BTreeMap::new();
+    for p in engine.policies() {
+        let Some(key) = policy_key(&p.id) else {
+            continue;
+        };
+        let namespaces: Vec<(&&str, &Group<'_>)> = match &p.id.namespace {
+            Some(ns) => groups.get_key_value(ns.as_str()).into_iter().collect(),
+            None => groups.iter().collect(),
+        };
+        let (mut selected, mut in_namespaces) = (0, 0);
+        for (ns, (ns_labels, by_labels)) in namespaces {
+            let n: usize = by_labels
+                .iter()
+                .filter(|(labels, _)| p.subject.selects(ns, ns_labels, labels))
+                .map(|(_, n)| n)
+                .sum();
+            selected += n;
+            in_namespaces += usize::from(n > 0);
+        }
+        let text = if p.id.kind == PolicyKind::Ordered || selected == 0 {
+            plural(selected, "pod")
+        } else {
+            format!(
+                "{} in {}",
+                plural(selected, "pod"),
+                plural(in_namespaces, "namespace")
+            )
+        };
+        out.insert(key, text);
+    }
+    out
+}
+
+/// The apply loop's key of an ordered policy (`None` for a NetworkPolicy: it has no status).
+fn policy_key(id: &PolicyRef) -> Option<ObjKey> {
+    let kind = match id.kind {
+        PolicyKind::Ordered => ObjectKind::OrderedNetworkPolicy,
+        PolicyKind::ClusterOrdered => ObjectKind::ClusterOrderedNetworkPolicy,
+        PolicyKind::NetworkPolicy => return None,
+    };
+    let k = KINDS.iter().position(|x| *x == kind)?;
+    Some((k, id.namespace.clone().unwrap_or_default(), id.name.clone()))
 }
 
 /// The status the writer wants one policy to have.
@@ -102,6 +210,10 @@ pub struct Desired {
     pub errors: Vec<String>,
     /// The shadowed rules (valid policies only).
     pub shadowed: Vec<ShadowedRule>,
+    /// `status.subject`: [`subjects`], or [`NOT_ENFORCED`].
+    pub subject: String,
+    /// `status.rules`: [`rule_counts`].
+    pub rules: String,
 }
 
 /// One condition: (type, status, reason, message).
@@ -152,6 +264,8 @@ impl Desired {
         let wanted = self.conditions();
         cur.observed_generation == self.generation
             && cur.shadowed_rules == self.shadowed
+            && cur.subject.as_deref() == Some(self.subject.as_str())
+            && cur.rules.as_deref() == Some(self.rules.as_str())
             && cur
                 .conditions
                 .iter()
@@ -260,6 +374,8 @@ struct Report {
     seq: u64,
     /// Per policy with shadowed rules.
     rules: BTreeMap<ObjKey, Vec<ShadowedRule>>,
+    /// Per ordered policy the engine holds: `status.subject`.
+    subjects: BTreeMap<ObjKey, String>,
     at: Instant,
     took: Duration,
 }
@@ -278,31 +394,18 @@ async fn refresh(state: &Arc<AgentState>, report: &mut Option<Report>) {
         st.with_engine(|e| {
             // Read under the engine's lock: the engine has applied at least this change number.
             let seq = st.applied.load(Ordering::SeqCst);
-            (seq, e.shadowed_rules())
+            (seq, e.shadowed_rules(), subjects(e))
         })
     })
     .await;
-    let Ok(Some((seq, rules))) = result else {
+    let Ok(Some((seq, rules, subjects))) = result else {
         return;
     };
     let mut by_policy: BTreeMap<ObjKey, Vec<&ordnet_engine::ShadowedRule>> = BTreeMap::new();
     for r in &rules {
-        let kind = match r.policy.kind {
-            PolicyKind::Ordered => ObjectKind::OrderedNetworkPolicy,
-            PolicyKind::ClusterOrdered => ObjectKind::ClusterOrderedNetworkPolicy,
-            PolicyKind::NetworkPolicy => continue,
-        };
-        let Some(k) = KINDS.iter().position(|x| *x == kind) else {
-            continue;
-        };
-        by_policy
-            .entry((
-                k,
-                r.policy.namespace.clone().unwrap_or_default(),
-                r.policy.name.clone(),
-            ))
-            .or_default()
-            .push(r);
+        if let Some(key) = policy_key(&r.policy) {
+            by_policy.entry(key).or_default().push(r);
+        }
     }
     *report = Some(Report {
         seq,
@@ -310,6 +413,7 @@ async fn refresh(state: &Arc<AgentState>, report: &mut Option<Report>) {
             .into_iter()
             .map(|(k, v)| (k, api_shadowed(&v)))
             .collect(),
+        subjects,
         at: Instant::now(),
         took: started.elapsed(),
     });
@@ -322,6 +426,8 @@ fn desired(key: &ObjKey, w: &WantedStatus, report: Option<&Report>) -> Option<De
             generation: w.generation,
             errors: w.errors.clone(),
             shadowed: Vec::new(),
+            subject: NOT_ENFORCED.to_string(),
+            rules: w.rules.clone(),
         });
     }
     let report = report.filter(|r| r.seq >= w.seq)?;
@@ -329,6 +435,12 @@ fn desired(key: &ObjKey, w: &WantedStatus, report: Option<&Report>) -> Option<De
         generation: w.generation,
         errors: Vec::new(),
         shadowed: report.rules.get(key).cloned().unwrap_or_default(),
+        subject: report
+            .subjects
+            .get(key)
+            .cloned()
+            .unwrap_or_else(|| NOT_ENFORCED.to_string()),
+        rules: w.rules.clone(),
     })
 }
 
@@ -524,6 +636,8 @@ async fn write_status(
             "observedGeneration": d.generation,
             "conditions": conditions,
             "shadowedRules": d.shadowed,
+            "subject": d.subject,
+            "rules": d.rules,
         },
     });
     let params = PatchParams::apply(FIELD_MANAGER).force();
