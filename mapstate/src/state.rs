@@ -207,6 +207,80 @@ impl Candidates {
     }
 }
 
+/// The keys of one peer, sorted by block like [`Candidates`] (a block just before its
+/// subtree). Most identities have one to a few keys: a sorted vector iterates, compares, copies
+/// and frees far faster than a trie, and a subtree is one contiguous run.
+#[derive(Debug, Clone, Default)]
+struct Keys(Vec<(L4Prefix, StateEntry)>);
+
+/// Up to this many keys, the ancestors of a block are found by a scan instead of one binary
+/// search per prefix length.
+const SCAN_KEYS: usize = 32;
+
+impl Keys {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (L4Prefix, &StateEntry)> + '_ {
+        self.0.iter().map(|(p, e)| (*p, e))
+    }
+
+    fn find(&self, block: &L4Prefix) -> Result<usize, usize> {
+        self.0.binary_search_by(|(p, _)| p.cmp(block))
+    }
+
+    fn get(&self, block: &L4Prefix) -> Option<&StateEntry> {
+        self.find(block).ok().map(|i| &self.0[i].1)
+    }
+
+    /// The keys that cover `block` (itself included), broadest first.
+    fn cover(&self, block: L4Prefix) -> impl Iterator<Item = (L4Prefix, &StateEntry)> + '_ {
+        // Every ancestor sorts before the block (masked bits are not larger; equal bits sort
+        // broader first).
+        let end = self.0.partition_point(|(p, _)| *p <= block);
+        let (scan, lens) = if end <= SCAN_KEYS {
+            (&self.0[..end], 0..0)
+        } else {
+            (&self.0[..0], 0..block.len() + 1)
+        };
+        let scanned = scan
+            .iter()
+            .filter(move |(p, _)| p.covers(&block))
+            .map(|(p, e)| (*p, e));
+        let searched = lens.filter_map(move |len| {
+            let a = <L4Prefix as prefix_trie::Prefix>::from_repr_len(block.raw(), len);
+            self.find(&a).ok().map(|i| (a, &self.0[i].1))
+        });
+        scanned.chain(searched)
+    }
+
+    /// The longest key that covers `block`.
+    fn get_lpm(&self, block: &L4Prefix) -> Option<(L4Prefix, &StateEntry)> {
+        self.cover(*block).last()
+    }
+
+    /// The run of `region` and its subtree.
+    fn run(&self, region: &L4Prefix) -> std::ops::Range<usize> {
+        let start = self.0.partition_point(|(p, _)| *p < *region);
+        let end = start
+            + self.0[start..]
+                .iter()
+                .take_while(|(p, _)| region.covers(p))
+                .count();
+        start..end
+    }
+
+    /// `region` and the keys inside it, in order.
+    fn children(&self, region: &L4Prefix) -> impl Iterator<Item = (L4Prefix, &StateEntry)> + '_ {
+        self.0[self.run(region)].iter().map(|(p, e)| (*p, e))
+    }
+}
+
 /// `(order key, verdict)`: lower is stronger.
 type Rank = (OrderKey, Verdict);
 
@@ -245,8 +319,8 @@ pub struct MapState {
     cand: HashMap<Peer, Box<Candidates>>,
     /// Identities that have specific candidates at each block (with contribution counts).
     spec_index: PrefixMap<L4Prefix, Vec<(Identity, u32)>>,
-    /// The state: one trie per peer.
-    tries: HashMap<Peer, Box<PrefixMap<L4Prefix, StateEntry>>>,
+    /// The state: the keys of each peer.
+    tries: HashMap<Peer, Keys>,
     /// The `*` keys by protocol (256 for the "every protocol" key) and rank, strongest first:
     /// finds the `*` keys stronger than an own key without visiting the weaker ones.
     /// (With a copy of each `*` entry: `*` has few keys, and the walk then needs no trie lookup.)
@@ -254,6 +328,9 @@ pub struct MapState {
     /// Covered contributions per peer, at the block where they would have been.
     /// (Sorted by block like [`Candidates`]: a region's notes are one contiguous run.)
     covered: HashMap<Peer, Vec<(L4Prefix, Vec<Covered>)>>,
+    /// Entries whose L4 match has no block (an empty port range): they contribute nothing, so
+    /// the candidates of an identity do not list them although their selector may hold it.
+    blockless: BTreeSet<EntryId>,
 }
 
 /// One item of an ordered insertion.
@@ -289,6 +366,7 @@ impl MapState {
             tries: HashMap::new(),
             star_rank: BTreeMap::new(),
             covered: HashMap::new(),
+            blockless: BTreeSet::new(),
         }
     }
 
@@ -312,6 +390,9 @@ impl MapState {
                 entry: e.id,
             };
             let blocks = e.l4.blocks();
+            if blocks.is_empty() {
+                ms.blockless.insert(e.id);
+            }
             match &e.selector {
                 Selector::Any => all.extend(blocks.iter().map(|b| (Peer::Any, *b, c))),
                 Selector::Ids(ids) => {
@@ -404,8 +485,7 @@ impl MapState {
     /// Every key and entry, sorted by peer (`*` first) and prefix (parents before children).
     pub fn iter(&self) -> Vec<(Key, &StateEntry)> {
         // Peer by peer in peer order (each trie iterates its keys in prefix order).
-        let mut peers: Vec<(&Peer, &PrefixMap<L4Prefix, StateEntry>)> =
-            self.tries.iter().map(|(p, t)| (p, &**t)).collect();
+        let mut peers: Vec<(&Peer, &Keys)> = self.tries.iter().collect();
         peers.sort_unstable_by_key(|(p, _)| **p);
         let mut out: Vec<(Key, &StateEntry)> = Vec::with_capacity(self.len());
         for (peer, t) in peers {
@@ -419,8 +499,6 @@ impl MapState {
                 )
             }));
         }
-        // Keys are unique; nearly sorted input makes this close to linear.
-        out.sort_unstable_by_key(|e| e.0);
         out
     }
 
@@ -472,37 +550,57 @@ impl MapState {
         // Dirty regions per peer.
         let mut dirty: BTreeMap<Peer, Vec<L4Prefix>> = BTreeMap::new();
         let mut changes = ChangeSet::default();
+        // Identities whose candidates were all dropped by `RemoveIdentity`.
+        let mut dropped: Vec<Identity> = Vec::new();
         for u in updates {
             match u {
                 Update::AddEntry(e) => {
                     self.mark_entry_dirty(&e, &mut dirty, true);
                     self.index_entry(&e, true);
+                    if e.l4.blocks().is_empty() {
+                        self.blockless.insert(e.id);
+                    }
                     self.entries.insert(e.id, e);
                 }
                 Update::RemoveEntry(id) => {
                     let e = self.entries.remove(&id).expect("checked");
+                    self.blockless.remove(&id);
                     self.index_entry(&e, false);
                     self.mark_entry_dirty(&e, &mut dirty, false);
                 }
                 Update::Select { entry, ids } => self.select(entry, &ids, true, &mut dirty),
                 Update::Deselect { entry, ids } => self.select(entry, &ids, false, &mut dirty),
                 Update::AddIdentity { id, selected_by } => {
-                    for entry in selected_by {
-                        self.select(entry, &[id], true, &mut dirty);
+                    if self.cand.contains_key(&Peer::Id(id)) {
+                        for entry in selected_by {
+                            self.select(entry, &[id], true, &mut dirty);
+                        }
+                    } else {
+                        self.add_identity(id, &selected_by, &mut dirty);
                     }
                 }
                 Update::RemoveIdentity(id) => {
-                    let selecting: Vec<EntryId> = self
-                        .entries
-                        .values()
-                        .filter(|e| matches!(&e.selector, Selector::Ids(s) if s.contains(&id)))
-                        .map(|e| e.id)
-                        .collect();
-                    for entry in selecting {
-                        self.select(entry, &[id], false, &mut dirty);
-                    }
+                    self.remove_identity(id);
+                    dropped.push(id);
                 }
             }
+        }
+        // A dropped identity's keys all go, unless a later update of the batch gave it
+        // candidates again: then its whole space is recomputed with the others.
+        for id in dropped {
+            let peer = Peer::Id(id);
+            if let Some(regions) = dirty.get_mut(&peer) {
+                regions.push(L4Prefix::ANY);
+                continue;
+            }
+            if let Some(keys) = self.tries.remove(&peer) {
+                changes.removed.extend(
+                    keys.0
+                        .into_iter()
+                        .map(|(prefix, e)| (Key { peer, prefix }, e)),
+                );
+            }
+            self.covered.remove(&peer);
         }
         // `Peer::Any` sorts first: the identities' keys are computed from the `*` keys.
         for (peer, regions) in dirty {
@@ -567,6 +665,81 @@ impl MapState {
             }
         }
         Ok(())
+    }
+
+    /// `RemoveIdentity`: no selector holds `id` any more, and its candidates are gone (its keys
+    /// are removed by the caller). Its candidates list every entry that selects it, except
+    /// those without blocks.
+    fn remove_identity(&mut self, id: Identity) {
+        let peer = Peer::Id(id);
+        let cand = self.cand.remove(&peer);
+        let mut selecting: Vec<EntryId> = cand
+            .iter()
+            .flat_map(|c| c.0.iter().flat_map(|(_, cs)| cs.iter().map(|c| c.entry)))
+            .chain(self.blockless.iter().copied())
+            .collect();
+        selecting.sort_unstable();
+        selecting.dedup();
+        for entry in selecting {
+            if let Some(e) = self.entries.get_mut(&entry)
+                && let Selector::Ids(set) = &mut e.selector
+            {
+                set.remove(&id);
+            }
+        }
+        for (block, _) in cand.iter().flat_map(|c| c.0.iter()) {
+            if let Some(v) = self.spec_index.get_mut(block) {
+                if let Ok(i) = v.binary_search_by_key(&id, |e| e.0) {
+                    v.remove(i);
+                }
+                if v.is_empty() {
+                    self.spec_index.remove(block);
+                }
+            }
+        }
+    }
+
+    /// `AddIdentity` of an identity without candidates: its candidates in one sorted go and its
+    /// whole space dirty.
+    fn add_identity(
+        &mut self,
+        id: Identity,
+        selected_by: &[EntryId],
+        dirty: &mut BTreeMap<Peer, Vec<L4Prefix>>,
+    ) {
+        let mut all: Vec<(L4Prefix, Contrib)> = Vec::new();
+        for entry in selected_by {
+            let e = self.entries.get_mut(entry).expect("checked");
+            let Selector::Ids(set) = &mut e.selector else {
+                unreachable!("checked: not a wildcard")
+            };
+            if !set.insert(id) {
+                continue;
+            }
+            let c = Contrib {
+                order: e.order,
+                verdict: e.verdict,
+                entry: *entry,
+            };
+            all.extend(e.l4.blocks().into_iter().map(|b| (b, c)));
+        }
+        if all.is_empty() {
+            return;
+        }
+        all.sort_unstable();
+        let blocks: Vec<(L4Prefix, Contribs)> = all
+            .chunk_by(|a, b| a.0 == b.0)
+            .map(|g| (g[0].0, g.iter().map(|x| x.1).collect::<Contribs>()))
+            .collect();
+        for (block, cs) in &blocks {
+            let v = self.spec_index.entry(*block).or_default();
+            match v.binary_search_by_key(&id, |e| e.0) {
+                Ok(i) => v[i].1 += cs.len() as u32,
+                Err(i) => v.insert(i, (id, cs.len() as u32)),
+            }
+        }
+        self.cand.insert(Peer::Id(id), Box::new(Candidates(blocks)));
+        dirty.entry(Peer::Id(id)).or_default().push(L4Prefix::ANY);
     }
 
     fn select(
@@ -758,7 +931,7 @@ impl MapState {
                     .map(best_own)
                     .min()
                     .expect("nodes[0]");
-                for (p, e) in star.cover(&region) {
+                for (p, e) in star.cover(region) {
                     nodes.push(wild(p, e));
                 }
                 self.star_inside(star, region, t, &mut nodes);
@@ -774,7 +947,7 @@ impl MapState {
                     }
                     maximal = Some(s);
                     let t = best_own(&nodes[i]);
-                    for (p, e) in star.cover(&s) {
+                    for (p, e) in star.cover(s) {
                         nodes.push(wild(p, e));
                     }
                     self.star_inside(star, s, t, &mut nodes);
@@ -888,7 +1061,7 @@ impl MapState {
     /// visited); for a narrow one by enumerating its subtree.
     fn star_inside<'a>(
         &'a self,
-        star: &'a PrefixMap<L4Prefix, StateEntry>,
+        star: &'a Keys,
         outer: L4Prefix,
         t: Rank,
         nodes: &mut Vec<Node<'a>>,
@@ -932,48 +1105,36 @@ impl MapState {
         if peer == Peer::Any {
             self.index_star(region, &new);
         }
-        let trie = self.tries.entry(peer).or_default();
-        let mut old: Vec<L4Prefix> = if trie.is_empty() {
-            Vec::new()
-        } else {
-            trie.children(&region).map(|(p, _)| p).collect()
-        };
+        let keys = self.tries.entry(peer).or_default();
+        let run = keys.run(&region);
         match changes {
             None => {
-                for p in old {
-                    trie.remove(&p);
-                }
-                for (p, e) in new {
-                    trie.insert(p, e);
-                }
+                keys.0.splice(run, new);
             }
             Some(changes) => {
-                old.sort_unstable();
+                let old: Vec<(L4Prefix, StateEntry)> =
+                    keys.0.splice(run, new.iter().cloned()).collect();
                 let mut old = old.into_iter().peekable();
                 for (prefix, n) in new {
-                    while let Some(o) = old.next_if(|o| *o < prefix) {
-                        let e = trie.remove(&o).expect("listed");
+                    while let Some((o, e)) = old.next_if(|(o, _)| *o < prefix) {
                         changes.removed.push((Key { peer, prefix: o }, e));
                     }
                     let key = Key { peer, prefix };
-                    if old.next_if_eq(&prefix).is_some() {
-                        let cur = trie.get_mut(&prefix).expect("listed");
-                        if *cur != n {
-                            let o = std::mem::replace(cur, n.clone());
-                            changes.changed.push((key, o, n));
+                    match old.next_if(|(o, _)| *o == prefix) {
+                        Some((_, o)) => {
+                            if o != n {
+                                changes.changed.push((key, o, n));
+                            }
                         }
-                    } else {
-                        trie.insert(prefix, n.clone());
-                        changes.added.push((key, n));
+                        None => changes.added.push((key, n)),
                     }
                 }
-                for o in old {
-                    let e = trie.remove(&o).expect("listed");
+                for (o, e) in old {
                     changes.removed.push((Key { peer, prefix: o }, e));
                 }
             }
         }
-        if trie.is_empty() {
+        if keys.is_empty() {
             self.tries.remove(&peer);
         }
     }
@@ -1117,6 +1278,12 @@ fn ordered_insert(
 
 /// Drops regions contained in other regions.
 fn minimal_regions(mut regions: Vec<L4Prefix>) -> Vec<L4Prefix> {
+    if regions.contains(&L4Prefix::ANY) {
+        return vec![L4Prefix::ANY];
+    }
+    if regions.len() <= 1 {
+        return regions;
+    }
     regions.sort_by_key(|p| p.sort_key());
     regions.dedup();
     let mut chosen: PrefixMap<L4Prefix, ()> = PrefixMap::new();

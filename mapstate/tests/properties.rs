@@ -44,6 +44,15 @@ fn arb_l4(g: &mut Gen) -> L4Match {
             first: 0,
             last: 65535,
         },
+        // An empty range (first > last): a selector without any block.
+        5 if bool::arbitrary(g) => {
+            let a = arb_port(g);
+            L4Match::Ports {
+                proto,
+                first: a.saturating_add(1).max(1),
+                last: a.saturating_add(1).max(1) - 1,
+            }
+        }
         _ => {
             let a = arb_port(g);
             let b = arb_port(g);
