@@ -593,6 +593,16 @@ pub fn pod_ips(pod: &Pod) -> Vec<IpAddr> {
     ips
 }
 
+/// Whether the pod has terminated (`status.phase` `Succeeded` or `Failed`). A terminated pod is
+/// not an endpoint: it holds no identity and no address (its IPs may already belong to a live
+/// pod, and Kubernetes NetworkPolicy implementations leave terminated pods out too).
+pub fn pod_is_terminal(pod: &Pod) -> bool {
+    matches!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    )
+}
+
 /// Validates a Pod: metadata, IPs and container ports.
 pub fn validate_pod(pod: &Pod) -> Vec<FieldError> {
     let mut out = Vec::new();
@@ -757,7 +767,9 @@ pub fn validate_objects(objects: &ClusterObjects) -> Vec<Problem> {
             .as_ref()
             .and_then(|s| s.host_network)
             .unwrap_or(false);
-        if host_network {
+        // Host-network pods use the node's address; terminated pods hold none (their IPs are
+        // free for reuse by live pods).
+        if host_network || pod_is_terminal(&pod.object) {
             continue;
         }
         let me = meta_ref(KIND_POD, &pod.object.metadata);

@@ -165,18 +165,21 @@ pub(crate) struct PodRec {
     pub ips: Vec<IpAddr>,
     pub node: Option<String>,
     pub host_network: bool,
+    /// `status.phase` is `Succeeded` or `Failed`: not an endpoint, no identity, no address.
+    pub terminal: bool,
     pub ports: Vec<NamedPort>,
-    /// Identity per address of `signed_ips` (empty for pods without identities: no address or
-    /// host network).
+    /// Identity per address of `signed_ips` (empty for pods without identities: no address,
+    /// host network or terminated).
     pub ids: Vec<Identity>,
     /// The addresses `ids` were allocated for (equal to `ips` except during an update).
     pub signed_ips: Vec<IpAddr>,
 }
 
 impl PodRec {
-    /// Whether the pod's addresses get identities (it has one and is not host-network).
+    /// Whether the pod's addresses get identities (it has one, is not host-network and has not
+    /// terminated).
     pub fn addressed(&self) -> bool {
-        !self.ips.is_empty() && !self.host_network
+        !self.ips.is_empty() && !self.host_network && !self.terminal
     }
 }
 
@@ -391,6 +394,7 @@ pub(crate) fn read_pod(pod: &Pod) -> Result<(PodKey, PodRec), EngineError> {
             ips,
             node: spec.and_then(|s| s.node_name.clone()),
             host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
+            terminal: ordnet_crds::validate::pod_is_terminal(pod),
             ports,
             ids: Vec::new(),
             signed_ips: Vec::new(),
@@ -1229,6 +1233,9 @@ impl Engine {
             None => Err(format!("no pod {ns}/{name}")),
             Some(rec) if rec.host_network => Err(format!(
                 "pod {ns}/{name} uses the host network: it is not an endpoint"
+            )),
+            Some(rec) if rec.terminal => Err(format!(
+                "pod {ns}/{name} has terminated (Succeeded or Failed): it is not an endpoint"
             )),
             Some(rec) if rec.ips.is_empty() => Err(format!("pod {ns}/{name} has no address")),
             Some(_) => Ok(FlowEnd::Pod {

@@ -21,6 +21,7 @@
 //!    the diff between its old and new state as its ChangeSet.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipnet::IpNet;
@@ -471,12 +472,14 @@ impl Engine {
             }
         }
         // Records and address owners.
+        let mut freed: Vec<IpAddr> = Vec::new();
         for k in &resign {
             let old = p.removed_pods.get(k).or_else(|| self.pods.get(k));
             let old_ips = old.map(|r| r.signed_ips.clone()).unwrap_or_default();
             for ip in old_ips {
                 if self.pod_addrs.get(&ip) == Some(k) {
                     self.pod_addrs.remove(&ip);
+                    freed.push(ip);
                 }
             }
         }
@@ -491,6 +494,19 @@ impl Engine {
                 };
                 for ip in &rec.signed_ips {
                     self.pod_addrs.entry(*ip).or_insert_with(|| k.clone());
+                }
+            }
+        }
+        // A freed address that another (unchanged) pod also holds goes to the first such pod in
+        // key order, as `Engine::build` would give it (e.g. a terminated pod's IP reused by a
+        // live pod whose event came first).
+        freed.retain(|ip| !self.pod_addrs.contains_key(ip));
+        if !freed.is_empty() {
+            for (k, rec) in &self.pods {
+                for ip in &rec.signed_ips {
+                    if freed.contains(ip) {
+                        self.pod_addrs.entry(*ip).or_insert_with(|| k.clone());
+                    }
                 }
             }
         }

@@ -430,3 +430,83 @@ fn invalid_objects_are_reported_not_fatal() {
     assert_eq!(e.endpoints().len(), 3);
     assert!(!isolated(&e, "x", "a", Direction::Ingress));
 }
+
+/// A pod in phase Succeeded or Failed: not an endpoint, no identity, no ipcache entry; its
+/// address may be reused by a live pod (no validation error), from scratch and incrementally.
+#[test]
+fn terminated_pods_are_not_endpoints() {
+    use ordnet_engine::{Object, ObjectChange};
+    let pod_yaml = |name: &str, ip: &str, phase: &str| {
+        format!(
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: {name}, namespace: x, labels: {{app: web}}}}\n\
+             spec: {{containers: [{{name: c, image: i}}]}}\nstatus: {{podIP: {ip}, phase: {phase}}}"
+        )
+    };
+    let upsert = |yaml: &str| -> ObjectChange {
+        ObjectChange::Upsert(Object::Pod(serde_yaml::from_str(yaml).expect("pod")))
+    };
+    let host = |s: &str| -> ipnet::IpNet { s.parse::<IpAddr>().unwrap().into() };
+    let cached = |e: &Engine, s: &str| {
+        e.ipcache()
+            .into_iter()
+            .find(|(n, _)| *n == host(s))
+            .map(|(_, id)| id)
+    };
+    // BASE with b failed, plus `extra`.
+    let full = |extra: &str| {
+        let text = BASE.replace(
+            "status: {podIP: 10.0.0.2}",
+            "status: {podIP: 10.0.0.2, phase: Failed}",
+        );
+        let out =
+            ordnet_crds::manifest::load_str(Path::new("t.yaml"), &format!("{text}\n---\n{extra}"));
+        assert!(!out.has_errors(), "{:?}", out.problems);
+        Engine::build(&out.objects)
+    };
+
+    // From scratch: a finished job holding a's address is neither an error nor an endpoint.
+    let done = pod_yaml("job", "10.0.0.1", "Succeeded");
+    let e = engine(&done);
+    assert!(e.endpoint("x", "job").is_none());
+    assert_eq!(e.endpoints().len(), 3);
+    let a = e.endpoint("x", "a").unwrap().identities[0];
+    assert_eq!(cached(&e, "10.0.0.1"), Some(a));
+    assert!(
+        e.identities()
+            .all(|i| !i.members.iter().any(|m| m == "x/job"))
+    );
+
+    // Incrementally: b fails -> its endpoint, identity and address go.
+    let mut inc = engine("");
+    let b = inc.endpoint("x", "b").unwrap().identities[0];
+    let failed_b = pod_yaml("b", "10.0.0.2", "Failed");
+    let d = inc.apply(upsert(&failed_b));
+    assert!(d.errors.is_empty(), "{:?}", d.errors);
+    assert_eq!(d.endpoints_removed, vec!["x/b".to_string()]);
+    assert!(
+        inc.identities()
+            .all(|i| !i.members.iter().any(|m| m == "x/b"))
+    );
+    assert!(
+        d.ipcache
+            .iter()
+            .any(|c| c.prefix == host("10.0.0.2") && c.old == Some(b))
+    );
+    assert_eq!(cached(&inc, "10.0.0.2"), None);
+    // A live pod reuses the address.
+    let reuse = pod_yaml("n", "10.0.0.2", "Running");
+    let d = inc.apply(upsert(&reuse));
+    assert_eq!(d.endpoints_added, vec!["x/n".to_string()]);
+    let n = inc.endpoint("x", "n").unwrap().identities[0];
+    assert_eq!(cached(&inc, "10.0.0.2"), Some(n));
+    assert_eq!(inc.snapshot(), full(&reuse).snapshot());
+
+    // The other order: the new pod's event comes before the old one's termination.
+    let mut inc = engine("");
+    let reuse2 = pod_yaml("m", "10.0.0.2", "Running");
+    inc.apply(upsert(&reuse2));
+    inc.apply(upsert(&failed_b));
+    let m = inc.endpoint("x", "m").unwrap().identities[0];
+    assert_eq!(cached(&inc, "10.0.0.2"), Some(m));
+    assert_eq!(inc.snapshot(), full(&reuse2).snapshot());
+}

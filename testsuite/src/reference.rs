@@ -170,7 +170,13 @@ impl Reference {
         for p in &objects.pods {
             let pod = &p.object;
             let spec = pod.spec.as_ref();
-            if spec.and_then(|s| s.host_network).unwrap_or(false) {
+            // Host-network pods use the node's address; terminated pods (phase Succeeded or
+            // Failed) are not endpoints and hold no address.
+            let terminated = matches!(
+                pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+                Some("Succeeded" | "Failed")
+            );
+            if spec.and_then(|s| s.host_network).unwrap_or(false) || terminated {
                 continue;
             }
             let mut ips: Vec<IpAddr> = Vec::new();

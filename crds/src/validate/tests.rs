@@ -390,6 +390,11 @@ status: {podIP: 10.0.0.1}
 ---
 apiVersion: v1
 kind: Pod
+metadata: {name: done, namespace: x}
+status: {podIP: 10.0.0.1, phase: Succeeded}
+---
+apiVersion: v1
+kind: Pod
 metadata: {name: d, namespace: x}
 ---
 apiVersion: v1

@@ -133,6 +133,10 @@ pub fn pod(r: &mut Rng, ns_index: usize, name: &str, slot: usize) -> Value {
         }
         _ => status = json!({"podIP": v4}),
     }
+    // Sometimes terminated: not an endpoint, and its addresses may be reused by a live pod.
+    if r.chance(10) {
+        status["phase"] = json!(if r.chance(50) { "Succeeded" } else { "Failed" });
+    }
     let host_network = r.chance(5);
     json!({
         "apiVersion": "v1", "kind": "Pod",
@@ -395,23 +399,41 @@ pub fn random_change(
                 if let Some(old) = w.pods.get(&k)
                     && r.chance(50)
                 {
-                    // Keep the addresses, change labels/ports only.
+                    // Keep the addresses, change labels/ports only (or terminate).
                     v["status"] = old["status"].clone();
+                    if r.chance(15) {
+                        v["status"]["phase"] = json!("Succeeded");
+                    }
+                } else if r.chance(30)
+                    && let Some(dead) = w.pods.values().find(|o| {
+                        matches!(o["status"]["phase"].as_str(), Some("Succeeded" | "Failed"))
+                            && !o["status"]["podIP"].is_null()
+                    })
+                {
+                    // A live pod reusing a terminated pod's addresses.
+                    v["status"] = dead["status"].clone();
+                    v["status"]["phase"] = json!("Running");
                 }
-                // Keep addresses unique: drop a pod that already has this address.
+                // Keep the addresses of live pods unique: drop a live pod that has the address
+                // of another live pod (a terminated pod's address may be reused).
+                let live = |o: &Value| {
+                    !matches!(o["status"]["phase"].as_str(), Some("Succeeded" | "Failed"))
+                };
                 let ip = v["status"]["podIP"].clone();
-                if !ip.is_null()
+                if live(&v)
+                    && !ip.is_null()
                     && w.pods
                         .iter()
-                        .any(|(ok, o)| *ok != k && o["status"]["podIP"] == ip)
+                        .any(|(ok, o)| *ok != k && live(o) && o["status"]["podIP"] == ip)
                 {
                     continue;
                 }
                 let v6 = v["status"]["podIPs"][1]["ip"].clone();
-                if !v6.is_null()
+                if live(&v)
+                    && !v6.is_null()
                     && w.pods
                         .iter()
-                        .any(|(ok, o)| *ok != k && o["status"]["podIPs"][1]["ip"] == v6)
+                        .any(|(ok, o)| *ok != k && live(o) && o["status"]["podIPs"][1]["ip"] == v6)
                 {
                     continue;
                 }
