@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 mod crd;
 mod dump;
-mod load;
+pub(crate) mod load;
 mod matrix;
 mod trace;
 mod validate;
@@ -155,6 +155,7 @@ pub struct ValidateArgs {
 
 #[derive(Debug, Args)]
 pub struct LabArgs {
+    /// Manifest file or directory (repeatable).
     #[arg(short = 'f', long = "filename", value_name = "PATH", required = true)]
     pub files: Vec<PathBuf>,
     /// Open real connections between every pair and print observed vs expected.
@@ -164,8 +165,13 @@ pub struct LabArgs {
     pub protocol: ProtocolArg,
     #[arg(long, default_value_t = 80)]
     pub port: u16,
+    /// An external address: one more namespace, reaching the pods through the node's uplink
+    /// (repeatable).
     #[arg(long, value_name = "IP")]
     pub external: Vec<IpAddr>,
+    /// Probe pods at their IPv4 (4) or IPv6 (6) address.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u8).range(4..=6))]
+    pub family: u8,
     #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
     pub output: TableOrJson,
 }
@@ -196,7 +202,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Dump(args) => dump::run(&args),
         Command::Validate(args) => validate::run(&args),
         Command::Crd => crd::run(),
-        Command::Lab(_) => not_implemented("lab"),
+        Command::Lab(args) => crate::lab::run(&args),
         Command::Agent(args) => ordnet::agent::run_command(ordnet::agent::CommandLine {
             node: args.node,
             kubeconfig: args.kubeconfig,
@@ -205,9 +211,4 @@ pub fn run(cli: Cli) -> ExitCode {
             debug_addr: args.debug_addr,
         }),
     }
-}
-
-fn not_implemented(name: &str) -> ExitCode {
-    eprintln!("ordnet {name}: not implemented yet");
-    ExitCode::from(2)
 }

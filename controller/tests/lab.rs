@@ -1,0 +1,455 @@
+//! `ordnet lab` end to end (the built binary, as root): conformance scenarios probed with real
+//! TCP, UDP and SCTP traffic through the XDP datapath must give observed = expected = the
+//! scenario's expected matrix; IPv6 (`--family 6`) on a dual-stack manifest; nothing is left
+//! behind; a second lab fails while one is active and leaves it alone; SIGINT cleans up; the
+//! leftovers of a killed lab are removed by the next one.
+//!
+//! Needs root (namespaces, veth pairs, XDP). Without root it is skipped, except with `CI` set,
+//! where it fails. The tests share one lock (one lab at a time on a machine), so they run one
+//! after the other.
+
+use std::collections::BTreeSet;
+use std::io::{BufRead as _, BufReader};
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ordnet");
+const PREFIX: &str = "ordlab-";
+
+static ONE_LAB: Mutex<()> = Mutex::new(());
+
+/// The lab lock of this test binary, or `None` when the test must be skipped (not root).
+fn lab_guard() -> Option<MutexGuard<'static, ()>> {
+    // SAFETY: no arguments, no failure.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "the lab tests need root (CI is set: failing instead of skipping)"
+        );
+        println!("note: not root: the ordnet lab tests are skipped");
+        return None;
+    }
+    Some(ONE_LAB.lock().unwrap_or_else(|p| p.into_inner()))
+}
+
+fn lab_netns() -> BTreeSet<String> {
+    std::fs::read_dir("/run/netns")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(PREFIX))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The interfaces of the namespace the tests run in.
+fn links() -> BTreeSet<String> {
+    std::fs::read_dir("/sys/class/net")
+        .expect("/sys/class/net")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+fn assert_clean(before_links: &BTreeSet<String>, what: &str) {
+    let left = lab_netns();
+    assert!(left.is_empty(), "{what}: namespaces left behind: {left:?}");
+    assert_eq!(
+        &links(),
+        before_links,
+        "{what}: the interfaces of the test's namespace changed"
+    );
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Scenario {
+    name: String,
+    #[allow(dead_code)]
+    source: String,
+    #[allow(dead_code)]
+    description: String,
+    /// Only in `testsuite/data/lab`: the family the pods are probed at.
+    #[serde(default)]
+    family: Option<u8>,
+    objects: Vec<serde_yaml::Value>,
+    #[serde(default)]
+    externals: Vec<IpAddr>,
+    expect: Vec<Expect>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Expect {
+    protocol: String,
+    port: u16,
+    default: String,
+    #[serde(default)]
+    exceptions: Vec<String>,
+}
+
+fn data(dir: &str, name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../testsuite/data")
+        .join(dir)
+        .join(format!("{name}.yaml"))
+}
+
+fn load(path: &Path) -> Scenario {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn scratch_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ordnet-lab-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+/// The scenario's objects as a manifest file.
+fn manifest(sc: &Scenario) -> PathBuf {
+    let stream: String = sc
+        .objects
+        .iter()
+        .map(|o| format!("---\n{}", serde_yaml::to_string(o).expect("YAML")))
+        .collect();
+    let path = scratch_dir().join(format!("{}.yaml", sc.name));
+    std::fs::write(&path, stream).expect("write manifest");
+    path
+}
+
+/// Pods with an address of the probed family (as in the scenario's objects), sorted.
+fn pods(sc: &Scenario, family: u8) -> Vec<String> {
+    let mut out: Vec<String> = sc
+        .objects
+        .iter()
+        .filter(|o| o["kind"].as_str() == Some("Pod"))
+        .filter(|o| o["spec"]["hostNetwork"].as_bool() != Some(true))
+        .filter(|o| {
+            let mut ips: Vec<&str> = o["status"]["podIPs"]
+                .as_sequence()
+                .map(|s| s.iter().filter_map(|p| p["ip"].as_str()).collect())
+                .unwrap_or_default();
+            ips.extend(o["status"]["podIP"].as_str());
+            ips.iter()
+                .filter_map(|ip| ip.parse::<IpAddr>().ok())
+                .any(|ip| ip.is_ipv4() == (family == 4))
+        })
+        .map(|o| {
+            format!(
+                "{}/{}",
+                o["metadata"]["namespace"].as_str().unwrap_or("default"),
+                o["metadata"]["name"].as_str().expect("pod name")
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+fn run(args: &[String]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("run ordnet")
+}
+
+/// Probes one `expect` entry of a scenario with `ordnet lab --probe -o json` and checks every
+/// pair: observed = expected (the CLI's matrix) = the scenario's verdict.
+fn check(dir: &str, name: &str, only: &[(&str, u16)]) {
+    let sc = load(&data(dir, name));
+    let file = manifest(&sc);
+    let family = sc.family.unwrap_or(4);
+    let ext: Vec<String> = sc.externals.iter().map(|ip| ip.to_string()).collect();
+    let mut endpoints = pods(&sc, family);
+    endpoints.extend(ext.iter().cloned());
+    let mut probed = 0;
+    for e in &sc.expect {
+        if !only.is_empty() && !only.contains(&(e.protocol.as_str(), e.port)) {
+            continue;
+        }
+        probed += 1;
+        let mut args: Vec<String> = vec![
+            "lab".into(),
+            "-f".into(),
+            file.display().to_string(),
+            "--probe".into(),
+            "--protocol".into(),
+            e.protocol.clone(),
+            "--port".into(),
+            e.port.to_string(),
+            "--family".into(),
+            family.to_string(),
+            "-o".into(),
+            "json".into(),
+        ];
+        for x in &ext {
+            args.push("--external".into());
+            args.push(x.clone());
+        }
+        let started = Instant::now();
+        let out = run(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let what = format!("{name} {}/{}", e.protocol, e.port);
+        assert!(
+            out.status.code() == Some(0),
+            "{what}: exit {:?}\nstdout:\n{}\nstderr:\n{stderr}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout)
+        );
+        if e.protocol == "SCTP" {
+            assert!(
+                stderr.contains("SCTP association (kernel SCTP sockets)")
+                    || stderr.contains("SCTP INIT -> INIT-ACK over raw IP sockets"),
+                "{what}: the SCTP method is not named on stderr:\n{stderr}"
+            );
+        }
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|err| panic!("{what}: stdout is not JSON: {err}"));
+        assert_eq!(json["protocol"], e.protocol.as_str(), "{what}");
+        assert_eq!(json["port"], e.port, "{what}");
+        let results = json["results"].as_array().expect("results");
+        let mut want_pairs = 0;
+        for from in &endpoints {
+            for to in &endpoints {
+                if ext.contains(from) && ext.contains(to) {
+                    continue;
+                }
+                want_pairs += 1;
+                let listed = e.exceptions.contains(&format!("{from} -> {to}"));
+                let want = if from == to {
+                    "allow"
+                } else if listed {
+                    if e.default == "allow" {
+                        "deny"
+                    } else {
+                        "allow"
+                    }
+                } else {
+                    e.default.as_str()
+                };
+                let r = results
+                    .iter()
+                    .find(|r| r["from"] == from.as_str() && r["to"] == to.as_str())
+                    .unwrap_or_else(|| panic!("{what}: no result for {from} -> {to}"));
+                assert_eq!(
+                    (r["verdict"].as_str(), r["expected"].as_str()),
+                    (Some(want), Some(want)),
+                    "{what}: {from} -> {to}: (observed, expected), scenario says {want}"
+                );
+            }
+        }
+        assert_eq!(results.len(), want_pairs, "{what}: number of pairs");
+        println!(
+            "{what}: {want_pairs} pairs as expected in {} ms",
+            started.elapsed().as_millis()
+        );
+    }
+    assert!(probed > 0, "{name}: nothing probed (selection {only:?})");
+}
+
+#[test]
+fn conformance_scenarios_observed_as_expected() {
+    let Some(_guard) = lab_guard() else { return };
+    let before = links();
+    let c = "conformance";
+    // Ordered policies: a cluster deny over a NetworkPolicy allow (TCP and UDP), rule order.
+    check(c, "onp-01-cluster-deny-beats-networkpolicy-allow", &[]);
+    check(c, "onp-03-rule-order-within-policy", &[]);
+    // ipBlock except in an ordered deny, with external addresses through the uplink.
+    check(c, "onp-08-ipblock-except-with-ordered-deny", &[]);
+    // Named ports (ordered rule, NetworkPolicy ingress and egress).
+    check(
+        c,
+        "onp-09-named-port-in-ordered-rule",
+        &[("TCP", 81), ("UDP", 80)],
+    );
+    check(c, "np-e2e-19-egress-on-named-port", &[]);
+    // A port range with a deny hole: below, inside, in the hole, above; UDP in the hole.
+    check(
+        c,
+        "onp-10-port-range-with-deny-hole",
+        &[
+            ("TCP", 79),
+            ("TCP", 84),
+            ("TCP", 85),
+            ("TCP", 91),
+            ("UDP", 85),
+        ],
+    );
+    // Egress ipBlock except (pods and externals).
+    check(c, "np-e2e-35-egress-cidr-except", &[]);
+    // UDP and SCTP.
+    check(c, "np-e2e-44-ports-udp", &[]);
+    check(c, "np-e2e-38-sctp-not-treated-as-tcp", &[]);
+    check(c, "np-e2e-47-ports-sctp", &[]);
+    assert_clean(&before, "after the conformance runs");
+}
+
+#[test]
+fn ipv6_family_on_dual_stack_pods() {
+    let Some(_guard) = lab_guard() else { return };
+    let before = links();
+    check("lab", "dual-stack-v6", &[]);
+    assert_clean(&before, "after the IPv6 runs");
+}
+
+/// Reads a child's stream line by line into a channel.
+fn lines(stream: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines() {
+            let Ok(line) = line else { return };
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// Waits (up to 60 s) for a line containing `needle`; returns every line read.
+fn wait_for(rx: &mpsc::Receiver<String>, needle: &str, seen: &mut Vec<String>) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(line) => {
+                let hit = line.contains(needle);
+                seen.push(line);
+                if hit {
+                    return;
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    panic!("no line with {needle:?}; got:\n{}", seen.join("\n"));
+}
+
+fn spawn_lab(args: &[&str]) -> Child {
+    Command::new(BIN)
+        .arg("lab")
+        .args(args)
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn ordnet lab")
+}
+
+fn signal(child: &Child, sig: i32) {
+    // SAFETY: sending a signal to our own child.
+    let r = unsafe { libc::kill(child.id() as i32, sig) };
+    assert_eq!(r, 0, "kill");
+}
+
+fn wait_exit(child: &mut Child) -> Option<i32> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return status.code();
+        }
+        assert!(Instant::now() < deadline, "the lab did not exit");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn one_lab_at_a_time_and_ctrl_c_cleans_up() {
+    let Some(_guard) = lab_guard() else { return };
+    let before = links();
+    let sc = load(&data("conformance", "onp-10-port-range-with-deny-hole"));
+    let file = manifest(&sc);
+    let file = file.to_str().expect("path");
+
+    // An interactive lab: up until SIGINT.
+    let mut first = spawn_lab(&["-f", file, "--external", "192.0.2.10"]);
+    let out = lines(first.stdout.take().expect("stdout"));
+    let _err = lines(first.stderr.take().expect("stderr"));
+    let mut seen = Vec::new();
+    wait_for(&out, "Press Ctrl-C", &mut seen);
+    let text = seen.join("\n");
+    assert!(text.contains("ip netns exec ordlab-"), "{text}");
+    let running = lab_netns();
+    assert!(
+        running.iter().any(|n| n.ends_with("-node")) && running.len() >= 5,
+        "the lab's namespaces: {running:?}"
+    );
+
+    // A second lab fails with a clear message naming the first, and touches nothing.
+    let second = run(&["lab".into(), "-f".into(), file.into(), "--probe".into()]);
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(4), "{stderr}");
+    assert!(
+        stderr.contains(&format!("another ordnet lab is active (pid {}", first.id())),
+        "{stderr}"
+    );
+    assert_eq!(
+        lab_netns(),
+        running,
+        "the second lab changed the first one's namespaces"
+    );
+    assert!(
+        first.try_wait().expect("wait").is_none(),
+        "the first lab died"
+    );
+
+    // Ctrl-C ends the interactive lab normally and removes everything.
+    signal(&first, libc::SIGINT);
+    assert_eq!(wait_exit(&mut first), Some(0));
+    assert_clean(&before, "after SIGINT to an interactive lab");
+
+    // SIGINT in the middle of a probe run: exit 128 + 2, everything removed.
+    let mut probing = spawn_lab(&["-f", file, "--probe", "--port", "85"]);
+    let err = lines(probing.stderr.take().expect("stderr"));
+    let mut seen = Vec::new();
+    wait_for(&err, "probing", &mut seen);
+    signal(&probing, libc::SIGINT);
+    assert_eq!(wait_exit(&mut probing), Some(130));
+    assert_clean(&before, "after SIGINT during probes");
+}
+
+#[test]
+fn leftovers_of_a_killed_lab_are_removed_by_the_next() {
+    let Some(_guard) = lab_guard() else { return };
+    let before = links();
+    let sc = load(&data("conformance", "onp-03-rule-order-within-policy"));
+    let file = manifest(&sc);
+    let file = file.to_str().expect("path");
+    let mut killed = spawn_lab(&["-f", file]);
+    let out = lines(killed.stdout.take().expect("stdout"));
+    let mut seen = Vec::new();
+    wait_for(&out, "Press Ctrl-C", &mut seen);
+    let left = lab_netns();
+    signal(&killed, libc::SIGKILL);
+    let _ = killed.wait();
+    assert!(!left.is_empty());
+    assert_eq!(
+        lab_netns(),
+        left,
+        "SIGKILL cannot clean up: the namespaces stay"
+    );
+
+    let next = run(&["lab".into(), "-f".into(), file.into(), "--probe".into()]);
+    let stderr = String::from_utf8_lossy(&next.stderr);
+    assert_eq!(next.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "removed {} namespaces left by an earlier lab",
+            left.len()
+        )),
+        "{stderr}"
+    );
+    assert_clean(&before, "after the run that removed the leftovers");
+}
