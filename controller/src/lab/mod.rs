@@ -574,15 +574,22 @@ fn print_guide(args: &LabArgs, plan: &Plan, lab: &Running) {
             a.netns, a.label
         );
         if let Some(dst) = dst {
-            let probe_cmd = match args.protocol {
-                crate::cli::ProtocolArg::Tcp => format!("nc -vz -w 2 {dst} {}", args.port),
-                crate::cli::ProtocolArg::Udp => format!("nc -vu -w 2 {dst} {}", args.port),
-                crate::cli::ProtocolArg::Sctp => format!("ncat --sctp -w 2 {dst} {}", args.port),
+            let probe_cmd = match plan.method {
+                Method::Tcp => Some(format!("nc -vz -w 2 {dst} {}", args.port)),
+                Method::Udp => Some(format!("nc -vu -w 2 {dst} {}", args.port)),
+                Method::SctpSocket => Some(format!("ncat --sctp -w 2 {dst} {}", args.port)),
+                Method::SctpRaw => None,
             };
-            println!(
-                "  ip netns exec {} {probe_cmd}   # {} -> {}",
-                a.netns, a.label, b.label
-            );
+            match probe_cmd {
+                Some(cmd) => println!(
+                    "  ip netns exec {} {cmd}   # {} -> {}",
+                    a.netns, a.label, b.label
+                ),
+                None => println!(
+                    "  (SCTP: this kernel has no SCTP sockets; the servers answer an INIT with an \
+                     INIT-ACK over raw sockets, which `ordnet lab --probe --protocol SCTP` uses)"
+                ),
+            }
         }
     }
     println!(
