@@ -630,6 +630,24 @@ impl Datapath {
         }
     }
 
+    /// The interface index a pinned attachment is bound to: `Some(0)` when its interface was
+    /// deleted (the link is defunct), `None` when `iface` is not attached or its link is not
+    /// pinned. A new interface with the same name is a different index: the caller must detach
+    /// and attach again.
+    pub fn link_ifindex(&self, iface: &str) -> Result<Option<u32>, DatapathError> {
+        let Some(LinkHandle::Pinned(_)) = self.links.get(iface) else {
+            return Ok(None);
+        };
+        let Some(dir) = &self.config.pin_dir else {
+            return Ok(None);
+        };
+        let path = dir.join("links").join(iface);
+        let fd = sys::obj_get(&path).map_err(io_err(&path))?;
+        use std::os::fd::AsFd as _;
+        let index = sys::xdp_link_ifindex(fd.as_fd()).map_err(io_err(&path))?;
+        Ok(Some(index))
+    }
+
     /// Interfaces the program is attached to (by this process or adopted from pins).
     pub fn attached(&self) -> impl Iterator<Item = &str> {
         self.links.keys().map(String::as_str)

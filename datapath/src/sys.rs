@@ -211,6 +211,41 @@ pub fn obj_get(path: &Path) -> io::Result<std::os::fd::OwnedFd> {
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(r as i32) })
 }
 
+/// The interface index an XDP bpf_link is attached to (`BPF_OBJ_GET_INFO_BY_FD`, `xdp.ifindex`);
+/// 0 when the link is defunct (its interface was deleted).
+pub fn xdp_link_ifindex(fd: BorrowedFd<'_>) -> io::Result<u32> {
+    use std::os::fd::AsRawFd as _;
+    #[repr(C)]
+    struct InfoAttr {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    // struct bpf_link_info: type, id, prog_id, then an 8-byte aligned union whose `xdp` member
+    // starts with the ifindex. The kernel fills at most `info_len` bytes.
+    let mut info = [0u64; 8];
+    let mut attr = InfoAttr {
+        bpf_fd: fd.as_raw_fd() as u32,
+        info_len: size_of_val(&info) as u32,
+        info: info.as_mut_ptr() as u64,
+    };
+    // SAFETY: a valid BPF_OBJ_GET_INFO_BY_FD attribute; `info` outlives the call and is
+    // `info_len` bytes long.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            15 as libc::c_long,
+            &mut attr as *mut InfoAttr,
+            size_of::<InfoAttr>() as u32,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // Offset 16: the union.
+    Ok((info[2] & 0xffff_ffff) as u32)
+}
+
 /// The HZ to assume when the kernel's cannot be measured (the largest common value: lifetimes
 /// come out longer, never shorter, than configured).
 pub const FALLBACK_HZ: u64 = 1000;
