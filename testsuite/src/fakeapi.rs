@@ -1,7 +1,8 @@
 //! An in-process fake Kubernetes API server that speaks real list/watch over HTTP, so the real
 //! kube client (and `kube::runtime::watcher`) runs unmodified against it.
 //!
-//! What it implements (JSON only, HTTP/1.1 on `127.0.0.1`):
+//! What it implements (JSON only, HTTP/1.1 on `127.0.0.1` or the address given to
+//! [`FakeApi::start_on`]):
 //! * the resources of [`RESOURCES`]: v1 namespaces, pods, events; networking.k8s.io/v1
 //!   networkpolicies; ordnet.io/v1alpha1 orderednetworkpolicies and
 //!   clusterorderednetworkpolicies; coordination.k8s.io/v1 leases; events.k8s.io/v1 events —
@@ -628,7 +629,13 @@ impl Body for ChannelBody {
 impl FakeApi {
     /// Starts a server on a free port of 127.0.0.1.
     pub async fn start() -> std::io::Result<FakeApi> {
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        FakeApi::start_on("127.0.0.1:0".parse().expect("address")).await
+    }
+
+    /// Starts a server on `addr` (e.g. an address another network namespace reaches; port 0:
+    /// any free port). [`FakeApi::url`] and the kubeconfig name the address bound.
+    pub async fn start_on(addr: SocketAddr) -> std::io::Result<FakeApi> {
+        let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let (signal, _) = watch::channel((0, 0, 0));
         let inner = Arc::new(Inner {
@@ -666,7 +673,7 @@ impl FakeApi {
         self.addr
     }
 
-    /// `http://127.0.0.1:PORT`.
+    /// `http://ADDRESS:PORT` (`127.0.0.1` unless started with [`FakeApi::start_on`]).
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
