@@ -36,6 +36,13 @@ pub trait Datapath: Send {
     fn programmed(&self) -> &BTreeMap<String, ProgrammedEndpoint>;
     /// The programmed ipcache.
     fn ipcache(&self) -> &BTreeMap<IpNet, Identity>;
+    /// Periodic upkeep after the initial sync (every [`super::MAINTAIN_EVERY`]): retries what
+    /// failed (a full programming, attachments), follows this node's addresses.
+    fn maintain(&mut self, _engine: &Engine) -> Result<(), String> {
+        Ok(())
+    }
+    /// The datapath's own metrics (Prometheus text lines, HELP and TYPE included).
+    fn write_metrics(&self, _out: &mut String) {}
 }
 
 /// `--datapath none`: computes everything, touches no kernel state, remembers what it was told.

@@ -82,6 +82,8 @@ pub struct Metrics {
     pub apply_seconds: Histogram,
     pub change_latency_seconds: Histogram,
     sizes: Mutex<Sizes>,
+    /// The datapath's own metrics as of the last programming (`Datapath::write_metrics`).
+    datapath_text: Mutex<String>,
 }
 
 impl Metrics {
@@ -98,6 +100,9 @@ impl Metrics {
             s.entries_egress += ep[1].entries.len() as u64;
         }
         *self.sizes.lock().unwrap_or_else(|e| e.into_inner()) = s;
+        let mut text = String::new();
+        dp.write_metrics(&mut text);
+        *self.datapath_text.lock().unwrap_or_else(|e| e.into_inner()) = text;
     }
 
     pub fn sizes(&self) -> Sizes {
@@ -212,6 +217,7 @@ impl Metrics {
             "From the first watch event of a batch received to the datapath updated.",
             &self.change_latency_seconds,
         );
+        out.push_str(&self.datapath_text.lock().unwrap_or_else(|e| e.into_inner()));
         out
     }
 }

@@ -35,6 +35,7 @@ use serde::de::DeserializeOwned;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
+pub mod bpf;
 pub mod client;
 pub mod datapath;
 pub mod debug;
@@ -356,6 +357,7 @@ pub async fn start(
             tx,
         ),
     ];
+    tasks.push(tokio::spawn(maintain_loop(state.clone())));
     let loop_state = state.clone();
     tasks.push(tokio::spawn(async move {
         Applier::new(loop_state, config.node, wanted_tx, events_tx)
@@ -367,6 +369,33 @@ pub async fn start(
         debug_addr,
         tasks,
     })
+}
+
+/// How often the datapath's upkeep runs ([`Datapath::maintain`]).
+pub const MAINTAIN_EVERY: Duration = Duration::from_secs(2);
+
+/// Calls [`Datapath::maintain`] every [`MAINTAIN_EVERY`] once the initial sync is done.
+async fn maintain_loop(state: Arc<AgentState>) {
+    let mut tick = tokio::time::interval(MAINTAIN_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let state = state.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            // Lock order everywhere: engine, then datapath.
+            let engine = state.engine.read().unwrap_or_else(|e| e.into_inner());
+            let Some(engine) = engine.as_ref() else {
+                return;
+            };
+            let mut dp = state.datapath.lock().unwrap_or_else(|e| e.into_inner());
+            if let Err(e) = dp.maintain(engine) {
+                state.metrics.datapath_errors.inc();
+                eprintln!("ordnet agent: datapath upkeep: {e}");
+            }
+            state.metrics.set_sizes(engine, dp.as_ref());
+        })
+        .await;
+    }
 }
 
 /// The apply loop's own state.
@@ -755,16 +784,12 @@ pub struct CommandLine {
 /// exit 2.
 pub fn run_command(cmd: CommandLine) -> std::process::ExitCode {
     use std::process::ExitCode;
-    if cmd.bpf {
-        eprintln!(
-            "ordnet agent: --datapath bpf: not implemented yet (use --datapath none to compute and serve the debug API without touching the kernel)"
-        );
+    if cmd.uplink.is_some() && !cmd.bpf {
+        eprintln!("ordnet agent: --uplink only applies to --datapath bpf");
         return ExitCode::from(2);
     }
-    if cmd.uplink.is_some() {
-        eprintln!(
-            "ordnet agent: --uplink: not implemented yet (it only applies to --datapath bpf)"
-        );
+    if cmd.uplink.as_deref() == Some("") {
+        eprintln!("ordnet agent: --uplink must not be empty");
         return ExitCode::from(2);
     }
     if cmd.node.is_empty() {
@@ -802,7 +827,36 @@ pub fn run_command(cmd: CommandLine) -> std::process::ExitCode {
             namespace: std::env::var("POD_NAMESPACE").unwrap_or_else(|_| "kube-system".into()),
             lease_renew_every: status::RENEW_EVERY,
         };
-        let mut handle = match start(config, client, Box::new(NoneDatapath::default())).await {
+        let (datapath, kind): (Box<dyn Datapath>, &str) = if cmd.bpf {
+            let pin_dir = bpf::pin_dir_from_env();
+            match bpf::BpfDatapath::open(&pin_dir, cmd.uplink.clone()) {
+                Ok(dp) => {
+                    match dp.opened() {
+                        bpf::Opened::Created => eprintln!(
+                            "ordnet agent: datapath bpf: new maps pinned in {}",
+                            pin_dir.display()
+                        ),
+                        bpf::Opened::Adopted {
+                            endpoints,
+                            rulesets,
+                            links,
+                        } => eprintln!(
+                            "ordnet agent: datapath bpf: adopted the pins in {} ({endpoints} endpoints, {rulesets} rule sets, attached to {}); enforcing them until the initial sync",
+                            pin_dir.display(),
+                            if links.is_empty() { "nothing".to_string() } else { links.join(", ") }
+                        ),
+                    }
+                    (Box::new(dp), "bpf")
+                }
+                Err(e) => {
+                    eprintln!("ordnet agent: --datapath bpf: {e}");
+                    return ExitCode::from(1);
+                }
+            }
+        } else {
+            (Box::new(NoneDatapath::default()), "none")
+        };
+        let mut handle = match start(config, client, datapath).await {
             Ok(h) => h,
             Err(e) => {
                 eprintln!("ordnet agent: --debug-addr {debug_addr}: {e}");
@@ -810,7 +864,7 @@ pub fn run_command(cmd: CommandLine) -> std::process::ExitCode {
             }
         };
         eprintln!(
-            "ordnet agent: node {}, datapath none, debug API on http://{}",
+            "ordnet agent: node {}, datapath {kind}, debug API on http://{}",
             handle.state.node,
             handle.debug_addr()
         );
@@ -822,9 +876,17 @@ pub fn run_command(cmd: CommandLine) -> std::process::ExitCode {
                     return ExitCode::from(1);
                 }
             };
+        let stopped = |kind: &str| {
+            if kind == "bpf" {
+                eprintln!(
+                    "ordnet agent: stopping; the pinned maps and attachments stay (enforcement continues, a restarted agent adopts them)"
+                );
+            }
+            ExitCode::SUCCESS
+        };
         tokio::select! {
-            _ = term.recv() => ExitCode::SUCCESS,
-            _ = tokio::signal::ctrl_c() => ExitCode::SUCCESS,
+            _ = term.recv() => stopped(kind),
+            _ = tokio::signal::ctrl_c() => stopped(kind),
             _ = handle.wait() => {
                 eprintln!("ordnet agent: a task ended unexpectedly");
                 ExitCode::from(1)

@@ -186,7 +186,8 @@ pub struct AgentArgs {
     pub kubeconfig: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "bpf")]
     pub datapath: DatapathArg,
-    /// The node's uplink interface (traffic from other nodes).
+    /// The node's uplink interface (traffic from other nodes): the XDP program is attached
+    /// there too (--datapath bpf only).
     #[arg(long, value_name = "IFACE")]
     pub uplink: Option<String>,
     /// Address of the debug API (health, metrics, matrix/trace/dump).

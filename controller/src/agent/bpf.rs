@@ -1,0 +1,629 @@
+//! `--datapath bpf`: the XDP datapath (`ordnet_datapath::Datapath`), programmed from the engine
+//! through [`NodeProgram`] and attached to every local pod's host-side interface and to the
+//! uplink (`docs/agent.md`, "The bpf datapath").
+//!
+//! * **Pins**: maps, program and links are pinned in [`DEFAULT_PIN_DIR`] (or `$ORDNET_PIN_DIR`).
+//!   [`BpfDatapath::open`] adopts pins that exist (the running program keeps enforcing the last
+//!   state) and writes nothing until the agent's initial sync is done; the first
+//!   [`program_full`](Datapath::program_full) then converges the adopted state to the engine
+//!   (endpoints keep their ids by address, only differences are written). Dropping a
+//!   `BpfDatapath` (SIGTERM, SIGINT) leaves the pins and the attachments in place.
+//! * **Host addresses**: every address of every interface of the agent's network namespace
+//!   (the node's, since the agent runs with host networking), re-read at every maintenance.
+//! * **Interfaces**: each local endpoint's interface is the one the main routing table routes
+//!   its address to (longest prefix of `/proc/thread-self/net/route` and `ipv6_route`), unless
+//!   that is the uplink, `lo`, or a default route. An endpoint without one is reported (stderr,
+//!   `ordnet_datapath_unattached_endpoints`) and retried at every batch and maintenance.
+//!   Attachments of interfaces no local endpoint (or the uplink) uses are removed; an
+//!   attachment whose interface was re-created (a new index under the same name) is renewed.
+//! * **What the debug API sees**: `programmed()` is what was written (the engine's MapStates of
+//!   every endpoint written successfully, updated only after the kernel write succeeded);
+//!   `ipcache()` is read back from the datapath's control state, i.e. what the maps hold
+//!   (including `0.0.0.0/0` and `::/0` with the world identity).
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::fmt::Write as _;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::path::{Path, PathBuf};
+
+use aya::programs::XdpMode;
+use ipnet::IpNet;
+use ordnet_datapath::{ControlPlane as _, Datapath as Kernel, DatapathConfig};
+use ordnet_engine::{Engine, EngineDelta};
+use ordnet_mapstate::Identity;
+
+use super::datapath::{Datapath, NoneDatapath, ProgrammedEndpoint};
+use crate::program::NodeProgram;
+
+/// Where the pins live unless `$ORDNET_PIN_DIR` says otherwise.
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/ordnet";
+/// The environment variable that overrides [`DEFAULT_PIN_DIR`].
+pub const PIN_DIR_ENV: &str = "ORDNET_PIN_DIR";
+
+/// The pin directory: `$ORDNET_PIN_DIR` if set and not empty, else [`DEFAULT_PIN_DIR`].
+pub fn pin_dir_from_env() -> PathBuf {
+    match std::env::var_os(PIN_DIR_ENV) {
+        Some(v) if !v.is_empty() => PathBuf::from(v),
+        _ => PathBuf::from(DEFAULT_PIN_DIR),
+    }
+}
+
+/// What the agent's bpf datapath did at start.
+#[derive(Debug, Clone)]
+pub enum Opened {
+    /// No pins: fresh maps, nothing attached yet.
+    Created,
+    /// Pins adopted: the earlier state keeps being enforced until the initial sync.
+    Adopted {
+        endpoints: usize,
+        rulesets: usize,
+        links: Vec<String>,
+    },
+}
+
+/// The XDP datapath as the agent drives it.
+pub struct BpfDatapath {
+    dp: Kernel,
+    program: NodeProgram,
+    /// What was written, as MapStates (answers `programmed()`).
+    record: NoneDatapath,
+    /// The identities the datapath holds (answers `ipcache()`).
+    ipcache: BTreeMap<IpNet, Identity>,
+    uplink: Option<String>,
+    /// Interface index of every attachment, as last verified.
+    ifindex: BTreeMap<String, u32>,
+    /// Endpoints (`ns/name`, or `uplink IFACE`) that are not attached, and why.
+    unattached: BTreeMap<String, String>,
+    /// A full programming is owed (an earlier one failed).
+    needs_full: bool,
+    /// The first full programming succeeded: interfaces are managed from then on.
+    synced: bool,
+    hosts: Vec<IpAddr>,
+    attach_errors: u64,
+    attaches: u64,
+    detaches: u64,
+    opened: Opened,
+}
+
+impl BpfDatapath {
+    /// Opens the datapath pinned in `pin_dir` (adopting what is there, writing nothing) or
+    /// creates it. The bpffs is mounted at `pin_dir` if it is not on one. Needs root
+    /// (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN for the mount).
+    pub fn open(pin_dir: &Path, uplink: Option<String>) -> Result<BpfDatapath, String> {
+        mount_bpffs(pin_dir)?;
+        let config = DatapathConfig {
+            pin_dir: Some(pin_dir.to_path_buf()),
+            ..DatapathConfig::default()
+        };
+        let pinned = ordnet_datapath::MAP_NAMES
+            .iter()
+            .all(|m| pin_dir.join(m).exists());
+        let (dp, opened) = if pinned {
+            let (dp, report) = Kernel::adopt(config)
+                .map_err(|e| format!("adopting the pins in {}: {e}", pin_dir.display()))?;
+            (
+                dp,
+                Opened::Adopted {
+                    endpoints: report.endpoints,
+                    rulesets: report.rulesets,
+                    links: report.links,
+                },
+            )
+        } else {
+            let dp = Kernel::create(config)
+                .map_err(|e| format!("creating the datapath in {}: {e}", pin_dir.display()))?;
+            (dp, Opened::Created)
+        };
+        let ipcache = dp.control().identities().into_iter().collect();
+        Ok(BpfDatapath {
+            dp,
+            program: NodeProgram::new(),
+            record: NoneDatapath::default(),
+            ipcache,
+            uplink,
+            ifindex: BTreeMap::new(),
+            unattached: BTreeMap::new(),
+            needs_full: false,
+            synced: false,
+            hosts: Vec::new(),
+            attach_errors: 0,
+            attaches: 0,
+            detaches: 0,
+            opened,
+        })
+    }
+
+    /// What [`BpfDatapath::open`] found.
+    pub fn opened(&self) -> &Opened {
+        &self.opened
+    }
+
+    /// The kernel datapath (tests: `verify`, `attached`).
+    pub fn kernel(&self) -> &Kernel {
+        &self.dp
+    }
+
+    /// The engine → datapath mapping (ids, write statistics).
+    pub fn node_program(&self) -> &NodeProgram {
+        &self.program
+    }
+
+    /// Endpoints that are not attached, and why.
+    pub fn unattached(&self) -> &BTreeMap<String, String> {
+        &self.unattached
+    }
+
+    fn refresh_hosts(&mut self) -> Result<(), String> {
+        let hosts = host_addresses().map_err(|e| format!("reading this node's addresses: {e}"))?;
+        if hosts != self.hosts || !self.synced {
+            self.program
+                .set_host_addresses(&mut self.dp, &hosts)
+                .map_err(|e| e.to_string())?;
+            self.hosts = hosts;
+        }
+        Ok(())
+    }
+
+    fn full(&mut self, engine: &Engine) -> Result<(), String> {
+        self.needs_full = true;
+        self.refresh_hosts()?;
+        self.program
+            .program_full(engine, &mut self.dp)
+            .map_err(|e| e.to_string())?;
+        self.needs_full = false;
+        self.synced = true;
+        self.record.program_full(engine)?;
+        self.ipcache = self.dp.control().identities().into_iter().collect();
+        self.reconcile_links(engine);
+        Ok(())
+    }
+
+    /// Attaches the program to every interface a local endpoint (or the uplink) needs and
+    /// removes the attachments nobody needs.
+    fn reconcile_links(&mut self, engine: &Engine) {
+        let mut unattached = BTreeMap::new();
+        // Interface → who needs it.
+        let mut wanted: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        if let Some(u) = &self.uplink {
+            wanted
+                .entry(u.clone())
+                .or_default()
+                .push(format!("uplink {u}"));
+        }
+        match Routes::read() {
+            Ok(routes) => {
+                for ep in engine.endpoints() {
+                    let name = ep.id();
+                    for ip in &ep.ips {
+                        match routes.lookup(*ip) {
+                            Some(r) if r.prefix_len == 0 => {
+                                unattached.insert(
+                                    name.clone(),
+                                    format!(
+                                        "{ip}: only the default route ({}) leads there, no pod interface",
+                                        r.iface
+                                    ),
+                                );
+                            }
+                            Some(r)
+                                if r.iface == "lo" || Some(&r.iface) == self.uplink.as_ref() =>
+                            {
+                                unattached.insert(
+                                    name.clone(),
+                                    format!(
+                                        "{ip} is routed to {}, not to a pod interface",
+                                        r.iface
+                                    ),
+                                );
+                            }
+                            Some(r) => wanted
+                                .entry(r.iface.clone())
+                                .or_default()
+                                .push(name.clone()),
+                            None => {
+                                unattached.insert(name.clone(), format!("no route to {ip}"));
+                            }
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                for ep in engine.endpoints() {
+                    unattached.insert(ep.id(), format!("reading the routing table: {e}"));
+                }
+            }
+        }
+        // Attachments nobody needs go (pods that went away).
+        let attached: Vec<String> = self.dp.attached().map(str::to_string).collect();
+        for iface in attached.iter().filter(|i| !wanted.contains_key(*i)) {
+            self.detach(iface);
+        }
+        for (iface, owners) in &wanted {
+            let current = ifindex_of(iface);
+            if current == 0 {
+                if attached.contains(iface) {
+                    // Its interface is gone: the link is defunct.
+                    self.detach(iface);
+                }
+                for o in owners {
+                    unattached.insert(o.clone(), format!("interface {iface} does not exist"));
+                }
+                continue;
+            }
+            if self.dp.attached().any(|a| a == iface) {
+                let known = match self.ifindex.get(iface) {
+                    Some(i) => Some(*i),
+                    None => self.dp.link_ifindex(iface).ok().flatten(),
+                };
+                if known == Some(current) {
+                    self.ifindex.insert(iface.clone(), current);
+                    continue;
+                }
+                // A new interface under the same name: the old link is not on it.
+                self.detach(iface);
+            }
+            match self.dp.attach(iface, XdpMode::default()) {
+                Ok(()) => {
+                    self.attaches += 1;
+                    self.ifindex.insert(iface.clone(), current);
+                }
+                Err(e) => {
+                    self.attach_errors += 1;
+                    for o in owners {
+                        unattached.insert(o.clone(), format!("attaching XDP to {iface}: {e}"));
+                    }
+                }
+            }
+        }
+        for (who, why) in &unattached {
+            if self.unattached.get(who) != Some(why) {
+                eprintln!("ordnet agent: not enforced yet: {who}: {why} (retrying)");
+            }
+        }
+        for who in self.unattached.keys() {
+            if !unattached.contains_key(who) {
+                eprintln!("ordnet agent: {who}: attached");
+            }
+        }
+        self.unattached = unattached;
+    }
+
+    fn detach(&mut self, iface: &str) {
+        self.ifindex.remove(iface);
+        match self.dp.detach(iface) {
+            Ok(()) => self.detaches += 1,
+            Err(e) => eprintln!("ordnet agent: detaching XDP from {iface}: {e}"),
+        }
+    }
+}
+
+impl Datapath for BpfDatapath {
+    fn program_full(&mut self, engine: &Engine) -> Result<(), String> {
+        self.full(engine)
+    }
+
+    fn apply(&mut self, engine: &Engine, deltas: &[EngineDelta]) -> Result<(), String> {
+        if self.needs_full {
+            return self.full(engine);
+        }
+        if let Err(e) = self.program.apply(engine, deltas, &mut self.dp) {
+            self.needs_full = true;
+            return Err(e.to_string());
+        }
+        if self.record.apply(engine, deltas).is_err() {
+            self.record.program_full(engine)?;
+        }
+        self.ipcache = self.dp.control().identities().into_iter().collect();
+        let endpoints_moved = deltas.iter().any(|d| {
+            !d.endpoints_added.is_empty()
+                || !d.endpoints_removed.is_empty()
+                || !d.ipcache.is_empty()
+        });
+        if endpoints_moved || !self.unattached.is_empty() {
+            self.reconcile_links(engine);
+        }
+        Ok(())
+    }
+
+    fn programmed(&self) -> &BTreeMap<String, ProgrammedEndpoint> {
+        self.record.programmed()
+    }
+
+    fn ipcache(&self) -> &BTreeMap<IpNet, Identity> {
+        &self.ipcache
+    }
+
+    fn maintain(&mut self, engine: &Engine) -> Result<(), String> {
+        if self.needs_full {
+            return self.full(engine);
+        }
+        if !self.synced {
+            return Ok(());
+        }
+        self.refresh_hosts()?;
+        self.reconcile_links(engine);
+        Ok(())
+    }
+
+    fn write_metrics(&self, out: &mut String) {
+        let stats = self.program.stats();
+        let w = &stats.writes;
+        let _ = write!(
+            out,
+            "# HELP ordnet_datapath_attached_interfaces Interfaces the XDP program is attached to.\n\
+             # TYPE ordnet_datapath_attached_interfaces gauge\n\
+             ordnet_datapath_attached_interfaces {}\n\
+             # HELP ordnet_datapath_unattached_endpoints Local endpoints (and the uplink) whose interface is not found or not attached yet.\n\
+             # TYPE ordnet_datapath_unattached_endpoints gauge\n\
+             ordnet_datapath_unattached_endpoints {}\n\
+             # HELP ordnet_datapath_attach_errors_total Failed XDP attachments.\n\
+             # TYPE ordnet_datapath_attach_errors_total counter\n\
+             ordnet_datapath_attach_errors_total {}\n\
+             # HELP ordnet_datapath_attaches_total XDP attachments made.\n\
+             # TYPE ordnet_datapath_attaches_total counter\n\
+             ordnet_datapath_attaches_total {}\n\
+             # HELP ordnet_datapath_detaches_total XDP attachments removed.\n\
+             # TYPE ordnet_datapath_detaches_total counter\n\
+             ordnet_datapath_detaches_total {}\n\
+             # HELP ordnet_datapath_fallbacks_total Change sets that did not fit and became a full endpoint update.\n\
+             # TYPE ordnet_datapath_fallbacks_total counter\n\
+             ordnet_datapath_fallbacks_total {}\n\
+             # HELP ordnet_datapath_writes_total Writes to the BPF maps, by kind.\n\
+             # TYPE ordnet_datapath_writes_total counter\n",
+            self.dp.attached().count(),
+            self.unattached.len(),
+            self.attach_errors,
+            self.attaches,
+            self.detaches,
+            stats.fallbacks,
+        );
+        for (kind, n) in [
+            ("ruleset_installed", w.rulesets_installed),
+            ("ruleset_updated", w.rulesets_updated),
+            ("ruleset_released", w.rulesets_released),
+            ("policy", w.policy_writes),
+            ("cell", w.cell_writes),
+            ("block", w.block_writes),
+            ("ipcache", w.ip_writes),
+        ] {
+            let _ = writeln!(out, "ordnet_datapath_writes_total{{kind=\"{kind}\"}} {n}");
+        }
+    }
+}
+
+/// Makes sure `pin_dir` is on a bpffs: the conventional `/sys/fs/bpf` is mounted if it is not
+/// one yet (as on a host where nothing uses BPF pins), any other directory is mounted itself.
+fn mount_bpffs(pin_dir: &Path) -> Result<(), String> {
+    use ordnet_datapath::sys::{ensure_bpffs, is_bpffs};
+    let conventional = Path::new("/sys/fs/bpf");
+    if pin_dir.parent() == Some(conventional) && !is_bpffs(conventional) {
+        ensure_bpffs(conventional)
+            .map_err(|e| format!("mounting a bpffs at {}: {e}", conventional.display()))?;
+    }
+    ensure_bpffs(pin_dir).map_err(|e| format!("bpffs at {}: {e}", pin_dir.display()))
+}
+
+/// The index of an interface in this thread's network namespace (0: no such interface).
+fn ifindex_of(iface: &str) -> u32 {
+    let Ok(c) = CString::new(iface) else {
+        return 0;
+    };
+    // SAFETY: a valid C string.
+    unsafe { libc::if_nametoindex(c.as_ptr()) }
+}
+
+/// Every address of every interface of this thread's network namespace, sorted.
+fn host_addresses() -> std::io::Result<Vec<IpAddr>> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs allocates the list; it is freed below.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut out = Vec::new();
+    let mut cur = head;
+    while !cur.is_null() {
+        // SAFETY: `cur` is an element of the list getifaddrs returned.
+        let ifa = unsafe { &*cur };
+        if !ifa.ifa_addr.is_null() {
+            // SAFETY: the family says which sockaddr it is.
+            match i32::from(unsafe { (*ifa.ifa_addr).sa_family }) {
+                libc::AF_INET => {
+                    let sa = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+                    out.push(IpAddr::V4(Ipv4Addr::from(u32::from_be(sa.sin_addr.s_addr))));
+                }
+                libc::AF_INET6 => {
+                    let sa = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
+                    out.push(IpAddr::V6(Ipv6Addr::from(sa.sin6_addr.s6_addr)));
+                }
+                _ => {}
+            }
+        }
+        cur = ifa.ifa_next;
+    }
+    // SAFETY: the list from getifaddrs, freed once.
+    unsafe { libc::freeifaddrs(head) };
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
+/// One route of the main table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Route {
+    net: IpNet,
+    prefix_len: u8,
+    metric: u32,
+    iface: String,
+}
+
+/// The main routing table of this thread's network namespace (IPv4 and IPv6), for longest
+/// prefix lookups.
+#[derive(Debug, Default)]
+struct Routes(Vec<Route>);
+
+const RTF_UP: u32 = 0x1;
+const RTF_REJECT: u32 = 0x200;
+
+impl Routes {
+    fn read() -> std::io::Result<Routes> {
+        let read = |name: &str| {
+            std::fs::read_to_string(format!("/proc/thread-self/net/{name}"))
+                .or_else(|_| std::fs::read_to_string(format!("/proc/net/{name}")))
+        };
+        let mut routes = parse_ipv4_routes(&read("route")?);
+        // No IPv6 in this namespace: no IPv6 routes.
+        if let Ok(text) = read("ipv6_route") {
+            routes.extend(parse_ipv6_routes(&text));
+        }
+        Ok(Routes(routes))
+    }
+
+    /// The longest-prefix route to `ip` (the lowest metric among equally long ones).
+    fn lookup(&self, ip: IpAddr) -> Option<&Route> {
+        self.0
+            .iter()
+            .filter(|r| r.net.contains(&ip))
+            .min_by_key(|r| (std::cmp::Reverse(r.prefix_len), r.metric))
+    }
+}
+
+/// `/proc/net/route`: `Iface Destination Gateway Flags RefCnt Use Metric Mask ...`, addresses
+/// as the hex of the in-memory (network order) 32-bit word.
+fn parse_ipv4_routes(text: &str) -> Vec<Route> {
+    let mut out = Vec::new();
+    for line in text.lines().skip(1) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 8 {
+            continue;
+        }
+        let word = |s: &str| u32::from_str_radix(s, 16).ok();
+        let (Some(dest), Some(flags), Ok(metric), Some(mask)) =
+            (word(f[1]), word(f[3]), f[6].parse::<u32>(), word(f[7]))
+        else {
+            continue;
+        };
+        if flags & RTF_UP == 0 || flags & RTF_REJECT != 0 || f[0] == "*" {
+            continue;
+        }
+        let len = u32::from_be_bytes(mask.to_ne_bytes()).leading_ones() as u8;
+        let Ok(net) = IpNet::new(IpAddr::V4(Ipv4Addr::from(dest.to_ne_bytes())), len) else {
+            continue;
+        };
+        out.push(Route {
+            net: net.trunc(),
+            prefix_len: len,
+            metric,
+            iface: f[0].to_string(),
+        });
+    }
+    out
+}
+
+/// `/proc/net/ipv6_route`: `dest plen src plen nexthop metric refcnt use flags iface`.
+fn parse_ipv6_routes(text: &str) -> Vec<Route> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 10 {
+            continue;
+        }
+        let (Ok(dest), Ok(len), Ok(metric), Ok(flags)) = (
+            u128::from_str_radix(f[0], 16),
+            u8::from_str_radix(f[1], 16),
+            u32::from_str_radix(f[5], 16),
+            u32::from_str_radix(f[8], 16),
+        ) else {
+            continue;
+        };
+        if flags & RTF_UP == 0 || flags & RTF_REJECT != 0 {
+            continue;
+        }
+        let Ok(net) = IpNet::new(IpAddr::V6(Ipv6Addr::from(dest)), len) else {
+            continue;
+        };
+        out.push(Route {
+            net: net.trunc(),
+            prefix_len: len,
+            metric,
+            iface: f[9].to_string(),
+        });
+    }
+    out
+}
+
+/// The interfaces `routes` lead to (for tests).
+#[cfg(test)]
+fn ifaces(routes: &Routes) -> std::collections::BTreeSet<String> {
+    routes.0.iter().map(|r| r.iface.clone()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ipv4_routes_parse_and_longest_prefix_wins() {
+        // 10.213.0.2/32 dev a; 10.213.0.0/24 dev br; default via 10.0.0.1 dev eth0;
+        // a route that is down; a reject route.
+        let word = |ip: [u8; 4]| format!("{:08X}", u32::from_ne_bytes(ip));
+        let text = format!(
+            "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n\
+             eth0\t{}\t{}\t0003\t0\t0\t0\t{}\t0\t0\t0\n\
+             br\t{}\t{}\t0001\t0\t0\t0\t{}\t0\t0\t0\n\
+             a\t{}\t{}\t0005\t0\t0\t0\t{}\t0\t0\t0\n\
+             down\t{}\t{}\t0000\t0\t0\t0\t{}\t0\t0\t0\n\
+             *\t{}\t{}\t0201\t0\t0\t0\t{}\t0\t0\t0\n",
+            word([0, 0, 0, 0]),
+            word([10, 0, 0, 1]),
+            word([0, 0, 0, 0]),
+            word([10, 213, 0, 0]),
+            word([0, 0, 0, 0]),
+            word([255, 255, 255, 0]),
+            word([10, 213, 0, 2]),
+            word([0, 0, 0, 0]),
+            word([255, 255, 255, 255]),
+            word([10, 213, 0, 3]),
+            word([0, 0, 0, 0]),
+            word([255, 255, 255, 255]),
+            word([10, 213, 0, 4]),
+            word([0, 0, 0, 0]),
+            word([255, 255, 255, 255]),
+        );
+        let routes = Routes(parse_ipv4_routes(&text));
+        assert_eq!(ifaces(&routes).len(), 3, "{routes:?}");
+        let at = |ip: &str| routes.lookup(ip.parse().unwrap()).map(|r| r.iface.clone());
+        assert_eq!(at("10.213.0.2").as_deref(), Some("a"));
+        assert_eq!(at("10.213.0.3").as_deref(), Some("br"));
+        assert_eq!(at("10.213.0.4").as_deref(), Some("br"));
+        assert_eq!(at("192.0.2.1").as_deref(), Some("eth0"));
+        assert_eq!(
+            routes
+                .lookup("192.0.2.1".parse().unwrap())
+                .unwrap()
+                .prefix_len,
+            0
+        );
+    }
+
+    #[test]
+    fn ipv6_routes_parse() {
+        let text = "fd000000000000000000000000000005 80 00000000000000000000000000000000 00 00000000000000000000000000000000 00000400 00000001 00000000 00000001     veth1\n\
+                    fd000000000000000000000000000000 40 00000000000000000000000000000000 00 00000000000000000000000000000000 00000100 00000001 00000000 00000001     eth0\n\
+                    00000000000000000000000000000000 00 00000000000000000000000000000000 00 00000000000000000000000000000000 ffffffff 00000001 00000000 00200200       lo\n";
+        let routes = Routes(parse_ipv6_routes(text));
+        let at = |ip: &str| routes.lookup(ip.parse().unwrap()).map(|r| r.iface.clone());
+        assert_eq!(at("fd00::5").as_deref(), Some("veth1"));
+        assert_eq!(at("fd00::6").as_deref(), Some("eth0"));
+        assert_eq!(at("2001:db8::1"), None);
+    }
+
+    #[test]
+    fn this_namespace_has_addresses_and_routes() {
+        let hosts = host_addresses().unwrap();
+        assert!(hosts.contains(&"127.0.0.1".parse().unwrap()), "{hosts:?}");
+        Routes::read().unwrap();
+        assert_eq!(ifindex_of("no-such-iface0"), 0);
+        assert_ne!(ifindex_of("lo"), 0);
+    }
+}
