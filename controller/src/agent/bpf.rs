@@ -27,7 +27,6 @@ use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 
-use aya::programs::XdpMode;
 use ipnet::IpNet;
 use ordnet_datapath::{ControlPlane as _, Datapath as Kernel, DatapathConfig};
 use ordnet_engine::{Engine, EngineDelta};
@@ -263,7 +262,7 @@ impl BpfDatapath {
                 // A new interface under the same name: the old link is not on it.
                 self.detach(iface);
             }
-            match self.dp.attach(iface, XdpMode::default()) {
+            match self.dp.attach(iface, Default::default()) {
                 Ok(()) => {
                     self.attaches += 1;
                     self.ifindex.insert(iface.clone(), current);
