@@ -108,22 +108,39 @@ fn load(path: &Path) -> Scenario {
     serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-fn scratch_dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("ordnet-lab-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
+/// A scenario's objects as a manifest file, removed (with its directory) when dropped.
+struct Manifest(PathBuf);
+
+impl Manifest {
+    fn path(&self) -> &str {
+        self.0.to_str().expect("path")
+    }
 }
 
-/// The scenario's objects as a manifest file.
-fn manifest(sc: &Scenario) -> PathBuf {
+impl Drop for Manifest {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+        if let Some(dir) = self.0.parent() {
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+}
+
+fn manifest(sc: &Scenario) -> Manifest {
     let stream: String = sc
         .objects
         .iter()
         .map(|o| format!("---\n{}", serde_yaml::to_string(o).expect("YAML")))
         .collect();
-    let path = scratch_dir().join(format!("{}.yaml", sc.name));
+    let dir = std::env::temp_dir().join(format!(
+        "ordnet-lab-test-{}-{}",
+        std::process::id(),
+        sc.name
+    ));
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let path = dir.join(format!("{}.yaml", sc.name));
     std::fs::write(&path, stream).expect("write manifest");
-    path
+    Manifest(path)
 }
 
 /// Pods with an address of the probed family (as in the scenario's objects), sorted.
@@ -181,7 +198,7 @@ fn check(dir: &str, name: &str, only: &[(&str, u16)]) {
         let mut args: Vec<String> = vec![
             "lab".into(),
             "-f".into(),
-            file.display().to_string(),
+            file.path().to_string(),
             "--probe".into(),
             "--protocol".into(),
             e.protocol.clone(),
@@ -370,8 +387,8 @@ fn one_lab_at_a_time_and_ctrl_c_cleans_up() {
     let Some(_guard) = lab_guard() else { return };
     let before = links();
     let sc = load(&data("conformance", "onp-10-port-range-with-deny-hole"));
-    let file = manifest(&sc);
-    let file = file.to_str().expect("path");
+    let manifest = manifest(&sc);
+    let file = manifest.path();
 
     // An interactive lab: up until SIGINT.
     let mut first = spawn_lab(&["-f", file, "--external", "192.0.2.10"]);
@@ -425,8 +442,8 @@ fn leftovers_of_a_killed_lab_are_removed_by_the_next() {
     let Some(_guard) = lab_guard() else { return };
     let before = links();
     let sc = load(&data("conformance", "onp-03-rule-order-within-policy"));
-    let file = manifest(&sc);
-    let file = file.to_str().expect("path");
+    let manifest = manifest(&sc);
+    let file = manifest.path();
     let mut killed = spawn_lab(&["-f", file]);
     let out = lines(killed.stdout.take().expect("stdout"));
     let mut seen = Vec::new();
