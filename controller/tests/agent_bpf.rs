@@ -1,14 +1,15 @@
 //! `ordnet agent --datapath bpf` end to end, with real TCP connections.
 //!
-//! A minimal lab topology of network namespaces (all names carry this process's id): a "node"
-//! namespace, three pod namespaces each joined to it by a veth pair (routed: a /32 route per pod
-//! on the node side, as Calico-style CNIs do), and an uplink veth pair from the test's own
-//! namespace into the node, on which the fake API server listens. The agent binary runs in the
-//! node namespace (`nsenter --net`, so it sees the host's /sys/fs/bpf) against the fake API
-//! server; the test opens TCP connections from pod namespaces to pod namespaces and checks which
-//! connect and which are dropped, through a policy change, a SIGTERM (pins and enforcement
-//! stay), a restart (the pins are adopted: nothing re-attached, no rule set rewritten), a change
-//! after the restart, and a pod going away (its attachment is removed).
+//! A minimal topology of network namespaces (all names carry this process's id): a "node"
+//! namespace; three local pod namespaces each joined to it by a veth pair (routed: a /32 route
+//! per pod on the node side, as Calico-style CNIs do); a pod of "another node" behind the node's
+//! uplink veth; and a management veth pair from the test's own namespace into the node, on whose
+//! far side the fake API server listens. The agent binary runs in the node namespace
+//! (`nsenter --net`; its pins go to a private bpffs) with `--datapath bpf --uplink`; the test
+//! opens TCP connections between the pods and checks which connect and which are dropped,
+//! through a policy change, a SIGTERM (pins and enforcement stay), a restart (the pins are
+//! adopted: nothing re-attached, no rule set rewritten, no wrong verdict while it happens), a
+//! change after the restart, and a pod going away (its attachment is removed).
 //!
 //! Needs root (bpf, XDP, netns): skipped otherwise, but fails when `CI` is set.
 
@@ -17,7 +18,6 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,7 +30,11 @@ use serde_json::{Value, json};
 const NODE: &str = "node-1";
 const PORT: u16 = 80;
 const LIMIT: Duration = Duration::from_secs(20);
+/// The local pods: name, app label, last byte of the address.
 const PODS: [(&str, &str, u8); 3] = [("web", "web", 2), ("db", "db", 3), ("client", "client", 4)];
+/// A pod of another node (app `web`), behind the node's uplink.
+const FAR: &str = "far";
+const FAR_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 9, 9);
 
 fn root_or_skip() -> bool {
     // SAFETY: no arguments, no memory.
@@ -44,12 +48,13 @@ fn root_or_skip() -> bool {
     false
 }
 
-fn sh(args: &[&str]) {
+/// Runs a command line (words separated by spaces); panics with its stderr if it fails.
+fn run(line: &str) {
+    let args: Vec<&str> = line.split_whitespace().collect();
     let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
     assert!(
         out.status.success(),
-        "{}: {}",
-        args.join(" "),
+        "{line}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
 }
@@ -60,8 +65,9 @@ struct Lab {
     pods: BTreeMap<String, (String, Ipv4Addr)>,
     root_veth: String,
     api_ip: Ipv4Addr,
+    /// The node's side of the management link (the debug API listens there).
+    mgmt_ip: Ipv4Addr,
     uplink: String,
-    uplink_ip: Ipv4Addr,
     /// A private bpffs mount (the agent mounts it, it is unmounted on drop).
     bpffs: PathBuf,
     pin_dir: PathBuf,
@@ -72,128 +78,71 @@ impl Lab {
     fn new() -> Lab {
         let id = std::process::id();
         let p = format!("onb{id}");
-        // A /30 of 10.214.0.0/16 for the uplink, from the process id (the only addresses
-        // outside this test's own namespaces).
+        // A /30 of 10.214.0.0/16 for the management link, from the process id (the only
+        // addresses outside this test's own namespaces).
         let sub = (id % 16384) * 4;
         let api_ip = Ipv4Addr::new(10, 214, (sub >> 8) as u8, (sub & 0xff) as u8 + 1);
-        let uplink_ip = Ipv4Addr::new(10, 214, (sub >> 8) as u8, (sub & 0xff) as u8 + 2);
-        let lab_fs = std::env::temp_dir().join(format!("ordnet-agent-bpf-{id}-fs"));
-        std::fs::create_dir_all(&lab_fs).unwrap();
-        ordnet_datapath::sys::ensure_bpffs(&lab_fs).unwrap();
+        let mgmt_ip = Ipv4Addr::new(10, 214, (sub >> 8) as u8, (sub & 0xff) as u8 + 2);
+        let bpffs = std::env::temp_dir().join(format!("ordnet-agent-bpf-{id}-fs"));
+        std::fs::create_dir_all(&bpffs).unwrap();
+        ordnet_datapath::sys::ensure_bpffs(&bpffs).unwrap();
         let mut lab = Lab {
             node: format!("{p}n"),
             pods: BTreeMap::new(),
             root_veth: format!("{p}r"),
             api_ip,
+            mgmt_ip,
             uplink: format!("{p}u"),
-            uplink_ip,
-            bpffs: std::env::temp_dir().join(format!("ordnet-agent-bpf-{id}-fs")),
-            pin_dir: std::env::temp_dir().join(format!("ordnet-agent-bpf-{id}-fs/ordnet")),
+            pin_dir: bpffs.join("ordnet"),
+            bpffs,
             stop: Arc::new(AtomicBool::new(false)),
         };
         let _ = Command::new("ip")
             .args(["link", "del", &lab.root_veth])
             .output();
-        sh(&["ip", "netns", "add", &lab.node]);
         let n = lab.node.clone();
-        sh(&["ip", "-n", &n, "link", "set", "lo", "up"]);
-        sh(&[
-            "ip",
-            "netns",
-            "exec",
-            &n,
-            "sysctl",
-            "-qw",
-            "net.ipv4.ip_forward=1",
-        ]);
-        for (name, _, last) in PODS {
+        run(&format!("ip netns add {n}"));
+        run(&format!("ip -n {n} link set lo up"));
+        run(&format!(
+            "ip netns exec {n} sysctl -qw net.ipv4.ip_forward=1"
+        ));
+        // Local pods behind their host-side veths, and the pod of "another node" behind the
+        // uplink: each a /32 route on the node, a gateway route in the pod.
+        let members = PODS
+            .iter()
+            .map(|(name, _, last)| {
+                (
+                    *name,
+                    format!("{p}{}", &name[..1]),
+                    Ipv4Addr::new(10, 213, 0, *last),
+                )
+            })
+            .chain([(FAR, lab.uplink.clone(), FAR_IP)]);
+        for (name, host, ip) in members {
             let ns = format!("{p}{}", &name[..1]);
-            let host = format!("{p}{}", &name[..1]);
-            let ip = Ipv4Addr::new(10, 213, 0, last);
-            sh(&["ip", "netns", "add", &ns]);
             lab.pods.insert(name.to_string(), (ns.clone(), ip));
-            sh(&["ip", "-n", &ns, "link", "set", "lo", "up"]);
-            sh(&[
-                "ip", "-n", &n, "link", "add", &host, "type", "veth", "peer", "name", "eth0",
-                "netns", &ns,
-            ]);
-            sh(&["ip", "-n", &n, "addr", "add", "10.213.0.1/32", "dev", &host]);
-            sh(&["ip", "-n", &n, "link", "set", &host, "up"]);
-            sh(&[
-                "ip",
-                "-n",
-                &n,
-                "route",
-                "add",
-                &format!("{ip}/32"),
-                "dev",
-                &host,
-            ]);
-            sh(&[
-                "ip",
-                "-n",
-                &ns,
-                "addr",
-                "add",
-                &format!("{ip}/32"),
-                "dev",
-                "eth0",
-            ]);
-            sh(&["ip", "-n", &ns, "link", "set", "eth0", "up"]);
-            sh(&[
-                "ip",
-                "-n",
-                &ns,
-                "route",
-                "add",
-                "10.213.0.1/32",
-                "dev",
-                "eth0",
-            ]);
-            sh(&[
-                "ip",
-                "-n",
-                &ns,
-                "route",
-                "add",
-                "default",
-                "via",
-                "10.213.0.1",
-            ]);
+            run(&format!("ip netns add {ns}"));
+            run(&format!("ip -n {ns} link set lo up"));
+            run(&format!(
+                "ip -n {n} link add {host} type veth peer name eth0 netns {ns}"
+            ));
+            run(&format!("ip -n {n} addr add 10.213.0.1/32 dev {host}"));
+            run(&format!("ip -n {n} link set {host} up"));
+            run(&format!("ip -n {n} route add {ip}/32 dev {host}"));
+            run(&format!("ip -n {ns} addr add {ip}/32 dev eth0"));
+            run(&format!("ip -n {ns} link set eth0 up"));
+            run(&format!("ip -n {ns} route add 10.213.0.1/32 dev eth0"));
+            run(&format!("ip -n {ns} route add default via 10.213.0.1"));
         }
-        sh(&[
-            "ip",
-            "link",
-            "add",
-            &lab.root_veth,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &lab.uplink,
-            "netns",
-            &n,
-        ]);
-        sh(&[
-            "ip",
-            "addr",
-            "add",
-            &format!("{api_ip}/30"),
-            "dev",
-            &lab.root_veth,
-        ]);
-        sh(&["ip", "link", "set", &lab.root_veth, "up"]);
-        sh(&[
-            "ip",
-            "-n",
-            &n,
-            "addr",
-            "add",
-            &format!("{uplink_ip}/30"),
-            "dev",
-            &lab.uplink,
-        ]);
-        sh(&["ip", "-n", &n, "link", "set", &lab.uplink, "up"]);
+        // The management link: the fake API server listens on its side in this namespace.
+        let (r, m) = (&lab.root_veth, format!("{p}m"));
+        run(&format!(
+            "ip link add {r} type veth peer name {m} netns {n}"
+        ));
+        run(&format!("ip addr add {api_ip}/30 dev {r}"));
+        run(&format!("ip link set {r} up"));
+        run(&format!("ip -n {n} addr add {mgmt_ip}/30 dev {m}"));
+        run(&format!("ip -n {n} link set {m} up"));
         lab
     }
 
@@ -257,18 +206,19 @@ impl Lab {
         })
     }
 
-    /// Every ordered pair of pods: whether it connects.
+    /// Every pair of [`Lab::matrix_keys`]: whether it connects.
     fn matrix(&self) -> BTreeMap<(String, String), bool> {
-        let mut out = BTreeMap::new();
-        for from in self.pods.keys() {
-            for to in self.pods.keys().filter(|t| *t != from) {
-                out.insert((from.clone(), to.clone()), self.connects(from, to));
-            }
-        }
-        out
+        self.matrix_keys()
+            .into_iter()
+            .map(|(from, to)| {
+                let ok = self.connects(&from, &to);
+                ((from, to), ok)
+            })
+            .collect()
     }
 
-    /// Waits until the pairs in `denied` are dropped and every other pair connects.
+    /// Waits until the pairs in `denied` are dropped and every other pair of
+    /// [`Lab::matrix_keys`] connects.
     fn expect(&self, step: &str, denied: &[(&str, &str)]) {
         let want: BTreeMap<(String, String), bool> = self
             .matrix_keys()
@@ -292,11 +242,12 @@ impl Lab {
         }
     }
 
+    /// Every ordered pair of local pods, and the remote pod to each local pod.
     fn matrix_keys(&self) -> Vec<(String, String)> {
         let mut out = Vec::new();
-        for from in self.pods.keys() {
-            for to in self.pods.keys().filter(|t| *t != from) {
-                out.push((from.clone(), to.clone()));
+        for (from, _, _) in PODS.iter().chain([&(FAR, "", 0)]) {
+            for (to, _, _) in PODS.iter().filter(|t| t.0 != *from) {
+                out.push((from.to_string(), to.to_string()));
             }
         }
         out
@@ -357,7 +308,7 @@ impl Agent {
             .arg("--kubeconfig")
             .arg(kubeconfig)
             .arg("--debug-addr")
-            .arg(format!("{}:0", lab.uplink_ip))
+            .arg(format!("{}:0", lab.mgmt_ip))
             .env("ORDNET_PIN_DIR", &lab.pin_dir)
             .env("POD_NAMESPACE", "ordnet-system")
             .stderr(Stdio::piped())
@@ -494,8 +445,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
             .unwrap();
     }
     // A pod of another node: only the ipcache.
-    api.create(pod("far", "web", "node-2", Ipv4Addr::new(10, 213, 9, 9)))
-        .unwrap();
+    api.create(pod(FAR, "web", "node-2", FAR_IP)).unwrap();
     api.create(db_policy("web")).unwrap();
     api.create(
         json!({"apiVersion": "ordnet.io/v1alpha1", "kind": "ClusterOrderedNetworkPolicy",
@@ -539,7 +489,10 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
         .unwrap();
     p["spec"] = db_policy("client")["spec"].clone();
     api.update(p).unwrap();
-    lab.expect("db takes client", &[("web", "db"), ("client", "web")]);
+    lab.expect(
+        "db takes client",
+        &[("web", "db"), ("far", "db"), ("client", "web")],
+    );
 
     // 3. SIGTERM: pins and attachments stay, enforcement continues.
     agent.terminate();
@@ -547,7 +500,10 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     for m in ordnet_datapath::MAP_NAMES {
         assert!(lab.pin_dir.join(m).exists(), "{m} is not pinned any more");
     }
-    lab.expect("agent stopped", &[("web", "db"), ("client", "web")]);
+    lab.expect(
+        "agent stopped",
+        &[("web", "db"), ("far", "db"), ("client", "web")],
+    );
 
     // 4. Restart: the pins are adopted; nothing is re-attached and no rule set rewritten, and
     // probes all through the restart never see a wrong verdict.
@@ -580,7 +536,10 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
         let n = p.join().expect("a probe saw a wrong verdict");
         assert!(n >= 2, "only {n} probes");
     }
-    lab.expect("restarted", &[("web", "db"), ("client", "web")]);
+    lab.expect(
+        "restarted",
+        &[("web", "db"), ("far", "db"), ("client", "web")],
+    );
     assert_eq!(lab.pinned_links(), links);
     assert_eq!(agent.metric("ordnet_datapath_attaches_total"), 0.0);
     for kind in [
@@ -605,7 +564,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
         "client-not-to-web",
     )
     .unwrap();
-    lab.expect("guardrail deleted", &[("web", "db")]);
+    lab.expect("guardrail deleted", &[("web", "db"), ("far", "db")]);
 
     // 6. A pod that goes away loses its attachment.
     api.delete("v1", "Pod", "shop", "client").unwrap();
