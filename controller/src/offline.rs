@@ -1,19 +1,24 @@
-//! The verdicts of the offline CLI (`ordnet matrix`, `ordnet trace`), computed the way the
-//! node computes them: every pod of the engine is programmed as a local endpoint of one
-//! in-memory datapath ([`MemDatapath`], through [`NodeProgram`], the agent's code path), and
+//! The verdicts of `ordnet matrix` and `ordnet trace`, computed the way the node computes them:
 //! each flow is a crafted frame (source address → destination address, protocol, port) decided
 //! by `ordnet_datapath_common::decide`, the function the XDP program runs, over the flattened
-//! maps. No separate evaluator is involved; `Engine::flow` only explains (`trace`), and a
-//! disagreement between the two is reported as an internal error.
+//! maps of a programmed datapath ([`ControlPlane::decide`]). No separate evaluator is involved;
+//! `Engine::flow` only explains (`trace`), and a disagreement between the two is reported as an
+//! internal error.
+//!
+//! Offline, every pod of the engine is programmed as a local endpoint of one in-memory datapath
+//! ([`OfflineDatapath`]: a [`MemDatapath`], through [`NodeProgram`], the agent's code path). The
+//! agent's debug API calls the same functions ([`matrix`], [`trace`]) over the datapath it
+//! programmed for its node (`crate::agent::Datapath::plane`: the kernel datapath's mirror of
+//! its maps, or the `none` datapath's in-memory tables).
 
 use std::net::IpAddr;
 
 use ordnet_datapath::common::craft::{L4, frame_between};
-use ordnet_datapath::common::{Decision, Verdict as XdpVerdict};
+use ordnet_datapath::common::{Decision, Reason, Verdict as XdpVerdict};
 use ordnet_datapath::{
-    ControlError, ControlPlane as _, DatapathConfig, DatapathError, MemDatapath, StoreError,
+    ControlError, ControlPlane, DatapathConfig, DatapathError, MemDatapath, StoreError,
 };
-use ordnet_engine::{Engine, FlowEnd, IpFamily, Matrix, MatrixResult};
+use ordnet_engine::{Engine, FlowEnd, FlowTrace, IpFamily, Matrix, MatrixResult};
 use ordnet_mapstate::{Protocol, Verdict};
 
 use crate::program::{NodeProgram, ProgramError};
@@ -66,34 +71,55 @@ impl OfflineDatapath {
         }
     }
 
-    /// The datapath's decision for a new flow (a TCP SYN, a UDP datagram, an SCTP INIT) from
-    /// `src` to `dst`; `None` if the two addresses are not of one family.
-    pub fn decide(&self, src: IpAddr, dst: IpAddr, proto: Protocol, port: u16) -> Option<Decision> {
-        let l4 = match proto {
-            Protocol::Tcp => L4::Tcp {
-                sport: SOURCE_PORT,
-                dport: port,
-            },
-            Protocol::Udp => L4::Udp {
-                sport: SOURCE_PORT,
-                dport: port,
-            },
-            Protocol::Sctp => L4::Sctp {
-                sport: SOURCE_PORT,
-                dport: port,
-            },
-        };
-        let frame = frame_between(src, dst, l4)?;
-        Some(self.datapath.decide(&frame))
+    /// The programmed datapath, for [`matrix`] and [`trace`].
+    pub fn plane(&self) -> &dyn ControlPlane {
+        &self.datapath
     }
+}
 
-    /// The verdict of [`OfflineDatapath::decide`].
-    pub fn verdict(&self, src: IpAddr, dst: IpAddr, proto: Protocol, port: u16) -> Option<Verdict> {
-        self.decide(src, dst, proto, port).map(|d| match d.verdict {
-            XdpVerdict::Pass => Verdict::Allow,
-            XdpVerdict::Drop => Verdict::Deny,
-        })
+/// `plane`'s decision for a new flow (a TCP SYN, a UDP datagram, an SCTP INIT) from `src` to
+/// `dst`; `None` if the two addresses are not of one family.
+pub fn decide(
+    plane: &dyn ControlPlane,
+    src: IpAddr,
+    dst: IpAddr,
+    proto: Protocol,
+    port: u16,
+) -> Option<Decision> {
+    let l4 = match proto {
+        Protocol::Tcp => L4::Tcp {
+            sport: SOURCE_PORT,
+            dport: port,
+        },
+        Protocol::Udp => L4::Udp {
+            sport: SOURCE_PORT,
+            dport: port,
+        },
+        Protocol::Sctp => L4::Sctp {
+            sport: SOURCE_PORT,
+            dport: port,
+        },
+    };
+    let frame = frame_between(src, dst, l4)?;
+    Some(plane.decide(&frame))
+}
+
+fn verdict_of(d: &Decision) -> Verdict {
+    match d.verdict {
+        XdpVerdict::Pass => Verdict::Allow,
+        XdpVerdict::Drop => Verdict::Deny,
     }
+}
+
+/// The verdict of [`decide`].
+pub fn verdict(
+    plane: &dyn ControlPlane,
+    src: IpAddr,
+    dst: IpAddr,
+    proto: Protocol,
+    port: u16,
+) -> Option<Verdict> {
+    decide(plane, src, dst, proto, port).map(|d| verdict_of(&d))
 }
 
 /// The address a flow end is probed at, as `Engine::flow` chooses it: an address is itself; a
@@ -108,6 +134,20 @@ pub fn probe_address(engine: &Engine, end: &FlowEnd, family: IpFamily) -> Option
     }
 }
 
+/// The IP family of a traced flow: the family of an address end, else `default`; the two
+/// addresses if both ends are addresses of different families.
+pub fn trace_family(
+    from: &FlowEnd,
+    to: &FlowEnd,
+    default: IpFamily,
+) -> Result<IpFamily, (IpAddr, IpAddr)> {
+    match (from, to) {
+        (FlowEnd::Ip(a), FlowEnd::Ip(b)) if a.is_ipv4() != b.is_ipv4() => Err((*a, *b)),
+        (FlowEnd::Ip(ip), _) | (_, FlowEnd::Ip(ip)) => Ok(IpFamily::of(*ip)),
+        _ => Ok(default),
+    }
+}
+
 /// Why [`trace_verdict`] has no verdict.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TraceError {
@@ -117,35 +157,59 @@ pub enum TraceError {
     Disagreement(String),
 }
 
-/// The datapath's verdict of the flow that `explained` (`Engine::flow` of the same ends,
-/// family, protocol and port) explains, checked against it: the overall verdict and the verdict
-/// of each side the datapath looked up must be the explanation's.
-#[allow(clippy::too_many_arguments)]
-pub fn trace_verdict(
+/// `ordnet trace`: `Engine::flow` explains the flow, and its verdict is replaced by the
+/// datapath's ([`trace_verdict`], which checks that the two agree).
+pub fn trace(
     engine: &Engine,
-    dp: &OfflineDatapath,
+    plane: &dyn ControlPlane,
     from: &FlowEnd,
     to: &FlowEnd,
     family: IpFamily,
     proto: Protocol,
     port: u16,
-    explained: &ordnet_engine::FlowTrace,
+) -> Result<FlowTrace, TraceError> {
+    let mut t = engine.flow(from, to, family, proto, port);
+    if let Some(e) = &t.error {
+        return Err(TraceError::Input(e.clone()));
+    }
+    t.verdict = trace_verdict(engine, plane, from, to, family, proto, port, &t)?;
+    Ok(t)
+}
+
+/// The datapath's verdict of the flow that `explained` (`Engine::flow` of the same ends,
+/// family, protocol and port) explains, checked against it: the overall verdict and the verdict
+/// of each side the datapath looked up must be the explanation's. A flow from or to one of the
+/// node's own addresses (which the datapath never filters, `Reason::Host`; only an agent's
+/// datapath knows any) is an input error: no policy explains it.
+#[allow(clippy::too_many_arguments)]
+pub fn trace_verdict(
+    engine: &Engine,
+    plane: &dyn ControlPlane,
+    from: &FlowEnd,
+    to: &FlowEnd,
+    family: IpFamily,
+    proto: Protocol,
+    port: u16,
+    explained: &FlowTrace,
 ) -> Result<Verdict, TraceError> {
     let addr = |end: &FlowEnd| {
         probe_address(engine, end, family)
             .ok_or_else(|| TraceError::Input(format!("{end} has no address")))
     };
     let (src, dst) = (addr(from)?, addr(to)?);
-    let d = dp.decide(src, dst, proto, port).ok_or_else(|| {
+    let d = decide(plane, src, dst, proto, port).ok_or_else(|| {
         TraceError::Input(format!(
             "{from} is probed at {src} and {to} at {dst}: a flow needs two addresses of one \
              IP family"
         ))
     })?;
-    let verdict = match d.verdict {
-        XdpVerdict::Pass => Verdict::Allow,
-        XdpVerdict::Drop => Verdict::Deny,
-    };
+    if d.reason == Reason::Host {
+        return Err(TraceError::Input(format!(
+            "{from} ({src}) -> {to} ({dst}): one end is an address of this node, whose traffic \
+             with its pods is never filtered"
+        )));
+    }
+    let verdict = verdict_of(&d);
     let side = |name: &str, dp_side: Option<bool>, engine_side: Option<Verdict>| match (
         dp_side,
         engine_side,
@@ -193,13 +257,16 @@ pub fn trace_verdict(
     }
 }
 
-/// `ordnet matrix`: every pod with an address of `family` (sorted by `ns/name`, probed at that
-/// address), then every external address, as sources and destinations; pairs of two external
-/// addresses are left out; a pod with itself is included (the datapath's same-endpoint
-/// exemption allows it). Every verdict is a frame decided by the datapath.
+/// `ordnet matrix`: every endpoint of `engine` with an address of `family` (sorted by
+/// `ns/name`, probed at that address), then every external address, as sources and
+/// destinations; pairs of two external addresses are left out; a pod with itself is included
+/// (the datapath's same-endpoint exemption allows it). Every verdict is a frame decided by
+/// `plane`, which judges the sides of its local endpoints only (offline: every pod; an agent:
+/// the pods of its node, so an external address that is a pod of another node is judged only
+/// on the local side).
 pub fn matrix(
     engine: &Engine,
-    dp: &OfflineDatapath,
+    plane: &dyn ControlPlane,
     proto: Protocol,
     port: u16,
     externals: &[IpAddr],
@@ -222,9 +289,8 @@ pub fn matrix(
             if !from_pod && !to_pod {
                 continue;
             }
-            let verdict = dp
-                .verdict(*src, *dst, proto, port)
-                .expect("both ends are of one family");
+            let verdict =
+                verdict(plane, *src, *dst, proto, port).expect("both ends are of one family");
             results.push(MatrixResult {
                 from: from.clone(),
                 to: to.clone(),

@@ -259,9 +259,12 @@ fn get(api: &FakeApi, v: &str, k: &str, ns: &str, name: &str) -> Value {
 
 /// Runs the `ordnet` binary on the fake server's objects.
 fn offline_cli(api: &FakeApi, args: &[&str]) -> String {
+    // One file per call: the tests of this file run in parallel in one process.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let dir = std::env::temp_dir().join(format!("ordnet-agent-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("objects.yaml");
+    let file = dir.join(format!("objects-{call}.yaml"));
     let mut docs = Vec::new();
     for (v, k) in [
         ("v1", "Namespace"),
@@ -621,6 +624,171 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     assert!(h.state.metrics.object_changes.get() >= 10);
     assert_eq!(http_get(addr, "/healthz").await.0, 200);
     assert_least_privilege(&api, "kube-system");
+}
+
+/// Runs `ordnet ARGS --agent ADDR`.
+async fn agent_cli(addr: SocketAddr, args: &[&str]) -> std::process::Output {
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_ordnet"))
+            .args(&args)
+            .args(["--agent", &addr.to_string()])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap()
+}
+
+/// The verdict of one pair in a JSON matrix.
+fn cell(m: &Value, from: &str, to: &str) -> String {
+    m["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["from"] == from && r["to"] == to)
+        .unwrap_or_else(|| panic!("no {from} -> {to} in {m}"))["verdict"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// The ends of a JSON matrix (its sources, in order).
+fn ends(m: &Value) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for r in m["results"].as_array().unwrap() {
+        let from = r["from"].as_str().unwrap().to_string();
+        if !out.contains(&from) {
+            out.push(from);
+        }
+    }
+    out
+}
+
+/// Two nodes: each agent answers for its own endpoints only, from its own datapath, which
+/// judges only the side of a flow that is local to it (the other node enforces the other).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_agent_answers_for_its_own_endpoints_only() {
+    let api = FakeApi::start().await.unwrap();
+    load_dir(&api, &repo().join("examples/qa-prod"));
+    // The prod pods run on node-2; the qa pods (grafana 10.244.1.10, tester 10.244.1.11)
+    // stay on node-1. Every policy of the example is an ingress policy of prod.
+    for name in ["api", "artifacts", "db"] {
+        let mut p = get(&api, "v1", "Pod", "prod", name);
+        p["spec"]["nodeName"] = json!("node-2");
+        api.update(p).unwrap();
+    }
+    let qa_node = start_agent_on(&api, "node-1").await;
+    let prod_node = start_agent_on(&api, "node-2").await;
+    let offline_m: Value = serde_json::from_str(&offline_cli(
+        &api,
+        &["matrix", "--port", "8081", "-o", "json"],
+    ))
+    .unwrap();
+    assert_eq!(cell(&offline_m, "qa/tester", "prod/api"), "deny");
+    assert_eq!(cell(&offline_m, "qa/grafana", "prod/artifacts"), "allow");
+
+    // node-1: its two pods, and prod/api by address. Its datapath judges the qa pods' egress
+    // (nothing restricts it); prod/api's ingress is node-2's to judge.
+    let out = agent_cli(
+        qa_node.debug_addr(),
+        &[
+            "matrix",
+            "--port",
+            "8081",
+            "--external",
+            "10.244.2.11",
+            "-o",
+            "json",
+        ],
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let m: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(ends(&m), ["qa/grafana", "qa/tester", "10.244.2.11"]);
+    assert_eq!(cell(&m, "qa/tester", "10.244.2.11"), "allow");
+    assert_eq!(cell(&m, "qa/grafana", "qa/tester"), "allow");
+
+    // node-2: its three pods, and qa/tester by address: the ingress side is local here, so
+    // the verdicts are the offline ones; so are those between its own pods.
+    let out = agent_cli(
+        prod_node.debug_addr(),
+        &[
+            "matrix",
+            "--port",
+            "8081",
+            "--external",
+            "10.244.1.11",
+            "-o",
+            "json",
+        ],
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let m: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        ends(&m),
+        ["prod/api", "prod/artifacts", "prod/db", "10.244.1.11"]
+    );
+    assert_eq!(cell(&m, "10.244.1.11", "prod/api"), "deny");
+    for from in ["prod/api", "prod/artifacts", "prod/db"] {
+        for to in ["prod/api", "prod/artifacts", "prod/db"] {
+            assert_eq!(
+                cell(&m, from, to),
+                cell(&offline_m, from, to),
+                "{from} -> {to}"
+            );
+        }
+    }
+
+    // A flow with one end outside the cluster and the other local is judged the same way
+    // offline and by the agent: byte for byte.
+    for format in ["text", "json"] {
+        let args = [
+            "trace",
+            "--from",
+            "192.0.2.1",
+            "--to",
+            "prod/artifacts",
+            "--port",
+            "8081",
+            "-o",
+            format,
+        ];
+        let out = agent_cli(prod_node.debug_addr(), &args).await;
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            String::from_utf8(out.stdout).unwrap(),
+            offline_cli(&api, &args)
+        );
+    }
+
+    // A pod of another node, by name or by address, is refused: ask the agent of its node.
+    for (node, from, to) in [
+        (&prod_node, "qa/tester", "prod/api"),
+        (&prod_node, "10.244.1.11", "prod/api"),
+        (&qa_node, "qa/tester", "prod/api"),
+    ] {
+        let out = agent_cli(node.debug_addr(), &["trace", "--from", from, "--to", to]).await;
+        assert_eq!(out.status.code(), Some(1), "{from} -> {to}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("ask the agent of its node"), "{err}");
+    }
+    let out = agent_cli(qa_node.debug_addr(), &["dump", "--pod", "prod/api"]).await;
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not an endpoint of this node"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

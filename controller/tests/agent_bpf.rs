@@ -404,6 +404,37 @@ impl Drop for Agent {
     }
 }
 
+/// The agent's matrix (decided over the kernel datapath's userspace mirror of its maps) says
+/// what the connections saw: every pair of [`Lab::matrix_keys`] is allowed unless `denied`
+/// (the remote pod is asked for by address: the ingress side of its flows is this node's).
+fn agent_matrix_agrees(lab: &Lab, agent: &Agent, step: &str, denied: &[(&str, &str)]) {
+    let (code, m) = agent.get(&format!("/v1/matrix?port={PORT}&external={FAR_IP}"));
+    assert_eq!(code, 200, "{step}: {m}");
+    let m: Value = serde_json::from_str(&m).unwrap();
+    let name = |pod: &str| {
+        if pod == FAR {
+            FAR_IP.to_string()
+        } else {
+            format!("shop/{pod}")
+        }
+    };
+    for (from, to) in lab.matrix_keys() {
+        let got = m["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["from"] == name(&from) && r["to"] == name(&to))
+            .unwrap_or_else(|| panic!("{step}: no {from} -> {to} in {m}"))["verdict"]
+            .clone();
+        let want = if denied.iter().any(|(a, b)| *a == from && *b == to) {
+            "deny"
+        } else {
+            "allow"
+        };
+        assert_eq!(got, want, "{step}: the agent's matrix, {from} -> {to}");
+    }
+}
+
 fn pod(name: &str, app: &str, node: &str, ip: Ipv4Addr) -> Value {
     json!({"apiVersion": "v1", "kind": "Pod",
         "metadata": {"namespace": "shop", "name": name, "labels": {"app": app}},
@@ -464,6 +495,12 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     let agent = Agent::start(&lab, &kubeconfig);
     agent.wait_ready();
     lab.expect("initial", &[("client", "db"), ("client", "web")]);
+    agent_matrix_agrees(
+        &lab,
+        &agent,
+        "initial",
+        &[("client", "db"), ("client", "web")],
+    );
     let mut links = vec![
         lab.host_iface("client"),
         lab.host_iface("db"),
@@ -490,6 +527,12 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     p["spec"] = db_policy("client")["spec"].clone();
     api.update(p).unwrap();
     lab.expect(
+        "db takes client",
+        &[("web", "db"), ("far", "db"), ("client", "web")],
+    );
+    agent_matrix_agrees(
+        &lab,
+        &agent,
         "db takes client",
         &[("web", "db"), ("far", "db"), ("client", "web")],
     );

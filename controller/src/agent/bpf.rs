@@ -19,7 +19,9 @@
 //! * **What the debug API sees**: `programmed()` is what was written (the engine's MapStates of
 //!   every endpoint written successfully, updated only after the kernel write succeeded);
 //!   `ipcache()` is read back from the datapath's control state, i.e. what the maps hold
-//!   (including `0.0.0.0/0` and `::/0` with the world identity).
+//!   (including `0.0.0.0/0` and `::/0` with the world identity); `plane()` is the kernel
+//!   datapath, whose decisions run over its userspace mirror of the maps (exactly what was
+//!   written to the kernel; `Datapath::verify` compares the two).
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -28,11 +30,11 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 
 use ipnet::IpNet;
-use ordnet_datapath::{ControlPlane as _, Datapath as Kernel, DatapathConfig};
+use ordnet_datapath::{ControlPlane, Datapath as Kernel, DatapathConfig};
 use ordnet_engine::{Engine, EngineDelta};
 use ordnet_mapstate::Identity;
 
-use super::datapath::{Datapath, NoneDatapath, ProgrammedEndpoint};
+use super::datapath::{Datapath, ProgrammedEndpoint, Programmer};
 use crate::program::NodeProgram;
 
 /// Where the pins live unless `$ORDNET_PIN_DIR` says otherwise.
@@ -64,9 +66,9 @@ pub enum Opened {
 /// The XDP datapath as the agent drives it.
 pub struct BpfDatapath {
     dp: Kernel,
-    program: NodeProgram,
-    /// What was written, as MapStates (answers `programmed()`).
-    record: NoneDatapath,
+    /// The engine → datapath mapping, and what was written as MapStates (answers
+    /// `programmed()`).
+    programmer: Programmer,
     /// The identities the datapath holds (answers `ipcache()`).
     ipcache: BTreeMap<IpNet, Identity>,
     uplink: Option<String>,
@@ -117,8 +119,7 @@ impl BpfDatapath {
         let ipcache = dp.control().identities().into_iter().collect();
         Ok(BpfDatapath {
             dp,
-            program: NodeProgram::new(),
-            record: NoneDatapath::default(),
+            programmer: Programmer::default(),
             ipcache,
             uplink,
             ifindex: BTreeMap::new(),
@@ -145,7 +146,7 @@ impl BpfDatapath {
 
     /// The engine → datapath mapping (ids, write statistics).
     pub fn node_program(&self) -> &NodeProgram {
-        &self.program
+        &self.programmer.program
     }
 
     /// Endpoints that are not attached, and why.
@@ -156,7 +157,8 @@ impl BpfDatapath {
     fn refresh_hosts(&mut self) -> Result<(), String> {
         let hosts = host_addresses().map_err(|e| format!("reading this node's addresses: {e}"))?;
         if hosts != self.hosts || !self.synced {
-            self.program
+            self.programmer
+                .program
                 .set_host_addresses(&mut self.dp, &hosts)
                 .map_err(|e| e.to_string())?;
             self.hosts = hosts;
@@ -167,12 +169,9 @@ impl BpfDatapath {
     fn full(&mut self, engine: &Engine) -> Result<(), String> {
         self.needs_full = true;
         self.refresh_hosts()?;
-        self.program
-            .program_full(engine, &mut self.dp)
-            .map_err(|e| e.to_string())?;
+        self.programmer.program_full(engine, &mut self.dp)?;
         self.needs_full = false;
         self.synced = true;
-        self.record.program_full(engine)?;
         self.ipcache = self.dp.control().identities().into_iter().collect();
         self.reconcile_links(engine);
         Ok(())
@@ -306,12 +305,9 @@ impl Datapath for BpfDatapath {
         if self.needs_full {
             return self.full(engine);
         }
-        if let Err(e) = self.program.apply(engine, deltas, &mut self.dp) {
+        if let Err(e) = self.programmer.apply(engine, deltas, &mut self.dp) {
             self.needs_full = true;
-            return Err(e.to_string());
-        }
-        if self.record.apply(engine, deltas).is_err() {
-            self.record.program_full(engine)?;
+            return Err(e);
         }
         self.ipcache = self.dp.control().identities().into_iter().collect();
         let endpoints_moved = deltas.iter().any(|d| {
@@ -326,11 +322,15 @@ impl Datapath for BpfDatapath {
     }
 
     fn programmed(&self) -> &BTreeMap<String, ProgrammedEndpoint> {
-        self.record.programmed()
+        self.programmer.record.programmed()
     }
 
     fn ipcache(&self) -> &BTreeMap<IpNet, Identity> {
         &self.ipcache
+    }
+
+    fn plane(&self) -> &dyn ControlPlane {
+        &self.dp
     }
 
     fn maintain(&mut self, engine: &Engine) -> Result<(), String> {
@@ -346,7 +346,7 @@ impl Datapath for BpfDatapath {
     }
 
     fn write_metrics(&self, out: &mut String) {
-        let stats = self.program.stats();
+        let stats = self.programmer.program.stats();
         let w = &stats.writes;
         let _ = write!(
             out,

@@ -101,7 +101,8 @@ fn dechunk(mut s: &str) -> String {
 }
 
 /// `ordnet CMD --agent ADDR`: prints the agent's answer to `path_and_query` as is (it is already
-/// the offline command's output); exit 0, or 1 with the agent's or the connection's message.
+/// the offline command's output); exit 0, or 1 with the agent's or the connection's message
+/// (3 if the agent reports an internal error).
 pub fn print_answer(cmd: &str, addr: &str, path_and_query: &str) -> std::process::ExitCode {
     match get(addr, path_and_query) {
         Ok(body) => {
@@ -110,7 +111,9 @@ pub fn print_answer(cmd: &str, addr: &str, path_and_query: &str) -> std::process
         }
         Err(e) => {
             eprintln!("ordnet {cmd}: {e}");
-            std::process::ExitCode::from(1)
+            // 500: the agent's datapath and engine disagree (a bug), as exit 3 offline.
+            let internal = matches!(e, AgentError::Status(500, _));
+            std::process::ExitCode::from(if internal { 3 } else { 1 })
         }
     }
 }

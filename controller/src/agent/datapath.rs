@@ -1,12 +1,21 @@
-//! What the agent programs: the [`Datapath`] trait and its `none` implementation, which keeps
-//! exactly what it was told (per local endpoint and direction: the MapState's keys and values,
-//! and the isolation; the ipcache) so tests and the debug API see the programmed state.
+//! What the agent programs: the [`Datapath`] trait, the programming both datapaths share
+//! ([`Programmer`]: [`NodeProgram`] onto a [`ControlPlane`], and a [`Record`] of what was
+//! written) and the `none` datapath, which programs an in-memory [`MemDatapath`] exactly as
+//! `bpf` programs the kernel (the same code, the same writes; only the table writer differs).
+//!
+//! The debug API answers from what was programmed: the MapStates and the ipcache as written
+//! ([`Datapath::programmed`], [`Datapath::ipcache`]; tests compare them with the offline
+//! engine), and the verdicts of `matrix` and `trace` decided over the programmed tables
+//! ([`Datapath::plane`]).
 
 use std::collections::BTreeMap;
 
 use ipnet::IpNet;
+use ordnet_datapath::{ControlPlane, MemDatapath};
 use ordnet_engine::{Engine, EngineDelta};
 use ordnet_mapstate::{Direction, Identity, Key, StateEntry};
+
+use crate::program::NodeProgram;
 
 /// One endpoint and direction as programmed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -36,6 +45,9 @@ pub trait Datapath: Send {
     fn programmed(&self) -> &BTreeMap<String, ProgrammedEndpoint>;
     /// The programmed ipcache.
     fn ipcache(&self) -> &BTreeMap<IpNet, Identity>;
+    /// The programmed tables (what the maps hold), for the verdicts of the debug API:
+    /// `ControlPlane::decide` runs the XDP program's decision function over them.
+    fn plane(&self) -> &dyn ControlPlane;
     /// Periodic upkeep after the initial sync (every [`super::MAINTAIN_EVERY`]): retries what
     /// failed (a full programming, attachments), follows this node's addresses.
     fn maintain(&mut self, _engine: &Engine) -> Result<(), String> {
@@ -45,15 +57,17 @@ pub trait Datapath: Send {
     fn write_metrics(&self, _out: &mut String) {}
 }
 
-/// `--datapath none`: computes everything, touches no kernel state, remembers what it was told.
+/// What was written, as the engine's MapStates (per local endpoint and direction: the keys and
+/// values, and the isolation) and ipcache: the `programmed()` and `ipcache()` answers.
 #[derive(Debug, Default)]
-pub struct NoneDatapath {
+pub struct Record {
     endpoints: BTreeMap<String, ProgrammedEndpoint>,
     ipcache: BTreeMap<IpNet, Identity>,
 }
 
-impl Datapath for NoneDatapath {
-    fn program_full(&mut self, engine: &Engine) -> Result<(), String> {
+impl Record {
+    /// Records everything `engine` holds.
+    pub fn program_full(&mut self, engine: &Engine) {
         self.endpoints.clear();
         for ep in engine.endpoints() {
             let mut programmed = ProgrammedEndpoint::default();
@@ -72,10 +86,10 @@ impl Datapath for NoneDatapath {
             self.endpoints.insert(ep.id(), programmed);
         }
         self.ipcache = engine.ipcache().into_iter().collect();
-        Ok(())
     }
 
-    fn apply(&mut self, _engine: &Engine, deltas: &[EngineDelta]) -> Result<(), String> {
+    /// Records the deltas of one batch; an error if they do not fit what is recorded.
+    pub fn apply(&mut self, deltas: &[EngineDelta]) -> Result<(), String> {
         for delta in deltas {
             for gone in &delta.endpoints_removed {
                 self.endpoints.remove(gone);
@@ -131,18 +145,119 @@ impl Datapath for NoneDatapath {
         Ok(())
     }
 
-    fn programmed(&self) -> &BTreeMap<String, ProgrammedEndpoint> {
+    /// The recorded MapStates, per local endpoint (`ns/name`).
+    pub fn programmed(&self) -> &BTreeMap<String, ProgrammedEndpoint> {
         &self.endpoints
     }
 
-    fn ipcache(&self) -> &BTreeMap<IpNet, Identity> {
+    /// The recorded ipcache.
+    pub fn ipcache(&self) -> &BTreeMap<IpNet, Identity> {
         &self.ipcache
+    }
+}
+
+/// The programming both datapaths share: [`NodeProgram`] writes the engine's state to a
+/// [`ControlPlane`], and what was written successfully is recorded.
+#[derive(Debug, Default)]
+pub struct Programmer {
+    pub program: NodeProgram,
+    pub record: Record,
+}
+
+impl Programmer {
+    /// Programs `dp` from scratch (converging what it holds to `engine`).
+    pub fn program_full<D: ControlPlane + ?Sized>(
+        &mut self,
+        engine: &Engine,
+        dp: &mut D,
+    ) -> Result<(), String> {
+        self.program
+            .program_full(engine, dp)
+            .map_err(|e| e.to_string())?;
+        self.record.program_full(engine);
+        Ok(())
+    }
+
+    /// Writes the deltas of one batch to `dp`. On an error `dp` needs a full programming.
+    pub fn apply<D: ControlPlane + ?Sized>(
+        &mut self,
+        engine: &Engine,
+        deltas: &[EngineDelta],
+        dp: &mut D,
+    ) -> Result<(), String> {
+        self.program
+            .apply(engine, deltas, dp)
+            .map_err(|e| e.to_string())?;
+        if self.record.apply(deltas).is_err() {
+            self.record.program_full(engine);
+        }
+        Ok(())
+    }
+}
+
+/// `--datapath none`: programs an in-memory datapath (the kernel's tables without a kernel, and
+/// no host addresses: it does not know the node's) and touches no kernel state.
+#[derive(Debug, Default)]
+pub struct NoneDatapath {
+    programmer: Programmer,
+    dp: MemDatapath,
+    /// A full programming is owed (an incremental one failed).
+    needs_full: bool,
+}
+
+impl NoneDatapath {
+    /// The engine → datapath mapping (endpoint ids, write statistics).
+    pub fn node_program(&self) -> &NodeProgram {
+        &self.programmer.program
+    }
+
+    /// The in-memory datapath, writable (tests corrupt it to see who answers).
+    #[cfg(test)]
+    pub(crate) fn tables_mut(&mut self) -> &mut MemDatapath {
+        &mut self.dp
+    }
+}
+
+impl Datapath for NoneDatapath {
+    fn program_full(&mut self, engine: &Engine) -> Result<(), String> {
+        self.needs_full = true;
+        self.programmer.program_full(engine, &mut self.dp)?;
+        self.needs_full = false;
+        Ok(())
+    }
+
+    fn apply(&mut self, engine: &Engine, deltas: &[EngineDelta]) -> Result<(), String> {
+        if self.needs_full {
+            return self.program_full(engine);
+        }
+        self.programmer
+            .apply(engine, deltas, &mut self.dp)
+            .inspect_err(|_| self.needs_full = true)
+    }
+
+    fn programmed(&self) -> &BTreeMap<String, ProgrammedEndpoint> {
+        self.programmer.record.programmed()
+    }
+
+    fn ipcache(&self) -> &BTreeMap<IpNet, Identity> {
+        self.programmer.record.ipcache()
+    }
+
+    fn plane(&self) -> &dyn ControlPlane {
+        &self.dp
+    }
+
+    fn maintain(&mut self, engine: &Engine) -> Result<(), String> {
+        if self.needs_full {
+            return self.program_full(engine);
+        }
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use ordnet_engine::{BuildOptions, EndpointUpdate};
+    use ordnet_engine::EndpointUpdate;
     use ordnet_mapstate::{ChangeSet, L4Prefix, OrderKey, Peer, Verdict};
 
     use super::*;
@@ -172,8 +287,7 @@ mod tests {
 
     #[test]
     fn deltas_add_change_and_remove_keys() {
-        let engine = Engine::empty(BuildOptions::default());
-        let mut dp = NoneDatapath::default();
+        let mut dp = Record::default();
         let k1 = Key {
             peer: Peer::Id(7),
             prefix: L4Prefix::packet(6, 80),
@@ -195,7 +309,7 @@ mod tests {
                 Some(true),
             )
         };
-        dp.apply(&engine, &[added]).unwrap();
+        dp.apply(&[added]).unwrap();
         let changed = update(
             ChangeSet {
                 changed: vec![(k1, entry(Verdict::Allow, 1), entry(Verdict::Deny, 0))],
@@ -204,7 +318,7 @@ mod tests {
             },
             Some(false),
         );
-        dp.apply(&engine, &[changed]).unwrap();
+        dp.apply(&[changed]).unwrap();
         let ep = &dp.programmed()["x/a"];
         assert_eq!(ep[1].entries.len(), 1);
         assert_eq!(ep[1].entries[&k1], entry(Verdict::Deny, 0));
@@ -218,12 +332,12 @@ mod tests {
             },
             None,
         );
-        assert!(dp.apply(&engine, &[bad]).is_err());
+        assert!(dp.apply(&[bad]).is_err());
         let gone = EngineDelta {
             endpoints_removed: vec!["x/a".into()],
             ..EngineDelta::default()
         };
-        dp.apply(&engine, &[gone]).unwrap();
+        dp.apply(&[gone]).unwrap();
         assert!(dp.programmed().is_empty());
     }
 }

@@ -6,18 +6,20 @@
 //! * `GET /metrics`: Prometheus text;
 //! * `GET /v1/problems`: the objects skipped as invalid (JSON);
 //! * `GET /v1/matrix?protocol=TCP&port=80&external=IP&family=4&output=table|json&width=N`:
-//!   `ordnet matrix` over this node's endpoints;
+//!   `ordnet matrix` over this node's endpoints (and the `external` addresses);
 //! * `GET /v1/trace?from=SRC&to=DST&protocol=TCP&port=80&family=4&output=text|json`:
 //!   `ordnet trace` (every pod end must be an endpoint of this node: only its MapStates are
-//!   programmed here);
+//!   programmed here); 500 if the datapath and the engine's explanation disagree (a bug);
 //! * `GET /v1/dump?pod=NS/NAME&direction=ingress|egress&output=tree|json|dot`: `ordnet dump`.
 //!
 //! `output` defaults to `json`; `color=1` asks for ANSI colours (the client decides, from its
 //! own terminal); `width` is the table width (`$COLUMNS` of the client, default 160). The
 //! answer is rendered by `crate::render`, the renderer of the offline commands, so
 //! `ordnet matrix|trace|dump --agent ADDR` prints exactly what the offline command prints.
-//! Every answer comes from the engine whose MapStates the datapath holds (they are updated
-//! together, under the same locks).
+//! The verdicts of `matrix` and `trace` are the datapath's: crafted frames decided over the
+//! tables this agent programmed (`Datapath::plane`), by `crate::offline`'s functions, the ones
+//! the offline commands use; `trace` explains them with the engine whose MapStates the datapath
+//! holds (they are updated together, under the same locks), and `dump` shows those MapStates.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -30,12 +32,14 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
+use ordnet_datapath::ControlPlane;
 use ordnet_engine::{Engine, FlowEnd, IdentityKind, IpFamily};
 use ordnet_mapstate::{Direction, Protocol};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use super::AgentState;
+use crate::offline::{self, TraceError};
 use crate::render::{self, Style};
 
 /// Binds `addr` and serves the debug API; returns the bound address and the server task.
@@ -129,10 +133,18 @@ fn one<'a>(q: &'a BTreeMap<String, Vec<String>>, k: &str) -> Option<&'a str> {
     q.get(k).and_then(|v| v.last()).map(String::as_str)
 }
 
-/// A bad request: 400 with the message.
-struct Bad(String);
+/// Why a question has no answer.
+#[derive(Debug)]
+enum Failure {
+    /// A bad request: 400 with the message.
+    Bad(String),
+    /// The datapath and the engine disagree (a bug): 500 with the message.
+    Internal(String),
+}
 
-fn protocol(q: &BTreeMap<String, Vec<String>>) -> Result<Protocol, Bad> {
+use Failure::{Bad, Internal};
+
+fn protocol(q: &BTreeMap<String, Vec<String>>) -> Result<Protocol, Failure> {
     match one(q, "protocol")
         .unwrap_or("TCP")
         .to_ascii_uppercase()
@@ -145,7 +157,7 @@ fn protocol(q: &BTreeMap<String, Vec<String>>) -> Result<Protocol, Bad> {
     }
 }
 
-fn port(q: &BTreeMap<String, Vec<String>>) -> Result<u16, Bad> {
+fn port(q: &BTreeMap<String, Vec<String>>) -> Result<u16, Failure> {
     let p = one(q, "port").unwrap_or("80");
     p.parse()
         .map_err(|_| Bad(format!("port: {p:?} is not a port number")))
@@ -156,7 +168,7 @@ fn output<F>(
     q: &BTreeMap<String, Vec<String>>,
     parse: fn(&str) -> Option<F>,
     formats: &str,
-) -> Result<F, Bad> {
+) -> Result<F, Failure> {
     let o = one(q, "output").unwrap_or("json");
     parse(o).ok_or_else(|| Bad(format!("output: {o:?} is not {formats}")))
 }
@@ -166,7 +178,7 @@ fn style(q: &BTreeMap<String, Vec<String>>) -> Style {
     Style::new(matches!(one(q, "color"), Some("1" | "true")))
 }
 
-fn family(q: &BTreeMap<String, Vec<String>>) -> Result<IpFamily, Bad> {
+fn family(q: &BTreeMap<String, Vec<String>>) -> Result<IpFamily, Failure> {
     match one(q, "family").unwrap_or("4") {
         "4" => Ok(IpFamily::V4),
         "6" => Ok(IpFamily::V6),
@@ -200,9 +212,9 @@ fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
             serde_json::to_string_pretty(&state.problems()).expect("problems serialize") + "\n",
         ),
         path @ ("/v1/matrix" | "/v1/trace" | "/v1/dump") => {
-            let answer = state.with_engine(|engine| match path {
-                "/v1/matrix" => matrix(engine, &q),
-                "/v1/trace" => trace(engine, &q),
+            let answer = state.with_programmed(|engine, dp| match path {
+                "/v1/matrix" => matrix(engine, dp.plane(), &q),
+                "/v1/trace" => trace(engine, dp.plane(), &q),
                 _ => dump(engine, &q),
             });
             match answer {
@@ -218,13 +230,18 @@ fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
                     }
                 }
                 Some(Err(Bad(m))) => text(StatusCode::BAD_REQUEST, m),
+                Some(Err(Internal(m))) => text(StatusCode::INTERNAL_SERVER_ERROR, m),
             }
         }
         _ => text(StatusCode::NOT_FOUND, "not found"),
     }
 }
 
-fn matrix(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, Bad> {
+fn matrix(
+    engine: &Engine,
+    plane: &dyn ControlPlane,
+    q: &BTreeMap<String, Vec<String>>,
+) -> Result<String, Failure> {
     let proto = protocol(q)?;
     let port = port(q)?;
     let family = family(q)?;
@@ -249,13 +266,13 @@ fn matrix(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, 
             .parse()
             .map_err(|_| Bad(format!("width: {w:?} is not a number")))?,
     };
-    let m = ordnet_engine::matrix(engine, proto, port, &externals, family);
+    let m = offline::matrix(engine, plane, proto, port, &externals, family);
     Ok(render::matrix::render(&m, family, format, style(q), width))
 }
 
 /// Whether `end` is evaluated by this node: a pod end (by name or by address) must be an
 /// endpoint of this node, because only its MapStates are programmed here.
-fn local_end(engine: &Engine, end: &FlowEnd, text: &str) -> Result<(), Bad> {
+fn local_end(engine: &Engine, end: &FlowEnd, text: &str) -> Result<(), Failure> {
     match end {
         FlowEnd::Pod { namespace, name } => match engine.endpoint(namespace, name) {
             Some(_) => Ok(()),
@@ -278,7 +295,11 @@ fn local_end(engine: &Engine, end: &FlowEnd, text: &str) -> Result<(), Bad> {
     }
 }
 
-fn trace(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, Bad> {
+fn trace(
+    engine: &Engine,
+    plane: &dyn ControlPlane,
+    q: &BTreeMap<String, Vec<String>>,
+) -> Result<String, Failure> {
     let format = output(q, render::trace::Format::parse, "text or json")?;
     let proto = protocol(q)?;
     let port = port(q)?;
@@ -292,19 +313,15 @@ fn trace(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, B
     local_end(engine, &from, "from")?;
     local_end(engine, &to, "to")?;
     // Like `ordnet trace`: the family of an address end, else IPv4 (or `family=`).
-    let family = match (&from, &to) {
-        (FlowEnd::Ip(a), FlowEnd::Ip(b)) if a.is_ipv4() != b.is_ipv4() => {
-            return Err(Bad(format!(
-                "from {a} and to {b} are not of the same IP family"
-            )));
-        }
-        (FlowEnd::Ip(ip), _) | (_, FlowEnd::Ip(ip)) => IpFamily::of(*ip),
-        _ => family,
-    };
-    let t = engine.flow(&from, &to, family, proto, port);
-    if let Some(e) = &t.error {
-        return Err(Bad(e.clone()));
-    }
+    let family = offline::trace_family(&from, &to, family)
+        .map_err(|(a, b)| Bad(format!("from {a} and to {b} are not of the same IP family")))?;
+    let t =
+        offline::trace(engine, plane, &from, &to, family, proto, port).map_err(|e| match e {
+            TraceError::Input(m) => Bad(m),
+            TraceError::Disagreement(m) => Internal(format!(
+                "INTERNAL ERROR: the datapath and the engine disagree: {m}; this is a bug in ordnet"
+            )),
+        })?;
     Ok(render::trace::render(
         engine,
         &from,
@@ -318,7 +335,7 @@ fn trace(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, B
     ))
 }
 
-fn dump(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, Bad> {
+fn dump(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, Failure> {
     let format = output(q, render::dump::Format::parse, "tree, json or dot")?;
     let pod = one(q, "pod").ok_or_else(|| Bad("pod: required (NAMESPACE/NAME)".into()))?;
     let (ns, name) = pod
@@ -341,4 +358,80 @@ fn dump(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, Ba
         })
     })?;
     Ok(render::dump::render(engine, ep, &dirs, format, style(q)))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use ordnet_datapath::ControlPlane as _;
+    use serde_json::Value;
+
+    use super::*;
+    use crate::agent::{Datapath, NoneDatapath};
+
+    fn q(pairs: &[(&str, &str)]) -> BTreeMap<String, Vec<String>> {
+        let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (k, v) in pairs {
+            out.entry(k.to_string()).or_default().push(v.to_string());
+        }
+        out
+    }
+
+    /// The verdict of one pair in a JSON matrix.
+    fn cell(m: &str, from: &str, to: &str) -> String {
+        let m: Value = serde_json::from_str(m).unwrap();
+        let r = m["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["from"] == from && r["to"] == to)
+            .unwrap_or_else(|| panic!("no {from} -> {to} in {m}"));
+        r["verdict"].as_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn verdicts_come_from_the_programmed_tables() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/qa-prod");
+        let outcome = ordnet_crds::load_and_validate(&[dir]);
+        assert!(outcome.problems.iter().all(|p| !p.is_error()));
+        let engine = Engine::build_for_node(&outcome.objects, "node-1");
+        let mut dp = NoneDatapath::default();
+        dp.program_full(&engine).unwrap();
+        let mq = q(&[("port", "8081"), ("output", "json")]);
+        let tq = q(&[
+            ("from", "qa/tester"),
+            ("to", "prod/api"),
+            ("port", "8081"),
+            ("output", "json"),
+        ]);
+        let before = matrix(&engine, dp.plane(), &mq).unwrap_or_else(|_| panic!());
+        assert_eq!(cell(&before, "qa/tester", "prod/api"), "deny");
+        let t = trace(&engine, dp.plane(), &tq).unwrap_or_else(|_| panic!());
+        assert_eq!(
+            serde_json::from_str::<Value>(&t).unwrap()["verdict"],
+            "deny",
+            "{t}"
+        );
+
+        // Corrupt the programmed tables behind the engine's back: prod/api is no longer a
+        // local endpoint of the datapath, so its ingress policy is not looked up any more.
+        let id = dp.node_program().endpoint_id("prod/api").unwrap();
+        dp.tables_mut().remove_endpoint(id).unwrap();
+        let after = matrix(&engine, dp.plane(), &mq).unwrap_or_else(|_| panic!());
+        assert_eq!(cell(&after, "qa/tester", "prod/api"), "allow");
+        assert_eq!(
+            cell(&after, "qa/tester", "prod/artifacts"),
+            cell(&before, "qa/tester", "prod/artifacts")
+        );
+        // The engine still explains a deny: trace reports the disagreement as an internal error.
+        match trace(&engine, dp.plane(), &tq) {
+            Err(Internal(m)) => assert!(
+                m.contains("INTERNAL ERROR") && m.contains("verdict: datapath allow"),
+                "{m}"
+            ),
+            Err(Bad(m)) => panic!("bad request: {m}"),
+            Ok(t) => panic!("no disagreement reported: {t}"),
+        }
+    }
 }

@@ -78,7 +78,7 @@ pub fn run(args: &MatrixArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let m = ordnet::offline::matrix(&engine, &dp, proto, args.port, &externals, family);
+    let m = ordnet::offline::matrix(&engine, dp.plane(), proto, args.port, &externals, family);
     let style = Style::new(color_wanted());
     print!("{}", render(&m, family, format, style, max_width()));
     ExitCode::SUCCESS

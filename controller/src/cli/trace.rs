@@ -9,10 +9,10 @@
 
 use std::process::ExitCode;
 
-use ordnet::offline::{OfflineDatapath, TraceError, trace_verdict};
+use ordnet::offline::{OfflineDatapath, TraceError, trace, trace_family};
 use ordnet::render::trace::{Format, render};
 use ordnet::render::{Style, color_wanted};
-use ordnet_engine::{FlowEnd, IpFamily};
+use ordnet_engine::IpFamily;
 
 use super::load::{load_engine, protocol};
 use super::{TextOrJson, TraceArgs};
@@ -53,20 +53,14 @@ pub fn run(args: &TraceArgs) -> ExitCode {
         Ok(t) => t,
         Err(code) => return code,
     };
-    let family = match (&from, &to) {
-        (FlowEnd::Ip(a), FlowEnd::Ip(b)) if a.is_ipv4() != b.is_ipv4() => {
+    let family = match trace_family(&from, &to, IpFamily::V4) {
+        Ok(f) => f,
+        Err((a, b)) => {
             eprintln!("ordnet trace: --from {a} and --to {b} are not of the same IP family");
             return ExitCode::from(1);
         }
-        (FlowEnd::Ip(ip), _) | (_, FlowEnd::Ip(ip)) => IpFamily::of(*ip),
-        _ => IpFamily::V4,
     };
     let proto = protocol(args.protocol);
-    let mut t = engine.flow(&from, &to, family, proto, args.port);
-    if let Some(e) = &t.error {
-        eprintln!("ordnet trace: {e}");
-        return ExitCode::from(1);
-    }
     let dp = match OfflineDatapath::build(&engine) {
         Ok(dp) => dp,
         Err(e) => {
@@ -74,8 +68,8 @@ pub fn run(args: &TraceArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match trace_verdict(&engine, &dp, &from, &to, family, proto, args.port, &t) {
-        Ok(v) => t.verdict = v,
+    let t = match trace(&engine, dp.plane(), &from, &to, family, proto, args.port) {
+        Ok(t) => t,
         Err(TraceError::Input(e)) => {
             eprintln!("ordnet trace: {e}");
             return ExitCode::from(1);
@@ -87,7 +81,7 @@ pub fn run(args: &TraceArgs) -> ExitCode {
             );
             return ExitCode::from(3);
         }
-    }
+    };
     let style = Style::new(color_wanted());
     print!(
         "{}",

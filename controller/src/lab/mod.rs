@@ -142,7 +142,14 @@ fn plan(args: &LabArgs) -> Result<Plan, Fail> {
     // Exactly what `ordnet matrix` prints.
     let offline = ordnet::offline::OfflineDatapath::build(&engine)
         .map_err(|e| fail(1, format!("programming the in-memory datapath: {e}")))?;
-    let expected = ordnet::offline::matrix(&engine, &offline, proto, args.port, &externals, family);
+    let expected = ordnet::offline::matrix(
+        &engine,
+        offline.plane(),
+        proto,
+        args.port,
+        &externals,
+        family,
+    );
     let method = match args.protocol {
         crate::cli::ProtocolArg::Tcp => Method::Tcp,
         crate::cli::ProtocolArg::Udp => Method::Udp,
