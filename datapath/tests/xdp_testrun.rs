@@ -23,8 +23,10 @@ use common::*;
 use ordnet_datapath::{
     ControlPlane as _, Datapath, DatapathConfig, EndpointSpec, IpNet, UserCt, XdpAction,
     common::{
-        ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6, IPPROTO_AH, IPPROTO_DSTOPTS,
-        IPPROTO_FRAGMENT, IPPROTO_HOPOPTS, IPPROTO_ROUTING, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
+        ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6, ICMPV6_NEIGHBOR_ADVERTISEMENT,
+        ICMPV6_NEIGHBOR_SOLICITATION, ICMPV6_REDIRECT, ICMPV6_ROUTER_ADVERTISEMENT,
+        ICMPV6_ROUTER_SOLICITATION, IPPROTO_AH, IPPROTO_DSTOPTS, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS,
+        IPPROTO_ICMPV6, IPPROTO_ROUTING, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, ND_HOP_LIMIT,
         Parsed, Reason, TCP_ACK, TCP_SYN, craft, craft::L4, layout::PROGRAM_NAME, parse,
     },
     sys,
@@ -286,6 +288,127 @@ fn cases() -> Vec<Case> {
         "ICMPv6 echo, everything denied",
         craft::ipv6_frame(L4::Echo),
         &[(L4Match::Any, Verdict::Deny)],
+        DROP,
+    ));
+
+    // IPv6 Neighbor Discovery: passes like ARP when it is valid ND for a receiver (hop limit
+    // 255, not fragmented), is judged like any ICMPv6 otherwise.
+    let nd = |kind: u8, hop_limit: u8| {
+        craft::icmpv6_frame(craft::V6_SRC, craft::V6_DST, kind, hop_limit)
+    };
+    let none = [(L4Match::Any, Verdict::Deny)];
+    for (name, kind) in [
+        (
+            "ND Router Solicitation, hop limit 255, everything denied",
+            ICMPV6_ROUTER_SOLICITATION,
+        ),
+        (
+            "ND Router Advertisement, hop limit 255, everything denied",
+            ICMPV6_ROUTER_ADVERTISEMENT,
+        ),
+        (
+            "ND Neighbor Solicitation, hop limit 255, everything denied",
+            ICMPV6_NEIGHBOR_SOLICITATION,
+        ),
+        (
+            "ND Neighbor Advertisement, hop limit 255, everything denied",
+            ICMPV6_NEIGHBOR_ADVERTISEMENT,
+        ),
+        (
+            "ND Redirect, hop limit 255, everything denied",
+            ICMPV6_REDIRECT,
+        ),
+    ] {
+        c.push(case(name, nd(kind, ND_HOP_LIMIT), &none, PASS));
+    }
+    for (name, frame) in [
+        (
+            "ND Neighbor Advertisement, hop limit 254, everything denied",
+            nd(ICMPV6_NEIGHBOR_ADVERTISEMENT, 254),
+        ),
+        (
+            "ND Neighbor Solicitation, hop limit 64, everything denied",
+            nd(ICMPV6_NEIGHBOR_SOLICITATION, 64),
+        ),
+        (
+            "ICMPv6 type 132 (MLD done), hop limit 255, everything denied",
+            nd(132, ND_HOP_LIMIT),
+        ),
+        (
+            "ICMPv6 type 138, hop limit 255, everything denied",
+            nd(138, ND_HOP_LIMIT),
+        ),
+        (
+            "ICMPv6 echo, hop limit 255, everything denied",
+            nd(128, ND_HOP_LIMIT),
+        ),
+        (
+            "ND Neighbor Solicitation in a first fragment, hop limit 255, everything denied",
+            with(
+                craft::ipv6_frame_with_ext(
+                    IPPROTO_FRAGMENT,
+                    &[craft::ipv6_fragment(IPPROTO_ICMPV6, 0, true, 4)],
+                    L4::Icmp {
+                        kind: ICMPV6_NEIGHBOR_SOLICITATION,
+                    },
+                ),
+                |f| craft::set_ipv6_hop_limit(f, 14, ND_HOP_LIMIT),
+            ),
+        ),
+        (
+            "ICMPv4 type 135, TTL 255, everything denied",
+            with(craft::ipv4_frame(L4::Icmp { kind: 135 }), |f| {
+                f[14 + 8] = 255;
+                craft::fix_ipv4_checksum(f, 14);
+            }),
+        ),
+    ] {
+        c.push(case(name, frame, &none, DROP));
+    }
+    c.push(case(
+        "ND Neighbor Advertisement, hop limit 64, no rule",
+        nd(ICMPV6_NEIGHBOR_ADVERTISEMENT, 64),
+        &[],
+        PASS,
+    ));
+    c.push(case(
+        "ND Neighbor Solicitation behind a destination-options header, everything denied",
+        with(
+            craft::ipv6_frame_with_ext(
+                IPPROTO_DSTOPTS,
+                &[craft::ipv6_ext(IPPROTO_ICMPV6, 8)],
+                L4::Icmp {
+                    kind: ICMPV6_NEIGHBOR_SOLICITATION,
+                },
+            ),
+            |f| craft::set_ipv6_hop_limit(f, 14, ND_HOP_LIMIT),
+        ),
+        &none,
+        PASS,
+    ));
+    c.push(case(
+        "ND Neighbor Advertisement in 802.1Q, everything denied",
+        craft::ethernet(
+            &[(ETH_P_8021Q, 7)],
+            ETH_P_IPV6,
+            &nd(ICMPV6_NEIGHBOR_ADVERTISEMENT, ND_HOP_LIMIT)[14..],
+        ),
+        &none,
+        PASS,
+    ));
+    c.push(case(
+        "truncated ICMPv6 header (3 bytes), type 136, hop limit 255",
+        with(
+            ipv6_raw(
+                IPPROTO_ICMPV6,
+                &L4::Icmp {
+                    kind: ICMPV6_NEIGHBOR_ADVERTISEMENT,
+                }
+                .bytes(true)[..3],
+            ),
+            |f| craft::set_ipv6_hop_limit(f, 14, ND_HOP_LIMIT),
+        ),
+        &[(L4Match::Any, Verdict::Allow)],
         DROP,
     ));
     c.push(case(
@@ -667,6 +790,20 @@ fn kernel_and_userspace_agree_on_mutated_frames() {
             ));
         }
     }
+    for kind in [
+        ICMPV6_NEIGHBOR_SOLICITATION,
+        ICMPV6_NEIGHBOR_ADVERTISEMENT,
+        ICMPV6_ROUTER_ADVERTISEMENT,
+    ] {
+        for hop_limit in [ND_HOP_LIMIT, 64] {
+            bases.push(craft::icmpv6_frame(
+                craft::V6_SRC,
+                craft::V6_DST,
+                kind,
+                hop_limit,
+            ));
+        }
+    }
     const SEED: u64 = 0x0bd_e7a7_a9a7;
     const N: usize = 20_000;
     let mut rng = Rng::new(SEED);
@@ -832,6 +969,16 @@ fn world_expect(w: &World, frame: &[u8]) -> XdpAction {
     if p.fragment == ordnet_datapath::common::Fragment::Subsequent {
         return PASS;
     }
+    // IPv6 Neighbor Discovery that a receiver would accept as such (docs/datapath.md §3):
+    // unfragmented ICMPv6 of types 133..=137 with hop limit 255.
+    if p.ip_version == 6
+        && p.protocol == 58
+        && p.fragment == ordnet_datapath::common::Fragment::No
+        && p.hop_limit == 255
+        && (133..=137).contains(&p.icmp6_type)
+    {
+        return PASS;
+    }
     let addr = |w: [u32; 4]| -> IpAddr {
         let a = ordnet_datapath::common::addr_bytes(w);
         if p.ip_version == 4 {
@@ -925,6 +1072,9 @@ fn random_frame(rng: &mut Rng, points: &[(u8, u16)]) -> Vec<u8> {
         p => L4::Raw { protocol: p },
     };
     let mut f = craft::frame_between(src, dst, l4).unwrap();
+    if v6 && rng.chance(6) {
+        f = random_nd_frame(rng, src, dst);
+    }
     match rng.below(12) {
         // Truncated somewhere (at least the Ethernet header).
         0 => {
@@ -941,6 +1091,42 @@ fn random_frame(rng: &mut Rng, points: &[(u8, u16)]) -> Vec<u8> {
         _ => {}
     }
     f
+}
+
+/// An ICMPv6 message of a Neighbor Discovery type or a neighbouring one, with hop limit 255 or
+/// not, sometimes from or to a link-local or solicited-node multicast address, sometimes in a
+/// first fragment.
+fn random_nd_frame(rng: &mut Rng, src: IpAddr, dst: IpAddr) -> Vec<u8> {
+    let v6 = |a: IpAddr| match a {
+        IpAddr::V6(a) => a.octets(),
+        IpAddr::V4(_) => unreachable!("an IPv6 address"),
+    };
+    let (mut src, mut dst) = (v6(src), v6(dst));
+    if rng.chance(3) {
+        dst = v6(ip(rng.pick(&[
+            "fe80::1",
+            "ff02::1:ff00:2",
+            "ff02::1",
+            "ff02::2",
+        ])));
+    } else if rng.chance(4) {
+        src = v6(ip("fe80::1"));
+    }
+    let kind = rng.pick(&[128, 132, 133, 134, 135, 136, 137, 137, 138]);
+    let hop_limit = rng.pick(&[ND_HOP_LIMIT, ND_HOP_LIMIT, ND_HOP_LIMIT, 254, 64]);
+    if rng.chance(5) {
+        let mut f = craft::ipv6_frame_with_ext(
+            IPPROTO_FRAGMENT,
+            &[craft::ipv6_fragment(IPPROTO_ICMPV6, 0, true, 2)],
+            L4::Icmp { kind },
+        );
+        f[14 + 8..14 + 24].copy_from_slice(&src);
+        f[14 + 24..14 + 40].copy_from_slice(&dst);
+        craft::set_ipv6_hop_limit(&mut f, 14, hop_limit);
+        f
+    } else {
+        craft::icmpv6_frame(src, dst, kind, hop_limit)
+    }
 }
 
 #[test]

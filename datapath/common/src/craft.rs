@@ -36,6 +36,9 @@ pub enum L4 {
     Sctp { sport: u16, dport: u16 },
     /// An ICMP (IPv4) or ICMPv6 (IPv6) echo request.
     Echo,
+    /// An ICMP (IPv4) or ICMPv6 (IPv6) message of type `kind`, code 0, with 20 bytes of body
+    /// (the reserved word and target address of a Neighbor Solicitation/Advertisement).
+    Icmp { kind: u8 },
     /// 8 zero bytes under an arbitrary protocol number.
     Raw { protocol: u8 },
 }
@@ -47,8 +50,8 @@ impl L4 {
             Self::Tcp { .. } | Self::TcpFlags { .. } => IPPROTO_TCP,
             Self::Udp { .. } => IPPROTO_UDP,
             Self::Sctp { .. } => IPPROTO_SCTP,
-            Self::Echo if ipv6 => IPPROTO_ICMPV6,
-            Self::Echo => IPPROTO_ICMP,
+            Self::Echo | Self::Icmp { .. } if ipv6 => IPPROTO_ICMPV6,
+            Self::Echo | Self::Icmp { .. } => IPPROTO_ICMP,
             Self::Raw { protocol } => protocol,
         }
     }
@@ -71,6 +74,12 @@ impl L4 {
             Self::Echo => {
                 let kind = if ipv6 { 128 } else { 8 };
                 std::vec![kind, 0, 0, 0, 0x12, 0x34, 0, 1]
+            }
+            Self::Icmp { kind } => {
+                let mut h = std::vec![0u8; 24];
+                h[0] = kind;
+                h[8..24].copy_from_slice(&V6_DST);
+                h
             }
             Self::Raw { .. } => std::vec![0; 8],
         }
@@ -294,6 +303,19 @@ pub fn ipv6_frame_with_ext(first: u8, ext_headers: &[Vec<u8>], l4: L4) -> Vec<u8
     let mut payload: Vec<u8> = ext_headers.concat();
     payload.extend_from_slice(&l4.bytes(true));
     ethernet(&[], ETH_P_IPV6, &ipv6(V6_SRC, V6_DST, first, &payload))
+}
+
+/// Ethernet + IPv6 from `src` to `dst` carrying an ICMPv6 message of type `kind` (e.g. a
+/// Neighbor Discovery type) with the given hop limit, untagged.
+pub fn icmpv6_frame(src: [u8; 16], dst: [u8; 16], kind: u8, hop_limit: u8) -> Vec<u8> {
+    let mut f = ipv6_frame_between(src, dst, L4::Icmp { kind });
+    set_ipv6_hop_limit(&mut f, 14, hop_limit);
+    f
+}
+
+/// Sets the hop limit of the IPv6 header that starts at `l3` in `frame`.
+pub fn set_ipv6_hop_limit(frame: &mut [u8], l3: usize, hop_limit: u8) {
+    frame[l3 + 7] = hop_limit;
 }
 
 /// Sets the IPv4 fragment fields of an IPv4 packet that starts at `l3` in `frame`, and fixes

@@ -37,6 +37,18 @@ pub const IPPROTO_MH: u8 = 135;
 pub const IPPROTO_HIP: u8 = 139;
 pub const IPPROTO_SHIM6: u8 = 140;
 
+/// ICMPv6 Neighbor Discovery message types (RFC 4861 §4): Router Solicitation, Router
+/// Advertisement, Neighbor Solicitation, Neighbor Advertisement, Redirect. See
+/// [`crate::verdict`] for how they are treated.
+pub const ICMPV6_ROUTER_SOLICITATION: u8 = 133;
+pub const ICMPV6_ROUTER_ADVERTISEMENT: u8 = 134;
+pub const ICMPV6_NEIGHBOR_SOLICITATION: u8 = 135;
+pub const ICMPV6_NEIGHBOR_ADVERTISEMENT: u8 = 136;
+pub const ICMPV6_REDIRECT: u8 = 137;
+/// The hop limit every Neighbor Discovery message is sent with and must arrive with
+/// (RFC 4861: receivers discard ND messages with any other hop limit).
+pub const ND_HOP_LIMIT: u8 = 255;
+
 /// At most this many VLAN tags (802.1Q or 802.1ad, in any order) are skipped.
 pub const MAX_VLAN_TAGS: usize = 2;
 /// At most this many IPv6 extension headers are skipped before the upper-layer header.
@@ -120,6 +132,11 @@ pub struct IpPacket {
     /// TCP flags (byte 13 of the TCP header: FIN 0x01, SYN 0x02, RST 0x04, ACK 0x10, ...);
     /// 0 for other protocols and later fragments.
     pub tcp_flags: u8,
+    /// The ICMPv6 message type (first byte of the ICMPv6 header); 0 for other protocols
+    /// (ICMPv4 included: nothing depends on its type) and later fragments.
+    pub icmp6_type: u8,
+    /// The IPv4 TTL or the IPv6 hop limit, as received.
+    pub hop_limit: u8,
     /// Fragmentation state.
     pub fragment: Fragment,
 }
@@ -165,8 +182,9 @@ pub enum ParseError {
     TruncatedExtensionHeader,
     /// More than [`MAX_IPV6_EXT_HEADERS`] IPv6 extension headers.
     TooManyExtensionHeaders,
-    /// The TCP/UDP/SCTP header goes past the end of the IP payload (or, for TCP, the data
-    /// offset does: an unfragmented packet must hold its whole TCP header).
+    /// The TCP/UDP/SCTP header or the 4-byte ICMPv6 header (type, code, checksum) goes past
+    /// the end of the IP payload (or, for TCP, the data offset does: an unfragmented packet
+    /// must hold its whole TCP header).
     TruncatedL4Header,
     /// TCP data offset below 5 (20 bytes).
     BadTcpDataOffset,
@@ -292,8 +310,8 @@ fn parse_ipv4<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, Parse
     let src = [s, 0, 0, 0];
     let dst = [d, 0, 0, 0];
     let protocol = h[9];
-    let (sport, dport, tcp_flags) = if fragment == Fragment::Subsequent {
-        (0, 0, 0)
+    let l4 = if fragment == Fragment::Subsequent {
+        L4Fields::NONE
     } else {
         parse_l4(frame, protocol, l3 + ihl, ip_end, fragment)?
     };
@@ -302,9 +320,11 @@ fn parse_ipv4<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, Parse
         src,
         dst,
         protocol,
-        sport,
-        dport,
-        tcp_flags,
+        sport: l4.sport,
+        dport: l4.dport,
+        tcp_flags: l4.tcp_flags,
+        icmp6_type: 0,
+        hop_limit: h[8],
         fragment,
     })
 }
@@ -389,6 +409,8 @@ fn parse_ipv6<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, Parse
                     sport: 0,
                     dport: 0,
                     tcp_flags: 0,
+                    icmp6_type: 0,
+                    hop_limit: h[7],
                     fragment: Fragment::Subsequent,
                 });
             }
@@ -402,21 +424,41 @@ fn parse_ipv6<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, Parse
     if is_ipv6_ext_header(next_header) {
         return Err(ParseError::TooManyExtensionHeaders);
     }
-    let (sport, dport, tcp_flags) = parse_l4(frame, next_header, off, ip_end, fragment)?;
+    let l4 = parse_l4(frame, next_header, off, ip_end, fragment)?;
     Ok(IpPacket {
         ip_version: 6,
         src,
         dst,
         protocol: next_header,
-        sport,
-        dport,
-        tcp_flags,
+        sport: l4.sport,
+        dport: l4.dport,
+        tcp_flags: l4.tcp_flags,
+        icmp6_type: l4.icmp6_type,
+        hop_limit: h[7],
         fragment,
     })
 }
 
-/// Reads the ports of TCP, UDP and SCTP (and the TCP flags); other protocols have none
-/// (0, 0, 0).
+/// What [`parse_l4`] reads from an upper-layer header.
+#[derive(Clone, Copy)]
+struct L4Fields {
+    sport: u16,
+    dport: u16,
+    tcp_flags: u8,
+    icmp6_type: u8,
+}
+
+impl L4Fields {
+    const NONE: Self = Self {
+        sport: 0,
+        dport: 0,
+        tcp_flags: 0,
+        icmp6_type: 0,
+    };
+}
+
+/// Reads the ports of TCP, UDP and SCTP (and the TCP flags), and the ICMPv6 type; other
+/// protocols have none of these (all 0).
 ///
 /// `l4` is the offset of the upper-layer header, `ip_end` the end of the IP packet according to
 /// its length field (already known to be inside the frame).
@@ -427,19 +469,31 @@ fn parse_l4<F: Frame + ?Sized>(
     l4: usize,
     ip_end: usize,
     fragment: Fragment,
-) -> Result<(u16, u16, u8), ParseError> {
+) -> Result<L4Fields, ParseError> {
     let fixed_len = match protocol {
         IPPROTO_TCP => 20,
         IPPROTO_UDP => 8,
         // Common header: ports, verification tag, checksum.
         IPPROTO_SCTP => 12,
-        _ => return Ok((0, 0, 0)),
+        // Type, code, checksum (RFC 4443 §2.1).
+        IPPROTO_ICMPV6 => 4,
+        _ => return Ok(L4Fields::NONE),
     };
     if l4 + fixed_len > ip_end {
         return Err(ParseError::TruncatedL4Header);
     }
     if l4 + fixed_len > MAX_HEADER_BYTES {
         return Err(ParseError::HeadersTooLong);
+    }
+    if protocol == IPPROTO_ICMPV6 {
+        // Type and code (2 bytes: see `Frame::load` on why no 1-byte loads).
+        let Some(t) = load::<F, 2>(frame, l4) else {
+            return Err(ParseError::TruncatedL4Header);
+        };
+        return Ok(L4Fields {
+            icmp6_type: t[0],
+            ..L4Fields::NONE
+        });
     }
     // 8 bytes cover the ports of all three and the UDP length.
     let Some(p) = load::<F, 8>(frame, l4) else {
@@ -473,5 +527,10 @@ fn parse_l4<F: Frame + ?Sized>(
         }
         _ => {}
     }
-    Ok((sport, dport, tcp_flags))
+    Ok(L4Fields {
+        sport,
+        dport,
+        tcp_flags,
+        icmp6_type: 0,
+    })
 }

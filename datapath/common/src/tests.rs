@@ -11,10 +11,11 @@ use quickcheck::{QuickCheck, TestResult};
 
 use crate::{
     DatapathMaps, Decision, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6, Fragment,
-    IPPROTO_AH, IPPROTO_DSTOPTS, IPPROTO_ESP, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS, IPPROTO_ICMP,
-    IPPROTO_ICMPV6, IPPROTO_NONE, IPPROTO_ROUTING, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
-    IpPacket, MAX_HEADER_BYTES, ParseError, Parsed, Reason, TCP_ACK, TCP_SYN, Verdict, addr_bytes,
-    addr_words, craft,
+    ICMPV6_NEIGHBOR_ADVERTISEMENT, ICMPV6_NEIGHBOR_SOLICITATION, ICMPV6_REDIRECT,
+    ICMPV6_ROUTER_ADVERTISEMENT, ICMPV6_ROUTER_SOLICITATION, IPPROTO_AH, IPPROTO_DSTOPTS,
+    IPPROTO_ESP, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_NONE,
+    IPPROTO_ROUTING, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, IpPacket, MAX_HEADER_BYTES,
+    ParseError, Parsed, Reason, TCP_ACK, TCP_SYN, Verdict, addr_bytes, addr_words, craft,
     craft::L4,
     decide, ipv4_in_16,
     layout::*,
@@ -75,6 +76,8 @@ fn hand_written_frame_and_checksum() {
             sport: 41102,
             dport: 443,
             tcp_flags: 0x02,
+            icmp6_type: 0,
+            hop_limit: 64,
             fragment: Fragment::No,
         }))
     );
@@ -147,6 +150,34 @@ fn all_l4_protocols_both_versions() {
     );
     let gre = ip(&craft::ipv4_frame(L4::Raw { protocol: 47 }));
     assert_eq!((gre.protocol, gre.dport), (47, 0));
+    // The ICMPv6 type and the hop limit are read; the ICMPv4 type is not (nothing uses it).
+    assert_eq!((icmp6.icmp6_type, icmp6.hop_limit), (128, 64));
+    assert_eq!((icmp.icmp6_type, icmp.hop_limit), (0, 64));
+    let na = ip(&craft::icmpv6_frame(
+        craft::V6_SRC,
+        craft::V6_DST,
+        ICMPV6_NEIGHBOR_ADVERTISEMENT,
+        255,
+    ));
+    assert_eq!(
+        (na.protocol, na.icmp6_type, na.hop_limit, na.sport, na.dport),
+        (IPPROTO_ICMPV6, 136, 255, 0, 0)
+    );
+    let icmp4_135 = ip(&craft::ipv4_frame(L4::Icmp { kind: 135 }));
+    assert_eq!(
+        (icmp4_135.protocol, icmp4_135.icmp6_type),
+        (IPPROTO_ICMP, 0)
+    );
+    // Behind extension headers, and in a first fragment.
+    let behind = ip(&craft::ipv6_frame_with_ext(
+        IPPROTO_HOPOPTS,
+        &[
+            craft::ipv6_ext(IPPROTO_FRAGMENT, 8),
+            craft::ipv6_fragment(IPPROTO_ICMPV6, 0, true, 3),
+        ],
+        L4::Icmp { kind: 135 },
+    ));
+    assert_eq!((behind.icmp6_type, behind.fragment), (135, Fragment::First));
 }
 
 #[test]
@@ -285,6 +316,32 @@ fn l4_header_validation() {
             );
         }
     }
+    // The ICMPv6 header (type, code, checksum) must be whole; ICMPv4 is not read at all.
+    let na = L4::Icmp { kind: 136 }.bytes(true);
+    for cut in 0..4 {
+        let v6 = craft::ethernet(
+            &[],
+            ETH_P_IPV6,
+            &craft::ipv6(craft::V6_SRC, craft::V6_DST, IPPROTO_ICMPV6, &na[..cut]),
+        );
+        assert_eq!(
+            p(&v6),
+            Err(ParseError::TruncatedL4Header),
+            "ICMPv6 cut {cut}"
+        );
+    }
+    let v6 = craft::ethernet(
+        &[],
+        ETH_P_IPV6,
+        &craft::ipv6(craft::V6_SRC, craft::V6_DST, IPPROTO_ICMPV6, &na[..4]),
+    );
+    assert_eq!(ip(&v6).icmp6_type, 136, "the 4-byte header alone suffices");
+    let v4 = craft::ethernet(
+        &[],
+        ETH_P_IP,
+        &craft::Ipv4::new(craft::V4_SRC, craft::V4_DST, IPPROTO_ICMP).build(&[]),
+    );
+    assert_eq!(ip(&v4).protocol, IPPROTO_ICMP, "empty ICMPv4 still parses");
     // TCP data offset.
     let good = craft::ipv4_frame(TCP80);
     for doff in 0..5u8 {
@@ -707,6 +764,94 @@ fn decide_exemptions() {
     assert!(m.ct.borrow().is_empty(), "exempt traffic is not tracked");
 }
 
+/// IPv6 Neighbor Discovery passes without lookups, like ARP, for a pod isolated both ways;
+/// anything that is not valid ND to a receiver (hop limit != 255, fragmented, other types,
+/// ICMPv4) is judged by policy.
+#[test]
+fn decide_neighbor_discovery() {
+    let mut m = mock();
+    let pod = craft::V6_SRC;
+    let router_ll: [u8; 16] = [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+    let solicited: [u8; 16] = [0xff, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0xff, 0, 0, 1];
+    // Isolated in both directions: rule set 0 is empty, both defaults deny.
+    m.ipcache.insert(
+        IpKey::new(FAMILY_V6, addr_words(pod)),
+        endpoint(3, 9, PolicyRef::new(0, V_DENY), PolicyRef::new(0, V_DENY)),
+    );
+    for kind in [
+        ICMPV6_ROUTER_SOLICITATION,
+        ICMPV6_ROUTER_ADVERTISEMENT,
+        ICMPV6_NEIGHBOR_SOLICITATION,
+        ICMPV6_NEIGHBOR_ADVERTISEMENT,
+        ICMPV6_REDIRECT,
+    ] {
+        for (src, dst) in [(pod, router_ll), (pod, solicited), (router_ll, pod)] {
+            let f = craft::icmpv6_frame(src, dst, kind, 255);
+            assert_eq!(
+                decide(&p(&f), &m),
+                Decision {
+                    verdict: Verdict::Pass,
+                    reason: Reason::NeighborDiscovery,
+                    egress: None,
+                    ingress: None,
+                },
+                "type {kind}"
+            );
+        }
+    }
+    assert_eq!(m.reads.get(), 0, "ND passes without any map read");
+    // The same message with another hop limit was routed (or forged off-link): policy.
+    for hop_limit in [254, 64, 1, 0] {
+        let f = craft::icmpv6_frame(pod, router_ll, ICMPV6_NEIGHBOR_ADVERTISEMENT, hop_limit);
+        assert_eq!(
+            decide(&p(&f), &m).reason,
+            Reason::EgressDenied,
+            "hop limit {hop_limit}"
+        );
+        let f = craft::icmpv6_frame(router_ll, pod, ICMPV6_NEIGHBOR_SOLICITATION, hop_limit);
+        assert_eq!(
+            decide(&p(&f), &m).reason,
+            Reason::IngressDenied,
+            "hop limit {hop_limit}"
+        );
+    }
+    // Neighbouring types (132, 138: MLD done, router renumbering), echo: policy.
+    for kind in [128, 132, 138, 0, 255] {
+        let f = craft::icmpv6_frame(pod, router_ll, kind, 255);
+        assert_eq!(
+            decide(&p(&f), &m).reason,
+            Reason::EgressDenied,
+            "type {kind}"
+        );
+    }
+    // ND in a first fragment (RFC 6980: not ND to a receiver): policy.
+    let mut frag = craft::ipv6_frame_with_ext(
+        IPPROTO_FRAGMENT,
+        &[craft::ipv6_fragment(IPPROTO_ICMPV6, 0, true, 5)],
+        L4::Icmp {
+            kind: ICMPV6_NEIGHBOR_ADVERTISEMENT,
+        },
+    );
+    craft::set_ipv6_hop_limit(&mut frag, 14, 255);
+    assert_eq!(decide(&p(&frag), &m).reason, Reason::EgressDenied);
+    // Behind an extension header (not a fragment header), it is still ND.
+    let mut behind = craft::ipv6_frame_with_ext(
+        IPPROTO_DSTOPTS,
+        &[craft::ipv6_ext(IPPROTO_ICMPV6, 8)],
+        L4::Icmp {
+            kind: ICMPV6_NEIGHBOR_SOLICITATION,
+        },
+    );
+    craft::set_ipv6_hop_limit(&mut behind, 14, 255);
+    assert_eq!(decide(&p(&behind), &m).reason, Reason::NeighborDiscovery);
+    // ICMPv4 of the same type number and TTL 255 is just ICMP: A's ingress denies it.
+    let mut v4 = craft::ipv4_frame_between(REMOTE, A, L4::Icmp { kind: 135 });
+    v4[14 + 8] = 255;
+    craft::fix_ipv4_checksum(&mut v4, 14);
+    assert_eq!(decide(&p(&v4), &m).reason, Reason::IngressDenied);
+    assert!(m.ct.borrow().is_empty(), "ICMPv6 is never tracked");
+}
+
 #[test]
 fn decide_policy_both_sides() {
     let m = mock();
@@ -840,8 +985,16 @@ fn valid_frames() -> Vec<Vec<u8>> {
             dport: 3868,
         },
         L4::Echo,
+        L4::Icmp {
+            kind: ICMPV6_NEIGHBOR_ADVERTISEMENT,
+        },
     ];
-    let mut frames = Vec::new();
+    let mut frames = vec![craft::icmpv6_frame(
+        craft::V6_SRC,
+        craft::V6_DST,
+        ICMPV6_NEIGHBOR_SOLICITATION,
+        255,
+    )];
     for l4 in l4s {
         frames.push(craft::ipv4_frame(l4));
         frames.push(craft::ipv6_frame(l4));

@@ -4,6 +4,7 @@
 //!
 //! Rules (`docs/datapath.md` §3, §5):
 //! * not IP -> PASS; malformed (possibly) IP -> DROP; later fragment -> PASS without lookups;
+//! * IPv6 Neighbor Discovery ([`neighbor_discovery`]) -> PASS without lookups;
 //! * neither address is a local endpoint -> PASS (not ours to judge);
 //! * either address belongs to this node -> PASS (traffic between a pod and its own node);
 //! * source and destination are the same local endpoint -> PASS;
@@ -16,7 +17,8 @@
 //!   creates (or refreshes) the tracking entry; a denied one creates nothing.
 
 use crate::{
-    Fragment, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, IpPacket, ParseError, Parsed,
+    Fragment, ICMPV6_REDIRECT, ICMPV6_ROUTER_SOLICITATION, IPPROTO_ICMPV6, IPPROTO_SCTP,
+    IPPROTO_TCP, IPPROTO_UDP, IpPacket, ND_HOP_LIMIT, ParseError, Parsed,
     layout::{CT_INITIATOR_A, CtEntry, CtKey, IpInfo, IpKey, PolicyRef, State},
     lookup::{PolicyDecision, PolicyMaps, policy_lookup},
 };
@@ -63,6 +65,8 @@ pub enum Reason {
     Malformed(ParseError),
     /// A non-first IP fragment (PASS, no lookups).
     LaterFragment,
+    /// An IPv6 Neighbor Discovery message (PASS, no lookups): see [`neighbor_discovery`].
+    NeighborDiscovery,
     /// Neither address is a local endpoint (PASS).
     NotLocal,
     /// One address belongs to this node (PASS).
@@ -203,6 +207,30 @@ pub const fn tracked(protocol: u8) -> bool {
     matches!(protocol, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP)
 }
 
+/// Whether a packet is IPv6 Neighbor Discovery, which passes without policy like ARP, its IPv4
+/// counterpart (a non-IP frame): ICMPv6 Router Solicitation/Advertisement, Neighbor
+/// Solicitation/Advertisement or Redirect (types 133-137), hop limit 255, not fragmented.
+///
+/// Without this, a pod whose egress (or ingress) is isolated could not resolve or answer for
+/// its neighbours (its Neighbor Advertisements from its global address to a router's link-local
+/// address are traffic to an unknown peer) and would lose IPv6 entirely.
+///
+/// The hop limit and fragment conditions are checks every receiver makes (RFC 4861 §6.1.1,
+/// §6.1.2, §7.1.1, §7.1.2, §8.1: hop limit != 255 is discarded; RFC 6980: fragmented ND is
+/// ignored). Requiring them keeps the exemption from becoming a bypass: a packet with hop
+/// limit 255 was not forwarded by any router, so the exemption cannot carry routed traffic,
+/// and what passes is handled by the receiver as ND or not at all. A packet of these types
+/// that fails them is not ND to anyone and is judged by policy like any other ICMPv6.
+#[inline(always)]
+pub fn neighbor_discovery(p: &IpPacket) -> bool {
+    p.ip_version == 6
+        && p.protocol == IPPROTO_ICMPV6
+        && p.fragment == Fragment::No
+        && p.hop_limit == ND_HOP_LIMIT
+        && p.icmp6_type >= ICMPV6_ROUTER_SOLICITATION
+        && p.icmp6_type <= ICMPV6_REDIRECT
+}
+
 /// The decision for a parsed frame.
 #[inline(always)]
 pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, maps: &M) -> Decision {
@@ -213,6 +241,9 @@ pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, map
     };
     if p.fragment == Fragment::Subsequent {
         return Decision::simple(Verdict::Pass, Reason::LaterFragment);
+    }
+    if neighbor_discovery(p) {
+        return Decision::simple(Verdict::Pass, Reason::NeighborDiscovery);
     }
 
     // 1. Connection tracking first: a packet of a tracked flow whose stamp is current passes
