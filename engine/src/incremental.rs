@@ -88,7 +88,9 @@ pub struct EndpointUpdate {
     pub endpoint: String,
     pub direction: Direction,
     /// The keys added, changed and removed (for a new endpoint: all of its keys, added).
-    pub changes: ChangeSet,
+    /// Shared: every endpoint of a shared MapState gets the same ChangeSet (a namespace relabel
+    /// changes thousands of keys in each of the node's states).
+    pub changes: Arc<ChangeSet>,
     /// The new isolation (and so default verdict), when it changed or the endpoint is new.
     pub isolated: Option<bool>,
     /// Whether the endpoint moved to another MapState (its selecting policies or own named
@@ -720,6 +722,7 @@ impl Engine {
             if cs.is_empty() && iso.is_none() {
                 continue;
             }
+            let cs = Arc::new(cs);
             let d = dir_index(key.dir);
             let users: Vec<PodKey> = self.shared[&key]
                 .users
@@ -731,7 +734,7 @@ impl Engine {
                 delta.updates.push(EndpointUpdate {
                     endpoint: pod_key_text(&u),
                     direction: key.dir,
-                    changes: cs.clone(),
+                    changes: Arc::clone(&cs),
                     isolated: iso,
                     rebuilt: false,
                 });
@@ -781,7 +784,7 @@ impl Engine {
             delta.updates.push(EndpointUpdate {
                 endpoint: pod_key_text(k),
                 direction: DIRECTIONS[*d],
-                changes: cs,
+                changes: Arc::new(cs),
                 isolated: iso,
                 rebuilt: true,
             });
@@ -814,10 +817,10 @@ impl Engine {
                     delta.updates.push(EndpointUpdate {
                         endpoint: pod_key_text(k),
                         direction: key.dir,
-                        changes: ChangeSet {
+                        changes: Arc::new(ChangeSet {
                             added: owned(s.policy.mapstate.iter()),
                             ..ChangeSet::default()
-                        },
+                        }),
                         isolated: Some(s.policy.isolated),
                         rebuilt: true,
                     });

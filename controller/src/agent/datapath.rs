@@ -277,7 +277,7 @@ mod tests {
             updates: vec![EndpointUpdate {
                 endpoint: "x/a".into(),
                 direction: Direction::Egress,
-                changes,
+                changes: changes.into(),
                 isolated,
                 rebuilt: false,
             }],
