@@ -1324,3 +1324,37 @@ async fn subject_and_rules_columns_follow_the_selected_pods() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_pod_is_no_endpoint_and_its_address_can_be_reused() {
+    let api = FakeApi::start().await.unwrap();
+    load_dir(&api, &repo().join("examples/qa-prod"));
+    let h = start_agent(&api).await;
+    converges(&api, &h, "initial sync").await;
+    let tester: IpNet = "10.244.1.11/32".parse().unwrap();
+    assert!(programmed(&h).unwrap().0.contains_key("qa/tester"));
+
+    // The pod succeeds: its endpoint and address go.
+    let mut pod = get(&api, "v1", "Pod", "qa", "tester");
+    pod["status"]["phase"] = json!("Succeeded");
+    api.update(pod.clone()).unwrap();
+    converges(&api, &h, "tester succeeded").await;
+    let (eps, ipcache) = programmed(&h).unwrap();
+    assert!(!eps.contains_key("qa/tester"));
+    assert!(!ipcache.contains_key(&tester));
+    assert!(h.state.problems().is_empty());
+
+    // A new pod on the node gets the same address: no duplicate-address problem, it is the
+    // address's owner.
+    pod["metadata"] =
+        json!({"namespace": "qa", "name": "tester-2", "labels": pod["metadata"]["labels"]});
+    pod["status"]["phase"] = json!("Running");
+    api.create(pod).unwrap();
+    converges(&api, &h, "tester-2 reuses the address").await;
+    let (eps, ipcache) = programmed(&h).unwrap();
+    assert!(eps.contains_key("qa/tester-2"));
+    assert!(ipcache.contains_key(&tester));
+    assert!(h.state.problems().is_empty());
+    let offline = offline_objects(&api);
+    assert_eq!(offline.pods.len(), 6, "the validator keeps both pods");
+}

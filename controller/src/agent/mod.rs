@@ -6,8 +6,12 @@
 //!   whether it is valid). Nothing is computed until every watcher finished its initial list;
 //!   then the engine is built from the valid objects (MapStates for this node's pods only) and
 //!   the datapath is programmed in one go.
-//! * After that, each burst of watch events (everything in the channel) is coalesced per object
-//!   and applied with `Engine::apply`; the datapath gets the deltas. A re-list (after 410 Gone or
+//! * After that, each burst of watch events is coalesced per object and applied with
+//!   `Engine::apply`; the datapath gets the deltas of the whole batch in one update. A batch
+//!   takes events until none arrived for [`COALESCE_QUIET`] (2 ms), at most
+//!   [`COALESCE_MAX_WAIT`] (20 ms) after its first event and at most [`COALESCE_MAX_EVENTS`]
+//!   events, so a steady stream cannot starve programming; the change latency metric counts
+//!   from the batch's first event, window included. A re-list (after 410 Gone or
 //!   an API server restart) is diffed against the view, so only real differences reach the
 //!   engine, and the last good state stays programmed meanwhile.
 //! * An invalid object (crds validation) is skipped (left out, like the offline CLI does),
@@ -58,6 +62,14 @@ pub struct AgentConfig {
     /// stay well below [`status::LEASE_SECONDS`]).
     pub lease_renew_every: Duration,
 }
+
+/// Burst coalescing (see `Applier::coalesce`): a batch closes once no watch event arrived for
+/// this long...
+pub const COALESCE_QUIET: Duration = Duration::from_millis(2);
+/// ...or this long after its first event at the latest...
+pub const COALESCE_MAX_WAIT: Duration = Duration::from_millis(20);
+/// ...or when it holds this many events.
+pub const COALESCE_MAX_EVENTS: usize = 5000;
 
 /// The five kinds, in the order the engine prefers to see them.
 pub const KINDS: [ObjectKind; 5] = [
@@ -445,19 +457,50 @@ impl Applier {
         while let Some(first) = rx.recv().await {
             let observed = Instant::now();
             self.handle(first);
-            // Coalesce the burst: everything already queued.
-            while let Ok(msg) = rx.try_recv() {
-                self.handle(msg);
-            }
             if !self.state.ready() {
+                // Initial sync: take everything queued, build once every list is done.
+                while let Ok(msg) = rx.try_recv() {
+                    self.handle(msg);
+                }
                 if self.synced.iter().all(|s| *s) {
                     self.initial_program();
                     self.state.applied.store(self.seq, Ordering::SeqCst);
                 }
                 continue;
             }
+            self.coalesce(&mut rx, observed).await;
             self.apply_dirty(observed);
             self.state.applied.store(self.seq, Ordering::SeqCst);
+        }
+    }
+
+    /// Burst coalescing: after the first event of a batch (observed at `observed`), keeps
+    /// taking events while they keep coming, i.e. until no event arrived for
+    /// [`COALESCE_QUIET`], but never past [`COALESCE_MAX_WAIT`] after the first event nor beyond
+    /// [`COALESCE_MAX_EVENTS`] events, so a steady stream cannot hold programming back. The
+    /// batch is then applied as one datapath update; its latency is measured from `observed`,
+    /// so the time spent waiting here is part of it.
+    async fn coalesce(&mut self, rx: &mut mpsc::UnboundedReceiver<WatchMsg>, observed: Instant) {
+        let deadline = tokio::time::Instant::from_std(observed + COALESCE_MAX_WAIT);
+        let mut events = 1;
+        while events < COALESCE_MAX_EVENTS {
+            // Everything already queued first, without waiting.
+            let msg = match rx.try_recv() {
+                Ok(msg) => msg,
+                Err(_) => {
+                    let quiet = (tokio::time::Instant::now() + COALESCE_QUIET).min(deadline);
+                    match tokio::time::timeout_at(quiet, rx.recv()).await {
+                        Ok(Some(msg)) => msg,
+                        // Quiet (or past the deadline), or every watcher is gone.
+                        Ok(None) | Err(_) => return,
+                    }
+                }
+            };
+            self.handle(msg);
+            events += 1;
+            if tokio::time::Instant::now() >= deadline {
+                return;
+            }
         }
     }
 
@@ -718,7 +761,6 @@ impl Applier {
         }
         self.state.metrics.set_sizes(engine, dp.as_ref());
         self.state.metrics.object_changes.add(changes as u64);
-        self.state.metrics.batches.inc();
         self.state
             .metrics
             .apply_seconds
@@ -727,6 +769,8 @@ impl Applier {
             .metrics
             .change_latency_seconds
             .observe(observed.elapsed().as_secs_f64());
+        // Last: a batch counted is a batch fully recorded.
+        self.state.metrics.batches.inc();
     }
 }
 
