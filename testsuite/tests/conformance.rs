@@ -232,8 +232,14 @@ fn check(path: &Path, counts: &mut Counts) -> Vec<String> {
                 )),
             }
         }
-        let m =
-            ordnet::offline::matrix(&engine, &dp, proto, probe.port, &sc.externals, IpFamily::V4);
+        let m = ordnet::offline::matrix(
+            &engine,
+            dp.plane(),
+            proto,
+            probe.port,
+            &sc.externals,
+            IpFamily::V4,
+        );
         let by_engine =
             ordnet_engine::matrix(&engine, proto, probe.port, &sc.externals, IpFamily::V4);
         if m != by_engine {
