@@ -12,6 +12,7 @@ use ordnet::agent::{self, AgentConfig, AgentHandle, NoneDatapath};
 use ordnet_engine::{Engine, Signature};
 use ordnet_mapstate::{L4Prefix, OrderKey, Origin, Peer, Verdict};
 use ordnet_testsuite::fakeapi::FakeApi;
+use ordnet_testsuite::scenario::{self, Scenario};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -805,20 +806,13 @@ async fn nothing_is_programmed_before_every_initial_list() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_scenarios_converge() {
-    let dir = repo().join("testsuite/data/conformance");
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
-        .collect();
-    files.sort();
+    let files = scenario::files(&scenario::data_dir("conformance"));
     assert!(files.len() > 50);
     for f in files {
-        let text = std::fs::read_to_string(&f).unwrap();
-        let scenario: Value = serde_yaml::from_str(&text).unwrap();
+        let sc = Scenario::load(&f).unwrap_or_else(|e| panic!("{e}"));
         let api = FakeApi::start().await.unwrap();
-        for o in scenario["objects"].as_array().unwrap() {
-            let mut o = o.clone();
+        for o in &sc.objects {
+            let mut o: Value = serde_json::to_value(o).unwrap();
             if o["kind"] == "Pod" && o["spec"]["nodeName"].is_null() {
                 o["spec"]["nodeName"] = json!(NODE);
             }

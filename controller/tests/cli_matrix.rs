@@ -7,9 +7,11 @@
 //! - error cases: unknown pod, bad --from, invalid manifests, an unreachable `--agent` (exit 1),
 //!   usage errors (exit 2); no colour when stdout is not a terminal.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+
+use ordnet_testsuite::scenario::{self, Scenario};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ordnet");
 
@@ -62,19 +64,11 @@ fn json(s: &str) -> serde_json::Value {
 // ----- matrix -o json against conformance scenarios ------------------------------------------
 
 /// Writes the scenario's objects to a manifest file; returns (file, scenario).
-fn scenario(name: &str, dir: &Path) -> (PathBuf, serde_yaml::Value) {
-    let path = repo().join(format!("testsuite/data/conformance/{name}.yaml"));
-    let doc: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(&path).expect("scenario")).expect("YAML");
-    let stream: String = doc["objects"]
-        .as_sequence()
-        .expect("objects")
-        .iter()
-        .map(|o| format!("---\n{}", serde_yaml::to_string(o).unwrap()))
-        .collect();
+fn scenario(name: &str, dir: &Path) -> (PathBuf, Scenario) {
+    let sc = Scenario::load(&scenario::path("conformance", name)).unwrap_or_else(|e| panic!("{e}"));
     let file = dir.join(format!("{name}.yaml"));
-    std::fs::write(&file, stream).unwrap();
-    (file, doc)
+    std::fs::write(&file, sc.manifest()).unwrap();
+    (file, sc)
 }
 
 #[test]
@@ -92,33 +86,12 @@ fn matrix_json_equals_the_scenario_expectations() {
     ];
     let mut probes = 0;
     for name in names {
-        let (file, doc) = scenario(name, &dir);
-        let pods: Vec<String> = doc["objects"]
-            .as_sequence()
-            .unwrap()
-            .iter()
-            .filter(|o| o["kind"] == "Pod")
-            .map(|o| {
-                format!(
-                    "{}/{}",
-                    o["metadata"]["namespace"].as_str().unwrap(),
-                    o["metadata"]["name"].as_str().unwrap()
-                )
-            })
-            .collect();
-        let externals: Vec<String> = doc["externals"]
-            .as_sequence()
-            .map(|s| s.iter().map(|e| e.as_str().unwrap().to_string()).collect())
-            .unwrap_or_default();
-        for probe in doc["expect"].as_sequence().unwrap() {
-            let proto = probe["protocol"].as_str().unwrap();
-            let port = probe["port"].as_u64().unwrap().to_string();
-            let default = probe["default"].as_str().unwrap();
-            let other = if default == "allow" { "deny" } else { "allow" };
-            let exceptions: BTreeSet<String> = probe["exceptions"]
-                .as_sequence()
-                .map(|s| s.iter().map(|e| e.as_str().unwrap().to_string()).collect())
-                .unwrap_or_default();
+        let (file, sc) = scenario(name, &dir);
+        let pods = sc.pods(4);
+        let externals = sc.external_names();
+        for probe in &sc.expect {
+            let proto = probe.protocol.as_str();
+            let port = probe.port.to_string();
             let mut args = vec![
                 "matrix",
                 "-f",
@@ -142,12 +115,10 @@ fn matrix_json_equals_the_scenario_expectations() {
                     if !pods.contains(a) && !pods.contains(b) {
                         continue;
                     }
-                    let v = if a == b {
+                    let v = if probe.allows(a, b).unwrap() {
                         "allow"
-                    } else if exceptions.contains(&format!("{a} -> {b}")) {
-                        other
                     } else {
-                        default
+                        "deny"
                     };
                     want.insert(format!("{a} -> {b}"), v.to_string());
                 }

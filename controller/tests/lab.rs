@@ -10,14 +10,13 @@
 
 use std::collections::BTreeSet;
 use std::io::{BufRead as _, BufReader};
-use std::net::IpAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use serde::Deserialize;
+use ordnet_testsuite::scenario::{self, Scenario};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ordnet");
 const PREFIX: &str = "ordlab-";
@@ -69,43 +68,8 @@ fn assert_clean(before_links: &BTreeSet<String>, what: &str) {
     );
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Scenario {
-    name: String,
-    #[allow(dead_code)]
-    source: String,
-    #[allow(dead_code)]
-    description: String,
-    /// Only in `testsuite/data/lab`: the family the pods are probed at.
-    #[serde(default)]
-    family: Option<u8>,
-    objects: Vec<serde_yaml::Value>,
-    #[serde(default)]
-    externals: Vec<IpAddr>,
-    expect: Vec<Expect>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Expect {
-    protocol: String,
-    port: u16,
-    default: String,
-    #[serde(default)]
-    exceptions: Vec<String>,
-}
-
-fn data(dir: &str, name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../testsuite/data")
-        .join(dir)
-        .join(format!("{name}.yaml"))
-}
-
-fn load(path: &Path) -> Scenario {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+fn load(dir: &str, name: &str) -> Scenario {
+    Scenario::load(&scenario::path(dir, name)).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// A scenario's objects as a manifest file, removed (with its directory) when dropped.
@@ -127,11 +91,6 @@ impl Drop for Manifest {
 }
 
 fn manifest(sc: &Scenario) -> Manifest {
-    let stream: String = sc
-        .objects
-        .iter()
-        .map(|o| format!("---\n{}", serde_yaml::to_string(o).expect("YAML")))
-        .collect();
     let dir = std::env::temp_dir().join(format!(
         "ordnet-lab-test-{}-{}",
         std::process::id(),
@@ -139,37 +98,8 @@ fn manifest(sc: &Scenario) -> Manifest {
     ));
     std::fs::create_dir_all(&dir).expect("scratch dir");
     let path = dir.join(format!("{}.yaml", sc.name));
-    std::fs::write(&path, stream).expect("write manifest");
+    std::fs::write(&path, sc.manifest()).expect("write manifest");
     Manifest(path)
-}
-
-/// Pods with an address of the probed family (as in the scenario's objects), sorted.
-fn pods(sc: &Scenario, family: u8) -> Vec<String> {
-    let mut out: Vec<String> = sc
-        .objects
-        .iter()
-        .filter(|o| o["kind"].as_str() == Some("Pod"))
-        .filter(|o| o["spec"]["hostNetwork"].as_bool() != Some(true))
-        .filter(|o| {
-            let mut ips: Vec<&str> = o["status"]["podIPs"]
-                .as_sequence()
-                .map(|s| s.iter().filter_map(|p| p["ip"].as_str()).collect())
-                .unwrap_or_default();
-            ips.extend(o["status"]["podIP"].as_str());
-            ips.iter()
-                .filter_map(|ip| ip.parse::<IpAddr>().ok())
-                .any(|ip| ip.is_ipv4() == (family == 4))
-        })
-        .map(|o| {
-            format!(
-                "{}/{}",
-                o["metadata"]["namespace"].as_str().unwrap_or("default"),
-                o["metadata"]["name"].as_str().expect("pod name")
-            )
-        })
-        .collect();
-    out.sort();
-    out
 }
 
 fn run(args: &[String]) -> Output {
@@ -183,11 +113,11 @@ fn run(args: &[String]) -> Output {
 /// Probes one `expect` entry of a scenario with `ordnet lab --probe -o json` and checks every
 /// pair: observed = expected (the CLI's matrix) = the scenario's verdict.
 fn check(dir: &str, name: &str, only: &[(&str, u16)]) {
-    let sc = load(&data(dir, name));
+    let sc = load(dir, name);
     let file = manifest(&sc);
     let family = sc.family.unwrap_or(4);
-    let ext: Vec<String> = sc.externals.iter().map(|ip| ip.to_string()).collect();
-    let mut endpoints = pods(&sc, family);
+    let ext = sc.external_names();
+    let mut endpoints = sc.pods(family);
     endpoints.extend(ext.iter().cloned());
     let mut probed = 0;
     for e in &sc.expect {
@@ -242,17 +172,10 @@ fn check(dir: &str, name: &str, only: &[(&str, u16)]) {
                     continue;
                 }
                 want_pairs += 1;
-                let listed = e.exceptions.contains(&format!("{from} -> {to}"));
-                let want = if from == to {
-                    "allow"
-                } else if listed {
-                    if e.default == "allow" {
-                        "deny"
-                    } else {
-                        "allow"
-                    }
-                } else {
-                    e.default.as_str()
+                let want = match e.allows(from, to) {
+                    Ok(true) => "allow",
+                    Ok(false) => "deny",
+                    Err(err) => panic!("{what}: {err}"),
                 };
                 let r = results
                     .iter()
@@ -386,7 +309,7 @@ fn wait_exit(child: &mut Child) -> Option<i32> {
 fn one_lab_at_a_time_and_ctrl_c_cleans_up() {
     let Some(_guard) = lab_guard() else { return };
     let before = links();
-    let sc = load(&data("conformance", "onp-10-port-range-with-deny-hole"));
+    let sc = load("conformance", "onp-10-port-range-with-deny-hole");
     let manifest = manifest(&sc);
     let file = manifest.path();
 
@@ -441,7 +364,7 @@ fn one_lab_at_a_time_and_ctrl_c_cleans_up() {
 fn leftovers_of_a_killed_lab_are_removed_by_the_next() {
     let Some(_guard) = lab_guard() else { return };
     let before = links();
-    let sc = load(&data("conformance", "onp-03-rule-order-within-policy"));
+    let sc = load("conformance", "onp-03-rule-order-within-policy");
     let manifest = manifest(&sc);
     let file = manifest.path();
     let mut killed = spawn_lab(&["-f", file]);

@@ -2,3 +2,4 @@
 
 pub mod fakeapi;
 pub mod reference;
+pub mod scenario;

@@ -7,23 +7,22 @@
 //! engine's own MapState-lookup matrix (`ordnet_engine::matrix`) must agree pair by pair.
 //!
 //! For every scenario and every `expect` probe, every ordered pair of distinct endpoints (pods
-//! with an address, and the scenario's external addresses; pairs of two externals are skipped)
+//! with an IPv4 address, and the scenario's external addresses; pairs of two externals are skipped)
 //! must have the verdict `default`, or the opposite one when the pair is listed in `exceptions`.
 //! A pod with itself must be allowed. The endpoints are taken from the scenario's objects, not
 //! from the engine, so an endpoint that the engine loses is reported too.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
 use ordnet_datapath::ControlPlane as _;
 use ordnet_engine::{Engine, IpFamily};
 use ordnet_mapstate::{Protocol, Verdict};
-use serde::Deserialize;
+use ordnet_testsuite::scenario::{self, Scenario};
 
 /// The copy in this crate.
 fn data_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("data/conformance")
+    scenario::data_dir("conformance")
 }
 
 /// The shared original: `../shared/conformance` relative to the workspace root.
@@ -77,38 +76,6 @@ fn copy_is_in_sync_with_shared() {
     );
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Scenario {
-    name: String,
-    #[allow(dead_code)]
-    source: String,
-    #[allow(dead_code)]
-    description: String,
-    objects: Vec<serde_yaml::Value>,
-    #[serde(default)]
-    externals: Vec<IpAddr>,
-    expect: Vec<Probe>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Probe {
-    protocol: String,
-    port: u16,
-    default: String,
-    #[serde(default)]
-    exceptions: Vec<String>,
-}
-
-fn parse_verdict(s: &str) -> Result<Verdict, String> {
-    match s {
-        "allow" => Ok(Verdict::Allow),
-        "deny" => Ok(Verdict::Deny),
-        other => Err(format!("unknown verdict {other:?}")),
-    }
-}
-
 fn parse_protocol(s: &str) -> Result<Protocol, String> {
     Protocol::ALL
         .into_iter()
@@ -116,40 +83,17 @@ fn parse_protocol(s: &str) -> Result<Protocol, String> {
         .ok_or_else(|| format!("unknown protocol {s:?}"))
 }
 
-fn flip(v: Verdict) -> Verdict {
-    match v {
-        Verdict::Allow => Verdict::Deny,
-        Verdict::Deny => Verdict::Allow,
+fn verdict(allows: bool) -> Verdict {
+    if allows {
+        Verdict::Allow
+    } else {
+        Verdict::Deny
     }
-}
-
-/// The pods of the scenario that are endpoints: a `status.podIP`, not `hostNetwork`.
-fn pod_endpoints(objects: &[serde_yaml::Value]) -> Vec<String> {
-    let mut out: Vec<String> = objects
-        .iter()
-        .filter(|o| o["kind"].as_str() == Some("Pod"))
-        .filter(|o| o["status"]["podIP"].as_str().is_some_and(|s| !s.is_empty()))
-        .filter(|o| o["spec"]["hostNetwork"].as_bool() != Some(true))
-        .map(|o| {
-            format!(
-                "{}/{}",
-                o["metadata"]["namespace"].as_str().unwrap_or("default"),
-                o["metadata"]["name"].as_str().expect("pod name")
-            )
-        })
-        .collect();
-    out.sort();
-    out
 }
 
 /// Loads the objects exactly as `ordnet matrix -f` does (loader + validator) and builds the engine.
 fn build(sc: &Scenario, path: &Path) -> Result<Engine, String> {
-    let stream: String = sc
-        .objects
-        .iter()
-        .map(|o| format!("---\n{}", serde_yaml::to_string(o).expect("YAML")))
-        .collect();
-    let outcome = ordnet_crds::validated(ordnet_crds::manifest::load_str(path, &stream));
+    let outcome = ordnet_crds::validated(ordnet_crds::manifest::load_str(path, &sc.manifest()));
     if outcome.has_errors() {
         let problems: Vec<String> = outcome
             .problems
@@ -170,10 +114,9 @@ struct Counts {
 
 /// Checks one scenario; returns the failure report (empty when it passes).
 fn check(path: &Path, counts: &mut Counts) -> Vec<String> {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let sc: Scenario = match serde_yaml::from_str(&text) {
+    let sc = match Scenario::load(path) {
         Ok(s) => s,
-        Err(e) => return vec![format!("{}: unreadable scenario: {e}", path.display())],
+        Err(e) => return vec![e],
     };
     let stem = path.file_stem().unwrap().to_string_lossy();
     if sc.name != stem {
@@ -188,7 +131,7 @@ fn check(path: &Path, counts: &mut Counts) -> Vec<String> {
         Err(e) => return vec![format!("{}: {e}", sc.name)],
     };
     counts.scenarios += 1;
-    let pods = pod_endpoints(&sc.objects);
+    let pods = sc.pods(4);
     let dp = match ordnet::offline::OfflineDatapath::build(&engine) {
         Ok(dp) => dp,
         Err(e) => return vec![format!("{}: programming the datapath: {e}", sc.name)],
@@ -202,35 +145,23 @@ fn check(path: &Path, counts: &mut Counts) -> Vec<String> {
             pods.len()
         )];
     }
-    let externals: Vec<String> = sc.externals.iter().map(|ip| ip.to_string()).collect();
-    let all: Vec<&String> = pods.iter().chain(&externals).collect();
+    let all: Vec<String> = pods.iter().cloned().chain(sc.external_names()).collect();
     let is_pod: BTreeSet<&String> = pods.iter().collect();
     let mut report = Vec::new();
     for probe in &sc.expect {
         let what = format!("{} {}/{}", sc.name, probe.protocol, probe.port);
-        let (proto, default) = match (
-            parse_protocol(&probe.protocol),
-            parse_verdict(&probe.default),
-        ) {
-            (Ok(p), Ok(d)) => (p, d),
+        let proto = match (parse_protocol(&probe.protocol), probe.default_allows()) {
+            (Ok(p), Ok(_)) => p,
             (Err(e), _) | (_, Err(e)) => {
                 report.push(format!("{what}: {e}"));
                 continue;
             }
         };
         counts.probes += 1;
-        let mut exceptions = BTreeSet::new();
-        for ex in &probe.exceptions {
-            match ex.split_once(" -> ") {
-                Some((a, b))
-                    if all.iter().any(|e| *e == a) && all.iter().any(|e| *e == b) && a != b =>
-                {
-                    exceptions.insert((a.to_string(), b.to_string()));
-                }
-                _ => report.push(format!(
-                    "{what}: exception {ex:?} names no pair of endpoints"
-                )),
-            }
+        for ex in probe.bad_exceptions(&all) {
+            report.push(format!(
+                "{what}: exception {ex:?} names no pair of endpoints"
+            ));
         }
         let m = ordnet::offline::matrix(
             &engine,
@@ -259,14 +190,8 @@ fn check(path: &Path, counts: &mut Counts) -> Vec<String> {
                 if !is_pod.contains(from) && !is_pod.contains(to) {
                     continue;
                 }
-                let pair = ((*from).clone(), (*to).clone());
-                let want = if from == to {
-                    Verdict::Allow
-                } else if exceptions.contains(&pair) {
-                    flip(default)
-                } else {
-                    default
-                };
+                let pair = (from.clone(), to.clone());
+                let want = verdict(probe.allows(from, to).expect("default checked above"));
                 counts.pairs += 1;
                 match got.remove(&pair).as_deref() {
                     Some([v]) if *v == want => {}
@@ -299,12 +224,7 @@ fn check(path: &Path, counts: &mut Counts) -> Vec<String> {
 
 #[test]
 fn every_scenario_passes_through_the_matrix() {
-    let mut scenarios: Vec<PathBuf> = std::fs::read_dir(data_dir())
-        .expect("testsuite/data/conformance")
-        .map(|e| e.expect("directory entry").path())
-        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
-        .collect();
-    scenarios.sort();
+    let scenarios = scenario::files(&data_dir());
     assert!(
         scenarios.len() >= 60,
         "expected the conformance scenarios in {}",
