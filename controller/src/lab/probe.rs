@@ -329,15 +329,40 @@ fn udp_probe(from: IpAddr, to: SocketAddr, timeout: Duration) -> Outcome {
         _ => return Outcome::Failed("no local address".into()),
     };
     let mut buf = [MaybeUninit::<u8>::uninit(); 512];
+    resend_until(
+        &s,
+        deadline,
+        to,
+        || {
+            s.send(nonce.as_bytes())
+                .map(drop)
+                .map_err(|e| format!("send to {to}: {e}"))
+        },
+        || {
+            let n = s.recv(&mut buf)?;
+            Ok((init_bytes(&buf[..n]) == nonce.as_bytes()).then_some(Outcome::Connected { local }))
+        },
+    )
+}
+
+/// Sends a request with `send` every 300 ms until `deadline` (a datagram can be lost; each
+/// resend is the same flow) and reads replies with `recv` in between, until one is the answer
+/// (`Some`; `None` is a reply to ignore). A read timeout ends a wait; another error fails.
+fn resend_until(
+    s: &Socket,
+    deadline: Instant,
+    to: SocketAddr,
+    mut send: impl FnMut() -> Result<(), String>,
+    mut recv: impl FnMut() -> std::io::Result<Option<Outcome>>,
+) -> Outcome {
     loop {
         let now = Instant::now();
         if now >= deadline {
             return Outcome::TimedOut;
         }
-        if let Err(e) = s.send(nonce.as_bytes()) {
-            return Outcome::Failed(format!("send to {to}: {e}"));
+        if let Err(e) = send() {
+            return Outcome::Failed(e);
         }
-        // Resend every 300 ms (a datagram can be lost; each resend is the same flow).
         let wait_until = (now + Duration::from_millis(300)).min(deadline);
         while Instant::now() < wait_until {
             let left = wait_until.saturating_duration_since(Instant::now());
@@ -346,11 +371,9 @@ fn udp_probe(from: IpAddr, to: SocketAddr, timeout: Duration) -> Outcome {
             {
                 return Outcome::Failed("setting a read timeout".into());
             }
-            match s.recv(&mut buf) {
-                Ok(n) if init_bytes(&buf[..n]) == nonce.as_bytes() => {
-                    return Outcome::Connected { local };
-                }
-                Ok(_) => {}
+            match recv() {
+                Ok(Some(outcome)) => return outcome,
+                Ok(None) => {}
                 Err(e) if timed_out(&e) => break,
                 Err(e) => return Outcome::Failed(format!("receive from {to}: {e}")),
             }
@@ -379,43 +402,31 @@ fn sctp_raw_probe(from: IpAddr, to: SocketAddr, timeout: Duration) -> Outcome {
     let init = sctp::init(sport, to.port(), tag);
     let dest: SockAddr = SocketAddr::new(to.ip(), 0).into();
     let mut buf = [MaybeUninit::<u8>::uninit(); 2048];
-    loop {
-        let now = Instant::now();
-        if now >= deadline {
-            return Outcome::TimedOut;
-        }
-        if let Err(e) = s.send_to(&init, &dest) {
-            return Outcome::Failed(format!("send INIT to {to}: {e}"));
-        }
-        let wait_until = (now + Duration::from_millis(300)).min(deadline);
-        while Instant::now() < wait_until {
-            let left = wait_until.saturating_duration_since(Instant::now());
-            if s.set_read_timeout(Some(left.max(Duration::from_millis(1))))
-                .is_err()
-            {
-                return Outcome::Failed("setting a read timeout".into());
+    resend_until(
+        &s,
+        deadline,
+        to,
+        || {
+            s.send_to(&init, &dest)
+                .map(drop)
+                .map_err(|e| format!("send INIT to {to}: {e}"))
+        },
+        || {
+            let (n, src) = s.recv_from(&mut buf)?;
+            if src.as_socket().map(|a| a.ip()) != Some(to.ip()) {
+                return Ok(None);
             }
-            match s.recv_from(&mut buf) {
-                Ok((n, src)) => {
-                    if src.as_socket().map(|a| a.ip()) != Some(to.ip()) {
-                        continue;
-                    }
-                    let data = init_bytes(&buf[..n]);
-                    let Some(p) = sctp_payload(&data, to.is_ipv4()).and_then(sctp::parse) else {
-                        continue;
-                    };
-                    if p.is_init_ack() && p.sport == to.port() && p.dport == sport && p.vtag == tag
-                    {
-                        return Outcome::Connected {
-                            local: SocketAddr::new(from, sport),
-                        };
-                    }
-                }
-                Err(e) if timed_out(&e) => break,
-                Err(e) => return Outcome::Failed(format!("receive from {to}: {e}")),
-            }
-        }
-    }
+            let data = init_bytes(&buf[..n]);
+            let Some(p) = sctp_payload(&data, to.is_ipv4()).and_then(sctp::parse) else {
+                return Ok(None);
+            };
+            let answer =
+                p.is_init_ack() && p.sport == to.port() && p.dport == sport && p.vtag == tag;
+            Ok(answer.then_some(Outcome::Connected {
+                local: SocketAddr::new(from, sport),
+            }))
+        },
+    )
 }
 
 /// Probes every pair `(source, destination)` of `ends` concurrently; one outcome per pair.
