@@ -1,7 +1,7 @@
 //! Hand cases of `Engine::shadowed_rules` (the brute-force check against the reference
 //! evaluator on random clusters is `testsuite/tests/shadow_reference.rs`).
 
-use std::path::Path;
+mod common;
 
 use ordnet_engine::{Engine, ShadowedRule};
 
@@ -35,19 +35,27 @@ status: {podIP: 10.0.1.1}
 
 fn engine(policies: &str) -> Engine {
     let text = format!("{PODS}\n---\n{policies}");
-    let outcome =
-        ordnet_crds::validated(ordnet_crds::manifest::load_str(Path::new("t.yaml"), &text));
-    assert!(!outcome.has_errors(), "{:?}", outcome.problems);
-    let e = Engine::build(&outcome.objects);
-    assert!(e.errors().is_empty(), "{:?}", e.errors());
+    let objects = common::manifest::objects(&text);
+    let e = common::manifest::build(&objects);
     // A node-scoped engine (here: a node without pods) must give the same answer.
-    let node = Engine::build_for_node(&outcome.objects, "elsewhere");
+    let node = Engine::build_for_node(&objects, "elsewhere");
     assert_eq!(e.shadowed_rules(), node.shadowed_rules());
     e
 }
 
 /// `(policy name, direction, index, [shadowing "name[index]"])`.
-fn report(e: &Engine) -> Vec<(String, String, u32, Vec<String>)> {
+type Row = (String, String, u32, Vec<String>);
+
+fn row(name: &str, direction: &str, index: u32, by: &[&str]) -> Row {
+    (
+        name.to_string(),
+        direction.to_string(),
+        index,
+        by.iter().map(|b| b.to_string()).collect(),
+    )
+}
+
+fn report(e: &Engine) -> Vec<Row> {
     e.shadowed_rules()
         .iter()
         .map(|s: &ShadowedRule| {
@@ -98,15 +106,7 @@ fn deny_all_at_10_shadows_an_allow_at_20() {
             "[{action: Allow, from: [{podSelector: {}}], ports: [{port: 80}]}]"
         ),
     ));
-    assert_eq!(
-        report(&e),
-        [(
-            "late".to_string(),
-            "Ingress".to_string(),
-            0,
-            vec!["guard[0]".to_string()]
-        )]
-    );
+    assert_eq!(report(&e), [row("late", "Ingress", 0, &["guard[0]"])]);
 }
 
 #[test]
@@ -174,12 +174,7 @@ fn partial_overlap_is_not_shadowed_but_a_union_is() {
     ));
     assert_eq!(
         report(&union),
-        [(
-            "late".to_string(),
-            "Ingress".to_string(),
-            0,
-            vec!["a[0]".to_string(), "b[0]".to_string()]
-        )]
+        [row("late", "Ingress", 0, &["a[0]", "b[0]"])]
     );
 }
 
@@ -192,15 +187,7 @@ fn equal_order_keys_deny_wins() {
         conp("c", 5, "{matchLabels: {env: prod}}", "[{action: Deny}]"),
         onp("n", "x", 5, "{}", "[{action: Allow}]"),
     ));
-    assert_eq!(
-        report(&e),
-        [(
-            "n".to_string(),
-            "Ingress".to_string(),
-            0,
-            vec!["c[0]".to_string()]
-        )]
-    );
+    assert_eq!(report(&e), [row("n", "Ingress", 0, &["c[0]"])]);
     // Two allows at one key both decide: nothing is shadowed.
     let e = engine(&format!(
         "{}{}",
@@ -226,15 +213,7 @@ fn within_one_policy_the_earlier_rule_wins() {
         "{}",
         "[{action: Allow, from: [{namespaceSelector: {}}]}, {action: Deny, from: [{podSelector: {matchLabels: {app: db}}}], ports: [{port: 5432}]}]",
     ));
-    assert_eq!(
-        report(&e),
-        [(
-            "p".to_string(),
-            "Ingress".to_string(),
-            1,
-            vec!["p[0]".to_string()]
-        )]
-    );
+    assert_eq!(report(&e), [row("p", "Ingress", 1, &["p[0]"])]);
 }
 
 #[test]
@@ -255,18 +234,8 @@ fn only_the_rules_that_take_the_traffic_are_named() {
     assert_eq!(
         report(&e),
         [
-            (
-                "late".to_string(),
-                "Ingress".to_string(),
-                0,
-                vec!["g[0]".to_string()]
-            ),
-            (
-                "mid".to_string(),
-                "Ingress".to_string(),
-                0,
-                vec!["g[0]".to_string()]
-            ),
+            row("late", "Ingress", 0, &["g[0]"]),
+            row("mid", "Ingress", 0, &["g[0]"]),
         ]
     );
 }
@@ -294,13 +263,8 @@ spec:
     ));
     assert_eq!(
         report(&e),
-        [(
-            "later".to_string(),
-            "Ingress".to_string(),
-            0,
-            // Both NetworkPolicy rules rank ((0, 0), Allow): both decide.
-            vec!["np[0]".to_string(), "np[1]".to_string()]
-        )]
+        // Both NetworkPolicy rules rank ((0, 0), Allow): both decide.
+        [row("later", "Ingress", 0, &["np[0]", "np[1]"])]
     );
     assert_eq!(
         e.shadowed_rules()[0].shadowed_by[0].kind,
@@ -318,15 +282,7 @@ spec:
             "[{action: Deny, from: [{podSelector: {}}]}, {action: Allow, from: [{podSelector: {matchLabels: {app: web}}}]}]"
         ),
     ));
-    assert_eq!(
-        report(&e),
-        [(
-            "zero".to_string(),
-            "Ingress".to_string(),
-            1,
-            vec!["zero[0]".to_string()]
-        )]
-    );
+    assert_eq!(report(&e), [row("zero", "Ingress", 1, &["zero[0]"])]);
 }
 
 #[test]
@@ -374,15 +330,7 @@ fn named_ports_resolve_per_endpoint_and_per_peer() {
             "[{action: Allow, ports: [{port: http}]}]"
         ),
     ));
-    assert_eq!(
-        report(&e),
-        [(
-            "http".to_string(),
-            "Ingress".to_string(),
-            0,
-            vec!["deny8080[0]".to_string()]
-        )]
-    );
+    assert_eq!(report(&e), [row("http", "Ingress", 0, &["deny8080[0]"])]);
     // Egress: `http` to x/web is 8080; a deny of 8080 to app=web pods covers it, a deny of 80
     // does not.
     let egress = |port: u16| {
@@ -391,14 +339,6 @@ fn named_ports_resolve_per_endpoint_and_per_peer() {
         )
     };
     let e = engine(&egress(8080));
-    assert_eq!(
-        report(&e),
-        [(
-            "out".to_string(),
-            "Egress".to_string(),
-            1,
-            vec!["out[0]".to_string()]
-        )]
-    );
+    assert_eq!(report(&e), [row("out", "Egress", 1, &["out[0]"])]);
     assert!(report(&engine(&egress(80))).is_empty());
 }

@@ -1,6 +1,8 @@
 //! Unit tests of translation, defaulting, identities and isolation on small hand-written
 //! clusters.
 
+mod common;
+
 use std::net::IpAddr;
 use std::path::Path;
 
@@ -36,12 +38,7 @@ status: {podIP: 10.0.1.3, podIPs: [{ip: 10.0.1.3}, {ip: "fd00::3"}]}
 "#;
 
 fn engine(extra: &str) -> Engine {
-    let text = format!("{BASE}\n---\n{extra}");
-    let out = ordnet_crds::manifest::load_str(Path::new("t.yaml"), &text);
-    assert!(!out.has_errors(), "{:?}", out.problems);
-    let e = Engine::build(&out.objects);
-    assert!(e.errors().is_empty(), "{:?}", e.errors());
-    e
+    common::manifest::build(&common::manifest::objects(&format!("{BASE}\n---\n{extra}")))
 }
 
 fn pod(ns: &str, n: &str) -> FlowEnd {
