@@ -212,16 +212,8 @@ async fn accepted(
                 })
             })
     };
-    let found = agent::wait_until(LIMIT, || {
-        api.get("ordnet.io/v1alpha1", kind, ns, name)
-            .is_some_and(|o| ok(&o))
-    })
-    .await;
-    assert!(
-        found,
-        "{kind} {ns}/{name}: {:#?}",
-        api.get("ordnet.io/v1alpha1", kind, ns, name)
-    );
+    let what = format!("Accepted {status} at generation {generation}, message with {message:?}");
+    policy_status(api, kind, ns, name, &what, ok).await;
 }
 
 async fn start_agent(api: &FakeApi) -> AgentHandle {
@@ -352,7 +344,6 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     assert_eq!(code, 400);
     // `ordnet matrix|trace|dump --agent ADDR` print the agent's answers, rendered by the
     // offline renderer: in every output format they equal the offline output byte for byte.
-    let agent_addr = addr.to_string();
     let matrix = [
         "matrix",
         "--protocol",
@@ -401,23 +392,8 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     for args in runs {
         let shown = args.join(" ");
         let offline = offline_cli(&api, &args);
-        let a = agent_addr.clone();
-        let out = tokio::task::spawn_blocking(move || {
-            std::process::Command::new(env!("CARGO_BIN_EXE_ordnet"))
-                .args(&args)
-                .args(["--agent", &a])
-                .output()
-                .unwrap()
-        })
-        .await
-        .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
         assert_eq!(
-            String::from_utf8(out.stdout).unwrap(),
+            agent_ok(addr, &args).await,
             offline,
             "ordnet {shown} --agent"
         );
@@ -436,22 +412,7 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
         (code, bad.trim()),
         (400, "output: \"svg\" is not tree, json or dot")
     );
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_ordnet"))
-            .args([
-                "dump",
-                "--pod",
-                "prod/nope",
-                "-o",
-                "json",
-                "--agent",
-                &agent_addr,
-            ])
-            .output()
-            .unwrap()
-    })
-    .await
-    .unwrap();
+    let out = agent_cli(addr, &["dump", "--pod", "prod/nope", "-o", "json"]).await;
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("prod/nope"));
 
@@ -641,6 +602,31 @@ async fn agent_cli(addr: SocketAddr, args: &[&str]) -> std::process::Output {
     .unwrap()
 }
 
+/// Runs `ordnet ARGS --agent ADDR`, which must succeed; its stdout.
+async fn agent_ok(addr: SocketAddr, args: &[&str]) -> String {
+    let out = agent_cli(addr, args).await;
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The agent's JSON matrix on port 8081 with one external address.
+async fn agent_matrix(addr: SocketAddr, external: &str) -> Value {
+    let args = [
+        "matrix",
+        "--port",
+        "8081",
+        "--external",
+        external,
+        "-o",
+        "json",
+    ];
+    serde_json::from_str(&agent_ok(addr, &args).await).unwrap()
+}
+
 /// The verdict of one pair in a JSON matrix.
 fn cell(m: &Value, from: &str, to: &str) -> String {
     m["results"]
@@ -691,50 +677,14 @@ async fn each_agent_answers_for_its_own_endpoints_only() {
 
     // node-1: its two pods, and prod/api by address. Its datapath judges the qa pods' egress
     // (nothing restricts it); prod/api's ingress is node-2's to judge.
-    let out = agent_cli(
-        qa_node.debug_addr(),
-        &[
-            "matrix",
-            "--port",
-            "8081",
-            "--external",
-            "10.244.2.11",
-            "-o",
-            "json",
-        ],
-    )
-    .await;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let m: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let m = agent_matrix(qa_node.debug_addr(), "10.244.2.11").await;
     assert_eq!(ends(&m), ["qa/grafana", "qa/tester", "10.244.2.11"]);
     assert_eq!(cell(&m, "qa/tester", "10.244.2.11"), "allow");
     assert_eq!(cell(&m, "qa/grafana", "qa/tester"), "allow");
 
     // node-2: its three pods, and qa/tester by address: the ingress side is local here, so
     // the verdicts are the offline ones; so are those between its own pods.
-    let out = agent_cli(
-        prod_node.debug_addr(),
-        &[
-            "matrix",
-            "--port",
-            "8081",
-            "--external",
-            "10.244.1.11",
-            "-o",
-            "json",
-        ],
-    )
-    .await;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let m: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let m = agent_matrix(prod_node.debug_addr(), "10.244.1.11").await;
     assert_eq!(
         ends(&m),
         ["prod/api", "prod/artifacts", "prod/db", "10.244.1.11"]
@@ -764,14 +714,8 @@ async fn each_agent_answers_for_its_own_endpoints_only() {
             "-o",
             format,
         ];
-        let out = agent_cli(prod_node.debug_addr(), &args).await;
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
         assert_eq!(
-            String::from_utf8(out.stdout).unwrap(),
+            agent_ok(prod_node.debug_addr(), &args).await,
             offline_cli(&api, &args)
         );
     }
