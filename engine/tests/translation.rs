@@ -455,10 +455,7 @@ fn terminated_pods_are_not_endpoints() {
             "status: {podIP: 10.0.0.2}",
             "status: {podIP: 10.0.0.2, phase: Failed}",
         );
-        let out =
-            ordnet_crds::manifest::load_str(Path::new("t.yaml"), &format!("{text}\n---\n{extra}"));
-        assert!(!out.has_errors(), "{:?}", out.problems);
-        Engine::build(&out.objects)
+        Engine::build(&common::manifest::objects(&format!("{text}\n---\n{extra}")))
     };
 
     // From scratch: a finished job holding a's address is neither an error nor an endpoint.
