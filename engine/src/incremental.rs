@@ -1133,23 +1133,22 @@ impl Engine {
             let l = lost_by.get(&n);
             match existing {
                 Some(id) => {
-                    let have: BTreeSet<Identity> = match self.shared[key]
+                    // The entry's identities are borrowed, not copied: it selects up to every
+                    // pod identity, and this runs for each group of every notified state.
+                    let empty = BTreeSet::new();
+                    let have: &BTreeSet<Identity> = match self.shared[key]
                         .policy
                         .mapstate
                         .policy_entry(id)
                         .map(|e| &e.selector)
                     {
-                        Some(Selector::Ids(s)) => s.clone(),
-                        _ => BTreeSet::new(),
+                        Some(Selector::Ids(s)) => s,
+                        _ => &empty,
                     };
-                    let mut after = have.clone();
-                    for i in l.into_iter().flatten() {
-                        after.remove(i);
-                    }
-                    for i in g.into_iter().flatten() {
-                        after.insert(*i);
-                    }
-                    if after.is_empty() {
+                    // Empty after the update iff nothing is gained and every identity is lost.
+                    let emptied = g.is_none_or(|g| g.is_empty())
+                        && have.iter().all(|i| l.is_some_and(|l| l.contains(i)));
+                    if emptied {
                         // Removed after the RemoveIdentity updates of the batch.
                         updates.push(Update::RemoveEntry(id));
                         remove_keys.push(id);
