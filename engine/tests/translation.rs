@@ -41,6 +41,13 @@ fn engine(extra: &str) -> Engine {
     common::manifest::build(&common::manifest::objects(&format!("{BASE}\n---\n{extra}")))
 }
 
+/// A NetworkPolicy named `p` in namespace `ns` with the given flow-style `spec`.
+fn network_policy(ns: &str, spec: &str) -> String {
+    format!(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {{name: p, namespace: {ns}}}\nspec: {spec}"
+    )
+}
+
 fn pod(ns: &str, n: &str) -> FlowEnd {
     FlowEnd::Pod {
         namespace: ns.into(),
@@ -52,8 +59,17 @@ fn ip(s: &str) -> FlowEnd {
     FlowEnd::Ip(s.parse().unwrap())
 }
 
-fn allowed(e: &Engine, from: &FlowEnd, to: &FlowEnd, proto: Protocol, port: u16) -> bool {
-    e.flow(from, to, IpFamily::V4, proto, port).verdict == Verdict::Allow
+/// Asserts, row by row, whether each IPv4 flow `(allowed, from, to, protocol, port)` is allowed.
+#[track_caller]
+fn assert_flows(e: &Engine, flows: &[(bool, FlowEnd, FlowEnd, Protocol, u16)]) {
+    for (want, from, to, proto, port) in flows {
+        let verdict = e.flow(from, to, IpFamily::V4, *proto, *port).verdict;
+        assert_eq!(
+            verdict == Verdict::Allow,
+            *want,
+            "{from:?} -> {to:?} {proto:?}/{port}: {verdict:?}"
+        );
+    }
 }
 
 fn isolated(e: &Engine, ns: &str, n: &str, d: Direction) -> bool {
@@ -63,10 +79,10 @@ fn isolated(e: &Engine, ns: &str, n: &str, d: Direction) -> bool {
 #[test]
 fn policy_types_defaulting() {
     // Only an egress section, no policyTypes: isolated both ways.
-    let e = engine(
-        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: x}\n\
-         spec: {podSelector: {}, egress: [{to: [{podSelector: {}}]}]}",
-    );
+    let e = engine(&network_policy(
+        "x",
+        "{podSelector: {}, egress: [{to: [{podSelector: {}}]}]}",
+    ));
     assert!(isolated(&e, "x", "a", Direction::Ingress));
     assert!(isolated(&e, "x", "a", Direction::Egress));
     assert!(!isolated(&e, "y", "c", Direction::Ingress));
@@ -81,85 +97,55 @@ fn policy_types_defaulting() {
     assert_eq!(t.egress.unwrap().verdict, Verdict::Allow);
     assert_eq!(t.ingress.unwrap().verdict, Verdict::Deny);
     assert_eq!(t.verdict, Verdict::Deny);
-    assert!(!allowed(
+    assert_flows(
         &e,
-        &pod("x", "a"),
-        &pod("y", "c"),
-        Protocol::Tcp,
-        80
-    ));
-    assert!(!allowed(
-        &e,
-        &pod("y", "c"),
-        &pod("x", "a"),
-        Protocol::Tcp,
-        80
-    ));
-    // `egress: []` adds no Egress.
-    let e = engine(
-        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: x}\n\
-         spec: {podSelector: {}, egress: []}",
+        &[
+            (false, pod("x", "a"), pod("y", "c"), Protocol::Tcp, 80),
+            (false, pod("y", "c"), pod("x", "a"), Protocol::Tcp, 80),
+        ],
     );
+    // `egress: []` adds no Egress.
+    let e = engine(&network_policy("x", "{podSelector: {}, egress: []}"));
     assert!(isolated(&e, "x", "a", Direction::Ingress));
     assert!(!isolated(&e, "x", "a", Direction::Egress));
     // Ingress rules with policyTypes [Egress] are ignored, and ingress is not isolated.
-    let e = engine(
-        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: x}\n\
-         spec: {podSelector: {}, policyTypes: [Egress], ingress: [{from: [{podSelector: {}}]}]}",
-    );
+    let e = engine(&network_policy(
+        "x",
+        "{podSelector: {}, policyTypes: [Egress], ingress: [{from: [{podSelector: {}}]}]}",
+    ));
     assert!(!isolated(&e, "x", "a", Direction::Ingress));
     assert!(isolated(&e, "x", "a", Direction::Egress));
     let p = e.policies().next().unwrap();
     assert_eq!(p.id.kind, PolicyKind::NetworkPolicy);
     assert!(p.rules[0].is_empty());
     // policyTypes [Ingress, Egress] without rules: deny both.
-    let e = engine(
-        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: x}\n\
-         spec: {podSelector: {matchLabels: {app: web}}, policyTypes: [Ingress, Egress]}",
+    let e = engine(&network_policy(
+        "x",
+        "{podSelector: {matchLabels: {app: web}}, policyTypes: [Ingress, Egress]}",
+    ));
+    assert_flows(
+        &e,
+        &[
+            (false, pod("x", "a"), pod("x", "b"), Protocol::Udp, 53),
+            (true, pod("y", "c"), ip("192.0.2.1"), Protocol::Tcp, 1),
+        ],
     );
-    assert!(!allowed(
-        &e,
-        &pod("x", "a"),
-        &pod("x", "b"),
-        Protocol::Udp,
-        53
-    ));
-    assert!(allowed(
-        &e,
-        &pod("y", "c"),
-        &ip("192.0.2.1"),
-        Protocol::Tcp,
-        1
-    ));
 }
 
 #[test]
 fn empty_port_item_is_tcp_only_and_rules_are_index_zero() {
-    let e = engine(
-        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: x}\n\
-         spec: {podSelector: {}, ingress: [{ports: [{}]}, {from: [{namespaceSelector: {matchLabels: {ns: y}}}]}]}",
+    let e = engine(&network_policy(
+        "x",
+        "{podSelector: {}, ingress: [{ports: [{}]}, {from: [{namespaceSelector: {matchLabels: {ns: y}}}]}]}",
+    ));
+    assert_flows(
+        &e,
+        &[
+            (true, pod("y", "c"), pod("x", "a"), Protocol::Udp, 9),
+            (true, ip("192.0.2.1"), pod("x", "a"), Protocol::Tcp, 9),
+            (false, ip("192.0.2.1"), pod("x", "a"), Protocol::Udp, 9),
+        ],
     );
-    assert!(allowed(
-        &e,
-        &pod("y", "c"),
-        &pod("x", "a"),
-        Protocol::Udp,
-        9
-    ));
-    assert!(allowed(
-        &e,
-        &ip("192.0.2.1"),
-        &pod("x", "a"),
-        Protocol::Tcp,
-        9
-    ));
-    assert!(!allowed(
-        &e,
-        &ip("192.0.2.1"),
-        &pod("x", "a"),
-        Protocol::Udp,
-        9
-    ));
     for r in e.policies().flat_map(|p| p.rules[0].iter()) {
         assert_eq!((r.order.priority, r.order.index), (0, 0));
     }
@@ -174,10 +160,10 @@ fn empty_port_item_is_tcp_only_and_rules_are_index_zero() {
 #[test]
 fn identities_split_only_where_a_selector_distinguishes() {
     // No selector distinguishes x/a and x/b: one identity.
-    let e = engine(
-        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: y}\n\
-         spec: {podSelector: {}, ingress: [{ports: [{port: http}]}]}",
-    );
+    let e = engine(&network_policy(
+        "y",
+        "{podSelector: {}, ingress: [{ports: [{port: http}]}]}",
+    ));
     let a = e.endpoint("x", "a").unwrap().identities.clone();
     let b = e.endpoint("x", "b").unwrap().identities.clone();
     assert_eq!(
@@ -185,41 +171,22 @@ fn identities_split_only_where_a_selector_distinguishes() {
         "an ingress named port resolves on the subject and splits nothing"
     );
     // An ipBlock containing only x/a's address splits them.
-    let e = engine(
-        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: y}\n\
-         spec: {podSelector: {}, ingress: [{from: [{ipBlock: {cidr: 10.0.0.0/24, except: [10.0.0.2/32]}}]}]}",
-    );
+    let e = engine(&network_policy(
+        "y",
+        "{podSelector: {}, ingress: [{from: [{ipBlock: {cidr: 10.0.0.0/24, except: [10.0.0.2/32]}}]}]}",
+    ));
     let a = e.endpoint("x", "a").unwrap().identities[0];
     let b = e.endpoint("x", "b").unwrap().identities[0];
     assert_ne!(a, b);
-    assert!(allowed(
+    assert_flows(
         &e,
-        &pod("x", "a"),
-        &pod("y", "c"),
-        Protocol::Tcp,
-        80
-    ));
-    assert!(!allowed(
-        &e,
-        &pod("x", "b"),
-        &pod("y", "c"),
-        Protocol::Tcp,
-        80
-    ));
-    assert!(allowed(
-        &e,
-        &ip("10.0.0.77"),
-        &pod("y", "c"),
-        Protocol::Tcp,
-        80
-    ));
-    assert!(!allowed(
-        &e,
-        &ip("10.0.1.77"),
-        &pod("y", "c"),
-        Protocol::Tcp,
-        80
-    ));
+        &[
+            (true, pod("x", "a"), pod("y", "c"), Protocol::Tcp, 80),
+            (false, pod("x", "b"), pod("y", "c"), Protocol::Tcp, 80),
+            (true, ip("10.0.0.77"), pod("y", "c"), Protocol::Tcp, 80),
+            (false, ip("10.0.1.77"), pod("y", "c"), Protocol::Tcp, 80),
+        ],
+    );
     // CIDR identities: one per prefix in use (cidr and except), world for the rest.
     let cidr = e.identity_of("10.0.0.77".parse().unwrap());
     assert_eq!(
@@ -239,58 +206,27 @@ fn identities_split_only_where_a_selector_distinguishes() {
     assert_eq!(c.len(), 2);
     assert_eq!(c[0], c[1]);
     // An egress named port resolving differently splits x/a (80) and x/b (8080).
-    let e = engine(
-        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: p, namespace: y}\n\
-         spec: {podSelector: {}, policyTypes: [Egress], egress: [{ports: [{port: http}]}]}",
-    );
+    let e = engine(&network_policy(
+        "y",
+        "{podSelector: {}, policyTypes: [Egress], egress: [{ports: [{port: http}]}]}",
+    ));
     let a = e.endpoint("x", "a").unwrap().identities[0];
     let b = e.endpoint("x", "b").unwrap().identities[0];
     assert_ne!(a, b);
     assert_ne!(a, 0);
-    assert!(allowed(
+    assert_flows(
         &e,
-        &pod("y", "c"),
-        &pod("x", "a"),
-        Protocol::Tcp,
-        80
-    ));
-    assert!(!allowed(
-        &e,
-        &pod("y", "c"),
-        &pod("x", "a"),
-        Protocol::Tcp,
-        8080
-    ));
-    assert!(allowed(
-        &e,
-        &pod("y", "c"),
-        &pod("x", "b"),
-        Protocol::Tcp,
-        8080
-    ));
-    assert!(!allowed(
-        &e,
-        &pod("y", "c"),
-        &pod("x", "b"),
-        Protocol::Tcp,
-        80
-    ));
-    // `to` empty: the named port still never matches a non-pod destination.
-    assert!(!allowed(
-        &e,
-        &pod("y", "c"),
-        &ip("192.0.2.1"),
-        Protocol::Tcp,
-        80
-    ));
-    // ... and a name with another protocol does not match.
-    assert!(!allowed(
-        &e,
-        &pod("y", "c"),
-        &pod("x", "a"),
-        Protocol::Udp,
-        80
-    ));
+        &[
+            (true, pod("y", "c"), pod("x", "a"), Protocol::Tcp, 80),
+            (false, pod("y", "c"), pod("x", "a"), Protocol::Tcp, 8080),
+            (true, pod("y", "c"), pod("x", "b"), Protocol::Tcp, 8080),
+            (false, pod("y", "c"), pod("x", "b"), Protocol::Tcp, 80),
+            // `to` empty: the named port still never matches a non-pod destination.
+            (false, pod("y", "c"), ip("192.0.2.1"), Protocol::Tcp, 80),
+            // ... and a name with another protocol does not match.
+            (false, pod("y", "c"), pod("x", "a"), Protocol::Udp, 80),
+        ],
+    );
 }
 
 #[test]
@@ -301,20 +237,13 @@ fn cluster_policy_subject_and_peers() {
          spec: {priority: -1, namespaceSelector: {matchLabels: {ns: y}}, \
          ingress: [{action: Deny, from: [{podSelector: {matchLabels: {app: web}}}]}]}",
     );
-    assert!(!allowed(
+    assert_flows(
         &e,
-        &pod("x", "a"),
-        &pod("y", "c"),
-        Protocol::Tcp,
-        80
-    ));
-    assert!(allowed(
-        &e,
-        &ip("192.0.2.1"),
-        &pod("y", "c"),
-        Protocol::Tcp,
-        80
-    ));
+        &[
+            (false, pod("x", "a"), pod("y", "c"), Protocol::Tcp, 80),
+            (true, ip("192.0.2.1"), pod("y", "c"), Protocol::Tcp, 80),
+        ],
+    );
     // Deny-only: not isolating.
     assert!(!isolated(&e, "y", "c", Direction::Ingress));
     assert!(!isolated(&e, "x", "a", Direction::Ingress));
@@ -324,13 +253,10 @@ fn cluster_policy_subject_and_peers() {
          spec: {priority: 1, podSelector: {}, \
          ingress: [{action: Deny, from: [{podSelector: {matchLabels: {app: web}}}]}]}",
     );
-    assert!(allowed(
+    assert_flows(
         &e,
-        &pod("x", "a"),
-        &pod("y", "c"),
-        Protocol::Tcp,
-        80
-    ));
+        &[(true, pod("x", "a"), pod("y", "c"), Protocol::Tcp, 80)],
+    );
 }
 
 #[test]
