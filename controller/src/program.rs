@@ -315,6 +315,26 @@ impl NodeProgram {
         Some(id)
     }
 
+    /// Removes endpoints from the datapath (their names are forgotten already) and counts them.
+    fn remove_ids<D: ControlPlane + ?Sized>(
+        &mut self,
+        dp: &mut D,
+        gone: &[u32],
+    ) -> Result<(), ProgramError> {
+        if gone.is_empty() {
+            return Ok(());
+        }
+        let s = dp
+            .remove_endpoints(gone)
+            .map_err(|source| ProgramError::Datapath {
+                what: "removing endpoints",
+                source: Box::new(source),
+            })?;
+        self.stats.endpoints_removed += gone.len() as u64;
+        add_stats(&mut self.stats.writes, s);
+        Ok(())
+    }
+
     /// The ipcache the engine wants: its prefixes plus the default routes with `world`.
     fn wanted_identities(engine: &Engine) -> BTreeMap<IpNet, u32> {
         let mut want: BTreeMap<IpNet, u32> = engine.ipcache().into_iter().collect();
@@ -409,16 +429,7 @@ impl NodeProgram {
             .copied()
             .filter(|id| !claimed.contains(id))
             .collect();
-        if !gone.is_empty() {
-            let s = dp
-                .remove_endpoints(&gone)
-                .map_err(|source| ProgramError::Datapath {
-                    what: "removing endpoints",
-                    source: Box::new(source),
-                })?;
-            self.stats.endpoints_removed += gone.len() as u64;
-            add_stats(&mut self.stats.writes, s);
-        }
+        self.remove_ids(dp, &gone)?;
         let eps = engine.endpoints();
         let addrs: Vec<(Vec<IpAddr>, Vec<u32>)> = eps
             .iter()
@@ -566,12 +577,7 @@ impl NodeProgram {
                 }
             }
         }
-        if !gone.is_empty() {
-            let s = dp
-                .remove_endpoints(&gone)
-                .map_err(|source| self.endpoint_error(source))?;
-            add_stats(&mut self.stats.writes, s);
-        }
+        self.remove_ids(dp, &gone)?;
         let addrs: Vec<(Vec<IpAddr>, Vec<u32>)> = eps
             .iter()
             .map(|(_, ep)| addresses_of(ep).into_iter().unzip())
@@ -670,16 +676,7 @@ impl NodeProgram {
                 gone.push(id);
             }
         }
-        if !gone.is_empty() {
-            let s = dp
-                .remove_endpoints(&gone)
-                .map_err(|source| ProgramError::Datapath {
-                    what: "removing endpoints",
-                    source: Box::new(source),
-                })?;
-            self.stats.endpoints_removed += gone.len() as u64;
-            add_stats(&mut self.stats.writes, s);
-        }
+        self.remove_ids(dp, &gone)?;
 
         // 2. New endpoints, with their current addresses and empty deny-all rule sets (their
         // keys come as change sets below). One the engine no longer has is skipped: a later
