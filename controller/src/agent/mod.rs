@@ -23,7 +23,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -220,6 +220,19 @@ impl AgentState {
         let engine = self.engine.read().unwrap_or_else(|e| e.into_inner());
         let dp = self.datapath.lock().unwrap_or_else(|e| e.into_inner());
         engine.as_ref().map(|e| f(e, dp.as_ref()))
+    }
+
+    /// The engine slot for writing and the datapath, locked in the one order used everywhere
+    /// (engine, then datapath), so no two paths can deadlock.
+    fn lock_for_update(
+        &self,
+    ) -> (
+        RwLockWriteGuard<'_, Option<Engine>>,
+        MutexGuard<'_, Box<dyn Datapath>>,
+    ) {
+        let engine = self.engine.write().unwrap_or_else(|e| e.into_inner());
+        let dp = self.datapath.lock().unwrap_or_else(|e| e.into_inner());
+        (engine, dp)
     }
 
     /// Whether this agent is the status writer (holds the Lease).
@@ -675,13 +688,7 @@ impl Applier {
             .map(|(k, _)| k.clone())
             .collect();
         self.dirty.clear();
-        // Lock order everywhere: engine, then datapath.
-        let mut slot = self.state.engine.write().unwrap_or_else(|e| e.into_inner());
-        let mut dp = self
-            .state
-            .datapath
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let (mut slot, mut dp) = self.state.lock_for_update();
         if let Err(e) = dp.program_full(&engine) {
             self.state.metrics.datapath_errors.inc();
             eprintln!("ordnet agent: programming the datapath: {e}");
@@ -726,13 +733,7 @@ impl Applier {
             return;
         }
         let started = Instant::now();
-        // Lock order everywhere: engine, then datapath.
-        let mut slot = self.state.engine.write().unwrap_or_else(|e| e.into_inner());
-        let mut dp = self
-            .state
-            .datapath
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let (mut slot, mut dp) = self.state.lock_for_update();
         let Some(engine) = slot.as_mut() else {
             return;
         };
