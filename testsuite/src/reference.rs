@@ -259,54 +259,43 @@ impl Reference {
                 })
             };
             let np_name = np.metadata.name.clone().unwrap_or_default();
-            let rule_name = |direction: Dir, index: usize| RuleName {
-                kind: "NetworkPolicy",
-                namespace: Some(ns.clone()),
-                name: np_name.clone(),
-                direction,
-                index,
+            // A NetworkPolicy rule: key (0, 0), allow; `peers` are its `from` or `to`.
+            let np_rule = |direction: Dir,
+                           index: usize,
+                           peers: Option<&Vec<NetworkPolicyPeer>>,
+                           ports: Option<&Vec<NetworkPolicyPort>>|
+             -> Result<RefRule, String> {
+                Ok(RefRule {
+                    name: RuleName {
+                        kind: "NetworkPolicy",
+                        namespace: Some(ns.clone()),
+                        name: np_name.clone(),
+                        direction,
+                        index,
+                    },
+                    key: (0, 0),
+                    deny: false,
+                    peers: peers
+                        .into_iter()
+                        .flatten()
+                        .map(np_peer)
+                        .collect::<Result<_, _>>()?,
+                    ports: ports
+                        .into_iter()
+                        .flatten()
+                        .map(np_port)
+                        .collect::<Result<_, _>>()?,
+                })
             };
             let mut rules: [Vec<RefRule>; 2] = [Vec::new(), Vec::new()];
             if isolates[0] {
                 for (i, r) in ingress.iter().enumerate() {
-                    rules[0].push(RefRule {
-                        name: rule_name(Dir::Ingress, i),
-                        key: (0, 0),
-                        deny: false,
-                        peers: r
-                            .from
-                            .iter()
-                            .flatten()
-                            .map(np_peer)
-                            .collect::<Result<_, _>>()?,
-                        ports: r
-                            .ports
-                            .iter()
-                            .flatten()
-                            .map(np_port)
-                            .collect::<Result<_, _>>()?,
-                    });
+                    rules[0].push(np_rule(Dir::Ingress, i, r.from.as_ref(), r.ports.as_ref())?);
                 }
             }
             if isolates[1] {
                 for (i, r) in egress.iter().enumerate() {
-                    rules[1].push(RefRule {
-                        name: rule_name(Dir::Egress, i),
-                        key: (0, 0),
-                        deny: false,
-                        peers: r
-                            .to
-                            .iter()
-                            .flatten()
-                            .map(np_peer)
-                            .collect::<Result<_, _>>()?,
-                        ports: r
-                            .ports
-                            .iter()
-                            .flatten()
-                            .map(np_port)
-                            .collect::<Result<_, _>>()?,
-                    });
+                    rules[1].push(np_rule(Dir::Egress, i, r.to.as_ref(), r.ports.as_ref())?);
                 }
             }
             policies.push(RefPolicy {
