@@ -343,6 +343,36 @@ impl Control {
         stats.write(w, &[Write::State(self.state)])
     }
 
+    /// Validates that endpoint `id` of a batch (`batch_ids`) may hold `ips`: no address belongs
+    /// to an endpoint outside the batch, and no two endpoints of the batch claim one address
+    /// (`new_owner` collects the batch's claims).
+    fn claim_addresses(
+        &self,
+        id: u32,
+        ips: &[IpAddr],
+        batch_ids: &BTreeSet<u32>,
+        new_owner: &mut HashMap<IpKey, u32>,
+    ) -> Result<(), ControlError> {
+        for ip in ips {
+            let key = ip_key(*ip);
+            if let Some(&owner) = self.ip_owner.get(&key)
+                && owner != id
+                && !batch_ids.contains(&owner)
+            {
+                return Err(ControlError::AddressInUse { ip: *ip, owner });
+            }
+            if let Some(other) = new_owner.insert(key, id)
+                && other != id
+            {
+                return Err(ControlError::AddressInUse {
+                    ip: *ip,
+                    owner: other,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Creates or changes endpoints. Rule sets are shared by content; a rule set used only by
     /// endpoints of this batch that all move to the same new content is changed in place
     /// (only the differing keys are written, in the safe order); otherwise the new content is
@@ -363,24 +393,7 @@ impl Control {
             if *id == 0 {
                 return Err(ControlError::ZeroEndpointId);
             }
-            for ip in spec.ips {
-                let key = ip_key(*ip);
-                if let Some(&owner) = self.ip_owner.get(&key)
-                    && owner != *id
-                    && !batch_ids.contains(&owner)
-                {
-                    return Err(ControlError::AddressInUse { ip: *ip, owner });
-                }
-                if let Some(&other) = new_owner.get(&key)
-                    && other != *id
-                {
-                    return Err(ControlError::AddressInUse {
-                        ip: *ip,
-                        owner: other,
-                    });
-                }
-                new_owner.insert(key, *id);
-            }
+            self.claim_addresses(*id, spec.ips, &batch_ids, &mut new_owner)?;
             let flat = |dir: Direction, ms: &MapState| {
                 flatten(ms).map_err(|source| ControlError::Flatten {
                     endpoint: *id,
@@ -757,23 +770,7 @@ impl Control {
                 return Err(ControlError::UnknownEndpoint(*id));
             }
             let (ips, identities) = addresses(*id, a.ips, a.identity, a.identities)?;
-            for ip in &ips {
-                let key = ip_key(*ip);
-                if let Some(&owner) = self.ip_owner.get(&key)
-                    && owner != *id
-                    && !batch_ids.contains(&owner)
-                {
-                    return Err(ControlError::AddressInUse { ip: *ip, owner });
-                }
-                if let Some(other) = new_owner.insert(key, *id)
-                    && other != *id
-                {
-                    return Err(ControlError::AddressInUse {
-                        ip: *ip,
-                        owner: other,
-                    });
-                }
-            }
+            self.claim_addresses(*id, &ips, &batch_ids, &mut new_owner)?;
             planned.push((*id, ips, identities));
         }
         // 2. New state, then the records: new addresses first, then the ones given up.
