@@ -1071,7 +1071,7 @@ fn random_frame(rng: &mut Rng, points: &[(u8, u16)]) -> Vec<u8> {
         1 | 58 => L4::Echo,
         p => L4::Raw { protocol: p },
     };
-    let mut f = craft::frame_between(src, dst, l4).unwrap();
+    let mut f = frame(src, dst, l4);
     if v6 && rng.chance(6) {
         f = random_nd_frame(rng, src, dst);
     }
@@ -1197,6 +1197,47 @@ fn differential_random_mapstates() {
 
 // ------------------------------------------------------------------ connection tracking
 
+/// Endpoint 1 (A, both families): ingress isolated (nothing allowed), the given egress.
+fn upsert_isolated_a(dp: &mut Datapath, egress: &MapState) {
+    dp.upsert_endpoint(
+        1,
+        EndpointSpec {
+            ips: &[ip(A4), ip(A6)],
+            identity: 2,
+            identities: &[],
+            ingress: &MapState::new(Direction::Ingress, Verdict::Deny),
+            egress,
+        },
+    )
+    .unwrap();
+}
+
+/// A and remote 7, IPv4 then IPv6.
+fn a_and_remote() -> [(IpAddr, IpAddr); 2] {
+    [(ip(A4), remote(7, false)), (ip(A6), remote(7, true))]
+}
+
+/// An Ethernet frame from `src` to `dst` carrying `l4`.
+fn frame(src: IpAddr, dst: IpAddr, l4: L4) -> Vec<u8> {
+    craft::frame_between(src, dst, l4).unwrap()
+}
+
+fn tcp_flags(sport: u16, dport: u16, flags: u8) -> L4 {
+    L4::TcpFlags {
+        sport,
+        dport,
+        flags,
+    }
+}
+
+fn udp_ports(sport: u16, dport: u16) -> L4 {
+    L4::Udp { sport, dport }
+}
+
+fn sctp_ports(sport: u16, dport: u16) -> L4 {
+    L4::Sctp { sport, dport }
+}
+
 #[test]
 fn conntrack_replies_and_policy_changes() {
     if !privileged() {
@@ -1205,22 +1246,7 @@ fn conntrack_replies_and_policy_changes() {
     let mut dp = create();
     world_setup(&mut dp);
     // A: ingress isolated (nothing allowed), egress allows everything.
-    let isolated = MapState::new(Direction::Ingress, Verdict::Deny);
-    let a_ips = [ip(A4), ip(A6)];
-    let upsert = |dp: &mut Datapath, egress: &MapState| {
-        dp.upsert_endpoint(
-            1,
-            EndpointSpec {
-                ips: &a_ips,
-                identity: 2,
-                identities: &[],
-                ingress: &isolated,
-                egress,
-            },
-        )
-        .unwrap();
-    };
-    upsert(&mut dp, &open(Direction::Egress));
+    upsert_isolated_a(&mut dp, &open(Direction::Egress));
     let ct = UserCt::default();
     let mut checked = 0;
     let mut check = |dp: &Datapath, what: &str, f: Vec<u8>, want: XdpAction, reason: Reason| {
@@ -1233,20 +1259,12 @@ fn conntrack_replies_and_policy_changes() {
         );
         checked += 1;
     };
-    for v6 in [false, true] {
-        let a = if v6 { ip(A6) } else { ip(A4) };
-        let r = remote(7, v6);
-        let frame = |s, d, l4| craft::frame_between(s, d, l4).unwrap();
-        let t = |sport, dport, flags| L4::TcpFlags {
-            sport,
-            dport,
-            flags,
-        };
+    for (a, r) in a_and_remote() {
         let flows = dp.ct_entries().unwrap().len();
         check(
             &dp,
             "A -> R SYN",
-            frame(a, r, t(40000, 80, TCP_SYN)),
+            frame(a, r, tcp_flags(40000, 80, TCP_SYN)),
             PASS,
             Reason::Allowed,
         );
@@ -1258,28 +1276,28 @@ fn conntrack_replies_and_policy_changes() {
         check(
             &dp,
             "R -> A SYN-ACK from the isolated side",
-            frame(r, a, t(80, 40000, TCP_SYN | TCP_ACK)),
+            frame(r, a, tcp_flags(80, 40000, TCP_SYN | TCP_ACK)),
             PASS,
             Reason::Reply,
         );
         check(
             &dp,
             "R -> A ACK",
-            frame(r, a, t(80, 40000, TCP_ACK)),
+            frame(r, a, tcp_flags(80, 40000, TCP_ACK)),
             PASS,
             Reason::Reply,
         );
         check(
             &dp,
             "A -> R ACK",
-            frame(a, r, t(40000, 80, TCP_ACK)),
+            frame(a, r, tcp_flags(40000, 80, TCP_ACK)),
             PASS,
             Reason::Established,
         );
         check(
             &dp,
             "R -> A pure SYN on the same 5-tuple is a new attempt",
-            frame(r, a, t(80, 40000, TCP_SYN)),
+            frame(r, a, tcp_flags(80, 40000, TCP_SYN)),
             DROP,
             Reason::IngressDenied,
         );
@@ -1287,14 +1305,14 @@ fn conntrack_replies_and_policy_changes() {
         check(
             &dp,
             "R -> A SYN to 22: denied",
-            frame(r, a, t(5555, 22, TCP_SYN)),
+            frame(r, a, tcp_flags(5555, 22, TCP_SYN)),
             DROP,
             Reason::IngressDenied,
         );
         check(
             &dp,
             "R -> A ACK of an unknown flow: denied",
-            frame(r, a, t(5556, 22, TCP_ACK)),
+            frame(r, a, tcp_flags(5556, 22, TCP_ACK)),
             DROP,
             Reason::IngressDenied,
         );
@@ -1306,70 +1324,35 @@ fn conntrack_replies_and_policy_changes() {
         check(
             &dp,
             "A -> R UDP 53",
-            frame(
-                a,
-                r,
-                L4::Udp {
-                    sport: 3333,
-                    dport: 53,
-                },
-            ),
+            frame(a, r, udp_ports(3333, 53)),
             PASS,
             Reason::Allowed,
         );
         check(
             &dp,
             "R -> A UDP reply",
-            frame(
-                r,
-                a,
-                L4::Udp {
-                    sport: 53,
-                    dport: 3333,
-                },
-            ),
+            frame(r, a, udp_ports(53, 3333)),
             PASS,
             Reason::Reply,
         );
         check(
             &dp,
             "R -> A UDP from another port",
-            frame(
-                r,
-                a,
-                L4::Udp {
-                    sport: 54,
-                    dport: 3333,
-                },
-            ),
+            frame(r, a, udp_ports(54, 3333)),
             DROP,
             Reason::IngressDenied,
         );
         check(
             &dp,
             "A -> R SCTP",
-            frame(
-                a,
-                r,
-                L4::Sctp {
-                    sport: 7000,
-                    dport: 3868,
-                },
-            ),
+            frame(a, r, sctp_ports(7000, 3868)),
             PASS,
             Reason::Allowed,
         );
         check(
             &dp,
             "R -> A SCTP reply",
-            frame(
-                r,
-                a,
-                L4::Sctp {
-                    sport: 3868,
-                    dport: 7000,
-                },
-            ),
+            frame(r, a, sctp_ports(3868, 7000)),
             PASS,
             Reason::Reply,
         );
@@ -1392,21 +1375,13 @@ fn conntrack_replies_and_policy_changes() {
             Verdict::Deny,
         )],
     );
-    upsert(&mut dp, &no80);
-    for v6 in [false, true] {
-        let a = if v6 { ip(A6) } else { ip(A4) };
-        let r = remote(7, v6);
-        let frame = |s, d, l4| craft::frame_between(s, d, l4).unwrap();
-        let t = |sport, dport, flags| L4::TcpFlags {
-            sport,
-            dport,
-            flags,
-        };
+    upsert_isolated_a(&mut dp, &no80);
+    for (a, r) in a_and_remote() {
         let flows = dp.ct_entries().unwrap().len();
         check(
             &dp,
             "after the change: R -> A ACK of the TCP/80 flow",
-            frame(r, a, t(80, 40000, TCP_ACK)),
+            frame(r, a, tcp_flags(80, 40000, TCP_ACK)),
             DROP,
             Reason::RecheckDenied,
         );
@@ -1418,35 +1393,21 @@ fn conntrack_replies_and_policy_changes() {
         check(
             &dp,
             "after the change: A -> R ACK of the TCP/80 flow",
-            frame(a, r, t(40000, 80, TCP_ACK)),
+            frame(a, r, tcp_flags(40000, 80, TCP_ACK)),
             DROP,
             Reason::EgressDenied,
         );
         check(
             &dp,
             "after the change: the UDP flow is re-checked and still allowed",
-            frame(
-                r,
-                a,
-                L4::Udp {
-                    sport: 53,
-                    dport: 3333,
-                },
-            ),
+            frame(r, a, udp_ports(53, 3333)),
             PASS,
             Reason::Rechecked,
         );
         check(
             &dp,
             "after the re-check: a plain reply again",
-            frame(
-                r,
-                a,
-                L4::Udp {
-                    sport: 53,
-                    dport: 3333,
-                },
-            ),
+            frame(r, a, udp_ports(53, 3333)),
             PASS,
             Reason::Reply,
         );
@@ -1468,19 +1429,7 @@ fn conntrack_entries_expire() {
     })
     .unwrap();
     world_setup(&mut dp);
-    let isolated = MapState::new(Direction::Ingress, Verdict::Deny);
-    let a_ips = [ip(A4), ip(A6)];
-    dp.upsert_endpoint(
-        1,
-        EndpointSpec {
-            ips: &a_ips,
-            identity: 2,
-            identities: &[],
-            ingress: &isolated,
-            egress: &open(Direction::Egress),
-        },
-    )
-    .unwrap();
+    upsert_isolated_a(&mut dp, &open(Direction::Egress));
     let state = dp.tables().state;
     assert!(
         [100, 250, 300, 1000].contains(&state.hz),
@@ -1488,7 +1437,7 @@ fn conntrack_entries_expire() {
         state.hz
     );
     let (a, r) = (ip(A4), remote(7, false));
-    let udp = |s, d, sport, dport| craft::frame_between(s, d, L4::Udp { sport, dport }).unwrap();
+    let udp = |s, d, sport, dport| frame(s, d, udp_ports(sport, dport));
     let run = |dp: &Datapath, f: &[u8]| dp.test_run(f).unwrap().action;
     // Two flows; only the first keeps sending.
     assert_eq!(run(&dp, &udp(a, r, 1111, 53)), PASS);
@@ -1575,13 +1524,7 @@ fn no_transient_allow_while_rule_sets_are_replaced() {
                     L4::Echo
                 };
                 let (s, d) = if ingress { (r, ip(A4)) } else { (ip(A4), r) };
-                frames.push((
-                    craft::frame_between(s, d, l4).unwrap(),
-                    ingress,
-                    Some(i),
-                    proto,
-                    port,
-                ));
+                frames.push((frame(s, d, l4), ingress, Some(i), proto, port));
             }
         }
     }
