@@ -212,6 +212,33 @@ fn probes_of(states: &[&MapState]) -> Vec<(Option<u32>, u8, u16)> {
 }
 
 /// Key-level difference of two MapStates' flattened keys (what an in-place update must write).
+/// An endpoint's spec: one identity for all its addresses.
+fn spec<'a>(
+    ips: &'a [IpAddr],
+    identity: u32,
+    ingress: &'a MapState,
+    egress: &'a MapState,
+) -> EndpointSpec<'a> {
+    EndpointSpec {
+        ips,
+        identity,
+        identities: &[],
+        ingress,
+        egress,
+    }
+}
+
+/// Endpoints 1..=n, the i-th on `ips[i - 1]`, all with identity 100 and the same MapStates.
+fn same_policy_batch<'a>(
+    ips: &'a [Vec<IpAddr>],
+    ms: &'a [MapState; 2],
+) -> Vec<(u32, EndpointSpec<'a>)> {
+    ips.iter()
+        .enumerate()
+        .map(|(i, ips)| (i as u32 + 1, spec(ips, 100, &ms[0], &ms[1])))
+        .collect()
+}
+
 fn changed_keys(a: &MapState, b: &MapState) -> usize {
     let (a, _) = flatten(a).unwrap();
     let (b, _) = flatten(b).unwrap();
@@ -258,19 +285,7 @@ fn in_place_updates_never_open_a_transient_allow() {
         let mut control = Control::new(Store::new(8, 64, Duration::ZERO), State::default());
         let mut t = MemTables::new(8 * 769, 64 * 256);
         control
-            .update_endpoints(
-                &mut t,
-                &[(
-                    1,
-                    EndpointSpec {
-                        ips: &ips,
-                        identity: 42,
-                        identities: &[],
-                        ingress: &old[0],
-                        egress: &old[1],
-                    },
-                )],
-            )
+            .update_endpoints(&mut t, &[(1, spec(&ips, 42, &old[0], &old[1]))])
             .unwrap();
         assert_eq!(verdicts(&t, &probes), want_old, "case {case}: install");
         let index = ProbeIndex::new(&probes);
@@ -293,19 +308,7 @@ fn in_place_updates_never_open_a_transient_allow() {
             elements: 0,
         };
         let stats = control
-            .update_endpoints(
-                &mut w,
-                &[(
-                    1,
-                    EndpointSpec {
-                        ips: &ips,
-                        identity: 42,
-                        identities: &[],
-                        ingress: &new[0],
-                        egress: &new[1],
-                    },
-                )],
-            )
+            .update_endpoints(&mut w, &[(1, spec(&ips, 42, &new[0], &new[1]))])
             .unwrap();
         let got = verdicts(&w.t, &probes);
         if got != want_new {
@@ -356,20 +359,7 @@ fn identical_mapstates_share_one_ruleset() {
     let ips: Vec<Vec<IpAddr>> = (0..1000u32)
         .map(|i| vec![IpAddr::from([10, 1, (i >> 8) as u8, i as u8])])
         .collect();
-    let batch: Vec<(u32, EndpointSpec)> = (0..1000)
-        .map(|i| {
-            (
-                i as u32 + 1,
-                EndpointSpec {
-                    ips: &ips[i],
-                    identity: 100,
-                    identities: &[],
-                    ingress: &a[0],
-                    egress: &a[1],
-                },
-            )
-        })
-        .collect();
+    let batch = same_policy_batch(&ips, &a);
     control.update_endpoints(&mut t, &batch).unwrap();
     let distinct = usize::from(!flatten(&a[0]).unwrap().0.is_empty())
         + usize::from(!flatten(&a[1]).unwrap().0.is_empty())
@@ -389,20 +379,7 @@ fn identical_mapstates_share_one_ruleset() {
         entries.push(e);
         *ms = build(ms.direction(), ms.default_verdict(), &entries);
     }
-    let batch: Vec<(u32, EndpointSpec)> = (0..1000)
-        .map(|i| {
-            (
-                i as u32 + 1,
-                EndpointSpec {
-                    ips: &ips[i],
-                    identity: 100,
-                    identities: &[],
-                    ingress: &b[0],
-                    egress: &b[1],
-                },
-            )
-        })
-        .collect();
+    let batch = same_policy_batch(&ips, &b);
     let stats = control.update_endpoints(&mut t, &batch).unwrap();
     assert_eq!(stats.rulesets_installed, 0, "{stats:?}");
     assert_eq!(
@@ -413,19 +390,7 @@ fn identical_mapstates_share_one_ruleset() {
 
     // One endpoint diverges: it gets its own copy, the others keep theirs.
     let stats = control
-        .update_endpoints(
-            &mut t,
-            &[(
-                7,
-                EndpointSpec {
-                    ips: &ips[6],
-                    identity: 100,
-                    identities: &[],
-                    ingress: &a[0],
-                    egress: &b[1],
-                },
-            )],
-        )
+        .update_endpoints(&mut t, &[(7, spec(&ips[6], 100, &a[0], &b[1]))])
         .unwrap();
     let ingress_changes = flatten(&a[0]).unwrap().0 != flatten(&b[0]).unwrap().0;
     assert_eq!(
@@ -528,27 +493,9 @@ fn change_sets_apply_in_place_safely() {
         // A second endpoint shares the rule sets in half of the cases (then the change is a
         // copy unless both get it).
         let shared = case % 2 == 1;
-        let mut batch = vec![(
-            1,
-            EndpointSpec {
-                ips: &ips,
-                identity: 42,
-                identities: &[],
-                ingress: &ms[0],
-                egress: &ms[1],
-            },
-        )];
+        let mut batch = vec![(1, spec(&ips, 42, &ms[0], &ms[1]))];
         if shared {
-            batch.push((
-                2,
-                EndpointSpec {
-                    ips: &other,
-                    identity: 43,
-                    identities: &[],
-                    ingress: &ms[0],
-                    egress: &ms[1],
-                },
-            ));
+            batch.push((2, spec(&other, 43, &ms[0], &ms[1])));
         }
         control.update_endpoints(&mut t, &batch).unwrap();
         let mut next_id = 1000;
@@ -613,14 +560,8 @@ fn change_sets_apply_in_place_safely() {
             }
             if shared && !both {
                 // Endpoint 2 keeps the old policy: catch up so the next step starts equal.
-                let spec = EndpointSpec {
-                    ips: &other,
-                    identity: 43,
-                    identities: &[],
-                    ingress: &ms[0],
-                    egress: &ms[1],
-                };
-                control.update_endpoints(&mut t, &[(2, spec)]).unwrap();
+                let catch_up = spec(&other, 43, &ms[0], &ms[1]);
+                control.update_endpoints(&mut t, &[(2, catch_up)]).unwrap();
             }
         }
     }
