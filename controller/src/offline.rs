@@ -148,7 +148,7 @@ pub fn trace_family(
     }
 }
 
-/// Why [`trace_verdict`] has no verdict.
+/// Why [`trace`] has no answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TraceError {
     /// The flow cannot be built (an end without an address, ends of two families).
@@ -158,7 +158,10 @@ pub enum TraceError {
 }
 
 /// `ordnet trace`: `Engine::flow` explains the flow, and its verdict is replaced by the
-/// datapath's ([`trace_verdict`], which checks that the two agree).
+/// datapath's, checked against the explanation: the overall verdict and the verdict of each
+/// side the datapath looked up must be the explanation's. A flow from or to one of the node's
+/// own addresses (which the datapath never filters, `Reason::Host`; only an agent's datapath
+/// knows any) is an input error: no policy explains it.
 pub fn trace(
     engine: &Engine,
     plane: &dyn ControlPlane,
@@ -168,30 +171,10 @@ pub fn trace(
     proto: Protocol,
     port: u16,
 ) -> Result<FlowTrace, TraceError> {
-    let mut t = engine.flow(from, to, family, proto, port);
-    if let Some(e) = &t.error {
+    let mut explained = engine.flow(from, to, family, proto, port);
+    if let Some(e) = &explained.error {
         return Err(TraceError::Input(e.clone()));
     }
-    t.verdict = trace_verdict(engine, plane, from, to, family, proto, port, &t)?;
-    Ok(t)
-}
-
-/// The datapath's verdict of the flow that `explained` (`Engine::flow` of the same ends,
-/// family, protocol and port) explains, checked against it: the overall verdict and the verdict
-/// of each side the datapath looked up must be the explanation's. A flow from or to one of the
-/// node's own addresses (which the datapath never filters, `Reason::Host`; only an agent's
-/// datapath knows any) is an input error: no policy explains it.
-#[allow(clippy::too_many_arguments)]
-pub fn trace_verdict(
-    engine: &Engine,
-    plane: &dyn ControlPlane,
-    from: &FlowEnd,
-    to: &FlowEnd,
-    family: IpFamily,
-    proto: Protocol,
-    port: u16,
-    explained: &FlowTrace,
-) -> Result<Verdict, TraceError> {
     let addr = |end: &FlowEnd| {
         probe_address(engine, end, family)
             .ok_or_else(|| TraceError::Input(format!("{end} has no address")))
@@ -248,7 +231,8 @@ pub fn trace_verdict(
         );
     }
     if wrong.is_empty() {
-        Ok(verdict)
+        explained.verdict = verdict;
+        Ok(explained)
     } else {
         Err(TraceError::Disagreement(format!(
             "{from} ({src}) -> {to} ({dst}) {proto}/{port}: {}",
