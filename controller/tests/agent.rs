@@ -70,8 +70,8 @@ fn programmed(h: &AgentHandle) -> Option<(Canon, BTreeMap<IpNet, Signature>)> {
     })
 }
 
-/// The fake server's objects as manifests, through the offline loader and validator.
-fn offline_objects(api: &FakeApi) -> ordnet_crds::ClusterObjects {
+/// The fake server's policy-relevant objects as one multi-document manifest (JSON documents).
+fn manifests(api: &FakeApi) -> String {
     let mut docs = Vec::new();
     for (v, k) in [
         ("v1", "Namespace"),
@@ -84,7 +84,12 @@ fn offline_objects(api: &FakeApi) -> ordnet_crds::ClusterObjects {
             docs.push(serde_json::to_string(&o).unwrap());
         }
     }
-    let outcome = ordnet_crds::manifest::load_str(Path::new("fake-api"), &docs.join("\n---\n"));
+    docs.join("\n---\n")
+}
+
+/// The fake server's objects as manifests, through the offline loader and validator.
+fn offline_objects(api: &FakeApi) -> ordnet_crds::ClusterObjects {
+    let outcome = ordnet_crds::manifest::load_str(Path::new("fake-api"), &manifests(api));
     ordnet_crds::validated(outcome).objects
 }
 
@@ -258,19 +263,7 @@ fn offline_cli(api: &FakeApi, args: &[&str]) -> String {
     let dir = std::env::temp_dir().join(format!("ordnet-agent-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join(format!("objects-{call}.yaml"));
-    let mut docs = Vec::new();
-    for (v, k) in [
-        ("v1", "Namespace"),
-        ("v1", "Pod"),
-        ("networking.k8s.io/v1", "NetworkPolicy"),
-        ("ordnet.io/v1alpha1", "OrderedNetworkPolicy"),
-        ("ordnet.io/v1alpha1", "ClusterOrderedNetworkPolicy"),
-    ] {
-        for o in api.list(v, k) {
-            docs.push(serde_json::to_string(&o).unwrap());
-        }
-    }
-    std::fs::write(&file, docs.join("\n---\n")).unwrap();
+    std::fs::write(&file, manifests(api)).unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_ordnet"))
         .args(args)
         .arg("-f")
@@ -295,22 +288,18 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
 
     // The debug API answers like the offline CLI.
     let addr = h.debug_addr();
+    let matrix = [
+        "matrix",
+        "--protocol",
+        "TCP",
+        "--port",
+        "8081",
+        "--external",
+        "192.0.2.1",
+    ];
     let (code, m) = http_get(addr, "/v1/matrix?protocol=TCP&port=8081&external=192.0.2.1").await;
     assert_eq!(code, 200, "{m}");
-    let cli = offline_cli(
-        &api,
-        &[
-            "matrix",
-            "--protocol",
-            "TCP",
-            "--port",
-            "8081",
-            "--external",
-            "192.0.2.1",
-            "-o",
-            "json",
-        ],
-    );
+    let cli = offline_cli(&api, &[&matrix[..], &["-o", "json"]].concat());
     assert_eq!(m, cli);
     let (code, d) = http_get(addr, "/v1/dump?pod=prod/artifacts").await;
     assert_eq!(code, 200, "{d}");
@@ -344,15 +333,6 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     assert_eq!(code, 400);
     // `ordnet matrix|trace|dump --agent ADDR` print the agent's answers, rendered by the
     // offline renderer: in every output format they equal the offline output byte for byte.
-    let matrix = [
-        "matrix",
-        "--protocol",
-        "TCP",
-        "--port",
-        "8081",
-        "--external",
-        "192.0.2.1",
-    ];
     let trace = [
         "trace",
         "--from",
