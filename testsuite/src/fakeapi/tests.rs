@@ -37,17 +37,28 @@ async fn next_event(s: &mut Stream) -> Event<Pod> {
         .expect("no watcher error")
 }
 
-/// Reads events until `InitDone`, returning the names of the pods of the (re-)list.
-async fn read_init(s: &mut Stream) -> Vec<String> {
+/// Reads events until `InitDone`, returning the names of the pods of the (re-)list. An `Init`
+/// restarts the list, unless the caller has already read the list's `Init` (`after_init`):
+/// then any other `Init` is unexpected.
+async fn read_init(s: &mut Stream, after_init: bool) -> Vec<String> {
     let mut names = Vec::new();
     loop {
         match next_event(s).await {
-            Event::Init => names.clear(),
+            Event::Init if !after_init => names.clear(),
             Event::InitApply(p) => names.push(p.metadata.name.unwrap_or_default()),
             Event::InitDone => return names,
+            other if after_init => panic!("unexpected {other:?} during the re-list"),
             other => panic!("unexpected {other:?} during the initial list"),
         }
     }
+}
+
+/// How many list requests (GETs that are not watches) the fake server has answered.
+fn list_requests(api: &FakeApi) -> usize {
+    api.requests()
+        .iter()
+        .filter(|r| r.method == "GET" && !r.uri.contains("watch=true"))
+        .count()
 }
 
 #[tokio::test]
@@ -77,7 +88,7 @@ async fn list_get_and_watch_with_the_kube_client() {
     );
 
     let mut s: Stream = Box::pin(watcher(pods, watcher::Config::default()));
-    assert_eq!(read_init(&mut s).await, vec!["p1"]);
+    assert_eq!(read_init(&mut s, false).await, vec!["p1"]);
     api.create(pod("a", "p2", "db")).unwrap();
     match next_event(&mut s).await {
         Event::Apply(p) => assert_eq!(p.metadata.name.as_deref(), Some("p2")),
@@ -110,18 +121,14 @@ async fn a_dropped_watch_resumes_without_a_relist() {
     api.create(pod("a", "p1", "web")).unwrap();
     let pods: Api<Pod> = Api::all(api.client());
     let mut s: Stream = Box::pin(watcher(pods, watcher::Config::default()).default_backoff());
-    assert_eq!(read_init(&mut s).await, vec!["p1"]);
+    assert_eq!(read_init(&mut s, false).await, vec!["p1"]);
     api.drop_watches();
     api.create(pod("a", "p2", "web")).unwrap();
     match next_event(&mut s).await {
         Event::Apply(p) => assert_eq!(p.metadata.name.as_deref(), Some("p2")),
         other => panic!("{other:?}"),
     }
-    let lists = api
-        .requests()
-        .iter()
-        .filter(|r| r.method == "GET" && !r.uri.contains("watch=true"))
-        .count();
+    let lists = list_requests(&api);
     assert_eq!(lists, 1, "{:#?}", api.requests());
 }
 
@@ -131,7 +138,7 @@ async fn compaction_makes_the_watcher_relist() {
     api.create(pod("a", "p1", "web")).unwrap();
     let pods: Api<Pod> = Api::all(api.client());
     let mut s: Stream = Box::pin(watcher(pods, watcher::Config::default()).default_backoff());
-    assert_eq!(read_init(&mut s).await, vec!["p1"]);
+    assert_eq!(read_init(&mut s, false).await, vec!["p1"]);
     api.restart();
     api.delete("v1", "Pod", "a", "p1").unwrap();
     api.create(pod("a", "p3", "web")).unwrap();
@@ -146,29 +153,14 @@ async fn compaction_makes_the_watcher_relist() {
                 e.to_string().contains("410") || format!("{e:?}").contains("410"),
                 "{e:?}"
             ),
-            Ok(Event::Init) => break read_init_after_init(&mut s).await,
+            Ok(Event::Init) => break read_init(&mut s, true).await,
             Ok(other) => panic!("{other:?}"),
         }
     };
     assert_eq!(names, vec!["p3"]);
     // One list, the watch from the compacted version (410), the re-list.
-    let lists = api
-        .requests()
-        .iter()
-        .filter(|r| r.method == "GET" && !r.uri.contains("watch=true"))
-        .count();
+    let lists = list_requests(&api);
     assert_eq!(lists, 2, "{:#?}", api.requests());
-}
-
-async fn read_init_after_init(s: &mut Stream) -> Vec<String> {
-    let mut names = Vec::new();
-    loop {
-        match next_event(s).await {
-            Event::InitApply(p) => names.push(p.metadata.name.unwrap_or_default()),
-            Event::InitDone => return names,
-            other => panic!("unexpected {other:?} during the re-list"),
-        }
-    }
 }
 
 #[tokio::test]
@@ -328,7 +320,7 @@ async fn streaming_lists_and_bookmarks() {
     let pods: Api<Pod> = Api::all(api.client());
     // sendInitialEvents=true: the initial ADDEDs, then the initial-events-end bookmark.
     let mut s: Stream = Box::pin(watcher(pods, watcher::Config::default().streaming_lists()));
-    let mut names = read_init(&mut s).await;
+    let mut names = read_init(&mut s, false).await;
     names.sort();
     assert_eq!(names, vec!["p1", "p2"]);
     assert!(
