@@ -115,13 +115,20 @@ fn watcher(
     watcher::watcher(api, config)
 }
 
-#[tokio::test]
-async fn a_dropped_watch_resumes_without_a_relist() {
+/// A fake server with one pod `a/p1`, and a backing-off pod watcher that has read its initial
+/// list (exactly `p1`).
+async fn watching_p1() -> (FakeApi, Stream) {
     let api = FakeApi::start().await.unwrap();
     api.create(pod("a", "p1", "web")).unwrap();
     let pods: Api<Pod> = Api::all(api.client());
     let mut s: Stream = Box::pin(watcher(pods, watcher::Config::default()).default_backoff());
     assert_eq!(read_init(&mut s, false).await, vec!["p1"]);
+    (api, s)
+}
+
+#[tokio::test]
+async fn a_dropped_watch_resumes_without_a_relist() {
+    let (api, mut s) = watching_p1().await;
     api.drop_watches();
     api.create(pod("a", "p2", "web")).unwrap();
     match next_event(&mut s).await {
@@ -134,11 +141,7 @@ async fn a_dropped_watch_resumes_without_a_relist() {
 
 #[tokio::test]
 async fn compaction_makes_the_watcher_relist() {
-    let api = FakeApi::start().await.unwrap();
-    api.create(pod("a", "p1", "web")).unwrap();
-    let pods: Api<Pod> = Api::all(api.client());
-    let mut s: Stream = Box::pin(watcher(pods, watcher::Config::default()).default_backoff());
-    assert_eq!(read_init(&mut s, false).await, vec!["p1"]);
+    let (api, mut s) = watching_p1().await;
     api.restart();
     api.delete("v1", "Pod", "a", "p1").unwrap();
     api.create(pod("a", "p3", "web")).unwrap();
