@@ -61,6 +61,17 @@ fn json(s: &str) -> serde_json::Value {
     serde_json::from_str(s).unwrap_or_else(|e| panic!("not JSON ({e}):\n{s}"))
 }
 
+/// A `matrix -o json` output's results as (from, to, verdict), in their order.
+fn results(out: &serde_json::Value) -> Vec<(String, String, String)> {
+    let field = |r: &serde_json::Value, f: &str| r[f].as_str().unwrap().to_string();
+    out["results"]
+        .as_array()
+        .expect("results")
+        .iter()
+        .map(|r| (field(r, "from"), field(r, "to"), field(r, "verdict")))
+        .collect()
+}
+
 // ----- matrix -o json against conformance scenarios ------------------------------------------
 
 /// Writes the scenario's objects to a manifest file; returns (file, scenario).
@@ -123,19 +134,10 @@ fn matrix_json_equals_the_scenario_expectations() {
                     want.insert(format!("{a} -> {b}"), v.to_string());
                 }
             }
-            let results = out["results"].as_array().expect("results");
+            let results = results(&out);
             let got: BTreeMap<String, String> = results
                 .iter()
-                .map(|r| {
-                    (
-                        format!(
-                            "{} -> {}",
-                            r["from"].as_str().unwrap(),
-                            r["to"].as_str().unwrap()
-                        ),
-                        r["verdict"].as_str().unwrap().to_string(),
-                    )
-                })
+                .map(|(from, to, verdict)| (format!("{from} -> {to}"), verdict.clone()))
                 .collect();
             assert_eq!(results.len(), got.len(), "{name}: duplicate pairs");
             assert_eq!(got, want, "{name} {proto}/{port}");
@@ -168,19 +170,9 @@ fn example_tells_its_story() {
             ],
             0,
         ));
-        out["results"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| {
-                (
-                    (
-                        r["from"].as_str().unwrap().to_string(),
-                        r["to"].as_str().unwrap().to_string(),
-                    ),
-                    r["verdict"].as_str().unwrap().to_string(),
-                )
-            })
+        results(&out)
+            .into_iter()
+            .map(|(from, to, verdict)| ((from, to), verdict))
             .collect()
     };
     let eps = [
@@ -685,18 +677,9 @@ spec:
     let f = file.to_str().unwrap();
     let pairs = |args: &[&str]| -> Vec<String> {
         let out = json(&run_ok(args, 0));
-        out["results"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| {
-                format!(
-                    "{} -> {} {}",
-                    r["from"].as_str().unwrap(),
-                    r["to"].as_str().unwrap(),
-                    r["verdict"].as_str().unwrap()
-                )
-            })
+        results(&out)
+            .into_iter()
+            .map(|(from, to, verdict)| format!("{from} -> {to} {verdict}"))
             .collect()
     };
     // IPv6: x/c has no IPv6 address and is skipped; only x/b's IPv6 address may reach x/a.
