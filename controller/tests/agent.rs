@@ -255,6 +255,20 @@ fn get(api: &FakeApi, v: &str, k: &str, ns: &str, name: &str) -> Value {
         .unwrap_or_else(|| panic!("{k} {ns}/{name}"))
 }
 
+/// Makes the OrderedNetworkPolicy prod/broken valid: its first ingress rule's ports become
+/// 80-90.
+fn fix_prod_broken(api: &FakeApi) {
+    let mut b = get(
+        api,
+        "ordnet.io/v1alpha1",
+        "OrderedNetworkPolicy",
+        "prod",
+        "broken",
+    );
+    b["spec"]["ingress"][0]["ports"] = json!([{"port": 80, "endPort": 90}]);
+    api.update(b).unwrap();
+}
+
 /// Runs the `ordnet` binary on the fake server's objects.
 fn offline_cli(api: &FakeApi, args: &[&str]) -> String {
     // One file per call: the tests of this file run in parallel in one process.
@@ -1105,9 +1119,7 @@ async fn shadowed_rules_are_reported_in_status_and_events() {
     })
     .await;
     // Fixing it makes it valid, with a shadow condition.
-    let mut b = get(&api, "ordnet.io/v1alpha1", onp, "prod", "broken");
-    b["spec"]["ingress"][0]["ports"] = json!([{"port": 80, "endPort": 90}]);
-    api.update(b).unwrap();
+    fix_prod_broken(&api);
     policy_status(&api, onp, "prod", "broken", "fixed", |o| {
         condition(o, "Accepted", 2).is_some_and(|c| c.0 == "True")
             && condition(o, "RulesShadowed", 2).is_some_and(|c| c.0 == "False")
@@ -1233,9 +1245,7 @@ async fn subject_and_rules_columns_follow_the_selected_pods() {
             && columns(o) == ("not enforced".into(), "in 1A/0D, out 0A/1D".into())
     })
     .await;
-    let mut b = get(&api, "ordnet.io/v1alpha1", onp, "prod", "broken");
-    b["spec"]["ingress"][0]["ports"] = json!([{"port": 80, "endPort": 90}]);
-    api.update(b).unwrap();
+    fix_prod_broken(&api);
     policy_status(&api, onp, "prod", "broken", "fixed", |o| {
         condition(o, "Accepted", 2).is_some_and(|c| c.0 == "True")
             && columns(o) == ("3 pods".into(), "in 1A/0D, out 0A/1D".into())
