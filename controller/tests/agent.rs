@@ -476,7 +476,17 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     assert_eq!(code, 400);
     assert!(msg.contains("not an endpoint of this node"), "{msg}");
 
-    // An invalid object is skipped and reported; everything else keeps working.
+    // A policy with a rule the engine cannot enforce as written is enforced with that rule
+    // failing closed (an Allow rule matches nothing), and reported; a policy the engine cannot
+    // use at all (an invalid subject selector) is not enforced, and reported. Everything else
+    // keeps working.
+    api.create(
+        json!({"apiVersion": "ordnet.io/v1alpha1", "kind": "OrderedNetworkPolicy",
+        "metadata": {"namespace": "prod", "name": "unusable"},
+        "spec": {"priority": 5, "podSelector": {"matchExpressions": [{"key": "app",
+            "operator": "Equals", "values": ["db"]}]}, "egress": [{"action": "Deny"}]}}),
+    )
+    .unwrap();
     api.create(
         json!({"apiVersion": "ordnet.io/v1alpha1", "kind": "OrderedNetworkPolicy",
         "metadata": {"namespace": "prod", "name": "broken"},
@@ -497,10 +507,29 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
         .await
     );
     let (_, problems) = http_get(addr, "/v1/problems").await;
+    let problems: Value = serde_json::from_str(&problems).unwrap();
+    let problem = |name: &str| {
+        problems
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .unwrap_or_else(|| panic!("no problem of {name}: {problems}"))
+            .clone()
+    };
+    let broken = problem("broken");
+    assert_eq!(broken["enforced"], "partly", "{broken}");
     assert!(
-        problems.contains("broken") && problems.contains("cidr"),
-        "{problems}"
+        broken["failedClosedRules"][0]
+            .as_str()
+            .is_some_and(|r| r.starts_with(
+                "spec.ingress[0] (Allow) matches nothing: spec.ingress[0].from[0].ipBlock.cidr"
+            )),
+        "{broken}"
     );
+    let unusable = problem("unusable");
+    assert_eq!(unusable["enforced"], "no", "{unusable}");
+    assert!(unusable.to_string().contains("operator"), "{unusable}");
     accepted(
         &api,
         "OrderedNetworkPolicy",
@@ -508,19 +537,33 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
         "broken",
         "False",
         1,
-        "spec.ingress[0].from[0].ipBlock.cidr",
+        "spec.ingress[0] (Allow): spec.ingress[0].from[0].ipBlock.cidr",
     )
     .await;
-    assert!(
-        agent::wait_until(LIMIT, || api.events().iter().any(|e| e["reason"]
-            == "InvalidObject"
-            && e["regarding"]["name"] == "broken"
-            && e["type"] == "Warning"
-            && e["note"].as_str().is_some_and(|n| n.contains("cidr"))))
-        .await,
-        "{:#?}",
-        api.events()
-    );
+    accepted(
+        &api,
+        "OrderedNetworkPolicy",
+        "prod",
+        "unusable",
+        "False",
+        1,
+        "not enforced: spec.podSelector.matchExpressions[0].operator",
+    )
+    .await;
+    for (name, reason, note) in [
+        ("broken", "RulesFailedClosed", "cidr"),
+        ("unusable", "InvalidObject", "not enforced"),
+    ] {
+        assert!(
+            agent::wait_until(LIMIT, || api.events().iter().any(|e| e["reason"] == reason
+                && e["regarding"]["name"] == name
+                && e["type"] == "Warning"
+                && e["note"].as_str().is_some_and(|n| n.contains(note))))
+            .await,
+            "{name}: {:#?}",
+            api.events()
+        );
+    }
 
     // Delete a policy.
     api.delete(
@@ -531,14 +574,11 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     )
     .unwrap();
     converges(&api, &h, "delete policy").await;
-    // Deleting the invalid object clears its problem.
-    api.delete(
-        "ordnet.io/v1alpha1",
-        "OrderedNetworkPolicy",
-        "prod",
-        "broken",
-    )
-    .unwrap();
+    // Deleting the objects with problems clears them.
+    for name in ["broken", "unusable"] {
+        api.delete("ordnet.io/v1alpha1", "OrderedNetworkPolicy", "prod", name)
+            .unwrap();
+    }
     assert!(agent::wait_until(LIMIT, || h.state.problems().is_empty()).await);
 
     // Dropped watches resume.
@@ -749,15 +789,145 @@ async fn conformance_scenarios_converge() {
     for f in files {
         let sc = Scenario::load(&f).unwrap_or_else(|e| panic!("{e}"));
         let api = FakeApi::start().await.unwrap();
-        for o in &sc.objects {
-            let mut o: Value = serde_json::to_value(o).unwrap();
-            if o["kind"] == "Pod" && o["spec"]["nodeName"].is_null() {
-                o["spec"]["nodeName"] = json!(NODE);
-            }
-            api.create(o).unwrap();
-        }
+        load_scenario(&api, &sc);
         let h = start_agent(&api).await;
         converges(&api, &h, &f.display().to_string()).await;
+    }
+}
+
+/// Creates a scenario's objects in the fake server, every pod on this agent's node.
+fn load_scenario(api: &FakeApi, sc: &Scenario) {
+    for o in &sc.objects {
+        let mut o: Value = serde_json::to_value(o).unwrap();
+        if o["kind"] == "Pod" && o["spec"]["nodeName"].is_null() {
+            o["spec"]["nodeName"] = json!(NODE);
+        }
+        api.create(o).unwrap();
+    }
+}
+
+/// Every expectation of a scenario, checked on the agent's own matrix (`--agent`).
+async fn agent_matches_scenario(addr: SocketAddr, sc: &Scenario) {
+    let pods = sc.pods(4);
+    for probe in &sc.expect {
+        let port = probe.port.to_string();
+        let args = [
+            "matrix",
+            "--protocol",
+            probe.protocol.as_str(),
+            "--port",
+            &port,
+            "-o",
+            "json",
+        ];
+        let m: Value = serde_json::from_str(&agent_ok(addr, &args).await).unwrap();
+        for a in &pods {
+            for b in &pods {
+                let want = if probe.allows(a, b).unwrap() {
+                    "allow"
+                } else {
+                    "deny"
+                };
+                assert_eq!(
+                    cell(&m, a, b),
+                    want,
+                    "{}: {a} -> {b} {}/{port}",
+                    sc.name,
+                    probe.protocol.as_str()
+                );
+            }
+        }
+    }
+}
+
+/// "Allow X, then Deny X" and "Deny X, then Allow X" (scenarios onp-13 and onp-14) through the
+/// agent: the first rule decides, and the repeat is valid, enforced and reported as shadowed by
+/// the first one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_rule_the_first_wins_and_the_repeat_is_reported_shadowed() {
+    let cases = [
+        (
+            "onp-13-allow-then-deny-same-traffic",
+            ("ClusterOrderedNetworkPolicy", "", "allow-then-deny-y"),
+            "Allow",
+        ),
+        (
+            "onp-14-deny-then-allow-same-traffic",
+            ("OrderedNetworkPolicy", "x", "deny-then-allow"),
+            "Deny",
+        ),
+    ];
+    for (name, (kind, ns, policy), first) in cases {
+        let sc = Scenario::load(&scenario::path("conformance", name)).unwrap();
+        let api = FakeApi::start().await.unwrap();
+        load_scenario(&api, &sc);
+        let h = start_agent(&api).await;
+        converges(&api, &h, name).await;
+        agent_matches_scenario(h.debug_addr(), &sc).await;
+        policy_status(
+            &api,
+            kind,
+            ns,
+            policy,
+            "accepted, ingress[1] shadowed",
+            |o| {
+                condition(o, "Accepted", 1).is_some_and(|c| c.0 == "True")
+                    && condition(o, "RulesShadowed", 1).is_some_and(|c| c.0 == "True")
+                    && shadowed_rules(o).len() == 1
+                    && shadowed_rules(o)[0]["direction"] == "Ingress"
+                    && shadowed_rules(o)[0]["index"] == 1
+                    && shadowed_rules(o)[0]["shadowedBy"]
+                        .as_array()
+                        .is_some_and(|by| {
+                            by.iter().any(|r| {
+                                r["name"] == policy && r["index"] == 0 && r["action"] == first
+                            })
+                        })
+            },
+        )
+        .await;
+    }
+}
+
+/// Rules the engine cannot enforce as written fail closed in the agent exactly as in `ordnet
+/// matrix` (testsuite/data/invalid/rules-fail-closed.yaml): the unenforceable Deny denies, the
+/// unenforceable Allow allows nothing, the rest of each object is enforced, and the status
+/// names the rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unenforceable_rules_fail_closed() {
+    let sc = Scenario::load(&scenario::path("invalid", "rules-fail-closed")).unwrap();
+    let api = FakeApi::start().await.unwrap();
+    load_scenario(&api, &sc);
+    let h = start_agent(&api).await;
+    converges(&api, &h, "fail closed").await;
+    agent_matches_scenario(h.debug_addr(), &sc).await;
+    for (kind, ns, name, rule) in [
+        (
+            "OrderedNetworkPolicy",
+            "x",
+            "allow-broken-port",
+            json!({"direction": "Ingress", "index": 0, "action": "Allow", "effect": "MatchesNothing"}),
+        ),
+        (
+            "ClusterOrderedNetworkPolicy",
+            "",
+            "deny-broken-cidr",
+            json!({"direction": "Egress", "index": 1, "action": "Deny", "effect": "DeniesAll"}),
+        ),
+    ] {
+        policy_status(&api, kind, ns, name, "rules failed closed", |o| {
+            let failed = o["status"]["failedClosedRules"].as_array();
+            condition(o, "Accepted", 1)
+                .is_some_and(|c| c.0 == "False" && c.1 == "RulesFailedClosed")
+                && failed.is_some_and(|f| {
+                    f.len() == 1
+                        && ["direction", "index", "action", "effect"]
+                            .iter()
+                            .all(|k| f[0][k] == rule[k])
+                })
+                && o["status"]["subject"] != "not enforced"
+        })
+        .await;
     }
 }
 
@@ -1105,17 +1275,22 @@ async fn shadowed_rules_are_reported_in_status_and_events() {
     })
     .await;
 
-    // An invalid policy gets its error condition, naming the field, and no shadow report.
+    // A policy with a rule that cannot be enforced as written: Accepted=False with reason
+    // RulesFailedClosed naming the field, the rule in status.failedClosedRules, and (it is
+    // enforced) a shadow report.
     api.create(json!({"apiVersion": "ordnet.io/v1alpha1", "kind": onp,
         "metadata": {"namespace": "prod", "name": "broken"},
         "spec": {"priority": 5, "podSelector": {}, "ingress": [{"action": "Allow",
             "ports": [{"port": 90, "endPort": 80}]}]}}))
         .unwrap();
-    policy_status(&api, onp, "prod", "broken", "invalid", |o| {
-        condition(o, "Accepted", 1)
-            .is_some_and(|c| c.0 == "False" && c.1 == "Invalid" && c.2.contains("endPort"))
-            && condition(o, "RulesShadowed", 1).is_none()
-            && shadowed_rules(o).is_empty()
+    policy_status(&api, onp, "prod", "broken", "rules failed closed", |o| {
+        condition(o, "Accepted", 1).is_some_and(|c| {
+            c.0 == "False" && c.1 == "RulesFailedClosed" && c.2.contains("endPort")
+        }) && condition(o, "RulesShadowed", 1).is_some()
+            && o["status"]["failedClosedRules"]
+                == json!([{"direction": "Ingress", "index": 0, "action": "Allow",
+                    "effect": "MatchesNothing",
+                    "message": "spec.ingress[0].ports[0].endPort: 80 must be greater than or equal to port (90): the Allow rule matches nothing instead"}])
     })
     .await;
     // Fixing it makes it valid, with a shadow condition.
@@ -1123,6 +1298,9 @@ async fn shadowed_rules_are_reported_in_status_and_events() {
     policy_status(&api, onp, "prod", "broken", "fixed", |o| {
         condition(o, "Accepted", 2).is_some_and(|c| c.0 == "True")
             && condition(o, "RulesShadowed", 2).is_some_and(|c| c.0 == "False")
+            && o["status"]
+                .get("failedClosedRules")
+                .is_none_or(|r| r == &json!([]))
     })
     .await;
 }
@@ -1234,15 +1412,26 @@ async fn subject_and_rules_columns_follow_the_selected_pods() {
     expect("", conp, guard, "5 pods in 2 namespaces").await;
     expect("prod", onp, "artifacts-ports", "2 pods").await;
 
-    // An invalid policy is not enforced; its rules are still counted. Fixed, it counts its pods.
+    // A policy the engine cannot use at all is not enforced; its rules are still counted. A
+    // policy with a rule failing closed is enforced: it counts its pods.
+    api.create(json!({"apiVersion": "ordnet.io/v1alpha1", "kind": onp,
+        "metadata": {"namespace": "prod", "name": "unusable"},
+        "spec": {"priority": 5, "podSelector": {"matchLabels": {"app": "-bad-"}},
+            "egress": [{"action": "Deny"}]}}))
+        .unwrap();
+    policy_status(&api, onp, "prod", "unusable", "not enforced", |o| {
+        condition(o, "Accepted", 1).is_some_and(|c| c.0 == "False" && c.1 == "Invalid")
+            && columns(o) == ("not enforced".into(), "in 0A/0D, out 0A/1D".into())
+    })
+    .await;
     api.create(json!({"apiVersion": "ordnet.io/v1alpha1", "kind": onp,
         "metadata": {"namespace": "prod", "name": "broken"},
         "spec": {"priority": 5, "podSelector": {}, "ingress": [{"action": "Allow",
             "ports": [{"port": 90, "endPort": 80}]}], "egress": [{"action": "Deny"}]}}))
         .unwrap();
-    policy_status(&api, onp, "prod", "broken", "not enforced", |o| {
-        condition(o, "Accepted", 1).is_some_and(|c| c.0 == "False")
-            && columns(o) == ("not enforced".into(), "in 1A/0D, out 0A/1D".into())
+    policy_status(&api, onp, "prod", "broken", "partly enforced", |o| {
+        condition(o, "Accepted", 1).is_some_and(|c| c.0 == "False" && c.1 == "RulesFailedClosed")
+            && columns(o) == ("3 pods".into(), "in 1A/0D, out 0A/1D".into())
     })
     .await;
     fix_prod_broken(&api);

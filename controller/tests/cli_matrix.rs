@@ -76,10 +76,68 @@ fn results(out: &serde_json::Value) -> Vec<(String, String, String)> {
 
 /// Writes the scenario's objects to a manifest file; returns (file, scenario).
 fn scenario(name: &str, dir: &Path) -> (PathBuf, Scenario) {
-    let sc = Scenario::load(&scenario::path("conformance", name)).unwrap_or_else(|e| panic!("{e}"));
+    scenario_in("conformance", name, dir)
+}
+
+/// [`scenario`] for a scenario of `testsuite/data/<sub>`.
+fn scenario_in(sub: &str, name: &str, dir: &Path) -> (PathBuf, Scenario) {
+    let sc = Scenario::load(&scenario::path(sub, name)).unwrap_or_else(|e| panic!("{e}"));
     let file = dir.join(format!("{name}.yaml"));
     std::fs::write(&file, sc.manifest()).unwrap();
     (file, sc)
+}
+
+/// Runs `matrix -o json` for every probe of a scenario file and compares every pair with the
+/// scenario's expectation; `code` is the exit code every run must have. Returns the probes run.
+fn check_scenario_matrix(file: &Path, sc: &Scenario, code: i32) -> usize {
+    let name = &sc.name;
+    let pods = sc.pods(4);
+    let externals = sc.external_names();
+    let mut probes = 0;
+    for probe in &sc.expect {
+        let proto = probe.protocol.as_str();
+        let port = probe.port.to_string();
+        let mut args = vec![
+            "matrix",
+            "-f",
+            file.to_str().unwrap(),
+            "--protocol",
+            proto,
+            "--port",
+            &port,
+            "-o",
+            "json",
+        ];
+        for e in &externals {
+            args.extend(["--external", e.as_str()]);
+        }
+        let out = json(&run_ok(&args, code));
+        assert_eq!(out["protocol"], proto, "{name}");
+        assert_eq!(out["port"].to_string(), port, "{name}");
+        let mut want = BTreeMap::new();
+        for a in pods.iter().chain(&externals) {
+            for b in pods.iter().chain(&externals) {
+                if !pods.contains(a) && !pods.contains(b) {
+                    continue;
+                }
+                let v = if probe.allows(a, b).unwrap() {
+                    "allow"
+                } else {
+                    "deny"
+                };
+                want.insert(format!("{a} -> {b}"), v.to_string());
+            }
+        }
+        let results = results(&out);
+        let got: BTreeMap<String, String> = results
+            .iter()
+            .map(|(from, to, verdict)| (format!("{from} -> {to}"), verdict.clone()))
+            .collect();
+        assert_eq!(results.len(), got.len(), "{name}: duplicate pairs");
+        assert_eq!(got, want, "{name} {proto}/{port}");
+        probes += 1;
+    }
+    probes
 }
 
 #[test]
@@ -94,57 +152,72 @@ fn matrix_json_equals_the_scenario_expectations() {
         "onp-03-rule-order-within-policy",
         "onp-08-ipblock-except-with-ordered-deny",
         "onp-10-port-range-with-deny-hole",
+        "onp-13-allow-then-deny-same-traffic",
+        "onp-14-deny-then-allow-same-traffic",
     ];
     let mut probes = 0;
     for name in names {
         let (file, sc) = scenario(name, &dir);
-        let pods = sc.pods(4);
-        let externals = sc.external_names();
-        for probe in &sc.expect {
-            let proto = probe.protocol.as_str();
-            let port = probe.port.to_string();
-            let mut args = vec![
-                "matrix",
-                "-f",
-                file.to_str().unwrap(),
-                "--protocol",
-                proto,
-                "--port",
-                &port,
-                "-o",
-                "json",
-            ];
-            for e in &externals {
-                args.extend(["--external", e.as_str()]);
-            }
-            let out = json(&run_ok(&args, 0));
-            assert_eq!(out["protocol"], proto, "{name}");
-            assert_eq!(out["port"].to_string(), port, "{name}");
-            let mut want = BTreeMap::new();
-            for a in pods.iter().chain(&externals) {
-                for b in pods.iter().chain(&externals) {
-                    if !pods.contains(a) && !pods.contains(b) {
-                        continue;
-                    }
-                    let v = if probe.allows(a, b).unwrap() {
-                        "allow"
-                    } else {
-                        "deny"
-                    };
-                    want.insert(format!("{a} -> {b}"), v.to_string());
-                }
-            }
-            let results = results(&out);
-            let got: BTreeMap<String, String> = results
-                .iter()
-                .map(|(from, to, verdict)| (format!("{from} -> {to}"), verdict.clone()))
-                .collect();
-            assert_eq!(results.len(), got.len(), "{name}: duplicate pairs");
-            assert_eq!(got, want, "{name} {proto}/{port}");
-            probes += 1;
-        }
+        probes += check_scenario_matrix(&file, &sc, 0);
     }
-    assert!(probes >= 15, "only {probes} probes ran");
+    assert!(probes >= 19, "only {probes} probes ran");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A rule that repeats an earlier rule's traffic with the other action never decides a packet:
+/// the first one wins (matrix above), and the repeat is only a warning (exit 0) that says so.
+#[test]
+fn repeated_rule_is_a_warning_and_the_first_rule_wins() {
+    let dir = scratch("repeated");
+    for (name, warning) in [
+        (
+            "onp-13-allow-then-deny-same-traffic",
+            "ClusterOrderedNetworkPolicy allow-then-deny-y: spec.ingress[1]: warning: matches exactly the same traffic as spec.ingress[0] (Allow), which always matches first, so this Deny can never decide a packet",
+        ),
+        (
+            "onp-14-deny-then-allow-same-traffic",
+            "OrderedNetworkPolicy x/deny-then-allow: spec.ingress[1]: warning: matches exactly the same traffic as spec.ingress[0] (Deny), which always matches first, so this Allow can never decide a packet",
+        ),
+    ] {
+        let (file, _) = scenario(name, &dir);
+        let out = run(&["matrix", "-f", file.to_str().unwrap()]);
+        assert_eq!(out.status.code(), Some(0), "{name}");
+        let stderr = text(&out.stderr);
+        assert!(
+            stderr.contains(&format!("{}: {warning}", file.display())),
+            "{name}: {stderr}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Rules the engine cannot enforce as written (what an older CRD let the API server store) fail
+/// closed: an `Allow` rule matches nothing, a `Deny` rule denies everything in its direction at
+/// its place in the order, and the rest of each object is enforced. `matrix` computes exactly
+/// that, prints every problem, and exits 1 (invalid input).
+#[test]
+fn unenforceable_rules_fail_closed_and_exit_1() {
+    let dir = scratch("fail-closed");
+    let (file, sc) = scenario_in("invalid", "rules-fail-closed", &dir);
+    assert_eq!(check_scenario_matrix(&file, &sc, 1), 2);
+    let out = run(&["matrix", "-f", file.to_str().unwrap()]);
+    let stderr = text(&out.stderr);
+    for want in [
+        "OrderedNetworkPolicy x/allow-broken-port: spec.ingress[0] (Allow) matches nothing: spec.ingress[0].ports[0].port",
+        "ClusterOrderedNetworkPolicy deny-broken-cidr: spec.egress[1] (Deny) denies all egress: spec.egress[1].to[0].ipBlock.cidr",
+        "ordnet matrix: 2 errors in the manifests; computed with every rule that cannot be enforced failing closed, exit code 1",
+    ] {
+        assert!(stderr.contains(want), "{want}\n{stderr}");
+    }
+    // `validate` reports the same problems as errors.
+    let out = run(&["validate", "-f", file.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        text(&out.stdout).lines().count(),
+        2,
+        "{}",
+        text(&out.stdout)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -587,7 +660,7 @@ fn errors_have_the_documented_exit_codes() {
         "{stderr}"
     );
     assert!(
-        stderr.contains("ordnet matrix: 1 error in the manifests; nothing computed"),
+        stderr.contains("ordnet matrix: 1 object cannot be used; nothing computed"),
         "{stderr}"
     );
     let _ = std::fs::remove_dir_all(&dir);

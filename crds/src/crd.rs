@@ -31,19 +31,122 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
             if let Some(validation) = version.schema.as_mut()
                 && let Some(schema) = validation.open_api_v3_schema.take()
             {
-                validation.open_api_v3_schema = Some(strip_nullable(schema));
+                validation.open_api_v3_schema = Some(post_process(schema));
             }
         }
     }
     crds
 }
 
-/// Removes every `nullable: true` from a schema.
-fn strip_nullable(schema: JSONSchemaProps) -> JSONSchemaProps {
+/// A label key as a schema pattern: an optional DNS-1123 subdomain prefix and `/`, then a name of
+/// 1-63 letters, digits, `-`, `_` and `.` that starts and ends with a letter or digit
+/// (`syntax::label_key`; the prefix's length is checked by [`LABEL_PREFIX_PATTERN`]).
+pub const LABEL_KEY_PATTERN: &str = "^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$";
+/// A label key's prefix is at most 253 characters (DNS-1123 subdomain).
+pub const LABEL_PREFIX_PATTERN: &str = "^([^/]{1,253}/)?[^/]{1,63}$";
+/// A label value: empty, or up to 63 letters, digits, `-`, `_` and `.`, starting and ending with
+/// a letter or digit (`syntax::label_value`).
+pub const LABEL_VALUE_PATTERN: &str = "^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$";
+
+/// The schema of every label selector (subjects and peers): what the API server checks for a
+/// NetworkPolicy's selectors, expressed as bounds, patterns, an enum and three CEL rules (map keys
+/// can only be checked by CEL), each within the CEL cost budget.
+fn label_selector_schema(description: Option<Value>) -> Value {
+    use crate::types::{MAX_MATCH_EXPRESSIONS, MAX_MATCH_LABELS, MAX_SELECTOR_VALUES};
+    let mut schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "matchLabels": {
+                "description": "Labels that must all be present with these values.",
+                "type": "object",
+                "maxProperties": MAX_MATCH_LABELS,
+                "additionalProperties": {
+                    "type": "string",
+                    "maxLength": 63,
+                    "pattern": LABEL_VALUE_PATTERN
+                },
+                "x-kubernetes-validations": [{
+                    "rule": format!("self.all(k, k.matches('{LABEL_KEY_PATTERN}') && (!k.contains('/') || k.matches('^[^/]{{1,253}}/')))"),
+                    "message": "matchLabels keys must be label keys: an optional DNS-1123 subdomain prefix of at most 253 characters and '/', then a name of 1-63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+                }]
+            },
+            "matchExpressions": {
+                "description": "Requirements that must all hold.",
+                "type": "array",
+                "maxItems": MAX_MATCH_EXPRESSIONS,
+                "items": {
+                    "type": "object",
+                    "required": ["key", "operator"],
+                    "properties": {
+                        "key": {
+                            "type": "string",
+                            "maxLength": 317,
+                            "pattern": LABEL_KEY_PATTERN,
+                            "allOf": [{"pattern": LABEL_PREFIX_PATTERN}]
+                        },
+                        "operator": {
+                            "type": "string",
+                            "enum": ["In", "NotIn", "Exists", "DoesNotExist"]
+                        },
+                        "values": {
+                            "type": "array",
+                            "maxItems": MAX_SELECTOR_VALUES,
+                            "items": {
+                                "type": "string",
+                                "maxLength": 63,
+                                "pattern": LABEL_VALUE_PATTERN
+                            }
+                        }
+                    },
+                    "x-kubernetes-validations": [
+                        {
+                            "rule": "!(self.operator == 'In' || self.operator == 'NotIn') || (has(self.values) && size(self.values) > 0)",
+                            "message": "values must not be empty when operator is In or NotIn",
+                            "fieldPath": ".values"
+                        },
+                        {
+                            "rule": "!(self.operator == 'Exists' || self.operator == 'DoesNotExist') || !has(self.values) || size(self.values) == 0",
+                            "message": "values must be empty when operator is Exists or DoesNotExist",
+                            "fieldPath": ".values"
+                        }
+                    ]
+                }
+            }
+        }
+    });
+    if let (Some(d), Value::Object(map)) = (description, &mut schema) {
+        map.insert("description".into(), d);
+    }
+    schema
+}
+
+/// Whether a schema node is the generated `LabelSelector` (an object with exactly the
+/// properties `matchExpressions` and `matchLabels`).
+fn is_label_selector(map: &serde_json::Map<String, Value>) -> bool {
+    map.get("properties")
+        .and_then(Value::as_object)
+        .is_some_and(|p| {
+            p.len() == 2 && p.contains_key("matchLabels") && p.contains_key("matchExpressions")
+        })
+}
+
+/// Post-processes a generated schema: removes every `nullable: true` (an explicit `null` is then
+/// pruned by the API server before defaulting and validation, exactly like an absent field,
+/// which keeps the CEL rules' `has(...)` meaningful) and replaces every label selector with
+/// [`label_selector_schema`].
+fn post_process(schema: JSONSchemaProps) -> JSONSchemaProps {
     fn walk(value: &mut Value) {
         match value {
             Value::Object(map) => {
                 map.remove("nullable");
+                if is_label_selector(map) {
+                    let default = map.remove("default");
+                    *value = label_selector_schema(map.remove("description"));
+                    if let (Some(d), Value::Object(m)) = (default, &mut *value) {
+                        m.insert("default".into(), d);
+                    }
+                    return;
+                }
                 map.values_mut().for_each(walk);
             }
             Value::Array(items) => items.iter_mut().for_each(walk),
@@ -53,7 +156,7 @@ fn strip_nullable(schema: JSONSchemaProps) -> JSONSchemaProps {
     // JSONSchemaProps is plain data: the round trip through serde_json::Value cannot fail.
     let mut value = serde_json::to_value(&schema).expect("a schema serializes to JSON");
     walk(&mut value);
-    serde_json::from_value(value).expect("a schema without `nullable` is still a schema")
+    serde_json::from_value(value).expect("a post-processed schema is still a schema")
 }
 
 /// The CRDs as one multi-document YAML stream (what `ordnet crd` prints and what is committed).
@@ -175,11 +278,10 @@ mod tests {
         let prio = &onp["properties"]["spec"]["properties"]["priority"];
         assert_eq!(prio["minimum"], 0.0);
         assert_eq!(prio["format"], "int32");
-        assert!(
-            conp["properties"]["spec"]["properties"]["priority"]
-                .get("minimum")
-                .is_none()
-        );
+        assert_eq!(prio["maximum"], 2147483647.0);
+        let cprio = &conp["properties"]["spec"]["properties"]["priority"];
+        assert_eq!(cprio["minimum"], -2147483648.0);
+        assert_eq!(cprio["maximum"], 2147483647.0);
         assert_eq!(
             onp["properties"]["spec"]["required"],
             serde_json::json!(["podSelector", "priority"])
@@ -218,12 +320,9 @@ mod tests {
                 assert!(rules.contains("self.endPort >= self.port"));
                 let peers = if dir == "ingress" { "from" } else { "to" };
                 let peer = &rule["properties"][peers]["items"];
-                assert_eq!(peer["minProperties"], 1);
-                assert!(
-                    peer["x-kubernetes-validations"]
-                        .to_string()
-                        .contains("ipBlock")
-                );
+                let peer_rules = peer["x-kubernetes-validations"].to_string();
+                assert!(peer_rules.contains("an empty peer"));
+                assert!(peer_rules.contains("ipBlock may not be combined"));
                 assert_eq!(
                     peer["properties"]["ipBlock"]["required"],
                     serde_json::json!(["cidr"])

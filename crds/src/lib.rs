@@ -27,14 +27,19 @@ pub use problem::{FieldError, ObjectRef, Problem, Severity, Source};
 pub use types::*;
 
 /// Loads `paths` and validates everything: the outcome's `problems` holds the load problems and
-/// then the validation problems (errors and warnings); its `objects` holds only the objects
-/// without errors. Callers that must refuse invalid input (the CLI) check
+/// then the validation problems (errors and warnings); its `objects` holds what the engine may
+/// use (see [`validated`]). Callers that must refuse invalid input (the CLI) check
 /// [`LoadOutcome::has_errors`].
 pub fn load_and_validate<P: AsRef<Path>>(paths: &[P]) -> LoadOutcome {
     validated(load_paths(paths))
 }
 
-/// Validates an already loaded outcome (see [`load_and_validate`]).
+/// Validates an already loaded outcome (see [`load_and_validate`]). Namespaces and Pods with
+/// errors are removed from `objects`. Policies with errors are kept: the engine decides what
+/// of them it can enforce (a rule it cannot enforce is enforced fail-closed, a policy it cannot
+/// use at all, e.g. with an invalid subject selector, is left out and reported by the engine),
+/// exactly as the agent does with an object the API server stored. Every problem is in
+/// `problems` either way.
 pub fn validated(mut outcome: LoadOutcome) -> LoadOutcome {
     let problems = validate::validate_objects(&outcome.objects);
     let invalid: HashSet<ObjectRef> = problems
@@ -59,15 +64,6 @@ pub fn validated(mut outcome: LoadOutcome) -> LoadOutcome {
         objects
             .pods
             .retain(|o| keep(manifest::KIND_POD, &o.object.metadata));
-        objects
-            .network_policies
-            .retain(|o| keep(manifest::KIND_NETWORK_POLICY, &o.object.metadata));
-        objects
-            .ordered_policies
-            .retain(|o| keep(manifest::KIND_ORDERED, &o.object.metadata));
-        objects
-            .cluster_ordered_policies
-            .retain(|o| keep(manifest::KIND_CLUSTER_ORDERED, &o.object.metadata));
     }
     outcome.problems.extend(problems);
     outcome

@@ -98,6 +98,24 @@ impl ClusterObjects {
             .unwrap_or_default()
     }
 
+    /// Whether an object with this reference was loaded (implied namespaces included).
+    pub fn contains(&self, r: &ObjectRef) -> bool {
+        fn has<T>(list: &[Loaded<T>], r: &ObjectRef, meta: impl Fn(&T) -> &ObjectMeta) -> bool {
+            list.iter().any(|o| {
+                let m = meta(&o.object);
+                m.name.as_deref() == Some(r.name.as_str()) && m.namespace == r.namespace
+            })
+        }
+        match r.kind.as_str() {
+            KIND_NAMESPACE => has(&self.namespaces, r, |o| &o.metadata),
+            KIND_POD => has(&self.pods, r, |o| &o.metadata),
+            KIND_NETWORK_POLICY => has(&self.network_policies, r, |o| &o.metadata),
+            KIND_ORDERED => has(&self.ordered_policies, r, |o| &o.metadata),
+            KIND_CLUSTER_ORDERED => has(&self.cluster_ordered_policies, r, |o| &o.metadata),
+            _ => false,
+        }
+    }
+
     /// How many objects were read from manifests (implied namespaces not counted).
     pub fn loaded_count(&self) -> usize {
         self.namespaces
@@ -142,6 +160,16 @@ impl LoadOutcome {
     /// Whether any problem is an error.
     pub fn has_errors(&self) -> bool {
         crate::problem::has_errors(&self.problems)
+    }
+
+    /// Whether the object `problem` is about is still in [`LoadOutcome::objects`] (a policy
+    /// with validation errors is kept for the engine, see [`crate::validated`]); `false` for
+    /// problems that are about no object (a file that does not parse).
+    pub fn kept(&self, problem: &Problem) -> bool {
+        problem
+            .object
+            .as_ref()
+            .is_some_and(|o| self.objects.contains(o))
     }
 }
 
@@ -361,6 +389,28 @@ impl Loader {
                 self.add_list(map, &kind, source);
                 return;
             }
+            // ordnet's own group has no other kinds: an unknown one is a typo, not something
+            // to skip (a skipped guardrail would silently not be enforced).
+            if api_version.split('/').next() == Some(crate::types::GROUP) {
+                let meant = closest(&kind, KnownKind::ORDNET.iter().map(|k| k.kind()));
+                self.error(
+                    &source,
+                    None,
+                    "kind",
+                    match meant {
+                        Some(m) => format!(
+                            "{kind:?} is not a kind of {}: did you mean {m}?",
+                            crate::types::GROUP
+                        ),
+                        None => format!(
+                            "{kind:?} is not a kind of {} (its kinds: {})",
+                            crate::types::GROUP,
+                            KnownKind::ORDNET.map(|k| k.kind()).join(", ")
+                        ),
+                    },
+                );
+                return;
+            }
             let name = map
                 .get("metadata")
                 .and_then(|m| m.get("name"))
@@ -475,7 +525,7 @@ impl Loader {
             Ok(t) => t,
             Err(e) => {
                 let (field, message) =
-                    describe_serde_error(&e.path().to_string(), &e.inner().to_string());
+                    describe_serde_error(value, &e.path().to_string(), &e.inner().to_string());
                 self.problems.push(Problem::at(
                     Severity::Error,
                     Some(source),
@@ -687,6 +737,19 @@ enum KnownKind {
 }
 
 impl KnownKind {
+    /// The kinds of ordnet's own API group.
+    const ORDNET: [KnownKind; 2] = [KnownKind::Ordered, KnownKind::ClusterOrdered];
+
+    fn kind(self) -> &'static str {
+        match self {
+            KnownKind::Namespace => KIND_NAMESPACE,
+            KnownKind::Pod => KIND_POD,
+            KnownKind::NetworkPolicy => KIND_NETWORK_POLICY,
+            KnownKind::Ordered => KIND_ORDERED,
+            KnownKind::ClusterOrdered => KIND_CLUSTER_ORDERED,
+        }
+    }
+
     fn from_kind(kind: &str) -> Option<KnownKind> {
         Some(match kind {
             KIND_NAMESPACE => KnownKind::Namespace,
@@ -839,20 +902,79 @@ fn truncate(s: &str) -> String {
     }
 }
 
-/// Turns a serde error and its path into (field, message), naming the missing field itself.
-fn describe_serde_error(path: &str, message: &str) -> (String, String) {
+/// Turns a serde error and its path into (field, message), naming the missing field itself,
+/// or, when a field next to it looks like a misspelling of it (`podSelecter` for the required
+/// `podSelector`), that field as the likely typo.
+fn describe_serde_error(input: &Value, path: &str, message: &str) -> (String, String) {
     let path = if path == "." { "" } else { path };
-    if let Some(rest) = message.strip_prefix("missing field `")
-        && let Some(field) = rest.strip_suffix('`')
-    {
-        let full = if path.is_empty() {
+    let join = |field: &str| {
+        if path.is_empty() {
             field.to_string()
         } else {
             format!("{path}.{field}")
-        };
-        return (full, "required field is missing".into());
+        }
+    };
+    if let Some(rest) = message.strip_prefix("missing field `")
+        && let Some(field) = rest.strip_suffix('`')
+    {
+        let siblings = value_at(input, path)
+            .and_then(Value::as_object)
+            .map(|o| o.keys().map(String::as_str).collect::<Vec<_>>())
+            .unwrap_or_default();
+        if let Some(typo) = closest(field, siblings.iter().copied().filter(|k| *k != field)) {
+            return (
+                join(typo),
+                format!(
+                    "unknown field: probably a misspelling of {field:?}, which is required and missing"
+                ),
+            );
+        }
+        return (join(field), "required field is missing".into());
     }
     (path.to_string(), message.to_string())
+}
+
+/// The value at a serde path (`spec.ingress[0].ports`), if there is one.
+fn value_at<'a>(value: &'a Value, path: &str) -> Option<&'a Value> {
+    let mut v = value;
+    if path.is_empty() {
+        return Some(v);
+    }
+    for part in path.split('.') {
+        let (key, indexes) = match part.find('[') {
+            Some(i) => (&part[..i], &part[i..]),
+            None => (part, ""),
+        };
+        if !key.is_empty() {
+            v = v.get(key)?;
+        }
+        for index in indexes.split('[').filter(|s| !s.is_empty()) {
+            v = v.get(index.trim_end_matches(']').parse::<usize>().ok()?)?;
+        }
+    }
+    Some(v)
+}
+
+/// The candidate closest to `word` if it is close enough to be a misspelling of it: equal but
+/// for case, `-`/`_`, or within an edit distance of 2 (1 for words of up to 4 letters).
+pub(crate) fn closest<'a>(
+    word: &str,
+    candidates: impl Iterator<Item = &'a str>,
+) -> Option<&'a str> {
+    let norm = |s: &str| s.to_ascii_lowercase().replace(['-', '_'], "");
+    let limit = if word.chars().count() <= 4 { 1 } else { 2 };
+    candidates
+        .map(|c| {
+            let d = if norm(c) == norm(word) {
+                0
+            } else {
+                strsim::damerau_levenshtein(word, c)
+            };
+            (d, c)
+        })
+        .filter(|(d, _)| *d <= limit)
+        .min()
+        .map(|(_, c)| c)
 }
 
 /// Fields present (and not null or empty) in `input` that the typed round trip dropped.

@@ -18,23 +18,50 @@ pub const VERSION: &str = "v1alpha1";
 /// `apiVersion` of the ordnet kinds.
 pub const API_VERSION: &str = "ordnet.io/v1alpha1";
 
+// The list bounds keep every CEL rule of the CRD inside the API server's cost budget: the
+// estimated cost of a rule is multiplied by the `maxItems` of every list around it and must stay
+// under 10,000,000 per rule and 100,000,000 per CRD (docs/api.md, "Where each check lives").
+// A rule with more peers or ports can always be split into consecutive rules with the same
+// action: that changes nothing for an ordered policy.
+
 /// Most rules per direction of one ordered policy (schema `maxItems`).
-pub const MAX_RULES: usize = 1000;
+pub const MAX_RULES: usize = 256;
 /// Most peers (`from`/`to`) per rule (schema `maxItems`).
-pub const MAX_PEERS: usize = 100;
+pub const MAX_PEERS: usize = 16;
 /// Most ports per rule (schema `maxItems`).
-pub const MAX_PORTS: usize = 100;
+pub const MAX_PORTS: usize = 16;
 /// Most `except` entries per ipBlock (schema `maxItems`).
-pub const MAX_EXCEPT: usize = 100;
+pub const MAX_EXCEPT: usize = 16;
+/// Most `matchLabels` entries per label selector (schema `maxProperties`).
+pub const MAX_MATCH_LABELS: usize = 16;
+/// Most `matchExpressions` per label selector (schema `maxItems`).
+pub const MAX_MATCH_EXPRESSIONS: usize = 8;
+/// Most `values` per selector requirement (schema `maxItems`).
+pub const MAX_SELECTOR_VALUES: usize = 64;
+/// Longest CIDR text (schema `maxLength`): the longest valid spelling is an IPv6 address with an
+/// embedded dotted quad (45 characters) and `/128`.
+pub const MAX_CIDR_LENGTH: usize = 49;
+/// The message of the `isCIDR` rules.
+const CIDR_MESSAGE: &str = "must be a CIDR: address/prefix-length such as 10.0.0.0/8 or 2001:db8::/32 (a single address is 10.1.2.3/32); IPv4 octets with leading zeros, IPv4-mapped IPv6 addresses and zones are not allowed";
+/// A named port (IANA_SVC_NAME) as a schema pattern: lowercase letters, digits and single `-`
+/// between them, at least one letter (with `maxLength: 15`; `syntax::port_name`).
+pub const PORT_NAME_PATTERN: &str = "^([0-9]+-)*[0-9]*[a-z][a-z0-9]*(-[a-z0-9]+)*$";
 
 /// The type of the status condition that says whether the agent accepted the policy
 /// (`True`) or rejected it as invalid (`False`, reason [`REASON_INVALID`]).
 pub const CONDITION_ACCEPTED: &str = "Accepted";
 /// Reason of an `Accepted=True` condition.
 pub const REASON_VALID: &str = "Valid";
-/// Reason of an `Accepted=False` condition: the object failed validation; the message lists the
-/// problems (field path and message each).
+/// Reason of an `Accepted=False` condition: the object cannot be used at all (e.g. its subject
+/// selector is invalid) and is not enforced; the message lists the problems (field path and
+/// message each).
 pub const REASON_INVALID: &str = "Invalid";
+/// Reason of an `Accepted=False` condition: the policy is enforced, but some of its rules cannot
+/// be enforced as written and are enforced fail-closed (listed in `status.failedClosedRules`:
+/// an `Allow` rule matches nothing, a `Deny` rule denies everything in its direction).
+pub const REASON_RULES_FAILED_CLOSED: &str = "RulesFailedClosed";
+/// Reason of the Warning Event published for a policy with rules enforced fail-closed.
+pub const EVENT_RULES_FAILED_CLOSED: &str = "RulesFailedClosed";
 /// The type of the status condition that says whether some rules of the policy are shadowed:
 /// `True` (reason [`REASON_SHADOWED`], listed in `status.shadowedRules`) or `False` (reason
 /// [`REASON_NOT_SHADOWED`]). Only on valid policies.
@@ -199,8 +226,26 @@ pub struct DefaultDeny {
 /// An IP block, as `NetworkPolicy`'s `IPBlock`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend(
+    "x-kubernetes-validations" = [
+        {
+            "rule": "!has(self.except) || !isCIDR(self.cidr) || self.except.all(e, !isCIDR(e) || cidr(e).ip().family() == cidr(self.cidr).ip().family())",
+            "message": "each except entry must be of the same IP family as cidr",
+            "fieldPath": ".except"
+        },
+        {
+            "rule": "!has(self.except) || !isCIDR(self.cidr) || self.except.all(e, !isCIDR(e) || cidr(e).ip().family() != cidr(self.cidr).ip().family() || (cidr(e).prefixLength() > cidr(self.cidr).prefixLength() && cidr(self.cidr).containsIP(cidr(e).ip())))",
+            "message": "each except entry must be a strict subset of cidr: a longer prefix, inside cidr",
+            "fieldPath": ".except"
+        }
+    ]
+))]
 pub struct IpBlock {
     /// A CIDR such as `10.0.0.0/8` or `2001:db8::/32`. Matches by IP address, pod IPs included.
+    #[schemars(extend(
+        "maxLength" = MAX_CIDR_LENGTH,
+        "x-kubernetes-validations" = [{"rule": "isCIDR(self)", "message": CIDR_MESSAGE}]
+    ))]
     pub cidr: String,
     /// CIDRs excluded from `cidr`; each must be a strict subset of `cidr` of the same IP family.
     #[serde(
@@ -208,7 +253,14 @@ pub struct IpBlock {
         skip_serializing_if = "Vec::is_empty",
         deserialize_with = "null_as_default"
     )]
-    #[schemars(extend("maxItems" = MAX_EXCEPT))]
+    #[schemars(extend(
+        "maxItems" = MAX_EXCEPT,
+        "items" = {
+            "type": "string",
+            "maxLength": MAX_CIDR_LENGTH,
+            "x-kubernetes-validations": [{"rule": "isCIDR(self)", "message": CIDR_MESSAGE}]
+        }
+    ))]
     pub except: Vec<String>,
 }
 
@@ -217,11 +269,14 @@ pub struct IpBlock {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(extend(
-    "minProperties" = 1,
     "x-kubernetes-validations" = [
         {
+            "rule": "has(self.podSelector) || has(self.namespaceSelector) || has(self.ipBlock)",
+            "message": "an empty peer matches nothing useful: set podSelector, namespaceSelector or ipBlock (to match every peer, leave out the whole from/to list)"
+        },
+        {
             "rule": "!has(self.ipBlock) || (!has(self.podSelector) && !has(self.namespaceSelector))",
-            "message": "ipBlock may not be combined with podSelector or namespaceSelector"
+            "message": "ipBlock may not be combined with podSelector or namespaceSelector in one peer (use two peers to match either)"
         }
     ]
 ))]
@@ -245,15 +300,18 @@ pub struct Peer {
     "x-kubernetes-validations" = [
         {
             "rule": "!has(self.port) || type(self.port) == string || (self.port >= 1 && self.port <= 65535)",
-            "message": "a numeric port must be between 1 and 65535"
+            "message": "a numeric port must be between 1 and 65535",
+            "fieldPath": ".port"
         },
         {
             "rule": "!has(self.endPort) || (has(self.port) && type(self.port) == int)",
-            "message": "endPort requires a numeric port"
+            "message": "endPort requires a numeric port (a range needs a numeric port; not allowed with a named port or without port)",
+            "fieldPath": ".endPort"
         },
         {
             "rule": "!has(self.endPort) || !has(self.port) || type(self.port) != int || self.endPort >= self.port",
-            "message": "endPort must be greater than or equal to port"
+            "message": "endPort must be greater than or equal to port",
+            "fieldPath": ".endPort"
         }
     ]
 ))]
@@ -264,6 +322,7 @@ pub struct Port {
     /// A port number (1-65535) or a named container port (IANA_SVC_NAME). Absent = every port of
     /// the protocol.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("maxLength" = 15, "pattern" = PORT_NAME_PATTERN))]
     pub port: Option<IntOrString>,
     /// With a numeric `port`: the last port of the inclusive range `port..=endPort`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -382,7 +441,7 @@ pub struct RuleView<'a> {
 #[serde(rename_all = "camelCase")]
 pub struct OrderedNetworkPolicySpec {
     /// Lower = evaluated earlier = stronger. Must be >= 0 for a namespaced policy.
-    #[schemars(range(min = 0))]
+    #[schemars(range(min = 0, max = 2147483647))]
     pub priority: i32,
     /// The pods of the policy's namespace it applies to (`{}` = all of them).
     pub pod_selector: LabelSelector,
@@ -454,6 +513,7 @@ pub struct OrderedNetworkPolicySpec {
 #[serde(rename_all = "camelCase")]
 pub struct ClusterOrderedNetworkPolicySpec {
     /// Lower = evaluated earlier = stronger. May be negative (below every namespaced policy).
+    #[schemars(range(min = -2147483648, max = 2147483647))]
     pub priority: i32,
     /// The namespaces whose pods the policy applies to (default `{}` = all namespaces).
     #[serde(default, deserialize_with = "null_as_default")]
@@ -601,6 +661,44 @@ pub struct PolicyStatus {
         deserialize_with = "null_as_default"
     )]
     pub shadowed_rules: Vec<ShadowedRule>,
+    /// Rules that cannot be enforced as written (a field the agent cannot use, stored because
+    /// the CRD in the cluster did not refuse it) and are enforced fail-closed instead.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    pub failed_closed_rules: Vec<FailedClosedRule>,
+}
+
+/// A rule of this policy that is enforced fail-closed instead of as written.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FailedClosedRule {
+    /// The rule's direction.
+    pub direction: Direction,
+    /// The rule's index in `spec.ingress` or `spec.egress`.
+    #[schemars(extend("format" = "int32", "maximum" = 2147483647))]
+    pub index: u32,
+    /// The rule's action as written.
+    pub action: Action,
+    /// What the rule does instead: `MatchesNothing` (an `Allow` rule) or `DeniesAll` (a `Deny`
+    /// rule: everything the subject sends or receives in this direction that no stronger rule
+    /// decides).
+    pub effect: FailClosedEffect,
+    /// The field that cannot be enforced and why.
+    pub message: String,
+}
+
+/// What a rule enforced fail-closed does.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+pub enum FailClosedEffect {
+    /// An `Allow` rule that cannot be enforced matches no packet.
+    MatchesNothing,
+    /// A `Deny` rule that cannot be enforced matches every packet of its direction.
+    DeniesAll,
 }
 
 /// A rule of this policy that can never decide a packet (it is shadowed).
@@ -639,6 +737,7 @@ pub struct RuleReference {
     #[schemars(extend("format" = "int32", "maximum" = 2147483647))]
     pub index: u32,
     /// The policy's priority.
+    #[schemars(range(min = -2147483648, max = 2147483647))]
     pub priority: i32,
     /// The rule's action.
     pub action: Action,

@@ -8,9 +8,10 @@
 //!   policy the cluster accepts is enforced), plus warnings for things that are legal but
 //!   probably not meant (rules of a direction missing from `policyTypes`, duplicate rules).
 //! * Ordered policies get the same peer, port, CIDR and selector checks, plus: namespaced
-//!   priority >= 0; a rule that matches exactly the same traffic as an earlier rule of the same
-//!   list is an error (it can never decide a packet); rules after a match-everything rule are
-//!   warned about; a policy with no rules and no `defaultDeny` is warned about.
+//!   priority >= 0. A rule that can never decide a packet (one that matches exactly the same
+//!   traffic as an earlier rule of the same list, or comes after a match-everything rule) is
+//!   only a warning: the policy is valid and enforced, and the agent reports such rules in
+//!   `status.shadowedRules`. A policy with no rules and no `defaultDeny` is warned about.
 //! * CIDRs: `address/prefix` is required; IPv4 octets with leading zeros and IPv4-mapped IPv6
 //!   addresses are errors (ambiguous); host bits set after the prefix are accepted like the API
 //!   server does (the address is truncated to the network), with a warning.
@@ -32,8 +33,9 @@ use crate::problem::{FieldError, ObjectRef, Problem};
 use crate::selector::validate_label_selector;
 use crate::syntax;
 use crate::types::{
-    ClusterOrderedNetworkPolicy, Direction, MAX_EXCEPT, MAX_PEERS, MAX_PORTS, MAX_RULES,
-    OrderedNetworkPolicy, OrderedSpec, Peer, Port, Protocol,
+    ClusterOrderedNetworkPolicy, Direction, MAX_EXCEPT, MAX_MATCH_EXPRESSIONS, MAX_MATCH_LABELS,
+    MAX_PEERS, MAX_PORTS, MAX_RULES, MAX_SELECTOR_VALUES, OrderedNetworkPolicy, OrderedSpec, Peer,
+    Port, Protocol,
 };
 
 /// A parsed `ipBlock` CIDR.
@@ -76,11 +78,13 @@ pub fn parse_cidr(text: &str) -> Result<ParsedCidr, String> {
         ));
     }
     let max = if addr.is_ipv4() { 32 } else { 128 };
+    // As the API server's CIDR parser: digits only, no leading zero (`/08`), at most `max`.
     let prefix: u8 = match prefix_text.parse::<u8>() {
         Ok(p)
             if p <= max
                 && !prefix_text.is_empty()
-                && prefix_text.bytes().all(|b| b.is_ascii_digit()) =>
+                && prefix_text.bytes().all(|b| b.is_ascii_digit())
+                && !(prefix_text.len() > 1 && prefix_text.starts_with('0')) =>
         {
             p
         }
@@ -320,7 +324,41 @@ fn too_many(field: String, n: usize, max: usize, out: &mut Vec<FieldError>) {
     }
 }
 
+/// The bounds the ordered kinds' CRD schema puts on a label selector (for its CEL cost budget;
+/// a NetworkPolicy's selectors have none).
+fn ordered_selector_bounds(s: &LabelSelector, path: &str, out: &mut Vec<FieldError>) {
+    too_many(
+        join(path, "matchLabels"),
+        s.match_labels.as_ref().map_or(0, |m| m.len()),
+        MAX_MATCH_LABELS,
+        out,
+    );
+    let exprs = s.match_expressions.as_deref().unwrap_or_default();
+    too_many(
+        join(path, "matchExpressions"),
+        exprs.len(),
+        MAX_MATCH_EXPRESSIONS,
+        out,
+    );
+    for (i, e) in exprs.iter().enumerate() {
+        too_many(
+            join(path, &format!("matchExpressions[{i}].values")),
+            e.values.as_ref().map_or(0, |v| v.len()),
+            MAX_SELECTOR_VALUES,
+            out,
+        );
+    }
+}
+
 fn validate_ordered_peer(peer: &Peer, path: &str, out: &mut Vec<FieldError>) {
+    for (name, s) in [
+        ("podSelector", &peer.pod_selector),
+        ("namespaceSelector", &peer.namespace_selector),
+    ] {
+        if let Some(s) = s {
+            ordered_selector_bounds(s, &join(path, name), out);
+        }
+    }
     if let Some(block) = &peer.ip_block {
         too_many(
             format!("{path}.ipBlock.except"),
@@ -393,10 +431,12 @@ fn validate_ordered_spec<S: OrderedSpec>(spec: &S, cluster: bool, out: &mut Vec<
                 validate_ordered_port(port, &format!("{base}.ports[{j}]"), out);
             }
             // A rule can never decide a packet if an earlier rule of the same list matches
-            // exactly the same traffic, or matches all traffic.
+            // exactly the same traffic, or matches all traffic. Such a rule is unwise, not
+            // meaningless: the policy is valid and enforced (the agent lists the rule in
+            // `status.shadowedRules`), so this is a warning.
             if let Some(same) = same_as[rule.index].map(|i| &rules[i]) {
                 let first = format!("spec.{}[{}]", direction.field(), same.index);
-                out.push(FieldError::error(
+                out.push(FieldError::warning(
                     base,
                     if same.action == rule.action {
                         format!("duplicate of {first}: the earlier identical rule always matches first, so this one can never decide a packet")
@@ -432,6 +472,7 @@ pub fn validate_ordered_network_policy(policy: &OrderedNetworkPolicy) -> Vec<Fie
     let mut out = Vec::new();
     validate_metadata(&policy.metadata, false, &mut out);
     validate_label_selector(&policy.spec.pod_selector, "spec.podSelector", &mut out);
+    ordered_selector_bounds(&policy.spec.pod_selector, "spec.podSelector", &mut out);
     validate_ordered_spec(&policy.spec, false, &mut out);
     out
 }
@@ -448,6 +489,12 @@ pub fn validate_cluster_ordered_network_policy(
         &mut out,
     );
     validate_label_selector(&policy.spec.pod_selector, "spec.podSelector", &mut out);
+    for (field, s) in [
+        ("spec.namespaceSelector", &policy.spec.namespace_selector),
+        ("spec.podSelector", &policy.spec.pod_selector),
+    ] {
+        ordered_selector_bounds(s, field, &mut out);
+    }
     validate_ordered_spec(&policy.spec, true, &mut out);
     out
 }

@@ -1199,6 +1199,14 @@ impl Engine {
         &self.errors
     }
 
+    /// The rules enforced fail-closed instead of as written, per policy (policies in key
+    /// order, rules in order).
+    pub fn failed_rules(&self) -> impl Iterator<Item = (&PolicyRef, &crate::model::FailedRule)> {
+        self.policies
+            .values()
+            .flat_map(|p| p.failed_rules.iter().map(move |r| (&p.id, r)))
+    }
+
     /// The normalized policies, by reference.
     pub fn policies(&self) -> impl Iterator<Item = &Policy> {
         self.policies.values().map(|p| &**p)

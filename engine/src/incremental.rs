@@ -56,6 +56,20 @@ pub enum Object {
     ClusterOrderedNetworkPolicy(ClusterOrderedNetworkPolicy),
 }
 
+impl Object {
+    /// The normalized policy of a policy object (`None` for pods and namespaces): `Err` when
+    /// the engine cannot use the object at all (it is left out); otherwise the policy, whose
+    /// [`Policy::failed_rules`] lists the rules enforced fail-closed instead of as written.
+    pub fn translate(&self) -> Option<Result<Policy, EngineError>> {
+        Some(match self {
+            Object::NetworkPolicy(np) => translate_network_policy(np),
+            Object::OrderedNetworkPolicy(onp) => translate_ordered_policy(onp),
+            Object::ClusterOrderedNetworkPolicy(conp) => translate_cluster_policy(conp),
+            Object::Namespace(_) | Object::Pod(_) => return None,
+        })
+    }
+}
+
 /// The kind of an object, for deletions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub enum ObjectKind {
@@ -268,17 +282,15 @@ impl Engine {
                     p.pods.insert(k);
                 }
             }
-            ObjectChange::Upsert(Object::NetworkPolicy(np)) => {
-                let new = translate_network_policy(&np)?;
-                self.store_policy(Some(new.id.clone()), Some(new), p);
-            }
-            ObjectChange::Upsert(Object::OrderedNetworkPolicy(onp)) => {
-                let new = translate_ordered_policy(&onp)?;
-                self.store_policy(Some(new.id.clone()), Some(new), p);
-            }
-            ObjectChange::Upsert(Object::ClusterOrderedNetworkPolicy(conp)) => {
-                let new = translate_cluster_policy(&conp)?;
-                self.store_policy(Some(new.id.clone()), Some(new), p);
+            ObjectChange::Upsert(
+                o @ (Object::NetworkPolicy(_)
+                | Object::OrderedNetworkPolicy(_)
+                | Object::ClusterOrderedNetworkPolicy(_)),
+            ) => {
+                if let Some(new) = o.translate() {
+                    let new = new?;
+                    self.store_policy(Some(new.id.clone()), Some(new), p);
+                }
             }
             ObjectChange::Delete {
                 kind,

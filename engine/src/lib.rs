@@ -31,6 +31,8 @@ pub use incremental::{
     EndpointUpdate, EngineDelta, IpcacheChange, Object, ObjectChange, ObjectKind,
 };
 pub use matrix::{Matrix, MatrixResult, matrix};
-pub use model::{EngineError, PeerSpec, Policy, PolicyKind, PolicyRef, PortSpec, Rule, Subject};
+pub use model::{
+    EngineError, FailedRule, PeerSpec, Policy, PolicyKind, PolicyRef, PortSpec, Rule, Subject,
+};
 pub use shadow::ShadowedRule;
 pub use snapshot::{EndpointSnapshot, PolicySnapshot, SnapEntry, Snapshot};

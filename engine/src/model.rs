@@ -262,6 +262,56 @@ impl Subject {
     }
 }
 
+/// A rule the engine cannot enforce as written (a meaningless field that the API server
+/// stored anyway: an older CRD, or a check the CRD schema cannot express). It is enforced
+/// **fail-closed** at its place in the order (SEMANTICS.md §7): an `Allow` rule matches
+/// nothing; a `Deny` rule matches every peer, protocol and port, so it denies everything the
+/// subject sends or receives in that direction that no stronger rule decides.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FailedRule {
+    pub direction: Direction,
+    /// The rule's index in `spec.ingress` / `spec.egress`.
+    pub index: u32,
+    /// The rule's action as written.
+    pub action: Verdict,
+    /// The first field that cannot be enforced, e.g. `spec.ingress[1].from[0].ipBlock.cidr`.
+    pub field: String,
+    pub message: String,
+}
+
+impl FailedRule {
+    /// What the rule does instead: `"matches nothing"` (Allow) or `"denies all <direction>"`.
+    pub fn effect(&self) -> &'static str {
+        match (self.action, self.direction) {
+            (Verdict::Allow, _) => "matches nothing",
+            (Verdict::Deny, Direction::Ingress) => "denies all ingress",
+            (Verdict::Deny, Direction::Egress) => "denies all egress",
+        }
+    }
+}
+
+impl fmt::Display for FailedRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "spec.{}[{}] ({}) {}: {}: {}",
+            match self.direction {
+                Direction::Ingress => "ingress",
+                Direction::Egress => "egress",
+            },
+            self.index,
+            match self.action {
+                Verdict::Allow => "Allow",
+                Verdict::Deny => "Deny",
+            },
+            self.effect(),
+            self.field,
+            self.message
+        )
+    }
+}
+
 /// One normalized policy.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Policy {
@@ -275,6 +325,8 @@ pub struct Policy {
     pub rules: [Vec<Rule>; 2],
     /// The origin reported in `isolated_by` per direction: `rule_index` 0, action deny.
     pub isolation_origin: [Arc<Origin>; 2],
+    /// The rules enforced fail-closed instead of as written ([`FailedRule`]), in order.
+    pub failed_rules: Vec<FailedRule>,
 }
 
 impl Policy {
@@ -631,6 +683,7 @@ pub fn translate_network_policy(np: &NetworkPolicy) -> Result<Policy, EngineErro
         ctx.port(proto, p.port.as_ref(), p.end_port, field)
     };
     let mut rules: [Vec<Rule>; 2] = [Vec::new(), Vec::new()];
+    let mut failed_rules = Vec::new();
     type Parts<'a> = (
         Option<&'a [NetworkPolicyPeer]>,
         Option<&'a [NetworkPolicyPort]>,
@@ -656,33 +709,42 @@ pub fn translate_network_policy(np: &NetworkPolicy) -> Result<Policy, EngineErro
         };
         for (i, (peers, ports)) in lists[di].iter().enumerate() {
             let base = format!("{list_field}[{i}]");
-            let peers = match peers {
-                Some(ps) if !ps.is_empty() => Some(
-                    ps.iter()
-                        .enumerate()
-                        .map(|(j, p)| {
-                            np_peer(p, &format!("{base}.{peer_field}[{j}]")).map(Arc::new)
-                        })
-                        .collect::<Result<Vec<_>, _>>()?,
-                ),
-                _ => None,
-            };
-            let ports = match ports {
-                Some(ps) if !ps.is_empty() => Some(
-                    ps.iter()
-                        .enumerate()
-                        .map(|(j, p)| np_port(p, &format!("{base}.ports[{j}]")))
-                        .collect::<Result<Vec<_>, _>>()?,
-                ),
-                _ => None,
-            };
-            rules[di].push(Rule {
-                origin: make_origin(&id, d, i as u32, 0, Verdict::Allow),
-                order: OrderKey::new(0, 0),
-                verdict: Verdict::Allow,
-                peers: dedup_peers(peers),
-                ports: dedup_ports(ports),
-            });
+            let index = u32::try_from(i).map_err(|_| ctx.err(base.clone(), "too many rules"))?;
+            let translated = (|| -> Result<_, EngineError> {
+                let peers = match peers {
+                    Some(ps) if !ps.is_empty() => Some(
+                        ps.iter()
+                            .enumerate()
+                            .map(|(j, p)| {
+                                np_peer(p, &format!("{base}.{peer_field}[{j}]")).map(Arc::new)
+                            })
+                            .collect::<Result<Vec<_>, _>>()?,
+                    ),
+                    _ => None,
+                };
+                let ports = match ports {
+                    Some(ps) if !ps.is_empty() => Some(
+                        ps.iter()
+                            .enumerate()
+                            .map(|(j, p)| np_port(p, &format!("{base}.ports[{j}]")))
+                            .collect::<Result<Vec<_>, _>>()?,
+                    ),
+                    _ => None,
+                };
+                Ok((peers, ports))
+            })();
+            let origin = make_origin(&id, d, index, 0, Verdict::Allow);
+            match translated {
+                Ok((peers, ports)) => rules[di].push(Rule {
+                    origin,
+                    order: OrderKey::new(0, 0),
+                    verdict: Verdict::Allow,
+                    peers: dedup_peers(peers),
+                    ports: dedup_ports(ports),
+                }),
+                // Fail-closed: an Allow rule that cannot be enforced matches nothing.
+                Err(e) => failed_rules.push(failed(d, index, Verdict::Allow, e)),
+            }
         }
     }
     Ok(Policy {
@@ -695,7 +757,18 @@ pub fn translate_network_policy(np: &NetworkPolicy) -> Result<Policy, EngineErro
         priority: 0,
         isolates: effective,
         rules,
+        failed_rules,
     })
+}
+
+fn failed(direction: Direction, index: u32, action: Verdict, e: EngineError) -> FailedRule {
+    FailedRule {
+        direction,
+        index,
+        action,
+        field: e.field,
+        message: e.message,
+    }
 }
 
 fn dedup_peers(p: Option<Vec<Arc<PeerSpec>>>) -> Option<Vec<Arc<PeerSpec>>> {
@@ -743,6 +816,7 @@ fn translate_ordered<S: OrderedSpec>(
         ));
     }
     let mut rules: [Vec<Rule>; 2] = [Vec::new(), Vec::new()];
+    let mut failed_rules = Vec::new();
     for d in DIRECTIONS {
         let cd = match d {
             Direction::Ingress => ordnet_crds::Direction::Ingress,
@@ -760,37 +834,58 @@ fn translate_ordered<S: OrderedSpec>(
                 Action::Allow => Verdict::Allow,
                 Action::Deny => Verdict::Deny,
             };
-            let peers = if r.peers.is_empty() {
-                None
-            } else {
-                Some(
-                    r.peers
-                        .iter()
-                        .enumerate()
-                        .map(|(j, p)| {
-                            ordered_peer(p, &format!("{base}.{peer_field}[{j}]")).map(Arc::new)
-                        })
-                        .collect::<Result<Vec<_>, _>>()?,
-                )
-            };
-            let ports = if r.ports.is_empty() {
-                None
-            } else {
-                Some(
-                    r.ports
-                        .iter()
-                        .enumerate()
-                        .map(|(j, p)| ordered_port(p, &format!("{base}.ports[{j}]")))
-                        .collect::<Result<Vec<_>, _>>()?,
-                )
-            };
-            rules[dir_index(d)].push(Rule {
-                origin: make_origin(&id, d, index, priority, verdict),
-                order: OrderKey::new(priority, index),
-                verdict,
-                peers: dedup_peers(peers),
-                ports: dedup_ports(ports),
-            });
+            let translated = (|| -> Result<_, EngineError> {
+                let peers = if r.peers.is_empty() {
+                    None
+                } else {
+                    Some(
+                        r.peers
+                            .iter()
+                            .enumerate()
+                            .map(|(j, p)| {
+                                ordered_peer(p, &format!("{base}.{peer_field}[{j}]")).map(Arc::new)
+                            })
+                            .collect::<Result<Vec<_>, _>>()?,
+                    )
+                };
+                let ports = if r.ports.is_empty() {
+                    None
+                } else {
+                    Some(
+                        r.ports
+                            .iter()
+                            .enumerate()
+                            .map(|(j, p)| ordered_port(p, &format!("{base}.ports[{j}]")))
+                            .collect::<Result<Vec<_>, _>>()?,
+                    )
+                };
+                Ok((peers, ports))
+            })();
+            let origin = make_origin(&id, d, index, priority, verdict);
+            let order = OrderKey::new(priority, index);
+            match (translated, verdict) {
+                (Ok((peers, ports)), _) => rules[dir_index(d)].push(Rule {
+                    origin,
+                    order,
+                    verdict,
+                    peers: dedup_peers(peers),
+                    ports: dedup_ports(ports),
+                }),
+                // Fail-closed (SEMANTICS.md §7): an Allow rule that cannot be enforced matches
+                // nothing; a Deny rule that cannot be enforced matches everything, at its place
+                // in the order.
+                (Err(e), Verdict::Allow) => failed_rules.push(failed(d, index, verdict, e)),
+                (Err(e), Verdict::Deny) => {
+                    failed_rules.push(failed(d, index, verdict, e));
+                    rules[dir_index(d)].push(Rule {
+                        origin,
+                        order,
+                        verdict,
+                        peers: None,
+                        ports: None,
+                    });
+                }
+            }
         }
     }
     let isolates = [
@@ -804,6 +899,7 @@ fn translate_ordered<S: OrderedSpec>(
         subject,
         isolates,
         rules,
+        failed_rules,
     })
 }
 

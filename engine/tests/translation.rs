@@ -338,20 +338,71 @@ fn invalid_objects_are_reported_not_fatal() {
         &format!(
             "{BASE}\n---\napiVersion: ordnet.io/v1alpha1\nkind: OrderedNetworkPolicy\n\
              metadata: {{name: bad, namespace: x}}\n\
-             spec: {{priority: 1, podSelector: {{}}, ingress: [{{action: Allow, from: [{{ipBlock: {{cidr: 10.0.0.0/8, except: [11.0.0.0/16]}}}}]}}]}}"
+             spec: {{priority: 1, podSelector: {{matchLabels: {{pod: '-a-'}}}}, ingress: [{{action: Allow}}]}}"
         ),
     );
     // Skip crds validation on purpose: the engine must defend itself.
     out.problems.clear();
     let e = Engine::build(&out.objects);
+    // A policy whose subject cannot be known is left out and reported.
     assert_eq!(e.errors().len(), 1);
     let err = &e.errors()[0];
     assert_eq!(err.object, "OrderedNetworkPolicy x/bad");
-    assert_eq!(err.field, "spec.ingress[0].from[0].ipBlock.except[0]");
+    assert_eq!(err.field, "spec.podSelector.matchLabels.pod");
     assert!(Engine::try_build(&out.objects).is_err());
     // Everything else still works.
     assert_eq!(e.endpoints().len(), 3);
     assert!(!isolated(&e, "x", "a", Direction::Ingress));
+}
+
+/// A rule the engine cannot enforce as written fails closed (SEMANTICS.md §7): an Allow rule
+/// matches nothing (the policy still isolates: it has an Allow rule), a Deny rule matches
+/// everything at its place in the order; the rest of the object is enforced.
+#[test]
+fn unenforceable_rules_fail_closed() {
+    let mut out = ordnet_crds::manifest::load_str(
+        Path::new("t.yaml"),
+        &format!(
+            "{BASE}\n---\napiVersion: ordnet.io/v1alpha1\nkind: OrderedNetworkPolicy\n\
+             metadata: {{name: bad-allow, namespace: x}}\n\
+             spec: {{priority: 1, podSelector: {{matchLabels: {{app: web}}}}, ingress: [\
+               {{action: Allow, from: [{{ipBlock: {{cidr: 10.0.0.0/8, except: [11.0.0.0/16]}}}}]}}]}}\n\
+             ---\napiVersion: ordnet.io/v1alpha1\nkind: ClusterOrderedNetworkPolicy\n\
+             metadata: {{name: bad-deny}}\n\
+             spec: {{priority: -1, podSelector: {{matchLabels: {{app: db}}}}, egress: [\
+               {{action: Allow, ports: [{{port: 53, protocol: UDP}}]}},\
+               {{action: Deny, to: [{{ipBlock: {{cidr: nope}}}}]}},\
+               {{action: Allow}}]}}"
+        ),
+    );
+    out.problems.clear();
+    let e = Engine::build(&out.objects);
+    assert!(e.errors().is_empty(), "{:?}", e.errors());
+    let failed: Vec<String> = e
+        .failed_rules()
+        .map(|(p, r)| format!("{p}: {r}"))
+        .collect();
+    assert_eq!(
+        failed,
+        [
+            "OrderedNetworkPolicy x/bad-allow: spec.ingress[0] (Allow) matches nothing: spec.ingress[0].from[0].ipBlock.except[0]: 11.0.0.0/16 must be a strict subset of 10.0.0.0/8",
+            "ClusterOrderedNetworkPolicy bad-deny: spec.egress[1] (Deny) denies all egress: spec.egress[1].to[0].ipBlock.cidr: \"nope\" is not a CIDR: write address/prefix-length, e.g. 10.0.0.0/8 (a single address is 10.1.2.3/32)",
+        ]
+    );
+    // x/a and x/b: isolated, and their only Allow matches nothing: nobody reaches them.
+    assert!(isolated(&e, "x", "a", Direction::Ingress));
+    assert_flows(
+        &e,
+        &[
+            (false, pod("x", "b"), pod("x", "a"), Protocol::Tcp, 80),
+            (false, pod("y", "c"), pod("x", "a"), Protocol::Udp, 53),
+            // y/c: UDP 53 allowed by rule 0, everything else denied by the failed Deny (rule
+            // 1), which comes before the Allow-everything rule 2.
+            (true, pod("y", "c"), FlowEnd::Ip("192.0.2.1".parse().unwrap()), Protocol::Udp, 53),
+            (false, pod("y", "c"), FlowEnd::Ip("192.0.2.1".parse().unwrap()), Protocol::Tcp, 80),
+            (true, FlowEnd::Ip("192.0.2.1".parse().unwrap()), pod("y", "c"), Protocol::Tcp, 80),
+        ],
+    );
 }
 
 /// A pod in phase Succeeded or Failed: not an endpoint, no identity, no ipcache entry; its

@@ -206,7 +206,14 @@ fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
         "/metrics" => respond(
             StatusCode::OK,
             "text/plain; version=0.0.4; charset=utf-8",
-            state.metrics.render(state.ready(), state.problems().len()),
+            state.metrics.render(
+                state.ready(),
+                state
+                    .problems()
+                    .iter()
+                    .filter(|p| p.enforced == "no")
+                    .count(),
+            ),
         ),
         "/v1/problems" => json(
             serde_json::to_string_pretty(&state.problems()).expect("problems serialize") + "\n",

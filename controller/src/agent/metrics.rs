@@ -154,7 +154,7 @@ impl Metrics {
         gauge(
             &mut out,
             "ordnet_invalid_objects",
-            "Objects currently skipped as invalid.",
+            "Objects currently not enforced because the engine cannot use them at all.",
             invalid_now as u64,
         );
         counter(
@@ -184,7 +184,7 @@ impl Metrics {
         counter(
             &mut out,
             "ordnet_invalid_objects_total",
-            "Invalid object versions seen and skipped.",
+            "Object versions seen that the engine cannot use at all (not enforced).",
             &self.invalid_objects,
         );
         counter(

@@ -14,8 +14,12 @@
 //!   from the batch's first event, window included. A re-list (after 410 Gone or
 //!   an API server restart) is diffed against the view, so only real differences reach the
 //!   engine, and the last good state stays programmed meanwhile.
-//! * An invalid object (crds validation) is skipped (left out, like the offline CLI does),
-//!   recorded in [`AgentState::problems`] and counted; everything else keeps working.
+//! * What the API server stored is enforced (SEMANTICS.md §7). A policy with rules the engine
+//!   cannot enforce as written is enforced with those rules failing closed (an `Allow` rule
+//!   matches nothing, a `Deny` rule denies everything in its direction); only an object the
+//!   engine cannot use at all (a policy with an invalid subject selector, a pod with an
+//!   unreadable address) is left out. Either way it is recorded in [`AgentState::problems`],
+//!   counted, reported in the policy's status and as an Event; everything else keeps working.
 //!
 //! The debug API ([`debug`]) serves health, metrics and the matrix/trace/dump answers from the
 //! programmed state.
@@ -106,8 +110,41 @@ pub type ObjKey = (usize, String, String);
 struct ViewEntry {
     resource_version: Option<String>,
     object: Object,
-    /// Validation errors (`field: message`); empty = valid (and in the engine once synced).
-    problems: Vec<String>,
+    /// What the engine does with it (everything but [`Enforcement::None`] is in the engine
+    /// once synced).
+    enforcement: Enforcement,
+}
+
+impl ViewEntry {
+    fn usable(&self) -> bool {
+        self.enforcement != Enforcement::None
+    }
+}
+
+/// What the agent does with an object the API server stored (SEMANTICS.md §7: what the API
+/// server admits is enforced; what cannot be enforced fails closed).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Enforcement {
+    /// Enforced as written (an object may still have validation errors that do not change what
+    /// it means, e.g. a list longer than the CRD schema's `maxItems`).
+    Full,
+    /// Enforced; these rules cannot be enforced as written and fail closed (an `Allow` rule
+    /// matches nothing, a `Deny` rule denies everything in its direction).
+    Partial(Vec<ordnet_engine::FailedRule>),
+    /// Not usable at all (e.g. a policy whose subject selector is invalid, a pod with an
+    /// unreadable address): left out of the engine.
+    None,
+}
+
+impl Enforcement {
+    /// `yes`, `partly` or `no` (the debug API's `enforced`).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Enforcement::Full => "yes",
+            Enforcement::Partial(_) => "partly",
+            Enforcement::None => "no",
+        }
+    }
 }
 
 fn object_kind(o: &Object) -> ObjectKind {
@@ -140,6 +177,27 @@ fn object_key(o: &Object) -> ObjKey {
     (kind_index(kind), ns, meta.name.clone().unwrap_or_default())
 }
 
+/// The validation errors of an object and what the engine can enforce of it. Pods and
+/// namespaces with errors are left out; a policy is left out only when the engine cannot use it
+/// at all, and otherwise enforced with its unusable rules failing closed.
+fn assess(o: &Object) -> (Vec<String>, Enforcement) {
+    let mut problems = validate_object(o);
+    let enforcement = match o.translate() {
+        None if problems.is_empty() => Enforcement::Full,
+        None => Enforcement::None,
+        Some(Err(e)) => {
+            let text = format!("{}: {}", e.field, e.message);
+            if !problems.contains(&text) {
+                problems.push(text);
+            }
+            Enforcement::None
+        }
+        Some(Ok(p)) if p.failed_rules.is_empty() => Enforcement::Full,
+        Some(Ok(p)) => Enforcement::Partial(p.failed_rules),
+    };
+    (problems, enforcement)
+}
+
 fn validate_object(o: &Object) -> Vec<String> {
     let errors = match o {
         Object::Namespace(x) => validate::validate_namespace(x),
@@ -169,7 +227,8 @@ enum WatchMsg {
     Error(ObjectKind, String),
 }
 
-/// An object the agent could not use.
+/// An object with problems: validation errors, rules enforced fail-closed, or not enforced at
+/// all.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ObjectProblem {
@@ -178,7 +237,12 @@ pub struct ObjectProblem {
     pub namespace: Option<String>,
     pub name: String,
     pub resource_version: Option<String>,
+    /// `no` (left out), `partly` (some rules fail closed) or `yes`.
+    pub enforced: &'static str,
     pub errors: Vec<String>,
+    /// The rules enforced fail-closed, e.g. `spec.ingress[1] (Deny) denies all ingress: ...`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub failed_closed_rules: Vec<String>,
 }
 
 /// Everything the agent shares with the debug API and with tests.
@@ -240,7 +304,8 @@ impl AgentState {
         self.leader.load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    /// The objects currently skipped as invalid.
+    /// The objects that currently have problems (left out, partly enforced, or with validation
+    /// errors).
     pub fn problems(&self) -> Vec<ObjectProblem> {
         self.problems
             .read()
@@ -577,28 +642,47 @@ impl Applier {
             return;
         }
         self.seq += 1;
-        let problems = validate_object(&object);
+        let (problems, enforcement) = assess(&object);
+        let failed: Vec<String> = match &enforcement {
+            Enforcement::Partial(rules) => rules.iter().map(|r| r.to_string()).collect(),
+            _ => Vec::new(),
+        };
         {
             let mut p = self
                 .state
                 .problems
                 .write()
                 .unwrap_or_else(|e| e.into_inner());
-            if problems.is_empty() {
+            if problems.is_empty() && failed.is_empty() {
                 p.remove(&key);
             } else {
-                self.state.metrics.invalid_objects.inc();
-                eprintln!(
-                    "ordnet agent: skipping invalid {} {}{}: {}",
+                let name = format!(
+                    "{} {}{}",
                     kind_name(KINDS[key.0]),
                     if key.1.is_empty() {
                         String::new()
                     } else {
                         format!("{}/", key.1)
                     },
-                    key.2,
-                    problems.join("; ")
+                    key.2
                 );
+                match &enforcement {
+                    Enforcement::None => {
+                        self.state.metrics.invalid_objects.inc();
+                        eprintln!(
+                            "ordnet agent: not enforcing invalid {name}: {}",
+                            problems.join("; ")
+                        );
+                    }
+                    Enforcement::Partial(_) => eprintln!(
+                        "ordnet agent: enforcing {name} with rules failing closed: {}",
+                        failed.join("; ")
+                    ),
+                    Enforcement::Full => eprintln!(
+                        "ordnet agent: enforcing {name} as written despite: {}",
+                        problems.join("; ")
+                    ),
+                }
                 p.insert(
                     key.clone(),
                     ObjectProblem {
@@ -606,18 +690,21 @@ impl Applier {
                         namespace: (!key.1.is_empty()).then(|| key.1.clone()),
                         name: key.2.clone(),
                         resource_version: rv.clone(),
+                        enforced: enforcement.as_str(),
                         errors: problems.clone(),
+                        failed_closed_rules: failed,
                     },
                 );
             }
         }
-        if !problems.is_empty() {
+        if !problems.is_empty() || enforcement != Enforcement::Full {
             let _ = self.events.send(status::ProblemEvent {
                 object: object.clone(),
                 errors: problems.clone(),
+                enforcement: enforcement.clone(),
             });
         }
-        if let Some(w) = status::wanted(&object, &problems, self.seq) {
+        if let Some(w) = status::wanted(&object, &problems, &enforcement, self.seq) {
             self.wanted.send_modify(|m| {
                 m.insert(key.clone(), w);
             });
@@ -627,7 +714,7 @@ impl Applier {
             ViewEntry {
                 resource_version: rv,
                 object,
-                problems,
+                enforcement,
             },
         );
         self.dirty.insert(key);
@@ -652,10 +739,10 @@ impl Applier {
         }
     }
 
-    /// The valid objects of the view, as the offline loader would give them.
+    /// The usable objects of the view, as the offline loader would give them.
     fn cluster_objects(&self) -> ClusterObjects {
         let mut objects = ClusterObjects::default();
-        for entry in self.view.values().filter(|e| e.problems.is_empty()) {
+        for entry in self.view.values().filter(|e| e.usable()) {
             match entry.object.clone() {
                 Object::Namespace(o) => objects.namespaces.push(loaded(o)),
                 Object::Pod(o) => objects.pods.push(loaded(o)),
@@ -684,7 +771,7 @@ impl Applier {
         self.in_engine = self
             .view
             .iter()
-            .filter(|(_, e)| e.problems.is_empty())
+            .filter(|(_, e)| e.usable())
             .map(|(k, _)| k.clone())
             .collect();
         self.dirty.clear();
@@ -710,7 +797,7 @@ impl Applier {
         let mut deletes = Vec::new();
         for key in dirty {
             match self.view.get(&key) {
-                Some(e) if e.problems.is_empty() => {
+                Some(e) if e.usable() => {
                     self.in_engine.insert(key);
                     upserts.push(ObjectChange::Upsert(e.object.clone()));
                 }

@@ -39,8 +39,9 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client, Resource};
 use ordnet_crds::{
     Action, CONDITION_ACCEPTED, CONDITION_RULES_SHADOWED, ClusterOrderedNetworkPolicy,
-    EVENT_RULE_SHADOWED, OrderedNetworkPolicy, OrderedSpec, PolicyStatus, REASON_INVALID,
-    REASON_NOT_SHADOWED, REASON_SHADOWED, REASON_VALID, RuleReference, ShadowedRule,
+    EVENT_RULE_SHADOWED, EVENT_RULES_FAILED_CLOSED, FailClosedEffect, FailedClosedRule,
+    OrderedNetworkPolicy, OrderedSpec, PolicyStatus, REASON_INVALID, REASON_NOT_SHADOWED,
+    REASON_RULES_FAILED_CLOSED, REASON_SHADOWED, REASON_VALID, RuleReference, ShadowedRule,
 };
 use ordnet_engine::model::Labels;
 use ordnet_engine::{Engine, IdentityKind, Object, ObjectKind, PolicyKind, PolicyRef};
@@ -48,7 +49,7 @@ use ordnet_mapstate::{Direction, Verdict};
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
 
-use super::{AgentState, KINDS, ObjKey};
+use super::{AgentState, Enforcement, KINDS, ObjKey};
 
 /// The Lease that elects the status writer.
 pub const LEASE_NAME: &str = "ordnet-status-writer";
@@ -69,8 +70,12 @@ pub const NOT_ENFORCED: &str = "not enforced";
 #[derive(Debug, Clone, PartialEq)]
 pub struct WantedStatus {
     pub generation: Option<i64>,
-    /// Empty = accepted; otherwise the validation errors.
+    /// The validation errors (empty = valid).
     pub errors: Vec<String>,
+    /// Whether the engine enforces the policy (fully, or with rules failing closed).
+    pub enforced: bool,
+    /// The rules enforced fail-closed.
+    pub failed: Vec<FailedClosedRule>,
     /// The status stored in the API server, as last seen by the watch.
     pub current: Option<PolicyStatus>,
     /// The policy, for Events.
@@ -82,9 +87,48 @@ pub struct WantedStatus {
     pub rules: String,
 }
 
+/// The API form of a rule enforced fail-closed.
+pub fn api_failed(r: &ordnet_engine::FailedRule) -> FailedClosedRule {
+    FailedClosedRule {
+        direction: match r.direction {
+            Direction::Ingress => ordnet_crds::Direction::Ingress,
+            Direction::Egress => ordnet_crds::Direction::Egress,
+        },
+        index: r.index,
+        action: match r.action {
+            Verdict::Allow => Action::Allow,
+            Verdict::Deny => Action::Deny,
+        },
+        effect: match r.action {
+            Verdict::Allow => FailClosedEffect::MatchesNothing,
+            Verdict::Deny => FailClosedEffect::DeniesAll,
+        },
+        message: format!(
+            "{}: {}: {} instead",
+            r.field,
+            r.message,
+            match r.action {
+                Verdict::Allow => "the Allow rule matches nothing".to_string(),
+                Verdict::Deny => format!(
+                    "the Deny rule denies all {} of the policy's pods that no stronger rule decides",
+                    match r.direction {
+                        Direction::Ingress => "ingress",
+                        Direction::Egress => "egress",
+                    }
+                ),
+            }
+        ),
+    }
+}
+
 /// The wanted status of a policy object (`seq`: the apply loop's change number), or `None` for
 /// other kinds.
-pub fn wanted(object: &Object, errors: &[String], seq: u64) -> Option<WantedStatus> {
+pub fn wanted(
+    object: &Object,
+    errors: &[String],
+    enforcement: &Enforcement,
+    seq: u64,
+) -> Option<WantedStatus> {
     let (generation, current, reference, rules) = match object {
         Object::OrderedNetworkPolicy(p) => (
             p.metadata.generation,
@@ -103,6 +147,11 @@ pub fn wanted(object: &Object, errors: &[String], seq: u64) -> Option<WantedStat
     Some(WantedStatus {
         generation,
         errors: errors.to_vec(),
+        enforced: *enforcement != Enforcement::None,
+        failed: match enforcement {
+            Enforcement::Partial(rules) => rules.iter().map(api_failed).collect(),
+            _ => Vec::new(),
+        },
         current,
         reference,
         seq,
@@ -206,9 +255,13 @@ fn policy_key(id: &PolicyRef) -> Option<ObjKey> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Desired {
     pub generation: Option<i64>,
-    /// Empty = accepted.
+    /// The validation errors.
     pub errors: Vec<String>,
-    /// The shadowed rules (valid policies only).
+    /// Whether the engine enforces the policy (fully, or with rules failing closed).
+    pub enforced: bool,
+    /// The rules enforced fail-closed.
+    pub failed: Vec<FailedClosedRule>,
+    /// The shadowed rules (enforced policies only).
     pub shadowed: Vec<ShadowedRule>,
     /// `status.subject`: [`subjects`], or [`NOT_ENFORCED`].
     pub subject: String,
@@ -222,14 +275,55 @@ type Cond = (&'static str, &'static str, &'static str, String);
 impl Desired {
     /// The conditions, in the order they are written.
     pub fn conditions(&self) -> Vec<Cond> {
-        if !self.errors.is_empty() {
+        if !self.enforced {
             return vec![(
                 CONDITION_ACCEPTED,
                 "False",
                 REASON_INVALID,
-                clip(&self.errors.join("; ")),
+                clip(&format!("not enforced: {}", self.errors.join("; "))),
             )];
         }
+        let accepted = if !self.failed.is_empty() {
+            (
+                CONDITION_ACCEPTED,
+                "False",
+                REASON_RULES_FAILED_CLOSED,
+                clip(&format!(
+                    "enforced, but {} rule{} cannot be enforced as written and fail{} closed (status.failedClosedRules): {}",
+                    self.failed.len(),
+                    if self.failed.len() == 1 { "" } else { "s" },
+                    if self.failed.len() == 1 { "s" } else { "" },
+                    self.failed
+                        .iter()
+                        .map(|r| format!(
+                            "spec.{}[{}] ({}): {}",
+                            r.direction.field(),
+                            r.index,
+                            r.action,
+                            r.message
+                        ))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                )),
+            )
+        } else if !self.errors.is_empty() {
+            (
+                CONDITION_ACCEPTED,
+                "True",
+                REASON_VALID,
+                clip(&format!(
+                    "enforced as written, but the CRD schema would refuse: {}",
+                    self.errors.join("; ")
+                )),
+            )
+        } else {
+            (
+                CONDITION_ACCEPTED,
+                "True",
+                REASON_VALID,
+                "the policy is valid and enforced".to_string(),
+            )
+        };
         let shadow = if self.shadowed.is_empty() {
             (
                 CONDITION_RULES_SHADOWED,
@@ -245,15 +339,7 @@ impl Desired {
                 clip(&shadow_summary(&self.shadowed)),
             )
         };
-        vec![
-            (
-                CONDITION_ACCEPTED,
-                "True",
-                REASON_VALID,
-                "the policy is valid and enforced".to_string(),
-            ),
-            shadow,
-        ]
+        vec![accepted, shadow]
     }
 
     /// Whether the stored status already says this.
@@ -264,6 +350,7 @@ impl Desired {
         let wanted = self.conditions();
         cur.observed_generation == self.generation
             && cur.shadowed_rules == self.shadowed
+            && cur.failed_closed_rules == self.failed
             && cur.subject.as_deref() == Some(self.subject.as_str())
             && cur.rules.as_deref() == Some(self.rules.as_str())
             && cur
@@ -421,10 +508,12 @@ async fn refresh(state: &Arc<AgentState>, report: &mut Option<Report>) {
 
 /// What the status of `key` should be, or `None` while no analysis describes its version yet.
 fn desired(key: &ObjKey, w: &WantedStatus, report: Option<&Report>) -> Option<Desired> {
-    if !w.errors.is_empty() {
+    if !w.enforced {
         return Some(Desired {
             generation: w.generation,
             errors: w.errors.clone(),
+            enforced: false,
+            failed: Vec::new(),
             shadowed: Vec::new(),
             subject: NOT_ENFORCED.to_string(),
             rules: w.rules.clone(),
@@ -433,7 +522,9 @@ fn desired(key: &ObjKey, w: &WantedStatus, report: Option<&Report>) -> Option<De
     let report = report.filter(|r| r.seq >= w.seq)?;
     Some(Desired {
         generation: w.generation,
-        errors: Vec::new(),
+        errors: w.errors.clone(),
+        enforced: true,
+        failed: w.failed.clone(),
         shadowed: report.rules.get(key).cloned().unwrap_or_default(),
         subject: report
             .subjects
@@ -627,8 +718,8 @@ async fn write_status(
         .collect();
     let kind = super::kind_name(super::KINDS[key.0]);
     // Server-side apply: a condition left out (RulesShadowed of an invalid policy) is removed
-    // from what this manager owns; `shadowedRules` is always written (`[]` when none), which
-    // clears it under any patch semantics.
+    // from what this manager owns; `shadowedRules` and `failedClosedRules` are always written
+    // (`[]` when none), which clears them under any patch semantics.
     let body = json!({
         "apiVersion": "ordnet.io/v1alpha1",
         "kind": kind,
@@ -636,6 +727,7 @@ async fn write_status(
             "observedGeneration": d.generation,
             "conditions": conditions,
             "shadowedRules": d.shadowed,
+            "failedClosedRules": d.failed,
             "subject": d.subject,
             "rules": d.rules,
         },
@@ -658,9 +750,12 @@ async fn write_status(
 pub struct ProblemEvent {
     pub object: Object,
     pub errors: Vec<String>,
+    pub enforcement: Enforcement,
 }
 
-/// Publishes a Warning Event per problem (reason `InvalidObject`, action `Validate`).
+/// Publishes a Warning Event per problem (action `Validate`): reason `InvalidObject` for an
+/// object that is not enforced (or enforced as written despite validation errors), reason
+/// [`EVENT_RULES_FAILED_CLOSED`] for a policy with rules that fail closed.
 pub async fn event_loop(
     client: Client,
     node: String,
@@ -681,10 +776,31 @@ pub async fn event_loop(
             Object::OrderedNetworkPolicy(o) => o.object_ref(&()),
             Object::ClusterOrderedNetworkPolicy(o) => o.object_ref(&()),
         };
+        let (reason, note) = match &p.enforcement {
+            Enforcement::None => (
+                "InvalidObject",
+                format!("not enforced: {}", p.errors.join("; ")),
+            ),
+            Enforcement::Partial(rules) => (
+                EVENT_RULES_FAILED_CLOSED,
+                format!(
+                    "enforced with rules failing closed: {}",
+                    rules
+                        .iter()
+                        .map(|r| r.to_string())
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                ),
+            ),
+            Enforcement::Full => (
+                "InvalidObject",
+                format!("enforced as written despite: {}", p.errors.join("; ")),
+            ),
+        };
         let event = Event {
             type_: EventType::Warning,
-            reason: "InvalidObject".into(),
-            note: Some(truncate(&format!("skipped: {}", p.errors.join("; ")), 1000)),
+            reason: reason.into(),
+            note: Some(truncate(&note, 1000)),
             action: "Validate".into(),
             secondary: None,
         };

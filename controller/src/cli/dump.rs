@@ -8,7 +8,7 @@ use ordnet::render::dump::{Format, render};
 use ordnet::render::{Style, color_wanted};
 use ordnet_mapstate::Direction;
 
-use super::load::load_engine;
+use super::load::{LoadedEngine, load_engine};
 use super::{DirectionArg, DumpArgs, DumpFormat};
 
 /// Runs `ordnet dump`.
@@ -32,7 +32,7 @@ pub fn run(args: &DumpArgs) -> ExitCode {
         }
         return ordnet::agent::client::print_answer("dump", addr, &query);
     }
-    let engine = match load_engine("dump", &args.source) {
+    let LoadedEngine { engine, exit } = match load_engine("dump", &args.source) {
         Ok(e) => e,
         Err(code) => return code,
     };
@@ -56,5 +56,5 @@ pub fn run(args: &DumpArgs) -> ExitCode {
     };
     let style = Style::new(color_wanted());
     print!("{}", render(&engine, ep, &dirs, format, style));
-    ExitCode::SUCCESS
+    exit
 }

@@ -9,16 +9,35 @@ use ordnet_mapstate::Protocol;
 
 use super::{ProtocolArg, Source};
 
-/// Loads `-f` manifests, validates them and builds the engine. Warnings go to stderr; on any
-/// error every error is printed to stderr as `FILE: KIND NS/NAME: FIELD: message` and the exit
-/// code is 1. (The subcommands answer `--agent ADDR` themselves, before calling this.)
-pub fn load_engine(cmd: &str, source: &Source) -> Result<Engine, ExitCode> {
+/// An engine built from `-f` manifests, and the exit code the command ends with once it has
+/// printed its answer: 0, or 1 when the manifests have errors that still leave every object
+/// usable (rules that the engine enforces fail-closed, or that the API server would refuse
+/// but that mean something, e.g. a list over its `maxItems`).
+pub struct LoadedEngine {
+    pub engine: Engine,
+    pub exit: ExitCode,
+}
+
+/// Loads `-f` manifests, validates them and builds the engine. Every problem is printed to
+/// stderr as `FILE: KIND NS/NAME: FIELD: message`. Nothing is computed (exit code 1) when an
+/// object cannot be used at all: a load error, an invalid Pod or Namespace, or a policy the
+/// engine cannot use (e.g. an invalid subject selector). A policy whose only errors are in
+/// rules is used: the rules the engine cannot enforce are enforced fail-closed (an `Allow`
+/// matches nothing, a `Deny` denies everything in its direction), exactly as the agent does,
+/// and the command exits 1 after its answer (CLI.md: invalid input is exit 1, so CI catches
+/// it). (The subcommands answer `--agent ADDR` themselves, before calling this.)
+pub fn load_engine(cmd: &str, source: &Source) -> Result<LoadedEngine, ExitCode> {
     let outcome = ordnet_crds::load_and_validate(&source.files);
     for p in &outcome.problems {
         eprintln!("{p}");
     }
     let errors = outcome.problems.iter().filter(|p| p.is_error()).count();
-    if errors > 0 {
+    let unusable = outcome
+        .problems
+        .iter()
+        .filter(|p| p.is_error() && !outcome.kept(p))
+        .count();
+    if unusable > 0 {
         eprintln!(
             "ordnet {cmd}: {errors} error{} in the manifests; nothing computed",
             if errors == 1 { "" } else { "s" }
@@ -27,7 +46,15 @@ pub fn load_engine(cmd: &str, source: &Source) -> Result<Engine, ExitCode> {
     }
     let engine = Engine::build(&outcome.objects);
     if !engine.errors().is_empty() {
-        for e in engine.errors() {
+        // What validation reported already (same object and field) is not repeated.
+        let printed = |e: &ordnet_engine::EngineError| {
+            outcome.problems.iter().any(|p| {
+                p.is_error()
+                    && p.object.as_ref().is_some_and(|o| o.to_string() == e.object)
+                    && p.field.as_deref() == Some(e.field.as_str())
+            })
+        };
+        for e in engine.errors().iter().filter(|e| !printed(e)) {
             match source_file(&outcome.objects, &e.object) {
                 Some(file) => eprintln!("{file}: {e}"),
                 None => eprintln!("{e}"),
@@ -40,7 +67,31 @@ pub fn load_engine(cmd: &str, source: &Source) -> Result<Engine, ExitCode> {
         );
         return Err(ExitCode::from(1));
     }
-    Ok(engine)
+    let failed = engine.failed_rules().count();
+    if failed > 0 {
+        for (policy, rule) in engine.failed_rules() {
+            eprintln!("{policy}: {rule}");
+        }
+        eprintln!(
+            "ordnet {cmd}: {failed} rule{} cannot be enforced as written and {} enforced fail-closed (an Allow rule matches nothing, a Deny rule denies everything in its direction)",
+            if failed == 1 { "" } else { "s" },
+            if failed == 1 { "is" } else { "are" },
+        );
+    }
+    if errors > 0 {
+        eprintln!(
+            "ordnet {cmd}: {errors} error{} in the manifests; computed with every rule that cannot be enforced failing closed, exit code 1",
+            if errors == 1 { "" } else { "s" }
+        );
+    }
+    Ok(LoadedEngine {
+        engine,
+        exit: if errors > 0 {
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        },
+    })
 }
 
 /// The file an object (`KIND NS/NAME` or `KIND NAME`) was read from.

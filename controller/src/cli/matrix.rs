@@ -11,7 +11,7 @@ use ordnet::render::matrix::{Format, render};
 use ordnet::render::{Style, color_wanted};
 use ordnet_engine::IpFamily;
 
-use super::load::{load_engine, protocol};
+use super::load::{LoadedEngine, load_engine, protocol};
 use super::{MatrixArgs, TableOrJson};
 
 /// The width the table may take: `$COLUMNS`, else 160.
@@ -67,7 +67,7 @@ pub fn run(args: &MatrixArgs) -> ExitCode {
         }
         return ordnet::agent::client::print_answer("matrix", addr, &query);
     }
-    let engine = match load_engine("matrix", &args.source) {
+    let LoadedEngine { engine, exit } = match load_engine("matrix", &args.source) {
         Ok(e) => e,
         Err(code) => return code,
     };
@@ -81,5 +81,5 @@ pub fn run(args: &MatrixArgs) -> ExitCode {
     let m = ordnet::offline::matrix(&engine, dp.plane(), proto, args.port, &externals, family);
     let style = Style::new(color_wanted());
     print!("{}", render(&m, family, format, style, max_width()));
-    ExitCode::SUCCESS
+    exit
 }

@@ -151,6 +151,10 @@ pub struct ValidateArgs {
     /// Manifest file or directory (repeatable).
     #[arg(short = 'f', long = "filename", value_name = "PATH", required = true)]
     pub files: Vec<PathBuf>,
+    /// `text`: one line per problem (errors on stdout, warnings on stderr); `json`: one object
+    /// with every problem on stdout, for CI pipelines.
+    #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
+    pub output: TextOrJson,
 }
 
 #[derive(Debug, Args)]

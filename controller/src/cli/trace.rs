@@ -14,7 +14,7 @@ use ordnet::render::trace::{Format, render};
 use ordnet::render::{Style, color_wanted};
 use ordnet_engine::IpFamily;
 
-use super::load::{load_engine, protocol};
+use super::load::{LoadedEngine, load_engine, protocol};
 use super::{TextOrJson, TraceArgs};
 
 /// Runs `ordnet trace`.
@@ -35,7 +35,7 @@ pub fn run(args: &TraceArgs) -> ExitCode {
         );
         return ordnet::agent::client::print_answer("trace", addr, &query);
     }
-    let engine = match load_engine("trace", &args.source) {
+    let LoadedEngine { engine, exit } = match load_engine("trace", &args.source) {
         Ok(e) => e,
         Err(code) => return code,
     };
@@ -89,5 +89,5 @@ pub fn run(args: &TraceArgs) -> ExitCode {
             &engine, &from, &to, family, proto, args.port, &t, format, style
         )
     );
-    ExitCode::SUCCESS
+    exit
 }

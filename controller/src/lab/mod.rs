@@ -108,11 +108,17 @@ fn plan(args: &LabArgs) -> Result<Plan, Fail> {
         files: args.files.clone(),
         agent: None,
     };
-    let engine = load::load_engine("lab", &source).map_err(|code| Fail {
+    let loaded = load::load_engine("lab", &source).map_err(|code| Fail {
         // load_engine printed the problems; its exit code is CLI.md's.
         code: if code == ExitCode::from(1) { 1 } else { 2 },
         msg: String::new(),
     })?;
+    // The lab builds only valid input (rules enforced fail-closed are for the agent and for
+    // `matrix`, which say so and exit 1).
+    if loaded.exit != ExitCode::SUCCESS {
+        return Err(fail(1, "the manifests have errors; nothing built"));
+    }
+    let engine = loaded.engine;
     // Every address is given to exactly one namespace (validation already refused two pods
     // with one address).
     let mut owner: HashMap<IpAddr, String> = HashMap::new();

@@ -297,13 +297,15 @@ fn rules_that_can_never_decide() {
     let p = onp(
         "{priority: 1, podSelector: {}, ingress: [{action: Allow, ports: [{port: 80}]}, {action: Allow, ports: [{port: 80, protocol: TCP}]}, {action: Deny, ports: [{port: 80}]}, {action: Deny, ports: [{port: 81}]}]}",
     );
+    // Valid (they are only unwise): warnings, the policy is enforced as written.
     let e = validate_ordered_network_policy(&p);
-    assert_eq!(error_fields(&e), ["spec.ingress[1]", "spec.ingress[2]"]);
-    assert!(e[0].message.starts_with("duplicate of spec.ingress[0]"));
-    assert!(
-        e[1].message
-            .contains("same traffic as spec.ingress[0] (Allow)")
-    );
+    assert!(error_fields(&e).is_empty());
+    let warnings = render(&e, Severity::Warning);
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(warnings[0].starts_with("spec.ingress[1]: duplicate of spec.ingress[0]"));
+    assert!(warnings[1].starts_with(
+        "spec.ingress[2]: matches exactly the same traffic as spec.ingress[0] (Allow)"
+    ));
 
     let p = onp(
         "{priority: 1, podSelector: {}, egress: [{action: Deny}, {action: Allow, ports: [{port: 53}]}]}",
@@ -424,7 +426,7 @@ metadata: {name: Upper.case}
 }
 
 #[test]
-fn load_and_validate_drops_invalid_objects_only() {
+fn load_and_validate_drops_invalid_pods_and_keeps_policies_for_the_engine() {
     let text = r#"
 apiVersion: ordnet.io/v1alpha1
 kind: OrderedNetworkPolicy
@@ -435,24 +437,50 @@ apiVersion: ordnet.io/v1alpha1
 kind: OrderedNetworkPolicy
 metadata: {name: good, namespace: q}
 spec: {priority: 3, podSelector: {}, defaultDeny: {ingress: true}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: bad, namespace: q}
+status: {podIP: 10.0.0.300}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: good, namespace: q}
+status: {podIP: 10.0.0.3}
 "#;
     let out = crate::validated(load_str(Path::new("t.yaml"), text));
     assert!(out.has_errors());
-    assert_eq!(out.objects.ordered_policies.len(), 1);
+    // Policies stay (the engine decides what it can enforce of them); the invalid pod goes.
+    let names = |v: Vec<Option<String>>| v.into_iter().flatten().collect::<Vec<_>>();
     assert_eq!(
-        out.objects.ordered_policies[0]
-            .object
-            .metadata
-            .name
-            .as_deref(),
-        Some("good")
+        names(
+            out.objects
+                .ordered_policies
+                .iter()
+                .map(|o| o.object.metadata.name.clone())
+                .collect()
+        ),
+        ["bad", "good"]
     );
-    assert_eq!(out.problems.len(), 1);
+    assert_eq!(
+        names(
+            out.objects
+                .pods
+                .iter()
+                .map(|o| o.object.metadata.name.clone())
+                .collect()
+        ),
+        ["good"]
+    );
+    let rendered: Vec<String> = out.problems.iter().map(|p| p.to_string()).collect();
+    assert_eq!(rendered.len(), 2, "{rendered:?}");
+    assert!(rendered[0].starts_with("t.yaml: Pod q/bad: status.podIP:"));
     assert!(
-        out.problems[0]
-            .to_string()
+        rendered[1]
             .starts_with("t.yaml: OrderedNetworkPolicy q/bad: spec.priority: -3 is negative")
     );
+    assert!(out.kept(&out.problems[1]));
+    assert!(!out.kept(&out.problems[0]));
 }
 
 #[test]
@@ -464,8 +492,8 @@ fn schema_list_limits_are_checked_too() {
     ));
     let e = validate_ordered_network_policy(&p);
     assert_eq!(error_fields(&e), ["spec.ingress[0].ports"]);
-    assert_eq!(e[0].message, "101 entries: at most 100 are allowed");
-    let rules: Vec<String> = (1..=1001)
+    assert_eq!(e[0].message, "101 entries: at most 16 are allowed");
+    let rules: Vec<String> = (1..=257)
         .map(|p| format!("{{action: Deny, ports: [{{port: {}}}]}}", p % 65535 + 1))
         .collect();
     let p = onp(&format!(
