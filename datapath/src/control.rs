@@ -11,8 +11,8 @@ use ipnet::IpNet;
 use ordnet_datapath_common::{
     addr_bytes, addr_words,
     layout::{
-        FAMILY_V4, FAMILY_V6, IP_FLAG_ENDPOINT, IP_FLAG_HOST, IpInfo, IpKey, PolicyRef, State,
-        V_ALLOW, V_DENY,
+        FAMILY_V4, FAMILY_V6, IP_FLAG_ENDPOINT, IP_FLAG_HOST, IfaceInfo, IpInfo, IpKey, PolicyRef,
+        State, SvcKey, V_ALLOW, V_DENY,
     },
 };
 use ordnet_mapstate::{ChangeSet, Direction, MapState, Verdict};
@@ -226,6 +226,10 @@ pub struct Control {
     remote: HashMap<IpKey, u32>,
     hosts: BTreeSet<IpKey>,
     cidr: BTreeMap<(IpKey, u32), u32>,
+    /// Service frontends.
+    services: BTreeSet<SvcKey>,
+    /// Host-side interfaces of local endpoints.
+    ifaces: BTreeMap<u32, IfaceInfo>,
     /// The state written on every revision bump (revision, clock parameters).
     state: State,
 }
@@ -261,6 +265,8 @@ impl Control {
             remote: HashMap::new(),
             hosts: BTreeSet::new(),
             cidr: BTreeMap::new(),
+            services: BTreeSet::new(),
+            ifaces: BTreeMap::new(),
             state,
         }
     }
@@ -921,6 +927,62 @@ impl Control {
         self.hosts.iter().map(key_ip)
     }
 
+    /// Replaces the set of Service frontends. New ones are written before old ones go; no
+    /// revision bump: a frontend only decides whether a *new* flow is judged at the XDP or at
+    /// the TC hook, and the TC hook judges every translated flow whatever the XDP hook did.
+    pub fn set_services<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        keys: &[SvcKey],
+    ) -> Result<WriteStats, ControlError> {
+        let mut stats = WriteStats::default();
+        let new: BTreeSet<SvcKey> = keys.iter().copied().collect();
+        let adds: Vec<Write> = new
+            .difference(&self.services)
+            .map(|k| Write::SvcUpsert(*k))
+            .collect();
+        let removes: Vec<Write> = self
+            .services
+            .difference(&new)
+            .map(|k| Write::SvcDelete(*k))
+            .collect();
+        stats.write(w, &adds)?;
+        stats.write(w, &removes)?;
+        self.services = new;
+        Ok(stats)
+    }
+
+    /// The Service frontends.
+    pub fn services(&self) -> &BTreeSet<SvcKey> {
+        &self.services
+    }
+
+    /// Sets (`Some`) or removes (`None`) the local endpoint behind an interface.
+    pub fn set_interface<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        ifindex: u32,
+        info: Option<IfaceInfo>,
+    ) -> Result<WriteStats, ControlError> {
+        let mut stats = WriteStats::default();
+        match info {
+            Some(i) if self.ifaces.get(&ifindex) != Some(&i) => {
+                stats.write(w, &[Write::IfaceUpsert(ifindex, i)])?;
+                self.ifaces.insert(ifindex, i);
+            }
+            None if self.ifaces.remove(&ifindex).is_some() => {
+                stats.write(w, &[Write::IfaceDelete(ifindex)])?;
+            }
+            _ => {}
+        }
+        Ok(stats)
+    }
+
+    /// The interfaces of local endpoints.
+    pub fn interfaces(&self) -> &BTreeMap<u32, IfaceInfo> {
+        &self.ifaces
+    }
+
     /// Clears released rule sets whose grace period is over.
     pub fn reclaim<W: TableWriter + ?Sized>(
         &mut self,
@@ -993,6 +1055,8 @@ impl Control {
             remote,
             hosts,
             cidr,
+            services: w.tables().services.clone(),
+            ifaces: w.tables().ifaces.clone(),
             state: w.tables().state,
         };
         if !inconsistent.is_empty() {

@@ -6,8 +6,9 @@ use std::os::fd::AsFd as _;
 
 use aya::maps::{Array, HashMap, IterableMap, MapData, lpm_trie::Key, lpm_trie::LpmTrie};
 use ordnet_datapath_common::layout::{
-    Ct4Key, CtEntry, CtKey, FAMILY_V4, IpInfo, IpKey, MAP_CT4, MAP_CT6, MAP_IP4, MAP_IP6,
-    MAP_IPCIDR, MAP_POLICY, MAP_STATE, PolicyKey, PolicyValue,
+    Ct4Key, CtEntry, CtKey, FAMILY_V4, IfaceInfo, IpInfo, IpKey, MAP_CT4, MAP_CT6, MAP_IFACE,
+    MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY, MAP_STATE, MAP_SVC, PolicyKey, PolicyValue,
+    SVC_FRONTEND, SvcKey, SvcValue,
 };
 
 use crate::{
@@ -29,6 +30,8 @@ pub struct KernelTables {
     pub(crate) ct4: HashMap<MapData, Ct4Key, CtEntry>,
     pub(crate) ct6: HashMap<MapData, CtKey, CtEntry>,
     pub(crate) state: Array<MapData, ordnet_datapath_common::layout::State>,
+    pub(crate) svc: HashMap<MapData, SvcKey, SvcValue>,
+    pub(crate) iface: HashMap<MapData, u32, IfaceInfo>,
     pub(crate) mirror: MemTables,
 }
 
@@ -42,6 +45,8 @@ enum Kind {
     IpDelete,
     Cidr,
     State,
+    Svc,
+    Iface,
 }
 
 /// The length of the longest prefix of `run` that was certainly applied when the writes
@@ -70,6 +75,8 @@ fn kind(w: &Write) -> Kind {
         Write::IpDelete(..) => Kind::IpDelete,
         Write::CidrUpsert(..) | Write::CidrDelete(..) => Kind::Cidr,
         Write::State(..) => Kind::State,
+        Write::SvcUpsert(..) | Write::SvcDelete(..) => Kind::Svc,
+        Write::IfaceUpsert(..) | Write::IfaceDelete(..) => Kind::Iface,
     }
 }
 
@@ -238,6 +245,32 @@ impl KernelTables {
                 }
                 Ok(())
             }
+            Kind::Svc | Kind::Iface => {
+                // Few and rare: one element at a time.
+                for (done, w) in run.iter().enumerate() {
+                    let (map, r) = match *w {
+                        Write::SvcUpsert(k) => (
+                            MAP_SVC,
+                            self.svc.insert(
+                                k,
+                                SvcValue {
+                                    flags: SVC_FRONTEND,
+                                },
+                                0,
+                            ),
+                        ),
+                        Write::SvcDelete(k) => (MAP_SVC, self.svc.remove(&k)),
+                        Write::IfaceUpsert(i, v) => (MAP_IFACE, self.iface.insert(i, v, 0)),
+                        Write::IfaceDelete(i) => (MAP_IFACE, self.iface.remove(&i)),
+                        _ => unreachable!(),
+                    };
+                    match r {
+                        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+                        Err(source) => return Err((done, WriteError::Map { map, source })),
+                    }
+                }
+                Ok(())
+            }
             Kind::State => {
                 for (done, w) in run.iter().enumerate() {
                     let Write::State(state) = *w else {
@@ -307,6 +340,16 @@ impl KernelTables {
             map: MAP_STATE,
             source,
         })?;
+        for (k, _) in sys::lookup_all::<SvcKey, SvcValue>(self.svc.map().fd().as_fd())
+            .map_err(|e| read(MAP_SVC, e))?
+        {
+            t.apply(&Write::SvcUpsert(k));
+        }
+        for (i, v) in sys::lookup_all::<u32, IfaceInfo>(self.iface.map().fd().as_fd())
+            .map_err(|e| read(MAP_IFACE, e))?
+        {
+            t.apply(&Write::IfaceUpsert(i, v));
+        }
         Ok(t)
     }
 

@@ -43,8 +43,9 @@ use aya::{
     Ebpf, EbpfLoader, TestRunOptions,
     maps::{Array, HashMap, MapData, MapError, MapType, lpm_trie::LpmTrie},
     programs::{
-        ProgramError, TestRun as _, Xdp, XdpMode,
+        LinkOrder, ProgramError, SchedClassifier, TestRun as _, Xdp, XdpMode,
         links::{FdLink, PinnedLink},
+        tc::{SchedClassifierLink, SchedClassifierLinkId, TcAttachOptions, TcAttachType},
         xdp::{XdpLink, XdpLinkId},
     },
 };
@@ -62,10 +63,12 @@ use ordnet_datapath_common::{
     Verdict,
     layout::{
         BLOCK_WORDS, CELLS_PER_RULESET, CT_LIFETIME_OTHER_SECS, CT_LIFETIME_TCP_SECS,
-        CT_REFRESH_SECS, Ct4Key, CtEntry, CtKey, DEFAULT_CT_ENTRIES, DEFAULT_IPCACHE_ENTRIES,
-        DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES,
-        IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_CT4, MAP_CT6, MAP_IP4, MAP_IP6, MAP_IPCIDR,
-        MAP_POLICY, MAP_STATE, PROGRAM_NAME, PolicyKey, PolicyValue, State, pairs,
+        CT_REFRESH_SECS, Ct4Key, CtEntry, CtKey, DEFAULT_CT_ENTRIES, DEFAULT_IFACE_ENTRIES,
+        DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS,
+        DEFAULT_POLICY_ENTRIES, DEFAULT_SVC_ENTRIES, IfaceInfo, IpInfo, IpKey, MAP_BLOCKS,
+        MAP_CELLS, MAP_CT4, MAP_CT6, MAP_IFACE, MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY,
+        MAP_STATE, MAP_SVC, PROGRAM_NAME, PolicyKey, PolicyValue, State, SvcKey, SvcValue,
+        TC_PROGRAM_NAME, pairs,
     },
 };
 pub use plane::{ControlPlane, MemDatapath};
@@ -83,10 +86,15 @@ pub static EBPF_OBJECT: &[u8] =
 pub static BENCH_OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ordnet-xdp-bench"));
 
-/// Every map of the enforcing program, by name.
-pub const MAP_NAMES: [&str; 9] = [
+/// Every map of the enforcing programs, by name.
+pub const MAP_NAMES: [&str; 11] = [
     MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_CELLS, MAP_BLOCKS, MAP_POLICY, MAP_CT4, MAP_CT6, MAP_STATE,
+    MAP_SVC, MAP_IFACE,
 ];
+
+/// The oldest kernel the datapath runs on: tcx links (the TC program's attachment) arrived in
+/// 6.6; everything else it uses is older.
+pub const MIN_KERNEL: (u32, u32) = (6, 6);
 
 /// Errors of the datapath.
 #[derive(Debug, thiserror::Error)]
@@ -121,6 +129,13 @@ pub enum DatapathError {
     NotAttached(String),
     #[error("pinning needs a pin directory (DatapathConfig::pin_dir)")]
     NoPinDir,
+    #[error(
+        "kernel {found} is too old: ordnet needs Linux {}.{} or newer (tcx links for its \
+         post-translation TC program); nothing was loaded or attached",
+        MIN_KERNEL.0,
+        MIN_KERNEL.1
+    )]
+    KernelTooOld { found: String },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DatapathError + '_ {
@@ -149,6 +164,10 @@ pub struct DatapathConfig {
     pub cidr_entries: u32,
     /// Connection-tracking capacity (flows, LRU).
     pub ct_entries: u32,
+    /// Service frontend capacity (address, protocol, port).
+    pub svc_entries: u32,
+    /// Local endpoint interface capacity.
+    pub iface_entries: u32,
     /// How long a released rule set slot or cell block keeps its contents before reuse (a
     /// packet that read the old reference must still find them).
     pub grace: Duration,
@@ -185,6 +204,8 @@ impl Default for DatapathConfig {
             ipcache_entries: DEFAULT_IPCACHE_ENTRIES,
             cidr_entries: DEFAULT_IPCIDR_ENTRIES,
             ct_entries: DEFAULT_CT_ENTRIES,
+            svc_entries: DEFAULT_SVC_ENTRIES,
+            iface_entries: DEFAULT_IFACE_ENTRIES,
             grace: Duration::from_millis(20),
             ct_tcp_lifetime: Duration::from_secs(CT_LIFETIME_TCP_SECS),
             ct_other_lifetime: Duration::from_secs(CT_LIFETIME_OTHER_SECS),
@@ -225,6 +246,41 @@ impl From<Verdict> for XdpAction {
             Verdict::Drop => Self::Drop,
         }
     }
+}
+
+/// Pins a link as `dir/name` (creating `dir`).
+fn pin_link(fd: FdLink, dir: &Path, name: &str) -> Result<PinnedLink, DatapathError> {
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let path = dir.join(name);
+    fd.pin(&path).map_err(|e| DatapathError::Io {
+        path: path.clone(),
+        source: std::io::Error::other(e),
+    })
+}
+
+/// Runs the TC program on a frame `repeat` times, as come in on `ingress_ifindex`.
+pub fn test_run_tc_program(
+    program: &SchedClassifier,
+    frame: &[u8],
+    ingress_ifindex: u32,
+    repeat: u32,
+) -> Result<(Verdict, Duration), DatapathError> {
+    // `struct __sk_buff` up to and including `ingress_ifindex` (offset 36), zeros elsewhere: the
+    // kernel accepts a context with only its settable fields non-zero.
+    const SKB_CTX: usize = 192;
+    let mut ctx = [0u8; SKB_CTX];
+    ctx[36..40].copy_from_slice(&ingress_ifindex.to_ne_bytes());
+    let result = program.test_run(TestRunOptions {
+        data_in: Some(frame),
+        ctx_in: Some(&ctx),
+        repeat,
+        ..TestRunOptions::default()
+    })?;
+    let verdict = match result.return_value {
+        0 => Verdict::Pass,
+        _ => Verdict::Drop,
+    };
+    Ok((verdict, result.duration))
 }
 
 /// Result of one `BPF_PROG_TEST_RUN` call.
@@ -274,19 +330,71 @@ pub struct AdoptReport {
     pub repairs: WriteStats,
 }
 
-/// The loaded XDP program, its maps and the control state that programs them.
+/// The loaded XDP and TC programs, their maps and the control state that programs them.
 pub struct Datapath {
     ebpf: Ebpf,
     tables: KernelTables,
     control: Control,
     config: DatapathConfig,
-    links: BTreeMap<String, LinkHandle>,
+    /// XDP attachments, by interface.
+    links: BTreeMap<String, LinkHandle<XdpLinkId>>,
+    /// TC (tcx egress) attachments, by interface.
+    tc_links: BTreeMap<String, LinkHandle<SchedClassifierLinkId>>,
 }
 
 /// An attachment: pinned (survives the process) or owned by the loaded program.
-enum LinkHandle {
+enum LinkHandle<Id> {
     Pinned(PinnedLink),
-    Owned(XdpLinkId),
+    Owned(Id),
+}
+
+/// The pin directory of the XDP links (one pin per interface).
+const XDP_LINKS: &str = "links";
+/// The pin directory of the TC links (one pin per interface).
+const TC_LINKS: &str = "tc-links";
+
+/// Refuses a kernel without tcx (see [`MIN_KERNEL`]).
+fn check_kernel() -> Result<(), DatapathError> {
+    let v = aya::util::KernelVersion::current().map_err(|e| DatapathError::Io {
+        path: PathBuf::from("/proc/sys/kernel/osrelease"),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    if v < aya::util::KernelVersion::new(MIN_KERNEL.0 as u8, MIN_KERNEL.1 as u8, 0) {
+        return Err(DatapathError::KernelTooOld {
+            found: format!("{v:?}"),
+        });
+    }
+    Ok(())
+}
+
+/// Opens every link pinned in `dir` and hands it to `adopt` (which swaps the new program in);
+/// returns the interfaces with the re-opened pins.
+fn adopt_links<Id>(
+    dir: &Path,
+    mut adopt: impl FnMut(FdLink, &Path) -> Result<(), DatapathError>,
+) -> Result<BTreeMap<String, LinkHandle<Id>>, DatapathError> {
+    let mut links = BTreeMap::new();
+    if !dir.exists() {
+        return Ok(links);
+    }
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |e| DatapathError::Io {
+            path,
+            source: std::io::Error::other(e),
+        }
+    };
+    for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
+        let entry = entry.map_err(io_err(dir))?;
+        let path = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let pinned = PinnedLink::from_pin(&path).map_err(io(&path))?;
+        adopt(FdLink::from(pinned), &path)?;
+        // The pin keeps the link (and the new program) attached; re-open it as our handle.
+        let pinned = PinnedLink::from_pin(&path).map_err(io(&path))?;
+        links.insert(name, LinkHandle::Pinned(pinned));
+    }
+    Ok(links)
 }
 
 fn take<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, DatapathError>
@@ -318,6 +426,7 @@ impl Datapath {
             tables,
             config,
             links: BTreeMap::new(),
+            tc_links: BTreeMap::new(),
         };
         // Revision 1: connection-tracking entries start stamped with a real revision.
         dp.control.set_hosts(&mut dp.tables, &[])?;
@@ -348,46 +457,42 @@ impl Datapath {
             config.max_blocks,
             config.grace,
         )?;
-        // Swap the new program into the pinned links.
-        let mut links = BTreeMap::new();
-        let link_dir = dir.join("links");
-        if link_dir.exists() {
+        // Swap the new programs into the pinned links (atomically: bpf_link_update).
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |e| DatapathError::Io {
+                path,
+                source: std::io::Error::other(e),
+            }
+        };
+        let links = adopt_links(&dir.join(XDP_LINKS), |fd, path| {
             let program: &mut Xdp = ebpf
                 .program_mut(PROGRAM_NAME)
                 .ok_or(DatapathError::Missing(PROGRAM_NAME))?
                 .try_into()?;
-            for entry in std::fs::read_dir(&link_dir).map_err(io_err(&link_dir))? {
-                let entry = entry.map_err(io_err(&link_dir))?;
-                let path = entry.path();
-                let name = entry.file_name().to_string_lossy().into_owned();
-                let pinned = PinnedLink::from_pin(&path).map_err(|e| DatapathError::Io {
-                    path: path.clone(),
-                    source: std::io::Error::other(e),
-                })?;
-                let link =
-                    XdpLink::try_from(FdLink::from(pinned)).map_err(|e| DatapathError::Io {
-                        path: path.clone(),
-                        source: std::io::Error::other(e),
-                    })?;
-                let id = program.attach_to_link(link)?;
-                // The pin keeps the link (and the new program) attached; this handle is not
-                // needed.
-                let link = program.take_link(id)?;
-                drop(FdLink::try_from(link).map_err(|e| DatapathError::Io {
-                    path: path.clone(),
-                    source: std::io::Error::other(e),
-                })?);
-                let pinned = PinnedLink::from_pin(&path).map_err(|e| DatapathError::Io {
-                    path: path.clone(),
-                    source: std::io::Error::other(e),
-                })?;
-                links.insert(name, LinkHandle::Pinned(pinned));
-            }
-        }
+            let id = program.attach_to_link(XdpLink::try_from(fd).map_err(io(path))?)?;
+            // The pin keeps the link attached; this handle is not needed.
+            drop(FdLink::try_from(program.take_link(id)?).map_err(io(path))?);
+            Ok(())
+        })?;
+        let tc_links = adopt_links(&dir.join(TC_LINKS), |fd, path| {
+            let program: &mut SchedClassifier = ebpf
+                .program_mut(TC_PROGRAM_NAME)
+                .ok_or(DatapathError::Missing(TC_PROGRAM_NAME))?
+                .try_into()?;
+            let id =
+                program.attach_to_link(SchedClassifierLink::try_from(fd).map_err(io(path))?)?;
+            drop(FdLink::try_from(program.take_link(id)?).map_err(io(path))?);
+            Ok(())
+        })?;
         let report = AdoptReport {
             endpoints: control.endpoints().len(),
             rulesets: control.store().slots_in_use().len(),
-            links: links.keys().cloned().collect(),
+            links: links
+                .keys()
+                .cloned()
+                .chain(tc_links.keys().map(|k| format!("tc:{k}")))
+                .collect(),
             repairs,
         };
         let mut dp = Datapath {
@@ -396,6 +501,7 @@ impl Datapath {
             control,
             config,
             links,
+            tc_links,
         };
         dp.pin_program()?;
         Ok((dp, report))
@@ -414,20 +520,27 @@ impl Datapath {
     /// Removes every pin in `dir` (maps, program, links): the maps disappear once no program
     /// or process uses them, and pinned links detach.
     pub fn remove_pins(dir: &Path) -> Result<(), DatapathError> {
-        for name in MAP_NAMES.iter().copied().chain([PROGRAM_NAME]) {
+        for name in MAP_NAMES
+            .iter()
+            .copied()
+            .chain([PROGRAM_NAME, TC_PROGRAM_NAME])
+        {
             let p = dir.join(name);
             if p.exists() {
                 std::fs::remove_file(&p).map_err(io_err(&p))?;
             }
         }
-        let links = dir.join("links");
-        if links.exists() {
-            std::fs::remove_dir_all(&links).map_err(io_err(&links))?;
+        for sub in [XDP_LINKS, TC_LINKS] {
+            let links = dir.join(sub);
+            if links.exists() {
+                std::fs::remove_dir_all(&links).map_err(io_err(&links))?;
+            }
         }
         Ok(())
     }
 
     fn load(config: &DatapathConfig) -> Result<(Ebpf, KernelTables), DatapathError> {
+        check_kernel()?;
         let mut loader = EbpfLoader::new();
         loader
             .map_max_entries(MAP_IP4, config.ipcache_entries)
@@ -437,7 +550,9 @@ impl Datapath {
             .map_max_entries(MAP_BLOCKS, pairs(config.max_blocks * BLOCK_WORDS))
             .map_max_entries(MAP_POLICY, config.policy_entries)
             .map_max_entries(MAP_CT4, config.ct_entries)
-            .map_max_entries(MAP_CT6, config.ct_entries);
+            .map_max_entries(MAP_CT6, config.ct_entries)
+            .map_max_entries(MAP_SVC, config.svc_entries)
+            .map_max_entries(MAP_IFACE, config.iface_entries);
         if let Some(dir) = &config.pin_dir {
             std::fs::create_dir_all(dir).map_err(io_err(dir))?;
             for name in MAP_NAMES {
@@ -450,6 +565,11 @@ impl Datapath {
             .ok_or(DatapathError::Missing(PROGRAM_NAME))?
             .try_into()?;
         program.load()?;
+        let tc: &mut SchedClassifier = ebpf
+            .program_mut(TC_PROGRAM_NAME)
+            .ok_or(DatapathError::Missing(TC_PROGRAM_NAME))?
+            .try_into()?;
+        tc.load()?;
         let cells: Array<MapData, u64> = take(&mut ebpf, MAP_CELLS)?;
         let blocks: Array<MapData, u64> = take(&mut ebpf, MAP_BLOCKS)?;
         let (cell_words, block_words) = (cells.len() * 2, blocks.len() * 2);
@@ -478,6 +598,8 @@ impl Datapath {
             ct4: take::<HashMap<MapData, Ct4Key, CtEntry>>(&mut ebpf, MAP_CT4)?,
             ct6: take::<HashMap<MapData, CtKey, CtEntry>>(&mut ebpf, MAP_CT6)?,
             state: take::<Array<MapData, State>>(&mut ebpf, MAP_STATE)?,
+            svc: take::<HashMap<MapData, SvcKey, SvcValue>>(&mut ebpf, MAP_SVC)?,
+            iface: take::<HashMap<MapData, u32, IfaceInfo>>(&mut ebpf, MAP_IFACE)?,
             mirror,
         };
         Ok((ebpf, tables))
@@ -486,7 +608,7 @@ impl Datapath {
     /// Pinned maps are opened by path without any check: make sure they are ours.
     fn check_pins(_ebpf: &Ebpf, t: &KernelTables) -> Result<(), DatapathError> {
         use aya::maps::IterableMap as _;
-        let checks: [(&'static str, &MapData, MapType, usize, usize); 9] = [
+        let checks: [(&'static str, &MapData, MapType, usize, usize); 11] = [
             (MAP_IP4, t.ip4.map(), MapType::Hash, 4, size_of::<IpInfo>()),
             (MAP_IP6, t.ip6.map(), MapType::Hash, 16, size_of::<IpInfo>()),
             (
@@ -526,6 +648,20 @@ impl Datapath {
                 4,
                 size_of::<State>(),
             ),
+            (
+                MAP_SVC,
+                t.svc.map(),
+                MapType::Hash,
+                size_of::<SvcKey>(),
+                size_of::<SvcValue>(),
+            ),
+            (
+                MAP_IFACE,
+                t.iface.map(),
+                MapType::Hash,
+                4,
+                size_of::<IfaceInfo>(),
+            ),
         ];
         for (name, map, ty, key, value) in checks {
             let info = map.info()?;
@@ -548,16 +684,21 @@ impl Datapath {
         let Some(dir) = self.config.pin_dir.clone() else {
             return Ok(());
         };
-        let path = dir.join(PROGRAM_NAME);
-        if path.exists() {
-            std::fs::remove_file(&path).map_err(io_err(&path))?;
-        }
-        self.program_mut()?
-            .pin(&path)
-            .map_err(|e| DatapathError::Io {
+        for name in [PROGRAM_NAME, TC_PROGRAM_NAME] {
+            let path = dir.join(name);
+            if path.exists() {
+                std::fs::remove_file(&path).map_err(io_err(&path))?;
+            }
+            let pinned = if name == PROGRAM_NAME {
+                self.program_mut()?.pin(&path)
+            } else {
+                self.tc_program_mut()?.pin(&path)
+            };
+            pinned.map_err(|e| DatapathError::Io {
                 path: path.clone(),
                 source: std::io::Error::other(e),
             })?;
+        }
         Ok(())
     }
 
@@ -583,6 +724,81 @@ impl Datapath {
             .try_into()?)
     }
 
+    /// The loaded TC program.
+    pub fn tc_program(&self) -> Result<&SchedClassifier, DatapathError> {
+        Ok(self
+            .ebpf
+            .program(TC_PROGRAM_NAME)
+            .ok_or(DatapathError::Missing(TC_PROGRAM_NAME))?
+            .try_into()?)
+    }
+
+    fn tc_program_mut(&mut self) -> Result<&mut SchedClassifier, DatapathError> {
+        Ok(self
+            .ebpf
+            .program_mut(TC_PROGRAM_NAME)
+            .ok_or(DatapathError::Missing(TC_PROGRAM_NAME))?
+            .try_into()?)
+    }
+
+    /// Attaches the TC program to an interface's egress (tcx, last in its chain): a local
+    /// endpoint's host-side interface (packets delivered to the pod) or the uplink (packets
+    /// leaving the node). Pinned as `<pin_dir>/tc-links/<iface>` like [`Datapath::attach`].
+    pub fn attach_tc(&mut self, iface: &str) -> Result<(), DatapathError> {
+        let pin_dir = self.config.pin_dir.clone();
+        let program = self.tc_program_mut()?;
+        let id = program.attach_with_options(
+            iface,
+            TcAttachType::Egress,
+            TcAttachOptions::TcxOrder(LinkOrder::default()),
+        )?;
+        let handle = match pin_dir {
+            Some(dir) => {
+                let fd =
+                    FdLink::try_from(program.take_link(id)?).map_err(|e| DatapathError::Io {
+                        path: dir.clone(),
+                        source: std::io::Error::other(e),
+                    })?;
+                LinkHandle::Pinned(pin_link(fd, &dir.join(TC_LINKS), iface)?)
+            }
+            None => LinkHandle::Owned(id),
+        };
+        self.tc_links.insert(iface.to_string(), handle);
+        Ok(())
+    }
+
+    /// Detaches the TC program from an interface (and removes the link's pin).
+    pub fn detach_tc(&mut self, iface: &str) -> Result<(), DatapathError> {
+        match self.tc_links.remove(iface) {
+            Some(LinkHandle::Pinned(pinned)) => {
+                drop(pinned.unpin().map_err(|source| DatapathError::Io {
+                    path: PathBuf::from(iface),
+                    source,
+                })?);
+                Ok(())
+            }
+            Some(LinkHandle::Owned(id)) => Ok(self.tc_program_mut()?.detach(id)?),
+            None => Err(DatapathError::NotAttached(format!("tc:{iface}"))),
+        }
+    }
+
+    /// Interfaces the TC program is attached to.
+    pub fn tc_attached(&self) -> impl Iterator<Item = &str> {
+        self.tc_links.keys().map(String::as_str)
+    }
+
+    /// Runs the TC program once on `frame` as if it had come in on interface
+    /// `ingress_ifindex` (`BPF_PROG_TEST_RUN` with a `__sk_buff` context); returns its verdict
+    /// (`Pass` = `TC_ACT_OK`, `Drop` = `TC_ACT_SHOT`) and the kernel's average duration.
+    pub fn test_run_tc(
+        &self,
+        frame: &[u8],
+        ingress_ifindex: u32,
+        repeat: u32,
+    ) -> Result<(Verdict, Duration), DatapathError> {
+        test_run_tc_program(self.tc_program()?, frame, ingress_ifindex, repeat)
+    }
+
     /// Attaches the program to an interface (a pod's host-side veth, or the node's uplink).
     /// With a pin directory the link is pinned (`<pin_dir>/links/<iface>`) and survives this
     /// process; without one it is detached when the `Datapath` is dropped.
@@ -590,27 +806,18 @@ impl Datapath {
         let pin_dir = self.config.pin_dir.clone();
         let program = self.program_mut()?;
         let id = program.attach(iface, mode)?;
-        match pin_dir {
+        let handle = match pin_dir {
             Some(dir) => {
-                let link = program.take_link(id)?;
-                let fd = FdLink::try_from(link).map_err(|e| DatapathError::Io {
-                    path: dir.clone(),
-                    source: std::io::Error::other(e),
-                })?;
-                let links = dir.join("links");
-                std::fs::create_dir_all(&links).map_err(io_err(&links))?;
-                let path = links.join(iface);
-                let pinned = fd.pin(&path).map_err(|e| DatapathError::Io {
-                    path: path.clone(),
-                    source: std::io::Error::other(e),
-                })?;
-                self.links
-                    .insert(iface.to_string(), LinkHandle::Pinned(pinned));
+                let fd =
+                    FdLink::try_from(program.take_link(id)?).map_err(|e| DatapathError::Io {
+                        path: dir.clone(),
+                        source: std::io::Error::other(e),
+                    })?;
+                LinkHandle::Pinned(pin_link(fd, &dir.join(XDP_LINKS), iface)?)
             }
-            None => {
-                self.links.insert(iface.to_string(), LinkHandle::Owned(id));
-            }
-        }
+            None => LinkHandle::Owned(id),
+        };
+        self.links.insert(iface.to_string(), handle);
         Ok(())
     }
 
@@ -641,7 +848,7 @@ impl Datapath {
         let Some(dir) = &self.config.pin_dir else {
             return Ok(None);
         };
-        let path = dir.join("links").join(iface);
+        let path = dir.join(XDP_LINKS).join(iface);
         let fd = sys::obj_get(&path).map_err(io_err(&path))?;
         use std::os::fd::AsFd as _;
         let index = sys::xdp_link_ifindex(fd.as_fd()).map_err(io_err(&path))?;

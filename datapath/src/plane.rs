@@ -12,12 +12,15 @@
 use std::{collections::BTreeMap, net::IpAddr};
 
 use ipnet::IpNet;
-use ordnet_datapath_common::Decision;
+use ordnet_datapath_common::{
+    Decision, Hook,
+    layout::{IFACE_HAS_V4, IFACE_HAS_V6, IfaceInfo, IpKey, SvcKey},
+};
 use ordnet_mapstate::{ChangeSet, Direction, Verdict};
 
 use crate::{
     DatapathConfig, DatapathError,
-    control::{Control, EndpointAddresses, EndpointSpec, EndpointState},
+    control::{Control, EndpointAddresses, EndpointSpec, EndpointState, ip_key, key_ip},
     flat::RuleSetContent,
     store::{SlotInfo, Store, WriteStats},
     sys,
@@ -46,6 +49,76 @@ pub trait ControlPlane {
     /// This node's addresses.
     fn host_addresses(&self) -> Vec<IpAddr> {
         self.control().hosts().collect()
+    }
+
+    /// Replaces the Service frontends: (address, IP protocol number, port) of every ClusterIP,
+    /// external or load-balancer IP and node address with a NodePort that kube-proxy
+    /// translates. A new flow to one is judged at the TC hook, after translation.
+    fn set_service_frontends(
+        &mut self,
+        frontends: &[(IpAddr, u8, u16)],
+    ) -> Result<WriteStats, DatapathError> {
+        let keys: Vec<SvcKey> = frontends
+            .iter()
+            .map(|(ip, protocol, port)| {
+                let k = ip_key(*ip);
+                SvcKey {
+                    family: k.family as u8,
+                    protocol: *protocol,
+                    port: *port,
+                    addr: k.addr,
+                }
+            })
+            .collect();
+        let (c, w) = self.parts();
+        Ok(c.set_services(w, &keys)?)
+    }
+
+    /// The Service frontends as (address, IP protocol number, port), sorted.
+    fn service_frontends(&self) -> Vec<(IpAddr, u8, u16)> {
+        let mut out: Vec<(IpAddr, u8, u16)> = self
+            .control()
+            .services()
+            .iter()
+            .map(|k| (key_ip(&IpKey::new(k.family, k.addr)), k.protocol, k.port))
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Records (`Some(addresses)`) or forgets (`None`) the host-side interface `ifindex` of local
+    /// endpoint `endpoint`, with the endpoint's addresses (one per family is used): the TC hook
+    /// attributes a packet that came in on it to the endpoint even when its source address was
+    /// rewritten (kube-proxy's masquerade).
+    fn set_interface(
+        &mut self,
+        ifindex: u32,
+        endpoint: u32,
+        addresses: Option<&[IpAddr]>,
+    ) -> Result<WriteStats, DatapathError> {
+        let info = addresses.map(|ips| {
+            let mut info = IfaceInfo {
+                endpoint,
+                ..IfaceInfo::default()
+            };
+            for ip in ips {
+                let k = ip_key(*ip);
+                match ip {
+                    IpAddr::V4(_) if info.flags & IFACE_HAS_V4 == 0 => {
+                        info.flags |= IFACE_HAS_V4;
+                        info.addr4 = k.addr[0];
+                    }
+                    IpAddr::V6(_) if info.flags & IFACE_HAS_V6 == 0 => {
+                        info.flags |= IFACE_HAS_V6;
+                        info.addr6 = k.addr;
+                    }
+                    _ => {}
+                }
+            }
+            info
+        });
+        let (c, w) = self.parts();
+        Ok(c.set_interface(w, ifindex, info)?)
     }
 
     /// Sets the identity of a network: a single address (remote pod, node) or a CIDR.
@@ -155,9 +228,21 @@ pub trait ControlPlane {
 
     /// The same with a caller-owned connection-tracking table (to follow a packet sequence).
     fn decide_with(&self, frame: &[u8], ct: &UserCt) -> Decision {
-        ordnet_datapath_common::decide(
+        self.decide_at(frame, Hook::Xdp, ct)
+    }
+
+    /// The TC program's decision function run in userspace: a forwarded packet that came in on
+    /// interface `ingress_ifindex`, seen after netfilter (Service translation, source NAT).
+    fn decide_tc(&self, frame: &[u8], ingress_ifindex: u32) -> Decision {
+        self.decide_at(frame, Hook::Tc { ingress_ifindex }, &UserCt::default())
+    }
+
+    /// The decision at `hook` with a caller-owned connection-tracking table.
+    fn decide_at(&self, frame: &[u8], hook: Hook, ct: &UserCt) -> Decision {
+        ordnet_datapath_common::decide_at(
             &ordnet_datapath_common::parse(frame),
             &self.tables().with_ct(ct),
+            hook,
         )
     }
 }

@@ -51,7 +51,7 @@ pub struct WriteStats {
     pub cell_writes: u32,
     /// Block word writes.
     pub block_writes: u32,
-    /// ipcache / CIDR writes.
+    /// ipcache / CIDR / Service frontend / interface writes.
     pub ip_writes: u32,
     /// Batches (one syscall each in the kernel writer).
     pub batches: u32,
@@ -77,7 +77,11 @@ impl WriteStats {
                 Write::IpUpsert(..)
                 | Write::IpDelete(..)
                 | Write::CidrUpsert(..)
-                | Write::CidrDelete(..) => self.ip_writes += 1,
+                | Write::CidrDelete(..)
+                | Write::SvcUpsert(..)
+                | Write::SvcDelete(..)
+                | Write::IfaceUpsert(..)
+                | Write::IfaceDelete(..) => self.ip_writes += 1,
                 Write::State(_) => {}
             }
         }

@@ -16,8 +16,8 @@ use std::{
 use ordnet_datapath_common::{
     DatapathMaps, addr_bytes, addr_words,
     layout::{
-        BLOCK_WORDS, CELL_REFINED, CELLS_PER_RULESET, CtEntry, CtKey, IpInfo, IpKey, PolicyKey,
-        PolicyValue, State,
+        BLOCK_WORDS, CELL_REFINED, CELLS_PER_RULESET, CtEntry, CtKey, IfaceInfo, IpInfo, IpKey,
+        PolicyKey, PolicyValue, State, SvcKey,
     },
     lookup::PolicyMaps,
 };
@@ -35,6 +35,12 @@ pub enum Write {
     CidrDelete(IpKey, u32),
     /// The global state (revision and clock parameters).
     State(State),
+    /// A Service frontend appears or goes.
+    SvcUpsert(SvcKey),
+    SvcDelete(SvcKey),
+    /// A local endpoint's interface appears, changes or goes.
+    IfaceUpsert(u32, IfaceInfo),
+    IfaceDelete(u32),
 }
 
 /// Errors of a table write.
@@ -78,6 +84,10 @@ pub struct MemTables {
     pub blocks: Vec<u32>,
     pub policy: HashMap<PolicyKey, PolicyValue>,
     pub state: State,
+    /// Service frontends.
+    pub services: std::collections::BTreeSet<SvcKey>,
+    /// Interfaces of local endpoints, by index.
+    pub ifaces: BTreeMap<u32, IfaceInfo>,
 }
 
 impl MemTables {
@@ -123,6 +133,18 @@ impl MemTables {
                 }
             }
             Write::State(s) => self.state = s,
+            Write::SvcUpsert(k) => {
+                self.services.insert(k);
+            }
+            Write::SvcDelete(k) => {
+                self.services.remove(&k);
+            }
+            Write::IfaceUpsert(i, v) => {
+                self.ifaces.insert(i, v);
+            }
+            Write::IfaceDelete(i) => {
+                self.ifaces.remove(&i);
+            }
         }
     }
 
@@ -200,6 +222,8 @@ impl MemTables {
         CanonicalTables {
             ipcache,
             cidr: self.cidr.clone(),
+            services: self.services.clone(),
+            ifaces: self.ifaces.clone(),
         }
     }
 
@@ -246,6 +270,8 @@ impl PolicyMaps for MemTables {
 pub struct CanonicalTables {
     pub ipcache: BTreeMap<IpKey, CanonicalRecord>,
     pub cidr: BTreeMap<(IpKey, u32), IpInfo>,
+    pub services: std::collections::BTreeSet<SvcKey>,
+    pub ifaces: BTreeMap<u32, IfaceInfo>,
 }
 
 /// An ipcache record with its rule sets resolved: `(default, rule set)` per direction.
@@ -344,5 +370,13 @@ impl DatapathMaps for Mirror<'_> {
             let hz = self.tables.state.hz.max(1);
             (u128::from(monotonic_ns()) * u128::from(hz) / 1_000_000_000) as u64
         })
+    }
+
+    fn service(&self, key: &SvcKey) -> bool {
+        self.tables.services.contains(key)
+    }
+
+    fn interface(&self, ifindex: u32) -> Option<IfaceInfo> {
+        self.tables.ifaces.get(&ifindex).copied()
     }
 }

@@ -1020,6 +1020,82 @@ fn world_expect(w: &World, frame: &[u8]) -> XdpAction {
     PASS
 }
 
+/// Interface indexes of the TC differential test: A's and B's host-side interfaces (in the
+/// interface map) and an uplink (not in it).
+const IF_A: u32 = 11;
+const IF_B: u32 = 12;
+const IF_UPLINK: u32 = 13;
+
+/// The TC hook's verdict for a frame that came in on `ifindex`, derived from the MapStates
+/// independently of the datapath (docs/datapath.md §14): like [`world_expect`], except that a
+/// packet whose source is not a local endpoint but that came in on A's or B's interface is that
+/// endpoint's, and a node source address (rewritten: the node's own packets never reach the
+/// hook) is not exempt but judged with the identity the world gives it.
+fn world_expect_tc(w: &World, frame: &[u8], ifindex: u32) -> XdpAction {
+    let p = match parse(frame) {
+        Err(_) => return DROP,
+        Ok(Parsed::NotIp { .. }) => return PASS,
+        Ok(Parsed::Ip(p)) => p,
+    };
+    if p.fragment == ordnet_datapath::common::Fragment::Subsequent {
+        return PASS;
+    }
+    if p.ip_version == 6
+        && p.protocol == 58
+        && p.fragment == ordnet_datapath::common::Fragment::No
+        && p.hop_limit == 255
+        && (133..=137).contains(&p.icmp6_type)
+    {
+        return PASS;
+    }
+    let addr = |a: [u32; 4]| -> IpAddr {
+        let a = ordnet_datapath::common::addr_bytes(a);
+        if p.ip_version == 4 {
+            IpAddr::from([a[0], a[1], a[2], a[3]])
+        } else {
+            IpAddr::from(a)
+        }
+    };
+    let (mut src, dst) = (addr(p.src), addr(p.dst));
+    if local_states(w, src).is_none() {
+        let v6 = p.ip_version == 6;
+        match ifindex {
+            IF_A => src = ip(if v6 { A6 } else { A4 }),
+            IF_B => src = ip(if v6 { B6 } else { B4 }),
+            _ => {}
+        }
+    }
+    let (ls, ld) = (local_states(w, src), local_states(w, dst));
+    if ls.is_none() && ld.is_none() {
+        return PASS;
+    }
+    if dst == ip(HOST4) || dst == ip(HOST6) {
+        return PASS;
+    }
+    if let (Some(s), Some(d)) = (ls, ld)
+        && std::ptr::eq(s, d)
+    {
+        return PASS;
+    }
+    if let Some(s) = ls
+        && s[1]
+            .lookup(world_identity(dst), p.protocol, p.dport)
+            .verdict()
+            == Verdict::Deny
+    {
+        return DROP;
+    }
+    if let Some(d) = ld
+        && d[0]
+            .lookup(world_identity(src), p.protocol, p.dport)
+            .verdict()
+            == Verdict::Deny
+    {
+        return DROP;
+    }
+    PASS
+}
+
 fn random_address(rng: &mut Rng, v6: bool) -> IpAddr {
     let pool4 = [
         A4,
@@ -1136,11 +1212,14 @@ fn differential_random_mapstates() {
     }
     let mut dp = create();
     world_setup(&mut dp);
+    dp.set_interface(IF_A, 1, Some(&[ip(A4), ip(A6)])).unwrap();
+    dp.set_interface(IF_B, 2, Some(&[ip(B4), ip(B6)])).unwrap();
     let mut rng = Rng::new(0xd1ff_5eed);
     const SCENARIOS: usize = 30;
     const PACKETS: usize = 800;
-    let (mut total, mut passed) = (0usize, 0usize);
+    let (mut total, mut passed, mut tc_total, mut tc_refused) = (0usize, 0usize, 0usize, 0usize);
     let mut reasons = std::collections::BTreeMap::<String, usize>::new();
+    let mut tc_reasons = std::collections::BTreeMap::<String, usize>::new();
     for scenario in 0..SCENARIOS {
         let world = World {
             a: [
@@ -1172,6 +1251,33 @@ fn differential_random_mapstates() {
                 [world.a[0].iter(), world.a[1].iter()],
                 [world.b[0].iter(), world.b[1].iter()],
             );
+            // The same frame at the TC hook, as come in on A's, B's or an unknown interface.
+            // The kernel refuses (EINVAL) to make a sk_buff of a frame whose IP header is cut
+            // short; the stack never hands such a packet to the TC hook either.
+            dp.ct_clear().unwrap();
+            let ifindex = rng.pick(&[IF_A, IF_B, IF_UPLINK]);
+            let tc_kernel = match dp.test_run_tc(&f, ifindex, 1) {
+                Ok((v, _)) => v,
+                Err(e) if format!("{e:?}").contains("InvalidInput") => {
+                    tc_refused += 1;
+                    continue;
+                }
+                Err(e) => panic!("tc test run of {} bytes {f:02x?}: {e:?}", f.len()),
+            };
+            let tc_user = dp.decide_tc(&f, ifindex);
+            let tc_want = world_expect_tc(&world, &f, ifindex);
+            tc_total += 1;
+            assert!(
+                XdpAction::from(tc_kernel) == tc_want
+                    && XdpAction::from(tc_user.verdict) == tc_want,
+                "scenario {scenario} packet {i} at TC (ifindex {ifindex}): expected {tc_want:?}, \
+                 kernel {tc_kernel:?}, userspace {tc_user:?}\nparse {:?}",
+                parse(&f[..]),
+            );
+            *tc_reasons
+                .entry(format!("{:?}", tc_user.reason))
+                .or_default() += 1;
+            dp.ct_clear().unwrap();
             // Allowed UDP/SCTP creates tracking state that would make a later reverse packet a
             // reply: start every packet from an empty table.
             if kernel == PASS
@@ -1189,6 +1295,24 @@ fn differential_random_mapstates() {
         "xdp_testrun: differential: {total} packets over {SCENARIOS} random MapState sets, \
          kernel == userspace == MapState ({passed} PASS); reasons {reasons:?}"
     );
+    println!(
+        "xdp_testrun: differential at the TC hook: {tc_total} packets, kernel == userspace == \
+         MapState ({tc_refused} truncated frames the kernel refuses as a sk_buff); reasons \
+         {tc_reasons:?}"
+    );
+    assert!(tc_refused < tc_total / 10, "{tc_refused} refused");
+    for reason in [
+        "Allowed",
+        "EgressDenied",
+        "IngressDenied",
+        "SameEndpoint",
+        "NotLocal",
+    ] {
+        assert!(
+            tc_reasons.contains_key(reason),
+            "no {reason} at TC: {tc_reasons:?}"
+        );
+    }
     assert!(
         passed > total / 5 && passed < total * 4 / 5,
         "{passed} of {total}"
@@ -1998,4 +2122,266 @@ fn memory_grows_with_distinct_policies_not_endpoints() {
     // What does grow: one ipcache record per address.
     assert!(get(&thousand, "ORDNET_IP4") > get(&one, "ORDNET_IP4"));
     assert!((thousand.total - one.total) / 999 < 512);
+}
+
+// ------------------------------------------------------------------ Service translation
+
+/// A flow to a Service frontend as kube-proxy translates it, packet by packet through both
+/// hooks (kernel programs through BPF_PROG_TEST_RUN and userspace with its own tracking table,
+/// which must agree on every packet): the XDP hook defers the untranslated packets, the TC hook
+/// judges the translated ones with the backend as the destination, the replies pass both ways,
+/// a masqueraded hairpin is the pod's own traffic, a source rewritten to the node's address is
+/// judged (not exempt), and without the frontend the XDP hook judges the untranslated packet.
+#[test]
+fn service_flows_are_judged_after_translation() {
+    if !privileged() {
+        return;
+    }
+    const IF_C: u32 = 14;
+    for v6 in [false, true] {
+        let mut dp = create();
+        world_setup(&mut dp);
+        let a = ip(if v6 { A6 } else { A4 });
+        let b = ip(if v6 { B6 } else { B4 });
+        let c = ip(if v6 { "fd00::4" } else { "10.0.0.4" });
+        let host = ip(if v6 { HOST6 } else { HOST4 });
+        let vip = |i: u8| {
+            ip(&if v6 {
+                format!("fd96::{i}")
+            } else {
+                format!("10.96.0.{i}")
+            })
+        };
+        let (vip_b, vip_c, vip_a) = (vip(10), vip(20), vip(30));
+        let tcp8080 = L4Match::port(Protocol::Tcp, 8080);
+        // A: ingress open, egress only TCP 8080 to B (identity 4). B: ingress only A (identity
+        // 2) on TCP 8080, egress open. C: ingress isolated (nothing), egress open.
+        let a_egress = ms(
+            Direction::Egress,
+            Verdict::Deny,
+            &[(Selector::ids([4]), tcp8080, Verdict::Allow)],
+        );
+        let b_ingress = ms(
+            Direction::Ingress,
+            Verdict::Deny,
+            &[(Selector::ids([2]), tcp8080, Verdict::Allow)],
+        );
+        let isolated = MapState::new(Direction::Ingress, Verdict::Deny);
+        let (a_ips, b_ips, c_ips) = ([a], [b], [c]);
+        dp.update_endpoints(&[
+            (
+                1,
+                EndpointSpec {
+                    ips: &a_ips,
+                    identity: 2,
+                    identities: &[],
+                    ingress: &open(Direction::Ingress),
+                    egress: &a_egress,
+                },
+            ),
+            (
+                2,
+                EndpointSpec {
+                    ips: &b_ips,
+                    identity: 4,
+                    identities: &[],
+                    ingress: &b_ingress,
+                    egress: &open(Direction::Egress),
+                },
+            ),
+            (
+                3,
+                EndpointSpec {
+                    ips: &c_ips,
+                    identity: 5,
+                    identities: &[],
+                    ingress: &isolated,
+                    egress: &open(Direction::Egress),
+                },
+            ),
+        ])
+        .unwrap();
+        dp.set_interface(IF_A, 1, Some(&a_ips)).unwrap();
+        dp.set_interface(IF_B, 2, Some(&b_ips)).unwrap();
+        dp.set_interface(IF_C, 3, Some(&c_ips)).unwrap();
+        dp.set_service_frontends(&[(vip_b, 6, 80), (vip_c, 6, 80), (vip_a, 6, 80)])
+            .unwrap();
+        let ct = UserCt::default();
+        let mut steps = 0;
+        // One packet at one hook (None = XDP, Some(ifindex) = TC): kernel, userspace and the
+        // expectation agree.
+        let mut step = |dp: &Datapath,
+                        what: &str,
+                        hook: Option<u32>,
+                        f: Vec<u8>,
+                        want: XdpAction,
+                        reason: Reason| {
+            let (kernel, user) = match hook {
+                None => (
+                    dp.test_run(&f).unwrap().action,
+                    dp.decide_at(&f, ordnet_datapath::common::Hook::Xdp, &ct),
+                ),
+                Some(ingress_ifindex) => (
+                    XdpAction::from(dp.test_run_tc(&f, ingress_ifindex, 1).unwrap().0),
+                    dp.decide_at(
+                        &f,
+                        ordnet_datapath::common::Hook::Tc { ingress_ifindex },
+                        &ct,
+                    ),
+                ),
+            };
+            assert_eq!(
+                (kernel, XdpAction::from(user.verdict), user.reason),
+                (want, want, reason),
+                "IPv{} {what}",
+                if v6 { 6 } else { 4 }
+            );
+            steps += 1;
+        };
+        let syn = |sport, dport| tcp_flags(sport, dport, TCP_SYN);
+        let synack = |sport, dport| tcp_flags(sport, dport, TCP_SYN | TCP_ACK);
+        let ack = |sport, dport| tcp_flags(sport, dport, TCP_ACK);
+        // A -> VIP_B:80, translated to B:8080: egress of A and ingress of B, on the backend.
+        step(
+            &dp,
+            "A -> VIP_B SYN at XDP: deferred",
+            None,
+            frame(a, vip_b, syn(40000, 80)),
+            PASS,
+            Reason::ServiceFrontend,
+        );
+        step(
+            &dp,
+            "A -> B:8080 SYN at TC: judged",
+            Some(IF_A),
+            frame(a, b, syn(40000, 8080)),
+            PASS,
+            Reason::Allowed,
+        );
+        step(
+            &dp,
+            "B -> A SYN-ACK at XDP (B's interface): a reply",
+            None,
+            frame(b, a, synack(8080, 40000)),
+            PASS,
+            Reason::Reply,
+        );
+        step(
+            &dp,
+            "VIP_B -> A SYN-ACK at TC (A's interface): the deferred flow",
+            Some(IF_B),
+            frame(vip_b, a, synack(80, 40000)),
+            PASS,
+            Reason::ServiceFlow,
+        );
+        step(
+            &dp,
+            "A -> VIP_B ACK at XDP",
+            None,
+            frame(a, vip_b, ack(40000, 80)),
+            PASS,
+            Reason::ServiceFlow,
+        );
+        step(
+            &dp,
+            "A -> B:8080 ACK at TC",
+            Some(IF_A),
+            frame(a, b, ack(40000, 8080)),
+            PASS,
+            Reason::Established,
+        );
+        // The ingress bypass of issue 11: B -> VIP_C:80, translated to the isolated C.
+        step(
+            &dp,
+            "B -> VIP_C SYN at XDP: deferred",
+            None,
+            frame(b, vip_c, syn(40001, 80)),
+            PASS,
+            Reason::ServiceFrontend,
+        );
+        step(
+            &dp,
+            "B -> C:80 SYN at TC: C's ingress denies",
+            Some(IF_B),
+            frame(b, c, syn(40001, 80)),
+            DROP,
+            Reason::IngressDenied,
+        );
+        // Hairpin: A -> VIP_A:80 back to A, masqueraded to the node's address.
+        step(
+            &dp,
+            "A -> VIP_A SYN at XDP: deferred",
+            None,
+            frame(a, vip_a, syn(40002, 80)),
+            PASS,
+            Reason::ServiceFrontend,
+        );
+        step(
+            &dp,
+            "node(masq) -> A:80 at TC from A's interface: A's own traffic",
+            Some(IF_A),
+            frame(host, a, syn(40002, 80)),
+            PASS,
+            Reason::SameEndpoint,
+        );
+        // A NodePort (externalTrafficPolicy Cluster) from outside: source rewritten to the node.
+        step(
+            &dp,
+            "node(masq) -> B:8080 at TC from the uplink: judged, B denies",
+            Some(IF_UPLINK),
+            frame(host, b, syn(50000, 8080)),
+            DROP,
+            Reason::IngressDenied,
+        );
+        // ... with the client address kept (Local): judged with the client's identity.
+        step(
+            &dp,
+            "remote 1 -> B:8080 at TC from the uplink",
+            Some(IF_UPLINK),
+            frame(remote(1, v6), b, syn(50001, 8080)),
+            DROP,
+            Reason::IngressDenied,
+        );
+        step(
+            &dp,
+            "A -> B:8080 at TC, source rewritten to the node, from A's interface",
+            Some(IF_A),
+            frame(host, b, syn(40003, 8080)),
+            PASS,
+            Reason::Allowed,
+        );
+        // The node's own connection to C (no TC judgement: ingress_ifindex 0 is passed by the
+        // program before deciding; the userspace function is not called for it).
+        let (k, _) = dp
+            .test_run_tc(&frame(host, c, syn(50002, 80)), 0, 1)
+            .unwrap();
+        assert_eq!(XdpAction::from(k), PASS, "the node's own packet");
+        // Without the frontend, the XDP hook judges the untranslated packet (A may not send to
+        // the VIP's "world" identity): fail closed.
+        dp.set_service_frontends(&[(vip_c, 6, 80), (vip_a, 6, 80)])
+            .unwrap();
+        step(
+            &dp,
+            "A -> VIP_B SYN at XDP without the frontend: A's egress denies",
+            None,
+            frame(a, vip_b, syn(40004, 80)),
+            DROP,
+            Reason::EgressDenied,
+        );
+        // UDP and SCTP frontends are keyed by their protocol.
+        step(
+            &dp,
+            "A -> VIP_C UDP at XDP: not a frontend of UDP",
+            None,
+            frame(a, vip_c, udp_ports(40005, 80)),
+            DROP,
+            Reason::EgressDenied,
+        );
+        assert_eq!(dp.service_frontends().len(), 2);
+        assert_eq!(dp.verify().unwrap(), Vec::<String>::new(), "maps == mirror");
+        println!(
+            "xdp_testrun: Service flows IPv{}: {steps} packets through XDP and TC, kernel == userspace",
+            if v6 { 6 } else { 4 }
+        );
+    }
 }

@@ -378,10 +378,7 @@ fn unenforceable_rules_fail_closed() {
     out.problems.clear();
     let e = Engine::build(&out.objects);
     assert!(e.errors().is_empty(), "{:?}", e.errors());
-    let failed: Vec<String> = e
-        .failed_rules()
-        .map(|(p, r)| format!("{p}: {r}"))
-        .collect();
+    let failed: Vec<String> = e.failed_rules().map(|(p, r)| format!("{p}: {r}")).collect();
     assert_eq!(
         failed,
         [
@@ -398,9 +395,27 @@ fn unenforceable_rules_fail_closed() {
             (false, pod("y", "c"), pod("x", "a"), Protocol::Udp, 53),
             // y/c: UDP 53 allowed by rule 0, everything else denied by the failed Deny (rule
             // 1), which comes before the Allow-everything rule 2.
-            (true, pod("y", "c"), FlowEnd::Ip("192.0.2.1".parse().unwrap()), Protocol::Udp, 53),
-            (false, pod("y", "c"), FlowEnd::Ip("192.0.2.1".parse().unwrap()), Protocol::Tcp, 80),
-            (true, FlowEnd::Ip("192.0.2.1".parse().unwrap()), pod("y", "c"), Protocol::Tcp, 80),
+            (
+                true,
+                pod("y", "c"),
+                FlowEnd::Ip("192.0.2.1".parse().unwrap()),
+                Protocol::Udp,
+                53,
+            ),
+            (
+                false,
+                pod("y", "c"),
+                FlowEnd::Ip("192.0.2.1".parse().unwrap()),
+                Protocol::Tcp,
+                80,
+            ),
+            (
+                true,
+                FlowEnd::Ip("192.0.2.1".parse().unwrap()),
+                pod("y", "c"),
+                Protocol::Tcp,
+                80,
+            ),
         ],
     );
 }

@@ -13,9 +13,14 @@
 //! | [`MAP_POLICY`] | hash, no prealloc | [`PolicyKey`] (rule set, identity, prefix) → [`PolicyValue`] |
 //! | [`MAP_CT4`], [`MAP_CT6`] | LRU hash | canonical 5-tuple ([`Ct4Key`] / [`CtKey`]) → [`CtEntry`] |
 //! | [`MAP_STATE`] | array, 1 entry | 0 → [`State`] (global policy revision) |
+//! | [`MAP_SVC`] | hash, no prealloc | [`SvcKey`] (Service frontend: address, protocol, port) → [`SvcValue`] |
+//! | [`MAP_IFACE`] | hash, no prealloc | interface index (a local endpoint's host-side interface) → [`IfaceInfo`] |
 
 /// Name of the XDP program in the eBPF object.
 pub const PROGRAM_NAME: &str = "ordnet_xdp";
+/// Name of the TC (tcx egress) program in the eBPF object: the post-translation hook, on every
+/// local endpoint's host-side interface and on the uplink (`docs/datapath.md` §14).
+pub const TC_PROGRAM_NAME: &str = "ordnet_tc";
 
 /// ipcache, exact part, IPv4: one address (every /32: pods, nodes, local endpoints). Keyed by
 /// the address word alone: a 4-byte key hashes and compares much faster than an [`IpKey`].
@@ -36,6 +41,14 @@ pub const MAP_CT4: &str = "ORDNET_CT4";
 pub const MAP_CT6: &str = "ORDNET_CT6";
 /// Global state: the policy revision.
 pub const MAP_STATE: &str = "ORDNET_STATE";
+/// Service frontends (ClusterIPs, external and load-balancer IPs, node addresses with a
+/// NodePort): a new flow to one is not judged by the XDP program (kube-proxy translates it after
+/// XDP) but tracked as deferred; the TC program judges it once translated.
+pub const MAP_SVC: &str = "ORDNET_SVC";
+/// Host-side interfaces of local endpoints: the TC program attributes a forwarded packet whose
+/// source address was rewritten (kube-proxy's masquerade: hairpin, `masqueradeAll`) to the
+/// endpoint it came from.
+pub const MAP_IFACE: &str = "ORDNET_IFACE";
 
 /// Default capacities (userspace can override them at load time).
 pub const DEFAULT_IPCACHE_ENTRIES: u32 = 65_536;
@@ -44,6 +57,8 @@ pub const DEFAULT_MAX_RULESETS: u32 = 512;
 pub const DEFAULT_MAX_BLOCKS: u32 = 2_048;
 pub const DEFAULT_POLICY_ENTRIES: u32 = 262_144;
 pub const DEFAULT_CT_ENTRIES: u32 = 65_536;
+pub const DEFAULT_SVC_ENTRIES: u32 = 65_536;
+pub const DEFAULT_IFACE_ENTRIES: u32 = 4_096;
 
 /// Verdict encoding in [`PolicyValue::verdict`] and [`PolicyRef::default`]. Zero (what an
 /// unwritten value holds) and every other value mean deny: fail closed.
@@ -325,6 +340,57 @@ impl Ct4Key {
 
 /// [`CtEntry::flags`]: the flow was opened by side `a` (else by side `b`).
 pub const CT_INITIATOR_A: u32 = 1;
+/// [`CtEntry::flags`]: a flow to a Service frontend, passed by the XDP program without a
+/// verdict (the TC program judges it after kube-proxy's translation, under its own entry for
+/// the translated tuple). Such an entry only lets the flow's packets reach that judgement and
+/// the translated replies (source: the frontend) reach the client; it is never re-checked
+/// against policy.
+pub const CT_SERVICE: u32 = 2;
+
+/// Key of [`MAP_SVC`]: one Service frontend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct SvcKey {
+    /// [`FAMILY_V4`] or [`FAMILY_V6`].
+    pub family: u8,
+    /// IP protocol (TCP, UDP, SCTP).
+    pub protocol: u8,
+    /// The frontend port (host order).
+    pub port: u16,
+    /// Memory-order address words, as in [`IpKey::addr`].
+    pub addr: [u32; 4],
+}
+
+/// Value of [`MAP_SVC`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct SvcValue {
+    /// `SVC_*` flags (non-zero: a frontend).
+    pub flags: u32,
+}
+
+/// [`SvcValue::flags`]: a frontend.
+pub const SVC_FRONTEND: u32 = 1;
+
+/// Value of [`MAP_IFACE`]: the endpoint behind an interface and its addresses (the TC program
+/// reads the endpoint's record from the ipcache by the address of the packet's family).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct IfaceInfo {
+    /// The local endpoint's id (non-zero).
+    pub endpoint: u32,
+    /// `IFACE_HAS_V4` / `IFACE_HAS_V6`.
+    pub flags: u32,
+    /// The endpoint's IPv4 address (memory-order word), when it has one.
+    pub addr4: u32,
+    /// The endpoint's IPv6 address (memory-order words), when it has one.
+    pub addr6: [u32; 4],
+}
+
+/// [`IfaceInfo::flags`]: `addr4` is set.
+pub const IFACE_HAS_V4: u32 = 1;
+/// [`IfaceInfo::flags`]: `addr6` is set.
+pub const IFACE_HAS_V6: u32 = 2;
 
 /// Value of [`MAP_CT`].
 #[repr(C)]
@@ -376,6 +442,9 @@ const _: () = {
     assert!(core::mem::size_of::<Ct4Key>() == 16);
     assert!(core::mem::size_of::<CtEntry>() == 24);
     assert!(core::mem::size_of::<State>() == 48);
+    assert!(core::mem::size_of::<SvcKey>() == 20);
+    assert!(core::mem::size_of::<SvcValue>() == 4);
+    assert!(core::mem::size_of::<IfaceInfo>() == 28);
 };
 
 // SAFETY: all of these are `repr(C)`, `Copy`, made only of integers and integer arrays, with
@@ -393,4 +462,7 @@ mod pod {
     unsafe impl aya::Pod for Ct4Key {}
     unsafe impl aya::Pod for CtEntry {}
     unsafe impl aya::Pod for State {}
+    unsafe impl aya::Pod for SvcKey {}
+    unsafe impl aya::Pod for SvcValue {}
+    unsafe impl aya::Pod for IfaceInfo {}
 }

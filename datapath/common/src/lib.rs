@@ -5,9 +5,10 @@
 //! * [`parse()`]: the packet parser. It is generic over [`Frame`], so the *same* code runs in the
 //!   kernel (over the XDP packet, bounds-checked against `data_end`) and on the host (over a
 //!   byte slice).
-//! * [`lookup::policy_lookup`]: the policy lookup on the flattened maps, and [`decide`]: the
-//!   whole per-packet decision (ipcache, exemptions, connection tracking, egress and ingress
-//!   policy). Both are generic over the map access traits ([`lookup::PolicyMaps`],
+//! * [`lookup::policy_lookup`]: the policy lookup on the flattened maps, and [`decide_at`]: the
+//!   whole per-packet decision (ipcache, exemptions, connection tracking, Service frontends,
+//!   egress and ingress policy) at either hook ([`Hook::Xdp`] before netfilter, [`Hook::Tc`]
+//!   after it; [`decide`] is the XDP one). Both are generic over the map access traits ([`lookup::PolicyMaps`],
 //!   [`DatapathMaps`]); the kernel implements them over its BPF maps, userspace over its
 //!   in-memory copy or the live maps. Host tools and tests that call these functions therefore
 //!   compute exactly the verdict the kernel computes: there is no second implementation that
@@ -41,8 +42,8 @@ pub use parse::{
     ParseError, Parsed, addr_bytes, addr_words, ipv4_in_16, parse,
 };
 pub use verdict::{
-    DatapathMaps, Decision, Reason, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, Verdict, ct_key, decide,
-    neighbor_discovery, tracked,
+    DatapathMaps, Decision, Hook, Reason, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, Verdict, ct_key,
+    decide, decide_at, neighbor_discovery, tracked,
 };
 
 #[cfg(test)]

@@ -561,6 +561,8 @@ struct Mock {
     ct: RefCell<HashMap<CtKey, CtEntry>>,
     now: Cell<u64>,
     reads: Cell<usize>,
+    services: std::collections::HashSet<SvcKey>,
+    ifaces: HashMap<u32, IfaceInfo>,
 }
 
 impl Mock {
@@ -619,6 +621,14 @@ impl DatapathMaps for Mock {
     }
     fn now(&self) -> u64 {
         self.now.get()
+    }
+    fn service(&self, key: &SvcKey) -> bool {
+        self.read();
+        self.services.contains(key)
+    }
+    fn interface(&self, ifindex: u32) -> Option<IfaceInfo> {
+        self.read();
+        self.ifaces.get(&ifindex).copied()
     }
 }
 
@@ -742,12 +752,13 @@ fn decide_without_lookups() {
     craft::set_ipv4_fragment(&mut later, 14, false, 3);
     assert_eq!(decide(&p(&later), &m).reason, Reason::LaterFragment);
     assert_eq!(m.reads.get(), 0, "no map read for these");
-    // Neither side local: two ipcache reads, nothing else.
+    // Neither side local: the Service frontend lookup (a new TCP flow at XDP) and two ipcache
+    // reads, nothing else.
     assert_eq!(
         run(&m, REMOTE, WORLD, tcp(1, 22, TCP_SYN)).reason,
         Reason::NotLocal
     );
-    assert_eq!(m.reads.get(), 2);
+    assert_eq!(m.reads.get(), 3);
     assert!(m.ct.borrow().is_empty());
 }
 

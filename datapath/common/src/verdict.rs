@@ -12,6 +12,16 @@
 //!   passes (this is checked first: one lookup); a stale one is re-checked in its original
 //!   direction (allowed: restamped and passed; denied: entry deleted, packet dropped). A TCP
 //!   packet with SYN and without ACK is always a new connection attempt and always checked;
+//! * [`Hook::Xdp`] only: a new TCP/UDP/SCTP flow to a Service frontend ([`MAP_SVC`]: kube-proxy
+//!   translates it after XDP) passes unjudged and is tracked as deferred ([`CT_SERVICE`]); its
+//!   translated packets are judged at [`Hook::Tc`], where the destination is the backend. A
+//!   deferred entry passes the flow's own packets and the translated replies (source: the
+//!   frontend), nothing else, and is never re-checked;
+//! * [`Hook::Tc`] only: a packet whose source address is not a local endpoint but that came in
+//!   on a local endpoint's interface ([`MAP_IFACE`]: kube-proxy masqueraded it, e.g. hairpin) is
+//!   that endpoint's; a source address of this node is exempt only for the node's own traffic
+//!   (the caller passes locally generated packets before calling), so a forwarded packet whose
+//!   source was rewritten to a node address is judged with that address's identity;
 //! * otherwise the policy decides: egress of the source when it is a local endpoint, ingress of
 //!   the destination when it is a local endpoint, both must allow. An allowed TCP/UDP/SCTP packet
 //!   creates (or refreshes) the tracking entry; a denied one creates nothing.
@@ -19,9 +29,27 @@
 use crate::{
     Fragment, ICMPV6_REDIRECT, ICMPV6_ROUTER_SOLICITATION, IPPROTO_ICMPV6, IPPROTO_SCTP,
     IPPROTO_TCP, IPPROTO_UDP, IpPacket, ND_HOP_LIMIT, ParseError, Parsed,
-    layout::{CT_INITIATOR_A, CtEntry, CtKey, IpInfo, IpKey, PolicyRef, State},
+    layout::{
+        CT_INITIATOR_A, CT_SERVICE, CtEntry, CtKey, FAMILY_V4, IFACE_HAS_V4, IFACE_HAS_V6,
+        IfaceInfo, IpInfo, IpKey, PolicyRef, State, SvcKey,
+    },
     lookup::{PolicyDecision, PolicyMaps, policy_lookup},
 };
+
+#[allow(unused_imports)]
+use crate::layout::{MAP_IFACE, MAP_SVC};
+
+/// Where a packet is decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Hook {
+    /// XDP on a local endpoint's host-side interface or the uplink: before netfilter, so a
+    /// Service frontend is still the destination (such a new flow is deferred to [`Hook::Tc`]).
+    Xdp,
+    /// TC (tcx) egress of the interface the packet leaves by: after netfilter, so Service
+    /// translation and source NAT are done. `ingress_ifindex` is the interface the packet came
+    /// in on; the node's own packets (index 0) never reach the decision.
+    Tc { ingress_ifindex: u32 },
+}
 
 /// What the XDP program returns for a frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -54,6 +82,10 @@ pub trait DatapathMaps: PolicyMaps {
     fn ct_delete(&self, key: &CtKey);
     /// Monotonic clock in ticks of `State::hz` (the kernel's `bpf_jiffies64`).
     fn now(&self) -> u64;
+    /// Whether a Service frontend is there ([`MAP_SVC`]).
+    fn service(&self, key: &SvcKey) -> bool;
+    /// The local endpoint behind an interface ([`MAP_IFACE`]).
+    fn interface(&self, ifindex: u32) -> Option<IfaceInfo>;
 }
 
 /// Why a packet got its verdict.
@@ -77,6 +109,11 @@ pub enum Reason {
     Established,
     /// A packet of a tracked flow towards its initiator, revision current (PASS).
     Reply,
+    /// A new flow to a Service frontend, deferred to the TC program (XDP only; PASS, tracked
+    /// as deferred).
+    ServiceFrontend,
+    /// A packet of a deferred flow to a Service frontend, either direction (PASS).
+    ServiceFlow,
     /// A tracked flow with an older revision whose original direction is still allowed
     /// (PASS, restamped).
     Rechecked,
@@ -156,7 +193,8 @@ fn evaluate<M: DatapathMaps + ?Sized>(maps: &M, flow: &Flow) -> Decision {
     d
 }
 
-/// The identity of an address: its exact ipcache entry, else the longest CIDR entry, else 0.
+/// The identity of an address: its exact ipcache entry's, else (no entry, or an entry without
+/// an identity: a node address) the longest CIDR entry's, else 0.
 #[inline(always)]
 fn identity_of<M: DatapathMaps + ?Sized>(
     maps: &M,
@@ -165,9 +203,32 @@ fn identity_of<M: DatapathMaps + ?Sized>(
     addr: &[u32; 4],
 ) -> u32 {
     match exact {
-        Some(info) => info.identity,
-        None => maps.ipcidr(&IpKey::new(family, *addr)).unwrap_or(0),
+        Some(info) if info.identity != 0 => info.identity,
+        _ => maps.ipcidr(&IpKey::new(family, *addr)).unwrap_or(0),
     }
+}
+
+/// The ipcache record of the endpoint behind interface `ifindex`, for an address of `family`.
+#[inline(always)]
+fn interface_endpoint<M: DatapathMaps + ?Sized>(
+    maps: &M,
+    ifindex: u32,
+    family: u8,
+) -> Option<&IpInfo> {
+    let iface = maps.interface(ifindex)?;
+    let addr = if family == FAMILY_V4 {
+        if iface.flags & IFACE_HAS_V4 == 0 {
+            return None;
+        }
+        [iface.addr4, 0, 0, 0]
+    } else {
+        if iface.flags & IFACE_HAS_V6 == 0 {
+            return None;
+        }
+        iface.addr6
+    };
+    maps.ipcache(&IpKey::new(family, addr))
+        .filter(|i| i.is_endpoint() && i.endpoint == iface.endpoint)
 }
 
 /// The canonical tracking key of a packet's flow, and whether the packet's source is side `a`.
@@ -231,9 +292,19 @@ pub fn neighbor_discovery(p: &IpPacket) -> bool {
         && p.icmp6_type <= ICMPV6_REDIRECT
 }
 
-/// The decision for a parsed frame.
+/// The decision of the XDP program for a parsed frame ([`decide_at`] at [`Hook::Xdp`]).
 #[inline(always)]
 pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, maps: &M) -> Decision {
+    decide_at(parsed, maps, Hook::Xdp)
+}
+
+/// The decision for a parsed frame at `hook`.
+#[inline(always)]
+pub fn decide_at<M: DatapathMaps + ?Sized>(
+    parsed: &Result<Parsed, ParseError>,
+    maps: &M,
+    hook: Hook,
+) -> Decision {
     let p = match parsed {
         Err(e) => return Decision::simple(Verdict::Drop, Reason::Malformed(*e)),
         Ok(Parsed::NotIp { .. }) => return Decision::simple(Verdict::Pass, Reason::NotIp),
@@ -281,7 +352,8 @@ pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, map
             live = now.saturating_sub(e.last_seen) <= lifetime;
             entry = e;
         }
-        if live && entry.revision == revision {
+        let deferred = entry.flags & CT_SERVICE != 0;
+        if live && (entry.revision == revision || deferred) {
             if now.saturating_sub(entry.last_seen) > refresh {
                 maps.ct_store(
                     &key,
@@ -291,7 +363,9 @@ pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, map
                     },
                 );
             }
-            let reason = if entry.flags & CT_INITIATOR_A == initiator {
+            let reason = if deferred {
+                Reason::ServiceFlow
+            } else if entry.flags & CT_INITIATOR_A == initiator {
                 Reason::Established
             } else {
                 Reason::Reply
@@ -300,15 +374,60 @@ pub fn decide<M: DatapathMaps + ?Sized>(parsed: &Result<Parsed, ParseError>, map
         }
     }
 
-    // 2. Who the two ends are.
-    let src = maps.ipcache(&IpKey::new(p.ip_version, p.src));
+    // 1b. A new flow to a Service frontend: kube-proxy translates it after this hook, so it is
+    // judged at the TC hook once the destination is the backend. Tracked as deferred, so the
+    // translated replies (source: the frontend) find it there.
+    let ingress_ifindex = match hook {
+        Hook::Xdp => {
+            if is_tracked
+                && maps.service(&SvcKey {
+                    family: p.ip_version,
+                    protocol: p.protocol,
+                    port: p.dport,
+                    addr: p.dst,
+                })
+            {
+                if now == 0 {
+                    now = maps.now();
+                }
+                maps.ct_store(
+                    &key,
+                    &CtEntry {
+                        revision,
+                        last_seen: now,
+                        flags: initiator | CT_SERVICE,
+                        _pad: 0,
+                    },
+                );
+                return Decision::simple(Verdict::Pass, Reason::ServiceFrontend);
+            }
+            0
+        }
+        Hook::Tc { ingress_ifindex } => ingress_ifindex,
+    };
+
+    // 2. Who the two ends are. At the TC hook a packet that came in on a local endpoint's
+    // interface is that endpoint's, whatever its source address says (source NAT).
+    let mut src = maps.ipcache(&IpKey::new(p.ip_version, p.src));
+    let mut attributed = false;
+    if ingress_ifindex != 0
+        && !src.is_some_and(|i| i.is_endpoint())
+        && let Some(ep) = interface_endpoint(maps, ingress_ifindex, p.ip_version)
+    {
+        src = Some(ep);
+        attributed = true;
+    }
     let dst = maps.ipcache(&IpKey::new(p.ip_version, p.dst));
     let src_local = src.is_some_and(|i| i.is_endpoint());
     let dst_local = dst.is_some_and(|i| i.is_endpoint());
     if !src_local && !dst_local {
         return Decision::simple(Verdict::Pass, Reason::NotLocal);
     }
-    if src.is_some_and(|i| i.is_host()) || dst.is_some_and(|i| i.is_host()) {
+    // Traffic between a pod and its node is never filtered. At the TC hook a node source
+    // address on a forwarded packet is a rewritten one (the node's own packets never get here):
+    // it is judged, with that address's identity.
+    let src_host = !attributed && ingress_ifindex == 0 && src.is_some_and(|i| i.is_host());
+    if src_host || dst.is_some_and(|i| i.is_host()) {
         return Decision::simple(Verdict::Pass, Reason::Host);
     }
     let endpoint = |i: Option<&IpInfo>| i.map_or(0, |i| i.endpoint);

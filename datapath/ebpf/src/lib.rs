@@ -1,5 +1,6 @@
-//! Code shared by the two eBPF binaries of this crate: the enforcing program (`ordnet-xdp`,
-//! `src/main.rs`) and the layout benchmark programs (`ordnet-xdp-bench`, `src/bench.rs`).
+//! Code shared by the two eBPF binaries of this crate: the enforcing programs (XDP and TC, in
+//! `ordnet-xdp`, `src/main.rs`) and the layout benchmark programs (`ordnet-xdp-bench`,
+//! `src/bench.rs`).
 //!
 //! The library also exists so that `ordnet-datapath` can list the crate as a build-dependency:
 //! cargo then re-runs datapath's build script (which builds the eBPF objects) whenever this
@@ -8,18 +9,29 @@
 // BPF inline assembly (one 32-bit packet load, see `read_u32`) is behind this gate.
 #![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
 
-use aya_ebpf::programs::XdpContext;
+use aya_ebpf::programs::{TcContext, XdpContext};
 use ordnet_datapath_common::{Frame, MAX_HEADER_BYTES};
 
-/// The XDP packet as a [`Frame`] for the shared parser.
+/// The packet of an XDP or TC program (direct packet access between `data` and `data_end`) as a
+/// [`Frame`] for the shared parser.
 pub struct XdpFrame {
     data: usize,
     data_end: usize,
 }
 
 impl XdpFrame {
+    /// The XDP packet.
     #[inline(always)]
     pub fn new(ctx: &XdpContext) -> Self {
+        Self {
+            data: ctx.data(),
+            data_end: ctx.data_end(),
+        }
+    }
+
+    /// The linear part of a TC packet (see the TC program for how headers are made linear).
+    #[inline(always)]
+    pub fn tc(ctx: &TcContext) -> Self {
         Self {
             data: ctx.data(),
             data_end: ctx.data_end(),

@@ -1,7 +1,9 @@
-//! The ordnet XDP program.
+//! The ordnet XDP and TC programs.
 //!
-//! Attached to each pod's host-side veth (the pod's egress) and to the node's uplink (traffic
-//! from other nodes). For every frame it runs [`ordnet_datapath_common::decide`] over the maps
+//! The XDP program is attached to each pod's host-side veth (the pod's egress) and to the
+//! node's uplink (traffic from other nodes); the TC program (`ordnet_tc`, tcx egress of the same
+//! interfaces) decides forwarded packets after netfilter, i.e. after kube-proxy's Service
+//! translation. For every frame it runs [`ordnet_datapath_common::decide`] over the maps
 //! below: parse (shared parser), ipcache lookups of both addresses, exemptions, connection
 //! tracking, and the policy lookups of the flattened rule sets (egress of a local source,
 //! ingress of a local destination). It returns `XDP_PASS` or `XDP_DROP`, never `XDP_ABORTED`.
@@ -14,19 +16,20 @@
 #![cfg_attr(target_arch = "bpf", no_main)]
 
 use aya_ebpf::{
-    bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC, xdp_action},
+    bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC, TC_ACT_OK, TC_ACT_SHOT, xdp_action},
     helpers::bpf_jiffies64,
-    macros::{map, xdp},
+    macros::{classifier, map, xdp},
     maps::{Array, HashMap, LpmTrie, LruHashMap, lpm_trie::Key},
-    programs::XdpContext,
+    programs::{TcContext, XdpContext},
 };
 use ordnet_datapath_common::{
-    DatapathMaps, Verdict, decide,
+    DatapathMaps, Hook, Verdict, decide, decide_at,
     layout::{
         BLOCK_WORDS, CELLS_PER_RULESET, Ct4Key, CtEntry, CtKey, DEFAULT_CT_ENTRIES,
-        DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS,
-        DEFAULT_POLICY_ENTRIES, FAMILY_V4, IpInfo, IpKey, PolicyKey, PolicyValue, State,
-        pair_index, pair_word, pairs,
+        DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS,
+        DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES, DEFAULT_SVC_ENTRIES, FAMILY_V4, IfaceInfo,
+        IpInfo, IpKey, PolicyKey, PolicyValue, State, SvcKey, SvcValue, pair_index, pair_word,
+        pairs,
     },
     lookup::PolicyMaps,
     parse,
@@ -68,6 +71,14 @@ static CT6: LruHashMap<CtKey, CtEntry> = LruHashMap::with_max_entries(DEFAULT_CT
 
 #[map(name = "ORDNET_STATE")]
 static STATE: Array<State> = Array::with_max_entries(1, 0);
+
+#[map(name = "ORDNET_SVC")]
+static SVC: HashMap<SvcKey, SvcValue> =
+    HashMap::with_max_entries(DEFAULT_SVC_ENTRIES, BPF_F_NO_PREALLOC);
+
+#[map(name = "ORDNET_IFACE")]
+static IFACE: HashMap<u32, IfaceInfo> =
+    HashMap::with_max_entries(DEFAULT_IFACE_ENTRIES, BPF_F_NO_PREALLOC);
 
 /// The program's maps as the shared decision code sees them.
 struct KernelMaps;
@@ -153,6 +164,18 @@ impl DatapathMaps for KernelMaps {
         // `jiffies_64` (`bpf_ktime_get_ns` is a real call: ~30 ns per packet more here).
         unsafe { bpf_jiffies64() }
     }
+
+    #[inline(always)]
+    fn service(&self, key: &SvcKey) -> bool {
+        // SAFETY: only the presence is read.
+        unsafe { SVC.get(key) }.is_some_and(|v| v.flags != 0)
+    }
+
+    #[inline(always)]
+    fn interface(&self, ifindex: u32) -> Option<IfaceInfo> {
+        // SAFETY: the value is copied out immediately.
+        unsafe { IFACE.get(&ifindex) }.copied()
+    }
 }
 
 #[xdp]
@@ -161,6 +184,35 @@ pub fn ordnet_xdp(ctx: XdpContext) -> u32 {
     match decide(&parse(&frame), &KernelMaps).verdict {
         Verdict::Pass => xdp_action::XDP_PASS,
         Verdict::Drop => xdp_action::XDP_DROP,
+    }
+}
+
+/// Bytes the TC program needs in the linear part of the packet for the parser (Ethernet, VLAN
+/// tags, IPv4 with options or IPv6 with a few extension headers, the L4 ports and flags).
+const TC_LINEAR: u32 = 256;
+
+/// The post-translation hook: tcx egress of every local endpoint's host-side interface and of
+/// the uplink. Packets the node itself sends (`ingress_ifindex` 0) pass; every forwarded
+/// packet is decided at [`Hook::Tc`]: after kube-proxy's translation, so a Service flow is
+/// judged with its backend as the destination (`docs/datapath.md` §14).
+#[classifier]
+pub fn ordnet_tc(ctx: TcContext) -> i32 {
+    // SAFETY: `skb` is the program's context pointer, valid for the whole run.
+    let ingress_ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
+    if ingress_ifindex == 0 {
+        return TC_ACT_OK as i32;
+    }
+    // Forwarded packets have their headers in the linear part in practice; make sure of it (a
+    // failure leaves the packet as it is, and the parser then sees a truncated one: dropped).
+    let len = ctx.len();
+    let want = if len < TC_LINEAR { len } else { TC_LINEAR };
+    if ((ctx.data_end() - ctx.data()) as u32) < want {
+        let _ = ctx.pull_data(want);
+    }
+    let frame = XdpFrame::tc(&ctx);
+    match decide_at(&parse(&frame), &KernelMaps, Hook::Tc { ingress_ifindex }).verdict {
+        Verdict::Pass => TC_ACT_OK as i32,
+        Verdict::Drop => TC_ACT_SHOT as i32,
     }
 }
 
