@@ -1,5 +1,5 @@
-//! `cargo bench -p ordnet-datapath` (as root): the per-packet cost of the policy layouts and of
-//! the full XDP program, and the time to apply rule sets, all measured in one run on this
+//! `cargo bench -p ordnet-datapath` (as root): the per-packet cost of the policy layouts, of
+//! the full XDP program and of the TC program (after Service translation), and the time to apply rule sets, all measured in one run on this
 //! machine and printed with their ratios (`docs/datapath.md` §8). Nothing timed is asserted;
 //! every program's verdict on every measured packet is checked against `MapState::lookup`.
 //!
@@ -377,6 +377,25 @@ fn main() {
         print!("{:>10.1}", floor_ns[n]);
     }
     println!();
+    println!(
+        "\nA new connection, both hooks (first SYN: XDP on the sender's interface + TC on the \
+         interface it leaves by; each run once on {VARIED} distinct connections, so these include \
+         the test-run set-up a repeated run spreads out):"
+    );
+    for n in &sizes {
+        let get = |k: &str| full_ns[&(*n, k)];
+        let direct = get("first SYN B->A at XDP (direct)")
+            + get("first SYN B->A at TC (direct: XDP's entry)");
+        let service = get("first SYN B->ClusterIP at XDP (deferred)")
+            + get("first SYN B->A at TC after DNAT (judged)");
+        println!(
+            "{n:>8} entries: direct B->A {direct:.1} ns, through a Service {service:.1} ns \
+             (extra {:+.1} ns); an established packet {:.1} (XDP) + {:.1} (TC) ns",
+            service - direct,
+            get("established ACK R->A (tracked flow)"),
+            get("TC: established ACK R->A (tracked flow)"),
+        );
+    }
 
     apply_times();
 }
@@ -595,6 +614,124 @@ fn full_program(
             let r = dp.test_run_repeat(f, repeat).unwrap();
             assert_eq!(r.action, *want);
             samples.entry(name).or_default().push(ns(r.avg_duration));
+        }
+    }
+    for (name, v) in samples {
+        full_ns.insert((n, name), median(v));
+    }
+    tc_program(n, &mut dp, id, p, repeat, rounds, full_ns);
+}
+
+/// The TC hook (after kube-proxy's translation) next to XDP on the same maps: B's interface is
+/// `IF_B`, A's `IF_A`, the uplink is not an endpoint's; `10.96.0.10:p` is a Service frontend
+/// whose backend is A.
+///
+/// Repeated runs of one frame measure packets of a known flow (after the first run its entry
+/// exists). A connection's *first* packet at each hook is measured on distinct connections
+/// instead ([`VARIED`] SYNs with distinct source ports, each run once, mean of the
+/// kernel-reported times, tracking table cleared before each pass): a direct connection B->A is
+/// judged at XDP and passes TC with one lookup (the entry XDP just made); a connection through
+/// the Service is deferred at XDP and judged at TC.
+fn tc_program(
+    n: usize,
+    dp: &mut Datapath,
+    id: u32,
+    p: u16,
+    repeat: u32,
+    rounds: usize,
+    full_ns: &mut BTreeMap<(usize, &'static str), f64>,
+) {
+    use ordnet_datapath::common::Verdict as V;
+    const IF_A: u32 = 10;
+    const IF_B: u32 = 11;
+    const IF_UPLINK: u32 = 2;
+    let (a, b): (IpAddr, IpAddr) = ([10, 0, 0, 2].into(), [10, 0, 0, 3].into());
+    dp.set_interface(IF_A, 1, Some(&[a])).unwrap();
+    dp.set_interface(IF_B, 2, Some(&[b])).unwrap();
+    dp.set_service_frontends(&[([10, 96, 0, 10].into(), 6, p)])
+        .unwrap();
+    let (vip, ab, bb) = ([10, 96, 0, 10], [10, 0, 0, 2], [10, 0, 0, 3]);
+    let run = |dp: &Datapath, f: &[u8], hook: Option<u32>, repeat: u32| -> (V, f64) {
+        match hook {
+            None => {
+                let r = dp.test_run_repeat(f, repeat).unwrap();
+                let v = if r.action == XdpAction::Pass {
+                    V::Pass
+                } else {
+                    V::Drop
+                };
+                (v, ns(r.avg_duration))
+            }
+            Some(ifindex) => {
+                let (v, d) = dp.test_run_tc(f, ifindex, repeat).unwrap();
+                (v, ns(d))
+            }
+        }
+    };
+    // Packets of known flows (repeated).
+    let repeated: Vec<(&'static str, Vec<u8>, Option<u32>, V)> = vec![
+        (
+            "TC: established ACK R->A (tracked flow)",
+            frame64(v4(id), ab, p, 40000, TCP_ACK),
+            Some(IF_UPLINK),
+            V::Pass,
+        ),
+        (
+            "TC: SYN B->A after DNAT, denied port",
+            frame64(bb, ab, 40011, 7, TCP_SYN),
+            Some(IF_B),
+            V::Drop,
+        ),
+    ];
+    let mut samples: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
+    for _ in 0..rounds {
+        for (name, f, hook, want) in &repeated {
+            let (v, t) = run(dp, f, *hook, repeat);
+            assert_eq!(v, *want, "{n}: {name}");
+            samples.entry(name).or_default().push(t);
+        }
+    }
+    // First packets of distinct connections: (name, hook, frame of connection i, verdict).
+    type Make = fn([u8; 4], [u8; 4], [u8; 4], u16, u16) -> Vec<u8>;
+    let firsts: [(&'static str, Option<u32>, Make); 4] = [
+        ("first SYN B->A at XDP (direct)", None, |_, a, b, sp, p| {
+            frame64(b, a, sp, p, TCP_SYN)
+        }),
+        (
+            "first SYN B->A at TC (direct: XDP's entry)",
+            Some(IF_B),
+            |_, a, b, sp, p| frame64(b, a, sp, p, TCP_SYN),
+        ),
+        (
+            "first SYN B->ClusterIP at XDP (deferred)",
+            None,
+            |vip, _, b, sp, p| frame64(b, vip, sp, p, TCP_SYN),
+        ),
+        (
+            "first SYN B->A at TC after DNAT (judged)",
+            Some(IF_B),
+            |_, a, b, sp, p| frame64(b, a, sp + 20_000, p, TCP_SYN),
+        ),
+    ];
+    for _ in 0..rounds {
+        dp.ct_clear().unwrap();
+        let mut sum = [0f64; 4];
+        for i in 0..VARIED {
+            let sport = 10_000 + i as u16;
+            // In packet order: XDP then TC of the direct connection, XDP then TC of the
+            // Service connection (its translated tuple has another source port: a fresh flow).
+            for (k, (name, hook, make)) in firsts.iter().enumerate() {
+                let f = make(vip, ab, bb, sport, p);
+                let (v, t) = run(dp, &f, *hook, 1);
+                assert_eq!(v, V::Pass, "{n}: {name}");
+                sum[k] += t;
+            }
+        }
+        for (k, (name, ..)) in firsts.iter().enumerate() {
+            samples
+                .entry(name)
+                .or_default()
+                .push(sum[k] / VARIED as f64);
         }
     }
     for (name, v) in samples {

@@ -18,7 +18,7 @@ use ordnet_datapath_common::{
 use ordnet_mapstate::{ChangeSet, Direction, MapState, Verdict};
 
 use crate::{
-    flat::{ContentDiff, FlattenError, RuleSetContent, flatten, verdict_code},
+    flat::{ContentDiff, FlattenError, RuleSetContent, flatten, meet, same_verdicts, verdict_code},
     store::{Store, StoreError, WriteStats},
     tables::{TableWriter, Write, WriteError},
 };
@@ -244,6 +244,24 @@ struct Planned {
 
 const DIRS: [Direction; 2] = [Direction::Ingress, Direction::Egress];
 
+/// One endpoint side's change: (endpoint, direction, its current policy, key changes, new
+/// default).
+type ChangeItem = (u32, Direction, PolicyRef, ContentDiff, u8);
+
+/// The state a changing side takes first when both sides of some flow change: the [`meet`] of
+/// old and new, or, when that is equivalent to one of them, that one (a side that only
+/// tightens goes to its new state at once, one that only loosens waits for the second write).
+fn meet_side(old: (&RuleSetContent, u8), new: (&RuleSetContent, u8)) -> (RuleSetContent, u8) {
+    let m = meet(old, new);
+    if same_verdicts((&m.0, m.1), new) {
+        (new.0.clone(), new.1)
+    } else if same_verdicts((&m.0, m.1), old) {
+        (old.0.clone(), old.1)
+    } else {
+        m
+    }
+}
+
 fn with_dir(state: &EndpointState, dir: usize, r: PolicyRef) -> EndpointState {
     let mut s = state.clone();
     if dir == 0 {
@@ -419,6 +437,69 @@ impl Control {
             });
         }
 
+        // Both sides of some flow change (an egress and an ingress rule set or default): the
+        // meet of old and new goes first, so that no mix of old and new records the datapath
+        // may see allows what neither state allows.
+        if let Some(meet) = self.meet_plan(&planned) {
+            self.write_planned(w, meet, &mut stats)?;
+        }
+        self.write_planned(w, planned, &mut stats)?;
+        Ok(stats)
+    }
+
+    /// For a batch that changes both sides of some flow — one endpoint's egress and another
+    /// endpoint's ingress (rule set or default) — the same batch with each changed side at
+    /// [`meet_side`] of its old and new state; `None` when no flow has two changing sides.
+    /// Endpoints new in the batch get their new state (they are not judged as local endpoints
+    /// before, which lets more through than any state of theirs).
+    fn meet_plan(&self, planned: &[Planned]) -> Option<Vec<Planned>> {
+        let empty = RuleSetContent::default();
+        let old_side = |p: &Planned, d: usize| -> Option<(&RuleSetContent, u8)> {
+            let r = self.endpoints.get(&p.id)?.policy(DIRS[d]);
+            Some((self.store.content(r.ruleset).unwrap_or(&empty), r.default))
+        };
+        let changed = |p: &Planned, d: usize| {
+            old_side(p, d).is_some_and(|(c, def)| (c, def) != (&p.dirs[d].0, p.dirs[d].1))
+        };
+        let ingress: Vec<u32> = planned
+            .iter()
+            .filter(|p| changed(p, 0))
+            .map(|p| p.id)
+            .collect();
+        let two_sides = planned
+            .iter()
+            .filter(|p| changed(p, 1))
+            .any(|p| ingress.iter().any(|id| *id != p.id));
+        if !two_sides {
+            return None;
+        }
+        Some(
+            planned
+                .iter()
+                .map(|p| Planned {
+                    id: p.id,
+                    ips: p.ips.clone(),
+                    identities: p.identities.clone(),
+                    dirs: [0, 1].map(|d| match old_side(p, d) {
+                        Some(old) if changed(p, d) => {
+                            meet_side((old.0, old.1), (&p.dirs[d].0, p.dirs[d].1))
+                        }
+                        _ => p.dirs[d].clone(),
+                    }),
+                })
+                .collect(),
+        )
+    }
+
+    /// Writes planned endpoint states (validated) in the safe order: rule sets changed in place
+    /// or installed beside, then one record write per address, then releases; bumps the
+    /// revision.
+    fn write_planned<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        planned: Vec<Planned>,
+        stats: &mut WriteStats,
+    ) -> Result<(), ControlError> {
         // 2. Which rule sets change in place: every user of the slot is in this batch and all
         // of them want the same new content, which exists nowhere yet.
         let old: Vec<Option<EndpointState>> = planned
@@ -484,7 +565,7 @@ impl Control {
                         }
                         s
                     }
-                    None => match self.store.install(w, content.clone(), &mut stats) {
+                    None => match self.store.install(w, content.clone(), stats) {
                         Ok(s) => {
                             installed.push(s);
                             s
@@ -500,7 +581,7 @@ impl Control {
         }
         if let Err(e) = result {
             for s in installed.into_iter().chain(added_refs) {
-                self.store.release(s, &mut stats);
+                self.store.release(s, stats);
             }
             return Err(e.into());
         }
@@ -526,12 +607,12 @@ impl Control {
                 .values()
                 .flat_map(|s| s.ips.iter().map(|ip| ip_key(*ip)))
                 .collect();
-            self.write_records(w, keys, &pre, &mut stats)?;
+            self.write_records(w, keys, &pre, stats)?;
         }
 
         // 5. In-place changes.
         for (slot, content) in in_place {
-            self.store.update_in_place(w, slot, content, &mut stats)?;
+            self.store.update_in_place(w, slot, content, stats)?;
         }
 
         // 6. Switch: the final records (one atomic write per address).
@@ -563,7 +644,7 @@ impl Control {
         }
         // New addresses first, then the ones an endpoint gave up.
         touched.sort_by_key(|k| !self.ip_owner.contains_key(k));
-        self.write_records(w, touched, &HashMap::new(), &mut stats)?;
+        self.write_records(w, touched, &HashMap::new(), stats)?;
 
         // 7. Release what is no longer used (cleared after the grace period).
         for (i, o) in old.iter().enumerate() {
@@ -571,13 +652,13 @@ impl Control {
                 for d in 0..2 {
                     let before = o.policy(DIRS[d]).ruleset;
                     if before != targets[i][d] {
-                        self.store.release(before, &mut stats);
+                        self.store.release(before, stats);
                     }
                 }
             }
         }
-        self.bump(w, &mut stats)?;
-        Ok(stats)
+        self.bump(w, stats)?;
+        Ok(())
     }
 
     /// Applies MapState change sets (what `MapState::apply` returned) to endpoints' rule sets,
@@ -616,6 +697,53 @@ impl Control {
             })?;
             items.push((id, dir, old, diff, verdict_code(default)));
         }
+        // Both sides of some flow change: the meet of old and new goes first (see
+        // `update_endpoints`).
+        let changes = |it: &ChangeItem| !it.3.is_empty() || it.2.default != it.4;
+        let two_sides = items
+            .iter()
+            .filter(|e| e.1 == Direction::Egress && changes(e))
+            .any(|e| {
+                items
+                    .iter()
+                    .any(|i| i.1 == Direction::Ingress && changes(i) && i.0 != e.0)
+            });
+        if !two_sides {
+            self.apply_items(w, items, &mut stats)?;
+            return Ok(stats);
+        }
+        let empty = RuleSetContent::default();
+        let mut finals = Vec::with_capacity(items.len());
+        let mut meets = Vec::with_capacity(items.len());
+        for (id, dir, old, diff, default) in items {
+            let current = self.store.content(old.ruleset).unwrap_or(&empty);
+            let mut after = current.clone();
+            after.apply(&diff);
+            let (m, m_default) = meet_side((current, old.default), (&after, default));
+            meets.push((id, dir, old, ContentDiff::between(current, &m), m_default));
+            finals.push((id, dir, after, default));
+        }
+        self.apply_items(w, meets, &mut stats)?;
+        let items = finals
+            .into_iter()
+            .map(|(id, dir, after, default)| {
+                let now = self.endpoints[&id].policy(dir);
+                let current = self.store.content(now.ruleset).unwrap_or(&empty);
+                (id, dir, now, ContentDiff::between(current, &after), default)
+            })
+            .collect();
+        self.apply_items(w, items, &mut stats)?;
+        Ok(stats)
+    }
+
+    /// Writes validated rule set changes of endpoints (`(endpoint, direction, its current
+    /// policy, key changes, new default)`) in the safe order, then bumps the revision.
+    fn apply_items<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        items: Vec<ChangeItem>,
+        stats: &mut WriteStats,
+    ) -> Result<(), ControlError> {
         let d_index = |dir: Direction| usize::from(dir == Direction::Egress);
 
         // 2. Rule sets changed in place: all users in the batch with the same changes, and
@@ -660,12 +788,12 @@ impl Control {
                     if content.is_empty() {
                         0
                     } else {
-                        match self.store.install(w, content, &mut stats) {
+                        match self.store.install(w, content, stats) {
                             Ok(s) => s,
                             Err(e) => {
                                 for (j, t) in targets.iter().enumerate().take(i) {
                                     if *t != items[j].2.ruleset {
-                                        self.store.release(*t, &mut stats);
+                                        self.store.release(*t, stats);
                                     }
                                 }
                                 return Err(e.into());
@@ -694,13 +822,12 @@ impl Control {
                 .values()
                 .flat_map(|s| s.ips.iter().map(|ip| ip_key(*ip)))
                 .collect();
-            self.write_records(w, keys, &pre, &mut stats)?;
+            self.write_records(w, keys, &pre, stats)?;
         }
 
         // 5. In-place changes.
         for (&slot, &i) in &in_place {
-            self.store
-                .update_with_diff(w, slot, &items[i].3, &mut stats)?;
+            self.store.update_with_diff(w, slot, &items[i].3, stats)?;
         }
 
         // 6. Final records, then release what is no longer used.
@@ -714,14 +841,14 @@ impl Control {
             }
             touched.extend(ep.ips.iter().map(|ip| ip_key(*ip)));
         }
-        self.write_records(w, touched, &HashMap::new(), &mut stats)?;
+        self.write_records(w, touched, &HashMap::new(), stats)?;
         for (i, it) in items.iter().enumerate() {
             if targets[i] != it.2.ruleset {
-                self.store.release(it.2.ruleset, &mut stats);
+                self.store.release(it.2.ruleset, stats);
             }
         }
-        self.bump(w, &mut stats)?;
-        Ok(stats)
+        self.bump(w, stats)?;
+        Ok(())
     }
 
     /// A slot other than `slot` (and not in `exclude`) whose content equals `slot`'s content

@@ -230,6 +230,130 @@ impl RuleSetContent {
     }
 }
 
+/// The key lengths a rule set can hold, longest first (0, and 8 to 24 bits).
+const LENGTHS_DESC: [u32; 18] = [
+    24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 0,
+];
+
+/// `prefix` (in `prefix_bits` form) cut to `len` bits.
+fn truncate(prefix: u32, len: u32) -> u32 {
+    let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
+    (prefix & !0xff & mask) | len
+}
+
+/// The ancestors of `prefix` a rule set can hold, itself first, longest first.
+fn ancestors(prefix: u32) -> impl Iterator<Item = u32> {
+    let len = prefix_len(prefix);
+    LENGTHS_DESC
+        .into_iter()
+        .filter(move |l| *l <= len)
+        .map(move |l| truncate(prefix, l))
+}
+
+impl RuleSetContent {
+    /// The verdict for peer `identity` (`None`: an identity without keys) on every packet of
+    /// `prefix`, when the rule set decides them all alike (`prefix` is no shorter than the
+    /// keys that matter): the datapath's lookup contract (the identity's longest covering key,
+    /// else the longest covering `*` key, else `default`).
+    pub fn verdict_at(&self, default: u8, identity: Option<u32>, prefix: u32) -> u8 {
+        if let Some(id) = identity {
+            for p in ancestors(prefix) {
+                if let Some(v) = self.specific.get(&(id, p)) {
+                    return *v;
+                }
+            }
+        }
+        ancestors(prefix)
+            .find_map(|p| self.wildcard.get(&p).copied())
+            .unwrap_or(default)
+    }
+}
+
+/// The prefixes at which two rule sets' verdicts can be compared (or combined) completely:
+/// every `*` key of either, and per identity with keys in either, its keys plus each `*`
+/// prefix one of them covers (so that the identity's longest match never hides a longer `*`
+/// key that decides one of the two). Any packet's verdict in either rule set equals that rule
+/// set's [`RuleSetContent::verdict_at`] at the packet's longest match among these prefixes.
+fn refinement(
+    a: &RuleSetContent,
+    b: &RuleSetContent,
+) -> (
+    std::collections::BTreeSet<u32>,
+    BTreeMap<u32, std::collections::BTreeSet<u32>>,
+) {
+    let wildcard: std::collections::BTreeSet<u32> = a
+        .wildcard
+        .keys()
+        .chain(b.wildcard.keys())
+        .copied()
+        .collect();
+    let mut by_identity: BTreeMap<u32, std::collections::BTreeSet<u32>> = BTreeMap::new();
+    for &(id, p) in a.specific.keys().chain(b.specific.keys()) {
+        by_identity.entry(id).or_default().insert(p);
+    }
+    for own in by_identity.values_mut() {
+        let covered: Vec<u32> = wildcard
+            .iter()
+            .filter(|w| ancestors(**w).any(|p| own.contains(&p)))
+            .copied()
+            .collect();
+        own.extend(covered);
+    }
+    (wildcard, by_identity)
+}
+
+/// The rule set that allows exactly what both `a` and `b` allow (each with its isolation
+/// default), for every identity, protocol and port: the keys of their [`refinement`], each
+/// with the conjunction of both verdicts there. Used between two states of a batch that
+/// changes both sides of some flow (one endpoint's egress and another's ingress): writing the
+/// meet first and `b` after never lets a packet pass that neither `a` nor `b` lets pass,
+/// whatever order the datapath sees the endpoints' writes in (`docs/datapath.md` §6).
+pub fn meet(a: (&RuleSetContent, u8), b: (&RuleSetContent, u8)) -> (RuleSetContent, u8) {
+    let and = |x: u8, y: u8| {
+        if x == V_ALLOW && y == V_ALLOW {
+            V_ALLOW
+        } else {
+            V_DENY
+        }
+    };
+    let ((ra, da), (rb, db)) = (a, b);
+    let (wildcard, by_identity) = refinement(ra, rb);
+    let mut out = RuleSetContent::default();
+    for w in wildcard {
+        out.wildcard.insert(
+            w,
+            and(ra.verdict_at(da, None, w), rb.verdict_at(db, None, w)),
+        );
+    }
+    for (id, prefixes) in by_identity {
+        for p in prefixes {
+            let v = and(
+                ra.verdict_at(da, Some(id), p),
+                rb.verdict_at(db, Some(id), p),
+            );
+            out.specific.insert((id, p), v);
+        }
+    }
+    (out, and(da, db))
+}
+
+/// Whether two rule sets (with their defaults) give every packet the same verdict, whatever
+/// their keys. Sound, not complete: `true` only when they agree everywhere; `false` may also
+/// mean they agree but one splits a prefix into longer keys that together cover it (the
+/// comparison is at every prefix of the [`refinement`], also those no packet ends at).
+pub fn same_verdicts(a: (&RuleSetContent, u8), b: (&RuleSetContent, u8)) -> bool {
+    let ((ra, da), (rb, db)) = (a, b);
+    let (wildcard, by_identity) = refinement(ra, rb);
+    da == db
+        && wildcard
+            .iter()
+            .all(|&w| ra.verdict_at(da, None, w) == rb.verdict_at(db, None, w))
+        && by_identity.iter().all(|(&id, ps)| {
+            ps.iter()
+                .all(|&p| ra.verdict_at(da, Some(id), p) == rb.verdict_at(db, Some(id), p))
+        })
+}
+
 /// A MapState prefix in the datapath's `prefix_bits` form, if the datapath supports it.
 fn encode_prefix(prefix: &ordnet_mapstate::L4Prefix) -> Result<u32, FlattenError> {
     let len = prefix.len();

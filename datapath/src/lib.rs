@@ -54,7 +54,7 @@ pub use control::{
 };
 pub use flat::{
     CellInputs, CellWords, ContentDiff, FlatRuleSet, FlattenError, RuleSetContent, cell_words,
-    flatten, key_hash, verdict_code,
+    flatten, key_hash, meet, same_verdicts, verdict_code,
 };
 pub use ipnet::IpNet;
 pub use kernel::KernelTables;

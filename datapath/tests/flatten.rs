@@ -16,7 +16,7 @@ use ordnet_datapath::{
         layout::{CELL_REFINED, CELLS_PER_RULESET, PolicyRef, State},
         lookup::{cell_index, policy_lookup},
     },
-    flatten, ip_key,
+    flatten, ip_key, meet, same_verdicts,
 };
 use ordnet_mapstate::{Direction, MapState, Verdict, reference};
 
@@ -50,6 +50,55 @@ fn flat_lookup_equals_mapstate_and_reference() {
         }
     }
     println!("flatten: {probes_checked} probes agree (flat == MapState == reference)");
+}
+
+/// `meet(a, b)` allows exactly what both allow, for every identity (with keys or without) and
+/// every probe point, through the kernel's own lookup function (`FlatRuleSet`).
+#[test]
+fn meet_allows_what_both_allow() {
+    let mut rng = Rng::new(0x3ee7_a11b);
+    let mut checked = 0usize;
+    let mut equivalent = 0usize;
+    for case in 0..1500 {
+        let a = arb_mapstate(&mut rng, Direction::Ingress, 12);
+        let b = arb_mapstate(&mut rng, Direction::Ingress, 12);
+        let (ca, da) = flatten(&a).expect("flatten");
+        let (cb, db) = flatten(&b).expect("flatten");
+        let (cm, dm) = meet((&ca, da), (&cb, db));
+        let flat = FlatRuleSet::new(cm.clone(), dm);
+        let mut meet_is_b = true;
+        for id in probe_ids() {
+            for (proto, port) in probe_points(&[&a, &b]) {
+                let want = allow(a.lookup(id, proto, port).verdict())
+                    && allow(b.lookup(id, proto, port).verdict());
+                let got = allow(flat.verdict(id, proto, port));
+                meet_is_b &= got == allow(b.lookup(id, proto, port).verdict());
+                assert_eq!(
+                    got,
+                    want,
+                    "case {case}: id {id:?} proto {proto} port {port}\na: {:#?}\nb: {:#?}\nmeet: {cm:#?}",
+                    a.iter(),
+                    b.iter()
+                );
+                checked += 1;
+            }
+        }
+        // `same_verdicts` never claims rule sets that differ on a probe agree (it may miss an
+        // agreement: that only costs writes), and a rule set met with itself is itself.
+        let same = same_verdicts((&cm, dm), (&cb, db));
+        assert!(
+            !same || meet_is_b,
+            "case {case}: same_verdicts for differing rule sets"
+        );
+        equivalent += usize::from(same);
+        let (ca2, da2) = meet((&ca, da), (&ca, da));
+        assert!(same_verdicts((&ca2, da2), (&ca, da)), "case {case}");
+    }
+    assert!(
+        equivalent > 10,
+        "too few cases found where b only tightens a: {equivalent}"
+    );
+    println!("meet: {checked} probes (meet == a and b), {equivalent} cases meet == b");
 }
 
 #[test]

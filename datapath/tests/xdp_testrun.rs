@@ -1772,6 +1772,24 @@ fn no_transient_allow_while_rule_sets_are_replaced() {
 
 /// `BPF_PROG_TEST_RUN` on a raw program fd (for a thread that does not own the program).
 fn sys_test_run(fd: &std::os::fd::OwnedFd, frame: &[u8]) -> XdpAction {
+    XdpAction::from(sys_test_run_ctx(fd, frame, None))
+}
+
+/// The TC program's verdict (`TC_ACT_OK` 0 passes) for a frame that came in on
+/// `ingress_ifindex`, on a raw program fd.
+fn sys_test_run_tc(fd: &std::os::fd::OwnedFd, frame: &[u8], ingress_ifindex: u32) -> XdpAction {
+    // `struct __sk_buff` with only `ingress_ifindex` (offset 36) set.
+    let mut ctx = [0u8; 192];
+    ctx[36..40].copy_from_slice(&ingress_ifindex.to_ne_bytes());
+    if sys_test_run_ctx(fd, frame, Some(&ctx)) == 0 {
+        PASS
+    } else {
+        DROP
+    }
+}
+
+/// `BPF_PROG_TEST_RUN` once; returns the program's return value.
+fn sys_test_run_ctx(fd: &std::os::fd::OwnedFd, frame: &[u8], ctx: Option<&[u8]>) -> u32 {
     use std::os::fd::AsRawFd as _;
     #[repr(C)]
     #[derive(Default)]
@@ -1798,6 +1816,8 @@ fn sys_test_run(fd: &std::os::fd::OwnedFd, frame: &[u8]) -> XdpAction {
         data_size_in: frame.len() as u32,
         data_in: frame.as_ptr() as u64,
         repeat: 1,
+        ctx_size_in: ctx.map_or(0, |c| c.len() as u32),
+        ctx_in: ctx.map_or(0, |c| c.as_ptr() as u64),
         ..Attr::default()
     };
     // SAFETY: a valid BPF_PROG_TEST_RUN attribute over live buffers.
@@ -1815,7 +1835,7 @@ fn sys_test_run(fd: &std::os::fd::OwnedFd, frame: &[u8]) -> XdpAction {
         "BPF_PROG_TEST_RUN: {}",
         std::io::Error::last_os_error()
     );
-    XdpAction::from(attr.retval)
+    attr.retval
 }
 
 // ------------------------------------------------------------------ restart
@@ -2377,6 +2397,34 @@ fn service_flows_are_judged_after_translation() {
             DROP,
             Reason::EgressDenied,
         );
+        // A direct flow is judged once: XDP tracks the allowed SYN, TC finds the entry of the
+        // same direction and stamp (one lookup). The reverse SYN on that tuple is no such
+        // entry: judged as new at TC (as a reply of C's flow it would pass), and A's egress
+        // denies it.
+        step(
+            &dp,
+            "C -> A SYN at XDP: allowed, tracked",
+            None,
+            frame(c, a, syn(40006, 8080)),
+            PASS,
+            Reason::Allowed,
+        );
+        step(
+            &dp,
+            "C -> A SYN at TC: the entry XDP just made",
+            Some(IF_C),
+            frame(c, a, syn(40006, 8080)),
+            PASS,
+            Reason::Established,
+        );
+        step(
+            &dp,
+            "A -> C SYN at TC on that tuple: judged as new",
+            Some(IF_A),
+            frame(a, c, syn(8080, 40006)),
+            DROP,
+            Reason::EgressDenied,
+        );
         assert_eq!(dp.service_frontends().len(), 2);
         assert_eq!(dp.verify().unwrap(), Vec::<String>::new(), "maps == mirror");
         println!(
@@ -2384,4 +2432,285 @@ fn service_flows_are_judged_after_translation() {
             if v6 { 6 } else { 4 }
         );
     }
+}
+
+/// One state of the Service safety test: the client's egress, the two backends' ingress, where
+/// kube-proxy sends the Service (backend 0 or 1), and whether the frontend exists.
+struct SvcState {
+    a_egress: MapState,
+    ingress: [MapState; 2],
+    backend: usize,
+    frontend: bool,
+}
+
+/// Packets keep flowing to a Service (XDP on the way in, TC after a modelled kube-proxy
+/// translation) while its backend, its frontend and the policies of client and backends change:
+/// no packet at the TC hook — new connection or established — is ever allowed that neither the
+/// state before nor the state after the change in progress allows, and at the end every flow
+/// has the last state's verdict. The translation itself is kube-proxy's (modelled here as the
+/// state's backend; `controller/tests/lab.rs` runs it in nftables); what is under test is that
+/// the datapath's verdicts follow the policies through every write.
+#[test]
+fn service_flows_never_allowed_by_neither_state() {
+    if !privileged() {
+        return;
+    }
+    const IF_C: u32 = 14;
+    const SVC_PORT: u16 = 80;
+    const BACKEND_PORT: u16 = 8080;
+    let mut dp = create();
+    world_setup(&mut dp);
+    let (a, b, c) = (ip(A4), ip(B4), ip("10.0.0.4"));
+    let vip = ip("10.96.0.10");
+    let backends = [(b, 4u32, IF_B), (c, 5u32, IF_C)];
+    // Sources: A (local, identity 2, its interface) and two remote clients at the uplink.
+    let sources = [
+        (a, 2u32, IF_A),
+        (remote(3, false), 3, IF_UPLINK),
+        (remote(7, false), 7, IF_UPLINK),
+    ];
+    let port8080 = L4Match::port(Protocol::Tcp, BACKEND_PORT);
+    let egress_choices = [
+        ms(Direction::Egress, Verdict::Allow, &[]),
+        ms(Direction::Egress, Verdict::Deny, &[]),
+        ms(
+            Direction::Egress,
+            Verdict::Deny,
+            &[(Selector::ids([4]), port8080, Verdict::Allow)],
+        ),
+        ms(
+            Direction::Egress,
+            Verdict::Deny,
+            &[(Selector::ids([5]), port8080, Verdict::Allow)],
+        ),
+    ];
+    let ingress_choices = [
+        ms(Direction::Ingress, Verdict::Allow, &[]),
+        ms(Direction::Ingress, Verdict::Deny, &[]),
+        ms(
+            Direction::Ingress,
+            Verdict::Deny,
+            &[(Selector::ids([2]), port8080, Verdict::Allow)],
+        ),
+        ms(
+            Direction::Ingress,
+            Verdict::Deny,
+            &[(Selector::ids([3, 7]), port8080, Verdict::Allow)],
+        ),
+        ms(
+            Direction::Ingress,
+            Verdict::Allow,
+            &[(Selector::ids([7]), port8080, Verdict::Deny)],
+        ),
+    ];
+    let mut rng = Rng::new(0x5e7c_1ce5);
+    let states: Vec<SvcState> = (0..80)
+        .map(|_| SvcState {
+            a_egress: egress_choices[rng.below(egress_choices.len())].clone(),
+            ingress: [
+                ingress_choices[rng.below(ingress_choices.len())].clone(),
+                ingress_choices[rng.below(ingress_choices.len())].clone(),
+            ],
+            backend: rng.below(2),
+            frontend: rng.below(5) != 0,
+        })
+        .collect();
+    // allowed[g][source][backend]: the flow source -> backend:8080 under state g.
+    let allowed: Vec<Vec<[bool; 2]>> = states
+        .iter()
+        .map(|st| {
+            sources
+                .iter()
+                .map(|(_, sid, _)| {
+                    let mut v = [false; 2];
+                    for (k, (_, bid, _)) in backends.iter().enumerate() {
+                        let egress = *sid != 2
+                            || st.a_egress.lookup(Some(*bid), 6, BACKEND_PORT).verdict()
+                                == Verdict::Allow;
+                        let ingress = st.ingress[k].lookup(Some(*sid), 6, BACKEND_PORT).verdict()
+                            == Verdict::Allow;
+                        v[k] = egress && ingress;
+                    }
+                    v
+                })
+                .collect()
+        })
+        .collect();
+    let open_egress = open(Direction::Egress);
+    let apply = |dp: &mut Datapath, st: &SvcState| {
+        let (a_ips, b_ips, c_ips) = ([a], [b], [c]);
+        let open_ingress = open(Direction::Ingress);
+        dp.update_endpoints(&[
+            (
+                1,
+                EndpointSpec {
+                    ips: &a_ips,
+                    identity: 2,
+                    identities: &[],
+                    ingress: &open_ingress,
+                    egress: &st.a_egress,
+                },
+            ),
+            (
+                2,
+                EndpointSpec {
+                    ips: &b_ips,
+                    identity: 4,
+                    identities: &[],
+                    ingress: &st.ingress[0],
+                    egress: &open_egress,
+                },
+            ),
+            (
+                3,
+                EndpointSpec {
+                    ips: &c_ips,
+                    identity: 5,
+                    identities: &[],
+                    ingress: &st.ingress[1],
+                    egress: &open_egress,
+                },
+            ),
+        ])
+        .unwrap();
+        let frontends: Vec<(IpAddr, u8, u16)> = if st.frontend {
+            vec![(vip, 6, SVC_PORT)]
+        } else {
+            Vec::new()
+        };
+        dp.set_service_frontends(&frontends).unwrap();
+    };
+    apply(&mut dp, &states[0]);
+    dp.set_interface(IF_A, 1, Some(&[a])).unwrap();
+    dp.set_interface(IF_B, 2, Some(&[b])).unwrap();
+    dp.set_interface(IF_C, 3, Some(&[c])).unwrap();
+    let fd = |p: &dyn std::os::fd::AsFd| p.as_fd().try_clone_to_owned().unwrap();
+    let xdp_fd = fd(dp.program().unwrap().fd().unwrap());
+    let tc_fd = fd(dp.tc_program().unwrap().fd().unwrap());
+
+    let done = Arc::new(AtomicBool::new(false));
+    let generation = Arc::new(AtomicUsize::new(0));
+    let violations = Arc::new(Mutex::new(Vec::new()));
+    let counts = Arc::new(Mutex::new([0usize; 4])); // new allowed/denied, established allowed/denied
+    let allowed = Arc::new(allowed);
+    let mapping: Arc<Vec<usize>> = Arc::new(states.iter().map(|s| s.backend).collect());
+    let checker = {
+        let (done, generation, violations, counts, allowed, mapping) = (
+            done.clone(),
+            generation.clone(),
+            violations.clone(),
+            counts.clone(),
+            allowed.clone(),
+            mapping.clone(),
+        );
+        std::thread::spawn(move || {
+            // Connections opened so far: (source, backend, source port).
+            let mut open_flows: Vec<(usize, usize, u16)> = Vec::new();
+            let mut sport: u16 = 10_000;
+            let mut i = 0usize;
+            let last_state = allowed.len() - 1;
+            let syn = |sport, dport| tcp_flags(sport, dport, TCP_SYN);
+            let ack = |sport, dport| tcp_flags(sport, dport, TCP_ACK);
+            while !done.load(Ordering::SeqCst) {
+                let si = i % sources.len();
+                let (src, _, ifindex) = sources[si];
+                let g1 = generation.load(Ordering::SeqCst);
+                // kube-proxy's choice at about this time (it may lag or lead: any backend is
+                // judged on its own policy).
+                let k = mapping[g1];
+                let (backend, _, _) = backends[k];
+                sport = if sport >= 60_000 { 10_000 } else { sport + 1 };
+                // The new connection: at XDP towards the frontend, then translated at TC.
+                let _ = sys_test_run(&xdp_fd, &frame(src, vip, syn(sport, SVC_PORT)));
+                let new = sys_test_run_tc(
+                    &tc_fd,
+                    &frame(src, backend, syn(sport, BACKEND_PORT)),
+                    ifindex,
+                );
+                // An established connection opened earlier, at TC.
+                let old = open_flows
+                    .get(i.wrapping_mul(7919) % open_flows.len().max(1))
+                    .copied();
+                let old_verdict = old.map(|(os, ok, op)| {
+                    let (osrc, _, oif) = sources[os];
+                    sys_test_run_tc(
+                        &tc_fd,
+                        &frame(osrc, backends[ok].0, ack(op, BACKEND_PORT)),
+                        oif,
+                    )
+                });
+                let g2 = generation.load(Ordering::SeqCst);
+                let states = g1..=(g2 + 1).min(last_state);
+                let mut c = counts.lock().unwrap();
+                if new == PASS {
+                    c[0] += 1;
+                    if !states.clone().any(|g| allowed[g][si][k]) {
+                        violations.lock().unwrap().push(format!(
+                            "new flow source {si} -> backend {k} allowed during states {g1}..={g2}"
+                        ));
+                    }
+                    if open_flows.len() < 512 {
+                        open_flows.push((si, k, sport));
+                    } else {
+                        open_flows[i % 512] = (si, k, sport);
+                    }
+                } else {
+                    c[1] += 1;
+                }
+                if let (Some((os, ok, _)), Some(v)) = (old, old_verdict) {
+                    if v == PASS {
+                        c[2] += 1;
+                        if !states.clone().any(|g| allowed[g][os][ok]) {
+                            violations.lock().unwrap().push(format!(
+                                "established flow source {os} -> backend {ok} passed during \
+                                 states {g1}..={g2}"
+                            ));
+                        }
+                    } else {
+                        c[3] += 1;
+                    }
+                }
+                i += 1;
+            }
+        })
+    };
+    for (g, st) in states.iter().enumerate().skip(1) {
+        apply(&mut dp, st);
+        generation.store(g, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(3));
+    }
+    done.store(true, Ordering::SeqCst);
+    checker.join().unwrap();
+    // Settled: every source to every backend has the last state's verdict, new or established.
+    let last = states.len() - 1;
+    for (si, (src, _, ifindex)) in sources.iter().enumerate() {
+        for (k, (backend, _, _)) in backends.iter().enumerate() {
+            let want = if allowed[last][si][k] { PASS } else { DROP };
+            let f = frame(
+                *src,
+                *backend,
+                tcp_flags(65_000 + k as u16, BACKEND_PORT, TCP_SYN),
+            );
+            assert_eq!(
+                XdpAction::from(dp.test_run_tc(&f, *ifindex, 1).unwrap().0),
+                want,
+                "final {si} -> {k}"
+            );
+        }
+    }
+    let c = *counts.lock().unwrap();
+    let violations = violations.lock().unwrap();
+    println!(
+        "xdp_testrun: Service safety: {} states, new flows {} allowed / {} denied, established \
+         packets {} passed / {} dropped, {} violations",
+        states.len(),
+        c[0],
+        c[1],
+        c[2],
+        c[3],
+        violations.len()
+    );
+    assert!(violations.is_empty(), "{}", violations.join("\n"));
+    // Both outcomes happened for both kinds of packet, or the test checked nothing.
+    assert!(c.iter().all(|n| *n > 0), "{c:?}");
 }

@@ -11,7 +11,9 @@
 //! * TCP/UDP/SCTP: a tracked flow (either direction) stamped with the current policy revision
 //!   passes (this is checked first: one lookup); a stale one is re-checked in its original
 //!   direction (allowed: restamped and passed; denied: entry deleted, packet dropped). A TCP
-//!   packet with SYN and without ACK is always a new connection attempt and always checked;
+//!   packet with SYN and without ACK is a new connection attempt and checked, except at
+//!   [`Hook::Tc`] when an entry of its own direction carries the current stamp (XDP just
+//!   allowed the same tuple under the same policy);
 //! * [`Hook::Xdp`] only: a new TCP/UDP/SCTP flow to a Service frontend ([`MAP_SVC`]: kube-proxy
 //!   translates it after XDP) passes unjudged and is tracked as deferred ([`CT_SERVICE`]); its
 //!   translated packets are judged at [`Hook::Tc`], where the destination is the backend. A
@@ -321,8 +323,8 @@ pub fn decide_at<M: DatapathMaps + ?Sized>(
     // after this one lookup (no ipcache, no policy). Entries exist only for flows that involve
     // a local endpoint and were allowed; the revision changes whenever an endpoint, an
     // identity or a policy changes, so a current stamp means the decision still holds.
-    // A pure SYN is a new connection attempt: it is checked below, and looks at the tracking
-    // table only once the policy has allowed it.
+    // A pure SYN is a new connection attempt: at XDP it is checked below, and looks at the
+    // tracking table only once the policy has allowed it (at TC see below).
     let is_tracked = tracked(p.protocol);
     let syn = p.protocol == IPPROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
     // Without a state (impossible once userspace initialised the map) every entry is expired
@@ -345,7 +347,11 @@ pub fn decide_at<M: DatapathMaps + ?Sized>(
     // A live (not expired) entry of this flow, when one was looked up.
     let mut live = false;
     let mut entry = CtEntry::default();
-    if is_tracked && !syn {
+    // At the TC hook a pure SYN was usually just judged by XDP on its way in, which tracked
+    // it: an entry of the same direction with the current stamp (not a deferred one) means
+    // the same policy allowed this very tuple, so it passes after the one lookup too.
+    let tc = matches!(hook, Hook::Tc { .. });
+    if is_tracked && (!syn || tc) {
         if let Some(e) = maps.ct_lookup(&key) {
             now = maps.now();
             // An entry from the future (clock reset) counts as fresh.
@@ -353,6 +359,12 @@ pub fn decide_at<M: DatapathMaps + ?Sized>(
             entry = e;
         }
         let deferred = entry.flags & CT_SERVICE != 0;
+        let same_direction = entry.flags & CT_INITIATOR_A == initiator;
+        if syn && !(live && same_direction && !deferred && entry.revision == revision) {
+            // Any other entry says nothing about a new connection attempt: judged as new.
+            live = false;
+            entry = CtEntry::default();
+        }
         if live && (entry.revision == revision || deferred) {
             if now.saturating_sub(entry.last_seen) > refresh {
                 maps.ct_store(

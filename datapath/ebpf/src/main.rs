@@ -16,7 +16,7 @@
 #![cfg_attr(target_arch = "bpf", no_main)]
 
 use aya_ebpf::{
-    bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC, TC_ACT_OK, TC_ACT_SHOT, xdp_action},
+    bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC, xdp_action},
     helpers::bpf_jiffies64,
     macros::{classifier, map, xdp},
     maps::{Array, HashMap, LpmTrie, LruHashMap, lpm_trie::Key},
@@ -174,7 +174,7 @@ impl DatapathMaps for KernelMaps {
     #[inline(always)]
     fn interface(&self, ifindex: u32) -> Option<IfaceInfo> {
         // SAFETY: the value is copied out immediately.
-        unsafe { IFACE.get(&ifindex) }.copied()
+        unsafe { IFACE.get(ifindex) }.copied()
     }
 }
 
@@ -191,6 +191,11 @@ pub fn ordnet_xdp(ctx: XdpContext) -> u32 {
 /// tags, IPv4 with options or IPv6 with a few extension headers, the L4 ports and flags).
 const TC_LINEAR: u32 = 256;
 
+/// `TC_ACT_OK` and `TC_ACT_SHOT` (linux/pkt_cls.h) as the classifier returns them (the
+/// bindings' constants have a different integer type on different targets).
+const TC_PASS: i32 = 0;
+const TC_DROP: i32 = 2;
+
 /// The post-translation hook: tcx egress of every local endpoint's host-side interface and of
 /// the uplink. Packets the node itself sends (`ingress_ifindex` 0) pass; every forwarded
 /// packet is decided at [`Hook::Tc`]: after kube-proxy's translation, so a Service flow is
@@ -200,7 +205,7 @@ pub fn ordnet_tc(ctx: TcContext) -> i32 {
     // SAFETY: `skb` is the program's context pointer, valid for the whole run.
     let ingress_ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
     if ingress_ifindex == 0 {
-        return TC_ACT_OK as i32;
+        return TC_PASS;
     }
     // Forwarded packets have their headers in the linear part in practice; make sure of it (a
     // failure leaves the packet as it is, and the parser then sees a truncated one: dropped).
@@ -211,8 +216,8 @@ pub fn ordnet_tc(ctx: TcContext) -> i32 {
     }
     let frame = XdpFrame::tc(&ctx);
     match decide_at(&parse(&frame), &KernelMaps, Hook::Tc { ingress_ifindex }).verdict {
-        Verdict::Pass => TC_ACT_OK as i32,
-        Verdict::Drop => TC_ACT_SHOT as i32,
+        Verdict::Pass => TC_PASS,
+        Verdict::Drop => TC_DROP,
     }
 }
 
