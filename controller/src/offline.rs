@@ -18,7 +18,9 @@ use ordnet_datapath::common::{Decision, Reason, Verdict as XdpVerdict};
 use ordnet_datapath::{
     ControlError, ControlPlane, DatapathConfig, DatapathError, MemDatapath, StoreError,
 };
-use ordnet_engine::{Engine, FlowEnd, FlowTrace, IpFamily, Matrix, MatrixResult};
+use ordnet_engine::{
+    BackendVerdict, Engine, FlowEnd, FlowTrace, IpFamily, Matrix, MatrixResult, MatrixVerdict,
+};
 use ordnet_mapstate::{Protocol, Verdict};
 
 use crate::program::{NodeProgram, ProgramError};
@@ -77,6 +79,11 @@ impl OfflineDatapath {
     }
 }
 
+/// The interface a crafted frame is said to have come in on at the TC hook: not an interface
+/// of any endpoint (the crafted frames keep their source address, so no attribution is needed)
+/// and not 0 (the node's own packets, which the hook passes).
+pub const CRAFTED_IFINDEX: u32 = u32::MAX;
+
 /// `plane`'s decision for a new flow (a TCP SYN, a UDP datagram, an SCTP INIT) from `src` to
 /// `dst`; `None` if the two addresses are not of one family.
 pub fn decide(
@@ -86,6 +93,45 @@ pub fn decide(
     proto: Protocol,
     port: u16,
 ) -> Option<Decision> {
+    Some(plane.decide(&new_flow_frame(src, dst, proto, port)?))
+}
+
+/// A flow to a Service frontend as the node handles it: the untranslated first packet at the
+/// XDP hook (which must defer it, or it is judged there), then, as kube-proxy translates it, the
+/// packet to each backend (address, port) at the TC hook. The verdict towards each backend.
+pub fn decide_service(
+    plane: &dyn ControlPlane,
+    src: IpAddr,
+    frontend: IpAddr,
+    backends: &[(IpAddr, u16)],
+    proto: Protocol,
+    port: u16,
+) -> Option<Vec<Verdict>> {
+    let first = plane.decide(&new_flow_frame(src, frontend, proto, port)?);
+    if first.verdict == XdpVerdict::Drop {
+        return Some(vec![Verdict::Deny; backends.len()]);
+    }
+    backends
+        .iter()
+        .map(|(addr, bport)| decide_translated(plane, src, *addr, proto, *bport))
+        .collect()
+}
+
+/// The verdict of the TC hook for a new flow as it leaves netfilter (translated, possibly with
+/// a rewritten source such as a node address), forwarded from an interface of no endpoint.
+pub fn decide_translated(
+    plane: &dyn ControlPlane,
+    src: IpAddr,
+    dst: IpAddr,
+    proto: Protocol,
+    port: u16,
+) -> Option<Verdict> {
+    let frame = new_flow_frame(src, dst, proto, port)?;
+    Some(verdict_of(&plane.decide_tc(&frame, CRAFTED_IFINDEX)))
+}
+
+/// The first packet of a new flow: a TCP SYN, a UDP datagram, an SCTP INIT.
+fn new_flow_frame(src: IpAddr, dst: IpAddr, proto: Protocol, port: u16) -> Option<Vec<u8>> {
     let l4 = match proto {
         Protocol::Tcp => L4::Tcp {
             sport: SOURCE_PORT,
@@ -100,8 +146,7 @@ pub fn decide(
             dport: port,
         },
     };
-    let frame = frame_between(src, dst, l4)?;
-    Some(plane.decide(&frame))
+    frame_between(src, dst, l4)
 }
 
 fn verdict_of(d: &Decision) -> Verdict {
@@ -243,8 +288,9 @@ pub fn trace(
 
 /// `ordnet matrix`: every endpoint of `engine` with an address of `family` (sorted by
 /// `ns/name`, probed at that address), then every external address, as sources and
-/// destinations; pairs of two external addresses are left out; a pod with itself is included
-/// (the datapath's same-endpoint exemption allows it). Every verdict is a frame decided by
+/// destinations, and every Service (`Engine::service_destinations`, probed at its ClusterIP,
+/// [`decide_service`]) as a destination; pairs of two external addresses are left out; a pod
+/// with itself is included (the datapath's same-endpoint exemption allows it). Every verdict is a frame decided by
 /// `plane`, which judges the sides of its local endpoints only (offline: every pod; an agent:
 /// the pods of its node, so an external address that is a pod of another node is judged only
 /// on the local side).
@@ -267,6 +313,7 @@ pub fn matrix(
             .filter(|ip| family.contains(**ip))
             .map(|ip| (ip.to_string(), *ip, false)),
     );
+    let services = engine.service_destinations(proto, port, family);
     let mut results = Vec::new();
     for (from, src, from_pod) in &ends {
         for (to, dst, to_pod) in &ends {
@@ -278,7 +325,29 @@ pub fn matrix(
             results.push(MatrixResult {
                 from: from.clone(),
                 to: to.clone(),
-                verdict,
+                verdict: verdict.into(),
+                backends: Vec::new(),
+            });
+        }
+        for svc in &services {
+            let targets: Vec<(IpAddr, u16)> =
+                svc.backends.iter().map(|(_, a, p)| (*a, *p)).collect();
+            let verdicts = decide_service(plane, *src, svc.frontend, &targets, proto, port)
+                .expect("all addresses are of one family");
+            let backends: Vec<BackendVerdict> = svc
+                .backends
+                .iter()
+                .zip(verdicts)
+                .map(|((pod, _, _), verdict)| BackendVerdict {
+                    to: pod.clone(),
+                    verdict,
+                })
+                .collect();
+            results.push(MatrixResult {
+                from: from.clone(),
+                to: svc.name.clone(),
+                verdict: MatrixVerdict::of(backends.iter().map(|b| b.verdict)),
+                backends,
             });
         }
     }
@@ -286,6 +355,7 @@ pub fn matrix(
         protocol: proto,
         port,
         endpoints: ends.into_iter().map(|(n, _, _)| n).collect(),
+        services: services.into_iter().map(|s| s.name).collect(),
         results,
     }
 }

@@ -65,7 +65,7 @@ use ordnet_datapath::{
     ControlError, ControlPlane, DatapathError, EndpointAddresses, EndpointSpec, WriteStats,
 };
 use ordnet_engine::{Endpoint, EndpointPolicy, Engine, EngineDelta};
-use ordnet_mapstate::{ChangeSet, Direction, MapState, Verdict};
+use ordnet_mapstate::{ChangeSet, Direction, MapState, Protocol, Verdict};
 
 const DIRECTIONS: [Direction; 2] = [Direction::Ingress, Direction::Egress];
 
@@ -200,6 +200,9 @@ struct Split {
     last: Verdict,
 }
 
+/// The endpoint behind a host-side interface: its datapath id and addresses.
+type InterfaceOwner = (u32, Vec<IpAddr>);
+
 /// The engine → datapath mapping of one node (see the module documentation).
 #[derive(Debug, Clone)]
 pub struct NodeProgram {
@@ -212,6 +215,13 @@ pub struct NodeProgram {
     hosts: Vec<IpAddr>,
     /// The identity programmed for the default routes the engine has no identity of.
     world: Option<u32>,
+    /// The Service frontends of the engine last programmed (without the node ports on the
+    /// node's addresses, which [`NodeProgram::frontends`] adds).
+    service_frontends: BTreeSet<(IpAddr, Protocol, u16)>,
+    node_ports: BTreeSet<(Protocol, u16)>,
+    /// `ns/name` → the host-side interface index of the endpoint (for the TC hook's
+    /// attribution of rewritten source addresses).
+    interfaces: BTreeMap<String, u32>,
     stats: ProgramStats,
 }
 
@@ -231,6 +241,9 @@ impl NodeProgram {
             addrs: HashMap::new(),
             hosts: Vec::new(),
             world: None,
+            service_frontends: BTreeSet::new(),
+            node_ports: BTreeSet::new(),
+            interfaces: BTreeMap::new(),
             stats: ProgramStats::default(),
         }
     }
@@ -266,7 +279,133 @@ impl NodeProgram {
         ips.sort();
         ips.dedup();
         self.hosts = ips;
-        self.write_hosts(dp)
+        self.write_hosts(dp)?;
+        // The node ports are frontends on every node address.
+        self.write_frontends(dp)
+    }
+
+    /// Every Service frontend: the engine's ClusterIPs, external and load-balancer IPs with
+    /// their ports, and every node address with every NodePort.
+    fn frontends(&self) -> Vec<(IpAddr, u8, u16)> {
+        let mut out: Vec<(IpAddr, u8, u16)> = self
+            .service_frontends
+            .iter()
+            .map(|(ip, p, port)| (*ip, p.number(), *port))
+            .collect();
+        for host in &self.hosts {
+            for (p, port) in &self.node_ports {
+                out.push((*host, p.number(), *port));
+            }
+        }
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// Writes the frontends if the datapath holds others.
+    fn write_frontends<D: ControlPlane + ?Sized>(
+        &mut self,
+        dp: &mut D,
+    ) -> Result<(), ProgramError> {
+        let want = self.frontends();
+        if dp.service_frontends() != want {
+            let s = dp
+                .set_service_frontends(&want)
+                .map_err(|source| ProgramError::Datapath {
+                    what: "service frontends",
+                    source: Box::new(source),
+                })?;
+            add_stats(&mut self.stats.writes, s);
+        }
+        Ok(())
+    }
+
+    /// Takes the engine's Service frontends and NodePorts and writes them.
+    fn program_services<D: ControlPlane + ?Sized>(
+        &mut self,
+        engine: &Engine,
+        dp: &mut D,
+    ) -> Result<(), ProgramError> {
+        self.service_frontends = engine.service_frontends();
+        self.node_ports = engine.node_ports();
+        self.write_frontends(dp)
+    }
+
+    /// The endpoints whose host-side interface is recorded ([`NodeProgram::set_interface`]).
+    pub fn interface_names(&self) -> impl Iterator<Item = &str> {
+        self.interfaces.keys().map(String::as_str)
+    }
+
+    /// Records (`Some`) or forgets (`None`) the host-side interface of endpoint `ns/name`: the
+    /// TC hook then attributes a packet that came in on it to the endpoint even when its
+    /// source address was rewritten (kube-proxy's masquerade: hairpin). Kept across
+    /// programming: written again when the endpoint's id or addresses change, removed with it.
+    pub fn set_interface<D: ControlPlane + ?Sized>(
+        &mut self,
+        dp: &mut D,
+        name: &str,
+        ifindex: Option<u32>,
+    ) -> Result<(), ProgramError> {
+        if let Some(old) = self.interfaces.get(name).copied()
+            && Some(old) != ifindex
+        {
+            self.interfaces.remove(name);
+            self.write_interface(dp, old, None)?;
+        }
+        if let Some(ifindex) = ifindex {
+            self.interfaces.insert(name.to_string(), ifindex);
+            let ep = self.ids.get(name).copied().map(|id| {
+                let ips: Vec<IpAddr> = dp
+                    .endpoints()
+                    .get(&id)
+                    .map(|st| st.ips.clone())
+                    .unwrap_or_default();
+                (id, ips)
+            });
+            self.write_interface(dp, ifindex, ep)?;
+        }
+        Ok(())
+    }
+
+    fn write_interface<D: ControlPlane + ?Sized>(
+        &mut self,
+        dp: &mut D,
+        ifindex: u32,
+        endpoint: Option<InterfaceOwner>,
+    ) -> Result<(), ProgramError> {
+        let s = match &endpoint {
+            Some((id, ips)) if !ips.is_empty() => dp.set_interface(ifindex, *id, Some(ips)),
+            _ => dp.set_interface(ifindex, 0, None),
+        }
+        .map_err(|source| ProgramError::Datapath {
+            what: "interfaces",
+            source: Box::new(source),
+        })?;
+        add_stats(&mut self.stats.writes, s);
+        Ok(())
+    }
+
+    /// Writes the interface entries again from the current endpoints (ids and addresses).
+    fn refresh_interfaces<D: ControlPlane + ?Sized>(
+        &mut self,
+        dp: &mut D,
+    ) -> Result<(), ProgramError> {
+        let entries: Vec<(u32, Option<InterfaceOwner>)> = self
+            .interfaces
+            .iter()
+            .map(|(name, ifindex)| {
+                let ep = self
+                    .ids
+                    .get(name)
+                    .and_then(|id| dp.endpoints().get(id).map(|st| (*id, st.ips.clone())));
+                (*ifindex, ep)
+            })
+            .collect();
+        // The datapath writes an entry only when it changes.
+        for (ifindex, ep) in entries {
+            self.write_interface(dp, ifindex, ep)?;
+        }
+        Ok(())
     }
 
     fn write_hosts<D: ControlPlane + ?Sized>(&mut self, dp: &mut D) -> Result<(), ProgramError> {
@@ -467,7 +606,10 @@ impl NodeProgram {
             .filter(|n| !want.contains_key(*n))
             .map(|n| (*n, None))
             .collect();
-        self.set_identities(dp, &removals)
+        self.set_identities(dp, &removals)?;
+        // 4. Service frontends and the interfaces of endpoints (their ids may be new).
+        self.program_services(engine, dp)?;
+        self.refresh_interfaces(dp)
     }
 
     /// Attributes a datapath error to the endpoint it names, if any.
@@ -541,6 +683,16 @@ impl NodeProgram {
         }
         if !full.is_empty() {
             self.full_update(engine, &full, dp)?;
+        }
+        if deltas.iter().any(|d| d.services_changed) {
+            self.program_services(engine, dp)?;
+        }
+        if deltas.iter().any(|d| {
+            !d.endpoints_added.is_empty()
+                || !d.endpoints_removed.is_empty()
+                || !d.ipcache.is_empty()
+        }) {
+            self.refresh_interfaces(dp)?;
         }
         Ok(())
     }

@@ -3,13 +3,13 @@
 //! equal what the offline engine computes for the same objects.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::time::Duration;
 
 use ipnet::IpNet;
 use ordnet::agent::{self, AgentConfig, AgentHandle, NoneDatapath};
-use ordnet_engine::{Engine, Signature};
+use ordnet_engine::{Engine, ServiceRec, Signature};
 use ordnet_mapstate::{L4Prefix, OrderKey, Origin, Peer, Verdict};
 use ordnet_testsuite::fakeapi::FakeApi;
 use ordnet_testsuite::scenario::{self, Scenario};
@@ -30,8 +30,23 @@ type Keys = Vec<(
 /// Per endpoint: (ingress isolated, ingress keys, egress isolated, egress keys).
 type Canon = BTreeMap<String, (bool, Keys, bool, Keys)>;
 
+/// Service frontends as the datapath holds them: (address, IP protocol number, port).
+type Frontends = Vec<(IpAddr, u8, u16)>;
+/// The Services the engine knows (their backends follow from them and the pods).
+type Services = Vec<((String, String), ServiceRec)>;
+/// Everything compared: the endpoints' MapStates, the ipcache, the Service frontends, and the
+/// engine's Services (the `--agent` matrix's Service columns come from them).
+type State = (Canon, BTreeMap<IpNet, Signature>, Frontends, Services);
+
+fn services(engine: &Engine) -> Services {
+    engine
+        .services()
+        .map(|(k, r)| (k.clone(), r.clone()))
+        .collect()
+}
+
 /// What the agent programmed, identities replaced by what they stand for.
-fn programmed(h: &AgentHandle) -> Option<(Canon, BTreeMap<IpNet, Signature>)> {
+fn programmed(h: &AgentHandle) -> Option<State> {
     h.state.with_programmed(|engine, dp| {
         let sig = |id| {
             engine
@@ -66,7 +81,12 @@ fn programmed(h: &AgentHandle) -> Option<(Canon, BTreeMap<IpNet, Signature>)> {
             .map(|(ep, [i, e])| (ep.clone(), (i.isolated, side(i), e.isolated, side(e))))
             .collect();
         let ipcache = dp.ipcache().iter().map(|(p, id)| (*p, sig(*id))).collect();
-        (canon, ipcache)
+        (
+            canon,
+            ipcache,
+            dp.plane().service_frontends(),
+            services(engine),
+        )
     })
 }
 
@@ -76,6 +96,7 @@ fn manifests(api: &FakeApi) -> String {
     for (v, k) in [
         ("v1", "Namespace"),
         ("v1", "Pod"),
+        ("v1", "Service"),
         ("networking.k8s.io/v1", "NetworkPolicy"),
         ("ordnet.io/v1alpha1", "OrderedNetworkPolicy"),
         ("ordnet.io/v1alpha1", "ClusterOrderedNetworkPolicy"),
@@ -93,8 +114,9 @@ fn offline_objects(api: &FakeApi) -> ordnet_crds::ClusterObjects {
     ordnet_crds::validated(outcome).objects
 }
 
-/// What the offline engine computes: this node's endpoints, and the whole ipcache.
-fn offline(api: &FakeApi) -> (Canon, BTreeMap<IpNet, Signature>) {
+/// What the offline engine computes: this node's endpoints, the whole ipcache, and every
+/// Service frontend (`--datapath none` knows no node address, so no NodePort frontends).
+fn offline(api: &FakeApi) -> State {
     let objects = offline_objects(api);
     let engine = Engine::build(&objects);
     let snap = engine.snapshot();
@@ -132,7 +154,12 @@ fn offline(api: &FakeApi) -> (Canon, BTreeMap<IpNet, Signature>) {
             )
         })
         .collect();
-    (canon, snap.ipcache)
+    let frontends = engine
+        .service_frontends()
+        .into_iter()
+        .map(|(ip, p, port)| (ip, p.number(), port))
+        .collect();
+    (canon, snap.ipcache, frontends, services(&engine))
 }
 
 /// Polls until the agent's programmed state equals the offline one.
@@ -469,7 +496,7 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
         "status": {"podIP": "10.244.9.9"}}))
         .unwrap();
     converges(&api, &h, "remote pod").await;
-    let (_, ipcache) = programmed(&h).unwrap();
+    let (_, ipcache, _, _) = programmed(&h).unwrap();
     assert!(ipcache.contains_key(&"10.244.9.9/32".parse::<IpNet>().unwrap()));
     assert!(!programmed(&h).unwrap().0.contains_key("qa/remote"));
     let (code, msg) = http_get(addr, "/v1/trace?from=qa/remote&to=prod/artifacts").await;
@@ -778,7 +805,7 @@ async fn nothing_is_programmed_before_every_initial_list() {
     api.compact();
     let h = start_agent(&api).await;
     // Ready means programmed from complete lists: the first programmed state is the full one.
-    let (canon, _) = programmed(&h).unwrap();
+    let (canon, _, _, _) = programmed(&h).unwrap();
     assert_eq!(canon, offline(&api).0);
 }
 
@@ -821,13 +848,11 @@ async fn agent_matches_scenario(addr: SocketAddr, sc: &Scenario) {
             "json",
         ];
         let m: Value = serde_json::from_str(&agent_ok(addr, &args).await).unwrap();
+        let mut dests = pods.clone();
+        dests.extend(sc.services(probe.protocol.as_str(), probe.port, 4));
         for a in &pods {
-            for b in &pods {
-                let want = if probe.allows(a, b).unwrap() {
-                    "allow"
-                } else {
-                    "deny"
-                };
+            for b in &dests {
+                let want = probe.verdict(a, b).unwrap();
                 assert_eq!(
                     cell(&m, a, b),
                     want,
@@ -887,6 +912,50 @@ async fn repeated_rule_the_first_wins_and_the_repeat_is_reported_shadowed() {
         )
         .await;
     }
+}
+
+/// A Service's verdict follows its backends through the agent: svc-05i, then the selector
+/// moves to another pod (svc-05), then a backend pod is deleted and the Service removed. After
+/// each change the programmed frontends equal the offline engine's and the agent's matrix
+/// (Service columns included) equals the scenario.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn services_follow_their_backends() {
+    let initial = Scenario::load(&scenario::path(
+        "conformance",
+        "svc-05i-service-backend-set-changes-initial",
+    ))
+    .unwrap();
+    let fin = Scenario::load(&scenario::path(
+        "conformance",
+        "svc-05-service-backend-set-changes",
+    ))
+    .unwrap();
+    let api = FakeApi::start().await.unwrap();
+    load_scenario(&api, &initial);
+    let h = start_agent(&api).await;
+    converges(&api, &h, "svc-05i").await;
+    assert!(
+        !programmed(&h).unwrap().2.is_empty(),
+        "no frontend programmed"
+    );
+    agent_matches_scenario(h.debug_addr(), &initial).await;
+
+    let mut svc = api.get("v1", "Service", "y", "api").unwrap();
+    svc["spec"]["selector"] = json!({"pod": "c"});
+    api.update(svc).unwrap();
+    converges(&api, &h, "svc-05 (selector changed)").await;
+    agent_matches_scenario(h.debug_addr(), &fin).await;
+
+    // With no backend left the frontend stays (kube-proxy rejects such traffic itself); once the
+    // Service is deleted, so is its frontend.
+    api.delete("v1", "Pod", "y", "c").unwrap();
+    converges(&api, &h, "backend pod deleted").await;
+    api.delete("v1", "Service", "y", "api").unwrap();
+    converges(&api, &h, "Service deleted").await;
+    assert!(
+        programmed(&h).unwrap().2.is_empty(),
+        "frontends left behind"
+    );
 }
 
 /// Rules the engine cannot enforce as written fail closed in the agent exactly as in `ordnet
@@ -1456,7 +1525,7 @@ async fn a_terminated_pod_is_no_endpoint_and_its_address_can_be_reused() {
     pod["status"]["phase"] = json!("Succeeded");
     api.update(pod.clone()).unwrap();
     converges(&api, &h, "tester succeeded").await;
-    let (eps, ipcache) = programmed(&h).unwrap();
+    let (eps, ipcache, _, _) = programmed(&h).unwrap();
     assert!(!eps.contains_key("qa/tester"));
     assert!(!ipcache.contains_key(&tester));
     assert!(h.state.problems().is_empty());
@@ -1468,7 +1537,7 @@ async fn a_terminated_pod_is_no_endpoint_and_its_address_can_be_reused() {
     pod["status"]["phase"] = json!("Running");
     api.create(pod).unwrap();
     converges(&api, &h, "tester-2 reuses the address").await;
-    let (eps, ipcache) = programmed(&h).unwrap();
+    let (eps, ipcache, _, _) = programmed(&h).unwrap();
     assert!(eps.contains_key("qa/tester-2"));
     assert!(ipcache.contains_key(&tester));
     assert!(h.state.problems().is_empty());

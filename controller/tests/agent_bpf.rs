@@ -9,7 +9,9 @@
 //! opens TCP connections between the pods and checks which connect and which are dropped,
 //! through a policy change, a SIGTERM (pins and enforcement stay), a restart (the pins are
 //! adopted: nothing re-attached, no rule set rewritten, no wrong verdict while it happens), a
-//! change after the restart, and a pod going away (its attachment is removed).
+//! change after the restart, and a pod going away (its attachment is removed). A Service
+//! (`shop/db`, ClusterIP DNATed to the db pod by a kube-proxy-style nftables rule in the node
+//! namespace) is reached exactly by the sources db's ingress policy admits, at every step.
 //!
 //! Needs root (bpf, XDP, netns): skipped otherwise, but fails when `CI` is set.
 
@@ -35,6 +37,9 @@ const PODS: [(&str, &str, u8); 3] = [("web", "web", 2), ("db", "db", 3), ("clien
 /// A pod of another node (app `web`), behind the node's uplink.
 const FAR: &str = "far";
 const FAR_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 9, 9);
+/// The ClusterIP of Service `shop/db` (backend: the db pod), DNATed in the node namespace by a
+/// kube-proxy-style nftables rule.
+const DB_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 
 fn root_or_skip() -> bool {
     // SAFETY: no arguments, no memory.
@@ -146,6 +151,64 @@ impl Lab {
         lab
     }
 
+    /// kube-proxy's translation of `DB_VIP:80` to the db pod, as its nftables mode writes it:
+    /// DNAT at prerouting (pod and uplink traffic) and output (the node's own).
+    fn kube_proxy(&self) {
+        let (_, db) = self.pods["db"];
+        let rules = format!(
+            "table ip kube-proxy {{\n\
+             chain services {{ ip daddr {DB_VIP} tcp dport {PORT} dnat to {db}:{PORT}; }}\n\
+             chain nat-prerouting {{ type nat hook prerouting priority dstnat; jump services; }}\n\
+             chain nat-output {{ type nat hook output priority -100; jump services; }}\n\
+             }}\n"
+        );
+        let mut nft = Command::new("ip")
+            .args(["netns", "exec", &self.node, "nft", "-f", "-"])
+            .stdin(Stdio::piped())
+            .spawn()
+            .expect("nft (scripts/setup installs nftables)");
+        nft.stdin
+            .take()
+            .unwrap()
+            .write_all(rules.as_bytes())
+            .unwrap();
+        assert!(nft.wait().unwrap().success(), "nft -f: {rules}");
+    }
+
+    /// Whether `from` reaches the db Service at its ClusterIP (and the db pod answers).
+    fn connects_to_service(&self, from: &str) -> bool {
+        let (ns, _) = self.pods[from].clone();
+        Lab::in_netns(&ns, move || {
+            let addr = SocketAddr::from((DB_VIP, PORT));
+            let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(700)) else {
+                return false;
+            };
+            let _ = s.set_read_timeout(Some(Duration::from_millis(700)));
+            let mut got = String::new();
+            let _ = s.read_to_string(&mut got);
+            got == "db"
+        })
+    }
+
+    /// Waits until exactly the sources in `allowed` (of web, client, far) reach the Service.
+    fn expect_service(&self, step: &str, allowed: &[&str]) {
+        let deadline = Instant::now() + LIMIT;
+        loop {
+            let got: Vec<&str> = ["client", "far", "web"]
+                .into_iter()
+                .filter(|f| self.connects_to_service(f))
+                .collect();
+            if got == allowed {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{step}: through svc shop/db ({DB_VIP}) reached from {got:?}, want {allowed:?}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
     /// `name`'s host-side interface in the node namespace.
     fn host_iface(&self, pod: &str) -> String {
         format!("onb{}{}", std::process::id(), &pod[..1])
@@ -254,7 +317,11 @@ impl Lab {
     }
 
     fn pinned_links(&self) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(self.pin_dir.join("links"))
+        self.pinned("links")
+    }
+
+    fn pinned(&self, dir: &str) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(self.pin_dir.join(dir))
             .map(|d| {
                 d.filter_map(|e| e.ok())
                     .map(|e| e.file_name().to_string_lossy().into_owned())
@@ -433,6 +500,28 @@ fn agent_matrix_agrees(lab: &Lab, agent: &Agent, step: &str, denied: &[(&str, &s
         };
         assert_eq!(got, want, "{step}: the agent's matrix, {from} -> {to}");
     }
+    // The Service column: judged by its backend, db.
+    for (from, _, _) in PODS.iter().chain([&(FAR, "", 0)]) {
+        if *from == "db" {
+            continue;
+        }
+        let got = m["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["from"] == name(from) && r["to"] == "svc:shop/db")
+            .unwrap_or_else(|| panic!("{step}: no {from} -> svc:shop/db in {m}"))["verdict"]
+            .clone();
+        let want = if denied.iter().any(|(a, b)| a == from && *b == "db") {
+            "deny"
+        } else {
+            "allow"
+        };
+        assert_eq!(
+            got, want,
+            "{step}: the agent's matrix, {from} -> svc:shop/db"
+        );
+    }
 }
 
 fn pod(name: &str, app: &str, node: &str, ip: Ipv4Addr) -> Value {
@@ -478,6 +567,15 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     // A pod of another node: only the ipcache.
     api.create(pod(FAR, "web", "node-2", FAR_IP)).unwrap();
     api.create(db_policy("web")).unwrap();
+    api.create(json!({"apiVersion": "v1", "kind": "Service",
+        "metadata": {"namespace": "shop", "name": "db"},
+        "spec": {"selector": {"app": "db"}, "clusterIP": DB_VIP.to_string(),
+            "clusterIPs": [DB_VIP.to_string()],
+            "ports": [{"name": "pg", "protocol": "TCP", "port": PORT, "targetPort": PORT}]}}))
+        .unwrap();
+    // kube-proxy's DNAT: before the agent, the Service reaches db from everywhere.
+    lab.kube_proxy();
+    lab.expect_service("no agent", &["client", "far", "web"]);
     api.create(
         json!({"apiVersion": "ordnet.io/v1alpha1", "kind": "ClusterOrderedNetworkPolicy",
         "metadata": {"name": "client-not-to-web"},
@@ -495,6 +593,8 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     let agent = Agent::start(&lab, &kubeconfig);
     agent.wait_ready();
     lab.expect("initial", &[("client", "db"), ("client", "web")]);
+    // Through the Service, db's ingress decides (judged after the DNAT, at TC).
+    lab.expect_service("initial", &["far", "web"]);
     agent_matrix_agrees(
         &lab,
         &agent,
@@ -509,6 +609,11 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     ];
     links.sort();
     assert_eq!(lab.pinned_links(), links);
+    assert_eq!(
+        lab.pinned("tc-links"),
+        links,
+        "the TC hook on every interface"
+    );
     assert_eq!(agent.metric("ordnet_datapath_attached_interfaces"), 4.0);
     assert_eq!(agent.metric("ordnet_datapath_unattached_endpoints"), 0.0);
     assert_eq!(agent.metric("ordnet_endpoints"), 3.0);
@@ -530,6 +635,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
         "db takes client",
         &[("web", "db"), ("far", "db"), ("client", "web")],
     );
+    lab.expect_service("db takes client", &["client"]);
     agent_matrix_agrees(
         &lab,
         &agent,
@@ -547,6 +653,8 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
         "agent stopped",
         &[("web", "db"), ("far", "db"), ("client", "web")],
     );
+    lab.expect_service("agent stopped", &["client"]);
+    assert_eq!(lab.pinned("tc-links"), links);
 
     // 4. Restart: the pins are adopted; nothing is re-attached and no rule set rewritten, and
     // probes all through the restart never see a wrong verdict.
@@ -583,6 +691,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
         "restarted",
         &[("web", "db"), ("far", "db"), ("client", "web")],
     );
+    lab.expect_service("restarted", &["client"]);
     assert_eq!(lab.pinned_links(), links);
     assert_eq!(agent.metric("ordnet_datapath_attaches_total"), 0.0);
     for kind in [
@@ -609,7 +718,15 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     .unwrap();
     lab.expect("guardrail deleted", &[("web", "db"), ("far", "db")]);
 
-    // 6. A pod that goes away loses its attachment.
+    // 6. The Service's backend set changes: its selector moves to web, whose ingress is open.
+    let mut svc = api.get("v1", "Service", "shop", "db").unwrap();
+    svc["spec"]["selector"] = json!({"app": "web"});
+    api.update(svc).unwrap();
+    // (The DNAT still goes to db: kube-proxy's rules are the test's; the datapath judges the
+    // backend the packet actually reaches, whatever the Service object says.)
+    lab.expect_service("selector changed, rules not", &["client"]);
+
+    // 7. A pod that goes away loses its attachment.
     api.delete("v1", "Pod", "shop", "client").unwrap();
     let deadline = Instant::now() + LIMIT;
     while lab.pinned_links().contains(&lab.host_iface("client")) {

@@ -1,6 +1,7 @@
 //! `ordnet lab` end to end (the built binary, as root): conformance scenarios probed with real
 //! TCP, UDP and SCTP traffic through the XDP datapath must give observed = expected = the
-//! scenario's expected matrix; IPv6 (`--family 6`) on a dual-stack manifest; nothing is left
+//! scenario's expected matrix; Services through kube-proxy-style nftables DNAT (ClusterIPs,
+//! NodePorts, every backend); IPv6 (`--family 6`) on dual-stack manifests; nothing is left
 //! behind; a second lab fails while one is active and leaves it alone; SIGINT cleans up; the
 //! leftovers of a killed lab are removed by the next one.
 //!
@@ -111,8 +112,10 @@ fn run(args: &[String]) -> Output {
 }
 
 /// Probes one `expect` entry of a scenario with `ordnet lab --probe -o json` and checks every
-/// pair: observed = expected (the CLI's matrix) = the scenario's verdict.
-fn check(dir: &str, name: &str, only: &[(&str, u16)]) {
+/// pair, Services included: observed = expected (the CLI's matrix) = the scenario's verdict.
+/// Returns the NodePort rows (each already checked observed = expected) for the caller to
+/// compare with what the scenario describes.
+fn check(dir: &str, name: &str, only: &[(&str, u16)]) -> Vec<serde_json::Value> {
     let sc = load(dir, name);
     let file = manifest(&sc);
     let family = sc.family.unwrap_or(4);
@@ -120,6 +123,7 @@ fn check(dir: &str, name: &str, only: &[(&str, u16)]) {
     let mut endpoints = sc.pods(family);
     endpoints.extend(ext.iter().cloned());
     let mut probed = 0;
+    let mut node_ports = Vec::new();
     for e in &sc.expect {
         if !only.is_empty() && !only.contains(&(e.protocol.as_str(), e.port)) {
             continue;
@@ -165,18 +169,17 @@ fn check(dir: &str, name: &str, only: &[(&str, u16)]) {
         assert_eq!(json["protocol"], e.protocol.as_str(), "{what}");
         assert_eq!(json["port"], e.port, "{what}");
         let results = json["results"].as_array().expect("results");
+        let services = sc.services(&e.protocol, e.port, family);
         let mut want_pairs = 0;
         for from in &endpoints {
-            for to in &endpoints {
+            for to in endpoints.iter().chain(&services) {
                 if ext.contains(from) && ext.contains(to) {
                     continue;
                 }
                 want_pairs += 1;
-                let want = match e.allows(from, to) {
-                    Ok(true) => "allow",
-                    Ok(false) => "deny",
-                    Err(err) => panic!("{what}: {err}"),
-                };
+                let want = e
+                    .verdict(from, to)
+                    .unwrap_or_else(|err| panic!("{what}: {err}"));
                 let r = results
                     .iter()
                     .find(|r| r["from"] == from.as_str() && r["to"] == to.as_str())
@@ -186,7 +189,22 @@ fn check(dir: &str, name: &str, only: &[(&str, u16)]) {
                     (Some(want), Some(want)),
                     "{what}: {from} -> {to}: (observed, expected), scenario says {want}"
                 );
+                // A mixed Service lists every backend, each observed as the CLI expects it.
+                if want == "mixed" {
+                    let backends = r["backends"]
+                        .as_array()
+                        .expect("backends of a mixed Service");
+                    assert!(backends.len() > 1, "{what}: {from} -> {to}: {backends:?}");
+                    for b in backends {
+                        assert_eq!(b["verdict"], b["expected"], "{what}: {from} -> {to}: {b}");
+                    }
+                }
             }
+        }
+        // NodePorts: every (external, NodePort, backend) probed as the datapath expects it.
+        for n in json["nodePorts"].as_array().into_iter().flatten() {
+            assert_eq!(n["verdict"], n["expected"], "{what}: NodePort {n}");
+            node_ports.push(n.clone());
         }
         assert_eq!(results.len(), want_pairs, "{what}: number of pairs");
         println!(
@@ -195,6 +213,7 @@ fn check(dir: &str, name: &str, only: &[(&str, u16)]) {
         );
     }
     assert!(probed > 0, "{name}: nothing probed (selection {only:?})");
+    node_ports
 }
 
 #[test]
@@ -233,6 +252,69 @@ fn conformance_scenarios_observed_as_expected() {
     check(c, "np-e2e-38-sctp-not-treated-as-tcp", &[]);
     check(c, "np-e2e-47-ports-sctp", &[]);
     assert_clean(&before, "after the conformance runs");
+}
+
+/// Services through kube-proxy-style nftables DNAT in the lab's node namespace: every
+/// scenario's matrix, Service columns included, is observed with real packets, each backend of
+/// a Service probed separately. Includes the two cases measured in issue 11: an ingress-isolated
+/// pod reached through its ClusterIP (svc-01: denied) and egress allowed to a pod reached through
+/// its Service (svc-02: allowed).
+#[test]
+fn services_observed_through_kube_proxy_dnat() {
+    let Some(_guard) = lab_guard() else { return };
+    let before = links();
+    let c = "conformance";
+    check(c, "svc-01-ingress-isolation-through-service", &[]);
+    check(c, "svc-02-egress-allowed-to-pods-and-their-service", &[]);
+    check(c, "svc-03-named-target-port", &[]);
+    check(c, "svc-04-backends-with-different-verdicts", &[]);
+    check(c, "svc-05i-service-backend-set-changes-initial", &[]);
+    check(c, "svc-05-service-backend-set-changes", &[]);
+    // NodePorts from external addresses: Local keeps the client address (x/b admits only
+    // 192.0.2.0/24), Cluster masquerades it to the node address, which x/b does not admit.
+    let rows = check(c, "svc-06-nodeport-from-external", &[]);
+    let verdict = |from: &str, to: &str| -> Vec<&str> {
+        rows.iter()
+            .filter(|r| r["from"] == from && r["to"] == to)
+            .map(|r| r["verdict"].as_str().unwrap())
+            .collect()
+    };
+    assert_eq!(verdict("192.0.2.10", "svc:x/local"), ["allow"], "{rows:#?}");
+    assert_eq!(
+        verdict("198.51.100.10", "svc:x/local"),
+        ["deny"],
+        "{rows:#?}"
+    );
+    assert_eq!(
+        verdict("192.0.2.10", "svc:x/cluster"),
+        ["deny"],
+        "{rows:#?}"
+    );
+    assert_eq!(
+        verdict("198.51.100.10", "svc:x/cluster"),
+        ["deny"],
+        "{rows:#?}"
+    );
+    assert_clean(&before, "after the Service runs");
+}
+
+/// Dual-stack Services at their IPv6 ClusterIPs and an IPv6 NodePort (externalTrafficPolicy
+/// Local), with a Service port translated to another backend port.
+#[test]
+fn ipv6_services() {
+    let Some(_guard) = lab_guard() else { return };
+    let before = links();
+    let rows = check("lab", "svc-ipv6", &[]);
+    let verdict = |from: &str| -> Vec<&str> {
+        rows.iter()
+            .filter(|r| r["from"] == from && r["to"] == "svc:x/web")
+            .map(|r| r["verdict"].as_str().unwrap())
+            .collect()
+    };
+    // TCP and UDP: the /64 is admitted on the backend port, the other network is not.
+    assert_eq!(verdict("2001:db8:ff::10"), ["allow", "allow"], "{rows:#?}");
+    assert_eq!(verdict("2001:db8:fe::20"), ["deny", "deny"], "{rows:#?}");
+    assert_clean(&before, "after the IPv6 Service runs");
 }
 
 #[test]

@@ -34,8 +34,8 @@ pub fn load_and_validate<P: AsRef<Path>>(paths: &[P]) -> LoadOutcome {
     validated(load_paths(paths))
 }
 
-/// Validates an already loaded outcome (see [`load_and_validate`]). Namespaces and Pods with
-/// errors are removed from `objects`. Policies with errors are kept: the engine decides what
+/// Validates an already loaded outcome (see [`load_and_validate`]). Namespaces, Pods and
+/// Services with errors are removed from `objects`. Policies with errors are kept: the engine decides what
 /// of them it can enforce (a rule it cannot enforce is enforced fail-closed, a policy it cannot
 /// use at all, e.g. with an invalid subject selector, is left out and reported by the engine),
 /// exactly as the agent does with an object the API server stored. Every problem is in
@@ -64,6 +64,9 @@ pub fn validated(mut outcome: LoadOutcome) -> LoadOutcome {
         objects
             .pods
             .retain(|o| keep(manifest::KIND_POD, &o.object.metadata));
+        objects
+            .services
+            .retain(|o| keep(manifest::KIND_SERVICE, &o.object.metadata));
     }
     outcome.problems.extend(problems);
     outcome

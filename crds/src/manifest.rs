@@ -24,7 +24,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Serialize;
@@ -43,6 +43,8 @@ pub const DEFAULT_NAMESPACE: &str = "default";
 pub const KIND_NAMESPACE: &str = "Namespace";
 /// `Pod` kind name.
 pub const KIND_POD: &str = "Pod";
+/// `Service` (`v1`): kube-proxy translates its addresses to the pods it selects.
+pub const KIND_SERVICE: &str = "Service";
 /// `NetworkPolicy` kind name.
 pub const KIND_NETWORK_POLICY: &str = "NetworkPolicy";
 /// `OrderedNetworkPolicy` kind name.
@@ -73,6 +75,8 @@ pub struct ClusterObjects {
     pub ordered_policies: Vec<Loaded<OrderedNetworkPolicy>>,
     /// ClusterOrderedNetworkPolicies.
     pub cluster_ordered_policies: Vec<Loaded<ClusterOrderedNetworkPolicy>>,
+    /// Services.
+    pub services: Vec<Loaded<Service>>,
 }
 
 impl ClusterObjects {
@@ -112,6 +116,7 @@ impl ClusterObjects {
             KIND_NETWORK_POLICY => has(&self.network_policies, r, |o| &o.metadata),
             KIND_ORDERED => has(&self.ordered_policies, r, |o| &o.metadata),
             KIND_CLUSTER_ORDERED => has(&self.cluster_ordered_policies, r, |o| &o.metadata),
+            KIND_SERVICE => has(&self.services, r, |o| &o.metadata),
             _ => false,
         }
     }
@@ -126,6 +131,7 @@ impl ClusterObjects {
             + self.network_policies.len()
             + self.ordered_policies.len()
             + self.cluster_ordered_policies.len()
+            + self.services.len()
     }
 
     fn sort(&mut self) {
@@ -143,6 +149,7 @@ impl ClusterObjects {
             .sort_by_key(|o| key(&o.object.metadata));
         self.cluster_ordered_policies
             .sort_by_key(|o| key(&o.object.metadata));
+        self.services.sort_by_key(|o| key(&o.object.metadata));
     }
 }
 
@@ -461,6 +468,7 @@ impl Loader {
             KnownKind::ClusterOrdered => {
                 self.typed::<ClusterOrderedNetworkPolicy>(&value, &source, &object, true)
             }
+            KnownKind::Service => self.typed::<Service>(&value, &source, &object, false),
         };
         let Some(typed) = ok else {
             return;
@@ -618,6 +626,13 @@ impl Loader {
                     source,
                 });
             }
+            Typed::Service(mut svc) => {
+                svc.metadata.namespace = namespace;
+                self.objects.services.push(Loaded {
+                    object: *svc,
+                    source,
+                });
+            }
         }
     }
 
@@ -734,6 +749,7 @@ enum KnownKind {
     NetworkPolicy,
     Ordered,
     ClusterOrdered,
+    Service,
 }
 
 impl KnownKind {
@@ -747,6 +763,7 @@ impl KnownKind {
             KnownKind::NetworkPolicy => KIND_NETWORK_POLICY,
             KnownKind::Ordered => KIND_ORDERED,
             KnownKind::ClusterOrdered => KIND_CLUSTER_ORDERED,
+            KnownKind::Service => KIND_SERVICE,
         }
     }
 
@@ -757,13 +774,14 @@ impl KnownKind {
             KIND_NETWORK_POLICY => KnownKind::NetworkPolicy,
             KIND_ORDERED => KnownKind::Ordered,
             KIND_CLUSTER_ORDERED => KnownKind::ClusterOrdered,
+            KIND_SERVICE => KnownKind::Service,
             _ => return None,
         })
     }
 
     fn api_version(self) -> &'static str {
         match self {
-            KnownKind::Namespace | KnownKind::Pod => "v1",
+            KnownKind::Namespace | KnownKind::Pod | KnownKind::Service => "v1",
             KnownKind::NetworkPolicy => "networking.k8s.io/v1",
             KnownKind::Ordered | KnownKind::ClusterOrdered => API_VERSION,
         }
@@ -772,7 +790,7 @@ impl KnownKind {
     fn namespaced(self) -> bool {
         matches!(
             self,
-            KnownKind::Pod | KnownKind::NetworkPolicy | KnownKind::Ordered
+            KnownKind::Pod | KnownKind::NetworkPolicy | KnownKind::Ordered | KnownKind::Service
         )
     }
 }
@@ -784,6 +802,13 @@ enum Typed {
     NetworkPolicy(Box<NetworkPolicy>),
     Ordered(Box<OrderedNetworkPolicy>),
     ClusterOrdered(Box<ClusterOrderedNetworkPolicy>),
+    Service(Box<Service>),
+}
+
+impl From<Service> for Typed {
+    fn from(v: Service) -> Self {
+        Typed::Service(Box::new(v))
+    }
 }
 
 impl From<Namespace> for Typed {

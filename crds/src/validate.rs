@@ -20,14 +20,14 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::{Container, Namespace, Pod};
+use k8s_openapi::api::core::v1::{Container, Namespace, Pod, Service};
 use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyPeer, NetworkPolicyPort};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use crate::manifest::{
     ClusterObjects, KIND_CLUSTER_ORDERED, KIND_NAMESPACE, KIND_NETWORK_POLICY, KIND_ORDERED,
-    KIND_POD, Loaded,
+    KIND_POD, KIND_SERVICE, Loaded,
 };
 use crate::problem::{FieldError, ObjectRef, Problem};
 use crate::selector::validate_label_selector;
@@ -719,6 +719,82 @@ pub fn validate_pod(pod: &Pod) -> Vec<FieldError> {
     out
 }
 
+/// Validates a Service: what kube-proxy (and ordnet) read of it: `spec.clusterIP(s)` (an
+/// address, `None` for a headless Service, or empty), `spec.externalIPs`, the ports (number
+/// 1-65535, protocol, `targetPort` a number or an IANA service name, `nodePort`), and the
+/// selector's labels.
+pub fn validate_service(svc: &Service) -> Vec<FieldError> {
+    let mut out = Vec::new();
+    validate_metadata(&svc.metadata, false, &mut out);
+    let Some(spec) = &svc.spec else {
+        return out;
+    };
+    let address = |text: &str, field: String, out: &mut Vec<FieldError>| {
+        if text.parse::<IpAddr>().is_err() {
+            out.push(FieldError::error(
+                field,
+                format!("{text:?} is not an IP address"),
+            ));
+        }
+    };
+    if let Some(ip) = spec.cluster_ip.as_deref()
+        && !ip.is_empty()
+        && ip != "None"
+    {
+        address(ip, "spec.clusterIP".into(), &mut out);
+    }
+    for (i, ip) in spec.cluster_ips.iter().flatten().enumerate() {
+        if ip != "None" {
+            address(ip, format!("spec.clusterIPs[{i}]"), &mut out);
+        }
+    }
+    for (i, ip) in spec.external_ips.iter().flatten().enumerate() {
+        address(ip, format!("spec.externalIPs[{i}]"), &mut out);
+    }
+    for (k, v) in spec.selector.iter().flatten() {
+        let field = format!("spec.selector.{k}");
+        if let Err(e) = syntax::label_key(k) {
+            out.push(FieldError::error(field.clone(), e));
+        }
+        if let Err(e) = syntax::label_value(v) {
+            out.push(FieldError::error(field, e));
+        }
+    }
+    for (i, port) in spec.ports.iter().flatten().enumerate() {
+        let base = format!("spec.ports[{i}]");
+        if let Err(e) = syntax::port_number(i64::from(port.port)) {
+            out.push(FieldError::error(format!("{base}.port"), e));
+        }
+        if let Some(p) = port.protocol.as_deref()
+            && Protocol::from_api(p).is_none()
+        {
+            out.push(FieldError::error(
+                format!("{base}.protocol"),
+                format!("{p:?} is not supported: use TCP, UDP or SCTP"),
+            ));
+        }
+        match &port.target_port {
+            Some(IntOrString::Int(n)) => {
+                if let Err(e) = syntax::port_number(i64::from(*n)) {
+                    out.push(FieldError::error(format!("{base}.targetPort"), e));
+                }
+            }
+            Some(IntOrString::String(name)) => {
+                if let Err(e) = syntax::port_name(name) {
+                    out.push(FieldError::error(format!("{base}.targetPort"), e));
+                }
+            }
+            None => {}
+        }
+        if let Some(n) = port.node_port
+            && let Err(e) = syntax::port_number(i64::from(n))
+        {
+            out.push(FieldError::error(format!("{base}.nodePort"), e));
+        }
+    }
+    out
+}
+
 /// Validates a Namespace: name (DNS-1123 label) and labels.
 pub fn validate_namespace(namespace: &Namespace) -> Vec<FieldError> {
     let mut out = Vec::new();
@@ -803,6 +879,13 @@ pub fn validate_objects(objects: &ClusterObjects) -> Vec<Problem> {
         &objects.cluster_ordered_policies,
         |o| &o.metadata,
         validate_cluster_ordered_network_policy,
+        &mut out,
+    );
+    push_all(
+        KIND_SERVICE,
+        &objects.services,
+        |o| &o.metadata,
+        validate_service,
         &mut out,
     );
     // Two pods with one address would make every verdict about that address ambiguous.

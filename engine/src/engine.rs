@@ -167,6 +167,9 @@ pub(crate) struct PodRec {
     pub host_network: bool,
     /// `status.phase` is `Succeeded` or `Failed`: not an endpoint, no identity, no address.
     pub terminal: bool,
+    /// Not reported unready (`status.conditions` Ready=False): a Service backend. A pod without
+    /// a Ready condition counts as ready (manifests rarely carry conditions).
+    pub ready: bool,
     pub ports: Vec<NamedPort>,
     /// Identity per address of `signed_ips` (empty for pods without identities: no address,
     /// host network or terminated).
@@ -288,6 +291,7 @@ pub struct Engine {
     pub(crate) namespaces: BTreeMap<String, Arc<Labels>>,
     pub(crate) pods: BTreeMap<PodKey, PodRec>,
     pub(crate) policies: BTreeMap<PolicyRef, Arc<Policy>>,
+    pub(crate) services: BTreeMap<crate::services::ServiceKey, Arc<crate::services::ServiceRec>>,
     /// Namespaced policies by namespace.
     pub(crate) ns_policies: HashMap<String, BTreeSet<PolicyRef>>,
     pub(crate) cluster_policies: BTreeSet<PolicyRef>,
@@ -395,6 +399,11 @@ pub(crate) fn read_pod(pod: &Pod) -> Result<(PodKey, PodRec), EngineError> {
             node: spec.and_then(|s| s.node_name.clone()),
             host_network: spec.and_then(|s| s.host_network).unwrap_or(false),
             terminal: ordnet_crds::validate::pod_is_terminal(pod),
+            ready: !pod
+                .status
+                .iter()
+                .flat_map(|s| s.conditions.iter().flatten())
+                .any(|c| c.type_ == "Ready" && c.status == "False"),
             ports,
             ids: Vec::new(),
             signed_ips: Vec::new(),
@@ -470,6 +479,7 @@ impl Engine {
             namespaces: BTreeMap::new(),
             pods: BTreeMap::new(),
             policies: BTreeMap::new(),
+            services: BTreeMap::new(),
             ns_policies: HashMap::new(),
             cluster_policies: BTreeSet::new(),
             cidr_use: BTreeMap::new(),
@@ -508,6 +518,14 @@ impl Engine {
             match read_pod(&pod.object) {
                 Ok((k, rec)) => {
                     e.pods.insert(k, rec);
+                }
+                Err(err) => e.errors.push(err),
+            }
+        }
+        for svc in &objects.services {
+            match crate::services::read_service(&svc.object) {
+                Ok((k, rec)) => {
+                    e.services.insert(k, Arc::new(rec));
                 }
                 Err(err) => e.errors.push(err),
             }

@@ -25,7 +25,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use ordnet_crds::{ClusterOrderedNetworkPolicy, OrderedNetworkPolicy};
 use ordnet_mapstate::{
@@ -51,12 +51,51 @@ use crate::model::{
 pub enum Object {
     Namespace(Namespace),
     Pod(Pod),
+    Service(Service),
     NetworkPolicy(NetworkPolicy),
     OrderedNetworkPolicy(OrderedNetworkPolicy),
     ClusterOrderedNetworkPolicy(ClusterOrderedNetworkPolicy),
 }
 
 impl Object {
+    /// The object's kind.
+    pub fn kind(&self) -> ObjectKind {
+        match self {
+            Object::Namespace(_) => ObjectKind::Namespace,
+            Object::Pod(_) => ObjectKind::Pod,
+            Object::Service(_) => ObjectKind::Service,
+            Object::NetworkPolicy(_) => ObjectKind::NetworkPolicy,
+            Object::OrderedNetworkPolicy(_) => ObjectKind::OrderedNetworkPolicy,
+            Object::ClusterOrderedNetworkPolicy(_) => ObjectKind::ClusterOrderedNetworkPolicy,
+        }
+    }
+
+    /// The object's metadata.
+    pub fn meta(&self) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+        match self {
+            Object::Namespace(x) => &x.metadata,
+            Object::Pod(x) => &x.metadata,
+            Object::Service(x) => &x.metadata,
+            Object::NetworkPolicy(x) => &x.metadata,
+            Object::OrderedNetworkPolicy(x) => &x.metadata,
+            Object::ClusterOrderedNetworkPolicy(x) => &x.metadata,
+        }
+    }
+
+    /// `(namespace, name)`: the namespace is empty for cluster-scoped kinds and `default` when
+    /// a namespaced object has none.
+    pub fn key(&self) -> (String, String) {
+        let meta = self.meta();
+        let ns = if self.kind().namespaced() {
+            meta.namespace
+                .clone()
+                .unwrap_or_else(|| ordnet_crds::manifest::DEFAULT_NAMESPACE.to_string())
+        } else {
+            String::new()
+        };
+        (ns, meta.name.clone().unwrap_or_default())
+    }
+
     /// The normalized policy of a policy object (`None` for pods and namespaces): `Err` when
     /// the engine cannot use the object at all (it is left out); otherwise the policy, whose
     /// [`Policy::failed_rules`] lists the rules enforced fail-closed instead of as written.
@@ -65,19 +104,59 @@ impl Object {
             Object::NetworkPolicy(np) => translate_network_policy(np),
             Object::OrderedNetworkPolicy(onp) => translate_ordered_policy(onp),
             Object::ClusterOrderedNetworkPolicy(conp) => translate_cluster_policy(conp),
-            Object::Namespace(_) | Object::Pod(_) => return None,
+            Object::Namespace(_) | Object::Pod(_) | Object::Service(_) => return None,
         })
     }
 }
 
 /// The kind of an object, for deletions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub enum ObjectKind {
     Namespace,
     Pod,
+    Service,
     NetworkPolicy,
     OrderedNetworkPolicy,
     ClusterOrderedNetworkPolicy,
+}
+
+impl ObjectKind {
+    /// Every kind the engine consumes, in the order it prefers to see them (namespaces and pods
+    /// before the policies that select them).
+    pub const ALL: [ObjectKind; 6] = [
+        ObjectKind::Namespace,
+        ObjectKind::Pod,
+        ObjectKind::Service,
+        ObjectKind::NetworkPolicy,
+        ObjectKind::OrderedNetworkPolicy,
+        ObjectKind::ClusterOrderedNetworkPolicy,
+    ];
+
+    /// The position in [`ObjectKind::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The name as Kubernetes spells it.
+    pub fn name(self) -> &'static str {
+        use ordnet_crds::manifest as m;
+        match self {
+            ObjectKind::Namespace => m::KIND_NAMESPACE,
+            ObjectKind::Pod => m::KIND_POD,
+            ObjectKind::Service => m::KIND_SERVICE,
+            ObjectKind::NetworkPolicy => m::KIND_NETWORK_POLICY,
+            ObjectKind::OrderedNetworkPolicy => m::KIND_ORDERED,
+            ObjectKind::ClusterOrderedNetworkPolicy => m::KIND_CLUSTER_ORDERED,
+        }
+    }
+
+    /// Whether objects of the kind live in a namespace.
+    pub fn namespaced(self) -> bool {
+        !matches!(
+            self,
+            ObjectKind::Namespace | ObjectKind::ClusterOrderedNetworkPolicy
+        )
+    }
 }
 
 /// One change of the cluster.
@@ -132,6 +211,9 @@ pub struct EngineDelta {
     pub ipcache: Vec<IpcacheChange>,
     pub identities_added: Vec<Identity>,
     pub identities_removed: Vec<Identity>,
+    /// A Service was added, changed or removed: the frontends may have changed
+    /// (`Engine::service_frontends`, `Engine::node_ports`).
+    pub services_changed: bool,
     /// The change was invalid and not applied.
     pub errors: Vec<EngineError>,
 }
@@ -145,6 +227,7 @@ impl EngineDelta {
             && self.ipcache.is_empty()
             && self.identities_added.is_empty()
             && self.identities_removed.is_empty()
+            && !self.services_changed
             && self.errors.is_empty()
     }
 }
@@ -169,6 +252,8 @@ struct Pending {
     removed_pods: BTreeMap<PodKey, PodRec>,
     /// Changed policies: (old, new).
     policies: BTreeMap<PolicyRef, PolicyVersions>,
+    /// A Service changed.
+    services: bool,
 }
 
 /// The diff between two key lists (both sorted by key).
@@ -271,6 +356,21 @@ impl Engine {
                     }
                 }
             }
+            ObjectChange::Upsert(Object::Service(svc)) => {
+                let (k, rec) = crate::services::read_service(&svc)?;
+                if self.services.get(&k).map(|r| &**r) != Some(&rec) {
+                    self.services.insert(k, Arc::new(rec));
+                    p.services = true;
+                }
+            }
+            ObjectChange::Delete {
+                kind: ObjectKind::Service,
+                namespace,
+                name,
+            } => {
+                let k = (namespace.unwrap_or_else(default_ns), name);
+                p.services |= self.services.remove(&k).is_some();
+            }
             ObjectChange::Delete {
                 kind: ObjectKind::Pod,
                 namespace,
@@ -366,7 +466,10 @@ impl Engine {
 
     /// Steps 2-5.
     fn sync(&mut self, p: Pending) -> EngineDelta {
-        let mut delta = EngineDelta::default();
+        let mut delta = EngineDelta {
+            services_changed: p.services,
+            ..EngineDelta::default()
+        };
 
         // ---- 2. universe ----
         let old_cidrs: BTreeSet<IpNet> = self.cidr_ids.keys().copied().collect();

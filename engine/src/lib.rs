@@ -19,6 +19,7 @@ pub mod identity;
 pub mod incremental;
 pub mod matrix;
 pub mod model;
+pub mod services;
 pub mod shadow;
 pub mod snapshot;
 
@@ -30,9 +31,10 @@ pub use identity::{IdentityInfo, IdentityKind, PodSig, Signature};
 pub use incremental::{
     EndpointUpdate, EngineDelta, IpcacheChange, Object, ObjectChange, ObjectKind,
 };
-pub use matrix::{Matrix, MatrixResult, matrix};
+pub use matrix::{BackendVerdict, Matrix, MatrixResult, MatrixVerdict, matrix};
 pub use model::{
     EngineError, FailedRule, PeerSpec, Policy, PolicyKind, PolicyRef, PortSpec, Rule, Subject,
 };
+pub use services::{Backend, ServiceDestination, ServicePort, ServiceRec, TargetPort};
 pub use shadow::ShadowedRule;
 pub use snapshot::{EndpointSnapshot, PolicySnapshot, SnapEntry, Snapshot};

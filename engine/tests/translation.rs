@@ -496,3 +496,122 @@ fn terminated_pods_are_not_endpoints() {
     assert_eq!(cached(&inc, "10.0.0.2"), Some(m));
     assert_eq!(inc.snapshot(), full(&reuse2).snapshot());
 }
+
+/// Services: frontends (ClusterIPs of both families, external and load-balancer IPs, NodePorts),
+/// backends (selector in the Service's namespace, ready pods with an address, named target
+/// ports resolved per pod: a pod without that port is no backend), headless and selector-less
+/// Services, and the matrix destinations.
+#[test]
+fn services_frontends_and_backends() {
+    let e = engine(
+        r#"
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: d, namespace: x, labels: {app: web}}
+spec: {containers: [{name: c, image: i, ports: [{name: http, containerPort: 9090}]}]}
+status:
+  podIP: 10.0.0.4
+  conditions: [{type: Ready, status: "False"}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: x}
+spec:
+  selector: {app: web}
+  clusterIP: 10.96.0.1
+  clusterIPs: [10.96.0.1, "fd96::1"]
+  externalIPs: [203.0.113.1]
+  type: LoadBalancer
+  ports:
+  - {name: http, port: 80, targetPort: http, nodePort: 30080}
+  - {name: dns, port: 53, protocol: UDP, targetPort: dns}
+status: {loadBalancer: {ingress: [{ip: 198.51.100.1}]}}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: headless, namespace: x}
+spec: {clusterIP: None, selector: {app: web}, ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: manual, namespace: y}
+spec: {clusterIP: 10.96.0.2, ports: [{port: 5432, targetPort: 5432}]}
+"#,
+    );
+    let tcp = |a: &str| (a.parse::<IpAddr>().unwrap(), Protocol::Tcp, 80);
+    let fe = e.service_frontends();
+    for want in [
+        tcp("10.96.0.1"),
+        tcp("fd96::1"),
+        tcp("203.0.113.1"),
+        tcp("198.51.100.1"),
+    ] {
+        assert!(fe.contains(&want), "{want:?} in {fe:?}");
+    }
+    assert!(fe.contains(&("10.96.0.1".parse().unwrap(), Protocol::Udp, 53)));
+    assert!(fe.contains(&("10.96.0.2".parse().unwrap(), Protocol::Tcp, 5432)));
+    // web: 4 addresses x 2 ports; manual: 1; headless: none at all.
+    assert_eq!(fe.len(), 4 * 2 + 1, "{fe:?}");
+    assert_eq!(
+        e.node_ports().into_iter().collect::<Vec<_>>(),
+        [(Protocol::Tcp, 30080)]
+    );
+    // x/a serves http on 80, x/b on 8080; x/d is not ready; y/c is in another namespace.
+    let backends = |proto, port| -> Vec<(String, u16)> {
+        e.service_backends("x", "web", proto, port)
+            .unwrap()
+            .into_iter()
+            .map(|b| (b.pod, b.port))
+            .collect()
+    };
+    assert_eq!(
+        backends(Protocol::Tcp, 80),
+        [("x/a".to_string(), 80), ("x/b".to_string(), 8080)]
+    );
+    // Only x/a has a container port named dns (UDP).
+    assert_eq!(backends(Protocol::Udp, 53), [("x/a".to_string(), 53)]);
+    assert!(e.service_backends("x", "web", Protocol::Tcp, 81).is_none());
+    assert_eq!(
+        e.service_backends("y", "manual", Protocol::Tcp, 5432),
+        Some(Vec::new()),
+        "no selector: the backends are unknown"
+    );
+    // Matrix destinations: web at its ClusterIP of the family; manual has no known backend.
+    let d4 = e.service_destinations(Protocol::Tcp, 80, IpFamily::V4);
+    assert_eq!(d4.len(), 1);
+    assert_eq!(d4[0].name, "svc:x/web");
+    assert_eq!(d4[0].frontend, "10.96.0.1".parse::<IpAddr>().unwrap());
+    assert!(
+        e.service_destinations(Protocol::Tcp, 5432, IpFamily::V4)
+            .is_empty()
+    );
+    // IPv6: the ClusterIP exists, but no backend has an IPv6 address.
+    assert!(
+        e.service_destinations(Protocol::Tcp, 80, IpFamily::V6)
+            .is_empty()
+    );
+}
+
+/// A Service with an address that is not one is an error naming the object and the field.
+#[test]
+fn invalid_service_is_an_error_naming_the_field() {
+    let text = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: bad, namespace: x}
+spec: {clusterIP: 10.96.0.300, ports: [{port: 80}]}
+"#;
+    let out = ordnet_crds::validated(ordnet_crds::manifest::load_str(Path::new("t.yaml"), text));
+    let errors: Vec<String> = out.problems.iter().map(|p| p.to_string()).collect();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("Service x/bad") && e.contains("spec.clusterIP")),
+        "{errors:?}"
+    );
+    assert!(
+        out.objects.services.is_empty(),
+        "an invalid Service is not used"
+    );
+}

@@ -98,6 +98,14 @@ pub const RESOURCES: &[ResourceDef] = &[
     ResourceDef {
         group: "",
         version: "v1",
+        plural: "services",
+        kind: "Service",
+        namespaced: true,
+        status: true,
+    },
+    ResourceDef {
+        group: "",
+        version: "v1",
         plural: "events",
         kind: "Event",
         namespaced: true,

@@ -44,7 +44,8 @@ pub struct Scenario {
 }
 
 /// One expected matrix: every ordered pair of distinct endpoints has the verdict `default`,
-/// or the opposite one when listed in `exceptions` as `"from -> to"`.
+/// or the opposite one when listed in `exceptions` as `"from -> to"`; a pair towards a Service
+/// listed as `"from -> svc:ns/name = mixed"` is mixed (some of its backends allowed).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Probe {
@@ -106,6 +107,77 @@ impl Scenario {
     pub fn external_names(&self) -> Vec<String> {
         self.externals.iter().map(|ip| ip.to_string()).collect()
     }
+
+    /// The Services a matrix probes on (`protocol`, `port`) at `family` (CLI.md), as
+    /// `svc:namespace/name`, sorted: a port of that protocol and number, a ClusterIP of the
+    /// family (`spec.clusterIP` or `spec.clusterIPs`), and at least one backend: a pod of the
+    /// Service's namespace that its (non-empty) selector selects, not reported unready
+    /// (condition Ready=False), that is an endpoint at the
+    /// family (see [`Scenario::pods`]) and, for a named `targetPort`, has a container port of
+    /// that name and protocol. Read from the objects, independently of the engine.
+    pub fn services(&self, protocol: &str, port: u16, family: u8) -> Vec<String> {
+        let pods = self.pods(family);
+        let mut out: Vec<String> = self
+            .objects
+            .iter()
+            .filter(|o| o["kind"].as_str() == Some("Service"))
+            .filter_map(|svc| {
+                let ns = svc["metadata"]["namespace"].as_str().unwrap_or("default");
+                let name = svc["metadata"]["name"].as_str()?;
+                let spec = &svc["spec"];
+                let mut ips: Vec<&str> = spec["clusterIPs"]
+                    .as_sequence()
+                    .map(|s| s.iter().filter_map(|v| v.as_str()).collect())
+                    .unwrap_or_default();
+                ips.extend(spec["clusterIP"].as_str());
+                let has_ip = ips
+                    .iter()
+                    .filter_map(|ip| ip.parse::<IpAddr>().ok())
+                    .any(|ip| ip.is_ipv4() == (family == 4));
+                let sp = spec["ports"].as_sequence()?.iter().find(|p| {
+                    p["protocol"].as_str().unwrap_or("TCP") == protocol
+                        && p["port"].as_u64() == Some(u64::from(port))
+                })?;
+                let selector = spec["selector"].as_mapping().filter(|m| !m.is_empty())?;
+                let named = sp["targetPort"]
+                    .as_str()
+                    .filter(|t| t.parse::<u16>().is_err());
+                let backend = self.objects.iter().any(|pod| {
+                    pod["kind"].as_str() == Some("Pod")
+                        && pod["metadata"]["namespace"].as_str().unwrap_or("default") == ns
+                        && pods.contains(&format!(
+                            "{ns}/{}",
+                            pod["metadata"]["name"].as_str().unwrap_or_default()
+                        ))
+                        && selector
+                            .iter()
+                            .all(|(k, v)| pod["metadata"]["labels"][k] == *v)
+                        && !pod["status"]["conditions"]
+                            .as_sequence()
+                            .into_iter()
+                            .flatten()
+                            .any(|c| {
+                                c["type"].as_str() == Some("Ready")
+                                    && c["status"].as_str() == Some("False")
+                            })
+                        && named.is_none_or(|n| {
+                            pod["spec"]["containers"]
+                                .as_sequence()
+                                .into_iter()
+                                .flatten()
+                                .flat_map(|c| c["ports"].as_sequence().into_iter().flatten())
+                                .any(|cp| {
+                                    cp["name"].as_str() == Some(n)
+                                        && cp["protocol"].as_str().unwrap_or("TCP") == protocol
+                                })
+                        })
+                });
+                (has_ip && backend).then(|| format!("svc:{ns}/{name}"))
+            })
+            .collect();
+        out.sort();
+        out
+    }
 }
 
 impl Probe {
@@ -120,30 +192,57 @@ impl Probe {
 
     /// Whether the pair `from -> to` is expected to be allowed: an endpoint with itself
     /// always; a pair listed in `exceptions` the opposite of `default`; any other `default`.
+    /// An error for a pair expected `mixed` (use [`Probe::verdict`]).
     pub fn allows(&self, from: &str, to: &str) -> Result<bool, String> {
-        let default = self.default_allows()?;
-        Ok(if from == to {
-            true
-        } else if self
-            .exceptions
-            .iter()
-            .any(|e| *e == format!("{from} -> {to}"))
-        {
-            !default
-        } else {
-            default
-        })
+        match self.verdict(from, to)? {
+            "allow" => Ok(true),
+            "deny" => Ok(false),
+            v => Err(format!("{from} -> {to} is expected {v}")),
+        }
     }
 
-    /// The exceptions that name no ordered pair of two distinct endpoints of `endpoints`.
-    pub fn bad_exceptions<'a>(&'a self, endpoints: &[String]) -> Vec<&'a str> {
+    /// The expected verdict of `from -> to`: `"allow"`, `"deny"` or `"mixed"` (towards a
+    /// Service: some of its backends allowed).
+    pub fn verdict(&self, from: &str, to: &str) -> Result<&'static str, String> {
+        let default = self.default_allows()?;
+        let pair = format!("{from} -> {to}");
+        if from == to {
+            return Ok("allow");
+        }
+        for e in &self.exceptions {
+            match e.split_once(" = ") {
+                Some((p, "mixed")) if p == pair => return Ok("mixed"),
+                Some((p, v)) if p == pair => {
+                    return Err(format!("exception {e:?}: unknown verdict {v:?}"));
+                }
+                None if *e == pair => return Ok(if default { "deny" } else { "allow" }),
+                _ => {}
+            }
+        }
+        Ok(if default { "allow" } else { "deny" })
+    }
+
+    /// The exceptions that name no ordered pair of two distinct endpoints of `endpoints` (as
+    /// sources and destinations) or a source of `endpoints` and a Service of `services`.
+    pub fn bad_exceptions<'a>(&'a self, endpoints: &[String], services: &[String]) -> Vec<&'a str> {
         self.exceptions
             .iter()
-            .filter(|ex| match ex.split_once(" -> ") {
-                Some((a, b)) => {
-                    a == b || !endpoints.iter().any(|e| e == a) || !endpoints.iter().any(|e| e == b)
+            .filter(|ex| {
+                let (pair, mixed) = match ex.split_once(" = ") {
+                    Some((p, "mixed")) => (p, true),
+                    Some(_) => return true,
+                    None => (ex.as_str(), false),
+                };
+                match pair.split_once(" -> ") {
+                    Some((a, b)) => {
+                        let service = services.iter().any(|s| s == b);
+                        a == b
+                            || !endpoints.iter().any(|e| e == a)
+                            || !(service || endpoints.iter().any(|e| e == b))
+                            || (mixed && !service)
+                    }
+                    None => true,
                 }
-                None => true,
             })
             .map(String::as_str)
             .collect()

@@ -16,8 +16,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use ordnet_datapath::ControlPlane as _;
+use ordnet_engine::MatrixVerdict;
 use ordnet_engine::{Engine, IpFamily};
-use ordnet_mapstate::{Protocol, Verdict};
+use ordnet_mapstate::Protocol;
 use ordnet_testsuite::scenario::{self, Scenario};
 
 /// The copy in this crate.
@@ -81,14 +82,6 @@ fn parse_protocol(s: &str) -> Result<Protocol, String> {
         .into_iter()
         .find(|p| p.as_str() == s)
         .ok_or_else(|| format!("unknown protocol {s:?}"))
-}
-
-fn verdict(allows: bool) -> Verdict {
-    if allows {
-        Verdict::Allow
-    } else {
-        Verdict::Deny
-    }
 }
 
 /// Loads the objects exactly as `ordnet matrix -f` does (loader + validator) and builds the engine.
@@ -158,7 +151,8 @@ fn check(path: &Path, counts: &mut Counts) -> Vec<String> {
             }
         };
         counts.probes += 1;
-        for ex in probe.bad_exceptions(&all) {
+        let services = sc.services(&probe.protocol, probe.port, 4);
+        for ex in probe.bad_exceptions(&all, &services) {
             report.push(format!(
                 "{what}: exception {ex:?} names no pair of endpoints"
             ));
@@ -178,7 +172,7 @@ fn check(path: &Path, counts: &mut Counts) -> Vec<String> {
                 "{what}: the datapath's matrix differs from the engine's MapState lookups"
             ));
         }
-        let mut got: BTreeMap<(String, String), Vec<Verdict>> = BTreeMap::new();
+        let mut got: BTreeMap<(String, String), Vec<MatrixVerdict>> = BTreeMap::new();
         for r in &m.results {
             got.entry((r.from.clone(), r.to.clone()))
                 .or_default()
@@ -186,15 +180,21 @@ fn check(path: &Path, counts: &mut Counts) -> Vec<String> {
         }
         let mut wrong = Vec::new();
         for from in &all {
-            for to in &all {
-                if !is_pod.contains(from) && !is_pod.contains(to) {
+            for to in all.iter().chain(&services) {
+                if !is_pod.contains(from) && !is_pod.contains(to) && !services.contains(to) {
                     continue;
                 }
                 let pair = (from.clone(), to.clone());
-                let want = verdict(probe.allows(from, to).expect("default checked above"));
+                let want = match probe.verdict(from, to) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        wrong.push(e);
+                        continue;
+                    }
+                };
                 counts.pairs += 1;
                 match got.remove(&pair).as_deref() {
-                    Some([v]) if *v == want => {}
+                    Some([v]) if v.as_str() == want => {}
                     Some([v]) => wrong.push(format!("{from} -> {to}: expected {want}, got {v}")),
                     Some(vs) => wrong.push(format!(
                         "{from} -> {to}: expected {want}, got {} results {vs:?}",

@@ -1,4 +1,4 @@
-//! `--datapath bpf`: the XDP datapath (`ordnet_datapath::Datapath`), programmed from the engine
+//! `--datapath bpf`: the eBPF datapath (`ordnet_datapath::Datapath`), programmed from the engine
 //! through [`NodeProgram`] and attached to every local pod's host-side interface and to the
 //! uplink (`docs/agent.md`, "The bpf datapath").
 //!
@@ -16,6 +16,10 @@
 //!   `ordnet_datapath_unattached_endpoints`) and retried at every batch and maintenance.
 //!   Attachments of interfaces no local endpoint (or the uplink) uses are removed; an
 //!   attachment whose interface was re-created (a new index under the same name) is renewed.
+//! * **Both hooks** on each of those interfaces: XDP and TC (tcx egress, after kube-proxy's
+//!   translation: `docs/datapath.md` §14); the datapath learns each endpoint's interface index
+//!   ([`NodeProgram::set_interface`]) and the Service frontends from the engine (NodePorts on
+//!   every host address).
 //! * **What the debug API sees**: `programmed()` is what was written (the engine's MapStates of
 //!   every endpoint written successfully, updated only after the kernel write succeeded);
 //!   `ipcache()` is read back from the datapath's control state, i.e. what the maps hold
@@ -256,12 +260,31 @@ impl BpfDatapath {
                 };
                 if known == Some(current) {
                     self.ifindex.insert(iface.clone(), current);
+                    // Pins of an older agent may hold the XDP link only.
+                    if !self.dp.tc_attached().any(|a| a == iface)
+                        && let Err(e) = self.dp.attach_tc(iface)
+                    {
+                        self.attach_errors += 1;
+                        for o in owners {
+                            unattached.insert(o.clone(), format!("attaching TC to {iface}: {e}"));
+                        }
+                    }
                     continue;
                 }
                 // A new interface under the same name: the old link is not on it.
                 self.detach(iface);
             }
-            match self.dp.attach(iface, Default::default()) {
+            // Both hooks: XDP (before netfilter) and TC (after kube-proxy's translation).
+            let attached = self
+                .dp
+                .attach(iface, Default::default())
+                .map_err(|e| format!("attaching XDP to {iface}: {e}"))
+                .and_then(|()| {
+                    self.dp
+                        .attach_tc(iface)
+                        .map_err(|e| format!("attaching TC to {iface}: {e}"))
+                });
+            match attached {
                 Ok(()) => {
                     self.attaches += 1;
                     self.ifindex.insert(iface.clone(), current);
@@ -269,11 +292,12 @@ impl BpfDatapath {
                 Err(e) => {
                     self.attach_errors += 1;
                     for o in owners {
-                        unattached.insert(o.clone(), format!("attaching XDP to {iface}: {e}"));
+                        unattached.insert(o.clone(), e.clone());
                     }
                 }
             }
         }
+        self.record_interfaces(&wanted, &unattached);
         for (who, why) in &unattached {
             if self.unattached.get(who) != Some(why) {
                 eprintln!("ordnet agent: not enforced yet: {who}: {why} (retrying)");
@@ -292,6 +316,46 @@ impl BpfDatapath {
         match self.dp.detach(iface) {
             Ok(()) => self.detaches += 1,
             Err(e) => eprintln!("ordnet agent: detaching XDP from {iface}: {e}"),
+        }
+        if self.dp.tc_attached().any(|a| a == iface)
+            && let Err(e) = self.dp.detach_tc(iface)
+        {
+            eprintln!("ordnet agent: detaching TC from {iface}: {e}");
+        }
+    }
+
+    /// Tells the datapath which interface belongs to which attached endpoint (the TC hook
+    /// attributes masqueraded packets by it) and forgets the others.
+    fn record_interfaces(
+        &mut self,
+        wanted: &BTreeMap<String, Vec<String>>,
+        unattached: &BTreeMap<String, String>,
+    ) {
+        let mut by_endpoint: BTreeMap<String, u32> = BTreeMap::new();
+        for (iface, owners) in wanted {
+            let Some(&index) = self.ifindex.get(iface) else {
+                continue;
+            };
+            for o in owners {
+                if !o.starts_with("uplink ") && !unattached.contains_key(o) {
+                    by_endpoint.insert(o.clone(), index);
+                }
+            }
+        }
+        let program = &mut self.programmer.program;
+        let gone: Vec<String> = program
+            .interface_names()
+            .filter(|n| !by_endpoint.contains_key(*n))
+            .map(str::to_string)
+            .collect();
+        let changes = gone
+            .into_iter()
+            .map(|n| (n, None))
+            .chain(by_endpoint.into_iter().map(|(n, i)| (n, Some(i))));
+        for (name, index) in changes {
+            if let Err(e) = program.set_interface(&mut self.dp, &name, index) {
+                eprintln!("ordnet agent: recording the interface of {name}: {e}");
+            }
         }
     }
 }

@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
@@ -75,31 +75,16 @@ pub const COALESCE_MAX_WAIT: Duration = Duration::from_millis(20);
 /// ...or when it holds this many events.
 pub const COALESCE_MAX_EVENTS: usize = 5000;
 
-/// The five kinds, in the order the engine prefers to see them.
-pub const KINDS: [ObjectKind; 5] = [
-    ObjectKind::Namespace,
-    ObjectKind::Pod,
-    ObjectKind::NetworkPolicy,
-    ObjectKind::OrderedNetworkPolicy,
-    ObjectKind::ClusterOrderedNetworkPolicy,
-];
+/// The kinds the agent watches, in the order the engine prefers to see them.
+pub const KINDS: [ObjectKind; 6] = ObjectKind::ALL;
 
 fn kind_index(k: ObjectKind) -> usize {
-    KINDS
-        .iter()
-        .position(|x| *x == k)
-        .expect("every kind is listed")
+    k.index()
 }
 
 /// The name of a kind as Kubernetes spells it.
 pub fn kind_name(k: ObjectKind) -> &'static str {
-    match k {
-        ObjectKind::Namespace => "Namespace",
-        ObjectKind::Pod => "Pod",
-        ObjectKind::NetworkPolicy => "NetworkPolicy",
-        ObjectKind::OrderedNetworkPolicy => "OrderedNetworkPolicy",
-        ObjectKind::ClusterOrderedNetworkPolicy => "ClusterOrderedNetworkPolicy",
-    }
+    k.name()
 }
 
 /// An object's identity in the view: (kind index, namespace or "", name).
@@ -147,34 +132,9 @@ impl Enforcement {
     }
 }
 
-fn object_kind(o: &Object) -> ObjectKind {
-    match o {
-        Object::Namespace(_) => ObjectKind::Namespace,
-        Object::Pod(_) => ObjectKind::Pod,
-        Object::NetworkPolicy(_) => ObjectKind::NetworkPolicy,
-        Object::OrderedNetworkPolicy(_) => ObjectKind::OrderedNetworkPolicy,
-        Object::ClusterOrderedNetworkPolicy(_) => ObjectKind::ClusterOrderedNetworkPolicy,
-    }
-}
-
-fn object_meta(o: &Object) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
-    match o {
-        Object::Namespace(x) => &x.metadata,
-        Object::Pod(x) => &x.metadata,
-        Object::NetworkPolicy(x) => &x.metadata,
-        Object::OrderedNetworkPolicy(x) => &x.metadata,
-        Object::ClusterOrderedNetworkPolicy(x) => &x.metadata,
-    }
-}
-
 fn object_key(o: &Object) -> ObjKey {
-    let kind = object_kind(o);
-    let meta = object_meta(o);
-    let ns = match kind {
-        ObjectKind::Namespace | ObjectKind::ClusterOrderedNetworkPolicy => String::new(),
-        _ => meta.namespace.clone().unwrap_or_else(|| "default".into()),
-    };
-    (kind_index(kind), ns, meta.name.clone().unwrap_or_default())
+    let (ns, name) = o.key();
+    (o.kind().index(), ns, name)
 }
 
 /// The validation errors of an object and what the engine can enforce of it. Pods and
@@ -200,6 +160,7 @@ fn assess(o: &Object) -> (Vec<String>, Enforcement) {
 
 fn validate_object(o: &Object) -> Vec<String> {
     let errors = match o {
+        Object::Service(x) => validate::validate_service(x),
         Object::Namespace(x) => validate::validate_namespace(x),
         Object::Pod(x) => validate::validate_pod(x),
         Object::NetworkPolicy(x) => validate::validate_network_policy(x),
@@ -411,6 +372,12 @@ pub async fn start(
             tx.clone(),
         ),
         spawn_watch::<Pod>(client.clone(), ObjectKind::Pod, Object::Pod, tx.clone()),
+        spawn_watch::<Service>(
+            client.clone(),
+            ObjectKind::Service,
+            Object::Service,
+            tx.clone(),
+        ),
         spawn_watch::<NetworkPolicy>(
             client.clone(),
             ObjectKind::NetworkPolicy,
@@ -494,9 +461,9 @@ struct Applier {
     node: String,
     view: BTreeMap<ObjKey, ViewEntry>,
     /// Per kind: whether its initial list is done (ever).
-    synced: [bool; 5],
+    synced: [bool; KINDS.len()],
     /// Per kind: the re-list being collected (`Some` between `Init` and `InitDone`).
-    relist: [Option<BTreeMap<ObjKey, Object>>; 5],
+    relist: [Option<BTreeMap<ObjKey, Object>>; KINDS.len()],
     /// Keys touched since the last apply: their current view entry (or absence) is what the
     /// engine must get.
     dirty: BTreeSet<ObjKey>,
@@ -521,7 +488,7 @@ impl Applier {
             state,
             node,
             view: BTreeMap::new(),
-            synced: [false; 5],
+            synced: [false; KINDS.len()],
             relist: Default::default(),
             dirty: BTreeSet::new(),
             in_engine: BTreeSet::new(),
@@ -634,7 +601,7 @@ impl Applier {
     }
 
     fn upsert(&mut self, key: ObjKey, object: Object) {
-        let rv = object_meta(&object).resource_version.clone();
+        let rv = object.meta().resource_version.clone();
         if let Some(old) = self.view.get(&key)
             && rv.is_some()
             && old.resource_version == rv
@@ -751,6 +718,7 @@ impl Applier {
                 Object::ClusterOrderedNetworkPolicy(o) => {
                     objects.cluster_ordered_policies.push(loaded(o))
                 }
+                Object::Service(o) => objects.services.push(loaded(o)),
             }
         }
         objects

@@ -772,6 +772,7 @@ pub async fn event_loop(
         let reference = match &p.object {
             Object::Namespace(o) => o.object_ref(&()),
             Object::Pod(o) => o.object_ref(&()),
+            Object::Service(o) => o.object_ref(&()),
             Object::NetworkPolicy(o) => o.object_ref(&()),
             Object::OrderedNetworkPolicy(o) => o.object_ref(&()),
             Object::ClusterOrderedNetworkPolicy(o) => o.object_ref(&()),

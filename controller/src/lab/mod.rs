@@ -7,6 +7,7 @@
 //! built or run (not root, another lab active, a system or probe error); 128 + signal when a
 //! `--probe` run is interrupted (an interactive lab ends normally on Ctrl-C: 0).
 
+mod kubeproxy;
 mod probe;
 mod sctp;
 mod sys;
@@ -20,18 +21,23 @@ use std::time::{Duration, Instant};
 
 use ordnet::program::NodeProgram;
 use ordnet_datapath::{Datapath, DatapathConfig};
-use ordnet_engine::{Engine, IpFamily, Matrix};
-use ordnet_mapstate::Verdict;
+use ordnet_engine::{Engine, IpFamily, Matrix, MatrixVerdict};
+use ordnet_mapstate::{Protocol, Verdict};
 
 use crate::cli::load;
 use crate::cli::{LabArgs, Source, TableOrJson};
 use ordnet::render::{self, Style};
-use probe::{End, Method, Outcome};
+use probe::{End, Method, Outcome, Probe};
 use topo::Topology;
 
 /// How long a probe waits for an answer before it counts as denied (a TCP SYN is retransmitted
 /// after 1 s; UDP requests and SCTP INITs every 300 ms).
 pub const PROBE_TIMEOUT: Duration = Duration::from_millis(1500);
+/// The probe rounds of a run: the wiring check, then the measured run. Each uses fresh source
+/// ports towards Services (kernel conntrack keeps a translated flow's backend for a while).
+const WIRING: u16 = 0;
+const RUN: u16 = 1;
+const ATTEMPTS: u16 = 2;
 
 /// Exit code: some pair was observed differently from the expected verdict.
 pub const EXIT_MISMATCH: u8 = 3;
@@ -75,6 +81,29 @@ struct Plan {
     family: IpFamily,
     externals: Vec<IpAddr>,
     method: Method,
+    /// Every Service port of every family, as kube-proxy programs it in the node namespace.
+    kube_proxy: Vec<kubeproxy::ServicePort>,
+    /// NodePort flows from every external address (probed besides the matrix), with their
+    /// expected verdicts.
+    node_ports: Vec<NodePortCheck>,
+}
+
+/// A flow from an external address to a Service's NodePort on the lab node, towards one
+/// backend: kube-proxy keeps the client address (`externalTrafficPolicy: Local`) or rewrites it
+/// to the node's (`Cluster`), and the backend's ingress policy judges what it sees.
+#[derive(Debug, Clone)]
+struct NodePortCheck {
+    /// The external address.
+    from: String,
+    /// `svc:ns/name`.
+    service: String,
+    /// `nodeAddress:nodePort`.
+    dest: SocketAddr,
+    /// The backend (`ns/name`) and its index in the kube-proxy rules' steering order.
+    backend: String,
+    steer: usize,
+    local: bool,
+    expected: Verdict,
 }
 
 fn plan(args: &LabArgs) -> Result<Plan, Fail> {
@@ -146,7 +175,7 @@ fn plan(args: &LabArgs) -> Result<Plan, Fail> {
     }
     let proto = load::protocol(args.protocol);
     // Exactly what `ordnet matrix` prints.
-    let offline = ordnet::offline::OfflineDatapath::build(&engine)
+    let mut offline = ordnet::offline::OfflineDatapath::build(&engine)
         .map_err(|e| fail(1, format!("programming the in-memory datapath: {e}")))?;
     let expected = ordnet::offline::matrix(
         &engine,
@@ -161,13 +190,160 @@ fn plan(args: &LabArgs) -> Result<Plan, Fail> {
         crate::cli::ProtocolArg::Udp => Method::Udp,
         crate::cli::ProtocolArg::Sctp => probe::sctp_method(),
     };
+    let kube_proxy = kube_proxy_ports(&engine);
+    if let Some(sp) = kube_proxy
+        .iter()
+        .find(|sp| sp.backends.len() > kubeproxy::MAX_BACKENDS)
+    {
+        return Err(fail(
+            2,
+            format!(
+                "Service {} has {} backends: the lab steers at most {}",
+                sp.service,
+                sp.backends.len(),
+                kubeproxy::MAX_BACKENDS
+            ),
+        ));
+    }
+    // The node's addresses are this node's in the expectation too (a NodePort's masqueraded
+    // traffic comes from one of them).
+    offline
+        .program
+        .set_host_addresses(&mut offline.datapath, &topo::NODE_ADDRESSES)
+        .map_err(|e| fail(1, format!("programming the in-memory datapath: {e}")))?;
+    let node_ports = node_port_checks(
+        &engine,
+        &offline,
+        &kube_proxy,
+        &externals,
+        family,
+        proto,
+        args.port,
+        &expected,
+    );
     Ok(Plan {
         engine,
         expected,
         family,
         externals,
         method,
+        kube_proxy,
+        node_ports,
     })
+}
+
+/// Every Service port of every family of `engine` with its backends (pods of the family, in the
+/// engine's order), as kube-proxy programs it.
+fn kube_proxy_ports(engine: &Engine) -> Vec<kubeproxy::ServicePort> {
+    let mut out = Vec::new();
+    for ((ns, name), svc) in engine.services() {
+        for family in [IpFamily::V4, IpFamily::V6] {
+            let Some(cluster_ip) = svc
+                .cluster_ips
+                .iter()
+                .copied()
+                .find(|ip| family.contains(*ip))
+            else {
+                continue;
+            };
+            for sp in &svc.ports {
+                let backends = engine
+                    .service_backends(ns, name, sp.protocol, sp.port)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .filter_map(|b| {
+                        let (bns, bname) = b.pod.split_once('/')?;
+                        let addr = engine.endpoint(bns, bname)?.address(family)?;
+                        Some((addr, b.port))
+                    })
+                    .collect();
+                let mut addresses = vec![cluster_ip];
+                addresses.extend(svc.external_ips.iter().filter(|ip| family.contains(**ip)));
+                out.push(kubeproxy::ServicePort {
+                    service: format!("{ns}/{name}"),
+                    protocol: sp.protocol,
+                    addresses,
+                    port: sp.port,
+                    node_port: sp.node_port,
+                    local: svc.external_local,
+                    backends,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// The NodePort flows the lab probes besides the matrix: from every external address to every
+/// NodePort of a Service port on (`proto`, `port`) of `family`, towards each backend. Expected:
+/// with `externalTrafficPolicy: Local` the client address is kept, so the verdict is the
+/// matrix's towards that backend; with `Cluster` kube-proxy masquerades to the node's address,
+/// and the verdict is the node datapath's for a flow from that address (forwarded: judged, not
+/// exempt) to the backend.
+#[allow(clippy::too_many_arguments)]
+fn node_port_checks(
+    engine: &Engine,
+    offline: &ordnet::offline::OfflineDatapath,
+    kube_proxy: &[kubeproxy::ServicePort],
+    externals: &[IpAddr],
+    family: IpFamily,
+    proto: Protocol,
+    port: u16,
+    expected: &Matrix,
+) -> Vec<NodePortCheck> {
+    let node = topo::NODE_ADDRESSES
+        .iter()
+        .copied()
+        .find(|ip| family.contains(*ip))
+        .expect("a node address of each family");
+    let mut out = Vec::new();
+    for sp in kube_proxy {
+        let Some(np) = sp.node_port else {
+            continue;
+        };
+        if sp.protocol != proto || sp.port != port || !family.contains(sp.addresses[0]) {
+            continue;
+        }
+        let service = format!("svc:{}", sp.service);
+        let (ns, name) = sp.service.split_once('/').unwrap_or(("", &sp.service));
+        let pods = engine
+            .service_backends(ns, name, proto, port)
+            .unwrap_or_default();
+        for ext in externals {
+            for (steer, (addr, bport)) in sp.backends.iter().enumerate() {
+                let Some(backend) = pods.iter().map(|b| b.pod.clone()).find(|pod| {
+                    let (bns, bname) = pod.split_once('/').unwrap_or(("", pod));
+                    engine
+                        .endpoint(bns, bname)
+                        .and_then(|ep| ep.address(family))
+                        == Some(*addr)
+                }) else {
+                    continue;
+                };
+                let expected = if sp.local {
+                    expected
+                        .results
+                        .iter()
+                        .find(|r| r.from == ext.to_string() && r.to == service)
+                        .and_then(|r| r.backends.iter().find(|b| b.to == backend))
+                        .map_or(Verdict::Deny, |b| b.verdict)
+                } else {
+                    ordnet::offline::decide_translated(offline.plane(), node, *addr, proto, *bport)
+                        .unwrap_or(Verdict::Deny)
+                };
+                out.push(NodePortCheck {
+                    from: ext.to_string(),
+                    service: service.clone(),
+                    dest: SocketAddr::new(node, np),
+                    backend,
+                    steer,
+                    local: sp.local,
+                    expected,
+                });
+            }
+        }
+    }
+    out
 }
 
 /// Everything a running lab holds, released in field order: servers, then the datapath
@@ -259,8 +435,23 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
     lab.topo.build(&pods, &plan.externals).map_err(lab_err)?;
     interrupted()?;
 
+    // kube-proxy's rules, before any probe (flows that start before a NAT table exists keep a
+    // null binding).
+    for v6 in [false, true] {
+        let node: Vec<IpAddr> = topo::NODE_ADDRESSES
+            .iter()
+            .copied()
+            .filter(|ip| ip.is_ipv6() == v6)
+            .collect();
+        sys::nft(
+            &lab.topo.node,
+            &kubeproxy::ruleset(v6, &plan.kube_proxy, &node),
+        )
+        .map_err(|e| lab_err(format!("loading kube-proxy's rules: {e}")))?;
+    }
+
     // The datapath is created and attached from inside the node namespace (interface names
-    // resolve there); its maps and program are global.
+    // resolve there); its maps and programs are global.
     let node = sys::Netns::open(&lab.topo.node).map_err(lab_err)?;
     let ifaces = lab.topo.xdp_interfaces();
     let defaults = DatapathConfig::default();
@@ -270,14 +461,17 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
         max_blocks: (rulesets * 4).max(defaults.max_blocks),
         ..defaults
     };
-    let dp = sys::in_netns(&node, || {
-        let mut dp =
-            Datapath::create(config).map_err(|e| format!("loading the XDP datapath: {e}"))?;
+    let (dp, ifindex) = sys::in_netns(&node, || {
+        let mut dp = Datapath::create(config).map_err(|e| format!("loading the datapath: {e}"))?;
+        let mut ifindex = HashMap::new();
         for iface in &ifaces {
             dp.attach(iface, Default::default())
                 .map_err(|e| format!("attaching XDP to {iface} in {}: {e}", node.name))?;
+            dp.attach_tc(iface)
+                .map_err(|e| format!("attaching TC to {iface} in {}: {e}", node.name))?;
+            ifindex.insert(iface.clone(), sys::ifindex(iface)?);
         }
-        Ok(dp)
+        Ok((dp, ifindex))
     })
     .map_err(lab_err)?;
     lab.datapath = Some(dp);
@@ -315,25 +509,30 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
         index.insert(label.clone(), ends.len());
         ends.push(End { netns: ns, addr });
     }
+    let checks = probe_plan(args, plan, &ends, &index)?;
     let method = plan.method;
-    lab.servers = Some(probe::start_servers(&ends, method, args.port).map_err(lab_err)?);
-    let pairs: Vec<(usize, usize)> = plan
-        .expected
-        .results
-        .iter()
-        .map(|r| (index[&r.from], index[&r.to]))
-        .collect();
+    let mut listeners: Vec<(End, u16)> = Vec::new();
+    for c in &checks {
+        if let Some((end, port)) = &c.server
+            && !listeners
+                .iter()
+                .any(|(e, p)| e.addr == ends[*end].addr && p == port)
+        {
+            listeners.push((ends[*end].clone(), *port));
+        }
+    }
+    lab.servers = Some(probe::start_servers(&listeners, method).map_err(lab_err)?);
 
-    // Wiring check: with the program attached and no endpoint programmed, every packet passes
-    // (no local endpoint), so every pair must connect.
-    let baseline = probe::probe_all(&ends, &pairs, method, args.port, PROBE_TIMEOUT);
+    // Wiring check: with the programs attached and no endpoint programmed, every packet passes
+    // (no local endpoint), so every probe must connect (kube-proxy's rules are in place).
+    let probes = |attempt: u16| -> Vec<Probe> { checks.iter().map(|c| c.probe(attempt)).collect() };
+    let baseline = probe::probe_all(&ends, &probes(WIRING), method, PROBE_TIMEOUT);
     interrupted()?;
-    for (r, o) in plan.expected.results.iter().zip(&baseline) {
+    for (c, o) in checks.iter().zip(&baseline) {
         if !matches!(o, Outcome::Connected { .. }) {
             return Err(lab_err(format!(
-                "wiring check failed: {} -> {} does not connect with no policy programmed: {}",
-                r.from,
-                r.to,
+                "wiring check failed: {} does not connect with no policy programmed: {}",
+                c.describe(plan),
                 describe(o)
             )));
         }
@@ -341,16 +540,33 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
     let dp = lab.datapath.as_mut().expect("datapath");
     dp.ct_clear()
         .map_err(|e| lab_err(format!("clearing connection tracking: {e}")))?;
-    // The agent's code path: every pod is a local endpoint of this node.
-    NodeProgram::new()
-        .program_full(&plan.engine, dp)
+    // The agent's code path: every pod is a local endpoint of this node, whose addresses are
+    // the lab node's; the TC hook knows each pod's interface.
+    let mut program = NodeProgram::new();
+    program
+        .set_host_addresses(dp, &topo::NODE_ADDRESSES)
+        .and_then(|()| program.program_full(&plan.engine, dp))
         .map_err(|e| lab_err(format!("programming the datapath: {e}")))?;
+    for m in lab.topo.members.iter().filter(|m| !m.external) {
+        program
+            .set_interface(dp, &m.label, ifindex.get(&m.host_if).copied())
+            .map_err(|e| lab_err(format!("programming the datapath: {e}")))?;
+    }
     eprintln!(
-        "ordnet lab: run {} up in {} ms: XDP on {} interfaces of namespace {}",
+        "ordnet lab: run {} up in {} ms: XDP and TC on {} interfaces of namespace {}{}",
         lab.topo.run_id,
         started.elapsed().as_millis(),
         ifaces.len(),
-        lab.topo.node
+        lab.topo.node,
+        if plan.kube_proxy.is_empty() {
+            String::new()
+        } else {
+            format!(
+                ", kube-proxy rules for {} Service port{}",
+                plan.kube_proxy.len(),
+                if plan.kube_proxy.len() == 1 { "" } else { "s" }
+            )
+        }
     );
     interrupted()?;
 
@@ -363,46 +579,212 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
     }
 
     eprintln!(
-        "ordnet lab: probing {} pairs on {}/{} by {} (timeout {} ms)",
-        pairs.len(),
+        "ordnet lab: probing {} flows on {}/{} by {} (timeout {} ms)",
+        checks.len(),
         load::protocol(args.protocol),
         args.port,
         method.describe(),
         PROBE_TIMEOUT.as_millis()
     );
     let t = Instant::now();
-    let outcomes = probe::probe_all(&ends, &pairs, method, args.port, PROBE_TIMEOUT);
+    let outcomes = probe::probe_all(&ends, &probes(RUN), method, PROBE_TIMEOUT);
     interrupted()?;
     eprintln!("ordnet lab: probed in {} ms", t.elapsed().as_millis());
     let mut observed = Vec::with_capacity(outcomes.len());
-    for (r, o) in plan.expected.results.iter().zip(&outcomes) {
+    for (c, o) in checks.iter().zip(&outcomes) {
         observed.push(match o {
             Outcome::Connected { .. } => Verdict::Allow,
             Outcome::TimedOut => Verdict::Deny,
             Outcome::Failed(e) => {
-                return Err(lab_err(format!("probe {} -> {}: {e}", r.from, r.to)));
+                return Err(lab_err(format!("probe {}: {e}", c.describe(plan))));
             }
         });
     }
-    // Every answered pair between two different namespaces went through XDP: the program
-    // tracked it. (A pod with itself talks over its loopback.)
+    // Every answered flow between two different namespaces went through the datapath: a
+    // program tracked it (the TC program the translated flow of a Service).
     let dp = lab.datapath.as_ref().expect("datapath");
     let tracked = tracked_flows(dp).map_err(lab_err)?;
-    for ((r, o), &(s, d)) in plan.expected.results.iter().zip(&outcomes).zip(&pairs) {
+    for (c, o) in checks.iter().zip(&outcomes) {
         if let Outcome::Connected { local } = o
-            && s != d
+            && let Some(server) = c.tracked_as
+            && !tracked.contains(&flow_key(method.ip_protocol(), *local, server))
         {
-            let server = SocketAddr::new(ends[d].addr, args.port);
-            if !tracked.contains(&flow_key(method.ip_protocol(), *local, server)) {
-                return Err(lab_err(format!(
-                    "{} -> {} connected ({local} -> {server}) but the XDP program has no \
-                     connection-tracking entry for it: the packets did not pass the datapath",
-                    r.from, r.to
-                )));
-            }
+            return Err(lab_err(format!(
+                "{} connected ({local} -> {server}) but the datapath has no connection-tracking \
+                 entry for it: the packets did not pass the datapath",
+                c.describe(plan)
+            )));
         }
     }
-    report(args, plan, &observed)
+    report(args, plan, &checks, &observed)
+}
+
+/// One probed flow of a run and what it checks.
+struct Check {
+    /// Index into the expected matrix's results.
+    result: usize,
+    /// Towards a Service: the backend's index in the result's backends (and its steering
+    /// index in kube-proxy's rules).
+    backend: Option<(usize, usize)>,
+    /// Distinguishes the Service probes of one source steered to the same range (several
+    /// Services at once): each gets its own source ports, so no two flows share a tuple.
+    slot: u16,
+    /// A NodePort check (index into `Plan::node_ports`) instead of a matrix result.
+    node_port: Option<usize>,
+    source: usize,
+    dest: SocketAddr,
+    /// The server the flow reaches: (end, port).
+    server: Option<(usize, u16)>,
+    /// The flow as the datapath tracks it when allowed (`None`: not checked, e.g. a pod with
+    /// itself, or a masqueraded hairpin).
+    tracked_as: Option<SocketAddr>,
+    expected: Verdict,
+}
+
+impl Check {
+    /// The probe of attempt `attempt` (`< ATTEMPTS`; a Service probe gets a fresh steering port
+    /// per attempt and slot).
+    fn probe(&self, attempt: u16) -> Probe {
+        Probe {
+            source: self.source,
+            dest: self.dest,
+            sport: self.backend.map_or(0, |(_, steer)| {
+                kubeproxy::steer_port(steer, self.slot * ATTEMPTS + attempt)
+            }),
+        }
+    }
+
+    fn describe(&self, plan: &Plan) -> String {
+        if let Some(i) = self.node_port {
+            let n = &plan.node_ports[i];
+            return format!(
+                "{} -> {} (NodePort {}, to {})",
+                n.from, n.service, n.dest, n.backend
+            );
+        }
+        let r = &plan.expected.results[self.result];
+        match self.backend {
+            Some((b, _)) => format!("{} -> {} (to {})", r.from, r.to, r.backends[b].to),
+            None => format!("{} -> {}", r.from, r.to),
+        }
+    }
+}
+
+/// Every flow of a run: one per matrix pair, one per backend towards a Service (steered by its
+/// source port), and the NodePort checks.
+fn probe_plan(
+    args: &LabArgs,
+    plan: &Plan,
+    ends: &[End],
+    index: &HashMap<String, usize>,
+) -> Result<Vec<Check>, Fail> {
+    let port = args.port;
+    let proto = load::protocol(args.protocol);
+    let services = plan.engine.service_destinations(proto, port, plan.family);
+    let kube = |svc: &str| {
+        plan.kube_proxy.iter().find(|sp| {
+            format!("svc:{}", sp.service) == svc
+                && sp.protocol == proto
+                && sp.port == port
+                && plan.family.contains(sp.addresses[0])
+        })
+    };
+    let mut out = Vec::new();
+    for (i, r) in plan.expected.results.iter().enumerate() {
+        let source = index[&r.from];
+        if let Some(&d) = index.get(&r.to) {
+            let dest = SocketAddr::new(ends[d].addr, port);
+            out.push(Check {
+                result: i,
+                backend: None,
+                slot: 0,
+                node_port: None,
+                source,
+                dest,
+                server: Some((d, port)),
+                tracked_as: (source != d).then_some(dest),
+                expected: if r.verdict == MatrixVerdict::Allow {
+                    Verdict::Allow
+                } else {
+                    Verdict::Deny
+                },
+            });
+            continue;
+        }
+        let svc = services
+            .iter()
+            .find(|s| s.name == r.to)
+            .ok_or_else(|| lab_err(format!("{} is not a Service of the manifests", r.to)))?;
+        let rules =
+            kube(&r.to).ok_or_else(|| lab_err(format!("kube-proxy has no rules for {}", r.to)))?;
+        for (b, bv) in r.backends.iter().enumerate() {
+            let (_, addr, bport) = svc
+                .backends
+                .iter()
+                .find(|(pod, _, _)| *pod == bv.to)
+                .ok_or_else(|| lab_err(format!("{} has no backend {}", r.to, bv.to)))?;
+            let steer = rules
+                .backends
+                .iter()
+                .position(|be| *be == (*addr, *bport))
+                .ok_or_else(|| lab_err(format!("kube-proxy's rules miss {} of {}", bv.to, r.to)))?;
+            let d = index[&bv.to];
+            out.push(Check {
+                result: i,
+                backend: Some((b, steer)),
+                slot: 0,
+                node_port: None,
+                source,
+                dest: SocketAddr::new(svc.frontend, port),
+                server: Some((d, *bport)),
+                tracked_as: (source != d).then_some(SocketAddr::new(*addr, *bport)),
+                expected: bv.verdict,
+            });
+        }
+    }
+    for (n, np) in plan.node_ports.iter().enumerate() {
+        let d = index[&np.backend];
+        let bport = plan
+            .kube_proxy
+            .iter()
+            .find(|sp| format!("svc:{}", sp.service) == np.service && sp.node_port.is_some())
+            .and_then(|sp| sp.backends.get(np.steer))
+            .map(|(_, p)| *p)
+            .unwrap_or(port);
+        out.push(Check {
+            result: usize::MAX,
+            backend: Some((0, np.steer)),
+            slot: 0,
+            node_port: Some(n),
+            source: index[&np.from],
+            dest: np.dest,
+            server: Some((d, bport)),
+            // Masqueraded (Cluster) to a random port: not checked.
+            tracked_as: np.local.then_some(SocketAddr::new(ends[d].addr, bport)),
+            expected: np.expected,
+        });
+    }
+    // Source ports: the n-th Service probe of a source in a steering range gets slot n.
+    let mut slots: HashMap<(usize, usize), u16> = HashMap::new();
+    for c in &mut out {
+        if let Some((_, steer)) = c.backend {
+            let n = slots.entry((c.source, steer)).or_default();
+            if (*n + 1) * ATTEMPTS > kubeproxy::STEER_STRIDE {
+                return Err(lab_err(format!(
+                    "{} probes more than {} Services from one end; the lab's source-port \
+                     steering has room for that many",
+                    plan.expected
+                        .results
+                        .get(c.result)
+                        .map_or("a NodePort check", |r| &r.from),
+                    kubeproxy::STEER_STRIDE / ATTEMPTS
+                )));
+            }
+            c.slot = *n;
+            *n += 1;
+        }
+    }
+    Ok(out)
 }
 
 fn describe(o: &Outcome) -> String {
@@ -442,24 +824,80 @@ fn tracked_flows(dp: &Datapath) -> Result<HashSet<FlowKey>, String> {
 }
 
 /// Prints observed against expected (table or JSON) and returns the exit code.
-fn report(args: &LabArgs, plan: &Plan, observed: &[Verdict]) -> Result<ExitCode, Fail> {
+fn report(
+    args: &LabArgs,
+    plan: &Plan,
+    checks: &[Check],
+    observed: &[Verdict],
+) -> Result<ExitCode, Fail> {
     let m = &plan.expected;
-    let mismatches: Vec<(usize, Verdict, Verdict)> = m
-        .results
+    let mismatches: Vec<(&Check, Verdict)> = checks
         .iter()
         .zip(observed)
-        .enumerate()
-        .filter(|(_, (r, o))| r.verdict != **o)
-        .map(|(i, (r, o))| (i, *o, r.verdict))
+        .filter(|(c, o)| c.expected != **o)
+        .map(|(c, o)| (c, *o))
+        .collect();
+    // The observed verdict of every matrix result (a Service: of all its backends).
+    let mut per_result: BTreeMap<usize, Vec<(Option<usize>, Verdict)>> = BTreeMap::new();
+    for (c, o) in checks.iter().zip(observed) {
+        if c.node_port.is_none() {
+            per_result
+                .entry(c.result)
+                .or_default()
+                .push((c.backend.map(|(b, _)| b), *o));
+        }
+    }
+    let observed_of = |i: usize| -> MatrixVerdict {
+        MatrixVerdict::of(per_result.get(&i).into_iter().flatten().map(|(_, v)| *v))
+    };
+    let node_port_rows: Vec<(&NodePortCheck, Verdict)> = checks
+        .iter()
+        .zip(observed)
+        .filter_map(|(c, o)| c.node_port.map(|n| (&plan.node_ports[n], *o)))
         .collect();
     match args.output {
         TableOrJson::Json => {
             let mut v = serde_json::to_value(m).expect("the matrix serializes");
             if let Some(results) = v.get_mut("results").and_then(|r| r.as_array_mut()) {
-                for ((entry, r), o) in results.iter_mut().zip(&m.results).zip(observed) {
-                    entry["verdict"] = serde_json::Value::from(o.as_str());
+                for (i, (entry, r)) in results.iter_mut().zip(&m.results).enumerate() {
+                    entry["verdict"] = serde_json::Value::from(observed_of(i).as_str());
                     entry["expected"] = serde_json::Value::from(r.verdict.as_str());
+                    if !r.backends.is_empty() {
+                        let backends: Vec<serde_json::Value> = r
+                            .backends
+                            .iter()
+                            .enumerate()
+                            .map(|(b, bv)| {
+                                let seen = per_result
+                                    .get(&i)
+                                    .and_then(|v| v.iter().find(|(k, _)| *k == Some(b)))
+                                    .map_or("deny", |(_, v)| v.as_str());
+                                serde_json::json!({
+                                    "to": bv.to,
+                                    "verdict": seen,
+                                    "expected": bv.verdict.as_str(),
+                                })
+                            })
+                            .collect();
+                        entry["backends"] = serde_json::Value::from(backends);
+                    }
                 }
+            }
+            if !node_port_rows.is_empty() {
+                v["nodePorts"] = node_port_rows
+                    .iter()
+                    .map(|(n, o)| {
+                        serde_json::json!({
+                            "from": n.from,
+                            "to": n.service,
+                            "nodePort": n.dest.to_string(),
+                            "externalTrafficPolicy": if n.local { "Local" } else { "Cluster" },
+                            "backend": n.backend,
+                            "verdict": o.as_str(),
+                            "expected": n.expected.as_str(),
+                        })
+                    })
+                    .collect();
             }
             println!(
                 "{}",
@@ -473,10 +911,11 @@ fn report(args: &LabArgs, plan: &Plan, observed: &[Verdict]) -> Result<ExitCode,
                 .and_then(|c| c.parse().ok())
                 .unwrap_or(160);
             let proto = load::protocol(args.protocol);
-            let grid = |title: &str, verdicts: BTreeMap<(String, String), Verdict>| {
+            let grid = |title: &str, verdicts: BTreeMap<(String, String), MatrixVerdict>| {
                 render::verdict_grid(
                     &format!("{title} {proto}/{}", args.port),
                     &m.endpoints,
+                    &m.services,
                     &verdicts,
                     style,
                     max_width,
@@ -485,8 +924,8 @@ fn report(args: &LabArgs, plan: &Plan, observed: &[Verdict]) -> Result<ExitCode,
             let obs = m
                 .results
                 .iter()
-                .zip(observed)
-                .map(|(r, o)| ((r.from.clone(), r.to.clone()), *o))
+                .enumerate()
+                .map(|(i, r)| ((r.from.clone(), r.to.clone()), observed_of(i)))
                 .collect();
             let exp = m
                 .results
@@ -494,31 +933,49 @@ fn report(args: &LabArgs, plan: &Plan, observed: &[Verdict]) -> Result<ExitCode,
                 .map(|r| ((r.from.clone(), r.to.clone()), r.verdict))
                 .collect();
             print!("{}\n{}\n", grid("observed", obs), grid("expected", exp));
+            if !node_port_rows.is_empty() {
+                println!("NodePorts from the external addresses (one flow per backend):");
+                for (n, o) in &node_port_rows {
+                    println!(
+                        "  {} -> {} via {} ({}) to {}: observed {}, expected {}",
+                        n.from,
+                        n.service,
+                        n.dest,
+                        if n.local {
+                            "Local: client address kept"
+                        } else {
+                            "Cluster: masqueraded to the node"
+                        },
+                        n.backend,
+                        o.as_str(),
+                        n.expected.as_str()
+                    );
+                }
+                println!();
+            }
             if mismatches.is_empty() {
                 println!(
                     "{}",
                     style.green(&format!(
-                        "observed = expected for all {} pairs",
-                        m.results.len()
+                        "observed = expected for all {} flows",
+                        checks.len()
                     ))
                 );
             } else {
                 println!(
                     "{}",
                     style.red(&format!(
-                        "{} of {} pairs differ:",
+                        "{} of {} flows differ:",
                         mismatches.len(),
-                        m.results.len()
+                        checks.len()
                     ))
                 );
-                for (i, o, e) in &mismatches {
-                    let r = &m.results[*i];
+                for (c, o) in &mismatches {
                     println!(
-                        "  {} -> {}: observed {}, expected {}",
-                        r.from,
-                        r.to,
+                        "  {}: observed {}, expected {}",
+                        c.describe(plan),
                         o.as_str(),
-                        e.as_str()
+                        c.expected.as_str()
                     );
                 }
             }
@@ -528,9 +985,9 @@ fn report(args: &LabArgs, plan: &Plan, observed: &[Verdict]) -> Result<ExitCode,
         Ok(ExitCode::SUCCESS)
     } else {
         eprintln!(
-            "ordnet lab: {} of {} pairs observed differently from the expected verdict",
+            "ordnet lab: {} of {} flows observed differently from the expected verdict",
             mismatches.len(),
-            m.results.len()
+            checks.len()
         );
         Ok(ExitCode::from(EXIT_MISMATCH))
     }
@@ -621,6 +1078,7 @@ fn print_guide(args: &LabArgs, plan: &Plan, lab: &Running) {
         render::verdict_grid(
             &format!("{proto}/{}", args.port),
             &plan.expected.endpoints,
+            &plan.expected.services,
             &verdicts,
             Style::new(render::color_wanted()),
             160

@@ -1,6 +1,8 @@
-//! Real connections between lab namespaces: a server per destination (in its namespace, bound
-//! to its probed address) and one client per ordered pair (a worker thread enters the source's
-//! namespace with `setns`). All pairs run concurrently, so a run takes about one timeout.
+//! Real connections between lab namespaces: a server per destination and port (in its
+//! namespace, bound to its probed address) and one client per probe (a worker thread enters
+//! the source's namespace with `setns`), optionally from a chosen source port (the lab steers a
+//! probe to a Service's backend by its source port). All probes run concurrently, so a run
+//! takes about one timeout.
 //!
 //! * TCP: a connect (the three-way handshake completes).
 //! * UDP: a request that the server echoes; the client waits for the echo.
@@ -192,17 +194,17 @@ fn serve(method: Method, s: Socket, port: u16, stop: &AtomicBool) {
     }
 }
 
-/// Starts one server per destination (each in its namespace, bound to its address) and
+/// Starts one server per `(end, port)` (each in its namespace, bound to its address) and
 /// returns once every one is listening.
-pub fn start_servers(ends: &[End], method: Method, port: u16) -> Result<Servers, String> {
+pub fn start_servers(listeners: &[(End, u16)], method: Method) -> Result<Servers, String> {
     let stop = Arc::new(AtomicBool::new(false));
     let mut servers = Servers {
         stop: stop.clone(),
         threads: Vec::new(),
     };
     let (tx, rx) = mpsc::channel::<Result<(), String>>();
-    for end in ends {
-        let (end, stop, tx) = (end.clone(), stop.clone(), tx.clone());
+    for (end, port) in listeners {
+        let (end, port, stop, tx) = (end.clone(), *port, stop.clone(), tx.clone());
         let t = std::thread::Builder::new()
             .name("lab-server".into())
             .stack_size(256 * 1024)
@@ -229,7 +231,7 @@ pub fn start_servers(ends: &[End], method: Method, port: u16) -> Result<Servers,
         servers.threads.push(t);
     }
     drop(tx);
-    for _ in ends {
+    for _ in listeners {
         match rx.recv() {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(e),
@@ -291,10 +293,19 @@ impl Rng {
 /// Source ports of raw SCTP probes: distinct within a run.
 static RAW_PORT: AtomicU32 = AtomicU32::new(0);
 
-fn stream_probe(method: Method, from: IpAddr, to: SocketAddr, timeout: Duration) -> Outcome {
+fn stream_probe(
+    method: Method,
+    from: IpAddr,
+    sport: u16,
+    to: SocketAddr,
+    timeout: Duration,
+) -> Outcome {
     let attempt = || -> std::io::Result<Socket> {
         let s = Socket::new(domain(from), Type::STREAM, Some(stream_protocol(method)))?;
-        s.bind(&SocketAddr::new(from, 0).into())?;
+        if sport != 0 {
+            s.set_reuse_address(true)?;
+        }
+        s.bind(&SocketAddr::new(from, sport).into())?;
         Ok(s)
     };
     let s = match attempt() {
@@ -311,12 +322,12 @@ fn stream_probe(method: Method, from: IpAddr, to: SocketAddr, timeout: Duration)
     }
 }
 
-fn udp_probe(from: IpAddr, to: SocketAddr, timeout: Duration) -> Outcome {
+fn udp_probe(from: IpAddr, sport: u16, to: SocketAddr, timeout: Duration) -> Outcome {
     let deadline = Instant::now() + timeout;
     let nonce = format!("ordnet-lab {}", Rng::new().next());
     let setup = || -> std::io::Result<Socket> {
         let s = Socket::new(domain(from), Type::DGRAM, Some(Protocol::UDP))?;
-        s.bind(&SocketAddr::new(from, 0).into())?;
+        s.bind(&SocketAddr::new(from, sport).into())?;
         s.connect(&to.into())?;
         Ok(s)
     };
@@ -381,10 +392,15 @@ fn resend_until(
     }
 }
 
-fn sctp_raw_probe(from: IpAddr, to: SocketAddr, timeout: Duration) -> Outcome {
+fn sctp_raw_probe(from: IpAddr, sport: u16, to: SocketAddr, timeout: Duration) -> Outcome {
     let deadline = Instant::now() + timeout;
     let mut rng = Rng::new();
-    let sport = 20_000 + (RAW_PORT.fetch_add(1, Ordering::Relaxed) % 40_000) as u16;
+    let sport = if sport != 0 {
+        sport
+    } else {
+        // Above the lab's Service steering ranges (see `kubeproxy`).
+        33_000 + (RAW_PORT.fetch_add(1, Ordering::Relaxed) % 27_000) as u16
+    };
     let tag = rng.nonzero();
     let setup = || -> std::io::Result<Socket> {
         let s = Socket::new(
@@ -429,15 +445,17 @@ fn sctp_raw_probe(from: IpAddr, to: SocketAddr, timeout: Duration) -> Outcome {
     )
 }
 
-/// Probes every pair `(source, destination)` of `ends` concurrently; one outcome per pair.
-/// Stops starting probes when the lab is interrupted (those pairs get `Failed`).
-pub fn probe_all(
-    ends: &[End],
-    pairs: &[(usize, usize)],
-    method: Method,
-    port: u16,
-    timeout: Duration,
-) -> Vec<Outcome> {
+/// One probe: from the end `source` to `dest`, from source port `sport` (0: any).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Probe {
+    pub source: usize,
+    pub dest: SocketAddr,
+    pub sport: u16,
+}
+
+/// Runs every probe concurrently (each from its source's namespace); one outcome per probe.
+/// Stops starting probes when the lab is interrupted (those get `Failed`).
+pub fn probe_all(ends: &[End], pairs: &[Probe], method: Method, timeout: Duration) -> Vec<Outcome> {
     let results: Arc<Mutex<Vec<Outcome>>> =
         Arc::new(Mutex::new(vec![
             Outcome::Failed("not probed".into());
@@ -446,7 +464,7 @@ pub fn probe_all(
     let next = Arc::new(AtomicUsize::new(0));
     let workers = pairs.len().clamp(1, 256);
     let ends: Arc<Vec<End>> = Arc::new(ends.to_vec());
-    let pairs: Arc<Vec<(usize, usize)>> = Arc::new(pairs.to_vec());
+    let pairs: Arc<Vec<Probe>> = Arc::new(pairs.to_vec());
     let mut threads = Vec::new();
     for _ in 0..workers {
         let (results, next, ends, todo) =
@@ -461,7 +479,11 @@ pub fn probe_all(
                     if i >= todo.len() || sys::interrupted().is_some() {
                         return;
                     }
-                    let (s, d) = todo[i];
+                    let Probe {
+                        source: s,
+                        dest: to,
+                        sport,
+                    } = todo[i];
                     if current != Some(s) {
                         if let Err(e) = ends[s].netns.enter() {
                             results.lock().expect("results")[i] = Outcome::Failed(e);
@@ -470,11 +492,12 @@ pub fn probe_all(
                         current = Some(s);
                     }
                     let from = ends[s].addr;
-                    let to = SocketAddr::new(ends[d].addr, port);
                     let outcome = match method {
-                        Method::Tcp | Method::SctpSocket => stream_probe(method, from, to, timeout),
-                        Method::Udp => udp_probe(from, to, timeout),
-                        Method::SctpRaw => sctp_raw_probe(from, to, timeout),
+                        Method::Tcp | Method::SctpSocket => {
+                            stream_probe(method, from, sport, to, timeout)
+                        }
+                        Method::Udp => udp_probe(from, sport, to, timeout),
+                        Method::SctpRaw => sctp_raw_probe(from, sport, to, timeout),
                     };
                     results.lock().expect("results")[i] = outcome;
                 }

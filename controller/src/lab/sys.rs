@@ -72,7 +72,44 @@ pub fn sysctl(key: &str, value: &str) -> Result<(), String> {
 /// Runs `ip ARGS...` with `stdin` as its input (`ip -batch -`). The child gets its own process
 /// group, so a Ctrl-C on the terminal does not kill it half-way (the lab cleans up itself).
 pub fn ip(args: &[&str], stdin: Option<&str>) -> Result<(), String> {
-    let mut cmd = Command::new("ip");
+    run("ip", "iproute2", args, stdin)
+}
+
+/// The index of interface `name` in the calling thread's network namespace.
+pub fn ifindex(name: &str) -> Result<u32, String> {
+    let c = std::ffi::CString::new(name).map_err(|_| format!("interface name {name:?}"))?;
+    // SAFETY: a valid NUL-terminated string.
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    if i == 0 {
+        return Err(format!(
+            "interface {name}: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(i)
+}
+
+/// Runs `nft -f -` with `script` in network namespace `netns` (`ip netns exec`).
+pub fn nft(netns: &str, script: &str) -> Result<(), String> {
+    run(
+        "ip",
+        "iproute2",
+        &["netns", "exec", netns, "nft", "-f", "-"],
+        Some(script),
+    )
+    .map_err(|e| {
+        if e.contains("No such file") || e.contains("nft: not found") {
+            format!("{e}\n(the `nft` command of Debian's `nftables` package is needed: scripts/setup installs it)")
+        } else {
+            e
+        }
+    })
+}
+
+/// Runs `program ARGS...` (from Debian's `package`) with `stdin` as its input, in its own
+/// process group.
+fn run(program: &str, package: &str, args: &[&str], stdin: Option<&str>) -> Result<(), String> {
+    let mut cmd = Command::new(program);
     cmd.args(args)
         .stdin(if stdin.is_some() {
             Stdio::piped()
@@ -84,9 +121,9 @@ pub fn ip(args: &[&str], stdin: Option<&str>) -> Result<(), String> {
         .process_group(0);
     let mut child = cmd.spawn().map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
-            "the `ip` command (iproute2) is not installed".to_string()
+            format!("the `{program}` command ({package}) is not installed")
         } else {
-            format!("ip {}: {e}", args.join(" "))
+            format!("{program} {}: {e}", args.join(" "))
         }
     })?;
     if let Some(input) = stdin {
@@ -96,11 +133,15 @@ pub fn ip(args: &[&str], stdin: Option<&str>) -> Result<(), String> {
     }
     let out = child
         .wait_with_output()
-        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
+        .map_err(|e| format!("{program} {}: {e}", args.join(" ")))?;
     if !out.status.success() {
         let what = match stdin {
-            Some(input) => format!("ip {} with input:\n{}", args.join(" "), input.trim_end()),
-            None => format!("ip {}", args.join(" ")),
+            Some(input) => format!(
+                "{program} {} with input:\n{}",
+                args.join(" "),
+                input.trim_end()
+            ),
+            None => format!("{program} {}", args.join(" ")),
         };
         return Err(format!(
             "{what}\nfailed: {}",

@@ -35,6 +35,14 @@ const WORLD_UPLINK6: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 2);
 /// The node's uplink interface (in the node namespace).
 pub const UPLINK: &str = "uplink";
 
+/// The node's own addresses (on its uplink): kube-proxy masquerades to them (hairpin, NodePort
+/// with `externalTrafficPolicy: Cluster`), NodePorts are reached on them, and the datapath
+/// knows them as the node's. Global scope (IPv6 masquerade needs a global address).
+pub const NODE_ADDRESSES: [IpAddr; 2] = [
+    IpAddr::V4(Ipv4Addr::new(169, 254, 3, 1)),
+    IpAddr::V6(Ipv6Addr::new(0xfd6f, 0x726e, 0x6574, 0, 0, 0, 0, 1)),
+];
+
 /// One pod or external address as built.
 #[derive(Debug)]
 pub struct Member {
@@ -65,9 +73,11 @@ pub fn unusable(ip: IpAddr) -> Option<&'static str> {
         IpAddr::V4(GW4),
         IpAddr::V4(NODE_UPLINK4),
         IpAddr::V4(WORLD_UPLINK4),
+        NODE_ADDRESSES[0],
+        NODE_ADDRESSES[1],
     ];
     if reserved.contains(&ip) {
-        return Some("it is one of the lab's own link-local addresses");
+        return Some("it is one of the lab's own addresses");
     }
     match ip {
         IpAddr::V4(v4) if v4.is_unspecified() || v4.is_loopback() || v4.is_multicast() => {
@@ -248,6 +258,14 @@ impl Topology {
                     dev = m.host_if
                 );
             }
+        }
+        for addr in NODE_ADDRESSES {
+            let nodad = if addr.is_ipv6() { " nodad" } else { "" };
+            let _ = writeln!(
+                node_cfg,
+                "addr add {} dev {UPLINK}{nodad}",
+                host_prefix(addr)
+            );
         }
         let _ = writeln!(
             node_cfg,

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use ordnet_engine::{IpFamily, Matrix};
+use ordnet_engine::{IpFamily, Matrix, MatrixVerdict};
 
 use super::Style;
 
@@ -53,7 +53,7 @@ pub fn render(
                     "no endpoints: no pod has an IPv{n} address and no --external was given\n"
                 );
             }
-            let verdicts: BTreeMap<(String, String), _> = m
+            let verdicts: BTreeMap<(String, String), MatrixVerdict> = m
                 .results
                 .iter()
                 .map(|r| ((r.from.clone(), r.to.clone()), r.verdict))
@@ -61,6 +61,7 @@ pub fn render(
             super::verdict_grid(
                 &format!("{}/{}", m.protocol, m.port),
                 &m.endpoints,
+                &m.services,
                 &verdicts,
                 style,
                 max_width,

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::IsTerminal;
 
-use ordnet_engine::Engine;
+use ordnet_engine::{Engine, MatrixVerdict};
 use ordnet_mapstate::{Identity, Origin, Verdict};
 
 /// What an identity stands for, e.g. `prod/app=api [prod/api]`, `cidr 10.0.0.0/8`, `world`.
@@ -78,6 +78,10 @@ impl Style {
 
     pub fn green(&self, s: &str) -> String {
         self.wrap("32", s)
+    }
+
+    pub fn yellow(&self, s: &str) -> String {
+        self.wrap("33", s)
     }
 
     pub fn red(&self, s: &str) -> String {
@@ -160,51 +164,59 @@ pub fn table(rows: &[Vec<Cell>], align: &[Align], gap: usize) -> String {
     out
 }
 
-/// The verdict grid of `matrix`: rows = sources, columns = destinations, `.` allow, `X` deny,
-/// `-` not probed (two external addresses). Columns are headed by the endpoint names; when that
-/// would be wider than `max_width`, by numbers that the row labels repeat. Ends with a legend
-/// and a count of denied pairs.
+/// The verdict grid of a matrix: rows = sources (`endpoints`), columns = destinations
+/// (`endpoints`, then the destination-only `services`), `.` allow, `X` deny, `~` mixed (a
+/// Service some of whose backends are allowed), `-` not probed; columns are numbered when
+/// names would be wider than `max_width`.
 pub fn verdict_grid(
     title: &str,
     endpoints: &[String],
-    verdicts: &BTreeMap<(String, String), Verdict>,
+    services: &[String],
+    verdicts: &BTreeMap<(String, String), MatrixVerdict>,
     style: Style,
     max_width: usize,
 ) -> String {
+    let columns: Vec<&String> = endpoints.iter().chain(services).collect();
     let name_w = endpoints.iter().map(|e| width(e)).max().unwrap_or(0);
-    let by_name: usize = endpoints.iter().map(|e| width(e) + 2).sum();
+    let by_name: usize = columns.iter().map(|e| width(e) + 2).sum();
     let numbered = name_w + 2 + by_name > max_width;
+    let digits = columns.len().to_string().len();
     let label = |i: usize, e: &str| {
         if numbered {
-            format!("{:>w$} {e}", i + 1, w = endpoints.len().to_string().len())
+            format!("{:>w$} {e}", i + 1, w = digits)
         } else {
             e.to_string()
         }
     };
     let mut rows = Vec::new();
     let mut header = vec![Cell::styled(title, |s| style.bold(s))];
-    for (i, e) in endpoints.iter().enumerate() {
+    for (i, e) in columns.iter().enumerate() {
         let h = if numbered {
             (i + 1).to_string()
         } else {
-            e.clone()
+            (*e).clone()
         };
         header.push(Cell::styled(h, |s| style.bold(s)));
     }
     rows.push(header);
-    let (mut denied, mut probed) = (0usize, 0usize);
+    let (mut denied, mut mixed, mut probed) = (0usize, 0usize, 0usize);
     for (i, from) in endpoints.iter().enumerate() {
         let mut row = vec![Cell::styled(label(i, from), |s| style.bold(s))];
-        for to in endpoints {
-            let cell = match verdicts.get(&(from.clone(), to.clone())) {
-                Some(Verdict::Allow) => {
+        for to in &columns {
+            let cell = match verdicts.get(&(from.clone(), (*to).clone())) {
+                Some(MatrixVerdict::Allow) => {
                     probed += 1;
                     Cell::styled(".", |s| style.green(s))
                 }
-                Some(Verdict::Deny) => {
+                Some(MatrixVerdict::Deny) => {
                     probed += 1;
                     denied += 1;
                     Cell::styled("X", |s| style.red(s))
+                }
+                Some(MatrixVerdict::Mixed) => {
+                    probed += 1;
+                    mixed += 1;
+                    Cell::styled("~", |s| style.yellow(s))
                 }
                 None => Cell::styled("-", |s| style.dim(s)),
             };
@@ -212,22 +224,42 @@ pub fn verdict_grid(
         }
         rows.push(row);
     }
+    let mut out = String::new();
+    if numbered {
+        // The destination-only columns are named here (rows name the others).
+        for (k, svc) in services.iter().enumerate() {
+            let _ = writeln!(out, "{:>w$} {svc}", endpoints.len() + k + 1, w = digits);
+        }
+    }
     let mut align = vec![Align::Left];
-    align.extend(std::iter::repeat_n(Align::Center, endpoints.len()));
-    let mut out = table(&rows, &align, 2);
+    align.extend(std::iter::repeat_n(Align::Center, columns.len()));
+    out.push_str(&table(&rows, &align, 2));
     out.push('\n');
+    let mixed_legend = if services.is_empty() {
+        String::new()
+    } else {
+        format!("  {}", style.yellow("~") + " mixed (some backends)")
+    };
     let _ = writeln!(
         out,
-        "{}  {}  {}   rows: source, columns: destination",
+        "{}  {}{mixed_legend}  {}   rows: source, columns: destination",
         style.green(".") + " allow",
         style.red("X") + " deny",
         style.dim("-") + " not probed (two external addresses)",
     );
-    let _ = writeln!(
-        out,
-        "{denied} of {probed} pair{} denied",
-        if probed == 1 { "" } else { "s" }
-    );
+    if mixed == 0 {
+        let _ = writeln!(
+            out,
+            "{denied} of {probed} pair{} denied",
+            if probed == 1 { "" } else { "s" }
+        );
+    } else {
+        let _ = writeln!(
+            out,
+            "{denied} of {probed} pair{} denied, {mixed} mixed",
+            if probed == 1 { "" } else { "s" }
+        );
+    }
     out
 }
 
@@ -235,7 +267,7 @@ pub fn verdict_grid(
 mod tests {
     use super::*;
 
-    fn grid_input() -> (Vec<String>, BTreeMap<(String, String), Verdict>) {
+    fn grid_input() -> (Vec<String>, BTreeMap<(String, String), MatrixVerdict>) {
         let eps: Vec<String> = ["qa/grafana", "prod/db", "192.0.2.10"]
             .iter()
             .map(|s| s.to_string())
@@ -248,7 +280,7 @@ mod tests {
                 }
                 let deny = a == "qa/grafana" && b == "prod/db" || a.starts_with("192");
                 let verdict = if deny { Verdict::Deny } else { Verdict::Allow };
-                v.insert((a.clone(), b.clone()), verdict);
+                v.insert((a.clone(), b.clone()), verdict.into());
             }
         }
         (eps, v)
@@ -257,7 +289,7 @@ mod tests {
     #[test]
     fn grid_by_name() {
         let (eps, v) = grid_input();
-        let got = verdict_grid("TCP/80", &eps, &v, Style::new(false), 200);
+        let got = verdict_grid("TCP/80", &eps, &[], &v, Style::new(false), 200);
         let want = "\
 TCP/80      qa/grafana  prod/db  192.0.2.10
 qa/grafana      .          X         .
@@ -273,7 +305,7 @@ prod/db         .          .         .
     #[test]
     fn grid_numbered_when_too_wide() {
         let (eps, v) = grid_input();
-        let got = verdict_grid("TCP/80", &eps, &v, Style::new(false), 30);
+        let got = verdict_grid("TCP/80", &eps, &[], &v, Style::new(false), 30);
         let want = "\
 TCP/80        1  2  3
 1 qa/grafana  .  X  .
@@ -286,11 +318,32 @@ TCP/80        1  2  3
         assert_eq!(got, want);
     }
 
+    /// Services are columns only (never rows), after the endpoints; a mixed one is `~`.
+    #[test]
+    fn service_columns_and_mixed() {
+        let (eps, mut v) = grid_input();
+        let svc = vec!["svc:prod/db".to_string()];
+        v.insert(("qa/grafana".into(), svc[0].clone()), MatrixVerdict::Mixed);
+        v.insert(("prod/db".into(), svc[0].clone()), MatrixVerdict::Allow);
+        v.insert(("192.0.2.10".into(), svc[0].clone()), MatrixVerdict::Deny);
+        let got = verdict_grid("TCP/80", &eps, &svc, &v, Style::new(false), 200);
+        let want = "\
+TCP/80      qa/grafana  prod/db  192.0.2.10  svc:prod/db
+qa/grafana      .          X         .            ~
+prod/db         .          .         .            .
+192.0.2.10      X          X         -            X
+
+. allow  X deny  ~ mixed (some backends)  - not probed (two external addresses)   rows: source, columns: destination
+4 of 11 pairs denied, 1 mixed
+";
+        assert_eq!(got, want);
+    }
+
     #[test]
     fn colour_keeps_alignment() {
         let (eps, v) = grid_input();
-        let plain = verdict_grid("TCP/80", &eps, &v, Style::new(false), 200);
-        let coloured = verdict_grid("TCP/80", &eps, &v, Style::new(true), 200);
+        let plain = verdict_grid("TCP/80", &eps, &[], &v, Style::new(false), 200);
+        let coloured = verdict_grid("TCP/80", &eps, &[], &v, Style::new(true), 200);
         assert!(coloured.contains("\x1b[1;31mX\x1b[0m"));
         assert!(coloured.contains("\x1b[32m.\x1b[0m"));
         let mut stripped = String::new();

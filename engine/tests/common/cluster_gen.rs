@@ -369,6 +369,7 @@ impl World {
                 .values()
                 .map(typed::<ClusterOrderedNetworkPolicy>)
                 .collect(),
+            services: Vec::new(),
         }
     }
 
