@@ -1013,8 +1013,8 @@ fn documented_output_is_current() {
         }
         let args: Vec<String> = std::iter::once(cmd.split(' ').next().unwrap().to_string())
             .chain(cmd.split(' ').skip(1).map(|a| {
-                if a == "examples/qa-prod" {
-                    example()
+                if a.starts_with("examples/") {
+                    repo().join(a).display().to_string()
                 } else {
                     a.to_string()
                 }
