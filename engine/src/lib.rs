@@ -14,26 +14,31 @@
 //!
 //! `docs/engine.md` explains the design.
 
-pub mod engine;
+pub mod build;
 pub mod identity;
 pub mod incremental;
-pub mod matrix;
 pub mod model;
+mod objects;
+pub mod query;
+mod selector_cache;
 pub mod services;
 pub mod shadow;
+mod shared;
 pub mod snapshot;
+mod store;
+mod sync;
+mod update;
 
-pub use engine::{
-    BuildOptions, Endpoint, EndpointPolicy, Engine, FlowEnd, FlowTrace, IpFamily, SideDecision,
-    SideTrace,
-};
+pub use build::{BuildOptions, Endpoint, EndpointPolicy, Engine, IpFamily};
 pub use identity::{IdentityInfo, IdentityKind, PodSig, Signature};
-pub use incremental::{
-    EndpointUpdate, EngineDelta, IpcacheChange, Object, ObjectChange, ObjectKind,
-};
-pub use matrix::{BackendVerdict, Matrix, MatrixResult, MatrixVerdict, matrix};
+pub use incremental::{EndpointUpdate, EngineDelta, IpcacheChange};
 pub use model::{
     EngineError, FailedRule, PeerSpec, Policy, PolicyKind, PolicyRef, PortSpec, Rule, Subject,
+};
+pub use objects::{Object, ObjectChange, ObjectKind};
+pub use query::{
+    BackendVerdict, FlowEnd, FlowTrace, Matrix, MatrixResult, MatrixVerdict, SideDecision,
+    SideTrace, matrix,
 };
 pub use services::{Backend, ServiceDestination, ServicePort, ServiceRec, TargetPort};
 pub use shadow::ShadowedRule;

@@ -22,9 +22,10 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use ordnet_mapstate::Protocol;
 use serde::Serialize;
 
-use crate::engine::{Engine, PodKey};
+use crate::build::Engine;
 use crate::identity::resolve_named;
 use crate::model::{EngineError, Labels, parse_protocol};
+use crate::store::PodKey;
 
 /// Where a Service port sends its traffic on a backend.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -183,12 +184,13 @@ pub fn read_service(svc: &Service) -> Result<(ServiceKey, ServiceRec), EngineErr
 impl Engine {
     /// The Services, by `(namespace, name)`.
     pub fn services(&self) -> impl Iterator<Item = (&ServiceKey, &ServiceRec)> {
-        self.services.iter().map(|(k, v)| (k, &**v))
+        self.store.services.iter().map(|(k, v)| (k, &**v))
     }
 
     /// One Service.
     pub fn service(&self, namespace: &str, name: &str) -> Option<&ServiceRec> {
-        self.services
+        self.store
+            .services
             .get(&(namespace.to_string(), name.to_string()))
             .map(|s| &**s)
     }
@@ -197,7 +199,7 @@ impl Engine {
     /// load-balancer IP, protocol, port), sorted. The NodePorts are [`Engine::node_ports`].
     pub fn service_frontends(&self) -> BTreeSet<(IpAddr, Protocol, u16)> {
         let mut out = BTreeSet::new();
-        for svc in self.services.values() {
+        for svc in self.store.services.values() {
             for ip in svc.cluster_ips.iter().chain(&svc.external_ips) {
                 for p in &svc.ports {
                     out.insert((*ip, p.protocol, p.port));
@@ -209,7 +211,8 @@ impl Engine {
 
     /// Every (protocol, NodePort) of every Service: frontends on each of the node's addresses.
     pub fn node_ports(&self) -> BTreeSet<(Protocol, u16)> {
-        self.services
+        self.store
+            .services
             .values()
             .flat_map(|s| s.ports.iter())
             .filter_map(|p| p.node_port.map(|n| (p.protocol, n)))
@@ -237,7 +240,7 @@ impl Engine {
         };
         let start: PodKey = (namespace.to_string(), String::new());
         let mut out = Vec::new();
-        for ((ns, pod), rec) in self.pods.range(start..) {
+        for ((ns, pod), rec) in self.store.pods.range(start..) {
             if ns != namespace {
                 break;
             }
@@ -284,10 +287,10 @@ impl Engine {
         &self,
         protocol: Protocol,
         port: u16,
-        family: crate::engine::IpFamily,
+        family: crate::build::IpFamily,
     ) -> Vec<ServiceDestination> {
         let mut out = Vec::new();
-        for ((ns, name), svc) in &self.services {
+        for ((ns, name), svc) in &self.store.services {
             let Some(frontend) = svc
                 .cluster_ips
                 .iter()

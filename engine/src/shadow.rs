@@ -63,7 +63,7 @@ use std::sync::Arc;
 use ordnet_mapstate::{Direction, Identity, OrderKey, Origin, Protocol, Verdict};
 use serde::Serialize;
 
-use crate::engine::Engine;
+use crate::build::Engine;
 use crate::identity::resolve_named;
 use crate::model::{PeerSpec, Policy, PolicyKind, PolicyRef, PortSpec, Rule, dir_index};
 
@@ -203,7 +203,7 @@ impl<'a> Analysis<'a> {
         (0..n).for_each(|i| all.set(i));
         Analysis {
             engine,
-            policies: engine.policies.values().collect(),
+            policies: engine.store.policies.values().collect(),
             bit,
             n,
             all: Arc::new(all),
@@ -230,7 +230,11 @@ impl<'a> Analysis<'a> {
         }
         let b = Arc::new(match self.engine.selector_identities(spec) {
             Some(ids) => self.bits(ids),
-            None => self.bits(&self.engine.evaluate_selector(spec)),
+            None => self.bits(&crate::selector_cache::evaluate(
+                spec,
+                &self.engine.ids,
+                &self.engine.store,
+            )),
         });
         self.selectors.insert(spec.clone(), b.clone());
         b
@@ -244,7 +248,9 @@ impl<'a> Analysis<'a> {
         }
         let ids: Vec<Identity> = match self.engine.selector_identities(spec) {
             Some(ids) => ids.iter().copied().collect(),
-            None => self.engine.evaluate_selector(spec).into_iter().collect(),
+            None => crate::selector_cache::evaluate(spec, &self.engine.ids, &self.engine.store)
+                .into_iter()
+                .collect(),
         };
         let groups: Vec<(u16, Arc<Bits>)> = self
             .engine
@@ -423,11 +429,12 @@ impl Engine {
         // The distinct endpoint classes per direction: selecting policies (by number) and, for
         // ingress, what their ingress named ports resolve to on the endpoint.
         let mut classes: [BTreeSet<(Vec<usize>, OwnPorts)>; 2] = Default::default();
-        for (k, rec) in &self.pods {
+        for (k, rec) in &self.store.pods {
             if !rec.addressed() || rec.ids.is_empty() {
                 continue;
             }
             let selecting: Vec<usize> = self
+                .store
                 .selecting_policies(k)
                 .iter()
                 .filter_map(|id| index.get(id).copied())

@@ -12,9 +12,10 @@ use ordnet_mapstate::{
 };
 use serde::Serialize;
 
-use crate::engine::{Engine, Shared};
+use crate::build::Engine;
 use crate::identity::Signature;
 use crate::model::DIRECTIONS;
+use crate::shared::Shared;
 
 /// The peer of a key: `None` = `*`.
 pub type SnapPeer = Option<Signature>;

@@ -1,0 +1,320 @@
+//! The engine state: objects, identities, selector cache, per-endpoint MapStates, and the
+//! query API used by the CLI (`docs/contracts/engine-api.md`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use ipnet::IpNet;
+use ordnet_crds::ClusterObjects;
+use ordnet_mapstate::{Identity, MapState, Origin};
+use serde::Serialize;
+
+use crate::identity::{Identities, Signature, pod_signature};
+use crate::model::{
+    EngineError, PeerSpec, PolicyRef, translate_cluster_policy, translate_network_policy,
+    translate_ordered_policy,
+};
+use crate::selector_cache::SelectorCache;
+use crate::shared::{ShareKey, SharedStates};
+use crate::store::{PodKey, Store, pod_key_text, read_namespace, read_pod};
+
+/// A local endpoint: a pod with at least one address (host-network pods are not endpoints).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Endpoint {
+    pub namespace: String,
+    pub name: String,
+    /// Primary address first.
+    pub ips: Vec<IpAddr>,
+    pub node: Option<String>,
+    /// The identity of each address (same order as `ips`).
+    pub identities: Vec<Identity>,
+}
+
+impl Endpoint {
+    /// `namespace/name`.
+    pub fn id(&self) -> String {
+        format!("{}/{}", self.namespace, self.name)
+    }
+
+    /// The first address of `family`.
+    pub fn address(&self, family: IpFamily) -> Option<IpAddr> {
+        self.ips.iter().copied().find(|ip| family.contains(*ip))
+    }
+}
+
+/// The MapState and isolation of one endpoint and direction.
+#[derive(Debug, Clone)]
+pub struct EndpointPolicy {
+    pub mapstate: MapState,
+    /// Whether the endpoint is isolated in this direction (the MapState's default is deny).
+    pub isolated: bool,
+    /// The policies that isolate it (origin with `rule_index` 0 and action deny; kind, namespace,
+    /// name, direction and priority name the policy).
+    pub isolated_by: Vec<Arc<Origin>>,
+}
+
+/// An IP family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub enum IpFamily {
+    V4,
+    V6,
+}
+
+impl IpFamily {
+    pub fn contains(self, ip: IpAddr) -> bool {
+        match self {
+            IpFamily::V4 => ip.is_ipv4(),
+            IpFamily::V6 => ip.is_ipv6(),
+        }
+    }
+
+    pub fn of(ip: IpAddr) -> IpFamily {
+        if ip.is_ipv4() {
+            IpFamily::V4
+        } else {
+            IpFamily::V6
+        }
+    }
+}
+
+/// Options of a build.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BuildOptions {
+    /// Compile MapStates only for the pods of this node (identities and the ipcache still cover
+    /// the whole cluster). `None` = every pod.
+    pub node: Option<String>,
+}
+
+/// Everything computed from one set of objects.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    pub(crate) options: BuildOptions,
+    /// The objects as the engine reads them, and what their policies use.
+    pub(crate) store: Store,
+    pub(crate) ids: Identities,
+    pub(crate) world: Identity,
+    pub(crate) cidr_ids: BTreeMap<IpNet, Identity>,
+    /// Address -> the pod that owns it (pods with identities only).
+    pub(crate) pod_addrs: HashMap<IpAddr, PodKey>,
+    pub(crate) selectors: SelectorCache,
+    pub(crate) endpoints: Vec<Endpoint>,
+    pub(crate) ep_index: HashMap<PodKey, usize>,
+    pub(crate) ep_keys: HashMap<PodKey, [Arc<ShareKey>; 2]>,
+    /// The MapStates, one per share key, with their users.
+    pub(crate) shared: SharedStates,
+    pub(crate) errors: Vec<EngineError>,
+}
+
+impl Engine {
+    /// From-scratch build from already validated objects; every pod with an address is an
+    /// endpoint. Objects the engine cannot use are left out and listed in [`Engine::errors`].
+    pub fn build(objects: &ClusterObjects) -> Engine {
+        Engine::build_with(objects, &BuildOptions::default())
+    }
+
+    /// [`Engine::build`], but MapStates only for the endpoints of `node`.
+    pub fn build_for_node(objects: &ClusterObjects, node: &str) -> Engine {
+        Engine::build_with(
+            objects,
+            &BuildOptions {
+                node: Some(node.to_string()),
+            },
+        )
+    }
+
+    /// [`Engine::build`], failing with every error instead of leaving objects out.
+    pub fn try_build(objects: &ClusterObjects) -> Result<Engine, Vec<EngineError>> {
+        let e = Engine::build(objects);
+        if e.errors.is_empty() {
+            Ok(e)
+        } else {
+            Err(e.errors)
+        }
+    }
+
+    /// An engine without objects.
+    pub fn empty(options: BuildOptions) -> Engine {
+        let mut e = Engine {
+            options,
+            store: Store::default(),
+            ids: Identities::default(),
+            world: 0,
+            cidr_ids: BTreeMap::new(),
+            pod_addrs: HashMap::new(),
+            selectors: SelectorCache::default(),
+            endpoints: Vec::new(),
+            ep_index: HashMap::new(),
+            ep_keys: HashMap::new(),
+            shared: SharedStates::default(),
+            errors: Vec::new(),
+        };
+        e.world = e.ids.acquire(Signature::World, "").0;
+        e
+    }
+
+    /// From-scratch build with options.
+    pub fn build_with(objects: &ClusterObjects, options: &BuildOptions) -> Engine {
+        let mut e = Engine::empty(options.clone());
+        for ns in &objects.namespaces {
+            match read_namespace(&ns.object) {
+                Ok((name, labels)) => {
+                    e.store.namespaces.insert(name, labels);
+                }
+                Err(err) => e.errors.push(err),
+            }
+        }
+        for pod in &objects.pods {
+            match read_pod(&pod.object) {
+                Ok((k, rec)) => {
+                    e.store.pods.insert(k, rec);
+                }
+                Err(err) => e.errors.push(err),
+            }
+        }
+        for svc in &objects.services {
+            match crate::services::read_service(&svc.object) {
+                Ok((k, rec)) => {
+                    e.store.services.insert(k, Arc::new(rec));
+                }
+                Err(err) => e.errors.push(err),
+            }
+        }
+        let translated = objects
+            .network_policies
+            .iter()
+            .map(|p| translate_network_policy(&p.object))
+            .chain(
+                objects
+                    .ordered_policies
+                    .iter()
+                    .map(|p| translate_ordered_policy(&p.object)),
+            )
+            .chain(
+                objects
+                    .cluster_ordered_policies
+                    .iter()
+                    .map(|p| translate_cluster_policy(&p.object)),
+            );
+        for p in translated {
+            match p {
+                Ok(p) => e.store.insert_policy(Arc::new(p)),
+                Err(err) => e.errors.push(err),
+            }
+        }
+        // Identities: CIDRs first, then pod addresses.
+        let cidrs: Vec<IpNet> = e.store.cidr_use.keys().copied().collect();
+        for c in cidrs {
+            let id = e.ids.acquire(Signature::Cidr(c), &c.to_string()).0;
+            e.cidr_ids.insert(c, id);
+        }
+        let keys: Vec<PodKey> = e.store.pods.keys().cloned().collect();
+        for k in &keys {
+            let ids = e.pod_identities(k);
+            for (ip, (id, _)) in e.store.pods[k].ips.clone().into_iter().zip(ids.iter()) {
+                e.pod_addrs.entry(ip).or_insert_with(|| k.clone());
+                let _ = id;
+            }
+            if let Some(rec) = e.store.pods.get_mut(k) {
+                rec.signed_ips = if rec.addressed() {
+                    rec.ips.clone()
+                } else {
+                    Vec::new()
+                };
+                rec.ids = ids.into_iter().map(|(id, _)| id).collect();
+            }
+        }
+        // Selector cache.
+        let specs: Vec<(Arc<PeerSpec>, PolicyRef)> = e
+            .store
+            .policies
+            .values()
+            .flat_map(|p| p.selector_specs().into_iter().map(|s| (s, p.id.clone())))
+            .collect();
+        for (spec, user) in specs {
+            e.selectors.add_user(spec, user, &e.ids, &e.store);
+        }
+        // Endpoints and MapStates.
+        for k in &keys {
+            if e.is_local_endpoint(k) {
+                e.add_endpoint(k);
+            }
+        }
+        e.sort_endpoints();
+        e
+    }
+
+    /// The signatures of a pod's addresses under the current CIDRs and named ports in use.
+    pub(crate) fn pod_signatures(&self, k: &PodKey) -> Vec<Signature> {
+        let Some(rec) = self.store.pods.get(k) else {
+            return Vec::new();
+        };
+        if !rec.addressed() {
+            return Vec::new();
+        }
+        let ns = self.store.ns_labels(&k.0);
+        rec.ips
+            .iter()
+            .map(|ip| {
+                Signature::Pod(Arc::new(pod_signature(
+                    &ns,
+                    &rec.labels,
+                    &rec.ports,
+                    *ip,
+                    &self.store.cidr_use,
+                    &self.store.named_use,
+                )))
+            })
+            .collect()
+    }
+
+    /// Acquires the identities of a pod's addresses (one reference per address).
+    pub(crate) fn pod_identities(&mut self, k: &PodKey) -> Vec<(Identity, bool)> {
+        let sigs = self.pod_signatures(k);
+        let member = pod_key_text(k);
+        sigs.into_iter()
+            .map(|s| self.ids.acquire(s, &member))
+            .collect()
+    }
+
+    /// Whether pod `k` is an endpoint of this engine (has identities, and is on the node).
+    pub(crate) fn is_local_endpoint(&self, k: &PodKey) -> bool {
+        let Some(rec) = self.store.pods.get(k) else {
+            return false;
+        };
+        rec.addressed()
+            && !rec.ids.is_empty()
+            && match &self.options.node {
+                None => true,
+                Some(n) => rec.node.as_deref() == Some(n.as_str()),
+            }
+    }
+
+    /// Adds the endpoint record of pod `k` and compiles its MapStates.
+    pub(crate) fn add_endpoint(&mut self, k: &PodKey) {
+        let Some(rec) = self.store.pods.get(k) else {
+            return;
+        };
+        let ep = Endpoint {
+            namespace: k.0.clone(),
+            name: k.1.clone(),
+            ips: rec.ips.clone(),
+            node: rec.node.clone(),
+            identities: rec.ids.clone(),
+        };
+        self.endpoints.push(ep);
+        let keys = self.share_keys(k);
+        self.attach(k, keys);
+    }
+
+    pub(crate) fn sort_endpoints(&mut self) {
+        self.endpoints
+            .sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+        self.ep_index = self
+            .endpoints
+            .iter()
+            .enumerate()
+            .map(|(i, e)| ((e.namespace.clone(), e.name.clone()), i))
+            .collect();
+    }
+}

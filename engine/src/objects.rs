@@ -1,0 +1,144 @@
+//! The Kubernetes objects the engine consumes, their kinds, and a change of one of them. Adding
+//! a kind touches this file (and the engine stage that reads it) only: the agent watches
+//! [`ObjectKind::ALL`] and names objects through these methods.
+
+use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use ordnet_crds::{ClusterOrderedNetworkPolicy, OrderedNetworkPolicy};
+use serde::Serialize;
+
+use crate::model::{
+    EngineError, Policy, translate_cluster_policy, translate_network_policy,
+    translate_ordered_policy,
+};
+
+/// A Kubernetes object the engine consumes.
+// Objects are moved once per change; boxing them would only make the API clumsier.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+pub enum Object {
+    Namespace(Namespace),
+    Pod(Pod),
+    Service(Service),
+    NetworkPolicy(NetworkPolicy),
+    OrderedNetworkPolicy(OrderedNetworkPolicy),
+    ClusterOrderedNetworkPolicy(ClusterOrderedNetworkPolicy),
+}
+
+impl Object {
+    /// The object's kind.
+    pub fn kind(&self) -> ObjectKind {
+        match self {
+            Object::Namespace(_) => ObjectKind::Namespace,
+            Object::Pod(_) => ObjectKind::Pod,
+            Object::Service(_) => ObjectKind::Service,
+            Object::NetworkPolicy(_) => ObjectKind::NetworkPolicy,
+            Object::OrderedNetworkPolicy(_) => ObjectKind::OrderedNetworkPolicy,
+            Object::ClusterOrderedNetworkPolicy(_) => ObjectKind::ClusterOrderedNetworkPolicy,
+        }
+    }
+
+    /// The object's metadata.
+    pub fn meta(&self) -> &ObjectMeta {
+        match self {
+            Object::Namespace(x) => &x.metadata,
+            Object::Pod(x) => &x.metadata,
+            Object::Service(x) => &x.metadata,
+            Object::NetworkPolicy(x) => &x.metadata,
+            Object::OrderedNetworkPolicy(x) => &x.metadata,
+            Object::ClusterOrderedNetworkPolicy(x) => &x.metadata,
+        }
+    }
+
+    /// `(namespace, name)`: the namespace is empty for cluster-scoped kinds and `default` when
+    /// a namespaced object has none.
+    pub fn key(&self) -> (String, String) {
+        let meta = self.meta();
+        let ns = if self.kind().namespaced() {
+            meta.namespace
+                .clone()
+                .unwrap_or_else(|| ordnet_crds::manifest::DEFAULT_NAMESPACE.to_string())
+        } else {
+            String::new()
+        };
+        (ns, meta.name.clone().unwrap_or_default())
+    }
+
+    /// The normalized policy of a policy object (`None` for pods and namespaces): `Err` when
+    /// the engine cannot use the object at all (it is left out); otherwise the policy, whose
+    /// [`Policy::failed_rules`] lists the rules enforced fail-closed instead of as written.
+    pub fn translate(&self) -> Option<Result<Policy, EngineError>> {
+        Some(match self {
+            Object::NetworkPolicy(np) => translate_network_policy(np),
+            Object::OrderedNetworkPolicy(onp) => translate_ordered_policy(onp),
+            Object::ClusterOrderedNetworkPolicy(conp) => translate_cluster_policy(conp),
+            Object::Namespace(_) | Object::Pod(_) | Object::Service(_) => return None,
+        })
+    }
+}
+
+/// The kind of an object, for deletions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub enum ObjectKind {
+    Namespace,
+    Pod,
+    Service,
+    NetworkPolicy,
+    OrderedNetworkPolicy,
+    ClusterOrderedNetworkPolicy,
+}
+
+impl ObjectKind {
+    /// Every kind the engine consumes, in the order it prefers to see them (namespaces and pods
+    /// before the policies that select them).
+    pub const ALL: [ObjectKind; 6] = [
+        ObjectKind::Namespace,
+        ObjectKind::Pod,
+        ObjectKind::Service,
+        ObjectKind::NetworkPolicy,
+        ObjectKind::OrderedNetworkPolicy,
+        ObjectKind::ClusterOrderedNetworkPolicy,
+    ];
+
+    /// The position in [`ObjectKind::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The name as Kubernetes spells it.
+    pub fn name(self) -> &'static str {
+        use ordnet_crds::manifest as m;
+        match self {
+            ObjectKind::Namespace => m::KIND_NAMESPACE,
+            ObjectKind::Pod => m::KIND_POD,
+            ObjectKind::Service => m::KIND_SERVICE,
+            ObjectKind::NetworkPolicy => m::KIND_NETWORK_POLICY,
+            ObjectKind::OrderedNetworkPolicy => m::KIND_ORDERED,
+            ObjectKind::ClusterOrderedNetworkPolicy => m::KIND_CLUSTER_ORDERED,
+        }
+    }
+
+    /// Whether objects of the kind live in a namespace.
+    pub fn namespaced(self) -> bool {
+        !matches!(
+            self,
+            ObjectKind::Namespace | ObjectKind::ClusterOrderedNetworkPolicy
+        )
+    }
+}
+
+/// One change of the cluster.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+pub enum ObjectChange {
+    /// Added or updated.
+    Upsert(Object),
+    /// Deleted (`namespace` is ignored for cluster-scoped kinds; absent = `default` for
+    /// namespaced ones).
+    Delete {
+        kind: ObjectKind,
+        namespace: Option<String>,
+        name: String,
+    },
+}

@@ -1,0 +1,597 @@
+//! The query API: endpoints and their MapStates, identities and the ipcache, flow verdicts and
+//! traces ([`Engine::flow`], decided only through `MapState::lookup`), and the `ordnet matrix`
+//! computation ([`matrix()`]).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use ipnet::IpNet;
+use ordnet_mapstate::{
+    Decision, Direction, Identity, Key, MapState, Origin, Protocol, StateEntry, Verdict,
+};
+use serde::Serialize;
+use serde::ser::SerializeStruct;
+
+use crate::build::{Endpoint, EndpointPolicy, Engine, IpFamily};
+use crate::identity::{IdentityInfo, Signature, longest_prefix};
+use crate::model::{DIRECTIONS, EngineError, PeerSpec, Policy, PolicyRef, dir_index};
+use crate::store::{PodKey, pod_key_text};
+
+/// One end of a flow.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FlowEnd {
+    Pod { namespace: String, name: String },
+    Ip(IpAddr),
+}
+
+impl std::fmt::Display for FlowEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FlowEnd::Pod { namespace, name } => write!(f, "{namespace}/{name}"),
+            FlowEnd::Ip(ip) => write!(f, "{ip}"),
+        }
+    }
+}
+
+pub(crate) fn ser_verdict<S: serde::Serializer>(v: &Verdict, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(v.as_str())
+}
+
+/// The verdict of one flow and why (`trace -o json`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FlowTrace {
+    #[serde(serialize_with = "ser_verdict")]
+    pub verdict: Verdict,
+    /// Set when the flow is allowed without looking at policy (same pod).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exemption: Option<String>,
+    /// `None` when the source is not a pod (or not a local endpoint of a node-scoped engine).
+    pub egress: Option<SideTrace>,
+    /// `None` when the destination is not a pod (or not a local endpoint of a node-scoped
+    /// engine).
+    pub ingress: Option<SideTrace>,
+    /// Set when an end could not be resolved (unknown pod, pod without address); the verdict is
+    /// then deny.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// One side of a flow: the lookup in one endpoint's MapState.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SideTrace {
+    /// `ns/name` of the endpoint whose MapState was consulted.
+    pub endpoint: String,
+    pub direction: Direction,
+    /// The other end, `ns/name` or an IP address.
+    pub peer: String,
+    pub peer_address: IpAddr,
+    pub peer_identity: Identity,
+    #[serde(serialize_with = "ser_verdict")]
+    pub verdict: Verdict,
+    pub decision: SideDecision,
+}
+
+/// What decided one side.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(
+    tag = "kind",
+    rename_all = "lowercase",
+    rename_all_fields = "camelCase"
+)]
+pub enum SideDecision {
+    /// A MapState key matched; `entry.origins` names the deciding rule(s).
+    Matched { key: Key, entry: StateEntry },
+    /// Nothing matched: the isolation default applied.
+    Default {
+        isolated: bool,
+        isolated_by: Vec<Arc<Origin>>,
+    },
+}
+
+impl Engine {
+    /// Local endpoints sorted by (namespace, name).
+    pub fn endpoints(&self) -> &[Endpoint] {
+        &self.endpoints
+    }
+
+    /// One endpoint.
+    pub fn endpoint(&self, namespace: &str, name: &str) -> Option<&Endpoint> {
+        self.ep_index
+            .get(&(namespace.to_string(), name.to_string()))
+            .map(|&i| &self.endpoints[i])
+    }
+
+    /// The MapState and isolation of one endpoint and direction. An endpoint that is not of
+    /// this engine gets an empty, non-isolated policy.
+    pub fn policy(&self, ep: &Endpoint, dir: Direction) -> &EndpointPolicy {
+        self.policy_of(&ep.namespace, &ep.name, dir)
+            .unwrap_or_else(|| empty_policy(dir))
+    }
+
+    /// The MapState and isolation of endpoint `namespace/name`, if it is one.
+    pub fn policy_of(
+        &self,
+        namespace: &str,
+        name: &str,
+        dir: Direction,
+    ) -> Option<&EndpointPolicy> {
+        let keys = self
+            .ep_keys
+            .get(&(namespace.to_string(), name.to_string()))?;
+        self.shared.get(&keys[dir_index(dir)]).map(|s| &s.policy)
+    }
+
+    /// ipcache: the identity of an address (pods' own addresses first, then the longest CIDR
+    /// prefix in use, else world).
+    pub fn identity_of(&self, ip: IpAddr) -> Identity {
+        if let Some(k) = self.pod_addrs.get(&ip)
+            && let Some(rec) = self.store.pods.get(k)
+            && let Some(pos) = rec.signed_ips.iter().position(|a| *a == ip)
+            && let Some(id) = rec.ids.get(pos)
+        {
+            return *id;
+        }
+        longest_prefix(ip, &self.cidr_ids).map_or(self.world, |(_, id)| id)
+    }
+
+    /// What an identity stands for.
+    pub fn identity_info(&self, id: Identity) -> Option<&IdentityInfo> {
+        self.ids.info(id)
+    }
+
+    /// The signature of an identity.
+    pub fn identity_signature(&self, id: Identity) -> Option<&Signature> {
+        self.ids.sig(id)
+    }
+
+    /// Every identity, sorted.
+    pub fn identities(&self) -> impl Iterator<Item = &IdentityInfo> {
+        self.ids.recs.values().map(|r| &r.info)
+    }
+
+    /// The `world` identity (addresses that no CIDR in use covers).
+    pub fn world_identity(&self) -> Identity {
+        self.world
+    }
+
+    /// The ipcache as a list: every pod address (as a /32 or /128) and every CIDR prefix in use,
+    /// with its identity, sorted. Addresses outside all of them are `world`.
+    pub fn ipcache(&self) -> Vec<(IpNet, Identity)> {
+        let mut out: BTreeMap<IpNet, Identity> =
+            self.cidr_ids.iter().map(|(n, id)| (*n, *id)).collect();
+        // A pod's own address wins over an equal CIDR prefix.
+        for (ip, k) in &self.pod_addrs {
+            if let Some(rec) = self.store.pods.get(k)
+                && let Some(pos) = rec.signed_ips.iter().position(|a| a == ip)
+                && let Some(id) = rec.ids.get(pos)
+            {
+                out.insert(IpNet::from(*ip), *id);
+            }
+        }
+        out.into_iter().collect()
+    }
+
+    /// The objects left out because they are invalid.
+    pub fn errors(&self) -> &[EngineError] {
+        &self.errors
+    }
+
+    /// The rules enforced fail-closed instead of as written, per policy (policies in key
+    /// order, rules in order).
+    pub fn failed_rules(&self) -> impl Iterator<Item = (&PolicyRef, &crate::model::FailedRule)> {
+        self.store
+            .policies
+            .values()
+            .flat_map(|p| p.failed_rules.iter().map(move |r| (&p.id, r)))
+    }
+
+    /// The normalized policies, by reference.
+    pub fn policies(&self) -> impl Iterator<Item = &Policy> {
+        self.store.policies.values().map(|p| &**p)
+    }
+
+    /// Number of distinct MapState computations (endpoints with equal inputs share one).
+    pub fn shared_mapstates(&self) -> usize {
+        self.shared.len()
+    }
+
+    /// Number of entries in the selector cache.
+    pub fn selector_count(&self) -> usize {
+        self.selectors.len()
+    }
+
+    /// The identities a peer currently selects (if some policy uses it).
+    pub fn selector_identities(&self, spec: &PeerSpec) -> Option<&BTreeSet<Identity>> {
+        self.selectors.get(spec).map(|s| &s.ids)
+    }
+
+    /// `"namespace/pod"` or an IP address -> a flow end.
+    pub fn resolve(&self, s: &str) -> Result<FlowEnd, String> {
+        let s = s.trim();
+        if let Ok(ip) = s.parse::<IpAddr>() {
+            return Ok(FlowEnd::Ip(ip));
+        }
+        let Some((ns, name)) = s.split_once('/') else {
+            return Err(format!("{s:?} is neither an IP address nor namespace/pod"));
+        };
+        let k = (ns.to_string(), name.to_string());
+        match self.store.pods.get(&k) {
+            None => Err(format!("no pod {ns}/{name}")),
+            Some(rec) if rec.host_network => Err(format!(
+                "pod {ns}/{name} uses the host network: it is not an endpoint"
+            )),
+            Some(rec) if rec.terminal => Err(format!(
+                "pod {ns}/{name} has terminated (Succeeded or Failed): it is not an endpoint"
+            )),
+            Some(rec) if rec.ips.is_empty() => Err(format!("pod {ns}/{name} has no address")),
+            Some(_) => Ok(FlowEnd::Pod {
+                namespace: ns.to_string(),
+                name: name.to_string(),
+            }),
+        }
+    }
+
+    /// (address, owning pod) of a flow end; an address owned by a pod is that pod.
+    fn flow_point(
+        &self,
+        end: &FlowEnd,
+        family: IpFamily,
+    ) -> Result<(IpAddr, Option<PodKey>), String> {
+        match end {
+            FlowEnd::Ip(ip) => Ok((*ip, self.pod_addrs.get(ip).cloned())),
+            FlowEnd::Pod { namespace, name } => {
+                let k = (namespace.clone(), name.clone());
+                let rec = self
+                    .store
+                    .pods
+                    .get(&k)
+                    .filter(|r| r.addressed())
+                    .ok_or_else(|| format!("{namespace}/{name} is not a pod with an address"))?;
+                let ip = rec
+                    .ips
+                    .iter()
+                    .copied()
+                    .find(|ip| family.contains(*ip))
+                    .or_else(|| rec.ips.first().copied())
+                    .ok_or_else(|| format!("{namespace}/{name} has no address"))?;
+                Ok((ip, Some(k)))
+            }
+        }
+    }
+
+    fn side(
+        &self,
+        ep: &PodKey,
+        dir: Direction,
+        peer: String,
+        peer_address: IpAddr,
+        proto: Protocol,
+        port: u16,
+    ) -> Option<SideTrace> {
+        let policy = self.policy_of(&ep.0, &ep.1, dir)?;
+        let peer_identity = self.identity_of(peer_address);
+        let d = policy
+            .mapstate
+            .lookup(Some(peer_identity), proto.number(), port);
+        let (verdict, decision) = match d {
+            Decision::Matched { key, entry } => (
+                entry.verdict,
+                SideDecision::Matched {
+                    key,
+                    entry: entry.clone(),
+                },
+            ),
+            Decision::Default(v) => (
+                v,
+                SideDecision::Default {
+                    isolated: policy.isolated,
+                    isolated_by: policy.isolated_by.clone(),
+                },
+            ),
+        };
+        Some(SideTrace {
+            endpoint: pod_key_text(ep),
+            direction: dir,
+            peer,
+            peer_address,
+            peer_identity,
+            verdict,
+            decision,
+        })
+    }
+
+    /// The verdict of one flow, computed only through `MapState::lookup` on both sides: the
+    /// egress MapState of the source (when it is a pod) and the ingress MapState of the
+    /// destination (when it is a pod). A pod to itself is always allowed.
+    pub fn flow(
+        &self,
+        from: &FlowEnd,
+        to: &FlowEnd,
+        family: IpFamily,
+        proto: Protocol,
+        port: u16,
+    ) -> FlowTrace {
+        let failed = |e: String| FlowTrace {
+            verdict: Verdict::Deny,
+            exemption: None,
+            egress: None,
+            ingress: None,
+            error: Some(e),
+        };
+        let (src_ip, src_pod) = match self.flow_point(from, family) {
+            Ok(x) => x,
+            Err(e) => return failed(e),
+        };
+        let (dst_ip, dst_pod) = match self.flow_point(to, family) {
+            Ok(x) => x,
+            Err(e) => return failed(e),
+        };
+        if src_pod.is_some() && src_pod == dst_pod {
+            return FlowTrace {
+                verdict: Verdict::Allow,
+                exemption: Some("a pod talking to itself is always allowed".into()),
+                egress: None,
+                ingress: None,
+                error: None,
+            };
+        }
+        let name = |ip: IpAddr, pod: &Option<PodKey>| match pod {
+            Some(k) => pod_key_text(k),
+            None => ip.to_string(),
+        };
+        let egress = src_pod.as_ref().and_then(|k| {
+            self.side(
+                k,
+                Direction::Egress,
+                name(dst_ip, &dst_pod),
+                dst_ip,
+                proto,
+                port,
+            )
+        });
+        let ingress = dst_pod.as_ref().and_then(|k| {
+            self.side(
+                k,
+                Direction::Ingress,
+                name(src_ip, &src_pod),
+                src_ip,
+                proto,
+                port,
+            )
+        });
+        let allowed = egress.as_ref().is_none_or(|s| s.verdict == Verdict::Allow)
+            && ingress.as_ref().is_none_or(|s| s.verdict == Verdict::Allow);
+        FlowTrace {
+            verdict: if allowed {
+                Verdict::Allow
+            } else {
+                Verdict::Deny
+            },
+            exemption: None,
+            egress,
+            ingress,
+            error: None,
+        }
+    }
+}
+
+fn empty_policy(dir: Direction) -> &'static EndpointPolicy {
+    use std::sync::OnceLock;
+    static EMPTY: OnceLock<[EndpointPolicy; 2]> = OnceLock::new();
+    let e = EMPTY.get_or_init(|| {
+        DIRECTIONS.map(|d| EndpointPolicy {
+            mapstate: MapState::new(d, Verdict::Allow),
+            isolated: false,
+            isolated_by: Vec::new(),
+        })
+    });
+    &e[dir_index(dir)]
+}
+
+/// The verdict of every ordered pair of endpoints, and of every endpoint towards every Service,
+/// for one protocol and port.
+///
+/// Serializes as CLI.md's JSON: `{"protocol":"TCP","port":80,"results":[{"from":"x/a","to":"y/b",
+/// "verdict":"allow"},...]}` (`endpoints` and `services` are not serialized).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Matrix {
+    pub protocol: Protocol,
+    pub port: u16,
+    /// Row/column order: pods (`ns/name`, sorted) then external addresses (as given).
+    #[serde(skip)]
+    pub endpoints: Vec<String>,
+    /// More columns (destinations only): the Services probed (`svc:ns/name`, sorted).
+    #[serde(skip)]
+    pub services: Vec<String>,
+    /// Row-major: for each source in `endpoints`, each destination in `endpoints` then in
+    /// `services`; pairs of two external addresses are left out.
+    pub results: Vec<MatrixResult>,
+}
+
+/// The verdict of one pair: a flow to a pod or an address is allowed or denied; a flow to a
+/// Service can also be allowed to some of its backends only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MatrixVerdict {
+    Allow,
+    Deny,
+    /// Some backends allowed, some denied.
+    Mixed,
+}
+
+impl MatrixVerdict {
+    /// `allow`, `deny` or `mixed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MatrixVerdict::Allow => "allow",
+            MatrixVerdict::Deny => "deny",
+            MatrixVerdict::Mixed => "mixed",
+        }
+    }
+
+    /// The verdict towards a Service from the verdicts towards its backends (at least one).
+    pub fn of(backends: impl IntoIterator<Item = Verdict>) -> MatrixVerdict {
+        let (mut allow, mut deny) = (false, false);
+        for v in backends {
+            match v {
+                Verdict::Allow => allow = true,
+                Verdict::Deny => deny = true,
+            }
+        }
+        match (allow, deny) {
+            (true, true) => MatrixVerdict::Mixed,
+            (true, false) => MatrixVerdict::Allow,
+            _ => MatrixVerdict::Deny,
+        }
+    }
+}
+
+impl From<Verdict> for MatrixVerdict {
+    fn from(v: Verdict) -> Self {
+        match v {
+            Verdict::Allow => MatrixVerdict::Allow,
+            Verdict::Deny => MatrixVerdict::Deny,
+        }
+    }
+}
+
+impl PartialEq<Verdict> for MatrixVerdict {
+    fn eq(&self, other: &Verdict) -> bool {
+        *self == MatrixVerdict::from(*other)
+    }
+}
+
+impl std::fmt::Display for MatrixVerdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The verdict towards one backend of a Service.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BackendVerdict {
+    /// `ns/name` of the backend pod.
+    pub to: String,
+    #[serde(serialize_with = "ser_verdict")]
+    pub verdict: Verdict,
+}
+
+/// One pair of a [`Matrix`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MatrixResult {
+    pub from: String,
+    pub to: String,
+    pub verdict: MatrixVerdict,
+    /// Towards a Service: the verdict of every backend (serialized only when `mixed`).
+    pub backends: Vec<BackendVerdict>,
+}
+
+impl Serialize for MatrixResult {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mixed = self.verdict == MatrixVerdict::Mixed;
+        let mut st = s.serialize_struct("MatrixResult", if mixed { 4 } else { 3 })?;
+        st.serialize_field("from", &self.from)?;
+        st.serialize_field("to", &self.to)?;
+        st.serialize_field("verdict", &self.verdict)?;
+        if mixed {
+            st.serialize_field("backends", &self.backends)?;
+        }
+        st.end()
+    }
+}
+
+impl Matrix {
+    /// The verdict of one pair, if it is in the matrix.
+    pub fn verdict(&self, from: &str, to: &str) -> Option<MatrixVerdict> {
+        self.results
+            .iter()
+            .find(|r| r.from == from && r.to == to)
+            .map(|r| r.verdict)
+    }
+
+    /// Every destination column: `endpoints`, then `services`.
+    pub fn destinations(&self) -> impl Iterator<Item = &String> {
+        self.endpoints.iter().chain(&self.services)
+    }
+}
+
+/// Computes the matrix: every pod endpoint with an address of `family` (probed at its first
+/// address of that family; the primary one when it is of that family) and every external address,
+/// as sources and destinations, and every Service ([`Engine::service_destinations`]) as a
+/// destination. A pod with itself is included (always allowed); pairs of two external addresses
+/// are not. Each verdict is [`Engine::flow`], i.e. MapState lookups only; towards a Service, the
+/// flow to each backend at its target port (a backend that is the source itself: allowed, a
+/// pod's own traffic).
+pub fn matrix(
+    engine: &Engine,
+    proto: Protocol,
+    port: u16,
+    externals: &[IpAddr],
+    family: IpFamily,
+) -> Matrix {
+    let mut ends: Vec<(String, FlowEnd, bool)> = Vec::new();
+    for ep in engine.endpoints() {
+        if ep.address(family).is_some() {
+            ends.push((
+                ep.id(),
+                FlowEnd::Pod {
+                    namespace: ep.namespace.clone(),
+                    name: ep.name.clone(),
+                },
+                true,
+            ));
+        }
+    }
+    for ip in externals {
+        ends.push((ip.to_string(), FlowEnd::Ip(*ip), false));
+    }
+    let services = engine.service_destinations(proto, port, family);
+    let mut results = Vec::new();
+    for (from_name, from, from_pod) in &ends {
+        for (to_name, to, to_pod) in &ends {
+            if !from_pod && !to_pod {
+                continue;
+            }
+            let t = engine.flow(from, to, family, proto, port);
+            results.push(MatrixResult {
+                from: from_name.clone(),
+                to: to_name.clone(),
+                verdict: t.verdict.into(),
+                backends: Vec::new(),
+            });
+        }
+        for svc in &services {
+            let backends: Vec<BackendVerdict> = svc
+                .backends
+                .iter()
+                .map(|(pod, _, bport)| {
+                    let (ns, name) = pod.split_once('/').unwrap_or(("", pod));
+                    let to = FlowEnd::Pod {
+                        namespace: ns.to_string(),
+                        name: name.to_string(),
+                    };
+                    BackendVerdict {
+                        to: pod.clone(),
+                        verdict: engine.flow(from, &to, family, proto, *bport).verdict,
+                    }
+                })
+                .collect();
+            results.push(MatrixResult {
+                from: from_name.clone(),
+                to: svc.name.clone(),
+                verdict: MatrixVerdict::of(backends.iter().map(|b| b.verdict)),
+                backends,
+            });
+        }
+    }
+    Matrix {
+        protocol: proto,
+        port,
+        endpoints: ends.into_iter().map(|(n, _, _)| n).collect(),
+        services: services.into_iter().map(|s| s.name).collect(),
+        results,
+    }
+}

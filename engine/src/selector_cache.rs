@@ -1,0 +1,195 @@
+//! The selector cache: every peer selector of the stored policies, the identities it selects
+//! now, and the policies that use it. A selector is evaluated once, when its first user
+//! arrives; afterwards only identities come and go, and [`SelectorCache::notify`] turns that
+//! into per-selector gains and losses (the notifications the shared MapStates follow).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use ordnet_mapstate::Identity;
+
+use crate::identity::{Identities, Signature};
+use crate::model::{NsScope, PeerSpec, PolicyRef};
+use crate::store::Store;
+
+/// The number of a selector in the selector cache (never reused).
+pub(crate) type SelId = u32;
+
+/// One entry of the selector cache.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SelState {
+    pub id: SelId,
+    pub ids: BTreeSet<Identity>,
+    /// The policies that use this peer.
+    pub users: BTreeSet<PolicyRef>,
+}
+
+/// Identities gained and lost per selector, and the policies that use a selector that changed.
+#[derive(Debug, Default)]
+pub(crate) struct Notifications {
+    pub gained: HashMap<SelId, BTreeSet<Identity>>,
+    pub lost: HashMap<SelId, BTreeSet<Identity>>,
+    pub policies: BTreeSet<PolicyRef>,
+}
+
+/// The selector cache.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SelectorCache {
+    entries: HashMap<Arc<PeerSpec>, SelState>,
+    /// The last number given to a selector.
+    last: SelId,
+}
+
+impl SelectorCache {
+    /// Registers `user` as a user of `spec`, evaluating the selector over `ids` if it is new.
+    /// Returns whether it was new.
+    pub(crate) fn add_user(
+        &mut self,
+        spec: Arc<PeerSpec>,
+        user: PolicyRef,
+        ids: &Identities,
+        store: &Store,
+    ) -> bool {
+        if let Some(s) = self.entries.get_mut(&spec) {
+            s.users.insert(user);
+            return false;
+        }
+        let selected = evaluate(&spec, ids, store);
+        self.last += 1;
+        self.entries.insert(
+            spec,
+            SelState {
+                id: self.last,
+                ids: selected,
+                users: BTreeSet::from([user]),
+            },
+        );
+        true
+    }
+
+    /// Drops `user` from `spec`; the selector goes when it has no users left.
+    pub(crate) fn remove_user(&mut self, spec: &Arc<PeerSpec>, user: &PolicyRef) {
+        if let Some(s) = self.entries.get_mut(spec) {
+            s.users.remove(user);
+            if s.users.is_empty() {
+                self.entries.remove(spec);
+            }
+        }
+    }
+
+    /// The cached state of `spec`.
+    pub(crate) fn get(&self, spec: &PeerSpec) -> Option<&SelState> {
+        self.entries.get(spec)
+    }
+
+    /// The identities of `spec` (empty if it is not cached, which does not happen for the
+    /// peers of stored policies).
+    pub(crate) fn selected(&self, spec: &PeerSpec) -> BTreeSet<Identity> {
+        self.entries
+            .get(spec)
+            .map(|s| s.ids.clone())
+            .unwrap_or_default()
+    }
+
+    /// Number of cached selectors.
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Tests every selector against the identities `added` (with their signatures) and drops
+    /// the `removed` ones. An identity's membership never changes otherwise (signatures and
+    /// selectors are both immutable), so these gains and losses are all the notifications.
+    pub(crate) fn notify(
+        &mut self,
+        added: &[(Identity, Signature)],
+        removed: &BTreeMap<Identity, Signature>,
+    ) -> Notifications {
+        let mut n = Notifications::default();
+        if added.is_empty() && removed.is_empty() {
+            return n;
+        }
+        for (spec, st) in self.entries.iter_mut() {
+            let mut changed = false;
+            for (id, sig) in added {
+                if selects(spec, sig) && st.ids.insert(*id) {
+                    n.gained.entry(st.id).or_default().insert(*id);
+                    changed = true;
+                }
+            }
+            for id in removed.keys() {
+                if st.ids.remove(id) {
+                    n.lost.entry(st.id).or_default().insert(*id);
+                    changed = true;
+                }
+            }
+            if changed {
+                n.policies.extend(st.users.iter().cloned());
+            }
+        }
+        n
+    }
+}
+
+/// All identities `spec` selects now.
+pub(crate) fn evaluate(spec: &PeerSpec, ids: &Identities, store: &Store) -> BTreeSet<Identity> {
+    let mut out = BTreeSet::new();
+    let mut test = |id: &Identity| {
+        if let Some(sig) = ids.sig(*id)
+            && selects(spec, sig)
+        {
+            out.insert(*id);
+        }
+    };
+    match spec {
+        PeerSpec::Pods {
+            namespaces: NsScope::Named(n),
+            ..
+        } => {
+            for id in ids.by_namespace.get(n).into_iter().flatten() {
+                test(id);
+            }
+        }
+        PeerSpec::Pods { namespaces, .. } => {
+            for (ns, members) in &ids.by_namespace {
+                // Every pod identity of one namespace carries that namespace's labels.
+                let labels = members
+                    .iter()
+                    .next()
+                    .and_then(|id| match ids.sig(*id) {
+                        Some(Signature::Pod(p)) => Some(p.namespace_labels.clone()),
+                        _ => None,
+                    })
+                    .unwrap_or_else(|| store.ns_labels(ns));
+                if namespaces.matches(&labels) {
+                    for id in members {
+                        test(id);
+                    }
+                }
+            }
+        }
+        PeerSpec::Block { .. } => {
+            for id in ids.non_pod.iter().chain(ids.pods_in_cidrs.iter()) {
+                test(id);
+            }
+        }
+    }
+    out
+}
+
+/// Whether `spec` selects an identity with signature `sig`.
+pub(crate) fn selects(spec: &PeerSpec, sig: &Signature) -> bool {
+    match (spec, sig) {
+        (PeerSpec::Pods { namespaces, pods }, Signature::Pod(p)) => {
+            namespaces.matches(&p.namespace_labels) && pods.matches(&p.labels)
+        }
+        (PeerSpec::Pods { .. }, _) => false,
+        (PeerSpec::Block { cidr, except }, Signature::Pod(p)) => {
+            p.cidrs.binary_search(cidr).is_ok()
+                && !except.iter().any(|e| p.cidrs.binary_search(e).is_ok())
+        }
+        (PeerSpec::Block { cidr, except }, Signature::Cidr(net)) => {
+            cidr.contains(net) && !except.iter().any(|e| e.contains(net))
+        }
+        (PeerSpec::Block { .. }, Signature::World) => false,
+    }
+}

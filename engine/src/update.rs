@@ -1,0 +1,368 @@
+//! One shared MapState brought up to date in place ([`Engine::update_state`], step 5c of an
+//! incremental update): the entries of changed policies are diffed against their new version;
+//! the other entries follow the identity notifications (selectors that gained or lost
+//! identities, and the egress named-port groups that follow them). The `Update`s go to
+//! `MapState::apply` as one batch, whose ChangeSet is what the state's users get.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+
+use ordnet_mapstate::{
+    ChangeSet, EntryId, Identity, L4Match, PolicyEntry, Selector, Update, Verdict,
+};
+
+use crate::build::Engine;
+use crate::identity::Signature;
+use crate::incremental::diff_states;
+use crate::model::PolicyRef;
+use crate::selector_cache::SelId;
+use crate::shared::{EntryKey, NamedGroup, PolicyIndex, ShareKey};
+
+/// What one state's update collects before it is applied.
+#[derive(Default)]
+pub(crate) struct StateUpdate {
+    updates: Vec<Update>,
+    add_keys: Vec<(EntryId, EntryKey)>,
+    remove_keys: Vec<EntryId>,
+    new_indexes: Vec<(PolicyRef, Option<PolicyIndex>)>,
+    /// AddIdentity selections: id -> entries.
+    selections: BTreeMap<Identity, Vec<EntryId>>,
+    removes: BTreeSet<Identity>,
+    policy_changed: bool,
+}
+
+fn same_policy(origin: &ordnet_mapstate::Origin, id: &PolicyRef) -> bool {
+    origin.kind == id.kind.as_str() && origin.namespace == id.namespace && origin.name == id.name
+}
+
+/// The updates that turn entry `id` (as the state has it: `have`) into `want`.
+fn diff_entry(
+    have: Option<&PolicyEntry>,
+    id: EntryId,
+    want: PolicyEntry,
+    updates: &mut Vec<Update>,
+) {
+    match (have.map(|e| &e.selector), &want.selector) {
+        (Some(Selector::Ids(h)), Selector::Ids(w)) => {
+            let add: Vec<Identity> = w.difference(h).copied().collect();
+            let del: Vec<Identity> = h.difference(w).copied().collect();
+            if !add.is_empty() {
+                updates.push(Update::Select {
+                    entry: id,
+                    ids: add,
+                });
+            }
+            if !del.is_empty() {
+                updates.push(Update::Deselect {
+                    entry: id,
+                    ids: del,
+                });
+            }
+        }
+        (Some(Selector::Any), Selector::Any) => {}
+        _ => {
+            updates.push(Update::RemoveEntry(id));
+            updates.push(Update::AddEntry(want));
+        }
+    }
+}
+
+impl Engine {
+    /// Updates one shared state in place: the entries of changed policies (`full`) are diffed
+    /// against their new version; the other entries follow the identity notifications.
+    pub(crate) fn update_state(
+        &mut self,
+        key: &Arc<ShareKey>,
+        full: &BTreeSet<PolicyRef>,
+        added_ids: &BTreeSet<Identity>,
+        removed_ids: &BTreeMap<Identity, Signature>,
+        gained: &HashMap<SelId, BTreeSet<Identity>>,
+        lost: &HashMap<SelId, BTreeSet<Identity>>,
+    ) -> (ChangeSet, Option<bool>) {
+        if !self.shared.contains_key(key) {
+            return (ChangeSet::default(), None);
+        }
+        let mut acc = StateUpdate::default();
+        self.follow_notifications(key, full, gained, lost, removed_ids, &mut acc);
+        self.diff_changed_policies(key, full, &mut acc);
+        self.commit_state_update(key, added_ids, acc)
+    }
+
+    /// The entries of unchanged policies follow the selectors that gained or lost identities.
+    fn follow_notifications(
+        &mut self,
+        key: &Arc<ShareKey>,
+        full: &BTreeSet<PolicyRef>,
+        gained: &HashMap<SelId, BTreeSet<Identity>>,
+        lost: &HashMap<SelId, BTreeSet<Identity>>,
+        removed_ids: &BTreeMap<Identity, Signature>,
+        acc: &mut StateUpdate,
+    ) {
+        // The indexes of unchanged policies (cloned: the named groups need &mut self below).
+        let mut named: Vec<NamedGroup> = Vec::new();
+        let Some(shared) = self.shared.get(key) else {
+            return;
+        };
+        for (pref, index) in &shared.notify {
+            if full.contains(pref) {
+                continue;
+            }
+            for (sel, id) in &index.plain {
+                if let Some(g) = gained.get(sel) {
+                    for i in g {
+                        let v = acc.selections.entry(*i).or_default();
+                        if !v.contains(id) {
+                            v.push(*id);
+                        }
+                    }
+                }
+                if let Some(l) = lost.get(sel) {
+                    acc.removes.extend(l.iter().copied());
+                }
+            }
+            for g in &index.named {
+                if gained.contains_key(&g.sel) || lost.contains_key(&g.sel) {
+                    named.push(g.clone());
+                }
+            }
+        }
+        for g in &named {
+            if let Some(l) = lost.get(&g.sel) {
+                acc.removes.extend(l.iter().copied());
+            }
+            self.named_notifications(
+                key,
+                g,
+                gained.get(&g.sel),
+                lost.get(&g.sel),
+                removed_ids,
+                acc,
+            );
+        }
+    }
+
+    /// Changed policies: full diff of their entries (no entries if the policy is gone or not
+    /// in the key).
+    fn diff_changed_policies(
+        &mut self,
+        key: &Arc<ShareKey>,
+        full: &BTreeSet<PolicyRef>,
+        acc: &mut StateUpdate,
+    ) {
+        for pref in full {
+            let policy = self
+                .store
+                .policies
+                .get(pref)
+                .filter(|_| key.policies.binary_search(pref).is_ok())
+                .cloned();
+            acc.policy_changed = true;
+            let mut desired = BTreeMap::new();
+            match policy {
+                Some(policy) => {
+                    let mut index = PolicyIndex::default();
+                    self.policy_entries(&policy, key, &mut desired, &mut index);
+                    acc.new_indexes.push((pref.clone(), Some(index)));
+                }
+                None => acc.new_indexes.push((pref.clone(), None)),
+            }
+            let s = &self.shared[key];
+            let current: Vec<EntryId> = s
+                .entries
+                .iter()
+                .filter(|(_, ek)| same_policy(&ek.origin, pref))
+                .map(|(id, _)| *id)
+                .collect();
+            for id in current {
+                match desired.remove(&id) {
+                    None => {
+                        acc.updates.push(Update::RemoveEntry(id));
+                        acc.remove_keys.push(id);
+                    }
+                    Some((_, want)) => diff_entry(
+                        s.policy.mapstate.policy_entry(id),
+                        id,
+                        want,
+                        &mut acc.updates,
+                    ),
+                }
+            }
+            for (id, (ek, e)) in desired {
+                acc.updates.push(Update::AddEntry(e));
+                acc.add_keys.push((id, ek));
+            }
+        }
+    }
+
+    /// Applies the collected updates as one batch (identity removals first) and records the new
+    /// entry keys, indexes and isolation.
+    fn commit_state_update(
+        &mut self,
+        key: &Arc<ShareKey>,
+        added_ids: &BTreeSet<Identity>,
+        mut acc: StateUpdate,
+    ) -> (ChangeSet, Option<bool>) {
+        for (id, selected_by) in acc.selections {
+            if added_ids.contains(&id) {
+                acc.updates.push(Update::AddIdentity { id, selected_by });
+            } else {
+                for entry in selected_by {
+                    acc.updates.push(Update::Select {
+                        entry,
+                        ids: vec![id],
+                    });
+                }
+            }
+        }
+        // Removals go first so that emptied named entries can be removed after them.
+        let mut batch: Vec<Update> = acc
+            .removes
+            .into_iter()
+            .map(Update::RemoveIdentity)
+            .collect();
+        batch.extend(acc.updates);
+        let isolation = acc.policy_changed.then(|| self.isolation(key));
+        let s = self.shared.get_mut(key).expect("affected state exists");
+        let cs = match s.policy.mapstate.apply(batch) {
+            Ok(cs) => cs,
+            Err(e) => {
+                // Cannot happen (entry ids are tracked exactly); fall back to a rebuild.
+                debug_assert!(false, "incremental MapState update rejected: {e}");
+                let users = s.users.clone();
+                let mut fresh = self.compile(key);
+                fresh.users = users;
+                let cs = diff_states(
+                    &self.shared[key].policy.mapstate.iter(),
+                    &fresh.policy.mapstate.iter(),
+                );
+                self.shared.insert(key.clone(), fresh);
+                let s = &self.shared[key];
+                return (cs, Some(s.policy.isolated));
+            }
+        };
+        for id in acc.remove_keys {
+            s.entries.remove(&id);
+        }
+        for (id, ek) in acc.add_keys {
+            s.entries.insert(id, ek);
+        }
+        for (pref, index) in acc.new_indexes {
+            match index {
+                Some(index) => s.notify.insert(pref, index),
+                None => s.notify.remove(&pref),
+            };
+        }
+        let mut iso = None;
+        if let Some((isolated, isolated_by)) = isolation {
+            if s.policy.isolated != isolated {
+                iso = Some(isolated);
+            }
+            s.policy.isolated = isolated;
+            s.policy.isolated_by = isolated_by;
+            s.policy.mapstate.set_default(if isolated {
+                Verdict::Deny
+            } else {
+                Verdict::Allow
+            });
+        }
+        (cs, iso)
+    }
+
+    /// Updates for one egress named-port group (rule, peer, name) after identity
+    /// notifications: new identities join the entry of their port number (created if it does
+    /// not exist); entries whose last identity went are removed.
+    fn named_notifications(
+        &mut self,
+        key: &Arc<ShareKey>,
+        group: &NamedGroup,
+        gained: Option<&BTreeSet<Identity>>,
+        lost: Option<&BTreeSet<Identity>>,
+        removed_ids: &BTreeMap<Identity, Signature>,
+        acc: &mut StateUpdate,
+    ) {
+        let NamedGroup {
+            origin,
+            order,
+            verdict,
+            spec,
+            name,
+            proto,
+            ..
+        } = group;
+        let (order, verdict, proto, name) = (*order, *verdict, *proto, name.as_str());
+        let ek = |n: u16| EntryKey {
+            origin: origin.clone(),
+            peer: Some(spec.clone()),
+            l4: L4Match::port(proto, n),
+            named: Some(name.to_string()),
+        };
+        // Losses per number.
+        let mut lost_by: BTreeMap<u16, BTreeSet<Identity>> = BTreeMap::new();
+        for id in lost.into_iter().flatten() {
+            if let Some(Signature::Pod(sig)) = removed_ids.get(id) {
+                for n in sig.resolve(name, proto) {
+                    lost_by.entry(*n).or_default().insert(*id);
+                }
+            }
+        }
+        let gained_by = self.group_by_port(gained.into_iter().flatten().copied(), name, proto);
+        let numbers: BTreeSet<u16> = lost_by.keys().chain(gained_by.keys()).copied().collect();
+        for n in numbers {
+            let k = ek(n);
+            let existing = self
+                .shared
+                .existing_entry_id(&k)
+                .filter(|id| self.shared[key].policy.mapstate.policy_entry(*id).is_some());
+            let g = gained_by.get(&n);
+            let l = lost_by.get(&n);
+            match existing {
+                Some(id) => {
+                    // The entry's identities are borrowed, not copied: it selects up to every
+                    // pod identity, and this runs for each group of every notified state.
+                    let empty = BTreeSet::new();
+                    let have: &BTreeSet<Identity> = match self.shared[key]
+                        .policy
+                        .mapstate
+                        .policy_entry(id)
+                        .map(|e| &e.selector)
+                    {
+                        Some(Selector::Ids(s)) => s,
+                        _ => &empty,
+                    };
+                    // Empty after the update iff nothing is gained and every identity is lost.
+                    let emptied = g.is_none_or(|g| g.is_empty())
+                        && have.iter().all(|i| l.is_some_and(|l| l.contains(i)));
+                    if emptied {
+                        // Removed after the RemoveIdentity updates of the batch.
+                        acc.updates.push(Update::RemoveEntry(id));
+                        acc.remove_keys.push(id);
+                    } else {
+                        for i in g.into_iter().flatten() {
+                            if !have.contains(i) {
+                                let v = acc.selections.entry(*i).or_default();
+                                if !v.contains(&id) {
+                                    v.push(id);
+                                }
+                            }
+                        }
+                    }
+                }
+                None => {
+                    let Some(g) = g.filter(|g| !g.is_empty()) else {
+                        continue;
+                    };
+                    let id = self.shared.entry_id(&k);
+                    acc.updates.push(Update::AddEntry(PolicyEntry {
+                        id,
+                        order,
+                        verdict,
+                        selector: Selector::Ids(g.clone()),
+                        l4: k.l4,
+                        origin: origin.clone(),
+                    }));
+                    acc.add_keys.push((id, k));
+                }
+            }
+        }
+    }
+}
