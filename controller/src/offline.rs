@@ -8,7 +8,7 @@
 //! Offline, every pod of the engine is programmed as a local endpoint of one in-memory datapath
 //! ([`OfflineDatapath`]: a [`MemDatapath`], through [`NodeProgram`], the agent's code path). The
 //! agent's debug API calls the same functions ([`matrix`], [`trace`]) over the datapath it
-//! programmed for its node (`crate::agent::Datapath::plane`: the kernel datapath's mirror of
+//! programmed for its node (`crate::agent::Enforcer::plane`: the kernel datapath's mirror of
 //! its maps, or the `none` datapath's in-memory tables).
 
 use std::net::IpAddr;

@@ -1544,3 +1544,27 @@ async fn a_terminated_pod_is_no_endpoint_and_its_address_can_be_reused() {
     let offline = offline_objects(&api);
     assert_eq!(offline.pods.len(), 6, "the validator keeps both pods");
 }
+
+/// Usage errors of `ordnet agent` exit 2 before anything starts, with clap's message.
+#[test]
+fn agent_usage_errors_exit_2() {
+    for (args, needle) in [
+        (
+            vec!["--node", "n", "--datapath", "none", "--uplink", "eth0"],
+            "--uplink only applies to --datapath bpf",
+        ),
+        (vec!["--node", ""], "--node"),
+        (vec!["--node", "n", "--uplink", ""], "--uplink"),
+        (vec!["--node", "n", "--debug-addr", "localhost"], "--debug-addr"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_ordnet"))
+            .arg("agent")
+            .args(&args)
+            .env_remove("NODE_NAME")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}

@@ -38,7 +38,7 @@ use ordnet_datapath::{ControlPlane, Datapath as Kernel, DatapathConfig};
 use ordnet_engine::{Engine, EngineDelta};
 use ordnet_mapstate::Identity;
 
-use super::datapath::{Datapath, ProgrammedEndpoint, Programmer};
+use super::datapath::{Enforcer, ProgrammedEndpoint, Programmer};
 use crate::program::NodeProgram;
 
 /// Where the pins live unless `$ORDNET_PIN_DIR` says otherwise.
@@ -360,7 +360,7 @@ impl BpfDatapath {
     }
 }
 
-impl Datapath for BpfDatapath {
+impl Enforcer for BpfDatapath {
     fn program_full(&mut self, engine: &Engine) -> Result<(), String> {
         self.full(engine)
     }

@@ -36,7 +36,7 @@ pub fn dir_index(d: Direction) -> usize {
 }
 
 /// A node's datapath, as the agent drives it.
-pub trait Datapath: Send {
+pub trait Enforcer: Send {
     /// Programs everything from scratch (the first programming after the initial sync).
     fn program_full(&mut self, engine: &Engine) -> Result<(), String>;
     /// Applies the deltas of one batch of changes (in order).
@@ -218,7 +218,7 @@ impl NoneDatapath {
     }
 }
 
-impl Datapath for NoneDatapath {
+impl Enforcer for NoneDatapath {
     fn program_full(&mut self, engine: &Engine) -> Result<(), String> {
         self.needs_full = true;
         self.programmer.program_full(engine, &mut self.dp)?;

@@ -375,7 +375,7 @@ mod tests {
     use serde_json::Value;
 
     use super::*;
-    use crate::agent::{Datapath, NoneDatapath};
+    use crate::agent::{Enforcer, NoneDatapath};
 
     fn q(pairs: &[(&str, &str)]) -> BTreeMap<String, Vec<String>> {
         let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use ordnet_engine::Engine;
 
-use super::Datapath;
+use super::Enforcer;
 
 /// A monotonically increasing count.
 #[derive(Debug, Default)]
@@ -87,7 +87,7 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    pub fn set_sizes(&self, engine: &Engine, dp: &dyn Datapath) {
+    pub fn set_sizes(&self, engine: &Engine, dp: &dyn Enforcer) {
         let mut s = Sizes {
             identities: engine.identities().count() as u64,
             endpoints: dp.programmed().len() as u64,

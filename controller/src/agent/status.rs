@@ -49,7 +49,7 @@ use ordnet_mapstate::{Direction, Verdict};
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
 
-use super::{AgentState, Enforcement, KINDS, ObjKey};
+use super::{AgentState, Enforcement, ObjKey};
 
 /// The Lease that elects the status writer.
 pub const LEASE_NAME: &str = "ordnet-status-writer";
@@ -247,8 +247,11 @@ fn policy_key(id: &PolicyRef) -> Option<ObjKey> {
         PolicyKind::ClusterOrdered => ObjectKind::ClusterOrderedNetworkPolicy,
         PolicyKind::NetworkPolicy => return None,
     };
-    let k = KINDS.iter().position(|x| *x == kind)?;
-    Some((k, id.namespace.clone().unwrap_or_default(), id.name.clone()))
+    Some((
+        kind,
+        id.namespace.clone().unwrap_or_default(),
+        id.name.clone(),
+    ))
 }
 
 /// The status the writer wants one policy to have.
@@ -716,7 +719,7 @@ async fn write_status(
             })
         })
         .collect();
-    let kind = super::kind_name(super::KINDS[key.0]);
+    let kind = key.0.name();
     // Server-side apply: a condition left out (RulesShadowed of an invalid policy) is removed
     // from what this manager owns; `shadowedRules` and `failedClosedRules` are always written
     // (`[]` when none), which clears them under any patch semantics.

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+mod agent;
 mod crd;
 mod dump;
 pub(crate) mod load;
@@ -36,7 +37,7 @@ pub enum Command {
     /// Build the pods as network namespaces, enforce with XDP and probe real connections (root).
     Lab(LabArgs),
     /// Run the node agent: watch the cluster, program this node's datapath, write status.
-    Agent(AgentArgs),
+    Agent(agent::AgentArgs),
 }
 
 /// Where the cluster state comes from: manifests (`-f`) or a running agent (`--agent`).
@@ -88,12 +89,6 @@ pub enum DumpFormat {
 pub enum DirectionArg {
     Ingress,
     Egress,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum DatapathArg {
-    Bpf,
-    None,
 }
 
 #[derive(Debug, Args)]
@@ -180,25 +175,6 @@ pub struct LabArgs {
     pub output: TableOrJson,
 }
 
-#[derive(Debug, Args)]
-pub struct AgentArgs {
-    /// The name of the node this agent runs on.
-    #[arg(long, env = "NODE_NAME")]
-    pub node: String,
-    /// Kubeconfig to use (default: in-cluster config, then the usual kubeconfig lookup).
-    #[arg(long, value_name = "PATH")]
-    pub kubeconfig: Option<PathBuf>,
-    #[arg(long, value_enum, default_value = "bpf")]
-    pub datapath: DatapathArg,
-    /// The node's uplink interface (traffic from other nodes): the XDP program is attached
-    /// there too (--datapath bpf only).
-    #[arg(long, value_name = "IFACE")]
-    pub uplink: Option<String>,
-    /// Address of the debug API (health, metrics, matrix/trace/dump).
-    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9090")]
-    pub debug_addr: String,
-}
-
 /// Runs one parsed command line and returns the process exit code.
 pub fn run(cli: Cli) -> ExitCode {
     match cli.command {
@@ -208,12 +184,6 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Validate(args) => validate::run(&args),
         Command::Crd => crd::run(),
         Command::Lab(args) => crate::lab::run(&args),
-        Command::Agent(args) => ordnet::agent::run_command(ordnet::agent::CommandLine {
-            node: args.node,
-            kubeconfig: args.kubeconfig,
-            bpf: args.datapath == DatapathArg::Bpf,
-            uplink: args.uplink,
-            debug_addr: args.debug_addr,
-        }),
+        Command::Agent(args) => agent::run(args),
     }
 }

@@ -1,0 +1,461 @@
+//! The apply loop: the view of every object the agent was told about, the initial sync gate,
+//! burst coalescing, and incremental application to the engine and the datapath.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use ordnet_crds::validate;
+use ordnet_crds::{ClusterObjects, Loaded};
+use ordnet_engine::{BuildOptions, Engine, EngineDelta, Object, ObjectChange, ObjectKind};
+use tokio::sync::{mpsc, watch};
+
+use super::watchers::WatchMsg;
+use super::{
+    AgentState, COALESCE_MAX_EVENTS, COALESCE_MAX_WAIT, COALESCE_QUIET, Enforcement, ObjKey,
+    ObjectProblem, status,
+};
+
+fn object_key(o: &Object) -> ObjKey {
+    let (ns, name) = o.key();
+    (o.kind(), ns, name)
+}
+
+/// One object the agent was told about.
+#[derive(Debug, Clone)]
+struct ViewEntry {
+    resource_version: Option<String>,
+    object: Object,
+    /// What the engine does with it (everything but [`Enforcement::None`] is in the engine
+    /// once synced).
+    enforcement: Enforcement,
+}
+
+impl ViewEntry {
+    fn usable(&self) -> bool {
+        self.enforcement != Enforcement::None
+    }
+}
+
+/// The validation errors of an object and what the engine can enforce of it. Pods and
+/// namespaces with errors are left out; a policy is left out only when the engine cannot use it
+/// at all, and otherwise enforced with its unusable rules failing closed.
+fn assess(o: &Object) -> (Vec<String>, Enforcement) {
+    let mut problems = validate_object(o);
+    let enforcement = match o.translate() {
+        None if problems.is_empty() => Enforcement::Full,
+        None => Enforcement::None,
+        Some(Err(e)) => {
+            let text = format!("{}: {}", e.field, e.message);
+            if !problems.contains(&text) {
+                problems.push(text);
+            }
+            Enforcement::None
+        }
+        Some(Ok(p)) if p.failed_rules.is_empty() => Enforcement::Full,
+        Some(Ok(p)) => Enforcement::Partial(p.failed_rules),
+    };
+    (problems, enforcement)
+}
+
+fn validate_object(o: &Object) -> Vec<String> {
+    let errors = match o {
+        Object::Service(x) => validate::validate_service(x),
+        Object::Namespace(x) => validate::validate_namespace(x),
+        Object::Pod(x) => validate::validate_pod(x),
+        Object::NetworkPolicy(x) => validate::validate_network_policy(x),
+        Object::OrderedNetworkPolicy(x) => validate::validate_ordered_network_policy(x),
+        Object::ClusterOrderedNetworkPolicy(x) => {
+            validate::validate_cluster_ordered_network_policy(x)
+        }
+    };
+    // Warnings do not make an object invalid (the offline loader keeps it too).
+    errors
+        .iter()
+        .filter(|e| e.severity == ordnet_crds::Severity::Error)
+        .map(|e| e.to_string())
+        .collect()
+}
+
+/// The apply loop's own state.
+pub(crate) struct Applier {
+    state: Arc<AgentState>,
+    node: String,
+    view: BTreeMap<ObjKey, ViewEntry>,
+    /// Per kind: whether its initial list is done (ever).
+    synced: [bool; ObjectKind::ALL.len()],
+    /// Per kind: the re-list being collected (`Some` between `Init` and `InitDone`).
+    relist: [Option<BTreeMap<ObjKey, Object>>; ObjectKind::ALL.len()],
+    /// Keys touched since the last apply: their current view entry (or absence) is what the
+    /// engine must get.
+    dirty: BTreeSet<ObjKey>,
+    /// Keys the engine has (valid objects applied).
+    in_engine: BTreeSet<ObjKey>,
+    /// The wanted status of every ordered policy (for the status writer).
+    wanted: watch::Sender<BTreeMap<ObjKey, status::WantedStatus>>,
+    /// Problems to publish as Events.
+    events: mpsc::UnboundedSender<status::ProblemEvent>,
+    /// Change number: one more for every view change (see `AgentState::applied`).
+    seq: u64,
+}
+
+impl Applier {
+    pub(crate) fn new(
+        state: Arc<AgentState>,
+        node: String,
+        wanted: watch::Sender<BTreeMap<ObjKey, status::WantedStatus>>,
+        events: mpsc::UnboundedSender<status::ProblemEvent>,
+    ) -> Applier {
+        Applier {
+            state,
+            node,
+            view: BTreeMap::new(),
+            synced: [false; ObjectKind::ALL.len()],
+            relist: Default::default(),
+            dirty: BTreeSet::new(),
+            in_engine: BTreeSet::new(),
+            wanted,
+            events,
+            seq: 0,
+        }
+    }
+
+    pub(crate) async fn run(mut self, mut rx: mpsc::UnboundedReceiver<WatchMsg>) {
+        while let Some(first) = rx.recv().await {
+            let observed = Instant::now();
+            self.handle(first);
+            if !self.state.ready() {
+                // Initial sync: take everything queued, build once every list is done.
+                while let Ok(msg) = rx.try_recv() {
+                    self.handle(msg);
+                }
+                if self.synced.iter().all(|s| *s) {
+                    self.initial_program();
+                    self.state.applied.store(self.seq, Ordering::SeqCst);
+                }
+                continue;
+            }
+            self.coalesce(&mut rx, observed).await;
+            self.apply_dirty(observed);
+            self.state.applied.store(self.seq, Ordering::SeqCst);
+        }
+    }
+
+    /// Burst coalescing: after the first event of a batch (observed at `observed`), keeps
+    /// taking events while they keep coming, i.e. until no event arrived for
+    /// [`COALESCE_QUIET`], but never past [`COALESCE_MAX_WAIT`] after the first event nor beyond
+    /// [`COALESCE_MAX_EVENTS`] events, so a steady stream cannot hold programming back. The
+    /// batch is then applied as one datapath update; its latency is measured from `observed`,
+    /// so the time spent waiting here is part of it.
+    async fn coalesce(&mut self, rx: &mut mpsc::UnboundedReceiver<WatchMsg>, observed: Instant) {
+        let deadline = tokio::time::Instant::from_std(observed + COALESCE_MAX_WAIT);
+        let mut events = 1;
+        while events < COALESCE_MAX_EVENTS {
+            // Everything already queued first, without waiting.
+            let msg = match rx.try_recv() {
+                Ok(msg) => msg,
+                Err(_) => {
+                    let quiet = (tokio::time::Instant::now() + COALESCE_QUIET).min(deadline);
+                    match tokio::time::timeout_at(quiet, rx.recv()).await {
+                        Ok(Some(msg)) => msg,
+                        // Quiet (or past the deadline), or every watcher is gone.
+                        Ok(None) | Err(_) => return,
+                    }
+                }
+            };
+            self.handle(msg);
+            events += 1;
+            if tokio::time::Instant::now() >= deadline {
+                return;
+            }
+        }
+    }
+
+    fn handle(&mut self, msg: WatchMsg) {
+        match msg {
+            WatchMsg::Init(kind) => {
+                let k = kind.index();
+                if self.synced[k] {
+                    self.state.metrics.relists.inc();
+                }
+                self.relist[k] = Some(BTreeMap::new());
+            }
+            WatchMsg::InitApply(o) => {
+                let key = object_key(&o);
+                match self.relist[key.0.index()].as_mut() {
+                    Some(buf) => {
+                        buf.insert(key, o);
+                    }
+                    // Not expected (the watcher always sends Init first); treat as an update.
+                    None => self.upsert(key, o),
+                }
+            }
+            WatchMsg::InitDone(kind) => {
+                let k = kind.index();
+                let listed = self.relist[k].take().unwrap_or_default();
+                let gone: Vec<ObjKey> = self
+                    .view
+                    .keys()
+                    .filter(|key| key.0 == kind && !listed.contains_key(*key))
+                    .cloned()
+                    .collect();
+                for key in gone {
+                    self.remove(key);
+                }
+                for (key, o) in listed {
+                    self.upsert(key, o);
+                }
+                self.synced[k] = true;
+            }
+            WatchMsg::Apply(o) => {
+                let key = object_key(&o);
+                self.upsert(key, o);
+            }
+            WatchMsg::Delete(o) => {
+                let key = object_key(&o);
+                self.remove(key);
+            }
+            WatchMsg::Error(kind, e) => {
+                self.state.metrics.watch_errors.inc();
+                eprintln!("ordnet agent: watch {}: {e}", kind.name());
+            }
+        }
+    }
+
+    fn upsert(&mut self, key: ObjKey, object: Object) {
+        let rv = object.meta().resource_version.clone();
+        if let Some(old) = self.view.get(&key)
+            && rv.is_some()
+            && old.resource_version == rv
+        {
+            return;
+        }
+        self.seq += 1;
+        let (problems, enforcement) = assess(&object);
+        let failed: Vec<String> = match &enforcement {
+            Enforcement::Partial(rules) => rules.iter().map(|r| r.to_string()).collect(),
+            _ => Vec::new(),
+        };
+        {
+            let mut p = self
+                .state
+                .problems
+                .write()
+                .unwrap_or_else(|e| e.into_inner());
+            if problems.is_empty() && failed.is_empty() {
+                p.remove(&key);
+            } else {
+                let name = format!(
+                    "{} {}{}",
+                    key.0.name(),
+                    if key.1.is_empty() {
+                        String::new()
+                    } else {
+                        format!("{}/", key.1)
+                    },
+                    key.2
+                );
+                match &enforcement {
+                    Enforcement::None => {
+                        self.state.metrics.invalid_objects.inc();
+                        eprintln!(
+                            "ordnet agent: not enforcing invalid {name}: {}",
+                            problems.join("; ")
+                        );
+                    }
+                    Enforcement::Partial(_) => eprintln!(
+                        "ordnet agent: enforcing {name} with rules failing closed: {}",
+                        failed.join("; ")
+                    ),
+                    Enforcement::Full => eprintln!(
+                        "ordnet agent: enforcing {name} as written despite: {}",
+                        problems.join("; ")
+                    ),
+                }
+                p.insert(
+                    key.clone(),
+                    ObjectProblem {
+                        kind: key.0.name(),
+                        namespace: (!key.1.is_empty()).then(|| key.1.clone()),
+                        name: key.2.clone(),
+                        resource_version: rv.clone(),
+                        enforced: enforcement.as_str(),
+                        errors: problems.clone(),
+                        failed_closed_rules: failed,
+                    },
+                );
+            }
+        }
+        if !problems.is_empty() || enforcement != Enforcement::Full {
+            let _ = self.events.send(status::ProblemEvent {
+                object: object.clone(),
+                errors: problems.clone(),
+                enforcement: enforcement.clone(),
+            });
+        }
+        if let Some(w) = status::wanted(&object, &problems, &enforcement, self.seq) {
+            self.wanted.send_modify(|m| {
+                m.insert(key.clone(), w);
+            });
+        }
+        self.view.insert(
+            key.clone(),
+            ViewEntry {
+                resource_version: rv,
+                object,
+                enforcement,
+            },
+        );
+        self.dirty.insert(key);
+    }
+
+    fn remove(&mut self, key: ObjKey) {
+        if self.view.remove(&key).is_some() {
+            self.seq += 1;
+            self.wanted.send_if_modified(|m| m.remove(&key).is_some());
+            self.state
+                .problems
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&key);
+            self.dirty.insert(key);
+        }
+    }
+
+    fn options(&self) -> BuildOptions {
+        BuildOptions {
+            node: Some(self.node.clone()),
+        }
+    }
+
+    /// The usable objects of the view, as the offline loader would give them.
+    fn cluster_objects(&self) -> ClusterObjects {
+        let mut objects = ClusterObjects::default();
+        for entry in self.view.values().filter(|e| e.usable()) {
+            match entry.object.clone() {
+                Object::Namespace(o) => objects.namespaces.push(loaded(o)),
+                Object::Pod(o) => objects.pods.push(loaded(o)),
+                Object::NetworkPolicy(o) => objects.network_policies.push(loaded(o)),
+                Object::OrderedNetworkPolicy(o) => objects.ordered_policies.push(loaded(o)),
+                Object::ClusterOrderedNetworkPolicy(o) => {
+                    objects.cluster_ordered_policies.push(loaded(o))
+                }
+                Object::Service(o) => objects.services.push(loaded(o)),
+            }
+        }
+        objects
+    }
+
+    fn initial_program(&mut self) {
+        let started = Instant::now();
+        let objects = self.cluster_objects();
+        let engine = Engine::build_with(&objects, &self.options());
+        self.state
+            .metrics
+            .compile_seconds
+            .observe(started.elapsed().as_secs_f64());
+        for e in engine.errors() {
+            self.state.metrics.engine_errors.inc();
+            eprintln!("ordnet agent: left out: {e}");
+        }
+        self.in_engine = self
+            .view
+            .iter()
+            .filter(|(_, e)| e.usable())
+            .map(|(k, _)| k.clone())
+            .collect();
+        self.dirty.clear();
+        let (mut slot, mut dp) = self.state.lock_for_update();
+        if let Err(e) = dp.program_full(&engine) {
+            self.state.metrics.datapath_errors.inc();
+            eprintln!("ordnet agent: programming the datapath: {e}");
+        }
+        self.state.metrics.set_sizes(&engine, dp.as_ref());
+        *slot = Some(engine);
+        self.state
+            .metrics
+            .apply_seconds
+            .observe(started.elapsed().as_secs_f64());
+    }
+
+    fn apply_dirty(&mut self, observed: Instant) {
+        if self.dirty.is_empty() {
+            return;
+        }
+        let dirty = std::mem::take(&mut self.dirty);
+        let mut upserts = Vec::new();
+        let mut deletes = Vec::new();
+        for key in dirty {
+            match self.view.get(&key) {
+                Some(e) if e.usable() => {
+                    self.in_engine.insert(key);
+                    upserts.push(ObjectChange::Upsert(e.object.clone()));
+                }
+                _ => {
+                    if self.in_engine.remove(&key) {
+                        let kind = key.0;
+                        deletes.push(ObjectChange::Delete {
+                            kind,
+                            namespace: (!key.1.is_empty()).then_some(key.1),
+                            name: key.2,
+                        });
+                    }
+                }
+            }
+        }
+        // Deletions of policies before pods before namespaces; upserts in kind order.
+        deletes.reverse();
+        let changes = upserts.len() + deletes.len();
+        if changes == 0 {
+            return;
+        }
+        let started = Instant::now();
+        let (mut slot, mut dp) = self.state.lock_for_update();
+        let Some(engine) = slot.as_mut() else {
+            return;
+        };
+        let deltas: Vec<EngineDelta> = upserts
+            .into_iter()
+            .chain(deletes)
+            .map(|c| engine.apply(c))
+            .collect();
+        for d in &deltas {
+            for e in &d.errors {
+                self.state.metrics.engine_errors.inc();
+                eprintln!("ordnet agent: not applied: {e}");
+            }
+        }
+        self.state
+            .metrics
+            .compile_seconds
+            .observe(started.elapsed().as_secs_f64());
+        if let Err(e) = dp.apply(engine, &deltas) {
+            // The recorded state no longer follows the engine: program everything again.
+            self.state.metrics.datapath_errors.inc();
+            eprintln!("ordnet agent: applying to the datapath: {e}; reprogramming");
+            if let Err(e) = dp.program_full(engine) {
+                eprintln!("ordnet agent: programming the datapath: {e}");
+            }
+        }
+        self.state.metrics.set_sizes(engine, dp.as_ref());
+        self.state.metrics.object_changes.add(changes as u64);
+        self.state
+            .metrics
+            .apply_seconds
+            .observe(started.elapsed().as_secs_f64());
+        self.state
+            .metrics
+            .change_latency_seconds
+            .observe(observed.elapsed().as_secs_f64());
+        // Last: a batch counted is a batch fully recorded.
+        self.state.metrics.batches.inc();
+    }
+}
+
+fn loaded<T>(object: T) -> Loaded<T> {
+    Loaded {
+        object,
+        source: None,
+    }
+}
