@@ -1555,7 +1555,10 @@ fn agent_usage_errors_exit_2() {
         ),
         (vec!["--node", ""], "--node"),
         (vec!["--node", "n", "--uplink", ""], "--uplink"),
-        (vec!["--node", "n", "--debug-addr", "localhost"], "--debug-addr"),
+        (
+            vec!["--node", "n", "--debug-addr", "localhost"],
+            "--debug-addr",
+        ),
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_ordnet"))
             .arg("agent")

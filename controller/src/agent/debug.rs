@@ -92,41 +92,10 @@ fn json(body: String) -> Response<Full<Bytes>> {
 /// The query parameters (repeated keys keep every value, in order).
 fn query(req: &Request<Incoming>) -> BTreeMap<String, Vec<String>> {
     let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for pair in req.uri().query().unwrap_or_default().split('&') {
-        if pair.is_empty() {
-            continue;
-        }
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        out.entry(decode(k)).or_default().push(decode(v));
+    for (k, v) in form_urlencoded::parse(req.uri().query().unwrap_or_default().as_bytes()) {
+        out.entry(k.into_owned()).or_default().push(v.into_owned());
     }
     out
-}
-
-fn decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let hex = (b[i] == b'%' && i + 2 < b.len())
-            .then(|| std::str::from_utf8(&b[i + 1..i + 3]).ok())
-            .flatten()
-            .and_then(|h| u8::from_str_radix(h, 16).ok());
-        match (hex, b[i]) {
-            (Some(v), _) => {
-                out.push(v);
-                i += 3;
-            }
-            (None, b'+') => {
-                out.push(b' ');
-                i += 1;
-            }
-            (None, c) => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 fn one<'a>(q: &'a BTreeMap<String, Vec<String>>, k: &str) -> Option<&'a str> {

@@ -312,7 +312,10 @@ fn paths_parse_like_the_api_server() {
     assert!(parse_path("/apis/ordnet.io/v1alpha1/orderednetworkpolicies/x").is_err());
     assert!(parse_path("/apis/apps/v1/deployments").is_err());
     assert!(parse_path("/apis/coordination.k8s.io/v1/namespaces/a/leases/l/status").is_err());
-    assert_eq!(percent_decode("a%3Db+c%2"), "a=b c%2");
+    let q = query_map(Some("labelSelector=a%3Db+c&watch=1&x"));
+    assert_eq!(q["labelSelector"], "a=b c");
+    assert_eq!(q["watch"], "1");
+    assert_eq!(q["x"], "");
 }
 
 #[tokio::test]
@@ -345,7 +348,7 @@ async fn raw_watch_sends_bookmarks_on_request_and_410_for_compacted_versions() {
     api.create(pod("a", "p1", "web")).unwrap();
     let rv = api.resource_version();
     let client = api.client();
-    let req = http::Request::get(format!(
+    let req = ::http::Request::get(format!(
         "/api/v1/pods?watch=true&allowWatchBookmarks=true&resourceVersion={rv}"
     ))
     .body(Vec::new())
@@ -369,7 +372,7 @@ async fn raw_watch_sends_bookmarks_on_request_and_410_for_compacted_versions() {
         rv.to_string()
     );
     api.compact();
-    let req = http::Request::get(format!("/api/v1/pods?watch=true&resourceVersion={rv}"))
+    let req = ::http::Request::get(format!("/api/v1/pods?watch=true&resourceVersion={rv}"))
         .body(Vec::new())
         .unwrap();
     let resp = client

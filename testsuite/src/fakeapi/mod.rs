@@ -1,0 +1,435 @@
+//! An in-process fake Kubernetes API server that speaks real list/watch over HTTP, so the real
+//! kube client (and `kube::runtime::watcher`) runs unmodified against it.
+//!
+//! What it implements (JSON only, HTTP/1.1 on `127.0.0.1` or the address given to
+//! [`FakeApi::start_on`]):
+//! * the resources of [`RESOURCES`]: v1 namespaces, pods, events; networking.k8s.io/v1
+//!   networkpolicies; ordnet.io/v1alpha1 orderednetworkpolicies and
+//!   clusterorderednetworkpolicies; coordination.k8s.io/v1 leases; events.k8s.io/v1 events —
+//!   namespaced (`/namespaces/NS/…`, or across all namespaces) and cluster-scoped paths;
+//! * list (`GET` on a collection; `metadata.resourceVersion` in the ListMeta, no paging: the
+//!   whole list in one page), get, create (`POST`, `generateName` too), replace (`PUT`, with a
+//!   `metadata.resourceVersion` precondition → 409 Conflict), delete, and `PATCH` with
+//!   `application/apply-patch+yaml` (server-side apply, simplified: the applied object is
+//!   merged like a JSON merge patch, lists replaced; no managedFields), `application/merge-patch+json`
+//!   and `application/strategic-merge-patch+json` (treated as a merge patch);
+//! * the `/status` subresource for kinds that have one: writes through `/status` change only
+//!   `status`, writes to the main resource never change `status`; `metadata.generation` starts
+//!   at 1 and bumps when `spec` changes;
+//! * watch (`?watch=1&resourceVersion=N`): newline-delimited JSON events `ADDED`, `MODIFIED`,
+//!   `DELETED` after N (N = 0 or absent: the current objects as `ADDED` first), `BOOKMARK`s
+//!   (when `allowWatchBookmarks=true`: periodically and on [`FakeApi::bookmark`]),
+//!   `sendInitialEvents=true` (initial `ADDED`s then the `k8s.io/initial-events-end` bookmark),
+//!   `timeoutSeconds`; an `ERROR` event with a 410 Gone Status when N is older than the
+//!   compaction point ([`FakeApi::compact`]).
+//!
+//! Label and field selectors are not implemented: a request with one gets 400 Bad Request
+//! naming the parameter (so a client relying on them fails loudly instead of seeing too much).
+//!
+//! Test hooks: [`FakeApi::create`], [`FakeApi::upsert`], [`FakeApi::update`],
+//! [`FakeApi::delete`], [`FakeApi::get`], [`FakeApi::list`], [`FakeApi::compact`],
+//! [`FakeApi::drop_watches`], [`FakeApi::restart`], [`FakeApi::bookmark`],
+//! [`FakeApi::events`], [`FakeApi::requests`]. The hooks are synchronous (a `std` mutex guards
+//! the store), so a test calls them from anywhere.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::{Map, Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+/// One resource the fake server serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResourceDef {
+    /// API group, `""` for the core group.
+    pub group: &'static str,
+    pub version: &'static str,
+    /// The plural, as in the URL.
+    pub plural: &'static str,
+    pub kind: &'static str,
+    pub namespaced: bool,
+    /// Whether it has a `/status` subresource.
+    pub status: bool,
+}
+
+impl ResourceDef {
+    /// `group/version`, or `version` for the core group.
+    pub fn api_version(&self) -> String {
+        if self.group.is_empty() {
+            self.version.to_string()
+        } else {
+            format!("{}/{}", self.group, self.version)
+        }
+    }
+}
+
+/// Every resource served.
+pub const RESOURCES: &[ResourceDef] = &[
+    ResourceDef {
+        group: "",
+        version: "v1",
+        plural: "namespaces",
+        kind: "Namespace",
+        namespaced: false,
+        status: true,
+    },
+    ResourceDef {
+        group: "",
+        version: "v1",
+        plural: "pods",
+        kind: "Pod",
+        namespaced: true,
+        status: true,
+    },
+    ResourceDef {
+        group: "",
+        version: "v1",
+        plural: "services",
+        kind: "Service",
+        namespaced: true,
+        status: true,
+    },
+    ResourceDef {
+        group: "",
+        version: "v1",
+        plural: "events",
+        kind: "Event",
+        namespaced: true,
+        status: false,
+    },
+    ResourceDef {
+        group: "networking.k8s.io",
+        version: "v1",
+        plural: "networkpolicies",
+        kind: "NetworkPolicy",
+        namespaced: true,
+        status: false,
+    },
+    ResourceDef {
+        group: "ordnet.io",
+        version: "v1alpha1",
+        plural: "orderednetworkpolicies",
+        kind: "OrderedNetworkPolicy",
+        namespaced: true,
+        status: true,
+    },
+    ResourceDef {
+        group: "ordnet.io",
+        version: "v1alpha1",
+        plural: "clusterorderednetworkpolicies",
+        kind: "ClusterOrderedNetworkPolicy",
+        namespaced: false,
+        status: true,
+    },
+    ResourceDef {
+        group: "coordination.k8s.io",
+        version: "v1",
+        plural: "leases",
+        kind: "Lease",
+        namespaced: true,
+        status: false,
+    },
+    ResourceDef {
+        group: "events.k8s.io",
+        version: "v1",
+        plural: "events",
+        kind: "Event",
+        namespaced: true,
+        status: false,
+    },
+];
+
+fn resource_index(group: &str, version: &str, plural: &str) -> Option<usize> {
+    RESOURCES
+        .iter()
+        .position(|r| r.group == group && r.version == version && r.plural == plural)
+}
+
+fn resource_of_object(obj: &Value) -> Result<usize, String> {
+    let api_version = obj["apiVersion"].as_str().unwrap_or_default();
+    let kind = obj["kind"].as_str().unwrap_or_default();
+    RESOURCES
+        .iter()
+        .position(|r| r.api_version() == api_version && r.kind == kind)
+        .ok_or_else(|| format!("fake API server: no resource for {api_version} {kind}"))
+}
+
+/// A running fake API server. Dropping it stops the server.
+pub struct FakeApi {
+    inner: Arc<Inner>,
+    addr: SocketAddr,
+    server: JoinHandle<()>,
+}
+
+impl Drop for FakeApi {
+    fn drop(&mut self) {
+        self.server.abort();
+        self.inner.signal.send_modify(|s| s.1 += 1);
+    }
+}
+
+/// An API error as the server answers it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub code: u16,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}: {}", self.code, self.reason, self.message)
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+impl FakeApi {
+    /// Starts a server on a free port of 127.0.0.1.
+    pub async fn start() -> std::io::Result<FakeApi> {
+        FakeApi::start_on("127.0.0.1:0".parse().expect("address")).await
+    }
+
+    /// Starts a server on `addr` (e.g. an address another network namespace reaches; port 0:
+    /// any free port). [`FakeApi::url`] and the kubeconfig name the address bound.
+    pub async fn start_on(addr: SocketAddr) -> std::io::Result<FakeApi> {
+        let listener = TcpListener::bind(addr).await?;
+        let addr = listener.local_addr()?;
+        let (signal, _) = watch::channel((0, 0, 0));
+        let inner = Arc::new(Inner {
+            state: Mutex::new(State::default()),
+            signal,
+            bookmark_interval: Mutex::new(Duration::from_secs(1)),
+        });
+        let server_inner = inner.clone();
+        let server = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let inner = server_inner.clone();
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| {
+                        let inner = inner.clone();
+                        async move { Ok::<_, Infallible>(handle(inner, req).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Ok(FakeApi {
+            inner,
+            addr,
+            server,
+        })
+    }
+
+    /// The server's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://ADDRESS:PORT` (`127.0.0.1` unless started with [`FakeApi::start_on`]).
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// A kube client configuration pointing at this server (namespace `default`).
+    pub fn kube_config(&self) -> kube::Config {
+        let mut config = kube::Config::new(self.url().parse().expect("url"));
+        config.default_namespace = "default".to_string();
+        config.read_timeout = None;
+        config
+    }
+
+    /// A kube client for this server.
+    pub fn client(&self) -> kube::Client {
+        kube::Client::try_from(self.kube_config()).expect("kube client")
+    }
+
+    /// A kubeconfig file's text (cluster `fake`, user `fake`, context `fake`).
+    pub fn kubeconfig_yaml(&self) -> String {
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\n\
+             users:\n- name: fake\n  user: {{}}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: default\n\
+             current-context: fake\n",
+            self.url()
+        )
+    }
+
+    /// How often open watches that asked for bookmarks get one (default 1 s).
+    pub fn set_bookmark_interval(&self, every: Duration) {
+        *self
+            .inner
+            .bookmark_interval
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = every;
+    }
+
+    /// The current resource version.
+    pub fn resource_version(&self) -> u64 {
+        self.inner.lock().rv
+    }
+
+    /// Creates an object (its `apiVersion`/`kind` choose the resource). Returns the stored object.
+    pub fn create(&self, obj: Value) -> Result<Value, ApiError> {
+        let resource = resource_of_object(&obj).map_err(|m| err(400, "BadRequest", m))?;
+        let ns = meta_str(&obj, "namespace").unwrap_or_default().to_string();
+        let mut st = self.inner.lock();
+        let out = st.create(resource, &ns, obj)?;
+        let rv = st.rv;
+        drop(st);
+        self.inner.notify(rv);
+        Ok(out)
+    }
+
+    /// Replaces an object, ignoring resource versions (`status` is replaced too, when given).
+    pub fn update(&self, mut obj: Value) -> Result<Value, ApiError> {
+        let resource = resource_of_object(&obj).map_err(|m| err(400, "BadRequest", m))?;
+        let key = self.key_of(resource, &obj);
+        if let Some(m) = obj["metadata"].as_object_mut() {
+            m.remove("resourceVersion");
+        }
+        let mut st = self.inner.lock();
+        let mut out = st.store_update(&key, obj.clone(), Part::Main)?;
+        if RESOURCES[resource].status && obj.get("status").is_some() {
+            out = st.store_update(&key, obj, Part::Status)?;
+        }
+        let rv = st.rv;
+        drop(st);
+        self.inner.notify(rv);
+        Ok(out)
+    }
+
+    /// Creates or replaces an object.
+    pub fn upsert(&self, obj: Value) -> Result<Value, ApiError> {
+        let resource = resource_of_object(&obj).map_err(|m| err(400, "BadRequest", m))?;
+        let key = self.key_of(resource, &obj);
+        let exists = self.inner.lock().objects.contains_key(&key);
+        if exists {
+            self.update(obj)
+        } else {
+            self.create(obj)
+        }
+    }
+
+    /// Deletes an object; `namespace` is ignored for cluster-scoped kinds.
+    pub fn delete(
+        &self,
+        api_version: &str,
+        kind: &str,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Value, ApiError> {
+        let probe = json!({"apiVersion": api_version, "kind": kind,
+            "metadata": {"namespace": namespace, "name": name}});
+        let resource = resource_of_object(&probe).map_err(|m| err(400, "BadRequest", m))?;
+        let key = self.key_of(resource, &probe);
+        let mut st = self.inner.lock();
+        let out = st.delete(&key)?;
+        let rv = st.rv;
+        drop(st);
+        self.inner.notify(rv);
+        Ok(out)
+    }
+
+    /// The stored object, if any.
+    pub fn get(&self, api_version: &str, kind: &str, namespace: &str, name: &str) -> Option<Value> {
+        let probe = json!({"apiVersion": api_version, "kind": kind,
+            "metadata": {"namespace": namespace, "name": name}});
+        let resource = resource_of_object(&probe).ok()?;
+        let key = self.key_of(resource, &probe);
+        self.inner.lock().objects.get(&key).cloned()
+    }
+
+    /// Every stored object of a kind (all namespaces).
+    pub fn list(&self, api_version: &str, kind: &str) -> Vec<Value> {
+        let probe = json!({"apiVersion": api_version, "kind": kind});
+        match resource_of_object(&probe) {
+            Ok(r) => self.inner.lock().list(r, None),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// Every event stored (core v1 and events.k8s.io/v1), in creation order of their keys.
+    pub fn events(&self) -> Vec<Value> {
+        let mut out = self.list("events.k8s.io/v1", "Event");
+        out.extend(self.list("v1", "Event"));
+        out
+    }
+
+    /// Every request received so far.
+    pub fn requests(&self) -> Vec<RequestRecord> {
+        self.inner.lock().requests.clone()
+    }
+
+    /// Compacts the history: every resource version known so far becomes too old, so a watch
+    /// (re)started from any of them gets 410 Gone (and a client has to re-list). Open watches
+    /// that had sent everything are not affected (combine with [`FakeApi::drop_watches`]).
+    pub fn compact(&self) {
+        let mut st = self.inner.lock();
+        let rv = st.next_rv();
+        st.compacted = rv;
+        st.log.clear();
+    }
+
+    /// Closes every open watch connection (the clients see the stream end).
+    pub fn drop_watches(&self) {
+        self.inner.signal.send_modify(|s| s.1 += 1);
+    }
+
+    /// Sends a bookmark on every open watch that asked for bookmarks.
+    pub fn bookmark(&self) {
+        self.inner.signal.send_modify(|s| s.2 += 1);
+    }
+
+    /// An API server restart: the watch history is lost (compaction) and every watch closes.
+    pub fn restart(&self) {
+        self.compact();
+        self.drop_watches();
+    }
+
+    fn key_of(&self, resource: usize, obj: &Value) -> Key {
+        let ns = if RESOURCES[resource].namespaced {
+            meta_str(obj, "namespace")
+                .filter(|n| !n.is_empty())
+                .unwrap_or("default")
+                .to_string()
+        } else {
+            String::new()
+        };
+        (
+            resource,
+            ns,
+            meta_str(obj, "name").unwrap_or_default().to_string(),
+        )
+    }
+}
+
+mod http;
+mod store;
+mod watches;
+
+use http::*;
+pub use store::RequestRecord;
+use store::*;
+use watches::*;
+
+#[cfg(test)]
+mod tests;
