@@ -101,7 +101,6 @@
 //! order that never opens a transient allow.
 
 pub mod changes;
-pub mod dump;
 pub mod prefix;
 pub mod reference;
 pub mod state;

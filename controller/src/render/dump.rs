@@ -1,10 +1,10 @@
 //! `ordnet dump` output: one endpoint's MapState trie (both directions, or one), rendered by
-//! `ordnet_mapstate::dump` as a tree, JSON or Graphviz dot, with identity labels from the engine
+//! `render::trie` as a tree, JSON or Graphviz dot, with identity labels from the engine
 //! and, per direction, what the default is and which policies isolate the endpoint.
 
+use super::trie::{Dump, TreeOptions};
 use ordnet_engine::{Endpoint, EndpointPolicy, Engine};
 use ordnet_mapstate::Direction;
-use ordnet_mapstate::dump::{Dump, TreeOptions};
 
 use super::Style;
 

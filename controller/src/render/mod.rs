@@ -7,6 +7,7 @@
 pub mod dump;
 pub mod matrix;
 pub mod trace;
+pub mod trie;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -61,11 +62,7 @@ impl Style {
     }
 
     fn wrap(&self, code: &str, s: &str) -> String {
-        if self.color && !s.is_empty() {
-            format!("\x1b[{code}m{s}\x1b[0m")
-        } else {
-            s.to_string()
-        }
+        ansi(self.color, code, s)
     }
 
     pub fn bold(&self, s: &str) -> String {
@@ -97,9 +94,27 @@ impl Style {
     }
 }
 
+/// `s` in SGR style `code` (e.g. `1;31`) when `color` is on; plain otherwise.
+pub fn ansi(color: bool, code: &str, s: &str) -> String {
+    if color && !s.is_empty() {
+        format!("\x1b[{code}m{s}\x1b[0m")
+    } else {
+        s.to_string()
+    }
+}
+
 /// Display width of plain text (no escapes inside).
 pub fn width(s: &str) -> usize {
     s.chars().count()
+}
+
+/// `s` padded with spaces to display width `w`.
+pub fn pad(s: &str, w: usize) -> String {
+    let mut out = s.to_string();
+    for _ in width(s)..w {
+        out.push(' ');
+    }
+    out
 }
 
 /// One cell: its plain text (for widths) and its styled text.

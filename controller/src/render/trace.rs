@@ -5,8 +5,8 @@
 
 use std::fmt::Write as _;
 
+use super::trie::{Dump, Focus, TreeOptions, key_text};
 use ordnet_engine::{Engine, FlowEnd, FlowTrace, IpFamily, SideDecision, SideTrace};
-use ordnet_mapstate::dump::{Dump, Focus, TreeOptions, key_text};
 use ordnet_mapstate::{Direction, Protocol, Verdict};
 
 use super::{Cell, Style};

@@ -1,11 +1,11 @@
 //! The worked example of docs/mapstate.md: builds a small MapState, prints its trie (the dump),
 //! a few lookups, and the change set and write order of adding one identity.
 //!
-//! `cargo run -p ordnet-mapstate --example worked`
+//! `cargo run -p ordnet --example worked`
 
 use std::sync::Arc;
 
-use ordnet_mapstate::dump::{Dump, Focus, TreeOptions};
+use ordnet::render::trie::{Dump, Focus, TreeOptions};
 use ordnet_mapstate::*;
 
 fn entry(id: u64, priority: i32, verdict: Verdict, selector: Selector, l4: L4Match) -> PolicyEntry {

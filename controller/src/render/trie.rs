@@ -1,4 +1,5 @@
-//! Rendering of a MapState for people: indented tree, JSON, Graphviz dot.
+//! Rendering of a MapState for people: indented tree, JSON, Graphviz dot. (It lives with the
+//! other renderers; `ordnet_mapstate` keeps only what it reads.)
 //!
 //! A [`Dump`] renders the MapState of one endpoint, for one or both directions, as
 //! - [`Dump::tree`]: an indented tree for a terminal (optionally coloured);
@@ -16,7 +17,7 @@
 //!   broader, stronger key makes it unreachable for that peer (listed at the block where it would
 //!   have been).
 //!
-//! This crate does not know Kubernetes: the caller supplies the endpoint's name, a label for each
+//! The renderer does not need Kubernetes: the caller supplies the endpoint's name, a label for each
 //! identity (e.g. `x/pod=a`) and, per direction, a note on the default (e.g. which policies
 //! isolate the endpoint).
 //!
@@ -59,9 +60,11 @@ use std::fmt::Write as _;
 
 use serde_json::{Value, json};
 
-use crate::prefix::L4Prefix;
-use crate::state::{Covered, Decision, Key, MapState, StateEntry};
-use crate::types::{Identity, OrderKey, Origin, Peer, Protocol, Verdict};
+use ordnet_mapstate::prefix::L4Prefix;
+use ordnet_mapstate::state::{Covered, Decision, Key, MapState, StateEntry};
+use ordnet_mapstate::types::{Identity, OrderKey, Origin, Peer, Protocol, Verdict};
+
+use super::{ansi, pad, width};
 
 /// One packet whose lookup the rendering highlights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -368,10 +371,7 @@ fn paint(color: bool, p: Paint, s: &str) -> String {
         Paint::Yellow => "33",
         Paint::Cyan => "1;36",
     };
-    if !color || s.is_empty() {
-        return s.to_string();
-    }
-    format!("\x1b[{code}m{s}\x1b[0m")
+    ansi(color, code, s)
 }
 
 fn verdict_paint(v: Verdict) -> Paint {
@@ -379,18 +379,6 @@ fn verdict_paint(v: Verdict) -> Paint {
         Verdict::Allow => Paint::Green,
         Verdict::Deny => Paint::Red,
     }
-}
-
-fn width(s: &str) -> usize {
-    s.chars().count()
-}
-
-fn pad(s: &str, w: usize) -> String {
-    let mut out = s.to_string();
-    for _ in width(s)..w {
-        out.push(' ');
-    }
-    out
 }
 
 /// One line of the tree before alignment.
@@ -552,8 +540,8 @@ impl<'a> Dump<'a> {
             let f = ev.focus;
             let who = self.identity_text(f.identity);
             let towards = match dir {
-                crate::types::Direction::Ingress => "from",
-                crate::types::Direction::Egress => "to",
+                ordnet_mapstate::Direction::Ingress => "from",
+                ordnet_mapstate::Direction::Egress => "to",
             };
             let verdict = ev.decision.verdict();
             let why = match ev.decision {
@@ -1155,7 +1143,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::types::{Direction, EntryId, L4Match, PolicyEntry, Selector};
+    use ordnet_mapstate::types::{Direction, EntryId, L4Match, PolicyEntry, Selector};
 
     fn entry(
         id: u64,
