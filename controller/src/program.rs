@@ -72,53 +72,32 @@ const DIRECTIONS: [Direction; 2] = [Direction::Ingress, Direction::Egress];
 /// Why programming failed. The datapath is left consistent (every datapath operation either
 /// completes or writes nothing), but it may not reflect the engine yet: program it again with
 /// [`NodeProgram::program_full`].
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum ProgramError {
     /// An operation on one endpoint (`ns/name`) failed.
+    #[error("endpoint {endpoint}: {source}")]
     Endpoint {
         endpoint: String,
+        #[source]
         source: Box<DatapathError>,
     },
     /// Another datapath operation failed (`what` names it).
+    #[error("{what}: {source}")]
     Datapath {
         what: &'static str,
+        #[source]
         source: Box<DatapathError>,
     },
     /// Two endpoints have the same address (`first` and `second` are `ns/name`).
+    #[error("endpoint {second}: address {ip} is also the address of endpoint {first}")]
     DuplicateAddress {
         ip: IpAddr,
         first: String,
         second: String,
     },
     /// 2^32 - 1 endpoint ids were handed out.
+    #[error("no endpoint id left")]
     IdsExhausted,
-}
-
-impl std::fmt::Display for ProgramError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ProgramError::Endpoint { endpoint, source } => {
-                write!(f, "endpoint {endpoint}: {source}")
-            }
-            ProgramError::Datapath { what, source } => write!(f, "{what}: {source}"),
-            ProgramError::DuplicateAddress { ip, first, second } => write!(
-                f,
-                "endpoint {second}: address {ip} is also the address of endpoint {first}"
-            ),
-            ProgramError::IdsExhausted => write!(f, "no endpoint id left"),
-        }
-    }
-}
-
-impl std::error::Error for ProgramError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            ProgramError::Endpoint { source, .. } | ProgramError::Datapath { source, .. } => {
-                Some(source.as_ref())
-            }
-            ProgramError::DuplicateAddress { .. } | ProgramError::IdsExhausted => None,
-        }
-    }
 }
 
 /// What a [`NodeProgram`] has done so far.

@@ -90,7 +90,8 @@ impl fmt::Display for PolicyRef {
 
 /// An object the engine could not use, with the reason. The object is left out (or, for an
 /// incremental change, not applied); everything else keeps working.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, thiserror::Error)]
+#[error("{object}: {field}: {message}")]
 pub struct EngineError {
     /// `KIND NAMESPACE/NAME` or `KIND NAME`.
     pub object: String,
@@ -98,14 +99,6 @@ pub struct EngineError {
     pub field: String,
     pub message: String,
 }
-
-impl fmt::Display for EngineError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}: {}", self.object, self.field, self.message)
-    }
-}
-
-impl std::error::Error for EngineError {}
 
 /// Which namespaces a pod peer or subject covers.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]

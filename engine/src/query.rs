@@ -74,6 +74,23 @@ pub struct SideTrace {
     pub decision: SideDecision,
 }
 
+/// Why a flow end cannot be resolved (`ordnet trace --from/--to`, `dump --pod`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResolveError {
+    #[error("{0:?} is neither an IP address nor namespace/pod")]
+    Syntax(String),
+    #[error("no pod {0}")]
+    NoPod(String),
+    #[error("pod {0} uses the host network: it is not an endpoint")]
+    HostNetwork(String),
+    #[error("pod {0} has terminated (Succeeded or Failed): it is not an endpoint")]
+    Terminated(String),
+    #[error("pod {0} has no address")]
+    NoAddress(String),
+    #[error("{0} is not a pod with an address")]
+    NotAnEndpoint(String),
+}
+
 /// What decided one side.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(
@@ -209,24 +226,20 @@ impl Engine {
     }
 
     /// `"namespace/pod"` or an IP address -> a flow end.
-    pub fn resolve(&self, s: &str) -> Result<FlowEnd, String> {
+    pub fn resolve(&self, s: &str) -> Result<FlowEnd, ResolveError> {
         let s = s.trim();
         if let Ok(ip) = s.parse::<IpAddr>() {
             return Ok(FlowEnd::Ip(ip));
         }
         let Some((ns, name)) = s.split_once('/') else {
-            return Err(format!("{s:?} is neither an IP address nor namespace/pod"));
+            return Err(ResolveError::Syntax(s.to_string()));
         };
-        let k = (ns.to_string(), name.to_string());
-        match self.store.pods.get(&k) {
-            None => Err(format!("no pod {ns}/{name}")),
-            Some(rec) if rec.host_network => Err(format!(
-                "pod {ns}/{name} uses the host network: it is not an endpoint"
-            )),
-            Some(rec) if rec.terminal => Err(format!(
-                "pod {ns}/{name} has terminated (Succeeded or Failed): it is not an endpoint"
-            )),
-            Some(rec) if rec.ips.is_empty() => Err(format!("pod {ns}/{name} has no address")),
+        let pod = || format!("{ns}/{name}");
+        match self.store.pods.get(&(ns.to_string(), name.to_string())) {
+            None => Err(ResolveError::NoPod(pod())),
+            Some(rec) if rec.host_network => Err(ResolveError::HostNetwork(pod())),
+            Some(rec) if rec.terminal => Err(ResolveError::Terminated(pod())),
+            Some(rec) if rec.ips.is_empty() => Err(ResolveError::NoAddress(pod())),
             Some(_) => Ok(FlowEnd::Pod {
                 namespace: ns.to_string(),
                 name: name.to_string(),
@@ -239,7 +252,7 @@ impl Engine {
         &self,
         end: &FlowEnd,
         family: IpFamily,
-    ) -> Result<(IpAddr, Option<PodKey>), String> {
+    ) -> Result<(IpAddr, Option<PodKey>), ResolveError> {
         match end {
             FlowEnd::Ip(ip) => Ok((*ip, self.pod_addrs.get(ip).cloned())),
             FlowEnd::Pod { namespace, name } => {
@@ -249,14 +262,14 @@ impl Engine {
                     .pods
                     .get(&k)
                     .filter(|r| r.addressed())
-                    .ok_or_else(|| format!("{namespace}/{name} is not a pod with an address"))?;
+                    .ok_or_else(|| ResolveError::NotAnEndpoint(format!("{namespace}/{name}")))?;
                 let ip = rec
                     .ips
                     .iter()
                     .copied()
                     .find(|ip| family.contains(*ip))
                     .or_else(|| rec.ips.first().copied())
-                    .ok_or_else(|| format!("{namespace}/{name} has no address"))?;
+                    .ok_or_else(|| ResolveError::NoAddress(format!("{namespace}/{name}")))?;
                 Ok((ip, Some(k)))
             }
         }
@@ -314,12 +327,12 @@ impl Engine {
         proto: Protocol,
         port: u16,
     ) -> FlowTrace {
-        let failed = |e: String| FlowTrace {
+        let failed = |e: ResolveError| FlowTrace {
             verdict: Verdict::Deny,
             exemption: None,
             egress: None,
             ingress: None,
-            error: Some(e),
+            error: Some(e.to_string()),
         };
         let (src_ip, src_pod) = match self.flow_point(from, family) {
             Ok(x) => x,

@@ -38,6 +38,7 @@ use ordnet_datapath::{ControlPlane, Datapath as Kernel, DatapathConfig};
 use ordnet_engine::{Engine, EngineDelta};
 use ordnet_mapstate::Identity;
 
+use super::AgentError;
 use super::datapath::{Enforcer, ProgrammedEndpoint, Programmer};
 use crate::program::NodeProgram;
 
@@ -95,7 +96,7 @@ impl BpfDatapath {
     /// Opens the datapath pinned in `pin_dir` (adopting what is there, writing nothing) or
     /// creates it. The bpffs is mounted at `pin_dir` if it is not on one. Needs root
     /// (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN for the mount).
-    pub fn open(pin_dir: &Path, uplink: Option<String>) -> Result<BpfDatapath, String> {
+    pub fn open(pin_dir: &Path, uplink: Option<String>) -> Result<BpfDatapath, AgentError> {
         mount_bpffs(pin_dir)?;
         let config = DatapathConfig {
             pin_dir: Some(pin_dir.to_path_buf()),
@@ -105,8 +106,11 @@ impl BpfDatapath {
             .iter()
             .all(|m| pin_dir.join(m).exists());
         let (dp, opened) = if pinned {
-            let (dp, report) = Kernel::adopt(config)
-                .map_err(|e| format!("adopting the pins in {}: {e}", pin_dir.display()))?;
+            let (dp, report) = Kernel::adopt(config).map_err(|source| AgentError::Open {
+                what: "adopting the pins",
+                pin_dir: pin_dir.to_path_buf(),
+                source: Box::new(source),
+            })?;
             (
                 dp,
                 Opened::Adopted {
@@ -116,8 +120,11 @@ impl BpfDatapath {
                 },
             )
         } else {
-            let dp = Kernel::create(config)
-                .map_err(|e| format!("creating the datapath in {}: {e}", pin_dir.display()))?;
+            let dp = Kernel::create(config).map_err(|source| AgentError::Open {
+                what: "creating the datapath",
+                pin_dir: pin_dir.to_path_buf(),
+                source: Box::new(source),
+            })?;
             (dp, Opened::Created)
         };
         let ipcache = dp.control().identities().into_iter().collect();
@@ -158,19 +165,18 @@ impl BpfDatapath {
         &self.unattached
     }
 
-    fn refresh_hosts(&mut self) -> Result<(), String> {
-        let hosts = host_addresses().map_err(|e| format!("reading this node's addresses: {e}"))?;
+    fn refresh_hosts(&mut self) -> Result<(), AgentError> {
+        let hosts = host_addresses().map_err(AgentError::HostAddresses)?;
         if hosts != self.hosts || !self.synced {
             self.programmer
                 .program
-                .set_host_addresses(&mut self.dp, &hosts)
-                .map_err(|e| e.to_string())?;
+                .set_host_addresses(&mut self.dp, &hosts)?;
             self.hosts = hosts;
         }
         Ok(())
     }
 
-    fn full(&mut self, engine: &Engine) -> Result<(), String> {
+    fn full(&mut self, engine: &Engine) -> Result<(), AgentError> {
         self.needs_full = true;
         self.refresh_hosts()?;
         self.programmer.program_full(engine, &mut self.dp)?;
@@ -361,11 +367,11 @@ impl BpfDatapath {
 }
 
 impl Enforcer for BpfDatapath {
-    fn program_full(&mut self, engine: &Engine) -> Result<(), String> {
+    fn program_full(&mut self, engine: &Engine) -> Result<(), AgentError> {
         self.full(engine)
     }
 
-    fn apply(&mut self, engine: &Engine, deltas: &[EngineDelta]) -> Result<(), String> {
+    fn apply(&mut self, engine: &Engine, deltas: &[EngineDelta]) -> Result<(), AgentError> {
         if self.needs_full {
             return self.full(engine);
         }
@@ -397,7 +403,7 @@ impl Enforcer for BpfDatapath {
         &self.dp
     }
 
-    fn maintain(&mut self, engine: &Engine) -> Result<(), String> {
+    fn maintain(&mut self, engine: &Engine) -> Result<(), AgentError> {
         if self.needs_full {
             return self.full(engine);
         }
@@ -457,14 +463,21 @@ impl Enforcer for BpfDatapath {
 
 /// Makes sure `pin_dir` is on a bpffs: the conventional `/sys/fs/bpf` is mounted if it is not
 /// one yet (as on a host where nothing uses BPF pins), any other directory is mounted itself.
-fn mount_bpffs(pin_dir: &Path) -> Result<(), String> {
+fn mount_bpffs(pin_dir: &Path) -> Result<(), AgentError> {
     use ordnet_datapath::sys::{ensure_bpffs, is_bpffs};
     let conventional = Path::new("/sys/fs/bpf");
     if pin_dir.parent() == Some(conventional) && !is_bpffs(conventional) {
-        ensure_bpffs(conventional)
-            .map_err(|e| format!("mounting a bpffs at {}: {e}", conventional.display()))?;
+        ensure_bpffs(conventional).map_err(|source| AgentError::Bpffs {
+            what: "mounting a bpffs",
+            path: conventional.to_path_buf(),
+            source,
+        })?;
     }
-    ensure_bpffs(pin_dir).map_err(|e| format!("bpffs at {}: {e}", pin_dir.display()))
+    ensure_bpffs(pin_dir).map_err(|source| AgentError::Bpffs {
+        what: "a bpffs",
+        path: pin_dir.to_path_buf(),
+        source,
+    })
 }
 
 /// The index of an interface in this thread's network namespace (0: no such interface).

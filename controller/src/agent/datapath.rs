@@ -8,6 +8,7 @@
 //! engine), and the verdicts of `matrix` and `trace` decided over the programmed tables
 //! ([`Datapath::plane`]).
 
+use super::AgentError;
 use std::collections::BTreeMap;
 
 use ipnet::IpNet;
@@ -38,9 +39,9 @@ pub fn dir_index(d: Direction) -> usize {
 /// A node's datapath, as the agent drives it.
 pub trait Enforcer: Send {
     /// Programs everything from scratch (the first programming after the initial sync).
-    fn program_full(&mut self, engine: &Engine) -> Result<(), String>;
+    fn program_full(&mut self, engine: &Engine) -> Result<(), AgentError>;
     /// Applies the deltas of one batch of changes (in order).
-    fn apply(&mut self, engine: &Engine, deltas: &[EngineDelta]) -> Result<(), String>;
+    fn apply(&mut self, engine: &Engine, deltas: &[EngineDelta]) -> Result<(), AgentError>;
     /// The programmed MapStates, per local endpoint (`ns/name`).
     fn programmed(&self) -> &BTreeMap<String, ProgrammedEndpoint>;
     /// The programmed ipcache.
@@ -50,7 +51,7 @@ pub trait Enforcer: Send {
     fn plane(&self) -> &dyn ControlPlane;
     /// Periodic upkeep after the initial sync (every [`super::MAINTAIN_EVERY`]): retries what
     /// failed (a full programming, attachments), follows this node's addresses.
-    fn maintain(&mut self, _engine: &Engine) -> Result<(), String> {
+    fn maintain(&mut self, _engine: &Engine) -> Result<(), AgentError> {
         Ok(())
     }
     /// The datapath's own metrics (Prometheus text lines, HELP and TYPE included).
@@ -89,7 +90,7 @@ impl Record {
     }
 
     /// Records the deltas of one batch; an error if they do not fit what is recorded.
-    pub fn apply(&mut self, deltas: &[EngineDelta]) -> Result<(), String> {
+    pub fn apply(&mut self, deltas: &[EngineDelta]) -> Result<(), AgentError> {
         for delta in deltas {
             for gone in &delta.endpoints_removed {
                 self.endpoints.remove(gone);
@@ -99,29 +100,31 @@ impl Record {
                     .insert(new.clone(), ProgrammedEndpoint::default());
             }
             for u in &delta.updates {
-                let ep = self.endpoints.get_mut(&u.endpoint).ok_or_else(|| {
-                    format!(
-                        "update for {}, which is not a programmed endpoint",
-                        u.endpoint
-                    )
-                })?;
+                let ep = self
+                    .endpoints
+                    .get_mut(&u.endpoint)
+                    .ok_or_else(|| AgentError::Record {
+                        endpoint: u.endpoint.clone(),
+                        direction: u.direction.as_str(),
+                        what: "update of an endpoint that is not programmed",
+                    })?;
                 let p = &mut ep[dir_index(u.direction)];
                 for (k, _) in &u.changes.removed {
                     if p.entries.remove(k).is_none() {
-                        return Err(format!(
-                            "{} {}: removal of a key that is not programmed",
-                            u.endpoint,
-                            u.direction.as_str()
-                        ));
+                        return Err(AgentError::Record {
+                            endpoint: u.endpoint.clone(),
+                            direction: u.direction.as_str(),
+                            what: "removal of a key that is not programmed",
+                        });
                     }
                 }
                 for (k, _, new) in &u.changes.changed {
                     if p.entries.insert(*k, new.clone()).is_none() {
-                        return Err(format!(
-                            "{} {}: change of a key that is not programmed",
-                            u.endpoint,
-                            u.direction.as_str()
-                        ));
+                        return Err(AgentError::Record {
+                            endpoint: u.endpoint.clone(),
+                            direction: u.direction.as_str(),
+                            what: "change of a key that is not programmed",
+                        });
                     }
                 }
                 for (k, e) in &u.changes.added {
@@ -170,10 +173,8 @@ impl Programmer {
         &mut self,
         engine: &Engine,
         dp: &mut D,
-    ) -> Result<(), String> {
-        self.program
-            .program_full(engine, dp)
-            .map_err(|e| e.to_string())?;
+    ) -> Result<(), AgentError> {
+        self.program.program_full(engine, dp)?;
         self.record.program_full(engine);
         Ok(())
     }
@@ -184,10 +185,8 @@ impl Programmer {
         engine: &Engine,
         deltas: &[EngineDelta],
         dp: &mut D,
-    ) -> Result<(), String> {
-        self.program
-            .apply(engine, deltas, dp)
-            .map_err(|e| e.to_string())?;
+    ) -> Result<(), AgentError> {
+        self.program.apply(engine, deltas, dp)?;
         if self.record.apply(deltas).is_err() {
             self.record.program_full(engine);
         }
@@ -219,14 +218,14 @@ impl NoneDatapath {
 }
 
 impl Enforcer for NoneDatapath {
-    fn program_full(&mut self, engine: &Engine) -> Result<(), String> {
+    fn program_full(&mut self, engine: &Engine) -> Result<(), AgentError> {
         self.needs_full = true;
         self.programmer.program_full(engine, &mut self.dp)?;
         self.needs_full = false;
         Ok(())
     }
 
-    fn apply(&mut self, engine: &Engine, deltas: &[EngineDelta]) -> Result<(), String> {
+    fn apply(&mut self, engine: &Engine, deltas: &[EngineDelta]) -> Result<(), AgentError> {
         if self.needs_full {
             return self.program_full(engine);
         }
@@ -247,7 +246,7 @@ impl Enforcer for NoneDatapath {
         &self.dp
     }
 
-    fn maintain(&mut self, engine: &Engine) -> Result<(), String> {
+    fn maintain(&mut self, engine: &Engine) -> Result<(), AgentError> {
         if self.needs_full {
             return self.program_full(engine);
         }

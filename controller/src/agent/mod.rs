@@ -42,11 +42,13 @@ pub mod bpf;
 pub mod client;
 pub mod datapath;
 pub mod debug;
+mod error;
 pub mod metrics;
 pub mod status;
 mod watchers;
 
 pub use datapath::{Enforcer, NoneDatapath, ProgrammedEndpoint, ProgrammedPolicy};
+pub use error::AgentError;
 use metrics::Metrics;
 
 /// How the agent runs.
@@ -310,20 +312,29 @@ async fn maintain_loop(state: Arc<AgentState>) {
 
 /// The kube client for `--kubeconfig PATH`, or the default (in-cluster, then the usual
 /// kubeconfig lookup).
-pub async fn client_for(kubeconfig: Option<&std::path::Path>) -> Result<Client, String> {
+pub async fn client_for(kubeconfig: Option<&std::path::Path>) -> Result<Client, AgentError> {
     let config = match kubeconfig {
         Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path)
-                .map_err(|e| format!("--kubeconfig {}: {e}", path.display()))?;
+            let what = || format!("--kubeconfig {}", path.display());
+            let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| AgentError::Config {
+                what: what(),
+                message: e.to_string(),
+            })?;
             kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
                 .await
-                .map_err(|e| format!("--kubeconfig {}: {e}", path.display()))?
+                .map_err(|e| AgentError::Config {
+                    what: what(),
+                    message: e.to_string(),
+                })?
         }
         None => kube::Config::infer()
             .await
-            .map_err(|e| format!("no cluster configuration: {e}"))?,
+            .map_err(|e| AgentError::Config {
+                what: "no cluster configuration".into(),
+                message: e.to_string(),
+            })?,
     };
-    Client::try_from(config).map_err(|e| format!("kube client: {e}"))
+    Client::try_from(config).map_err(AgentError::Client)
 }
 
 /// Waits until `f` holds, polling every 20 ms, for at most `limit`.

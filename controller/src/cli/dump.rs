@@ -43,7 +43,7 @@ pub fn run(args: &DumpArgs) -> ExitCode {
     let Some(ep) = engine.endpoint(ns, name) else {
         // The engine's resolver says why (no such pod, host network, no address).
         let why = match engine.resolve(&args.pod) {
-            Err(e) => e,
+            Err(e) => e.to_string(),
             Ok(_) => format!("{} is not an endpoint", args.pod),
         };
         eprintln!("ordnet dump: --pod {}: {why}", args.pod);

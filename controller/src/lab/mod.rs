@@ -7,12 +7,14 @@
 //! built or run (not root, another lab active, a system or probe error); 128 + signal when a
 //! `--probe` run is interrupted (an interactive lab ends normally on Ctrl-C: 0).
 
+mod error;
 mod kubeproxy;
 mod probe;
 mod sctp;
 mod sys;
 mod topo;
 
+use error::LabError;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
@@ -57,8 +59,14 @@ fn fail(code: u8, msg: impl Into<String>) -> Fail {
     }
 }
 
-fn lab_err(msg: impl Into<String>) -> Fail {
-    fail(EXIT_LAB, msg)
+fn lab_err(msg: impl std::fmt::Display) -> Fail {
+    fail(EXIT_LAB, msg.to_string())
+}
+
+impl From<LabError> for Fail {
+    fn from(e: LabError) -> Fail {
+        lab_err(e)
+    }
 }
 
 /// Runs `ordnet lab`.
@@ -356,7 +364,7 @@ struct Running {
 }
 
 impl Running {
-    fn shutdown(&mut self) -> Result<(), String> {
+    fn shutdown(&mut self) -> Result<(), LabError> {
         self.servers = None;
         self.datapath = None;
         self.topo.teardown()
@@ -461,14 +469,25 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
         max_blocks: (rulesets * 4).max(defaults.max_blocks),
         ..defaults
     };
-    let (dp, ifindex) = sys::in_netns(&node, || {
-        let mut dp = Datapath::create(config).map_err(|e| format!("loading the datapath: {e}"))?;
+    let (dp, ifindex) = sys::in_netns(&node, || -> Result<_, LabError> {
+        let datapath = |what: String| {
+            move |source| LabError::Datapath {
+                what,
+                source: Box::new(source),
+            }
+        };
+        let mut dp = Datapath::create(config).map_err(datapath("loading the datapath".into()))?;
         let mut ifindex = HashMap::new();
         for iface in &ifaces {
             dp.attach(iface, Default::default())
-                .map_err(|e| format!("attaching XDP to {iface} in {}: {e}", node.name))?;
-            dp.attach_tc(iface)
-                .map_err(|e| format!("attaching TC to {iface} in {}: {e}", node.name))?;
+                .map_err(datapath(format!(
+                    "attaching XDP to {iface} in {}",
+                    node.name
+                )))?;
+            dp.attach_tc(iface).map_err(datapath(format!(
+                "attaching TC to {iface} in {}",
+                node.name
+            )))?;
             ifindex.insert(iface.clone(), sys::ifindex(iface)?);
         }
         Ok((dp, ifindex))
@@ -803,10 +822,11 @@ fn flow_key(proto: u8, a: SocketAddr, b: SocketAddr) -> FlowKey {
 }
 
 /// The flows in the datapath's connection-tracking maps.
-fn tracked_flows(dp: &Datapath) -> Result<HashSet<FlowKey>, String> {
-    let entries = dp
-        .ct_entries()
-        .map_err(|e| format!("reading connection tracking: {e}"))?;
+fn tracked_flows(dp: &Datapath) -> Result<HashSet<FlowKey>, LabError> {
+    let entries = dp.ct_entries().map_err(|source| LabError::Datapath {
+        what: "reading connection tracking".into(),
+        source: Box::new(source),
+    })?;
     let ip = |family: u8, w: [u32; 4]| -> IpAddr {
         let key = ordnet_datapath::common::layout::IpKey::new(family, w);
         ordnet_datapath::key_ip(&key)

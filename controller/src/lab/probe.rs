@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
+use super::error::LabError;
 use super::sctp;
 use super::sys::{self, Netns};
 
@@ -196,13 +197,13 @@ fn serve(method: Method, s: Socket, port: u16, stop: &AtomicBool) {
 
 /// Starts one server per `(end, port)` (each in its namespace, bound to its address) and
 /// returns once every one is listening.
-pub fn start_servers(listeners: &[(End, u16)], method: Method) -> Result<Servers, String> {
+pub fn start_servers(listeners: &[(End, u16)], method: Method) -> Result<Servers, LabError> {
     let stop = Arc::new(AtomicBool::new(false));
     let mut servers = Servers {
         stop: stop.clone(),
         threads: Vec::new(),
     };
-    let (tx, rx) = mpsc::channel::<Result<(), String>>();
+    let (tx, rx) = mpsc::channel::<Result<(), LabError>>();
     for (end, port) in listeners {
         let (end, port, stop, tx) = (end.clone(), *port, stop.clone(), tx.clone());
         let t = std::thread::Builder::new()
@@ -210,11 +211,9 @@ pub fn start_servers(listeners: &[(End, u16)], method: Method) -> Result<Servers
             .stack_size(256 * 1024)
             .spawn(move || {
                 let opened = end.netns.enter().and_then(|_| {
-                    server_socket(method, end.addr, port).map_err(|e| {
-                        format!(
-                            "server on {} port {port} in {}: {e}",
-                            end.addr, end.netns.name
-                        )
+                    server_socket(method, end.addr, port).map_err(|source| LabError::Server {
+                        what: format!("server on {} port {port} in {}", end.addr, end.netns.name),
+                        source,
                     })
                 });
                 match opened {
@@ -227,7 +226,7 @@ pub fn start_servers(listeners: &[(End, u16)], method: Method) -> Result<Servers
                     }
                 }
             })
-            .map_err(|e| format!("starting a server thread: {e}"))?;
+            .map_err(|e| LabError::io("starting a server thread", e))?;
         servers.threads.push(t);
     }
     drop(tx);
@@ -235,7 +234,7 @@ pub fn start_servers(listeners: &[(End, u16)], method: Method) -> Result<Servers
         match rx.recv() {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(e),
-            Err(_) => return Err("a server thread ended before it was ready".into()),
+            Err(_) => return Err(LabError::ServerGone),
         }
     }
     Ok(servers)
@@ -344,11 +343,7 @@ fn udp_probe(from: IpAddr, sport: u16, to: SocketAddr, timeout: Duration) -> Out
         &s,
         deadline,
         to,
-        || {
-            s.send(nonce.as_bytes())
-                .map(drop)
-                .map_err(|e| format!("send to {to}: {e}"))
-        },
+        ("send", || s.send(nonce.as_bytes()).map(drop)),
         || {
             let n = s.recv(&mut buf)?;
             Ok((init_bytes(&buf[..n]) == nonce.as_bytes()).then_some(Outcome::Connected { local }))
@@ -363,7 +358,7 @@ fn resend_until(
     s: &Socket,
     deadline: Instant,
     to: SocketAddr,
-    mut send: impl FnMut() -> Result<(), String>,
+    (what, mut send): (&str, impl FnMut() -> std::io::Result<()>),
     mut recv: impl FnMut() -> std::io::Result<Option<Outcome>>,
 ) -> Outcome {
     loop {
@@ -372,7 +367,7 @@ fn resend_until(
             return Outcome::TimedOut;
         }
         if let Err(e) = send() {
-            return Outcome::Failed(e);
+            return Outcome::Failed(format!("{what} to {to}: {e}"));
         }
         let wait_until = (now + Duration::from_millis(300)).min(deadline);
         while Instant::now() < wait_until {
@@ -422,11 +417,7 @@ fn sctp_raw_probe(from: IpAddr, sport: u16, to: SocketAddr, timeout: Duration) -
         &s,
         deadline,
         to,
-        || {
-            s.send_to(&init, &dest)
-                .map(drop)
-                .map_err(|e| format!("send INIT to {to}: {e}"))
-        },
+        ("send INIT", || s.send_to(&init, &dest).map(drop)),
         || {
             let (n, src) = s.recv_from(&mut buf)?;
             if src.as_socket().map(|a| a.ip()) != Some(to.ip()) {
@@ -486,7 +477,7 @@ pub fn probe_all(ends: &[End], pairs: &[Probe], method: Method, timeout: Duratio
                     } = todo[i];
                     if current != Some(s) {
                         if let Err(e) = ends[s].netns.enter() {
-                            results.lock().expect("results")[i] = Outcome::Failed(e);
+                            results.lock().expect("results")[i] = Outcome::Failed(e.to_string());
                             continue;
                         }
                         current = Some(s);

@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 
+use super::error::LabError;
+
 /// Where iproute2 keeps named network namespaces (bind mounts).
 pub const NETNS_DIR: &str = "/run/netns";
 
@@ -23,9 +25,9 @@ pub struct Netns {
 }
 
 impl Netns {
-    pub fn open(name: &str) -> Result<Netns, String> {
+    pub fn open(name: &str) -> Result<Netns, LabError> {
         let path = Path::new(NETNS_DIR).join(name);
-        let file = File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let file = File::open(&path).map_err(|e| LabError::io(path.display().to_string(), e))?;
         Ok(Netns {
             name: name.to_string(),
             file,
@@ -34,18 +36,18 @@ impl Netns {
 
     /// Moves the calling thread (only it) into this namespace: sockets it creates afterwards,
     /// interface names it resolves and `/proc/sys/net` it writes are this namespace's.
-    pub fn enter(&self) -> Result<(), String> {
+    pub fn enter(&self) -> Result<(), LabError> {
         setns(&self.file, &self.name)
     }
 }
 
-fn setns(file: &File, what: &str) -> Result<(), String> {
+fn setns(file: &File, what: &str) -> Result<(), LabError> {
     // SAFETY: a valid descriptor of a network namespace; affects the calling thread only.
     let r = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
     if r != 0 {
-        return Err(format!(
-            "setns into network namespace {what}: {}",
-            std::io::Error::last_os_error()
+        return Err(LabError::io(
+            format!("setns into network namespace {what}"),
+            std::io::Error::last_os_error(),
         ));
     }
     Ok(())
@@ -53,9 +55,12 @@ fn setns(file: &File, what: &str) -> Result<(), String> {
 
 /// Runs `f` with the calling thread in `ns`, then moves the thread back to the namespace it was
 /// in (also when `f` fails).
-pub fn in_netns<T>(ns: &Netns, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+pub fn in_netns<T, E: From<LabError>>(
+    ns: &Netns,
+    f: impl FnOnce() -> Result<T, E>,
+) -> Result<T, E> {
     let home = File::open("/proc/thread-self/ns/net")
-        .map_err(|e| format!("/proc/thread-self/ns/net: {e}"))?;
+        .map_err(|e| LabError::io("/proc/thread-self/ns/net", e))?;
     ns.enter()?;
     let out = f();
     setns(&home, "of the lab process")?;
@@ -64,51 +69,66 @@ pub fn in_netns<T>(ns: &Netns, f: impl FnOnce() -> Result<T, String>) -> Result<
 
 /// Writes a sysctl of the namespace the calling thread is in (`net.ipv4.ip_forward` →
 /// `/proc/sys/net/ipv4/ip_forward`: `/proc/sys/net` is the calling thread's namespace's).
-pub fn sysctl(key: &str, value: &str) -> Result<(), String> {
+pub fn sysctl(key: &str, value: &str) -> Result<(), LabError> {
     let path = PathBuf::from("/proc/sys").join(key.replace('.', "/"));
-    std::fs::write(&path, value).map_err(|e| format!("sysctl {key}={value}: {e}"))
+    std::fs::write(&path, value).map_err(|e| LabError::io(format!("sysctl {key}={value}"), e))
 }
 
 /// Runs `ip ARGS...` with `stdin` as its input (`ip -batch -`). The child gets its own process
 /// group, so a Ctrl-C on the terminal does not kill it half-way (the lab cleans up itself).
-pub fn ip(args: &[&str], stdin: Option<&str>) -> Result<(), String> {
+pub fn ip(args: &[&str], stdin: Option<&str>) -> Result<(), LabError> {
     run("ip", "iproute2", args, stdin)
 }
 
 /// The index of interface `name` in the calling thread's network namespace.
-pub fn ifindex(name: &str) -> Result<u32, String> {
-    let c = std::ffi::CString::new(name).map_err(|_| format!("interface name {name:?}"))?;
+pub fn ifindex(name: &str) -> Result<u32, LabError> {
+    let c = std::ffi::CString::new(name).map_err(|e| {
+        LabError::io(
+            format!("interface name {name:?}"),
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
+        )
+    })?;
     // SAFETY: a valid NUL-terminated string.
     let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
     if i == 0 {
-        return Err(format!(
-            "interface {name}: {}",
-            std::io::Error::last_os_error()
+        return Err(LabError::io(
+            format!("interface {name}"),
+            std::io::Error::last_os_error(),
         ));
     }
     Ok(i)
 }
 
 /// Runs `nft -f -` with `script` in network namespace `netns` (`ip netns exec`).
-pub fn nft(netns: &str, script: &str) -> Result<(), String> {
+pub fn nft(netns: &str, script: &str) -> Result<(), LabError> {
     run(
         "ip",
         "iproute2",
         &["netns", "exec", netns, "nft", "-f", "-"],
         Some(script),
     )
-    .map_err(|e| {
-        if e.contains("No such file") || e.contains("nft: not found") {
-            format!("{e}\n(the `nft` command of Debian's `nftables` package is needed: scripts/setup installs it)")
-        } else {
-            e
+    .map_err(|e| match e {
+        LabError::Command {
+            command, stderr, ..
+        } if stderr.contains("No such file") || stderr.contains("nft: not found") => {
+            LabError::Command {
+                command,
+                stderr,
+                hint: "\n(the `nft` command of Debian's `nftables` package is needed: scripts/setup installs it)",
+            }
         }
+        e => e,
     })
 }
 
 /// Runs `program ARGS...` (from Debian's `package`) with `stdin` as its input, in its own
 /// process group.
-fn run(program: &str, package: &str, args: &[&str], stdin: Option<&str>) -> Result<(), String> {
+fn run(
+    program: &str,
+    package: &'static str,
+    args: &[&str],
+    stdin: Option<&str>,
+) -> Result<(), LabError> {
     let mut cmd = Command::new(program);
     cmd.args(args)
         .stdin(if stdin.is_some() {
@@ -121,9 +141,12 @@ fn run(program: &str, package: &str, args: &[&str], stdin: Option<&str>) -> Resu
         .process_group(0);
     let mut child = cmd.spawn().map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
-            format!("the `{program}` command ({package}) is not installed")
+            LabError::Missing {
+                program: program.to_string(),
+                package,
+            }
         } else {
-            format!("{program} {}: {e}", args.join(" "))
+            LabError::io(format!("{program} {}", args.join(" ")), e)
         }
     })?;
     if let Some(input) = stdin {
@@ -133,7 +156,7 @@ fn run(program: &str, package: &str, args: &[&str], stdin: Option<&str>) -> Resu
     }
     let out = child
         .wait_with_output()
-        .map_err(|e| format!("{program} {}: {e}", args.join(" ")))?;
+        .map_err(|e| LabError::io(format!("{program} {}", args.join(" ")), e))?;
     if !out.status.success() {
         let what = match stdin {
             Some(input) => format!(
@@ -143,10 +166,11 @@ fn run(program: &str, package: &str, args: &[&str], stdin: Option<&str>) -> Resu
             ),
             None => format!("{program} {}", args.join(" ")),
         };
-        return Err(format!(
-            "{what}\nfailed: {}",
-            String::from_utf8_lossy(&out.stderr).trim_end()
-        ));
+        return Err(LabError::Command {
+            command: what,
+            stderr: String::from_utf8_lossy(&out.stderr).trim_end().to_string(),
+            hint: "",
+        });
     }
     Ok(())
 }
@@ -169,14 +193,14 @@ pub struct LabLock {
 }
 
 /// Takes the lock without waiting; when another lab holds it, the error names its pid.
-pub fn lock(run_id: &str) -> Result<LabLock, String> {
+pub fn lock(run_id: &str) -> Result<LabLock, LabError> {
     let mut file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
         .open(LOCK_PATH)
-        .map_err(|e| format!("{LOCK_PATH}: {e}"))?;
+        .map_err(|e| LabError::io(LOCK_PATH, e))?;
     // SAFETY: a valid descriptor; flock is released on close or process exit.
     let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     if r != 0 {
@@ -190,17 +214,16 @@ pub fn lock(run_id: &str) -> Result<LabLock, String> {
                 .skip_while(|w| *w != "pid")
                 .nth(1)
                 .unwrap_or("?");
-            return Err(format!(
-                "another ordnet lab is active (pid {pid}; {LOCK_PATH}: {}); stop it first \
-                 (Ctrl-C in its terminal, or kill -INT {pid}); it is left untouched",
-                if holder.is_empty() {
-                    "no details"
+            return Err(LabError::Busy {
+                pid: pid.to_string(),
+                holder: if holder.is_empty() {
+                    "no details".to_string()
                 } else {
-                    holder
-                }
-            ));
+                    holder.to_string()
+                },
+            });
         }
-        return Err(format!("flock {LOCK_PATH}: {err}"));
+        return Err(LabError::io(format!("flock {LOCK_PATH}"), err));
     }
     let record = format!(
         "pid {} run {run_id} started {}\n",
@@ -213,7 +236,7 @@ pub fn lock(run_id: &str) -> Result<LabLock, String> {
     file.set_len(0)
         .and_then(|_| file.rewind())
         .and_then(|_| file.write_all(record.as_bytes()))
-        .map_err(|e| format!("{LOCK_PATH}: {e}"))?;
+        .map_err(|e| LabError::io(LOCK_PATH, e))?;
     Ok(LabLock { _file: file })
 }
 
@@ -223,7 +246,7 @@ static SIGNAL: AtomicI32 = AtomicI32::new(0);
 /// Blocks SIGINT, SIGTERM and SIGHUP in the calling thread (and so in every thread it starts
 /// afterwards) and starts a thread that receives them with `sigwait`: the lab polls
 /// [`interrupted`] and cleans up instead of dying. Call before starting any other thread.
-pub fn catch_signals() -> Result<(), String> {
+pub fn catch_signals() -> Result<(), LabError> {
     // SAFETY: plain signal-set manipulation on a local set; SIG_DFL is a valid disposition.
     let set = unsafe {
         // A shell starts background commands with SIGINT ignored, and an ignored signal is
@@ -238,9 +261,9 @@ pub fn catch_signals() -> Result<(), String> {
         }
         let r = libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
         if r != 0 {
-            return Err(format!(
-                "pthread_sigmask: {}",
-                std::io::Error::from_raw_os_error(r)
+            return Err(LabError::io(
+                "pthread_sigmask",
+                std::io::Error::from_raw_os_error(r),
             ));
         }
         set
@@ -264,7 +287,7 @@ pub fn catch_signals() -> Result<(), String> {
                 }
             }
         })
-        .map_err(|e| format!("starting the signal thread: {e}"))?;
+        .map_err(|e| LabError::io("starting the signal thread", e))?;
     Ok(())
 }
 

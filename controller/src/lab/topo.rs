@@ -17,6 +17,7 @@
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+use super::error::LabError;
 use super::sys::{self, Netns};
 
 /// Every namespace of a lab is named `ordlab-<run id>-...`: a crashed lab's leftovers are
@@ -157,9 +158,11 @@ impl Topology {
         &mut self,
         pods: &[(String, Vec<IpAddr>)],
         externals: &[IpAddr],
-    ) -> Result<(), String> {
+    ) -> Result<(), LabError> {
         if pods.len() + externals.len() > 0xffff {
-            return Err("more than 65535 pods and external addresses".into());
+            return Err(LabError::Topology(
+                "more than 65535 pods and external addresses",
+            ));
         }
         for (i, (label, ips)) in pods.iter().enumerate() {
             self.members.push(Member {
@@ -318,7 +321,7 @@ impl Topology {
     }
 
     /// Deletes every namespace this lab created (their interfaces go with them). Idempotent.
-    pub fn teardown(&mut self) -> Result<(), String> {
+    pub fn teardown(&mut self) -> Result<(), LabError> {
         if self.created.is_empty() {
             return Ok(());
         }
@@ -336,14 +339,14 @@ impl Drop for Topology {
 }
 
 /// Deletes named namespaces (all of them, even when one fails).
-fn delete_netns(names: &[String]) -> Result<(), String> {
+fn delete_netns(names: &[String]) -> Result<(), LabError> {
     let script: String = names.iter().map(|n| format!("netns del {n}\n")).collect();
     sys::ip(&["-force", "-batch", "-"], Some(&script))
 }
 
 /// Deletes the namespaces an earlier lab left behind (it crashed or was killed). Only call
 /// with the lab lock held: a running lab's namespaces are never touched.
-pub fn remove_leftovers() -> Result<Vec<String>, String> {
+pub fn remove_leftovers() -> Result<Vec<String>, LabError> {
     let mut stale: Vec<String> = sys::netns_names()
         .into_iter()
         .filter(|n| n.starts_with(PREFIX))
