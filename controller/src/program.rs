@@ -67,8 +67,6 @@ use ordnet_datapath::{
 use ordnet_engine::{Endpoint, EndpointPolicy, Engine, EngineDelta};
 use ordnet_mapstate::{ChangeSet, Direction, MapState, Protocol, Verdict};
 
-const DIRECTIONS: [Direction; 2] = [Direction::Ingress, Direction::Egress];
-
 /// Why programming failed. The datapath is left consistent (every datapath operation either
 /// completes or writes nothing), but it may not reflect the engine yet: program it again with
 /// [`NodeProgram::program_full`].
@@ -555,7 +553,7 @@ impl NodeProgram {
             .collect();
         let policies: Vec<[&EndpointPolicy; 2]> = eps
             .iter()
-            .map(|ep| DIRECTIONS.map(|d| engine.policy(ep, d)))
+            .map(|ep| Direction::ALL.map(|d| engine.policy(ep, d)))
             .collect();
         let batch: Vec<(u32, EndpointSpec<'_>)> = batch_ids
             .iter()
@@ -715,7 +713,7 @@ impl NodeProgram {
             .collect();
         let policies: Vec<[&EndpointPolicy; 2]> = eps
             .iter()
-            .map(|(_, ep)| DIRECTIONS.map(|d| engine.policy(ep, d)))
+            .map(|(_, ep)| Direction::ALL.map(|d| engine.policy(ep, d)))
             .collect();
         let batch: Vec<(u32, EndpointSpec<'_>)> = eps
             .iter()
@@ -812,7 +810,7 @@ impl NodeProgram {
         // 2. New endpoints, with their current addresses and empty deny-all rule sets (their
         // keys come as change sets below). One the engine no longer has is skipped: a later
         // delta of the batch removes it.
-        let empty = DIRECTIONS.map(|d| MapState::new(d, Verdict::Deny));
+        let empty = Direction::ALL.map(|d| MapState::new(d, Verdict::Deny));
         let mut created: Vec<(u32, String, Vec<IpAddr>, Vec<u32>)> = Vec::new();
         for name in &delta.endpoints_added {
             let (ns, n) = split(name);

@@ -110,7 +110,7 @@ fn manifests(api: &FakeApi) -> String {
 
 /// The fake server's objects as manifests, through the offline loader and validator.
 fn offline_objects(api: &FakeApi) -> ordnet_crds::ClusterObjects {
-    let outcome = ordnet_crds::manifest::load_str(Path::new("fake-api"), &manifests(api));
+    let outcome = ordnet_crds::load_str(Path::new("fake-api"), &manifests(api));
     ordnet_crds::validated(outcome).objects
 }
 

@@ -361,7 +361,7 @@ fn duplicate_addresses_are_an_error_naming_both_pods() {
     let objects = ordnet_crds::ClusterObjects {
         pods: ["a", "b"]
             .iter()
-            .map(|n| ordnet_crds::manifest::Loaded {
+            .map(|n| ordnet_crds::Loaded {
                 object: serde_json::from_value(pod(n)).unwrap(),
                 source: None,
             })

@@ -13,7 +13,8 @@ use serde_json::Value;
 use crate::types::{ClusterOrderedNetworkPolicy, OrderedNetworkPolicy};
 
 /// Path of the committed CRD YAML, relative to the workspace root.
-pub const COMMITTED_CRD_PATH: &str = "deploy/crds/ordnet.io_crds.yaml";
+#[cfg(test)]
+const COMMITTED_CRD_PATH: &str = "deploy/crds/ordnet.io_crds.yaml";
 
 /// The CustomResourceDefinitions of the ordnet kinds, in a fixed order.
 ///

@@ -1,29 +1,37 @@
 //! ordnet API types, CRD generation, manifest loading and validation.
 //!
-//! * [`types`]: the `ordnet.io/v1alpha1` kinds `OrderedNetworkPolicy` and
-//!   `ClusterOrderedNetworkPolicy` (kube `CustomResource`s with JSON schemas).
-//! * [`crd`]: the CustomResourceDefinition YAML (`ordnet crd`).
-//! * [`manifest`]: loading `-f` paths into [`ClusterObjects`].
-//! * [`validate`]: semantic validation of every kind the engine uses.
-//! * [`selector`], [`syntax`]: label selectors and Kubernetes name syntax.
-//! * [`problem`]: problems and how they print (`FILE: KIND NAMESPACE/NAME: FIELD: message`).
+//! | module | what |
+//! |---|---|
+//! | `types` | the `ordnet.io/v1alpha1` kinds `OrderedNetworkPolicy` and `ClusterOrderedNetworkPolicy` (kube `CustomResource`s with JSON schemas) |
+//! | `crd` | the CustomResourceDefinition YAML (`ordnet crd`) |
+//! | `manifest` | loading `-f` paths into [`ClusterObjects`]; the kind names ([`KIND_POD`], ...) |
+//! | [`validate`] | semantic validation of every kind the engine uses (public: `validate::validate_pod`, ...) |
+//! | `selector`, [`syntax`] | label selectors; Kubernetes name syntax (public: `syntax::port_name`, ...) |
+//! | `problem` | problems and how they print (`FILE: KIND NAMESPACE/NAME: FIELD: message`) |
+//!
+//! Everything but the two function collections `validate` and `syntax` is re-exported here.
 
 use std::collections::HashSet;
 use std::path::Path;
 
-pub mod crd;
-pub mod manifest;
-pub mod problem;
-pub mod selector;
+mod crd;
+mod manifest;
+mod problem;
+mod selector;
 pub mod syntax;
-pub mod types;
+mod types;
 pub mod validate;
 
 pub use k8s_openapi;
 
 pub use crd::{crd_yaml, crds};
-pub use manifest::{ClusterObjects, LoadOutcome, Loaded, load_paths};
+pub use manifest::{
+    ClusterObjects, DEFAULT_NAMESPACE, KIND_CLUSTER_ORDERED, KIND_NAMESPACE, KIND_NETWORK_POLICY,
+    KIND_ORDERED, KIND_POD, KIND_SERVICE, LoadOutcome, Loaded, Loader, NAMESPACE_NAME_LABEL,
+    implied_namespace, load_bytes, load_paths, load_str,
+};
 pub use problem::{FieldError, ObjectRef, Problem, Severity, Source};
+pub use selector::{Requirement, Selector, validate_label_selector};
 pub use types::*;
 
 /// Loads `paths` and validates everything: the outcome's `problems` holds the load problems and

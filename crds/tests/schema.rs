@@ -291,10 +291,7 @@ fn rule(rule: Value) -> Value {
 /// ordnet's own validation errors of a policy object, as `field: message`.
 fn ordnet_errors(object: &Value) -> Vec<String> {
     let text = serde_json::to_string(object).unwrap();
-    let outcome = ordnet_crds::validated(ordnet_crds::manifest::load_str(
-        Path::new("fixture.yaml"),
-        &text,
-    ));
+    let outcome = ordnet_crds::validated(ordnet_crds::load_str(Path::new("fixture.yaml"), &text));
     outcome
         .problems
         .iter()

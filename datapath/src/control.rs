@@ -242,8 +242,6 @@ struct Planned {
     dirs: [(RuleSetContent, u8); 2],
 }
 
-const DIRS: [Direction; 2] = [Direction::Ingress, Direction::Egress];
-
 /// One endpoint side's change: (endpoint, direction, its current policy, key changes, new
 /// default).
 type ChangeItem = (u32, Direction, PolicyRef, ContentDiff, u8);
@@ -455,7 +453,7 @@ impl Control {
     fn meet_plan(&self, planned: &[Planned]) -> Option<Vec<Planned>> {
         let empty = RuleSetContent::default();
         let old_side = |p: &Planned, d: usize| -> Option<(&RuleSetContent, u8)> {
-            let r = self.endpoints.get(&p.id)?.policy(DIRS[d]);
+            let r = self.endpoints.get(&p.id)?.policy(Direction::ALL[d]);
             Some((self.store.content(r.ruleset).unwrap_or(&empty), r.default))
         };
         let changed = |p: &Planned, d: usize| {
@@ -509,7 +507,7 @@ impl Control {
         let mut users: BTreeMap<u32, Vec<(usize, usize)>> = BTreeMap::new();
         for (i, o) in old.iter().enumerate() {
             if let Some(o) = o {
-                for (d, dir) in DIRS.iter().enumerate() {
+                for (d, dir) in Direction::ALL.iter().enumerate() {
                     let slot = o.policy(*dir).ruleset;
                     if slot != 0 {
                         users.entry(slot).or_default().push((i, d));
@@ -536,7 +534,7 @@ impl Control {
         let is_in_place = |i: usize, d: usize| {
             old[i]
                 .as_ref()
-                .is_some_and(|o| in_place.contains_key(&o.policy(DIRS[d]).ruleset))
+                .is_some_and(|o| in_place.contains_key(&o.policy(Direction::ALL[d]).ruleset))
         };
 
         // 3. Install new contents (invisible until a record points at them).
@@ -545,8 +543,8 @@ impl Control {
         let mut added_refs = Vec::new();
         let mut result = Ok(());
         'plan: for (i, p) in planned.iter().enumerate() {
-            for d in 0..2 {
-                let old_slot = old[i].as_ref().map(|o| o.policy(DIRS[d]).ruleset);
+            for (d, dir) in Direction::ALL.into_iter().enumerate() {
+                let old_slot = old[i].as_ref().map(|o| o.policy(dir).ruleset);
                 if is_in_place(i, d) {
                     targets[i][d] = old_slot.unwrap_or(0);
                     continue;
@@ -592,7 +590,7 @@ impl Control {
         for (i, p) in planned.iter().enumerate() {
             let Some(o) = &old[i] else { continue };
             let mut s = o.clone();
-            for (d, dir) in DIRS.iter().enumerate() {
+            for (d, dir) in Direction::ALL.iter().enumerate() {
                 let r = o.policy(*dir);
                 if is_in_place(i, d) && r.default == V_ALLOW && p.dirs[d].1 == V_DENY {
                     s = with_dir(&s, d, PolicyRef::new(r.ruleset, V_DENY));
@@ -649,8 +647,8 @@ impl Control {
         // 7. Release what is no longer used (cleared after the grace period).
         for (i, o) in old.iter().enumerate() {
             if let Some(o) = o {
-                for d in 0..2 {
-                    let before = o.policy(DIRS[d]).ruleset;
+                for (d, dir) in Direction::ALL.into_iter().enumerate() {
+                    let before = o.policy(dir).ruleset;
                     if before != targets[i][d] {
                         self.store.release(before, stats);
                     }

@@ -24,6 +24,7 @@
 //! # Ok::<(), ordnet_datapath::DatapathError>(())
 //! ```
 
+#[cfg(feature = "bench")]
 pub mod bench;
 mod control;
 mod flat;
@@ -83,6 +84,7 @@ pub static EBPF_OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ordnet-xdp"));
 
 /// The benchmark eBPF object (bin `ordnet-xdp-bench`): floor, layout variants, Cilium reference.
+#[cfg(feature = "bench")]
 pub static BENCH_OBJECT: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ordnet-xdp-bench"));
 

@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use ordnet_crds::ClusterObjects;
-use ordnet_crds::manifest::Loaded;
+use ordnet_crds::Loaded;
 use ordnet_engine::{Engine, Object, ObjectChange};
 use serde_json::{Value, json};
 

@@ -14,7 +14,8 @@ use ipnet::IpNet;
 use ordnet_mapstate::{Identity, Protocol};
 use serde::Serialize;
 
-use crate::model::{Labels, NAMESPACE_NAME_LABEL};
+use crate::model::Labels;
+use ordnet_crds::NAMESPACE_NAME_LABEL;
 
 /// The signature of a pod address.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]

@@ -174,7 +174,7 @@ impl Engine {
 
     /// Step 1: the object store.
     fn store(&mut self, change: ObjectChange, p: &mut Pending) -> Result<(), EngineError> {
-        let default_ns = || ordnet_crds::manifest::DEFAULT_NAMESPACE.to_string();
+        let default_ns = || ordnet_crds::DEFAULT_NAMESPACE.to_string();
         match change {
             ObjectChange::Upsert(Object::Namespace(ns)) => {
                 let (name, labels) = read_namespace(&ns)?;

@@ -1,30 +1,38 @@
 //! # ordnet policy resolution
 //!
 //! From Kubernetes objects (`NetworkPolicy`, `OrderedNetworkPolicy`,
-//! `ClusterOrderedNetworkPolicy`, pods and namespaces) to one MapState per endpoint and
-//! direction, and flow verdicts computed only through `MapState::lookup`.
+//! `ClusterOrderedNetworkPolicy`, pods, namespaces and Services) to one MapState per endpoint
+//! and direction, and flow verdicts computed only through `MapState::lookup`. `docs/engine.md`
+//! explains the design; `docs/contracts/engine-api.md` the API.
 //!
-//! * [`model`]: the normalized rule model and the translation of every policy kind (all
-//!   Kubernetes defaulting happens there).
-//! * [`identity`]: identities per address signature, and the ipcache rules.
-//! * [`Engine`]: identities, selector cache, per-endpoint MapStates (shared between endpoints with
-//!   equal inputs), the query API (`docs/contracts/engine-api.md`).
-//! * [`matrix()`]: the `ordnet matrix` computation.
-//! * [`shadow`]: [`Engine::shadowed_rules`], ordered rules that stronger rules always pre-empt.
+//! The stages, one module each (all private; the API is re-exported below):
 //!
-//! `docs/engine.md` explains the design.
+//! | module | what |
+//! |---|---|
+//! | `objects` | the objects consumed ([`Object`], [`ObjectKind`], [`ObjectChange`]) |
+//! | `model` | the normalized rule model and the translation of every policy kind (all Kubernetes defaulting happens there) |
+//! | `store` | what the engine keeps of each object, indexed for the later stages |
+//! | `identity` | identities per address signature, and the ipcache rules |
+//! | `selector_cache` | every peer selector, the identities it selects, notifications |
+//! | `shared` | shared MapStates (one per set of equal inputs) and their compilation |
+//! | `build` | the [`Engine`] and its from-scratch build |
+//! | `incremental`, `sync`, `update` | [`Engine::apply`]: the object store step, then identities, selectors and MapStates in place ([`EngineDelta`]) |
+//! | `services` | Services: frontends, NodePorts, backends |
+//! | `query` | endpoints, identities, ipcache, [`Engine::flow`], [`matrix()`] |
+//! | `shadow` | [`Engine::shadowed_rules`]: ordered rules that stronger rules always pre-empt |
+//! | `snapshot` | [`Engine::snapshot`]: a comparable dump of everything computed (tests) |
 
-pub mod build;
-pub mod identity;
-pub mod incremental;
-pub mod model;
+mod build;
+mod identity;
+mod incremental;
+mod model;
 mod objects;
-pub mod query;
+mod query;
 mod selector_cache;
-pub mod services;
-pub mod shadow;
+mod services;
+mod shadow;
 mod shared;
-pub mod snapshot;
+mod snapshot;
 mod store;
 mod sync;
 mod update;
@@ -33,12 +41,13 @@ pub use build::{BuildOptions, Endpoint, EndpointPolicy, Engine, IpFamily};
 pub use identity::{IdentityInfo, IdentityKind, PodSig, Signature};
 pub use incremental::{EndpointUpdate, EngineDelta, IpcacheChange};
 pub use model::{
-    EngineError, FailedRule, PeerSpec, Policy, PolicyKind, PolicyRef, PortSpec, Rule, Subject,
+    EngineError, FailedRule, Labels, PeerSpec, Policy, PolicyKind, PolicyRef, PortSpec, Rule,
+    Subject,
 };
 pub use objects::{Object, ObjectChange, ObjectKind};
 pub use query::{
-    BackendVerdict, FlowEnd, FlowTrace, Matrix, MatrixResult, MatrixVerdict, SideDecision,
-    SideTrace, matrix,
+    BackendVerdict, FlowEnd, FlowTrace, Matrix, MatrixResult, MatrixVerdict, ResolveError,
+    SideDecision, SideTrace, matrix,
 };
 pub use services::{Backend, ServiceDestination, ServicePort, ServiceRec, TargetPort};
 pub use shadow::ShadowedRule;

@@ -20,7 +20,7 @@ use k8s_openapi::api::networking::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use ordnet_crds::selector::Selector as LabelSel;
+use ordnet_crds::Selector as LabelSel;
 use ordnet_crds::{
     Action, ClusterOrderedNetworkPolicy, IpBlock, OrderedNetworkPolicy, OrderedSpec, Peer, Port,
 };
@@ -29,27 +29,6 @@ use serde::Serialize;
 
 /// Labels of a pod or namespace.
 pub type Labels = BTreeMap<String, String>;
-
-/// The label every namespace carries, with the namespace's name as value.
-pub const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
-
-/// `NetworkPolicy`.
-pub const KIND_NETWORK_POLICY: &str = "NetworkPolicy";
-/// `OrderedNetworkPolicy`.
-pub const KIND_ORDERED: &str = "OrderedNetworkPolicy";
-/// `ClusterOrderedNetworkPolicy`.
-pub const KIND_CLUSTER_ORDERED: &str = "ClusterOrderedNetworkPolicy";
-
-/// Index of a direction in per-direction arrays (ingress 0, egress 1).
-pub fn dir_index(d: Direction) -> usize {
-    match d {
-        Direction::Ingress => 0,
-        Direction::Egress => 1,
-    }
-}
-
-/// Both directions, in index order.
-pub const DIRECTIONS: [Direction; 2] = [Direction::Ingress, Direction::Egress];
 
 /// The kind of a policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -63,9 +42,9 @@ impl PolicyKind {
     /// The Kubernetes kind name.
     pub fn as_str(self) -> &'static str {
         match self {
-            PolicyKind::NetworkPolicy => KIND_NETWORK_POLICY,
-            PolicyKind::Ordered => KIND_ORDERED,
-            PolicyKind::ClusterOrdered => KIND_CLUSTER_ORDERED,
+            PolicyKind::NetworkPolicy => ordnet_crds::KIND_NETWORK_POLICY,
+            PolicyKind::Ordered => ordnet_crds::KIND_ORDERED,
+            PolicyKind::ClusterOrdered => ordnet_crds::KIND_CLUSTER_ORDERED,
         }
     }
 }
@@ -115,7 +94,7 @@ impl NsScope {
     /// `kubernetes.io/metadata.name` label, which the engine always sets to the name.
     pub fn matches(&self, ns_labels: &Labels) -> bool {
         match self {
-            NsScope::Named(n) => ns_labels.get(NAMESPACE_NAME_LABEL) == Some(n),
+            NsScope::Named(n) => ns_labels.get(ordnet_crds::NAMESPACE_NAME_LABEL) == Some(n),
             NsScope::Matching(s) => s.matches(ns_labels),
         }
     }
@@ -127,7 +106,7 @@ fn ser_selector<S: serde::Serializer>(s: &LabelSel, ser: S) -> Result<S::Ok, S::
 
 /// A compact text form of a label selector (`{}` for everything).
 pub fn selector_text(s: &LabelSel) -> String {
-    use ordnet_crds::selector::Requirement;
+    use ordnet_crds::Requirement;
     if s.is_everything() {
         return "{}".into();
     }
@@ -368,7 +347,7 @@ impl Policy {
     /// Every (name, protocol) used as a named port in a rule of direction `d`.
     pub fn named_ports(&self, d: Direction) -> Vec<(String, Protocol)> {
         let mut out = Vec::new();
-        for r in &self.rules[dir_index(d)] {
+        for r in &self.rules[d.index()] {
             for p in r.ports.iter().flatten() {
                 if let PortSpec::Named { proto, name } = p {
                     out.push((name.clone(), *proto));
@@ -582,7 +561,7 @@ fn make_origin(id: &PolicyRef, d: Direction, index: u32, priority: i32, v: Verdi
 }
 
 fn isolation_origins(id: &PolicyRef, priority: i32) -> [Arc<Origin>; 2] {
-    DIRECTIONS.map(|d| make_origin(id, d, 0, priority, Verdict::Deny))
+    Direction::ALL.map(|d| make_origin(id, d, 0, priority, Verdict::Deny))
 }
 
 fn meta_name(
@@ -595,7 +574,7 @@ fn meta_name(
         Some(
             meta.namespace
                 .clone()
-                .unwrap_or_else(|| ordnet_crds::manifest::DEFAULT_NAMESPACE.to_string()),
+                .unwrap_or_else(|| ordnet_crds::DEFAULT_NAMESPACE.to_string()),
         )
     } else {
         None
@@ -691,8 +670,8 @@ pub fn translate_network_policy(np: &NetworkPolicy) -> Result<Policy, EngineErro
             .map(|r| (r.to.as_deref(), r.ports.as_deref()))
             .collect(),
     ];
-    for d in DIRECTIONS {
-        let di = dir_index(d);
+    for d in Direction::ALL {
+        let di = d.index();
         if !effective[di] {
             continue;
         }
@@ -810,7 +789,7 @@ fn translate_ordered<S: OrderedSpec>(
     }
     let mut rules: [Vec<Rule>; 2] = [Vec::new(), Vec::new()];
     let mut failed_rules = Vec::new();
-    for d in DIRECTIONS {
+    for d in Direction::ALL {
         let cd = match d {
             Direction::Ingress => ordnet_crds::Direction::Ingress,
             Direction::Egress => ordnet_crds::Direction::Egress,
@@ -857,7 +836,7 @@ fn translate_ordered<S: OrderedSpec>(
             let origin = make_origin(&id, d, index, priority, verdict);
             let order = OrderKey::new(priority, index);
             match (translated, verdict) {
-                (Ok((peers, ports)), _) => rules[dir_index(d)].push(Rule {
+                (Ok((peers, ports)), _) => rules[d.index()].push(Rule {
                     origin,
                     order,
                     verdict,
@@ -870,7 +849,7 @@ fn translate_ordered<S: OrderedSpec>(
                 (Err(e), Verdict::Allow) => failed_rules.push(failed(d, index, verdict, e)),
                 (Err(e), Verdict::Deny) => {
                     failed_rules.push(failed(d, index, verdict, e));
-                    rules[dir_index(d)].push(Rule {
+                    rules[d.index()].push(Rule {
                         origin,
                         order,
                         verdict,

@@ -58,7 +58,7 @@ impl Object {
         let ns = if self.kind().namespaced() {
             meta.namespace
                 .clone()
-                .unwrap_or_else(|| ordnet_crds::manifest::DEFAULT_NAMESPACE.to_string())
+                .unwrap_or_else(|| ordnet_crds::DEFAULT_NAMESPACE.to_string())
         } else {
             String::new()
         };
@@ -108,7 +108,7 @@ impl ObjectKind {
 
     /// The name as Kubernetes spells it.
     pub fn name(self) -> &'static str {
-        use ordnet_crds::manifest as m;
+        use ordnet_crds as m;
         match self {
             ObjectKind::Namespace => m::KIND_NAMESPACE,
             ObjectKind::Pod => m::KIND_POD,

@@ -15,7 +15,7 @@ use serde::ser::SerializeStruct;
 
 use crate::build::{Endpoint, EndpointPolicy, Engine, IpFamily};
 use crate::identity::{IdentityInfo, Signature, longest_prefix};
-use crate::model::{DIRECTIONS, EngineError, PeerSpec, Policy, PolicyRef, dir_index};
+use crate::model::{EngineError, PeerSpec, Policy, PolicyRef};
 use crate::store::{PodKey, pod_key_text};
 
 /// One end of a flow.
@@ -138,7 +138,7 @@ impl Engine {
         let keys = self
             .ep_keys
             .get(&(namespace.to_string(), name.to_string()))?;
-        self.shared.get(&keys[dir_index(dir)]).map(|s| &s.policy)
+        self.shared.get(&keys[dir.index()]).map(|s| &s.policy)
     }
 
     /// ipcache: the identity of an address (pods' own addresses first, then the longest CIDR
@@ -395,13 +395,13 @@ fn empty_policy(dir: Direction) -> &'static EndpointPolicy {
     use std::sync::OnceLock;
     static EMPTY: OnceLock<[EndpointPolicy; 2]> = OnceLock::new();
     let e = EMPTY.get_or_init(|| {
-        DIRECTIONS.map(|d| EndpointPolicy {
+        Direction::ALL.map(|d| EndpointPolicy {
             mapstate: MapState::new(d, Verdict::Allow),
             isolated: false,
             isolated_by: Vec::new(),
         })
     });
-    &e[dir_index(dir)]
+    &e[dir.index()]
 }
 
 /// The verdict of every ordered pair of endpoints, and of every endpoint towards every Service,

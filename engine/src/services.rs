@@ -82,7 +82,7 @@ pub fn read_service(svc: &Service) -> Result<(ServiceKey, ServiceRec), EngineErr
         .metadata
         .namespace
         .clone()
-        .unwrap_or_else(|| ordnet_crds::manifest::DEFAULT_NAMESPACE.to_string());
+        .unwrap_or_else(|| ordnet_crds::DEFAULT_NAMESPACE.to_string());
     let err = |field: String, message: String| EngineError {
         object: format!("Service {namespace}/{name}"),
         field,

@@ -65,7 +65,7 @@ use serde::Serialize;
 
 use crate::build::Engine;
 use crate::identity::resolve_named;
-use crate::model::{PeerSpec, Policy, PolicyKind, PolicyRef, PortSpec, Rule, dir_index};
+use crate::model::{PeerSpec, Policy, PolicyKind, PolicyRef, PortSpec, Rule};
 
 /// One shadowed rule of an ordered policy.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -541,9 +541,9 @@ impl Engine {
             })
             .collect();
         out.sort_by(|x, y| {
-            (&x.policy, dir_index(x.direction), x.index).cmp(&(
+            (&x.policy, x.direction.index(), x.index).cmp(&(
                 &y.policy,
-                dir_index(y.direction),
+                y.direction.index(),
                 y.index,
             ))
         });

@@ -14,7 +14,7 @@ use ordnet_mapstate::{
 
 use crate::build::{EndpointPolicy, Engine};
 use crate::identity::{NamedPort, Signature, resolve_named};
-use crate::model::{PeerSpec, Policy, PolicyRef, PortSpec, dir_index};
+use crate::model::{PeerSpec, Policy, PolicyRef, PortSpec};
 use crate::selector_cache::SelId;
 use crate::store::PodKey;
 
@@ -237,7 +237,7 @@ impl Engine {
         out: &mut BTreeMap<EntryId, (EntryKey, PolicyEntry)>,
         index: &mut PolicyIndex,
     ) {
-        let di = dir_index(key.dir);
+        let di = key.dir.index();
         for rule in &policy.rules[di] {
             let peers: Vec<Option<Arc<PeerSpec>>> = match &rule.peers {
                 None => vec![None],
@@ -345,7 +345,7 @@ impl Engine {
 
     /// Isolation of a share key: whether isolated, and by which policies.
     pub(crate) fn isolation(&self, key: &ShareKey) -> (bool, Vec<Arc<Origin>>) {
-        let di = dir_index(key.dir);
+        let di = key.dir.index();
         let by: Vec<Arc<Origin>> = key
             .policies
             .iter()

@@ -14,7 +14,6 @@ use serde::Serialize;
 
 use crate::build::Engine;
 use crate::identity::Signature;
-use crate::model::DIRECTIONS;
 use crate::shared::Shared;
 
 /// The peer of a key: `None` = `*`.
@@ -165,8 +164,8 @@ impl Engine {
             let Some(keys) = self.ep_keys.get(&k) else {
                 continue;
             };
-            let [ingress, egress] = DIRECTIONS.map(|d: Direction| {
-                let key = &keys[crate::model::dir_index(d)];
+            let [ingress, egress] = Direction::ALL.map(|d: Direction| {
+                let key = &keys[d.index()];
                 match self.shared.get(key) {
                     Some(s) => self.policy_snapshot(s),
                     None => PolicySnapshot {

@@ -11,8 +11,9 @@ use k8s_openapi::api::core::v1::{Namespace, Pod};
 use ordnet_mapstate::{Direction, Identity, Protocol};
 
 use crate::identity::NamedPort;
-use crate::model::{EngineError, Labels, NAMESPACE_NAME_LABEL, Policy, PolicyRef, parse_protocol};
+use crate::model::{EngineError, Labels, Policy, PolicyRef, parse_protocol};
 use crate::services::{ServiceKey, ServiceRec};
+use ordnet_crds::NAMESPACE_NAME_LABEL;
 
 /// `namespace/name` of a pod.
 pub type PodKey = (String, String);
@@ -166,7 +167,7 @@ pub(crate) fn read_pod(pod: &Pod) -> Result<(PodKey, PodRec), EngineError> {
         .metadata
         .namespace
         .clone()
-        .unwrap_or_else(|| ordnet_crds::manifest::DEFAULT_NAMESPACE.to_string());
+        .unwrap_or_else(|| ordnet_crds::DEFAULT_NAMESPACE.to_string());
     let object = format!("Pod {namespace}/{name}");
     if name.is_empty() {
         return Err(EngineError {

@@ -16,7 +16,7 @@ use crate::incremental::{
     EndpointUpdate, EngineDelta, IpcacheChange, MAX_DERIVE_DIFF, Pending, StateSnapshot,
     diff_states, owned,
 };
-use crate::model::{DIRECTIONS, PeerSpec, PolicyRef, dir_index};
+use crate::model::{PeerSpec, PolicyRef};
 use crate::selector_cache::Notifications;
 use crate::shared::ShareKey;
 use crate::store::{PodKey, pod_key_text};
@@ -438,7 +438,7 @@ impl Engine {
                     || !s
                         .users
                         .iter()
-                        .all(|u| leaving.contains(&(u.clone(), dir_index(old.dir)))))
+                        .all(|u| leaving.contains(&(u.clone(), old.dir.index()))))
             {
                 snapshots.insert(
                     old.clone(),
@@ -496,7 +496,7 @@ impl Engine {
             let Some(s) = self.shared.get(&key) else {
                 continue;
             };
-            let d = dir_index(key.dir);
+            let d = key.dir.index();
             if !arriving.contains(&key) && s.users.iter().all(|u| leaving.contains(&(u.clone(), d)))
             {
                 continue;
@@ -520,14 +520,14 @@ impl Engine {
             derived_changes
                 .entry(mover.clone())
                 .or_default()
-                .push((dir_index(key.dir), cs, iso));
+                .push((key.dir.index(), cs, iso));
         }
         for (key, cs, iso) in state_changes {
             if cs.is_empty() && iso.is_none() {
                 continue;
             }
             let cs = Arc::new(cs);
-            let d = dir_index(key.dir);
+            let d = key.dir.index();
             let users: Vec<PodKey> = self.shared[&key]
                 .users
                 .iter()
@@ -601,7 +601,7 @@ impl Engine {
             self.unuse_shared(old, k);
             delta.updates.push(EndpointUpdate {
                 endpoint: pod_key_text(k),
-                direction: DIRECTIONS[*d],
+                direction: Direction::ALL[*d],
                 changes: Arc::new(cs),
                 isolated: iso,
                 rebuilt: true,

@@ -333,7 +333,7 @@ fn trace_names_rules_and_isolating_policies() {
 
 #[test]
 fn invalid_objects_are_reported_not_fatal() {
-    let mut out = ordnet_crds::manifest::load_str(
+    let mut out = ordnet_crds::load_str(
         Path::new("t.yaml"),
         &format!(
             "{BASE}\n---\napiVersion: ordnet.io/v1alpha1\nkind: OrderedNetworkPolicy\n\
@@ -360,7 +360,7 @@ fn invalid_objects_are_reported_not_fatal() {
 /// everything at its place in the order; the rest of the object is enforced.
 #[test]
 fn unenforceable_rules_fail_closed() {
-    let mut out = ordnet_crds::manifest::load_str(
+    let mut out = ordnet_crds::load_str(
         Path::new("t.yaml"),
         &format!(
             "{BASE}\n---\napiVersion: ordnet.io/v1alpha1\nkind: OrderedNetworkPolicy\n\
@@ -602,7 +602,7 @@ kind: Service
 metadata: {name: bad, namespace: x}
 spec: {clusterIP: 10.96.0.300, ports: [{port: 80}]}
 "#;
-    let out = ordnet_crds::validated(ordnet_crds::manifest::load_str(Path::new("t.yaml"), text));
+    let out = ordnet_crds::validated(ordnet_crds::load_str(Path::new("t.yaml"), text));
     let errors: Vec<String> = out.problems.iter().map(|p| p.to_string()).collect();
     assert!(
         errors

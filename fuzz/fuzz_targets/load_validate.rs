@@ -10,8 +10,8 @@ use std::path::Path;
 use libfuzzer_sys::fuzz_target;
 use ordnet_crds::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use ordnet_crds::k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use ordnet_crds::selector::Selector;
-use ordnet_crds::types::{Direction, OrderedSpec};
+use ordnet_crds::Selector;
+use ordnet_crds::{Direction, OrderedSpec};
 use ordnet_crds::validate::{parse_cidr, pod_ips};
 
 fuzz_target!(|data: &[u8]| {
@@ -20,7 +20,7 @@ fuzz_target!(|data: &[u8]| {
     };
     let file = if format % 2 == 0 { "f.yaml" } else { "f.json" };
     let outcome =
-        ordnet_crds::validated(ordnet_crds::manifest::load_bytes(Path::new(file), content));
+        ordnet_crds::validated(ordnet_crds::load_bytes(Path::new(file), content));
     for problem in &outcome.problems {
         let line = problem.to_string();
         assert!(

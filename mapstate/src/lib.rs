@@ -100,11 +100,11 @@
 //! (property tested). Each batch returns the exact [`ChangeSet`]; [`ChangeSet::safe_order`] gives a write
 //! order that never opens a transient allow.
 
-pub mod changes;
-pub mod prefix;
+mod changes;
+mod prefix;
 pub mod reference;
-pub mod state;
-pub mod types;
+mod state;
+mod types;
 
 pub use changes::{ChangeSet, Op};
 pub use prefix::L4Prefix;

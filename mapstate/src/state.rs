@@ -12,7 +12,7 @@ use smallvec::SmallVec;
 use crate::changes::ChangeSet;
 use crate::prefix::L4Prefix;
 use crate::types::{
-    Direction, EntryId, Identity, L4Match, OrderKey, Origin, Peer, PolicyEntry, Selector, Verdict,
+    Direction, EntryId, Identity, OrderKey, Origin, Peer, PolicyEntry, Selector, Verdict,
 };
 
 /// A key of the MapState (the direction is the MapState's own).
@@ -1295,18 +1295,4 @@ fn minimal_regions(mut regions: Vec<L4Prefix>) -> Vec<L4Prefix> {
         }
     }
     out
-}
-
-/// Convenience: the L4 match of a block, for display of what a key covers.
-pub fn block_match(p: &L4Prefix) -> L4Match {
-    match (
-        p.protocol().and_then(crate::types::Protocol::from_number),
-        p.port_range(),
-    ) {
-        (None, _) => L4Match::Any,
-        (Some(proto), Some((first, last))) if p.port_bits() > 0 => {
-            L4Match::Ports { proto, first, last }
-        }
-        (Some(proto), _) => L4Match::Proto(proto),
-    }
 }

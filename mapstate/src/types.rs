@@ -49,6 +49,14 @@ pub enum Direction {
 }
 
 impl Direction {
+    /// Both directions, ingress first: the order of every per-direction array.
+    pub const ALL: [Direction; 2] = [Direction::Ingress, Direction::Egress];
+
+    /// The position in [`Direction::ALL`] (ingress 0, egress 1).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Direction::Ingress => "ingress",

@@ -25,7 +25,7 @@ use k8s_openapi::api::networking::v1::{NetworkPolicyPeer, NetworkPolicyPort};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use ordnet_crds::ClusterObjects;
-use ordnet_crds::selector::Selector;
+use ordnet_crds::Selector;
 
 type Labels = BTreeMap<String, String>;
 

@@ -86,7 +86,7 @@ fn parse_protocol(s: &str) -> Result<Protocol, String> {
 
 /// Loads the objects exactly as `ordnet matrix -f` does (loader + validator) and builds the engine.
 fn build(sc: &Scenario, path: &Path) -> Result<Engine, String> {
-    let outcome = ordnet_crds::validated(ordnet_crds::manifest::load_str(path, &sc.manifest()));
+    let outcome = ordnet_crds::validated(ordnet_crds::load_str(path, &sc.manifest()));
     if outcome.has_errors() {
         let problems: Vec<String> = outcome
             .problems

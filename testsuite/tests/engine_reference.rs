@@ -198,7 +198,7 @@ fn reference_matches_conformance_expectations() {
             .iter()
             .map(|o| format!("---\n{}", serde_yaml::to_string(o).unwrap()))
             .collect();
-        let outcome = ordnet_crds::validated(ordnet_crds::manifest::load_str(path, &stream));
+        let outcome = ordnet_crds::validated(ordnet_crds::load_str(path, &stream));
         assert!(!outcome.has_errors(), "{}", sc.name);
         let reference = Reference::new(&outcome.objects).expect("reference");
         let mut ends: Vec<String> = outcome

@@ -28,14 +28,6 @@ pub struct ProgrammedPolicy {
 /// One local endpoint as programmed: `[ingress, egress]`.
 pub type ProgrammedEndpoint = [ProgrammedPolicy; 2];
 
-/// The index of a direction in a [`ProgrammedEndpoint`].
-pub fn dir_index(d: Direction) -> usize {
-    match d {
-        Direction::Ingress => 0,
-        Direction::Egress => 1,
-    }
-}
-
 /// A node's datapath, as the agent drives it.
 pub trait Enforcer: Send {
     /// Programs everything from scratch (the first programming after the initial sync).
@@ -74,7 +66,7 @@ impl Record {
             let mut programmed = ProgrammedEndpoint::default();
             for dir in [Direction::Ingress, Direction::Egress] {
                 let policy = engine.policy(ep, dir);
-                programmed[dir_index(dir)] = ProgrammedPolicy {
+                programmed[dir.index()] = ProgrammedPolicy {
                     entries: policy
                         .mapstate
                         .iter()
@@ -108,7 +100,7 @@ impl Record {
                         direction: u.direction.as_str(),
                         what: "update of an endpoint that is not programmed",
                     })?;
-                let p = &mut ep[dir_index(u.direction)];
+                let p = &mut ep[u.direction.index()];
                 for (k, _) in &u.changes.removed {
                     if p.entries.remove(k).is_none() {
                         return Err(AgentError::Record {

@@ -43,7 +43,7 @@ use ordnet_crds::{
     OrderedNetworkPolicy, OrderedSpec, PolicyStatus, REASON_INVALID, REASON_NOT_SHADOWED,
     REASON_RULES_FAILED_CLOSED, REASON_SHADOWED, REASON_VALID, RuleReference, ShadowedRule,
 };
-use ordnet_engine::model::Labels;
+use ordnet_engine::Labels;
 use ordnet_engine::{Engine, IdentityKind, Object, ObjectKind, PolicyKind, PolicyRef};
 use ordnet_mapstate::{Direction, Verdict};
 use serde_json::json;

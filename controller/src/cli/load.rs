@@ -96,8 +96,8 @@ pub fn load_engine(cmd: &str, source: &Source) -> Result<LoadedEngine, ExitCode>
 
 /// The file an object (`KIND NS/NAME` or `KIND NAME`) was read from.
 fn source_file(objects: &ClusterObjects, object: &str) -> Option<String> {
+    use ordnet_crds as m;
     use ordnet_crds::k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-    use ordnet_crds::manifest as m;
     fn refs<'a, T>(
         list: &'a [Loaded<T>],
         kind: &'static str,

@@ -60,9 +60,10 @@ use std::fmt::Write as _;
 
 use serde_json::{Value, json};
 
-use ordnet_mapstate::prefix::L4Prefix;
-use ordnet_mapstate::state::{Covered, Decision, Key, MapState, StateEntry};
-use ordnet_mapstate::types::{Identity, OrderKey, Origin, Peer, Protocol, Verdict};
+use ordnet_mapstate::{
+    Covered, Decision, Identity, Key, L4Prefix, MapState, OrderKey, Origin, Peer, Protocol,
+    StateEntry, Verdict,
+};
 
 use super::{ansi, pad, width};
 
@@ -1143,7 +1144,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use ordnet_mapstate::types::{Direction, EntryId, L4Match, PolicyEntry, Selector};
+    use ordnet_mapstate::{Direction, EntryId, L4Match, PolicyEntry, Selector};
 
     fn entry(
         id: u64,

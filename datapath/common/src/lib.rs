@@ -23,6 +23,7 @@
 #[cfg(any(test, feature = "std"))]
 extern crate std;
 
+#[cfg(feature = "bench")]
 pub mod alt;
 #[cfg(any(test, feature = "std"))]
 pub mod craft;

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
-use ordnet_crds::manifest::Loaded;
+use ordnet_crds::Loaded;
 use ordnet_crds::{ClusterObjects, ClusterOrderedNetworkPolicy, OrderedNetworkPolicy};
 use serde_json::{Value, json};
 

@@ -10,8 +10,7 @@ use ordnet_engine::Engine;
 /// The objects of `text` (a manifest, named `t.yaml`), which must load and validate without
 /// an error.
 pub fn objects(text: &str) -> ClusterObjects {
-    let outcome =
-        ordnet_crds::validated(ordnet_crds::manifest::load_str(Path::new("t.yaml"), text));
+    let outcome = ordnet_crds::validated(ordnet_crds::load_str(Path::new("t.yaml"), text));
     assert!(!outcome.has_errors(), "{:?}", outcome.problems);
     outcome.objects
 }
