@@ -471,20 +471,7 @@ impl NodeProgram {
         dp: &mut D,
     ) -> Result<(), ProgramError> {
         self.stats.full_programs += 1;
-        let mut seen: HashMap<IpAddr, String> = HashMap::new();
-        for ep in engine.endpoints() {
-            for ip in &ep.ips {
-                if let Some(first) = seen.insert(*ip, ep.id())
-                    && first != ep.id()
-                {
-                    return Err(ProgramError::DuplicateAddress {
-                        ip: *ip,
-                        first,
-                        second: ep.id(),
-                    });
-                }
-            }
-        }
+        check_unique_addresses(engine)?;
         self.write_hosts(dp)?;
         // 1. Identities that are new or change.
         let want = Self::wanted_identities(engine);
@@ -498,45 +485,7 @@ impl NodeProgram {
         self.world = Some(engine.world_identity());
 
         // 2. Endpoints: ids (kept, adopted by address, or new), then one batch.
-        let known: BTreeSet<String> = engine.endpoints().iter().map(Endpoint::id).collect();
-        let stale: Vec<String> = self
-            .ids
-            .keys()
-            .filter(|n| !known.contains(*n))
-            .cloned()
-            .collect();
-        for n in &stale {
-            self.forget(n);
-        }
-        let mut owner: HashMap<IpAddr, u32> = HashMap::new();
-        for (id, st) in dp.endpoints() {
-            for ip in &st.ips {
-                owner.insert(*ip, *id);
-            }
-        }
-        let mut claimed: BTreeSet<u32> = self.names.keys().copied().collect();
-        let mut batch_ids = Vec::new();
-        for ep in engine.endpoints() {
-            let name = ep.id();
-            let id = match self.ids.get(&name) {
-                Some(id) => *id,
-                None => {
-                    let adopted = ep
-                        .ips
-                        .first()
-                        .and_then(|ip| owner.get(ip))
-                        .copied()
-                        .filter(|id| !claimed.contains(id));
-                    match adopted {
-                        Some(id) => id,
-                        None => self.fresh_id(dp)?,
-                    }
-                }
-            };
-            claimed.insert(id);
-            self.remember(&name, id, ep);
-            batch_ids.push(id);
-        }
+        let (batch_ids, claimed) = self.assign_ids(engine, dp)?;
         // Endpoints the datapath holds that are not the engine's go first (their addresses
         // may belong to another endpoint now).
         let gone: Vec<u32> = dp
@@ -587,6 +536,56 @@ impl NodeProgram {
         // 4. Service frontends and the interfaces of endpoints (their ids may be new).
         self.program_services(engine, dp)?;
         self.refresh_interfaces(dp)
+    }
+
+    /// Step 2 of [`NodeProgram::program_full`]: the id of every engine endpoint (kept, adopted
+    /// from the datapath endpoint that owns its first address, or new), in the engine's order,
+    /// and the set of ids in use.
+    fn assign_ids<D: ControlPlane + ?Sized>(
+        &mut self,
+        engine: &Engine,
+        dp: &mut D,
+    ) -> Result<(Vec<u32>, BTreeSet<u32>), ProgramError> {
+        let known: BTreeSet<String> = engine.endpoints().iter().map(Endpoint::id).collect();
+        let stale: Vec<String> = self
+            .ids
+            .keys()
+            .filter(|n| !known.contains(*n))
+            .cloned()
+            .collect();
+        for n in &stale {
+            self.forget(n);
+        }
+        let mut owner: HashMap<IpAddr, u32> = HashMap::new();
+        for (id, st) in dp.endpoints() {
+            for ip in &st.ips {
+                owner.insert(*ip, *id);
+            }
+        }
+        let mut claimed: BTreeSet<u32> = self.names.keys().copied().collect();
+        let mut batch_ids = Vec::new();
+        for ep in engine.endpoints() {
+            let name = ep.id();
+            let id = match self.ids.get(&name) {
+                Some(id) => *id,
+                None => {
+                    let adopted = ep
+                        .ips
+                        .first()
+                        .and_then(|ip| owner.get(ip))
+                        .copied()
+                        .filter(|id| !claimed.contains(id));
+                    match adopted {
+                        Some(id) => id,
+                        None => self.fresh_id(dp)?,
+                    }
+                }
+            };
+            claimed.insert(id);
+            self.remember(&name, id, ep);
+            batch_ids.push(id);
+        }
+        Ok((batch_ids, claimed))
     }
 
     /// Attributes a datapath error to the endpoint it names, if any.
@@ -795,7 +794,35 @@ impl NodeProgram {
         dp: &mut D,
         full: &mut BTreeSet<String>,
     ) -> Result<(), ProgramError> {
-        // 1. Removed endpoints.
+        self.remove_endpoints(delta, dp, full)?;
+        self.create_endpoints(engine, delta, dp, full)?;
+        let splits = self.split_updates(delta, dp, full);
+        // 3. Added and changed keys, tightening defaults.
+        let step3 = splits
+            .iter()
+            .filter(|s| !s.upserts.is_empty() || s.first != s.current)
+            .map(|s| (s.id, s.name.clone(), s.dir, &s.upserts, s.first))
+            .collect();
+        self.apply_changes(dp, step3, full)?;
+        // 4. The ipcache, and endpoints whose addresses or identities changed.
+        let touched = self.write_ipcache_changes(engine, delta, dp)?;
+        self.readdress(engine, &touched, dp, full)?;
+        // 5. Removed keys, loosening defaults.
+        let step5 = splits
+            .iter()
+            .filter(|s| !s.removals.is_empty() || s.first != s.last)
+            .map(|s| (s.id, s.name.clone(), s.dir, &s.removals, s.last))
+            .collect();
+        self.apply_changes(dp, step5, full)
+    }
+
+    /// Step 1: endpoints the delta removes.
+    fn remove_endpoints<D: ControlPlane + ?Sized>(
+        &mut self,
+        delta: &EngineDelta,
+        dp: &mut D,
+        full: &mut BTreeSet<String>,
+    ) -> Result<(), ProgramError> {
         let mut gone = Vec::new();
         for name in &delta.endpoints_removed {
             full.remove(name);
@@ -806,10 +833,19 @@ impl NodeProgram {
             }
         }
         self.remove_ids(dp, &gone)?;
+        Ok(())
+    }
 
-        // 2. New endpoints, with their current addresses and empty deny-all rule sets (their
-        // keys come as change sets below). One the engine no longer has is skipped: a later
-        // delta of the batch removes it.
+    /// Step 2: new endpoints, with their current addresses and empty deny-all rule sets (their
+    /// keys come as change sets in step 3). One the engine no longer has is skipped: a later
+    /// delta of the batch removes it.
+    fn create_endpoints<D: ControlPlane + ?Sized>(
+        &mut self,
+        engine: &Engine,
+        delta: &EngineDelta,
+        dp: &mut D,
+        full: &mut BTreeSet<String>,
+    ) -> Result<(), ProgramError> {
         let empty = Direction::ALL.map(|d| MapState::new(d, Verdict::Deny));
         let mut created: Vec<(u32, String, Vec<IpAddr>, Vec<u32>)> = Vec::new();
         for name in &delta.endpoints_added {
@@ -861,8 +897,17 @@ impl NodeProgram {
                 Err(e) => return Err(self.endpoint_error(e)),
             }
         }
+        Ok(())
+    }
 
-        // 3. Added and changed keys, tightening defaults.
+    /// Each update of the delta split into its upserts (step 3) and removals (step 5), with the
+    /// defaults before, between and after.
+    fn split_updates<D: ControlPlane + ?Sized>(
+        &mut self,
+        delta: &EngineDelta,
+        dp: &D,
+        full: &BTreeSet<String>,
+    ) -> Vec<Split> {
         let mut splits: Vec<Split> = Vec::new();
         for u in &delta.updates {
             let Some(&id) = self.ids.get(&u.endpoint) else {
@@ -904,14 +949,17 @@ impl NodeProgram {
             });
             self.stats.change_sets += 1;
         }
-        let step3 = splits
-            .iter()
-            .filter(|s| !s.upserts.is_empty() || s.first != s.current)
-            .map(|s| (s.id, s.name.clone(), s.dir, &s.upserts, s.first))
-            .collect();
-        self.apply_changes(dp, step3, full)?;
+        splits
+    }
 
-        // 4. The ipcache, and endpoints whose addresses or identities changed.
+    /// Step 4a: the ipcache changes. Returns the endpoints whose addresses or identities may
+    /// have changed with them (and every endpoint with an update).
+    fn write_ipcache_changes<D: ControlPlane + ?Sized>(
+        &mut self,
+        engine: &Engine,
+        delta: &EngineDelta,
+        dp: &mut D,
+    ) -> Result<BTreeSet<String>, ProgramError> {
         let mut entries: Vec<(IpNet, Option<u32>)> = Vec::new();
         let mut touched: BTreeSet<String> =
             delta.updates.iter().map(|u| u.endpoint.clone()).collect();
@@ -937,8 +985,19 @@ impl NodeProgram {
             }
         }
         self.set_identities(dp, &entries)?;
+        Ok(touched)
+    }
+
+    /// Step 4b: endpoints whose addresses or identities differ from the engine's get them.
+    fn readdress<D: ControlPlane + ?Sized>(
+        &mut self,
+        engine: &Engine,
+        touched: &BTreeSet<String>,
+        dp: &mut D,
+        full: &mut BTreeSet<String>,
+    ) -> Result<(), ProgramError> {
         let mut moved: Vec<(u32, String, Vec<IpAddr>, Vec<u32>)> = Vec::new();
-        for name in &touched {
+        for name in touched {
             let (Some(&id), (ns, n)) = (self.ids.get(name), split(name)) else {
                 continue;
             };
@@ -988,13 +1047,25 @@ impl NodeProgram {
                 Err(e) => return Err(self.endpoint_error(e)),
             }
         }
-
-        // 5. Removed keys, loosening defaults.
-        let step5 = splits
-            .iter()
-            .filter(|s| !s.removals.is_empty() || s.first != s.last)
-            .map(|s| (s.id, s.name.clone(), s.dir, &s.removals, s.last))
-            .collect();
-        self.apply_changes(dp, step5, full)
+        Ok(())
     }
+}
+
+/// Two endpoints of the engine must not share an address.
+fn check_unique_addresses(engine: &Engine) -> Result<(), ProgramError> {
+    let mut seen: HashMap<IpAddr, String> = HashMap::new();
+    for ep in engine.endpoints() {
+        for ip in &ep.ips {
+            if let Some(first) = seen.insert(*ip, ep.id())
+                && first != ep.id()
+            {
+                return Err(ProgramError::DuplicateAddress {
+                    ip: *ip,
+                    first,
+                    second: ep.id(),
+                });
+            }
+        }
+    }
+    Ok(())
 }

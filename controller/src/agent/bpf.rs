@@ -190,58 +190,7 @@ impl BpfDatapath {
     /// Attaches the program to every interface a local endpoint (or the uplink) needs and
     /// removes the attachments nobody needs.
     fn reconcile_links(&mut self, engine: &Engine) {
-        let mut unattached = BTreeMap::new();
-        // Interface → who needs it.
-        let mut wanted: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        if let Some(u) = &self.uplink {
-            wanted
-                .entry(u.clone())
-                .or_default()
-                .push(format!("uplink {u}"));
-        }
-        match Routes::read() {
-            Ok(routes) => {
-                for ep in engine.endpoints() {
-                    let name = ep.id();
-                    for ip in &ep.ips {
-                        match routes.lookup(*ip) {
-                            Some(r) if r.prefix_len == 0 => {
-                                unattached.insert(
-                                    name.clone(),
-                                    format!(
-                                        "{ip}: only the default route ({}) leads there, no pod interface",
-                                        r.iface
-                                    ),
-                                );
-                            }
-                            Some(r)
-                                if r.iface == "lo" || Some(&r.iface) == self.uplink.as_ref() =>
-                            {
-                                unattached.insert(
-                                    name.clone(),
-                                    format!(
-                                        "{ip} is routed to {}, not to a pod interface",
-                                        r.iface
-                                    ),
-                                );
-                            }
-                            Some(r) => wanted
-                                .entry(r.iface.clone())
-                                .or_default()
-                                .push(name.clone()),
-                            None => {
-                                unattached.insert(name.clone(), format!("no route to {ip}"));
-                            }
-                        }
-                    }
-                }
-            }
-            Err(e) => {
-                for ep in engine.endpoints() {
-                    unattached.insert(ep.id(), format!("reading the routing table: {e}"));
-                }
-            }
-        }
+        let (wanted, mut unattached) = self.wanted_interfaces(engine);
         // Attachments nobody needs go (pods that went away).
         let attached: Vec<String> = self.dp.attached().map(str::to_string).collect();
         for iface in attached.iter().filter(|i| !wanted.contains_key(*i)) {
@@ -315,6 +264,67 @@ impl BpfDatapath {
             }
         }
         self.unattached = unattached;
+    }
+
+    /// The interfaces the programs must be attached to, with who needs each (`ns/name`, or
+    /// `uplink IFACE`), and the endpoints that have no usable interface, with why.
+    fn wanted_interfaces(
+        &self,
+        engine: &Engine,
+    ) -> (BTreeMap<String, Vec<String>>, BTreeMap<String, String>) {
+        let mut unattached = BTreeMap::new();
+        // Interface → who needs it.
+        let mut wanted: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        if let Some(u) = &self.uplink {
+            wanted
+                .entry(u.clone())
+                .or_default()
+                .push(format!("uplink {u}"));
+        }
+        match Routes::read() {
+            Ok(routes) => {
+                for ep in engine.endpoints() {
+                    let name = ep.id();
+                    for ip in &ep.ips {
+                        match routes.lookup(*ip) {
+                            Some(r) if r.prefix_len == 0 => {
+                                unattached.insert(
+                                    name.clone(),
+                                    format!(
+                                        "{ip}: only the default route ({}) leads there, no pod interface",
+                                        r.iface
+                                    ),
+                                );
+                            }
+                            Some(r)
+                                if r.iface == "lo" || Some(&r.iface) == self.uplink.as_ref() =>
+                            {
+                                unattached.insert(
+                                    name.clone(),
+                                    format!(
+                                        "{ip} is routed to {}, not to a pod interface",
+                                        r.iface
+                                    ),
+                                );
+                            }
+                            Some(r) => wanted
+                                .entry(r.iface.clone())
+                                .or_default()
+                                .push(name.clone()),
+                            None => {
+                                unattached.insert(name.clone(), format!("no route to {ip}"));
+                            }
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                for ep in engine.endpoints() {
+                    unattached.insert(ep.id(), format!("reading the routing table: {e}"));
+                }
+            }
+        }
+        (wanted, unattached)
     }
 
     fn detach(&mut self, iface: &str) {

@@ -115,72 +115,8 @@ struct NodePortCheck {
 }
 
 fn plan(args: &LabArgs) -> Result<Plan, Fail> {
-    let family = match args.family {
-        4 => IpFamily::V4,
-        6 => IpFamily::V6,
-        other => return Err(fail(2, format!("--family must be 4 or 6, not {other}"))),
-    };
-    if args.probe && args.port == 0 {
-        return Err(fail(2, "--port 0 cannot be probed (use 1-65535)"));
-    }
-    let mut externals: Vec<IpAddr> = Vec::new();
-    for ip in &args.external {
-        if !family.contains(*ip) {
-            return Err(fail(
-                2,
-                format!(
-                    "--external {ip} is not an IPv{} address (--family {})",
-                    args.family, args.family
-                ),
-            ));
-        }
-        if let Some(why) = topo::unusable(*ip) {
-            return Err(fail(2, format!("--external {ip} cannot be used: {why}")));
-        }
-        if !externals.contains(ip) {
-            externals.push(*ip);
-        }
-    }
-    let source = Source {
-        files: args.files.clone(),
-        agent: None,
-    };
-    let loaded = load::load_engine("lab", &source).map_err(|code| Fail {
-        // load_engine printed the problems; its exit code is CLI.md's.
-        code: if code == ExitCode::from(1) { 1 } else { 2 },
-        msg: String::new(),
-    })?;
-    // The lab builds only valid input (rules enforced fail-closed are for the agent and for
-    // `matrix`, which say so and exit 1).
-    if loaded.exit != ExitCode::SUCCESS {
-        return Err(fail(1, "the manifests have errors; nothing built"));
-    }
-    let engine = loaded.engine;
-    // Every address is given to exactly one namespace (validation already refused two pods
-    // with one address).
-    let mut owner: HashMap<IpAddr, String> = HashMap::new();
-    for ep in engine.endpoints() {
-        for ip in &ep.ips {
-            if let Some(why) = topo::unusable(*ip) {
-                return Err(fail(
-                    1,
-                    format!(
-                        "Pod {}: status.podIPs: {ip} cannot be built: {why}",
-                        ep.id()
-                    ),
-                ));
-            }
-            owner.insert(*ip, ep.id());
-        }
-    }
-    for ip in &externals {
-        if let Some(pod) = owner.get(ip) {
-            return Err(fail(
-                2,
-                format!("--external {ip} is the address of pod {pod}"),
-            ));
-        }
-    }
+    let (family, externals) = checked_flags(args)?;
+    let engine = buildable_engine(args, &externals)?;
     let proto = load::protocol(args.protocol);
     // Exactly what `ordnet matrix` prints.
     let mut offline = ordnet::offline::OfflineDatapath::build(&engine)
@@ -238,6 +174,84 @@ fn plan(args: &LabArgs) -> Result<Plan, Fail> {
         kube_proxy,
         node_ports,
     })
+}
+
+/// The address family and the `--external` addresses (deduplicated), checked: usage errors
+/// exit 2.
+fn checked_flags(args: &LabArgs) -> Result<(IpFamily, Vec<IpAddr>), Fail> {
+    let family = match args.family {
+        4 => IpFamily::V4,
+        6 => IpFamily::V6,
+        other => return Err(fail(2, format!("--family must be 4 or 6, not {other}"))),
+    };
+    if args.probe && args.port == 0 {
+        return Err(fail(2, "--port 0 cannot be probed (use 1-65535)"));
+    }
+    let mut externals: Vec<IpAddr> = Vec::new();
+    for ip in &args.external {
+        if !family.contains(*ip) {
+            return Err(fail(
+                2,
+                format!(
+                    "--external {ip} is not an IPv{} address (--family {})",
+                    args.family, args.family
+                ),
+            ));
+        }
+        if let Some(why) = topo::unusable(*ip) {
+            return Err(fail(2, format!("--external {ip} cannot be used: {why}")));
+        }
+        if !externals.contains(ip) {
+            externals.push(*ip);
+        }
+    }
+    Ok((family, externals))
+}
+
+/// The engine of the manifests, if the lab can build them: no errors, every pod address
+/// buildable, no `--external` that is a pod's address.
+fn buildable_engine(args: &LabArgs, externals: &[IpAddr]) -> Result<Engine, Fail> {
+    let source = Source {
+        files: args.files.clone(),
+        agent: None,
+    };
+    let loaded = load::load_engine("lab", &source).map_err(|code| Fail {
+        // load_engine printed the problems; its exit code is CLI.md's.
+        code: if code == ExitCode::from(1) { 1 } else { 2 },
+        msg: String::new(),
+    })?;
+    // The lab builds only valid input (rules enforced fail-closed are for the agent and for
+    // `matrix`, which say so and exit 1).
+    if loaded.exit != ExitCode::SUCCESS {
+        return Err(fail(1, "the manifests have errors; nothing built"));
+    }
+    let engine = loaded.engine;
+    // Every address is given to exactly one namespace (validation already refused two pods
+    // with one address).
+    let mut owner: HashMap<IpAddr, String> = HashMap::new();
+    for ep in engine.endpoints() {
+        for ip in &ep.ips {
+            if let Some(why) = topo::unusable(*ip) {
+                return Err(fail(
+                    1,
+                    format!(
+                        "Pod {}: status.podIPs: {ip} cannot be built: {why}",
+                        ep.id()
+                    ),
+                ));
+            }
+            owner.insert(*ip, ep.id());
+        }
+    }
+    for ip in externals {
+        if let Some(pod) = owner.get(ip) {
+            return Err(fail(
+                2,
+                format!("--external {ip} is the address of pod {pod}"),
+            ));
+        }
+    }
+    Ok(engine)
 }
 
 /// Every Service port of every family of `engine` with its backends (pods of the family, in the
@@ -426,6 +440,46 @@ fn interrupted() -> Result<(), Fail> {
 /// Builds the lab and runs it (probes, or waits for Ctrl-C). Cleanup is the caller's.
 fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fail> {
     let started = Instant::now();
+    build_network(plan, lab)?;
+    interrupted()?;
+    let ifindex = attach_datapath(plan, lab)?;
+    interrupted()?;
+    let (ends, index) = probed_ends(plan, lab)?;
+    let checks = probe_plan(args, plan, &ends, &index)?;
+    let probes = |attempt: u16| -> Vec<Probe> { checks.iter().map(|c| c.probe(attempt)).collect() };
+    start_servers_and_check_wiring(plan, lab, &ends, &checks, &probes(WIRING))?;
+    program_datapath(plan, lab, &ifindex)?;
+    eprintln!(
+        "ordnet lab: run {} up in {} ms: XDP and TC on {} interfaces of namespace {}{}",
+        lab.topo.run_id,
+        started.elapsed().as_millis(),
+        lab.topo.xdp_interfaces().len(),
+        lab.topo.node,
+        if plan.kube_proxy.is_empty() {
+            String::new()
+        } else {
+            format!(
+                ", kube-proxy rules for {} Service port{}",
+                plan.kube_proxy.len(),
+                if plan.kube_proxy.len() == 1 { "" } else { "s" }
+            )
+        }
+    );
+    interrupted()?;
+    if !args.probe {
+        print_guide(args, plan, lab);
+        while sys::interrupted().is_none() {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    let outcomes = probe_and_verify(args, plan, lab, &ends, &checks, &probes(RUN))?;
+    report(args, plan, &checks, &outcomes)
+}
+
+/// The pod and external namespaces, and kube-proxy's rules in the node namespace (before any
+/// probe: flows that start before a NAT table exists keep a null binding).
+fn build_network(plan: &Plan, lab: &mut Running) -> Result<(), Fail> {
     let pods: Vec<(String, Vec<IpAddr>)> = plan
         .engine
         .endpoints()
@@ -442,9 +496,6 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
     );
     lab.topo.build(&pods, &plan.externals).map_err(lab_err)?;
     interrupted()?;
-
-    // kube-proxy's rules, before any probe (flows that start before a NAT table exists keep a
-    // null binding).
     for v6 in [false, true] {
         let node: Vec<IpAddr> = topo::NODE_ADDRESSES
             .iter()
@@ -457,9 +508,13 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
         )
         .map_err(|e| lab_err(format!("loading kube-proxy's rules: {e}")))?;
     }
+    Ok(())
+}
 
-    // The datapath is created and attached from inside the node namespace (interface names
-    // resolve there); its maps and programs are global.
+/// Creates the datapath and attaches both programs to every interface, from inside the node
+/// namespace (interface names resolve there; the maps and programs are global). Returns the
+/// index of every interface.
+fn attach_datapath(plan: &Plan, lab: &mut Running) -> Result<HashMap<String, u32>, Fail> {
     let node = sys::Netns::open(&lab.topo.node).map_err(lab_err)?;
     let ifaces = lab.topo.xdp_interfaces();
     let defaults = DatapathConfig::default();
@@ -494,9 +549,11 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
     })
     .map_err(lab_err)?;
     lab.datapath = Some(dp);
-    interrupted()?;
+    Ok(ifindex)
+}
 
-    // Probed ends, in the expected matrix's order.
+/// The probed ends, in the expected matrix's order, and their index by name.
+fn probed_ends(plan: &Plan, lab: &Running) -> Result<(Vec<End>, HashMap<String, usize>), Fail> {
     let mut ends: Vec<End> = Vec::new();
     let mut index: HashMap<String, usize> = HashMap::new();
     let mut opened: HashMap<String, Arc<sys::Netns>> = HashMap::new();
@@ -528,10 +585,22 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
         index.insert(label.clone(), ends.len());
         ends.push(End { netns: ns, addr });
     }
-    let checks = probe_plan(args, plan, &ends, &index)?;
+    Ok((ends, index))
+}
+
+/// Starts the servers, then the wiring check: with the programs attached and no endpoint
+/// programmed every packet passes (no local endpoint), so every probe must connect
+/// (kube-proxy's rules are in place).
+fn start_servers_and_check_wiring(
+    plan: &Plan,
+    lab: &mut Running,
+    ends: &[End],
+    checks: &[Check],
+    probes: &[Probe],
+) -> Result<(), Fail> {
     let method = plan.method;
     let mut listeners: Vec<(End, u16)> = Vec::new();
-    for c in &checks {
+    for c in checks {
         if let Some((end, port)) = &c.server
             && !listeners
                 .iter()
@@ -542,10 +611,7 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
     }
     lab.servers = Some(probe::start_servers(&listeners, method).map_err(lab_err)?);
 
-    // Wiring check: with the programs attached and no endpoint programmed, every packet passes
-    // (no local endpoint), so every probe must connect (kube-proxy's rules are in place).
-    let probes = |attempt: u16| -> Vec<Probe> { checks.iter().map(|c| c.probe(attempt)).collect() };
-    let baseline = probe::probe_all(&ends, &probes(WIRING), method, PROBE_TIMEOUT);
+    let baseline = probe::probe_all(ends, probes, method, PROBE_TIMEOUT);
     interrupted()?;
     for (c, o) in checks.iter().zip(&baseline) {
         if !matches!(o, Outcome::Connected { .. }) {
@@ -556,11 +622,19 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
             )));
         }
     }
+    Ok(())
+}
+
+/// Programs the datapath as the agent does: every pod a local endpoint of this node, whose
+/// addresses are the lab node's; the TC hook knows each pod's interface.
+fn program_datapath(
+    plan: &Plan,
+    lab: &mut Running,
+    ifindex: &HashMap<String, u32>,
+) -> Result<(), Fail> {
     let dp = lab.datapath.as_mut().expect("datapath");
     dp.ct_clear()
         .map_err(|e| lab_err(format!("clearing connection tracking: {e}")))?;
-    // The agent's code path: every pod is a local endpoint of this node, whose addresses are
-    // the lab node's; the TC hook knows each pod's interface.
     let mut program = NodeProgram::new();
     program
         .set_host_addresses(dp, &topo::NODE_ADDRESSES)
@@ -571,32 +645,21 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
             .set_interface(dp, &m.label, ifindex.get(&m.host_if).copied())
             .map_err(|e| lab_err(format!("programming the datapath: {e}")))?;
     }
-    eprintln!(
-        "ordnet lab: run {} up in {} ms: XDP and TC on {} interfaces of namespace {}{}",
-        lab.topo.run_id,
-        started.elapsed().as_millis(),
-        ifaces.len(),
-        lab.topo.node,
-        if plan.kube_proxy.is_empty() {
-            String::new()
-        } else {
-            format!(
-                ", kube-proxy rules for {} Service port{}",
-                plan.kube_proxy.len(),
-                if plan.kube_proxy.len() == 1 { "" } else { "s" }
-            )
-        }
-    );
-    interrupted()?;
+    Ok(())
+}
 
-    if !args.probe {
-        print_guide(args, plan, lab);
-        while sys::interrupted().is_none() {
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        return Ok(ExitCode::SUCCESS);
-    }
-
+/// The measured run: probes every check and proves that every answered flow between two
+/// namespaces went through the datapath (a program tracked it; the TC program the translated
+/// flow of a Service). Returns the observed verdicts.
+fn probe_and_verify(
+    args: &LabArgs,
+    plan: &Plan,
+    lab: &Running,
+    ends: &[End],
+    checks: &[Check],
+    probes: &[Probe],
+) -> Result<Vec<Verdict>, Fail> {
+    let method = plan.method;
     eprintln!(
         "ordnet lab: probing {} flows on {}/{} by {} (timeout {} ms)",
         checks.len(),
@@ -606,7 +669,7 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
         PROBE_TIMEOUT.as_millis()
     );
     let t = Instant::now();
-    let outcomes = probe::probe_all(&ends, &probes(RUN), method, PROBE_TIMEOUT);
+    let outcomes = probe::probe_all(ends, probes, method, PROBE_TIMEOUT);
     interrupted()?;
     eprintln!("ordnet lab: probed in {} ms", t.elapsed().as_millis());
     let mut observed = Vec::with_capacity(outcomes.len());
@@ -619,8 +682,6 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
             }
         });
     }
-    // Every answered flow between two different namespaces went through the datapath: a
-    // program tracked it (the TC program the translated flow of a Service).
     let dp = lab.datapath.as_ref().expect("datapath");
     let tracked = tracked_flows(dp).map_err(lab_err)?;
     for (c, o) in checks.iter().zip(&outcomes) {
@@ -635,7 +696,7 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
             )));
         }
     }
-    report(args, plan, &checks, &observed)
+    Ok(observed)
 }
 
 /// One probed flow of a run and what it checks.
@@ -850,166 +911,206 @@ fn report(
     checks: &[Check],
     observed: &[Verdict],
 ) -> Result<ExitCode, Fail> {
-    let m = &plan.expected;
-    let mismatches: Vec<(&Check, Verdict)> = checks
-        .iter()
-        .zip(observed)
-        .filter(|(c, o)| c.expected != **o)
-        .map(|(c, o)| (c, *o))
-        .collect();
-    // The observed verdict of every matrix result (a Service: of all its backends).
-    let mut per_result: BTreeMap<usize, Vec<(Option<usize>, Verdict)>> = BTreeMap::new();
-    for (c, o) in checks.iter().zip(observed) {
-        if c.node_port.is_none() {
-            per_result
-                .entry(c.result)
-                .or_default()
-                .push((c.backend.map(|(b, _)| b), *o));
-        }
-    }
-    let observed_of = |i: usize| -> MatrixVerdict {
-        MatrixVerdict::of(per_result.get(&i).into_iter().flatten().map(|(_, v)| *v))
-    };
-    let node_port_rows: Vec<(&NodePortCheck, Verdict)> = checks
-        .iter()
-        .zip(observed)
-        .filter_map(|(c, o)| c.node_port.map(|n| (&plan.node_ports[n], *o)))
-        .collect();
+    let seen = Observed::new(plan, checks, observed);
     match args.output {
-        TableOrJson::Json => {
-            let mut v = serde_json::to_value(m).expect("the matrix serializes");
-            if let Some(results) = v.get_mut("results").and_then(|r| r.as_array_mut()) {
-                for (i, (entry, r)) in results.iter_mut().zip(&m.results).enumerate() {
-                    entry["verdict"] = serde_json::Value::from(observed_of(i).as_str());
-                    entry["expected"] = serde_json::Value::from(r.verdict.as_str());
-                    if !r.backends.is_empty() {
-                        let backends: Vec<serde_json::Value> = r
-                            .backends
-                            .iter()
-                            .enumerate()
-                            .map(|(b, bv)| {
-                                let seen = per_result
-                                    .get(&i)
-                                    .and_then(|v| v.iter().find(|(k, _)| *k == Some(b)))
-                                    .map_or("deny", |(_, v)| v.as_str());
-                                serde_json::json!({
-                                    "to": bv.to,
-                                    "verdict": seen,
-                                    "expected": bv.verdict.as_str(),
-                                })
-                            })
-                            .collect();
-                        entry["backends"] = serde_json::Value::from(backends);
-                    }
-                }
-            }
-            if !node_port_rows.is_empty() {
-                v["nodePorts"] = node_port_rows
-                    .iter()
-                    .map(|(n, o)| {
-                        serde_json::json!({
-                            "from": n.from,
-                            "to": n.service,
-                            "nodePort": n.dest.to_string(),
-                            "externalTrafficPolicy": if n.local { "Local" } else { "Cluster" },
-                            "backend": n.backend,
-                            "verdict": o.as_str(),
-                            "expected": n.expected.as_str(),
-                        })
-                    })
-                    .collect();
-            }
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&v).expect("JSON serializes")
-            );
-        }
-        TableOrJson::Table => {
-            let style = Style::new(render::color_wanted());
-            let max_width = std::env::var("COLUMNS")
-                .ok()
-                .and_then(|c| c.parse().ok())
-                .unwrap_or(160);
-            let proto = load::protocol(args.protocol);
-            let grid = |title: &str, verdicts: BTreeMap<(String, String), MatrixVerdict>| {
-                render::verdict_grid(
-                    &format!("{title} {proto}/{}", args.port),
-                    &m.endpoints,
-                    &m.services,
-                    &verdicts,
-                    style,
-                    max_width,
-                )
-            };
-            let obs = m
-                .results
-                .iter()
-                .enumerate()
-                .map(|(i, r)| ((r.from.clone(), r.to.clone()), observed_of(i)))
-                .collect();
-            let exp = m
-                .results
-                .iter()
-                .map(|r| ((r.from.clone(), r.to.clone()), r.verdict))
-                .collect();
-            print!("{}\n{}\n", grid("observed", obs), grid("expected", exp));
-            if !node_port_rows.is_empty() {
-                println!("NodePorts from the external addresses (one flow per backend):");
-                for (n, o) in &node_port_rows {
-                    println!(
-                        "  {} -> {} via {} ({}) to {}: observed {}, expected {}",
-                        n.from,
-                        n.service,
-                        n.dest,
-                        if n.local {
-                            "Local: client address kept"
-                        } else {
-                            "Cluster: masqueraded to the node"
-                        },
-                        n.backend,
-                        o.as_str(),
-                        n.expected.as_str()
-                    );
-                }
-                println!();
-            }
-            if mismatches.is_empty() {
-                println!(
-                    "{}",
-                    style.green(&format!(
-                        "observed = expected for all {} flows",
-                        checks.len()
-                    ))
-                );
-            } else {
-                println!(
-                    "{}",
-                    style.red(&format!(
-                        "{} of {} flows differ:",
-                        mismatches.len(),
-                        checks.len()
-                    ))
-                );
-                for (c, o) in &mismatches {
-                    println!(
-                        "  {}: observed {}, expected {}",
-                        c.describe(plan),
-                        o.as_str(),
-                        c.expected.as_str()
-                    );
-                }
-            }
-        }
+        TableOrJson::Json => print_json(plan, &seen),
+        TableOrJson::Table => print_table(args, plan, checks, &seen),
     }
-    if mismatches.is_empty() {
+    if seen.mismatches.is_empty() {
         Ok(ExitCode::SUCCESS)
     } else {
         eprintln!(
             "ordnet lab: {} of {} flows observed differently from the expected verdict",
-            mismatches.len(),
+            seen.mismatches.len(),
             checks.len()
         );
         Ok(ExitCode::from(EXIT_MISMATCH))
+    }
+}
+
+/// What the probes saw, arranged for the report.
+struct Observed<'a> {
+    /// Checks whose observed verdict is not the expected one.
+    mismatches: Vec<(&'a Check, Verdict)>,
+    /// Per matrix result: (backend index for a Service, observed verdict) of its checks.
+    per_result: BTreeMap<usize, Vec<(Option<usize>, Verdict)>>,
+    /// The NodePort checks with their observed verdicts.
+    node_port_rows: Vec<(&'a NodePortCheck, Verdict)>,
+}
+
+impl<'a> Observed<'a> {
+    fn new(plan: &'a Plan, checks: &'a [Check], observed: &[Verdict]) -> Observed<'a> {
+        let mismatches = checks
+            .iter()
+            .zip(observed)
+            .filter(|(c, o)| c.expected != **o)
+            .map(|(c, o)| (c, *o))
+            .collect();
+        let mut per_result: BTreeMap<usize, Vec<(Option<usize>, Verdict)>> = BTreeMap::new();
+        for (c, o) in checks.iter().zip(observed) {
+            if c.node_port.is_none() {
+                per_result
+                    .entry(c.result)
+                    .or_default()
+                    .push((c.backend.map(|(b, _)| b), *o));
+            }
+        }
+        let node_port_rows = checks
+            .iter()
+            .zip(observed)
+            .filter_map(|(c, o)| c.node_port.map(|n| (&plan.node_ports[n], *o)))
+            .collect();
+        Observed {
+            mismatches,
+            per_result,
+            node_port_rows,
+        }
+    }
+
+    /// The observed verdict of matrix result `i` (a Service: of all its backends).
+    fn of(&self, i: usize) -> MatrixVerdict {
+        MatrixVerdict::of(
+            self.per_result
+                .get(&i)
+                .into_iter()
+                .flatten()
+                .map(|(_, v)| *v),
+        )
+    }
+}
+
+/// `-o json`: the matrix object with every verdict observed, plus `expected` (and a mixed
+/// Service's backends, and the NodePort rows).
+fn print_json(plan: &Plan, seen: &Observed<'_>) {
+    let m = &plan.expected;
+    let (per_result, node_port_rows) = (&seen.per_result, &seen.node_port_rows);
+    let observed_of = |i: usize| seen.of(i);
+    let mut v = serde_json::to_value(m).expect("the matrix serializes");
+    if let Some(results) = v.get_mut("results").and_then(|r| r.as_array_mut()) {
+        for (i, (entry, r)) in results.iter_mut().zip(&m.results).enumerate() {
+            entry["verdict"] = serde_json::Value::from(observed_of(i).as_str());
+            entry["expected"] = serde_json::Value::from(r.verdict.as_str());
+            if !r.backends.is_empty() {
+                let backends: Vec<serde_json::Value> = r
+                    .backends
+                    .iter()
+                    .enumerate()
+                    .map(|(b, bv)| {
+                        let seen = per_result
+                            .get(&i)
+                            .and_then(|v| v.iter().find(|(k, _)| *k == Some(b)))
+                            .map_or("deny", |(_, v)| v.as_str());
+                        serde_json::json!({
+                            "to": bv.to,
+                            "verdict": seen,
+                            "expected": bv.verdict.as_str(),
+                        })
+                    })
+                    .collect();
+                entry["backends"] = serde_json::Value::from(backends);
+            }
+        }
+    }
+    if !node_port_rows.is_empty() {
+        v["nodePorts"] = node_port_rows
+            .iter()
+            .map(|(n, o)| {
+                serde_json::json!({
+                    "from": n.from,
+                    "to": n.service,
+                    "nodePort": n.dest.to_string(),
+                    "externalTrafficPolicy": if n.local { "Local" } else { "Cluster" },
+                    "backend": n.backend,
+                    "verdict": o.as_str(),
+                    "expected": n.expected.as_str(),
+                })
+            })
+            .collect();
+    }
+    println!(
+        "{}",
+        serde_json::to_string_pretty(&v).expect("JSON serializes")
+    );
+}
+
+/// `-o table`: the observed and expected grids, the NodePort rows, and the differences.
+fn print_table(args: &LabArgs, plan: &Plan, checks: &[Check], seen: &Observed<'_>) {
+    let m = &plan.expected;
+    let (mismatches, node_port_rows) = (&seen.mismatches, &seen.node_port_rows);
+    let observed_of = |i: usize| seen.of(i);
+    let style = Style::new(render::color_wanted());
+    let max_width = std::env::var("COLUMNS")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(160);
+    let proto = load::protocol(args.protocol);
+    let grid = |title: &str, verdicts: BTreeMap<(String, String), MatrixVerdict>| {
+        render::verdict_grid(
+            &format!("{title} {proto}/{}", args.port),
+            &m.endpoints,
+            &m.services,
+            &verdicts,
+            style,
+            max_width,
+        )
+    };
+    let obs = m
+        .results
+        .iter()
+        .enumerate()
+        .map(|(i, r)| ((r.from.clone(), r.to.clone()), observed_of(i)))
+        .collect();
+    let exp = m
+        .results
+        .iter()
+        .map(|r| ((r.from.clone(), r.to.clone()), r.verdict))
+        .collect();
+    print!("{}\n{}\n", grid("observed", obs), grid("expected", exp));
+    if !node_port_rows.is_empty() {
+        println!("NodePorts from the external addresses (one flow per backend):");
+        for (n, o) in node_port_rows {
+            println!(
+                "  {} -> {} via {} ({}) to {}: observed {}, expected {}",
+                n.from,
+                n.service,
+                n.dest,
+                if n.local {
+                    "Local: client address kept"
+                } else {
+                    "Cluster: masqueraded to the node"
+                },
+                n.backend,
+                o.as_str(),
+                n.expected.as_str()
+            );
+        }
+        println!();
+    }
+    if mismatches.is_empty() {
+        println!(
+            "{}",
+            style.green(&format!(
+                "observed = expected for all {} flows",
+                checks.len()
+            ))
+        );
+    } else {
+        println!(
+            "{}",
+            style.red(&format!(
+                "{} of {} flows differ:",
+                mismatches.len(),
+                checks.len()
+            ))
+        );
+        for (c, o) in mismatches {
+            println!(
+                "  {}: observed {}, expected {}",
+                c.describe(plan),
+                o.as_str(),
+                c.expected.as_str()
+            );
+        }
     }
 }
 

@@ -164,6 +164,15 @@ impl Topology {
                 "more than 65535 pods and external addresses",
             ));
         }
+        self.add_members(pods, externals);
+        self.create_namespaces()?;
+        self.create_veths()?;
+        self.configure_routers()?;
+        self.configure_leaves()
+    }
+
+    /// Records the members (pods, then externals) with their namespaces and interfaces.
+    fn add_members(&mut self, pods: &[(String, Vec<IpAddr>)], externals: &[IpAddr]) {
         for (i, (label, ips)) in pods.iter().enumerate() {
             self.members.push(Member {
                 label: label.clone(),
@@ -182,14 +191,17 @@ impl Topology {
                 host_if: format!("ext{j}"),
             });
         }
+    }
+
+    /// Every namespace, and the routers' sysctls: forwarding on, no reverse-path filter (set
+    /// before the interfaces exist, so theirs come from `default`).
+    fn create_namespaces(&mut self) -> Result<(), LabError> {
         let mut names = vec![self.node.clone(), self.world.clone()];
         names.extend(self.members.iter().map(|m| m.netns.clone()));
         for name in &names {
             sys::ip(&["netns", "add", name], None)?;
             self.created.push(name.clone());
         }
-        // Routers: forwarding on, no reverse-path filter (set before the interfaces exist, so
-        // theirs come from `default`).
         for router in [&self.node, &self.world] {
             let ns = Netns::open(router)?;
             sys::in_netns(&ns, || {
@@ -204,7 +216,11 @@ impl Topology {
                 Ok(())
             })?;
         }
-        // Every veth pair, created directly in its two namespaces.
+        Ok(())
+    }
+
+    /// Every veth pair, created directly in its two namespaces.
+    fn create_veths(&self) -> Result<(), LabError> {
         let mut links = String::new();
         let (node, world) = (&self.node, &self.world);
         let _ = writeln!(
@@ -239,7 +255,12 @@ impl Topology {
             }
         }
         sys::ip(&["-batch", "-"], Some(&links))?;
+        Ok(())
+    }
 
+    /// The node and the world: a host route and a permanent neighbour per member address on its
+    /// interface, the node's own addresses on the uplink, default routes across the uplink.
+    fn configure_routers(&self) -> Result<(), LabError> {
         let mut node_cfg = String::from("link set lo up\n");
         let mut world_cfg = String::from("link set lo up\n");
         let (mut pi, mut ei) = (0, 0);
@@ -290,6 +311,11 @@ impl Topology {
         );
         sys::ip(&["-n", &self.node, "-batch", "-"], Some(&node_cfg))?;
         sys::ip(&["-n", &self.world, "-batch", "-"], Some(&world_cfg))?;
+        Ok(())
+    }
+
+    /// Each member's namespace: its addresses and routes via its gateway.
+    fn configure_leaves(&self) -> Result<(), LabError> {
         let (mut pi, mut ei) = (0, 0);
         for m in &self.members {
             let gw_mac = if m.external {

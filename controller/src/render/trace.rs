@@ -180,6 +180,15 @@ fn side_text(
     let policy = engine
         .endpoint(ns, name)
         .map(|ep| engine.policy(ep, s.direction));
+    decision_rows(s, &mut row);
+    out.push_str(&super::table(&rows, &[], 2));
+    if let Some(policy) = policy.filter(|p| !p.mapstate.is_empty()) {
+        lookup_path(engine, s, policy, proto, port, style, out);
+    }
+}
+
+/// The rows that say what decided a side: the key and its rules, or the default and why.
+fn decision_rows(s: &SideTrace, row: &mut impl FnMut(&str, String)) {
     match &s.decision {
         SideDecision::Matched { key, entry } => {
             let mut k = format!(
@@ -231,32 +240,41 @@ fn side_text(
             row("default", why);
         }
     }
-    out.push_str(&super::table(&rows, &[], 2));
-    if let Some(policy) = policy.filter(|p| !p.mapstate.is_empty()) {
-        let _ = writeln!(
-            out,
-            "  lookup in the {} MapState of {} ({} keys; identity first, then *, then the default):",
-            s.direction,
-            s.endpoint,
-            policy.mapstate.len()
-        );
-        let dump = Dump::new(s.endpoint.clone())
-            .side(&policy.mapstate, None)
-            .labels(|id| super::identity_label(engine, id))
-            .focus(Focus {
-                identity: Some(s.peer_identity),
-                protocol: proto,
-                port,
-            });
-        let tree = dump.tree(TreeOptions {
-            color: style.color,
-            path_only: true,
-            omit_header: true,
-            ..TreeOptions::default()
+}
+
+/// The lookup path in the side's MapState (the trie lines the packet's lookup visits).
+fn lookup_path(
+    engine: &Engine,
+    s: &SideTrace,
+    policy: &ordnet_engine::EndpointPolicy,
+    proto: Protocol,
+    port: u16,
+    style: Style,
+    out: &mut String,
+) {
+    let _ = writeln!(
+        out,
+        "  lookup in the {} MapState of {} ({} keys; identity first, then *, then the default):",
+        s.direction,
+        s.endpoint,
+        policy.mapstate.len()
+    );
+    let dump = Dump::new(s.endpoint.clone())
+        .side(&policy.mapstate, None)
+        .labels(|id| super::identity_label(engine, id))
+        .focus(Focus {
+            identity: Some(s.peer_identity),
+            protocol: proto,
+            port,
         });
-        for line in tree.lines() {
-            let _ = writeln!(out, "  {line}");
-        }
+    let tree = dump.tree(TreeOptions {
+        color: style.color,
+        path_only: true,
+        omit_header: true,
+        ..TreeOptions::default()
+    });
+    for line in tree.lines() {
+        let _ = writeln!(out, "  {line}");
     }
 }
 

@@ -590,6 +590,22 @@ impl<'a> Dump<'a> {
         out: &mut String,
     ) {
         let c = opts.color;
+        let mut trees = self.shown_trees(state);
+        if trees.is_empty() {
+            let _ = writeln!(out, "  (no keys)");
+            return;
+        }
+        if opts.path_only && self.focus.is_some() {
+            // In lookup order: the identity's own keys, then `*`.
+            trees.sort_by_key(|t| t.peer == Peer::Any);
+        }
+        let rows = self.tree_rows(state, &trees, eval, opts);
+        write_rows(rows, eval.is_some(), c, out);
+    }
+
+    /// The peer trees of `state`, plus an empty one for a focused identity without keys and
+    /// for `*` (the lookup always ends there) when focused.
+    fn shown_trees<'s>(&self, state: &'s MapState) -> Vec<PeerTree<'s>> {
         let mut trees = peer_trees(state);
         if let Some(Focus {
             identity: Some(id), ..
@@ -618,16 +634,20 @@ impl<'a> Dump<'a> {
                 },
             );
         }
-        if trees.is_empty() {
-            let _ = writeln!(out, "  (no keys)");
-            return;
-        }
-        if opts.path_only && self.focus.is_some() {
-            // In lookup order: the identity's own keys, then `*`.
-            trees.sort_by_key(|t| t.peer == Peer::Any);
-        }
+        trees
+    }
+
+    /// The rows of the tree (peer headers, nodes), on the focused path only with
+    /// [`TreeOptions::path_only`].
+    fn tree_rows(
+        &self,
+        state: &MapState,
+        trees: &[PeerTree<'_>],
+        eval: Option<&FocusEval<'_>>,
+        opts: TreeOptions,
+    ) -> Vec<Row> {
         let mut rows: Vec<Row> = Vec::new();
-        for t in &trees {
+        for t in trees {
             if opts.path_only
                 && let Some(ev) = eval
                 && !ev.relevant(t.peer)
@@ -683,60 +703,7 @@ impl<'a> Dump<'a> {
                 );
             }
         }
-        // Align the columns.
-        let w_label = rows
-            .iter()
-            .filter(|r| !r.header)
-            .map(|r| width(&r.label))
-            .max()
-            .unwrap_or(0);
-        let w_order = rows.iter().map(|r| width(&r.order)).max().unwrap_or(0);
-        let w_origin = rows.iter().map(|r| width(&r.origin)).max().unwrap_or(0);
-        let gutter = eval.is_some();
-        for r in rows {
-            let mut line = String::new();
-            if gutter {
-                match r.mark {
-                    Some(m) => line.push_str(&paint(c, Paint::Cyan, m.gutter())),
-                    None => line.push_str("  "),
-                }
-                line.push(' ');
-            } else {
-                line.push_str("  ");
-            }
-            if r.header {
-                let p = if r.note { Paint::Dim } else { Paint::Bold };
-                line.push_str(&paint(c, p, &r.label));
-                let _ = writeln!(out, "{}", line.trim_end());
-                continue;
-            }
-            let decides = r.mark == Some(Mark::Decides);
-            let base = if r.covered { Paint::Dim } else { Paint::Plain };
-            let label_paint = if decides { Paint::Bold } else { base };
-            line.push_str(&paint(c, label_paint, &pad(&r.label, w_label)));
-            line.push_str("  ");
-            let v = r.verdict.map(|v| v.as_str()).unwrap_or("");
-            let vp = match r.verdict {
-                Some(v) if !r.covered => verdict_paint(v),
-                _ => base,
-            };
-            line.push_str(&paint(c, vp, &pad(v, 5)));
-            line.push_str("  ");
-            line.push_str(&paint(c, base, &pad(&r.order, w_order)));
-            line.push_str("  ");
-            line.push_str(&paint(c, base, &pad(&r.origin, w_origin)));
-            if !r.flags.is_empty() {
-                line.push_str("  ");
-                let fp = if r.covered { Paint::Dim } else { Paint::Yellow };
-                line.push_str(&paint(c, fp, &r.flags));
-            }
-            if let Some(m) = r.mark {
-                line.push_str("  ");
-                let mp = if decides { Paint::Cyan } else { Paint::Dim };
-                line.push_str(&paint(c, mp, m.tree()));
-            }
-            let _ = writeln!(out, "{}", line.trim_end());
-        }
+        rows
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -958,30 +925,7 @@ impl<'a> Dump<'a> {
                 None => dot_str(&format!("{dir}|{peer}")),
             };
             let _ = writeln!(out, "  subgraph {} {{", dot_str(&format!("cluster_{dir}")));
-            let mut title = format!(
-                "{} {dir}: default {}",
-                self.endpoint,
-                state.default_verdict()
-            );
-            if let Some(n) = &side.default_note {
-                let _ = write!(title, " ({n})");
-            }
-            if let Some(ev) = &eval {
-                let _ = write!(
-                    title,
-                    "\nfocus {}/{} {}: {}",
-                    ev.focus.protocol,
-                    ev.focus.port,
-                    self.identity_text(ev.focus.identity),
-                    ev.decision.verdict()
-                );
-                match ev.decided_by() {
-                    Some(k) => {
-                        let _ = write!(title, " by {}", key_text(&k));
-                    }
-                    None => title.push_str(" by the default"),
-                }
-            }
+            let title = self.dot_title(side, eval.as_ref());
             let _ = writeln!(out, "    label={};", dot_str(&title));
             let trees = peer_trees(state);
             let known: std::collections::BTreeSet<Key> = trees
@@ -1018,51 +962,11 @@ impl<'a> Dump<'a> {
                 }
                 for n in &t.nodes {
                     let id = node_id(t.peer, Some(&n.prefix));
-                    let mut attrs = Vec::new();
-                    let mut label = prefix_text(&n.prefix);
-                    match n.entry {
-                        Some(e) => {
-                            let _ = write!(label, "\n{} {}", e.verdict, order_text(&e.order));
-                            for o in e.origins.iter() {
-                                let _ = write!(label, "\n{}", origin_text(o));
-                            }
-                            let colour = match e.verdict {
-                                Verdict::Allow => "darkgreen",
-                                Verdict::Deny => "red3",
-                            };
-                            attrs.push(format!("color={colour}"));
-                            if e.synthesized {
-                                label.push_str("\n[covering copy of *]");
-                                attrs.push("style=\"rounded,dashed\"".to_string());
-                            }
-                            match eval.as_ref().and_then(|ev| ev.key_mark(t.peer, &n.prefix)) {
-                                Some(Mark::Decides) => {
-                                    label.push_str("\n<< decides >>");
-                                    attrs.push("penwidth=3, peripheries=2".to_string());
-                                }
-                                Some(m) => {
-                                    let _ = write!(label, "\n({})", m.json());
-                                    attrs.push("penwidth=2".to_string());
-                                }
-                                None => {}
-                            }
-                        }
-                        None if n.covered.is_empty() => {
-                            attrs.push("shape=plaintext".to_string());
-                        }
-                        None => {
-                            // No key here: the node is the covered entries themselves.
-                            for cov in &n.covered {
-                                let _ = write!(label, "\ncovered: {}", cov_text(state, cov));
-                                edges.push(covered_edge(&id, cov));
-                            }
-                            attrs.push("style=\"rounded,dashed\"".to_string());
-                            attrs.push("color=gray50, fontcolor=gray40".to_string());
-                            if n.covered.iter().any(|cov| {
-                                eval.as_ref().and_then(|ev| ev.covered_mark(cov)).is_some()
-                            }) {
-                                attrs.push("penwidth=2".to_string());
-                            }
+                    let (label, mut attrs) = dot_node(state, t.peer, n, eval.as_ref());
+                    if n.entry.is_none() {
+                        // No key here: the node is the covered entries themselves.
+                        for cov in &n.covered {
+                            edges.push(covered_edge(&id, cov));
                         }
                     }
                     attrs.insert(0, format!("label={}", dot_str(&label)));
@@ -1107,6 +1011,152 @@ impl<'a> Dump<'a> {
         }
         let _ = writeln!(out, "}}");
         out
+    }
+
+    /// The title of one direction's cluster: default, and the focus with what decided it.
+    fn dot_title(&self, side: &Side<'_>, eval: Option<&FocusEval<'_>>) -> String {
+        let state = side.state;
+        let dir = state.direction().as_str();
+        let mut title = format!(
+            "{} {dir}: default {}",
+            self.endpoint,
+            state.default_verdict()
+        );
+        if let Some(n) = &side.default_note {
+            let _ = write!(title, " ({n})");
+        }
+        if let Some(ev) = eval {
+            let _ = write!(
+                title,
+                "\nfocus {}/{} {}: {}",
+                ev.focus.protocol,
+                ev.focus.port,
+                self.identity_text(ev.focus.identity),
+                ev.decision.verdict()
+            );
+            match ev.decided_by() {
+                Some(k) => {
+                    let _ = write!(title, " by {}", key_text(&k));
+                }
+                None => title.push_str(" by the default"),
+            }
+        }
+        title
+    }
+}
+
+/// The Graphviz label and attributes of one trie node (a key, a grouping line, or the entries
+/// covered at a block without a key of its own).
+fn dot_node(
+    state: &MapState,
+    peer: Peer,
+    n: &Node<'_>,
+    eval: Option<&FocusEval<'_>>,
+) -> (String, Vec<String>) {
+    let mut attrs = Vec::new();
+    let mut label = prefix_text(&n.prefix);
+    match n.entry {
+        Some(e) => {
+            let _ = write!(label, "\n{} {}", e.verdict, order_text(&e.order));
+            for o in e.origins.iter() {
+                let _ = write!(label, "\n{}", origin_text(o));
+            }
+            let colour = match e.verdict {
+                Verdict::Allow => "darkgreen",
+                Verdict::Deny => "red3",
+            };
+            attrs.push(format!("color={colour}"));
+            if e.synthesized {
+                label.push_str("\n[covering copy of *]");
+                attrs.push("style=\"rounded,dashed\"".to_string());
+            }
+            match eval.and_then(|ev| ev.key_mark(peer, &n.prefix)) {
+                Some(Mark::Decides) => {
+                    label.push_str("\n<< decides >>");
+                    attrs.push("penwidth=3, peripheries=2".to_string());
+                }
+                Some(m) => {
+                    let _ = write!(label, "\n({})", m.json());
+                    attrs.push("penwidth=2".to_string());
+                }
+                None => {}
+            }
+        }
+        None if n.covered.is_empty() => {
+            attrs.push("shape=plaintext".to_string());
+        }
+        None => {
+            // No key here: the node is the covered entries themselves.
+            for cov in &n.covered {
+                let _ = write!(label, "\ncovered: {}", cov_text(state, cov));
+            }
+            attrs.push("style=\"rounded,dashed\"".to_string());
+            attrs.push("color=gray50, fontcolor=gray40".to_string());
+            if n.covered
+                .iter()
+                .any(|cov| eval.and_then(|ev| ev.covered_mark(cov)).is_some())
+            {
+                attrs.push("penwidth=2".to_string());
+            }
+        }
+    }
+    (label, attrs)
+}
+
+/// Writes the rows with aligned columns (and the focus gutter).
+fn write_rows(rows: Vec<Row>, gutter: bool, c: bool, out: &mut String) {
+    // Align the columns.
+    let w_label = rows
+        .iter()
+        .filter(|r| !r.header)
+        .map(|r| width(&r.label))
+        .max()
+        .unwrap_or(0);
+    let w_order = rows.iter().map(|r| width(&r.order)).max().unwrap_or(0);
+    let w_origin = rows.iter().map(|r| width(&r.origin)).max().unwrap_or(0);
+    for r in rows {
+        let mut line = String::new();
+        if gutter {
+            match r.mark {
+                Some(m) => line.push_str(&paint(c, Paint::Cyan, m.gutter())),
+                None => line.push_str("  "),
+            }
+            line.push(' ');
+        } else {
+            line.push_str("  ");
+        }
+        if r.header {
+            let p = if r.note { Paint::Dim } else { Paint::Bold };
+            line.push_str(&paint(c, p, &r.label));
+            let _ = writeln!(out, "{}", line.trim_end());
+            continue;
+        }
+        let decides = r.mark == Some(Mark::Decides);
+        let base = if r.covered { Paint::Dim } else { Paint::Plain };
+        let label_paint = if decides { Paint::Bold } else { base };
+        line.push_str(&paint(c, label_paint, &pad(&r.label, w_label)));
+        line.push_str("  ");
+        let v = r.verdict.map(|v| v.as_str()).unwrap_or("");
+        let vp = match r.verdict {
+            Some(v) if !r.covered => verdict_paint(v),
+            _ => base,
+        };
+        line.push_str(&paint(c, vp, &pad(v, 5)));
+        line.push_str("  ");
+        line.push_str(&paint(c, base, &pad(&r.order, w_order)));
+        line.push_str("  ");
+        line.push_str(&paint(c, base, &pad(&r.origin, w_origin)));
+        if !r.flags.is_empty() {
+            line.push_str("  ");
+            let fp = if r.covered { Paint::Dim } else { Paint::Yellow };
+            line.push_str(&paint(c, fp, &r.flags));
+        }
+        if let Some(m) = r.mark {
+            line.push_str("  ");
+            let mp = if decides { Paint::Cyan } else { Paint::Dim };
+            line.push_str(&paint(c, mp, m.tree()));
+        }
+        let _ = writeln!(out, "{}", line.trim_end());
     }
 }
 
