@@ -613,47 +613,7 @@ pub fn translate_network_policy(np: &NetworkPolicy) -> Result<Policy, EngineErro
     };
     let ingress = spec.ingress.as_deref().unwrap_or_default();
     let egress = spec.egress.as_deref().unwrap_or_default();
-    let types: Vec<&str> = spec
-        .policy_types
-        .iter()
-        .flatten()
-        .map(String::as_str)
-        .collect();
-    for (i, t) in types.iter().enumerate() {
-        if *t != "Ingress" && *t != "Egress" {
-            return Err(ctx.err(
-                format!("spec.policyTypes[{i}]"),
-                format!("{t:?} is not supported: use Ingress or Egress"),
-            ));
-        }
-    }
-    let effective = if types.is_empty() {
-        [true, !egress.is_empty()]
-    } else {
-        [types.contains(&"Ingress"), types.contains(&"Egress")]
-    };
-    let np_peer = |p: &NetworkPolicyPeer, field: &str| -> Result<PeerSpec, EngineError> {
-        let block: Option<&IPBlock> = p.ip_block.as_ref();
-        ctx.peer(
-            p.pod_selector.as_ref(),
-            p.namespace_selector.as_ref(),
-            block.map(|b| (b.cidr.as_str(), b.except.as_deref().unwrap_or_default())),
-            Some(&own),
-            field,
-        )
-    };
-    let np_port = |p: &NetworkPolicyPort, field: &str| -> Result<PortSpec, EngineError> {
-        let proto = parse_protocol(p.protocol.as_deref()).ok_or_else(|| {
-            ctx.err(
-                format!("{field}.protocol"),
-                format!(
-                    "{:?} is not supported: use TCP, UDP or SCTP",
-                    p.protocol.as_deref().unwrap_or_default()
-                ),
-            )
-        })?;
-        ctx.port(proto, p.port.as_ref(), p.end_port, field)
-    };
+    let effective = effective_policy_types(spec, &ctx, !egress.is_empty())?;
     let mut rules: [Vec<Rule>; 2] = [Vec::new(), Vec::new()];
     let mut failed_rules = Vec::new();
     type Parts<'a> = (
@@ -682,29 +642,7 @@ pub fn translate_network_policy(np: &NetworkPolicy) -> Result<Policy, EngineErro
         for (i, (peers, ports)) in lists[di].iter().enumerate() {
             let base = format!("{list_field}[{i}]");
             let index = u32::try_from(i).map_err(|_| ctx.err(base.clone(), "too many rules"))?;
-            let translated = (|| -> Result<_, EngineError> {
-                let peers = match peers {
-                    Some(ps) if !ps.is_empty() => Some(
-                        ps.iter()
-                            .enumerate()
-                            .map(|(j, p)| {
-                                np_peer(p, &format!("{base}.{peer_field}[{j}]")).map(Arc::new)
-                            })
-                            .collect::<Result<Vec<_>, _>>()?,
-                    ),
-                    _ => None,
-                };
-                let ports = match ports {
-                    Some(ps) if !ps.is_empty() => Some(
-                        ps.iter()
-                            .enumerate()
-                            .map(|(j, p)| np_port(p, &format!("{base}.ports[{j}]")))
-                            .collect::<Result<Vec<_>, _>>()?,
-                    ),
-                    _ => None,
-                };
-                Ok((peers, ports))
-            })();
+            let translated = np_rule(&ctx, &own, &base, peer_field, *peers, *ports);
             let origin = make_origin(&id, d, index, 0, Verdict::Allow);
             match translated {
                 Ok((peers, ports)) => rules[di].push(Rule {
@@ -731,6 +669,88 @@ pub fn translate_network_policy(np: &NetworkPolicy) -> Result<Policy, EngineErro
         rules,
         failed_rules,
     })
+}
+
+/// The directions a NetworkPolicy isolates: its `policyTypes`, or upstream's defaulting
+/// (Ingress always; Egress only with at least one egress rule, `has_egress_rules`).
+fn effective_policy_types(
+    spec: &k8s_openapi::api::networking::v1::NetworkPolicySpec,
+    ctx: &Ctx<'_>,
+    has_egress_rules: bool,
+) -> Result<[bool; 2], EngineError> {
+    let types: Vec<&str> = spec
+        .policy_types
+        .iter()
+        .flatten()
+        .map(String::as_str)
+        .collect();
+    for (i, t) in types.iter().enumerate() {
+        if *t != "Ingress" && *t != "Egress" {
+            return Err(ctx.err(
+                format!("spec.policyTypes[{i}]"),
+                format!("{t:?} is not supported: use Ingress or Egress"),
+            ));
+        }
+    }
+    Ok(if types.is_empty() {
+        [true, has_egress_rules]
+    } else {
+        [types.contains(&"Ingress"), types.contains(&"Egress")]
+    })
+}
+
+/// The peers and ports of one NetworkPolicy rule (`base` is its field path, e.g.
+/// `spec.ingress[0]`); `None` for an absent or empty list (everything).
+#[allow(clippy::type_complexity)]
+fn np_rule(
+    ctx: &Ctx<'_>,
+    own: &str,
+    base: &str,
+    peer_field: &str,
+    peers: Option<&[NetworkPolicyPeer]>,
+    ports: Option<&[NetworkPolicyPort]>,
+) -> Result<(Option<Vec<Arc<PeerSpec>>>, Option<Vec<PortSpec>>), EngineError> {
+    let np_peer = |p: &NetworkPolicyPeer, field: &str| -> Result<PeerSpec, EngineError> {
+        let block: Option<&IPBlock> = p.ip_block.as_ref();
+        ctx.peer(
+            p.pod_selector.as_ref(),
+            p.namespace_selector.as_ref(),
+            block.map(|b| (b.cidr.as_str(), b.except.as_deref().unwrap_or_default())),
+            Some(own),
+            field,
+        )
+    };
+    let np_port = |p: &NetworkPolicyPort, field: &str| -> Result<PortSpec, EngineError> {
+        let proto = parse_protocol(p.protocol.as_deref()).ok_or_else(|| {
+            ctx.err(
+                format!("{field}.protocol"),
+                format!(
+                    "{:?} is not supported: use TCP, UDP or SCTP",
+                    p.protocol.as_deref().unwrap_or_default()
+                ),
+            )
+        })?;
+        ctx.port(proto, p.port.as_ref(), p.end_port, field)
+    };
+    let peers = match peers {
+        Some(ps) if !ps.is_empty() => Some(
+            ps.iter()
+                .enumerate()
+                .map(|(j, p)| np_peer(p, &format!("{base}.{peer_field}[{j}]")).map(Arc::new))
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+        _ => None,
+    };
+    let ports = match ports {
+        Some(ps) if !ps.is_empty() => Some(
+            ps.iter()
+                .enumerate()
+                .map(|(j, p)| np_port(p, &format!("{base}.ports[{j}]")))
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+        _ => None,
+    };
+    Ok((peers, ports))
 }
 
 fn failed(direction: Direction, index: u32, action: Verdict, e: EngineError) -> FailedRule {

@@ -420,14 +420,50 @@ impl Engine {
     /// engine knows cluster-wide (policies, pods, identities, selectors), never MapStates.
     pub fn shadowed_rules(&self) -> Vec<ShadowedRule> {
         let mut a = Analysis::new(self);
+        let classes = self.endpoint_classes(&a);
+        let status = a.rule_status(&classes);
+        let mut out: Vec<ShadowedRule> = status
+            .into_iter()
+            .filter_map(|(id, s)| match s {
+                Status::Covered(by) => Some((id, by)),
+                Status::Decides => None,
+            })
+            .map(|(id, by)| {
+                let policy = a.policies[id.0];
+                let rule = &policy.rules[id.1][id.2];
+                let mut shadowed_by: Vec<&Rule> = by
+                    .iter()
+                    .map(|b| &a.policies[b.0].rules[b.1][b.2])
+                    .collect();
+                shadowed_by.sort_by(|x, y| (rank(x), &x.origin).cmp(&(rank(y), &y.origin)));
+                ShadowedRule {
+                    policy: policy.id.clone(),
+                    direction: rule.origin.direction,
+                    index: rule.origin.rule_index,
+                    shadowed_by: shadowed_by.iter().map(|r| r.origin.clone()).collect(),
+                }
+            })
+            .collect();
+        out.sort_by(|x, y| {
+            (&x.policy, x.direction.index(), x.index).cmp(&(
+                &y.policy,
+                y.direction.index(),
+                y.index,
+            ))
+        });
+        out
+    }
+
+    /// The distinct endpoint classes per direction: selecting policies (by number in
+    /// `a.policies`) and, for ingress, what their ingress named ports resolve to on the
+    /// endpoint. Only endpoints selected by some ordered policy count.
+    fn endpoint_classes(&self, a: &Analysis<'_>) -> [BTreeSet<(Vec<usize>, OwnPorts)>; 2] {
         let index: HashMap<&PolicyRef, usize> = a
             .policies
             .iter()
             .enumerate()
             .map(|(i, p)| (&p.id, i))
             .collect();
-        // The distinct endpoint classes per direction: selecting policies (by number) and, for
-        // ingress, what their ingress named ports resolve to on the endpoint.
         let mut classes: [BTreeSet<(Vec<usize>, OwnPorts)>; 2] = Default::default();
         for (k, rec) in &self.store.pods {
             if !rec.addressed() || rec.ids.is_empty() {
@@ -461,6 +497,18 @@ impl Engine {
             classes[0].insert((selecting.clone(), own));
             classes[1].insert((selecting, Vec::new()));
         }
+        classes
+    }
+}
+
+impl Analysis<'_> {
+    /// For every ordered rule of every class: whether it decides some packet, or which stronger
+    /// rules cover it everywhere.
+    fn rule_status(
+        &mut self,
+        classes: &[BTreeSet<(Vec<usize>, OwnPorts)>; 2],
+    ) -> BTreeMap<RuleId, Status> {
+        let a = self;
         let mut status: BTreeMap<RuleId, Status> = BTreeMap::new();
         type MemoKey = (RuleId, Vec<usize>, OwnPorts);
         let mut memo: HashMap<MemoKey, Outcome> = HashMap::new();
@@ -518,35 +566,6 @@ impl Engine {
                 }
             }
         }
-        let mut out: Vec<ShadowedRule> = status
-            .into_iter()
-            .filter_map(|(id, s)| match s {
-                Status::Covered(by) => Some((id, by)),
-                Status::Decides => None,
-            })
-            .map(|(id, by)| {
-                let policy = a.policies[id.0];
-                let rule = &policy.rules[id.1][id.2];
-                let mut shadowed_by: Vec<&Rule> = by
-                    .iter()
-                    .map(|b| &a.policies[b.0].rules[b.1][b.2])
-                    .collect();
-                shadowed_by.sort_by(|x, y| (rank(x), &x.origin).cmp(&(rank(y), &y.origin)));
-                ShadowedRule {
-                    policy: policy.id.clone(),
-                    direction: rule.origin.direction,
-                    index: rule.origin.rule_index,
-                    shadowed_by: shadowed_by.iter().map(|r| r.origin.clone()).collect(),
-                }
-            })
-            .collect();
-        out.sort_by(|x, y| {
-            (&x.policy, x.direction.index(), x.index).cmp(&(
-                &y.policy,
-                y.direction.index(),
-                y.index,
-            ))
-        });
-        out
+        status
     }
 }
