@@ -392,45 +392,7 @@ impl Loader {
         };
         let known = KnownKind::from_kind(&kind);
         let Some(known) = known else {
-            if kind.ends_with("List") && map.contains_key("items") {
-                self.add_list(map, &kind, source);
-                return;
-            }
-            // ordnet's own group has no other kinds: an unknown one is a typo, not something
-            // to skip (a skipped guardrail would silently not be enforced).
-            if api_version.split('/').next() == Some(crate::types::GROUP) {
-                let meant = closest(&kind, KnownKind::ORDNET.iter().map(|k| k.kind()));
-                self.error(
-                    &source,
-                    None,
-                    "kind",
-                    match meant {
-                        Some(m) => format!(
-                            "{kind:?} is not a kind of {}: did you mean {m}?",
-                            crate::types::GROUP
-                        ),
-                        None => format!(
-                            "{kind:?} is not a kind of {} (its kinds: {})",
-                            crate::types::GROUP,
-                            KnownKind::ORDNET.map(|k| k.kind()).join(", ")
-                        ),
-                    },
-                );
-                return;
-            }
-            let name = map
-                .get("metadata")
-                .and_then(|m| m.get("name"))
-                .and_then(Value::as_str)
-                .unwrap_or("");
-            self.problems.push(Problem::at(
-                Severity::Warning,
-                Some(&source),
-                None,
-                None,
-                format!("ignored {kind} {name} ({api_version}): ordnet does not use this kind")
-                    .replace("  ", " "),
-            ));
+            self.add_unknown_kind(map, &kind, &api_version, source);
             return;
         };
         if api_version != known.api_version() {
@@ -485,6 +447,57 @@ impl Loader {
         }
         self.seen.insert(object.clone(), source.clone());
         self.store(typed, namespace, source, &object);
+    }
+
+    /// A document of a kind ordnet does not read: a `List` is unpacked, an unknown kind of
+    /// ordnet's own group is a typo (an error: a skipped guardrail would silently not be
+    /// enforced), anything else is ignored with a warning.
+    fn add_unknown_kind(
+        &mut self,
+        map: Map<String, Value>,
+        kind: &str,
+        api_version: &str,
+        source: Source,
+    ) {
+        if kind.ends_with("List") && map.contains_key("items") {
+            self.add_list(map, kind, source);
+            return;
+        }
+        // ordnet's own group has no other kinds: an unknown one is a typo, not something
+        // to skip (a skipped guardrail would silently not be enforced).
+        if api_version.split('/').next() == Some(crate::types::GROUP) {
+            let meant = closest(kind, KnownKind::ORDNET.iter().map(|k| k.kind()));
+            self.error(
+                &source,
+                None,
+                "kind",
+                match meant {
+                    Some(m) => format!(
+                        "{kind:?} is not a kind of {}: did you mean {m}?",
+                        crate::types::GROUP
+                    ),
+                    None => format!(
+                        "{kind:?} is not a kind of {} (its kinds: {})",
+                        crate::types::GROUP,
+                        KnownKind::ORDNET.map(|k| k.kind()).join(", ")
+                    ),
+                },
+            );
+            return;
+        }
+        let name = map
+            .get("metadata")
+            .and_then(|m| m.get("name"))
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        self.problems.push(Problem::at(
+            Severity::Warning,
+            Some(&source),
+            None,
+            None,
+            format!("ignored {kind} {name} ({api_version}): ordnet does not use this kind")
+                .replace("  ", " "),
+        ));
     }
 
     fn add_list(&mut self, mut map: Map<String, Value>, kind: &str, source: Source) {

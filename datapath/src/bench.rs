@@ -482,6 +482,22 @@ where
     Ok(T::try_from(map)?)
 }
 
+/// A batch update's result as a datapath error naming the map.
+fn batch_result(
+    what: &'static str,
+    r: Result<(), (usize, std::io::Error)>,
+) -> Result<(), DatapathError> {
+    r.map_err(|(done, source)| {
+        DatapathError::Write(WriteError::Syscall {
+            map: what,
+            op: "update batch",
+            done,
+            total: 0,
+            source,
+        })
+    })
+}
+
 impl BenchObject {
     /// Loads the benchmark object (all programs) and writes `ms` into every layout's maps (as
     /// rule set [`BENCH_RULESET`], with the isolation default of `ms`). The class layout is
@@ -571,69 +587,8 @@ impl BenchObject {
         sizes.ordnet_policy = content.len();
         sizes.ordnet_blocks = store.blocks_in_use();
 
-        let upd = |what: &'static str, r: Result<(), (usize, std::io::Error)>| {
-            r.map_err(|(done, source)| {
-                DatapathError::Write(WriteError::Syscall {
-                    map: what,
-                    op: "update batch",
-                    done,
-                    total: 0,
-                    source,
-                })
-            })
-        };
-
-        // Floor: the identity keys, exact.
-        {
-            let floor: BpfHashMap<MapData, PolicyKey, PolicyValue> = self.map_mut("FLOOR")?;
-            let (k, v): (Vec<PolicyKey>, Vec<PolicyValue>) = content
-                .specific
-                .iter()
-                .map(|(&(identity, prefix), &v)| {
-                    (
-                        PolicyKey {
-                            ruleset: rs,
-                            identity,
-                            prefix,
-                        },
-                        PolicyValue::new(v),
-                    )
-                })
-                .unzip();
-            sizes.floor = k.len();
-            upd("FLOOR", sys::update_batch(floor.map().fd().as_fd(), &k, &v))?;
-        }
-        // Classes.
-        if let Some(cl) = classes {
-            sizes.classes_installed = true;
-            sizes.classes = cl.classes;
-            sizes.class_entries = cl.entries.len();
-            sizes.class_blocks = cl.blocks.len() as u32 / BLOCK_WORDS;
-            let cells: Array<MapData, u32> = self.map_mut("CLS_CELLS")?;
-            let blocks: Array<MapData, u32> = self.map_mut("CLS_BLOCKS")?;
-            let policy: BpfHashMap<MapData, ClassKey, PolicyValue> = self.map_mut("CLS_POLICY")?;
-            let base = rs * CELLS_PER_RULESET;
-            let idx: Vec<u32> = (0..cl.l1.len() as u32).map(|i| base + i).collect();
-            upd(
-                "CLS_CELLS",
-                sys::update_batch(cells.map().fd().as_fd(), &idx, &cl.l1),
-            )?;
-            let bidx: Vec<u32> = (0..cl.blocks.len() as u32).collect();
-            upd(
-                "CLS_BLOCKS",
-                sys::update_batch(blocks.map().fd().as_fd(), &bidx, &cl.blocks),
-            )?;
-            let (k, v): (Vec<ClassKey>, Vec<PolicyValue>) = cl.entries.into_iter().unzip();
-            upd(
-                "CLS_POLICY",
-                sys::update_batch(policy.map().fd().as_fd(), &k, &v),
-            )?;
-        } else {
-            let cl = class_layout(&content, rs);
-            sizes.classes = cl.classes;
-            sizes.class_entries = cl.entries.len();
-            sizes.class_blocks = cl.blocks.len() as u32 / BLOCK_WORDS;
-        }
+        self.install_floor(&content, &mut sizes)?;
+        self.install_classes(&content, classes, &mut sizes)?;
         // Probes.
         {
             let pl = probe_layout(&content, rs);
@@ -642,7 +597,7 @@ impl BenchObject {
             meta.set(rs, pl.meta, 0)?;
             let policy: BpfHashMap<MapData, PolicyKey, PolicyValue> = self.map_mut("PRB_POLICY")?;
             let (k, v): (Vec<PolicyKey>, Vec<PolicyValue>) = pl.entries.into_iter().unzip();
-            upd(
+            batch_result(
                 "PRB_POLICY",
                 sys::update_batch(policy.map().fd().as_fd(), &k, &v),
             )?;
@@ -667,6 +622,76 @@ impl BenchObject {
             }
         }
         Ok(sizes)
+    }
+
+    /// The floor: the identity keys, exact.
+    fn install_floor(
+        &mut self,
+        content: &RuleSetContent,
+        sizes: &mut LayoutSizes,
+    ) -> Result<(), DatapathError> {
+        let rs = BENCH_RULESET;
+        {
+            let floor: BpfHashMap<MapData, PolicyKey, PolicyValue> = self.map_mut("FLOOR")?;
+            let (k, v): (Vec<PolicyKey>, Vec<PolicyValue>) = content
+                .specific
+                .iter()
+                .map(|(&(identity, prefix), &v)| {
+                    (
+                        PolicyKey {
+                            ruleset: rs,
+                            identity,
+                            prefix,
+                        },
+                        PolicyValue::new(v),
+                    )
+                })
+                .unzip();
+            sizes.floor = k.len();
+            batch_result("FLOOR", sys::update_batch(floor.map().fd().as_fd(), &k, &v))?;
+        }
+        Ok(())
+    }
+
+    /// The port-class layout (installed only when asked for; its sizes always).
+    fn install_classes(
+        &mut self,
+        content: &RuleSetContent,
+        classes: Option<ClassLayout>,
+        sizes: &mut LayoutSizes,
+    ) -> Result<(), DatapathError> {
+        let rs = BENCH_RULESET;
+        if let Some(cl) = classes {
+            sizes.classes_installed = true;
+            sizes.classes = cl.classes;
+            sizes.class_entries = cl.entries.len();
+            sizes.class_blocks = cl.blocks.len() as u32 / BLOCK_WORDS;
+            let cells: Array<MapData, u32> = self.map_mut("CLS_CELLS")?;
+            let blocks: Array<MapData, u32> = self.map_mut("CLS_BLOCKS")?;
+            let policy: BpfHashMap<MapData, ClassKey, PolicyValue> = self.map_mut("CLS_POLICY")?;
+            let base = rs * CELLS_PER_RULESET;
+            let idx: Vec<u32> = (0..cl.l1.len() as u32).map(|i| base + i).collect();
+            batch_result(
+                "CLS_CELLS",
+                sys::update_batch(cells.map().fd().as_fd(), &idx, &cl.l1),
+            )?;
+            let bidx: Vec<u32> = (0..cl.blocks.len() as u32).collect();
+            batch_result(
+                "CLS_BLOCKS",
+                sys::update_batch(blocks.map().fd().as_fd(), &bidx, &cl.blocks),
+            )?;
+            let (k, v): (Vec<ClassKey>, Vec<PolicyValue>) = cl.entries.into_iter().unzip();
+            batch_result(
+                "CLS_POLICY",
+                sys::update_batch(policy.map().fd().as_fd(), &k, &v),
+            )?;
+        } else {
+            let cl = class_layout(content, rs);
+            sizes.classes = cl.classes;
+            sizes.class_entries = cl.entries.len();
+            sizes.class_blocks = cl.blocks.len() as u32 / BLOCK_WORDS;
+        }
+        Ok(())
     }
 
     fn map_mut<T>(&mut self, name: &'static str) -> Result<T, DatapathError>

@@ -498,12 +498,50 @@ impl Control {
         planned: Vec<Planned>,
         stats: &mut WriteStats,
     ) -> Result<(), ControlError> {
-        // 2. Which rule sets change in place: every user of the slot is in this batch and all
-        // of them want the same new content, which exists nowhere yet.
         let old: Vec<Option<EndpointState>> = planned
             .iter()
             .map(|p| self.endpoints.get(&p.id).cloned())
             .collect();
+        // 2. Which rule sets change in place.
+        let in_place = self.in_place_changes(&planned, &old);
+        let is_in_place = |i: usize, d: usize| {
+            old[i]
+                .as_ref()
+                .is_some_and(|o| in_place.contains_key(&o.policy(Direction::ALL[d]).ruleset))
+        };
+        // 3. Install new contents (invisible until a record points at them).
+        let targets = self.install_targets(w, &planned, &old, &in_place, &is_in_place, stats)?;
+        // 4. Defaults that tighten on a rule set changed in place go first (a default is the
+        // weakest wildcard key: deny upserts first, allow upserts last).
+        self.tighten_in_place_defaults(w, &planned, &old, &is_in_place, stats)?;
+        // 5. In-place changes.
+        for (slot, content) in in_place {
+            self.store.update_in_place(w, slot, content, stats)?;
+        }
+        // 6. Switch: the final records (one atomic write per address).
+        self.switch_records(w, &planned, &old, &targets, stats)?;
+        // 7. Release what is no longer used (cleared after the grace period).
+        for (i, o) in old.iter().enumerate() {
+            if let Some(o) = o {
+                for (d, dir) in Direction::ALL.into_iter().enumerate() {
+                    let before = o.policy(dir).ruleset;
+                    if before != targets[i][d] {
+                        self.store.release(before, stats);
+                    }
+                }
+            }
+        }
+        self.bump(w, stats)?;
+        Ok(())
+    }
+
+    /// The rule sets that change in place: every user of the slot is in this batch and all of
+    /// them want the same new content, which exists nowhere yet (slot -> new content).
+    fn in_place_changes(
+        &self,
+        planned: &[Planned],
+        old: &[Option<EndpointState>],
+    ) -> BTreeMap<u32, RuleSetContent> {
         let mut users: BTreeMap<u32, Vec<(usize, usize)>> = BTreeMap::new();
         for (i, o) in old.iter().enumerate() {
             if let Some(o) = o {
@@ -531,13 +569,20 @@ impl Control {
                 in_place.insert(slot, first.clone());
             }
         }
-        let is_in_place = |i: usize, d: usize| {
-            old[i]
-                .as_ref()
-                .is_some_and(|o| in_place.contains_key(&o.policy(Direction::ALL[d]).ruleset))
-        };
+        in_place
+    }
 
-        // 3. Install new contents (invisible until a record points at them).
+    /// The target slot of every side of the batch: the current one (changed in place), one
+    /// sharing the content, or a fresh install. On a failure nothing stays referenced.
+    fn install_targets<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        planned: &[Planned],
+        old: &[Option<EndpointState>],
+        in_place: &BTreeMap<u32, RuleSetContent>,
+        is_in_place: &dyn Fn(usize, usize) -> bool,
+        stats: &mut WriteStats,
+    ) -> Result<Vec<[u32; 2]>, ControlError> {
         let mut targets = vec![[0u32; 2]; planned.len()];
         let mut installed = Vec::new();
         let mut added_refs = Vec::new();
@@ -583,9 +628,19 @@ impl Control {
             }
             return Err(e.into());
         }
+        Ok(targets)
+    }
 
-        // 4. Defaults that tighten on a rule set changed in place go first (a default is the
-        // weakest wildcard key: deny upserts first, allow upserts last).
+    /// Writes, before in-place key changes, the records whose default tightens (allow to deny)
+    /// on a rule set changed in place.
+    fn tighten_in_place_defaults<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        planned: &[Planned],
+        old: &[Option<EndpointState>],
+        is_in_place: &dyn Fn(usize, usize) -> bool,
+        stats: &mut WriteStats,
+    ) -> Result<(), ControlError> {
         let mut pre = HashMap::new();
         for (i, p) in planned.iter().enumerate() {
             let Some(o) = &old[i] else { continue };
@@ -607,13 +662,19 @@ impl Control {
                 .collect();
             self.write_records(w, keys, &pre, stats)?;
         }
+        Ok(())
+    }
 
-        // 5. In-place changes.
-        for (slot, content) in in_place {
-            self.store.update_in_place(w, slot, content, stats)?;
-        }
-
-        // 6. Switch: the final records (one atomic write per address).
+    /// The endpoints' final states and one record write per address: new addresses first,
+    /// then the ones an endpoint gave up.
+    fn switch_records<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        planned: &[Planned],
+        old: &[Option<EndpointState>],
+        targets: &[[u32; 2]],
+        stats: &mut WriteStats,
+    ) -> Result<(), ControlError> {
         let mut touched = Vec::new();
         for (i, p) in planned.iter().enumerate() {
             let state = EndpointState {
@@ -633,7 +694,7 @@ impl Control {
             }
             self.endpoints.insert(p.id, state);
         }
-        for p in &planned {
+        for p in planned {
             for ip in &p.ips {
                 let key = ip_key(*ip);
                 self.ip_owner.insert(key, p.id);
@@ -643,19 +704,6 @@ impl Control {
         // New addresses first, then the ones an endpoint gave up.
         touched.sort_by_key(|k| !self.ip_owner.contains_key(k));
         self.write_records(w, touched, &HashMap::new(), stats)?;
-
-        // 7. Release what is no longer used (cleared after the grace period).
-        for (i, o) in old.iter().enumerate() {
-            if let Some(o) = o {
-                for (d, dir) in Direction::ALL.into_iter().enumerate() {
-                    let before = o.policy(dir).ruleset;
-                    if before != targets[i][d] {
-                        self.store.release(before, stats);
-                    }
-                }
-            }
-        }
-        self.bump(w, stats)?;
         Ok(())
     }
 

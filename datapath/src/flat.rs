@@ -27,7 +27,10 @@ pub enum FlattenError {
     #[error(
         "key {key} cannot be flattened: only the wildcard protocol or TCP/UDP/SCTP prefixes are supported"
     )]
-    UnsupportedPrefix { key: String },
+    UnsupportedPrefix {
+        /// The key's prefix, as displayed.
+        key: String,
+    },
     /// Identity 0 is the datapath's wildcard and not a valid identity.
     #[error("identity 0 is reserved for the wildcard and cannot have keys")]
     ZeroIdentity,
@@ -47,6 +50,7 @@ pub struct ContentDiff {
 }
 
 impl ContentDiff {
+    /// Whether there is no key write.
     pub fn is_empty(&self) -> bool {
         self.specific_upserts.is_empty()
             && self.specific_removes.is_empty()
@@ -157,6 +161,7 @@ pub struct RuleSetContent {
 }
 
 impl RuleSetContent {
+    /// Whether the rule set has no key.
     pub fn is_empty(&self) -> bool {
         self.specific.is_empty() && self.wildcard.is_empty()
     }
@@ -390,15 +395,19 @@ pub fn flatten(ms: &MapState) -> Result<(RuleSetContent, u8), FlattenError> {
 /// prefix (only "some or none" matters for the word) and the `*` verdict at each prefix.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CellInputs {
+    /// Number of identity keys at each prefix (`prefix_bits` form).
     pub specific_count: BTreeMap<u32, u32>,
+    /// `*` verdict (`V_ALLOW`/`V_DENY`) at each prefix (`prefix_bits` form).
     pub wildcard: BTreeMap<u32, u8>,
 }
 
 impl CellInputs {
+    /// Counts one more identity key at `prefix`.
     pub fn add_specific(&mut self, prefix: u32) {
         *self.specific_count.entry(prefix).or_default() += 1;
     }
 
+    /// Counts one identity key fewer at `prefix` (no-op if there is none).
     pub fn remove_specific(&mut self, prefix: u32) {
         if let Some(n) = self.specific_count.get_mut(&prefix) {
             *n -= 1;
@@ -413,7 +422,9 @@ impl CellInputs {
 /// byte.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CellWords {
+    /// One word for every port of the cell.
     Uniform(u32),
+    /// One word per low port byte.
     Refined(Box<[u32; 256]>),
 }
 
@@ -557,6 +568,7 @@ impl FlatRuleSet {
         }
     }
 
+    /// The keys.
     pub fn content(&self) -> &RuleSetContent {
         &self.content
     }

@@ -102,193 +102,220 @@ fn syscall_error(
 impl KernelTables {
     /// Writes one run of same-kind writes; on error, how many were applied.
     fn write_run(&mut self, run: &[Write]) -> Result<(), (usize, WriteError)> {
-        let n = run.len();
         match kind(&run[0]) {
             Kind::Cell | Kind::Block => {
-                // Plain (release) stores into the mapped arrays, in order: a block's words are
-                // visible before a cell word that points to the block.
-                let mem = if kind(&run[0]) == Kind::Cell {
-                    &self.cells_mem
-                } else {
-                    &self.blocks_mem
-                };
-                for w in run {
-                    match *w {
-                        Write::Cell(i, v) | Write::Block(i, v) => mem.set(i as usize, v),
-                        _ => unreachable!(),
-                    }
-                }
+                self.write_words(run);
                 Ok(())
             }
-            Kind::PolicyUpsert => {
-                let (keys, values): (Vec<PolicyKey>, Vec<PolicyValue>) = run
-                    .iter()
-                    .map(|w| match *w {
-                        Write::PolicyUpsert(k, v) => (k, v),
-                        _ => unreachable!(),
-                    })
-                    .unzip();
-                sys::update_batch(self.policy.map().fd().as_fd(), &keys, &values)
-                    .map_err(syscall_error(MAP_POLICY, "update batch", n))
-            }
-            Kind::PolicyDelete => {
-                let keys: Vec<PolicyKey> = run
-                    .iter()
-                    .map(|w| match *w {
-                        Write::PolicyDelete(k) => k,
-                        _ => unreachable!(),
-                    })
-                    .collect();
-                sys::delete_batch(self.policy.map().fd().as_fd(), &keys).map_err(syscall_error(
-                    MAP_POLICY,
-                    "delete batch",
-                    n,
-                ))
-            }
-            Kind::IpUpsert | Kind::IpDelete => {
-                // One run per family (the order between the two families does not matter:
-                // different keys), each in its original order.
-                let v4 = |w: &&Write| match w {
-                    Write::IpUpsert(k, _) | Write::IpDelete(k) => k.family == u32::from(FAMILY_V4),
-                    _ => unreachable!(),
-                };
-                let (run4, run6): (Vec<&Write>, Vec<&Write>) = run.iter().partition(v4);
-                let upsert = kind(&run[0]) == Kind::IpUpsert;
-                let (op, name4, name6) = if upsert {
-                    ("update batch", MAP_IP4, MAP_IP6)
-                } else {
-                    ("delete batch", MAP_IP4, MAP_IP6)
-                };
-                let pairs4: Vec<(u32, IpInfo)> = run4
-                    .iter()
-                    .map(|w| match **w {
-                        Write::IpUpsert(k, v) => (k.addr[0], v),
-                        Write::IpDelete(k) => (k.addr[0], IpInfo::default()),
-                        _ => unreachable!(),
-                    })
-                    .collect();
-                let pairs6: Vec<([u32; 4], IpInfo)> = run6
-                    .iter()
-                    .map(|w| match **w {
-                        Write::IpUpsert(k, v) => (k.addr, v),
-                        Write::IpDelete(k) => (k.addr, IpInfo::default()),
-                        _ => unreachable!(),
-                    })
-                    .collect();
-                let r4 = if upsert {
-                    let (ks, vs): (Vec<u32>, Vec<IpInfo>) = pairs4.into_iter().unzip();
-                    sys::update_batch(self.ip4.map().fd().as_fd(), &ks, &vs)
-                } else {
-                    let ks: Vec<u32> = pairs4.into_iter().map(|(k, _)| k).collect();
-                    sys::delete_batch(self.ip4.map().fd().as_fd(), &ks)
-                };
-                // On a failure, count only the writes known to be applied (those of the
-                // failing family before the failure); the mirror then under-reports, never
-                // over-reports.
-                if let Err((done, source)) = r4 {
-                    let applied = positions(run, v4, done);
-                    return Err((
-                        applied,
-                        WriteError::Syscall {
-                            map: name4,
-                            op,
-                            done,
-                            total: n,
-                            source,
-                        },
-                    ));
-                }
-                let r6 = if upsert {
-                    let (ks, vs): (Vec<[u32; 4]>, Vec<IpInfo>) = pairs6.into_iter().unzip();
-                    sys::update_batch(self.ip6.map().fd().as_fd(), &ks, &vs)
-                } else {
-                    let ks: Vec<[u32; 4]> = pairs6.into_iter().map(|(k, _)| k).collect();
-                    sys::delete_batch(self.ip6.map().fd().as_fd(), &ks)
-                };
-                if let Err((done, source)) = r6 {
-                    let applied = positions(run, |w| !v4(w), done);
-                    return Err((
-                        applied,
-                        WriteError::Syscall {
-                            map: name6,
-                            op,
-                            done,
-                            total: n,
-                            source,
-                        },
-                    ));
-                }
-                Ok(())
-            }
-            Kind::Cidr => {
-                // The LPM trie has no batch operations.
-                for (done, w) in run.iter().enumerate() {
-                    let r = match *w {
-                        Write::CidrUpsert(k, len, v) => {
-                            self.cidr
-                                .insert(&Key::new(IpKey::LPM_FIXED_BITS + len, k), v, 0)
-                        }
-                        Write::CidrDelete(k, len) => {
-                            self.cidr.remove(&Key::new(IpKey::LPM_FIXED_BITS + len, k))
-                        }
-                        _ => unreachable!(),
-                    };
-                    r.map_err(|source| {
-                        (
-                            done,
-                            WriteError::Map {
-                                map: MAP_IPCIDR,
-                                source,
-                            },
-                        )
-                    })?;
-                }
-                Ok(())
-            }
-            Kind::Svc | Kind::Iface => {
-                // Few and rare: one element at a time.
-                for (done, w) in run.iter().enumerate() {
-                    let (map, r) = match *w {
-                        Write::SvcUpsert(k) => (
-                            MAP_SVC,
-                            self.svc.insert(
-                                k,
-                                SvcValue {
-                                    flags: SVC_FRONTEND,
-                                },
-                                0,
-                            ),
-                        ),
-                        Write::SvcDelete(k) => (MAP_SVC, self.svc.remove(&k)),
-                        Write::IfaceUpsert(i, v) => (MAP_IFACE, self.iface.insert(i, v, 0)),
-                        Write::IfaceDelete(i) => (MAP_IFACE, self.iface.remove(&i)),
-                        _ => unreachable!(),
-                    };
-                    match r {
-                        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
-                        Err(source) => return Err((done, WriteError::Map { map, source })),
-                    }
-                }
-                Ok(())
-            }
-            Kind::State => {
-                for (done, w) in run.iter().enumerate() {
-                    let Write::State(state) = *w else {
-                        unreachable!()
-                    };
-                    self.state.set(0, state, 0).map_err(|source| {
-                        (
-                            done,
-                            WriteError::Map {
-                                map: MAP_STATE,
-                                source,
-                            },
-                        )
-                    })?;
-                }
-                Ok(())
+            Kind::PolicyUpsert => self.write_policy_upserts(run),
+            Kind::PolicyDelete => self.write_policy_deletes(run),
+            Kind::IpUpsert | Kind::IpDelete => self.write_ips(run),
+            Kind::Cidr => self.write_cidrs(run),
+            Kind::Svc | Kind::Iface => self.write_singles(run),
+            Kind::State => self.write_state(run),
+        }
+    }
+
+    /// Plain (release) stores into the mapped arrays.
+    fn write_words(&mut self, run: &[Write]) {
+        // Plain (release) stores into the mapped arrays, in order: a block's words are
+        // visible before a cell word that points to the block.
+        let mem = if kind(&run[0]) == Kind::Cell {
+            &self.cells_mem
+        } else {
+            &self.blocks_mem
+        };
+        for w in run {
+            match *w {
+                Write::Cell(i, v) | Write::Block(i, v) => mem.set(i as usize, v),
+                _ => unreachable!(),
             }
         }
+    }
+
+    /// Policy keys added or changed, in one batch.
+    fn write_policy_upserts(&mut self, run: &[Write]) -> Result<(), (usize, WriteError)> {
+        let n = run.len();
+        let (keys, values): (Vec<PolicyKey>, Vec<PolicyValue>) = run
+            .iter()
+            .map(|w| match *w {
+                Write::PolicyUpsert(k, v) => (k, v),
+                _ => unreachable!(),
+            })
+            .unzip();
+        sys::update_batch(self.policy.map().fd().as_fd(), &keys, &values).map_err(syscall_error(
+            MAP_POLICY,
+            "update batch",
+            n,
+        ))
+    }
+
+    /// Policy keys removed, in one batch.
+    fn write_policy_deletes(&mut self, run: &[Write]) -> Result<(), (usize, WriteError)> {
+        let n = run.len();
+        let keys: Vec<PolicyKey> = run
+            .iter()
+            .map(|w| match *w {
+                Write::PolicyDelete(k) => k,
+                _ => unreachable!(),
+            })
+            .collect();
+        sys::delete_batch(self.policy.map().fd().as_fd(), &keys).map_err(syscall_error(
+            MAP_POLICY,
+            "delete batch",
+            n,
+        ))
+    }
+
+    /// ipcache records, one batch per family.
+    fn write_ips(&mut self, run: &[Write]) -> Result<(), (usize, WriteError)> {
+        let n = run.len();
+        // One run per family (the order between the two families does not matter:
+        // different keys), each in its original order.
+        let v4 = |w: &&Write| match w {
+            Write::IpUpsert(k, _) | Write::IpDelete(k) => k.family == u32::from(FAMILY_V4),
+            _ => unreachable!(),
+        };
+        let (run4, run6): (Vec<&Write>, Vec<&Write>) = run.iter().partition(v4);
+        let upsert = kind(&run[0]) == Kind::IpUpsert;
+        let (op, name4, name6) = if upsert {
+            ("update batch", MAP_IP4, MAP_IP6)
+        } else {
+            ("delete batch", MAP_IP4, MAP_IP6)
+        };
+        let pairs4: Vec<(u32, IpInfo)> = run4
+            .iter()
+            .map(|w| match **w {
+                Write::IpUpsert(k, v) => (k.addr[0], v),
+                Write::IpDelete(k) => (k.addr[0], IpInfo::default()),
+                _ => unreachable!(),
+            })
+            .collect();
+        let pairs6: Vec<([u32; 4], IpInfo)> = run6
+            .iter()
+            .map(|w| match **w {
+                Write::IpUpsert(k, v) => (k.addr, v),
+                Write::IpDelete(k) => (k.addr, IpInfo::default()),
+                _ => unreachable!(),
+            })
+            .collect();
+        let r4 = if upsert {
+            let (ks, vs): (Vec<u32>, Vec<IpInfo>) = pairs4.into_iter().unzip();
+            sys::update_batch(self.ip4.map().fd().as_fd(), &ks, &vs)
+        } else {
+            let ks: Vec<u32> = pairs4.into_iter().map(|(k, _)| k).collect();
+            sys::delete_batch(self.ip4.map().fd().as_fd(), &ks)
+        };
+        // On a failure, count only the writes known to be applied (those of the
+        // failing family before the failure); the mirror then under-reports, never
+        // over-reports.
+        if let Err((done, source)) = r4 {
+            let applied = positions(run, v4, done);
+            return Err((
+                applied,
+                WriteError::Syscall {
+                    map: name4,
+                    op,
+                    done,
+                    total: n,
+                    source,
+                },
+            ));
+        }
+        let r6 = if upsert {
+            let (ks, vs): (Vec<[u32; 4]>, Vec<IpInfo>) = pairs6.into_iter().unzip();
+            sys::update_batch(self.ip6.map().fd().as_fd(), &ks, &vs)
+        } else {
+            let ks: Vec<[u32; 4]> = pairs6.into_iter().map(|(k, _)| k).collect();
+            sys::delete_batch(self.ip6.map().fd().as_fd(), &ks)
+        };
+        if let Err((done, source)) = r6 {
+            let applied = positions(run, |w| !v4(w), done);
+            return Err((
+                applied,
+                WriteError::Syscall {
+                    map: name6,
+                    op,
+                    done,
+                    total: n,
+                    source,
+                },
+            ));
+        }
+        Ok(())
+    }
+
+    /// CIDR identities (the LPM trie has no batch operations).
+    fn write_cidrs(&mut self, run: &[Write]) -> Result<(), (usize, WriteError)> {
+        for (done, w) in run.iter().enumerate() {
+            let r = match *w {
+                Write::CidrUpsert(k, len, v) => {
+                    self.cidr
+                        .insert(&Key::new(IpKey::LPM_FIXED_BITS + len, k), v, 0)
+                }
+                Write::CidrDelete(k, len) => {
+                    self.cidr.remove(&Key::new(IpKey::LPM_FIXED_BITS + len, k))
+                }
+                _ => unreachable!(),
+            };
+            r.map_err(|source| {
+                (
+                    done,
+                    WriteError::Map {
+                        map: MAP_IPCIDR,
+                        source,
+                    },
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Service frontends and interfaces: few and rare, one element at a time.
+    fn write_singles(&mut self, run: &[Write]) -> Result<(), (usize, WriteError)> {
+        // Few and rare: one element at a time.
+        for (done, w) in run.iter().enumerate() {
+            let (map, r) = match *w {
+                Write::SvcUpsert(k) => (
+                    MAP_SVC,
+                    self.svc.insert(
+                        k,
+                        SvcValue {
+                            flags: SVC_FRONTEND,
+                        },
+                        0,
+                    ),
+                ),
+                Write::SvcDelete(k) => (MAP_SVC, self.svc.remove(&k)),
+                Write::IfaceUpsert(i, v) => (MAP_IFACE, self.iface.insert(i, v, 0)),
+                Write::IfaceDelete(i) => (MAP_IFACE, self.iface.remove(&i)),
+                _ => unreachable!(),
+            };
+            match r {
+                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+                Err(source) => return Err((done, WriteError::Map { map, source })),
+            }
+        }
+        Ok(())
+    }
+
+    /// The state record (revision, lifetimes).
+    fn write_state(&mut self, run: &[Write]) -> Result<(), (usize, WriteError)> {
+        for (done, w) in run.iter().enumerate() {
+            let Write::State(state) = *w else {
+                unreachable!()
+            };
+            self.state.set(0, state, 0).map_err(|source| {
+                (
+                    done,
+                    WriteError::Map {
+                        map: MAP_STATE,
+                        source,
+                    },
+                )
+            })?;
+        }
+        Ok(())
     }
 
     /// Reads every map into a [`MemTables`] (the connection-tracking table is not part of it).

@@ -101,43 +101,68 @@ pub const MIN_KERNEL: (u32, u32) = (6, 6);
 /// Errors of the datapath.
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
+    /// Loading the eBPF object failed.
     #[error("loading the eBPF object: {0}")]
     Object(#[from] Box<aya::EbpfError>),
+    /// Loading, attaching, detaching or test-running a program failed.
     #[error("XDP program {PROGRAM_NAME}: {0}")]
     Program(#[from] ProgramError),
+    /// A map operation failed.
     #[error("map: {0}")]
     Map(#[from] MapError),
+    /// The eBPF object lacks this map or program.
     #[error("the eBPF object has no {0}")]
     Missing(&'static str),
+    /// A control-plane operation failed.
     #[error(transparent)]
     Control(#[from] ControlError),
+    /// Writing the maps failed.
     #[error(transparent)]
     Write(#[from] WriteError),
+    /// The rule set store failed (out of slots or blocks, or a write).
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// A file system or pin operation failed.
     #[error("{path}: {source}")]
     Io {
+        /// The file, directory or interface concerned.
         path: PathBuf,
+        /// The underlying error.
         #[source]
         source: std::io::Error,
     },
+    /// [`Datapath::create`] found maps already pinned in the pin directory.
     #[error("pins already exist in {0}: adopt them (Datapath::adopt/open) or remove them")]
     AlreadyPinned(PathBuf),
+    /// [`Datapath::adopt`] did not find every map pinned in the pin directory.
     #[error("no pinned ordnet maps in {0}")]
     NotPinned(PathBuf),
+    /// A pinned map does not have the type, key or value size the program expects, or cannot
+    /// be memory-mapped.
     #[error("pinned map {name} does not match this program: {detail}")]
-    IncompatiblePin { name: &'static str, detail: String },
+    IncompatiblePin {
+        /// Name of the map.
+        name: &'static str,
+        /// What does not match.
+        detail: String,
+    },
+    /// Nothing is attached to this interface (`tc:IFACE` for the TC program).
     #[error("{0} is not attached")]
     NotAttached(String),
+    /// [`Datapath::adopt`] without [`DatapathConfig::pin_dir`].
     #[error("pinning needs a pin directory (DatapathConfig::pin_dir)")]
     NoPinDir,
+    /// The running kernel is older than [`MIN_KERNEL`].
     #[error(
         "kernel {found} is too old: ordnet needs Linux {}.{} or newer (tcx links for its \
          post-translation TC program); nothing was loaded or attached",
         MIN_KERNEL.0,
         MIN_KERNEL.1
     )]
-    KernelTooOld { found: String },
+    KernelTooOld {
+        /// The running kernel's version.
+        found: String,
+    },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> DatapathError + '_ {
@@ -219,10 +244,15 @@ impl Default for DatapathConfig {
 /// Return value of an XDP program.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum XdpAction {
+    /// `XDP_ABORTED` (0).
     Aborted,
+    /// `XDP_DROP` (1).
     Drop,
+    /// `XDP_PASS` (2).
     Pass,
+    /// `XDP_TX` (3).
     Tx,
+    /// `XDP_REDIRECT` (4).
     Redirect,
     /// A value outside the known actions.
     Other(u32),
@@ -317,16 +347,22 @@ pub struct MemoryReport {
     /// `memlock` of each map (fdinfo): preallocated maps count their full capacity, hash maps
     /// without preallocation and LPM tries what their elements use.
     pub maps: Vec<(&'static str, u64)>,
+    /// Sum of `maps`, in bytes.
     pub total: u64,
+    /// Number of endpoints programmed.
     pub endpoints: usize,
+    /// Number of rule set slots in use.
     pub rulesets: usize,
 }
 
 /// What adopting pinned maps found and did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdoptReport {
+    /// Number of endpoints found in the maps.
     pub endpoints: usize,
+    /// Number of rule set slots in use.
     pub rulesets: usize,
+    /// Interfaces with an adopted pinned link (`tc:IFACE` for the TC program).
     pub links: Vec<String>,
     /// Repair writes (zero after a clean shutdown).
     pub repairs: WriteStats,

@@ -92,10 +92,13 @@ impl WriteStats {
 /// Errors of the store.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// A table write failed.
     #[error(transparent)]
     Write(#[from] WriteError),
+    /// Every rule set slot is in use (the number of slots).
     #[error("no free rule set slot (all {0} in use); raise max_rulesets")]
     NoSlot(u32),
+    /// Every refined cell block is in use (the number of blocks).
     #[error("no free cell block (all {0} in use); raise max_blocks")]
     NoBlock(u32),
 }
@@ -131,8 +134,11 @@ fn slot_content<W: TableWriter + ?Sized>(w: &W, slot: u32) -> RuleSetContent {
 /// Summary of one slot, for inspection.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotInfo {
+    /// The slot number.
     pub slot: u32,
+    /// Number of keys of its rule set.
     pub keys: usize,
+    /// Number of endpoint directions that use it.
     pub refs: u32,
 }
 
@@ -232,6 +238,7 @@ impl Store {
         self.slots.get(slot as usize)?.as_ref().map(|r| r.hash)
     }
 
+    /// Number of references to `slot` (0 when it is not in use).
     pub fn refs(&self, slot: u32) -> u32 {
         self.slots
             .get(slot as usize)
@@ -239,6 +246,7 @@ impl Store {
             .map_or(0, |r| r.refs)
     }
 
+    /// Adds a reference to `slot` (no-op when it is not in use).
     pub fn add_ref(&mut self, slot: u32) {
         if let Some(Some(r)) = self.slots.get_mut(slot as usize) {
             r.refs += 1;

@@ -337,10 +337,12 @@ impl MappedWords {
         self.word(i).store(v, std::sync::atomic::Ordering::Release);
     }
 
+    /// Number of `u32` words.
     pub fn len(&self) -> usize {
         self.words
     }
 
+    /// Whether there is no word.
     pub fn is_empty(&self) -> bool {
         self.words == 0
     }

@@ -25,48 +25,69 @@ use ordnet_datapath_common::{
 /// One write to one map.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Write {
+    /// Cell array word `.0` (a word index, not a `u64` element index) becomes `.1`.
     Cell(u32, u32),
+    /// Refined-block array word `.0` becomes `.1`.
     Block(u32, u32),
+    /// Inserts or overwrites a policy key.
     PolicyUpsert(PolicyKey, PolicyValue),
+    /// Removes a policy key.
     PolicyDelete(PolicyKey),
+    /// Inserts or overwrites an exact ipcache record.
     IpUpsert(IpKey, IpInfo),
+    /// Removes an exact ipcache record.
     IpDelete(IpKey),
+    /// Inserts or overwrites a CIDR ipcache entry: masked address, address prefix length, record.
     CidrUpsert(IpKey, u32, IpInfo),
+    /// Removes a CIDR ipcache entry: masked address, address prefix length.
     CidrDelete(IpKey, u32),
     /// The global state (revision and clock parameters).
     State(State),
     /// A Service frontend appears or goes.
     SvcUpsert(SvcKey),
+    /// Removes a Service frontend.
     SvcDelete(SvcKey),
     /// A local endpoint's interface appears, changes or goes.
     IfaceUpsert(u32, IfaceInfo),
+    /// Removes a local endpoint's interface (by index).
     IfaceDelete(u32),
 }
 
 /// Errors of a table write.
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
+    /// A `bpf(2)` batch operation (update, delete or lookup) failed.
     #[error("{map}: {op} failed after {done} of {total} elements: {source}")]
     Syscall {
+        /// Name of the map.
         map: &'static str,
+        /// The operation (`update batch`, ...).
         op: &'static str,
+        /// Elements applied before the failure (0 for a lookup).
         done: usize,
+        /// Elements in the batch (0 for a lookup).
         total: usize,
+        /// The error the kernel returned.
         #[source]
         source: std::io::Error,
     },
+    /// An aya map operation failed.
     #[error("{map}: {source}")]
     Map {
+        /// Name of the map.
         map: &'static str,
+        /// The aya error.
         #[source]
         source: aya::maps::MapError,
     },
+    /// A map has no room for another element: map name, capacity.
     #[error("{0} is full ({1} entries)")]
     Full(&'static str, u32),
 }
 
 /// Batched writes to the datapath maps. Each call is one batch; elements are applied in order.
 pub trait TableWriter {
+    /// Applies `writes`, in order, as one batch.
     fn write(&mut self, writes: &[Write]) -> Result<(), WriteError>;
     /// Current state (what has been written so far).
     fn tables(&self) -> &MemTables;
@@ -75,14 +96,19 @@ pub trait TableWriter {
 /// An in-memory copy of the datapath maps.
 #[derive(Debug, Clone, Default)]
 pub struct MemTables {
+    /// Exact ipcache records of both families (`ORDNET_IP4`, `ORDNET_IP6`).
     pub ipcache: HashMap<IpKey, IpInfo>,
     /// (key, address prefix length) -> info.
     pub cidr: BTreeMap<(IpKey, u32), IpInfo>,
     /// Address prefix lengths present per family (for the longest-prefix search).
     cidr_lengths: BTreeMap<(u32, u32), usize>,
+    /// The cell array (`ORDNET_CELLS`), as `u32` words.
     pub cells: Vec<u32>,
+    /// The refined-block array (`ORDNET_BLOCKS`), as `u32` words.
     pub blocks: Vec<u32>,
+    /// The policy keys of every rule set (`ORDNET_POLICY`).
     pub policy: HashMap<PolicyKey, PolicyValue>,
+    /// The global state (`ORDNET_STATE`).
     pub state: State,
     /// Service frontends.
     pub services: std::collections::BTreeSet<SvcKey>,
@@ -268,19 +294,28 @@ impl PolicyMaps for MemTables {
 /// comparing them checks that two ways of programming the same state agree.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CanonicalTables {
+    /// Exact ipcache records, with their rule sets resolved.
     pub ipcache: BTreeMap<IpKey, CanonicalRecord>,
+    /// The CIDR table: (masked address, address prefix length) -> record.
     pub cidr: BTreeMap<(IpKey, u32), IpInfo>,
+    /// Service frontends.
     pub services: std::collections::BTreeSet<SvcKey>,
+    /// Interfaces of local endpoints, by index.
     pub ifaces: BTreeMap<u32, IfaceInfo>,
 }
 
 /// An ipcache record with its rule sets resolved: `(default, rule set)` per direction.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CanonicalRecord {
+    /// Security identity (0 = none).
     pub identity: u32,
+    /// `IP_FLAG_*`.
     pub flags: u32,
+    /// Local endpoint id (0 = not a local endpoint).
     pub endpoint: u32,
+    /// Ingress isolation default (`V_ALLOW`/`V_DENY`) and rule set.
     pub ingress: (u8, CanonicalRuleSet),
+    /// Egress isolation default (`V_ALLOW`/`V_DENY`) and rule set.
     pub egress: (u8, CanonicalRuleSet),
 }
 
@@ -288,20 +323,25 @@ pub struct CanonicalRecord {
 /// words) and its policy keys `(identity, prefix) -> verdict`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CanonicalRuleSet {
+    /// The `CELLS_PER_RULESET` cells, in index order.
     pub cells: Vec<CanonicalCell>,
+    /// Policy keys: (identity, prefix bits) -> verdict; identity 0 = `*`.
     pub keys: BTreeMap<(u32, u32), u8>,
 }
 
 /// One first-level cell word, or the 256 words of its refined block.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CanonicalCell {
+    /// An unrefined cell word.
     Word(u32),
+    /// The words of the cell's refined block (one per low port byte).
     Block(Vec<u32>),
 }
 
 /// A userspace connection-tracking table and clock for [`Mirror`].
 #[derive(Debug, Default)]
 pub struct UserCt {
+    /// The tracked flows.
     pub entries: RefCell<HashMap<CtKey, CtEntry>>,
     /// `None`: CLOCK_MONOTONIC in ticks of the state's `hz` (the kernel counts jiffies; only
     /// differences matter); `Some`: a fixed time in ticks.
@@ -322,7 +362,9 @@ pub fn monotonic_ns() -> u64 {
 /// [`MemTables`] plus a connection-tracking table: everything `decide` reads.
 #[derive(Debug, Clone, Copy)]
 pub struct Mirror<'a> {
+    /// The map contents.
     pub tables: &'a MemTables,
+    /// The connection-tracking table and clock.
     pub ct: &'a UserCt,
 }
 

@@ -10,6 +10,7 @@ use crate::types::Verdict;
 /// A key appears in at most one of the lists.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct ChangeSet {
+    /// `(key, new)`.
     pub added: Vec<(Key, StateEntry)>,
     /// `(key, old, new)`.
     pub changed: Vec<(Key, StateEntry, StateEntry)>,
@@ -20,15 +21,19 @@ pub struct ChangeSet {
 /// One write to a key-value datapath map.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum Op {
+    /// Insert the key, or overwrite its value.
     Upsert(Key, StateEntry),
+    /// Remove the key.
     Delete(Key),
 }
 
 impl ChangeSet {
+    /// Whether no key changed.
     pub fn is_empty(&self) -> bool {
         self.added.is_empty() && self.changed.is_empty() && self.removed.is_empty()
     }
 
+    /// Number of keys changed (added, changed or removed).
     pub fn len(&self) -> usize {
         self.added.len() + self.changed.len() + self.removed.len()
     }

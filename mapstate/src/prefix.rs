@@ -61,6 +61,7 @@ impl L4Prefix {
         self.len
     }
 
+    /// Whether this is the zero-length prefix (every protocol and port).
     pub fn is_any(&self) -> bool {
         self.len == 0
     }

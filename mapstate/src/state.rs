@@ -891,10 +891,16 @@ impl MapState {
     /// insertion of the crate documentation, computed as one walk down the blocks that can
     /// matter (see "How the state is computed" there).
     fn compute(&self, peer: Peer, region: L4Prefix) -> (Vec<(L4Prefix, StateEntry)>, Vec<Covered>) {
-        let mut out = Vec::new();
-        let mut notes = Vec::new();
+        let nodes = self.region_nodes(peer, region);
+        self.walk(peer, region, &nodes)
+    }
+
+    /// The blocks that can matter for `peer` inside `region`, in prefix order: the peer's own
+    /// candidate blocks, and for an identity the `*` keys on and under them that can bound or
+    /// become one of its keys.
+    fn region_nodes(&self, peer: Peer, region: L4Prefix) -> Vec<Node<'_>> {
         let Some(own) = self.cand.get(&peer) else {
-            return (out, notes);
+            return Vec::new();
         };
         let mut nodes: Vec<Node<'_>> = Vec::with_capacity(if region == L4Prefix::ANY {
             own.len() + 4
@@ -909,7 +915,7 @@ impl MapState {
             })
         });
         if nodes.is_empty() {
-            return (out, notes);
+            return Vec::new();
         }
         nodes.sort_unstable_by_key(|n| n.prefix);
         if let (Peer::Id(_), Some(star)) = (peer, self.tries.get(&Peer::Any)) {
@@ -967,13 +973,25 @@ impl MapState {
                 });
             }
         }
+        nodes
+    }
 
+    /// The ordered insertion over `nodes` as one walk: the keys inside `region` and the notes
+    /// of the contributions they cover.
+    fn walk(
+        &self,
+        peer: Peer,
+        region: L4Prefix,
+        nodes: &[Node<'_>],
+    ) -> (Vec<(L4Prefix, StateEntry)>, Vec<Covered>) {
+        let mut out = Vec::new();
+        let mut notes = Vec::new();
         // The walk. `frames` is the chain of visited blocks above the current one with the
         // strongest rank at or above each; `keys` the chain of keys, strictly stronger going
         // down (a key is only inserted when it beats everything above it).
         let mut frames: Vec<(L4Prefix, Rank)> = Vec::new();
         let mut keys: Vec<KeyFrame> = Vec::new();
-        for n in &nodes {
+        for n in nodes {
             while frames.last().is_some_and(|f| !f.0.covers(&n.prefix)) {
                 frames.pop();
             }

@@ -44,7 +44,9 @@ impl fmt::Display for Peer {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Direction {
+    /// Traffic that reaches the endpoint; the peer is the source.
     Ingress,
+    /// Traffic that leaves the endpoint; the peer is the destination.
     Egress,
 }
 
@@ -57,6 +59,7 @@ impl Direction {
         self as usize
     }
 
+    /// The lowercase name (`ingress`, `egress`), as in the serialized form.
     pub fn as_str(self) -> &'static str {
         match self {
             Direction::Ingress => "ingress",
@@ -76,11 +79,14 @@ impl fmt::Display for Direction {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Verdict {
+    /// Drop the traffic.
     Deny,
+    /// Let the traffic through.
     Allow,
 }
 
 impl Verdict {
+    /// The lowercase name (`allow`, `deny`), as in the serialized form.
     pub fn as_str(self) -> &'static str {
         match self {
             Verdict::Allow => "allow",
@@ -98,15 +104,19 @@ impl fmt::Display for Verdict {
 /// The IP protocols a policy can name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum Protocol {
+    /// TCP (IP protocol 6).
     #[serde(rename = "TCP")]
     Tcp,
+    /// UDP (IP protocol 17).
     #[serde(rename = "UDP")]
     Udp,
+    /// SCTP (IP protocol 132).
     #[serde(rename = "SCTP")]
     Sctp,
 }
 
 impl Protocol {
+    /// Every protocol, in `number` order.
     pub const ALL: [Protocol; 3] = [Protocol::Tcp, Protocol::Udp, Protocol::Sctp];
 
     /// The IANA protocol number, as in the IP header.
@@ -118,6 +128,7 @@ impl Protocol {
         }
     }
 
+    /// The protocol of an IANA protocol number; `None` for any other protocol.
     pub fn from_number(n: u8) -> Option<Protocol> {
         match n {
             6 => Some(Protocol::Tcp),
@@ -127,6 +138,7 @@ impl Protocol {
         }
     }
 
+    /// The API name (`TCP`, `UDP`, `SCTP`), as in the serialized form.
     pub fn as_str(self) -> &'static str {
         match self {
             Protocol::Tcp => "TCP",
@@ -151,8 +163,11 @@ pub enum L4Match {
     Proto(Protocol),
     /// One protocol, an inclusive port range (`first <= last`).
     Ports {
+        /// The protocol the ports belong to.
         proto: Protocol,
+        /// First port of the range.
         first: u16,
+        /// Last port of the range (inclusive).
         last: u16,
     },
 }
@@ -215,11 +230,15 @@ impl fmt::Display for L4Match {
 /// `(priority, rule index)`: lower is stronger (SEMANTICS.md §2).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub struct OrderKey {
+    /// Policy priority; lower is stronger.
     pub priority: i32,
+    /// Tie-breaker at equal priority: the rule's index in its policy (the engine gives every
+    /// NetworkPolicy rule 0); lower is stronger.
     pub index: u32,
 }
 
 impl OrderKey {
+    /// The order key of rule `index` of a policy of priority `priority`.
     pub fn new(priority: i32, index: u32) -> Self {
         OrderKey { priority, index }
     }
@@ -236,13 +255,20 @@ impl fmt::Display for OrderKey {
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Origin {
+    /// Kind of the policy (the engine puts the Kubernetes kind, e.g. `NetworkPolicy`).
     pub kind: String,
+    /// Namespace of the policy; `None` for a cluster-scoped policy.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
+    /// Name of the policy.
     pub name: String,
+    /// Direction the rule applies to.
     pub direction: Direction,
+    /// Index of the rule within the policy's rules for `direction`.
     pub rule_index: u32,
+    /// Priority of the policy; lower is stronger.
     pub priority: i32,
+    /// What the rule does with the traffic it matches.
     pub action: Verdict,
 }
 
@@ -281,10 +307,12 @@ pub enum Selector {
 }
 
 impl Selector {
+    /// A selector of exactly these identities.
     pub fn ids(ids: impl IntoIterator<Item = Identity>) -> Selector {
         Selector::Ids(ids.into_iter().collect())
     }
 
+    /// Whether identity `id` is selected.
     pub fn selects(&self, id: Identity) -> bool {
         match self {
             Selector::Any => true,
@@ -296,11 +324,17 @@ impl Selector {
 /// One resolved policy entry for one endpoint and direction.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PolicyEntry {
+    /// Caller-chosen id; unique within one MapState.
     pub id: EntryId,
+    /// Where the entry ranks (lower is stronger; deny wins a tie).
     pub order: OrderKey,
+    /// What the entry does with the traffic it matches.
     pub verdict: Verdict,
+    /// The peers the entry applies to.
     pub selector: Selector,
+    /// The protocols and ports the entry applies to.
     pub l4: L4Match,
+    /// The policy rule the entry comes from (for `trace` and `dump`).
     pub origin: Arc<Origin>,
 }
 

@@ -28,18 +28,25 @@ pub fn files(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// One scenario file (format: `data/conformance/README.md`).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Scenario {
+    /// The scenario's name: the file name without `.yaml`.
     pub name: String,
+    /// Where the case comes from (an upstream e2e test, or `edge case: ...` for our own).
     pub source: String,
+    /// One or two sentences on what the scenario checks.
     pub description: String,
     /// Only in `data/lab`: the family the pods are probed at.
     #[serde(default)]
     pub family: Option<u8>,
+    /// The Kubernetes objects, as applied (Namespaces, Pods, Services, policies).
     pub objects: Vec<serde_yaml::Value>,
+    /// Extra endpoints: addresses outside the cluster (passed as `--external`).
     #[serde(default)]
     pub externals: Vec<IpAddr>,
+    /// The expected matrices, one per probed protocol and port.
     pub expect: Vec<Probe>,
 }
 
@@ -49,9 +56,13 @@ pub struct Scenario {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Probe {
+    /// `TCP`, `UDP` or `SCTP`.
     pub protocol: String,
+    /// The destination port probed.
     pub port: u16,
+    /// `allow` or `deny`: the verdict of every pair not listed in `exceptions`.
     pub default: String,
+    /// Pairs with the opposite verdict (`"from -> to"`), or mixed Service pairs.
     #[serde(default)]
     pub exceptions: Vec<String>,
 }

@@ -20,6 +20,7 @@ use crate::{
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct ClassKey {
+    /// Rule set slot.
     pub ruleset: u32,
     /// 0 = the wildcard.
     pub identity: u32,
@@ -30,6 +31,7 @@ pub struct ClassKey {
 /// Map access of the class layout. The cell arrays have the shape of the enforcing layout's
 /// (`PolicyMaps::cell`, `block_word`), but a word is a class number.
 pub trait ClassMaps: PolicyMaps {
+    /// The value of a key of the class layout's hash map.
     fn class_policy(&self, key: &ClassKey) -> Option<PolicyValue>;
 }
 
@@ -80,7 +82,9 @@ pub struct ProbeMeta {
 /// Map access of the probe layout: the policy hash holds identity keys and `*` keys (identity
 /// 0) in [`PolicyKey`] form.
 pub trait ProbeMaps {
+    /// The metadata of rule set `ruleset`.
     fn meta(&self, ruleset: u32) -> Option<ProbeMeta>;
+    /// The value of a key of the policy hash map (identity 0 = `*`).
     fn policy(&self, key: &PolicyKey) -> Option<PolicyValue>;
 }
 
@@ -146,7 +150,9 @@ pub fn probe_lookup<M: ProbeMaps + ?Sized>(
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct LpmPolicyData {
+    /// Rule set slot, network byte order.
     pub ruleset: [u8; 4],
+    /// Identity (0 = `*`), network byte order.
     pub identity: [u8; 4],
     /// Protocol, port (network byte order).
     pub l4: [u8; 3],
@@ -156,6 +162,7 @@ pub struct LpmPolicyData {
 pub const LPM_POLICY_FIXED_BITS: u32 = 64;
 
 impl LpmPolicyData {
+    /// The key data of a packet of `identity` to `(protocol, port)` in rule set `ruleset`.
     #[inline(always)]
     pub fn new(ruleset: u32, identity: u32, protocol: u8, port: u16) -> Self {
         let p = port.to_be_bytes();
@@ -169,6 +176,7 @@ impl LpmPolicyData {
 
 /// Map access of the LPM layout.
 pub trait LpmMaps {
+    /// The value of the longest stored prefix that matches the first `prefix_len` bits of `data`.
     fn lpm(&self, prefix_len: u32, data: &LpmPolicyData) -> Option<PolicyValue>;
 }
 
@@ -203,6 +211,7 @@ pub struct CiliumData {
     pub sec_label: [u8; 4],
     /// Direction: 1 = egress.
     pub egress: u8,
+    /// IP protocol number.
     pub protocol: u8,
     /// Destination port, network byte order.
     pub dport: [u8; 2],
@@ -212,6 +221,7 @@ pub struct CiliumData {
 pub const CILIUM_FIXED_BITS: u32 = 40;
 
 impl CiliumData {
+    /// The key data of a packet of `identity` to `(protocol, port)` in the given direction.
     #[inline(always)]
     pub fn new(identity: u32, egress: bool, protocol: u8, port: u16) -> Self {
         Self {
@@ -229,9 +239,11 @@ impl CiliumData {
 pub struct CiliumValue {
     /// Higher wins.
     pub precedence: u32,
+    /// Non-zero: a deny entry.
     pub deny: u8,
     /// Proto/port prefix length of the entry (the LPM lookup does not return the matched key).
     pub prefix_len: u8,
+    /// Padding; always zero.
     pub _pad: [u8; 2],
 }
 
@@ -240,6 +252,7 @@ pub const CILIUM_MAX_PRECEDENCE: u32 = u32::MAX;
 
 /// Map access of the Cilium layout.
 pub trait CiliumMaps {
+    /// The value of the longest stored prefix that matches the first `prefix_len` bits of `data`.
     fn cilium(&self, prefix_len: u32, data: &CiliumData) -> Option<CiliumValue>;
 }
 

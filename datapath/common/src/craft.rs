@@ -27,20 +27,48 @@ pub const V6_DST: [u8; 16] = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum L4 {
     /// A 20-byte TCP SYN.
-    Tcp { sport: u16, dport: u16 },
+    Tcp {
+        /// Source port.
+        sport: u16,
+        /// Destination port.
+        dport: u16,
+    },
     /// A 20-byte TCP header with the given flags (`TCP_SYN | TCP_ACK`, ...).
-    TcpFlags { sport: u16, dport: u16, flags: u8 },
+    TcpFlags {
+        /// Source port.
+        sport: u16,
+        /// Destination port.
+        dport: u16,
+        /// The flags byte (byte 13 of the TCP header).
+        flags: u8,
+    },
     /// A UDP header followed by 4 payload bytes.
-    Udp { sport: u16, dport: u16 },
+    Udp {
+        /// Source port.
+        sport: u16,
+        /// Destination port.
+        dport: u16,
+    },
     /// An SCTP common header followed by a minimal INIT chunk.
-    Sctp { sport: u16, dport: u16 },
+    Sctp {
+        /// Source port.
+        sport: u16,
+        /// Destination port.
+        dport: u16,
+    },
     /// An ICMP (IPv4) or ICMPv6 (IPv6) echo request.
     Echo,
     /// An ICMP (IPv4) or ICMPv6 (IPv6) message of type `kind`, code 0, with 20 bytes of body
     /// (the reserved word and target address of a Neighbor Solicitation/Advertisement).
-    Icmp { kind: u8 },
+    Icmp {
+        /// The message type.
+        kind: u8,
+    },
     /// 8 zero bytes under an arbitrary protocol number.
-    Raw { protocol: u8 },
+    Raw {
+        /// The protocol number of the IP header.
+        protocol: u8,
+    },
 }
 
 impl L4 {
@@ -103,8 +131,11 @@ pub fn ethernet(vlans: &[(u16, u16)], ethertype: u16, payload: &[u8]) -> Vec<u8>
 /// An IPv4 header description; [`Ipv4::build`] fills in IHL, total length and checksum.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Ipv4 {
+    /// Source address.
     pub src: [u8; 4],
+    /// Destination address.
     pub dst: [u8; 4],
+    /// Protocol field (upper-layer protocol number).
     pub protocol: u8,
     /// IP options, padded with zeros (End of Options) to a multiple of 4 bytes by `build`.
     pub options: Vec<u8>,
@@ -112,11 +143,14 @@ pub struct Ipv4 {
     pub more_fragments: bool,
     /// Fragment offset in 8-byte units (13 bits).
     pub fragment_offset: u16,
+    /// Identification field.
     pub identification: u16,
+    /// Time to live.
     pub ttl: u8,
 }
 
 impl Ipv4 {
+    /// A header without options, not fragmented, with identification 0x1234 and TTL 64.
     pub fn new(src: [u8; 4], dst: [u8; 4], protocol: u8) -> Self {
         Self {
             src,

@@ -52,21 +52,30 @@ pub const MAP_IFACE: &str = "ORDNET_IFACE";
 
 /// Default capacities (userspace can override them at load time).
 pub const DEFAULT_IPCACHE_ENTRIES: u32 = 65_536;
+/// Default capacity of [`MAP_IPCIDR`].
 pub const DEFAULT_IPCIDR_ENTRIES: u32 = 16_384;
+/// Default number of rule set slots: [`MAP_CELLS`] holds this many × [`CELLS_PER_RULESET`] words.
 pub const DEFAULT_MAX_RULESETS: u32 = 512;
+/// Default number of refined blocks in [`MAP_BLOCKS`] ([`BLOCK_WORDS`] words each).
 pub const DEFAULT_MAX_BLOCKS: u32 = 2_048;
+/// Default capacity of [`MAP_POLICY`].
 pub const DEFAULT_POLICY_ENTRIES: u32 = 262_144;
+/// Default capacity of each connection-tracking map ([`MAP_CT4`], [`MAP_CT6`]).
 pub const DEFAULT_CT_ENTRIES: u32 = 65_536;
+/// Default capacity of [`MAP_SVC`].
 pub const DEFAULT_SVC_ENTRIES: u32 = 65_536;
+/// Default capacity of [`MAP_IFACE`].
 pub const DEFAULT_IFACE_ENTRIES: u32 = 4_096;
 
 /// Verdict encoding in [`PolicyValue::verdict`] and [`PolicyRef::default`]. Zero (what an
 /// unwritten value holds) and every other value mean deny: fail closed.
 pub const V_ALLOW: u8 = 1;
+/// Deny verdict (see [`V_ALLOW`]).
 pub const V_DENY: u8 = 2;
 
 /// [`IpKey::family`] values.
 pub const FAMILY_V4: u8 = 4;
+/// [`IpKey::family`] of an IPv6 address.
 pub const FAMILY_V6: u8 = 6;
 
 /// One address of either family as a hash key, and the data part of the LPM key
@@ -84,6 +93,7 @@ pub struct IpKey {
 }
 
 impl IpKey {
+    /// A key of family `family` ([`FAMILY_V4`] or [`FAMILY_V6`]) and address words `addr`.
     #[inline(always)]
     pub const fn new(family: u8, addr: [u32; 4]) -> Self {
         Self {
@@ -110,10 +120,13 @@ pub struct PolicyRef {
     pub ruleset: u32,
     /// [`V_ALLOW`] or [`V_DENY`]: the verdict when no key matches.
     pub default: u8,
+    /// Padding; always zero.
     pub _pad: [u8; 3],
 }
 
 impl PolicyRef {
+    /// A reference to rule set slot `ruleset` with isolation default `default` ([`V_ALLOW`] or
+    /// [`V_DENY`]).
     pub const fn new(ruleset: u32, default: u8) -> Self {
         Self {
             ruleset,
@@ -141,16 +154,20 @@ pub struct IpInfo {
     pub flags: u32,
     /// Local endpoint id (non-zero) when `flags` has [`IP_FLAG_ENDPOINT`].
     pub endpoint: u32,
+    /// Ingress policy of the endpoint (valid for a local endpoint only).
     pub ingress: PolicyRef,
+    /// Egress policy of the endpoint (valid for a local endpoint only).
     pub egress: PolicyRef,
 }
 
 impl IpInfo {
+    /// Whether the address is a local endpoint: [`IP_FLAG_ENDPOINT`] set and `endpoint` non-zero.
     #[inline(always)]
     pub fn is_endpoint(&self) -> bool {
         self.flags & IP_FLAG_ENDPOINT != 0 && self.endpoint != 0
     }
 
+    /// Whether the address belongs to this node ([`IP_FLAG_HOST`]).
     #[inline(always)]
     pub fn is_host(&self) -> bool {
         self.flags & IP_FLAG_HOST != 0
@@ -195,8 +212,11 @@ pub const CELL_HINT_SHIFT: u32 = 18;
 /// [`WILD_NONE`] (no wildcard key covers it: the endpoint's default applies), [`WILD_ALLOW`],
 /// [`WILD_DENY`] (3 = invalid, treated as deny).
 pub const CELL_WILD_SHIFT: u32 = 25;
+/// Wildcard verdict: no `*` key covers the cell (the endpoint's default applies).
 pub const WILD_NONE: u32 = 0;
+/// Wildcard verdict: allow.
 pub const WILD_ALLOW: u32 = 1;
+/// Wildcard verdict: deny.
 pub const WILD_DENY: u32 = 2;
 /// Cell word in [`MAP_CELLS`] only: the cell is refined; bits 0..31 hold the block number in
 /// [`MAP_BLOCKS`]. Never set in a block word.
@@ -255,6 +275,7 @@ pub const fn prefix_bits(protocol: u8, port: u16, len: u32) -> u32 {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct PolicyKey {
+    /// Rule set slot (as in [`PolicyRef::ruleset`]).
     pub ruleset: u32,
     /// Identity; 0 = the wildcard `*` (stored for userspace bookkeeping only: the program folds
     /// the wildcard keys into the cell words and never probes identity 0).
@@ -269,10 +290,12 @@ pub struct PolicyKey {
 pub struct PolicyValue {
     /// [`V_ALLOW`] or [`V_DENY`].
     pub verdict: u8,
+    /// Padding; always zero.
     pub _pad: [u8; 3],
 }
 
 impl PolicyValue {
+    /// A value of verdict `verdict` ([`V_ALLOW`] or [`V_DENY`]).
     pub const fn new(verdict: u8) -> Self {
         Self {
             verdict,
@@ -286,13 +309,19 @@ impl PolicyValue {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct CtKey {
+    /// [`FAMILY_V4`] or [`FAMILY_V6`].
     pub family: u8,
+    /// IP protocol number.
     pub protocol: u8,
+    /// Padding; always zero.
     pub _pad: u16,
+    /// Port of side `a` (host byte order).
     pub port_a: u16,
+    /// Port of side `b` (host byte order).
     pub port_b: u16,
     /// Memory-order address words, as in [`IpKey::addr`].
     pub addr_a: [u32; 4],
+    /// Address of side `b`, same form as `addr_a`.
     pub addr_b: [u32; 4],
 }
 
@@ -300,12 +329,19 @@ pub struct CtKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct Ct4Key {
+    /// IP protocol number.
     pub protocol: u8,
+    /// Padding; always zero.
     pub _pad: u8,
+    /// Padding; always zero.
     pub _pad2: u16,
+    /// Port of side `a` (host byte order).
     pub port_a: u16,
+    /// Port of side `b` (host byte order).
     pub port_b: u16,
+    /// IPv4 address of side `a` (memory-order word, as in [`IpKey::addr`]).
     pub addr_a: u32,
+    /// IPv4 address of side `b` (memory-order word).
     pub addr_b: u32,
 }
 
@@ -402,6 +438,7 @@ pub struct CtEntry {
     pub last_seen: u64,
     /// `CT_*` flags.
     pub flags: u32,
+    /// Padding; always zero.
     pub _pad: u32,
 }
 
@@ -421,6 +458,7 @@ pub struct State {
     pub ct_other_ticks: u64,
     /// A flow's `last_seen` is rewritten at most this often (saves a write per packet).
     pub ct_refresh_ticks: u64,
+    /// Unused; zero.
     pub _reserved: u64,
 }
 

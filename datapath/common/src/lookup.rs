@@ -40,7 +40,10 @@ pub trait PolicyMaps {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Match {
     /// The identity's own key of this prefix length (`prefix_bits` form in `prefix`).
-    Specific { prefix: u32 },
+    Specific {
+        /// The matched key's prefix, in [`prefix_bits`] form.
+        prefix: u32,
+    },
     /// The wildcard verdict of the cell.
     Wildcard,
     /// No key matched: the endpoint's isolation default.
@@ -52,7 +55,9 @@ pub enum Match {
 /// Result of [`policy_lookup`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PolicyDecision {
+    /// Whether the packet is allowed.
     pub allow: bool,
+    /// What decided.
     pub by: Match,
 }
 

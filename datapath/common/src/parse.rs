@@ -21,29 +21,48 @@ pub const ETH_P_8021Q: u16 = 0x8100;
 /// TPID of an IEEE 802.1ad (QinQ service) VLAN tag.
 pub const ETH_P_8021AD: u16 = 0x88a8;
 
+/// IPv6 Hop-by-Hop Options extension header.
 pub const IPPROTO_HOPOPTS: u8 = 0;
+/// ICMP (IPv4).
 pub const IPPROTO_ICMP: u8 = 1;
+/// TCP.
 pub const IPPROTO_TCP: u8 = 6;
+/// UDP.
 pub const IPPROTO_UDP: u8 = 17;
+/// IPv6 Routing extension header.
 pub const IPPROTO_ROUTING: u8 = 43;
+/// IPv6 Fragment extension header.
 pub const IPPROTO_FRAGMENT: u8 = 44;
+/// Encapsulating Security Payload: ends an IPv6 header chain (not skipped, no ports).
 pub const IPPROTO_ESP: u8 = 50;
+/// Authentication Header (skipped as an IPv6 extension header).
 pub const IPPROTO_AH: u8 = 51;
+/// ICMPv6.
 pub const IPPROTO_ICMPV6: u8 = 58;
+/// IPv6 No Next Header: ends the header chain (no ports).
 pub const IPPROTO_NONE: u8 = 59;
+/// IPv6 Destination Options extension header.
 pub const IPPROTO_DSTOPTS: u8 = 60;
+/// SCTP.
 pub const IPPROTO_SCTP: u8 = 132;
+/// Mobility Header (skipped as an IPv6 extension header).
 pub const IPPROTO_MH: u8 = 135;
+/// Host Identity Protocol (skipped as an IPv6 extension header).
 pub const IPPROTO_HIP: u8 = 139;
+/// Shim6 (skipped as an IPv6 extension header).
 pub const IPPROTO_SHIM6: u8 = 140;
 
 /// ICMPv6 Neighbor Discovery message types (RFC 4861 §4): Router Solicitation, Router
 /// Advertisement, Neighbor Solicitation, Neighbor Advertisement, Redirect. See
 /// [`crate::verdict`] for how they are treated.
 pub const ICMPV6_ROUTER_SOLICITATION: u8 = 133;
+/// ICMPv6 Router Advertisement (type 134).
 pub const ICMPV6_ROUTER_ADVERTISEMENT: u8 = 134;
+/// ICMPv6 Neighbor Solicitation (type 135).
 pub const ICMPV6_NEIGHBOR_SOLICITATION: u8 = 135;
+/// ICMPv6 Neighbor Advertisement (type 136).
 pub const ICMPV6_NEIGHBOR_ADVERTISEMENT: u8 = 136;
+/// ICMPv6 Redirect (type 137).
 pub const ICMPV6_REDIRECT: u8 = 137;
 /// The hop limit every Neighbor Discovery message is sent with and must arrive with
 /// (RFC 4861: receivers discard ND messages with any other hop limit).

@@ -318,222 +318,324 @@ pub fn decide_at<M: DatapathMaps + ?Sized>(
     if neighbor_discovery(p) {
         return Decision::simple(Verdict::Pass, Reason::NeighborDiscovery);
     }
-
-    // 1. Connection tracking first: a packet of a tracked flow whose stamp is current passes
-    // after this one lookup (no ipcache, no policy). Entries exist only for flows that involve
-    // a local endpoint and were allowed; the revision changes whenever an endpoint, an
-    // identity or a policy changes, so a current stamp means the decision still holds.
-    // A pure SYN is a new connection attempt: at XDP it is checked below, and looks at the
-    // tracking table only once the policy has allowed it (at TC see below).
-    let is_tracked = tracked(p.protocol);
-    let syn = p.protocol == IPPROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
-    // Without a state (impossible once userspace initialised the map) every entry is expired
-    // and the revision 0: flows are checked as new.
-    let (revision, lifetime, refresh) = match maps.state() {
-        Some(s) => (
-            s.revision,
-            if p.protocol == IPPROTO_TCP {
-                s.ct_tcp_ticks
-            } else {
-                s.ct_other_ticks
-            },
-            s.ct_refresh_ticks,
-        ),
-        None => (0, 0, 0),
+    // 1. Connection tracking first.
+    let mut t = match Track::lookup(p, maps, hook) {
+        Ok(t) => t,
+        Err(d) => return d,
     };
-    let (key, src_is_a) = ct_key(p);
-    let initiator = if src_is_a { CT_INITIATOR_A } else { 0 };
-    let mut now: u64 = 0;
-    // A live (not expired) entry of this flow, when one was looked up.
-    let mut live = false;
-    let mut entry = CtEntry::default();
-    // At the TC hook a pure SYN was usually just judged by XDP on its way in, which tracked
-    // it: an entry of the same direction with the current stamp (not a deferred one) means
-    // the same policy allowed this very tuple, so it passes after the one lookup too.
-    let tc = matches!(hook, Hook::Tc { .. });
-    if is_tracked && (!syn || tc) {
-        if let Some(e) = maps.ct_lookup(&key) {
-            now = maps.now();
-            // An entry from the future (clock reset) counts as fresh.
-            live = now.saturating_sub(e.last_seen) <= lifetime;
-            entry = e;
-        }
-        let deferred = entry.flags & CT_SERVICE != 0;
-        let same_direction = entry.flags & CT_INITIATOR_A == initiator;
-        if syn && !(live && same_direction && !deferred && entry.revision == revision) {
-            // Any other entry says nothing about a new connection attempt: judged as new.
-            live = false;
-            entry = CtEntry::default();
-        }
-        if live && (entry.revision == revision || deferred) {
-            if now.saturating_sub(entry.last_seen) > refresh {
-                maps.ct_store(
-                    &key,
-                    &CtEntry {
-                        last_seen: now,
-                        ..entry
-                    },
-                );
-            }
-            let reason = if deferred {
-                Reason::ServiceFlow
-            } else if entry.flags & CT_INITIATOR_A == initiator {
-                Reason::Established
-            } else {
-                Reason::Reply
-            };
-            return Decision::simple(Verdict::Pass, reason);
-        }
-    }
-
-    // 1b. A new flow to a Service frontend: kube-proxy translates it after this hook, so it is
-    // judged at the TC hook once the destination is the backend. Tracked as deferred, so the
-    // translated replies (source: the frontend) find it there.
+    // 1b. A new flow to a Service frontend (XDP only).
     let ingress_ifindex = match hook {
         Hook::Xdp => {
-            if is_tracked
-                && maps.service(&SvcKey {
-                    family: p.ip_version,
-                    protocol: p.protocol,
-                    port: p.dport,
-                    addr: p.dst,
-                })
-            {
-                if now == 0 {
-                    now = maps.now();
-                }
-                maps.ct_store(
-                    &key,
-                    &CtEntry {
-                        revision,
-                        last_seen: now,
-                        flags: initiator | CT_SERVICE,
-                        _pad: 0,
-                    },
-                );
-                return Decision::simple(Verdict::Pass, Reason::ServiceFrontend);
+            if let Some(d) = t.defer_service(p, maps) {
+                return d;
             }
             0
         }
         Hook::Tc { ingress_ifindex } => ingress_ifindex,
     };
-
-    // 2. Who the two ends are. At the TC hook a packet that came in on a local endpoint's
-    // interface is that endpoint's, whatever its source address says (source NAT).
-    let mut src = maps.ipcache(&IpKey::new(p.ip_version, p.src));
-    let mut attributed = false;
-    if ingress_ifindex != 0
-        && !src.is_some_and(|i| i.is_endpoint())
-        && let Some(ep) = interface_endpoint(maps, ingress_ifindex, p.ip_version)
-    {
-        src = Some(ep);
-        attributed = true;
-    }
-    let dst = maps.ipcache(&IpKey::new(p.ip_version, p.dst));
-    let src_local = src.is_some_and(|i| i.is_endpoint());
-    let dst_local = dst.is_some_and(|i| i.is_endpoint());
-    if !src_local && !dst_local {
-        return Decision::simple(Verdict::Pass, Reason::NotLocal);
-    }
-    // Traffic between a pod and its node is never filtered. At the TC hook a node source
-    // address on a forwarded packet is a rewritten one (the node's own packets never get here):
-    // it is judged, with that address's identity.
-    let src_host = !attributed && ingress_ifindex == 0 && src.is_some_and(|i| i.is_host());
-    if src_host || dst.is_some_and(|i| i.is_host()) {
-        return Decision::simple(Verdict::Pass, Reason::Host);
-    }
-    let endpoint = |i: Option<&IpInfo>| i.map_or(0, |i| i.endpoint);
-    if src_local && dst_local && endpoint(src) == endpoint(dst) {
-        return Decision::simple(Verdict::Pass, Reason::SameEndpoint);
-    }
-    // A side's identity is only needed to check the other side's policy.
-    let src_id = if dst_local {
-        identity_of(maps, src, p.ip_version, &p.src)
-    } else {
-        0
+    // 2. Who the two ends are.
+    let ends = match Ends::resolve(p, maps, ingress_ifindex) {
+        Ok(e) => e,
+        Err(d) => return d,
     };
-    let dst_id = if src_local {
-        identity_of(maps, dst, p.ip_version, &p.dst)
-    } else {
-        0
-    };
-    let policy = |i: Option<&IpInfo>, egress: bool| {
-        i.map_or(PolicyRef::default(), |i| {
-            if egress { i.egress } else { i.ingress }
-        })
-    };
-
     // 3. The policy: of the packet's own direction, or, for a live entry with an older stamp,
     // of the flow's original direction (one `evaluate` call site keeps the program small).
-    let from_initiator = entry.flags & CT_INITIATOR_A == initiator;
-    let flow = if live && !from_initiator {
-        Flow {
-            from_local: dst_local,
-            from: policy(dst, true),
-            from_id: dst_id,
-            to_local: src_local,
-            to: policy(src, false),
-            to_id: src_id,
-            protocol: p.protocol,
-            dport: p.sport,
-        }
-    } else {
-        Flow {
-            from_local: src_local,
-            from: policy(src, true),
-            from_id: src_id,
-            to_local: dst_local,
-            to: policy(dst, false),
-            to_id: dst_id,
-            protocol: p.protocol,
-            dport: p.dport,
-        }
-    };
-    let mut d = evaluate(maps, &flow);
-    if !is_tracked {
-        return d;
-    }
-    if live {
-        // A re-check: restamp, or forget the flow.
-        if d.verdict == Verdict::Pass {
-            maps.ct_store(
-                &key,
-                &CtEntry {
-                    revision,
-                    last_seen: now,
-                    ..entry
+    let d = evaluate(maps, &ends.flow(p, maps, &t));
+    // 4. Tracking.
+    t.record(maps, d)
+}
+
+/// A packet's connection-tracking state (step 1 of [`decide_at`]).
+struct Track {
+    is_tracked: bool,
+    /// A TCP SYN without ACK: a new connection attempt.
+    syn: bool,
+    revision: u64,
+    refresh: u64,
+    key: CtKey,
+    /// `CT_INITIATOR_A` when the packet's source is side `a` of the key.
+    initiator: u32,
+    /// The clock, once read (0: not yet).
+    now: u64,
+    /// A live (not expired) entry of this flow was found.
+    live: bool,
+    entry: CtEntry,
+}
+
+impl Track {
+    /// Looks the flow up: a packet of a tracked flow whose stamp is current passes after this
+    /// one lookup (no ipcache, no policy): `Err` with that decision. Entries exist only for
+    /// flows that involve a local endpoint and were allowed; the revision changes whenever an
+    /// endpoint, an identity or a policy changes, so a current stamp means the decision still
+    /// holds. A pure SYN is a new connection attempt: at XDP it is checked below, and looks at
+    /// the tracking table only once the policy has allowed it ([`Track::record`]). At the TC
+    /// hook a pure SYN was usually just judged by XDP on its way in, which tracked it: an entry
+    /// of the same direction with the current stamp (not a deferred one) means the same policy
+    /// allowed this very tuple, so it passes after the one lookup too.
+    #[inline(always)]
+    fn lookup<M: DatapathMaps + ?Sized>(
+        p: &IpPacket,
+        maps: &M,
+        hook: Hook,
+    ) -> Result<Track, Decision> {
+        let is_tracked = tracked(p.protocol);
+        let syn = p.protocol == IPPROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+        // Without a state (impossible once userspace initialised the map) every entry is
+        // expired and the revision 0: flows are checked as new.
+        let (revision, lifetime, refresh) = match maps.state() {
+            Some(s) => (
+                s.revision,
+                if p.protocol == IPPROTO_TCP {
+                    s.ct_tcp_ticks
+                } else {
+                    s.ct_other_ticks
                 },
-            );
-            d.reason = Reason::Rechecked;
-        } else {
-            maps.ct_delete(&key);
-            d.reason = Reason::RecheckDenied;
-        }
-        return d;
-    }
-    if d.verdict == Verdict::Pass {
-        // Track the allowed flow, unless (a repeated SYN) an identical fresh entry exists.
-        let mut fresh = false;
-        if syn && let Some(e) = maps.ct_lookup(&key) {
-            now = maps.now();
-            fresh = e.revision == revision
-                && e.flags == initiator
-                && now.saturating_sub(e.last_seen) <= refresh;
-        }
-        if !fresh {
-            if now == 0 {
+                s.ct_refresh_ticks,
+            ),
+            None => (0, 0, 0),
+        };
+        let (key, src_is_a) = ct_key(p);
+        let initiator = if src_is_a { CT_INITIATOR_A } else { 0 };
+        let mut now: u64 = 0;
+        let mut live = false;
+        let mut entry = CtEntry::default();
+        let tc = matches!(hook, Hook::Tc { .. });
+        if is_tracked && (!syn || tc) {
+            if let Some(e) = maps.ct_lookup(&key) {
                 now = maps.now();
+                // An entry from the future (clock reset) counts as fresh.
+                live = now.saturating_sub(e.last_seen) <= lifetime;
+                entry = e;
             }
-            maps.ct_store(
-                &key,
-                &CtEntry {
-                    revision,
-                    last_seen: now,
-                    flags: initiator,
-                    _pad: 0,
-                },
-            );
+            let deferred = entry.flags & CT_SERVICE != 0;
+            let same_direction = entry.flags & CT_INITIATOR_A == initiator;
+            if syn && !(live && same_direction && !deferred && entry.revision == revision) {
+                // Any other entry says nothing about a new connection attempt: judged as new.
+                live = false;
+                entry = CtEntry::default();
+            }
+            if live && (entry.revision == revision || deferred) {
+                if now.saturating_sub(entry.last_seen) > refresh {
+                    maps.ct_store(
+                        &key,
+                        &CtEntry {
+                            last_seen: now,
+                            ..entry
+                        },
+                    );
+                }
+                let reason = if deferred {
+                    Reason::ServiceFlow
+                } else if same_direction {
+                    Reason::Established
+                } else {
+                    Reason::Reply
+                };
+                return Err(Decision::simple(Verdict::Pass, reason));
+            }
+        }
+        Ok(Track {
+            is_tracked,
+            syn,
+            revision,
+            refresh,
+            key,
+            initiator,
+            now,
+            live,
+            entry,
+        })
+    }
+
+    /// At XDP, a new flow to a Service frontend: kube-proxy translates it after this hook, so
+    /// it is judged at the TC hook once the destination is the backend. Tracked as deferred, so
+    /// the translated replies (source: the frontend) find it there.
+    #[inline(always)]
+    fn defer_service<M: DatapathMaps + ?Sized>(
+        &mut self,
+        p: &IpPacket,
+        maps: &M,
+    ) -> Option<Decision> {
+        if !self.is_tracked
+            || !maps.service(&SvcKey {
+                family: p.ip_version,
+                protocol: p.protocol,
+                port: p.dport,
+                addr: p.dst,
+            })
+        {
+            return None;
+        }
+        if self.now == 0 {
+            self.now = maps.now();
+        }
+        maps.ct_store(
+            &self.key,
+            &CtEntry {
+                revision: self.revision,
+                last_seen: self.now,
+                flags: self.initiator | CT_SERVICE,
+                _pad: 0,
+            },
+        );
+        Some(Decision::simple(Verdict::Pass, Reason::ServiceFrontend))
+    }
+
+    /// Whether the packet comes from the side that opened the tracked flow (or there is none).
+    #[inline(always)]
+    fn by_initiator(&self) -> bool {
+        self.entry.flags & CT_INITIATOR_A == self.initiator
+    }
+
+    /// Step 4: a re-check restamps the entry (allowed) or deletes it (denied); an allowed new
+    /// flow is tracked, unless (a repeated SYN) an identical fresh entry exists; a denied packet
+    /// creates no state.
+    #[inline(always)]
+    fn record<M: DatapathMaps + ?Sized>(mut self, maps: &M, mut d: Decision) -> Decision {
+        if !self.is_tracked {
+            return d;
+        }
+        if self.live {
+            if d.verdict == Verdict::Pass {
+                maps.ct_store(
+                    &self.key,
+                    &CtEntry {
+                        revision: self.revision,
+                        last_seen: self.now,
+                        ..self.entry
+                    },
+                );
+                d.reason = Reason::Rechecked;
+            } else {
+                maps.ct_delete(&self.key);
+                d.reason = Reason::RecheckDenied;
+            }
+            return d;
+        }
+        if d.verdict == Verdict::Pass {
+            let mut fresh = false;
+            if self.syn
+                && let Some(e) = maps.ct_lookup(&self.key)
+            {
+                self.now = maps.now();
+                fresh = e.revision == self.revision
+                    && e.flags == self.initiator
+                    && self.now.saturating_sub(e.last_seen) <= self.refresh;
+            }
+            if !fresh {
+                if self.now == 0 {
+                    self.now = maps.now();
+                }
+                maps.ct_store(
+                    &self.key,
+                    &CtEntry {
+                        revision: self.revision,
+                        last_seen: self.now,
+                        flags: self.initiator,
+                        _pad: 0,
+                    },
+                );
+            }
+        }
+        d
+    }
+}
+
+/// The two ends of a packet, as the ipcache (and at TC the interface) knows them (step 2 of
+/// [`decide_at`]).
+struct Ends<'m> {
+    src: Option<&'m IpInfo>,
+    dst: Option<&'m IpInfo>,
+    src_local: bool,
+    dst_local: bool,
+}
+
+impl<'m> Ends<'m> {
+    /// At the TC hook a packet that came in on a local endpoint's interface is that
+    /// endpoint's, whatever its source address says (source NAT). The exemptions end the
+    /// decision here (`Err`): neither end local, traffic between a pod and its node (at TC a
+    /// node source on a forwarded packet was rewritten: it is judged), a pod with itself.
+    #[inline(always)]
+    fn resolve<M: DatapathMaps + ?Sized>(
+        p: &IpPacket,
+        maps: &'m M,
+        ingress_ifindex: u32,
+    ) -> Result<Ends<'m>, Decision> {
+        let mut src = maps.ipcache(&IpKey::new(p.ip_version, p.src));
+        let mut attributed = false;
+        if ingress_ifindex != 0
+            && !src.is_some_and(|i| i.is_endpoint())
+            && let Some(ep) = interface_endpoint(maps, ingress_ifindex, p.ip_version)
+        {
+            src = Some(ep);
+            attributed = true;
+        }
+        let dst = maps.ipcache(&IpKey::new(p.ip_version, p.dst));
+        let src_local = src.is_some_and(|i| i.is_endpoint());
+        let dst_local = dst.is_some_and(|i| i.is_endpoint());
+        if !src_local && !dst_local {
+            return Err(Decision::simple(Verdict::Pass, Reason::NotLocal));
+        }
+        let src_host = !attributed && ingress_ifindex == 0 && src.is_some_and(|i| i.is_host());
+        if src_host || dst.is_some_and(|i| i.is_host()) {
+            return Err(Decision::simple(Verdict::Pass, Reason::Host));
+        }
+        let endpoint = |i: Option<&IpInfo>| i.map_or(0, |i| i.endpoint);
+        if src_local && dst_local && endpoint(src) == endpoint(dst) {
+            return Err(Decision::simple(Verdict::Pass, Reason::SameEndpoint));
+        }
+        Ok(Ends {
+            src,
+            dst,
+            src_local,
+            dst_local,
+        })
+    }
+
+    /// The flow to judge: the packet's own direction, or for a reply on a live entry with an
+    /// older stamp the flow's original direction (the initiator's egress, the responder's
+    /// ingress, the original destination port). A side's identity is only needed to check the
+    /// other side's policy.
+    #[inline(always)]
+    fn flow<M: DatapathMaps + ?Sized>(&self, p: &IpPacket, maps: &M, t: &Track) -> Flow {
+        let (src, dst, src_local, dst_local) = (self.src, self.dst, self.src_local, self.dst_local);
+        let src_id = if dst_local {
+            identity_of(maps, src, p.ip_version, &p.src)
+        } else {
+            0
+        };
+        let dst_id = if src_local {
+            identity_of(maps, dst, p.ip_version, &p.dst)
+        } else {
+            0
+        };
+        let policy = |i: Option<&IpInfo>, egress: bool| {
+            i.map_or(PolicyRef::default(), |i| {
+                if egress { i.egress } else { i.ingress }
+            })
+        };
+        if t.live && !t.by_initiator() {
+            Flow {
+                from_local: dst_local,
+                from: policy(dst, true),
+                from_id: dst_id,
+                to_local: src_local,
+                to: policy(src, false),
+                to_id: src_id,
+                protocol: p.protocol,
+                dport: p.sport,
+            }
+        } else {
+            Flow {
+                from_local: src_local,
+                from: policy(src, true),
+                from_id: src_id,
+                to_local: dst_local,
+                to: policy(dst, false),
+                to_id: dst_id,
+                protocol: p.protocol,
+                dport: p.dport,
+            }
         }
     }
-    d
 }

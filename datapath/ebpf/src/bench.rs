@@ -188,6 +188,8 @@ pub fn bench_parse(ctx: XdpContext) -> u32 {
     })
 }
 
+/// The floor: one hash lookup of the exact (rule set, identity, protocol/port) key in `FLOOR`,
+/// else the default.
 #[xdp]
 pub fn bench_floor(ctx: XdpContext) -> u32 {
     run(&ctx, |cfg, identity, p| {
@@ -204,6 +206,7 @@ pub fn bench_floor(ctx: XdpContext) -> u32 {
     })
 }
 
+/// The enforcing layout: [`policy_lookup`] (cell word, then probes at the lengths in it).
 #[xdp]
 pub fn bench_ordnet(ctx: XdpContext) -> u32 {
     run(&ctx, |cfg, identity, p| {
@@ -211,6 +214,7 @@ pub fn bench_ordnet(ctx: XdpContext) -> u32 {
     })
 }
 
+/// The class layout: [`alt::class_lookup`] over `CLS_CELLS`, `CLS_BLOCKS` and `CLS_POLICY`.
 #[xdp]
 pub fn bench_classes(ctx: XdpContext) -> u32 {
     run(&ctx, |cfg, identity, p| {
@@ -225,6 +229,7 @@ pub fn bench_classes(ctx: XdpContext) -> u32 {
     })
 }
 
+/// The probe layout: [`alt::probe_lookup`] over `PRB_META` and `PRB_POLICY`.
 #[xdp]
 pub fn bench_probes(ctx: XdpContext) -> u32 {
     run(&ctx, |cfg, identity, p| {
@@ -239,6 +244,7 @@ pub fn bench_probes(ctx: XdpContext) -> u32 {
     })
 }
 
+/// The LPM layout: [`alt::lpm_lookup`] over `LPM_POLICY`.
 #[xdp]
 pub fn bench_lpm(ctx: XdpContext) -> u32 {
     run(&ctx, |cfg, identity, p| {
@@ -253,6 +259,7 @@ pub fn bench_lpm(ctx: XdpContext) -> u32 {
     })
 }
 
+/// Cilium's layout: [`alt::cilium_lookup`] over `CIL_POLICY`, as an ingress lookup.
 #[xdp]
 pub fn bench_cilium(ctx: XdpContext) -> u32 {
     run(&ctx, |cfg, identity, p| {

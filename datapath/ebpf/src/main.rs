@@ -178,6 +178,8 @@ impl DatapathMaps for KernelMaps {
     }
 }
 
+/// The XDP program, on every local endpoint's host-side interface and on the uplink: [`decide`]
+/// (at [`Hook::Xdp`], before netfilter) over the maps above; `XDP_PASS` or `XDP_DROP`.
 #[xdp]
 pub fn ordnet_xdp(ctx: XdpContext) -> u32 {
     let frame = XdpFrame::new(&ctx);

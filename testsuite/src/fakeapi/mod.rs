@@ -57,10 +57,13 @@ use tokio::task::JoinHandle;
 pub struct ResourceDef {
     /// API group, `""` for the core group.
     pub group: &'static str,
+    /// API version, without the group (`v1`, `v1alpha1`).
     pub version: &'static str,
     /// The plural, as in the URL.
     pub plural: &'static str,
+    /// The object kind (`Pod`, `NetworkPolicy`, ...).
     pub kind: &'static str,
+    /// Whether the objects live in namespaces (else cluster-scoped).
     pub namespaced: bool,
     /// Whether it has a `/status` subresource.
     pub status: bool,
@@ -185,8 +188,11 @@ impl Drop for FakeApi {
 /// An API error as the server answers it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
+    /// HTTP status code.
     pub code: u16,
+    /// The Status `reason` (`NotFound`, `Conflict`, ...).
     pub reason: &'static str,
+    /// Human-readable message.
     pub message: String,
 }
 

@@ -19,8 +19,11 @@ pub(crate) struct LogEntry {
 /// One recorded request (method, path and query, content type).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestRecord {
+    /// The HTTP method.
     pub method: String,
+    /// The request URI: path and query.
     pub uri: String,
+    /// The `Content-Type` header, if any.
     pub content_type: Option<String>,
 }
 

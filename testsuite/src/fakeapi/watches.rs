@@ -36,148 +36,195 @@ fn bookmark(def: &ResourceDef, rv: u64, initial_end: bool) -> Bytes {
     )
 }
 
+/// What a watch request asks for.
+struct WatchParams {
+    bookmarks: bool,
+    send_initial: bool,
+    timeout: Duration,
+    /// `resourceVersion`: events after it (`None`: the current objects first).
+    from: Option<u64>,
+}
+
+impl WatchParams {
+    fn parse(query: &BTreeMap<String, String>) -> Result<WatchParams, ApiError> {
+        let from =
+            match query.get("resourceVersion").map(String::as_str) {
+                None | Some("") | Some("0") => None,
+                Some(v) => Some(v.parse().map_err(|_| {
+                    err(400, "BadRequest", format!("invalid resourceVersion {v:?}"))
+                })?),
+            };
+        Ok(WatchParams {
+            bookmarks: query
+                .get("allowWatchBookmarks")
+                .is_some_and(|v| v == "true"),
+            send_initial: query.get("sendInitialEvents").is_some_and(|v| v == "true"),
+            timeout: query
+                .get("timeoutSeconds")
+                .and_then(|t| t.parse::<u64>().ok())
+                .map(Duration::from_secs)
+                .unwrap_or(Duration::from_secs(1800)),
+            from,
+        })
+    }
+}
+
+/// One watch's position and filter.
+struct Cursor {
+    resource: usize,
+    namespace: Option<String>,
+    /// Everything up to this resource version has been sent (`u64::MAX`: the watch ended).
+    rv: u64,
+}
+
+impl Cursor {
+    /// The events after the cursor (advancing it), or a 410 Gone error event when history the
+    /// watch had not sent yet was compacted away (`true`: the watch ends).
+    fn pending(&mut self, inner: &Inner) -> (Vec<Bytes>, bool) {
+        let st = inner.lock();
+        if self.rv.saturating_add(1) < st.compacted {
+            let e = err(
+                410,
+                "Expired",
+                format!("too old resource version: {}", self.rv),
+            );
+            return (vec![watch_event("ERROR", &status_json(&e))], true);
+        }
+        let start = st.log.partition_point(|e| e.rv <= self.rv);
+        let out = st.log[start..]
+            .iter()
+            .filter(|e| {
+                e.resource == self.resource
+                    && self.namespace.as_deref().is_none_or(|n| n == e.namespace)
+            })
+            .map(|e| watch_event(e.kind, &e.object))
+            .collect();
+        self.rv = st.rv;
+        (out, false)
+    }
+}
+
 pub(crate) fn start_watch(
     inner: Arc<Inner>,
     target: &Target,
     query: &BTreeMap<String, String>,
 ) -> Response<BoxBody> {
     let def = RESOURCES[target.resource];
-    let resource = target.resource;
-    let namespace = target.namespace.clone();
-    let bookmarks = query
-        .get("allowWatchBookmarks")
-        .is_some_and(|v| v == "true");
-    let send_initial = query.get("sendInitialEvents").is_some_and(|v| v == "true");
-    let timeout = query
-        .get("timeoutSeconds")
-        .and_then(|t| t.parse::<u64>().ok())
-        .map(Duration::from_secs)
-        .unwrap_or(Duration::from_secs(1800));
-    let from: Option<u64> = match query.get("resourceVersion").map(String::as_str) {
-        None | Some("") | Some("0") => None,
-        Some(v) => match v.parse() {
-            Ok(n) => Some(n),
-            Err(_) => {
-                return error_response(&err(
-                    400,
-                    "BadRequest",
-                    format!("invalid resourceVersion {v:?}"),
-                ));
-            }
-        },
+    let params = match WatchParams::parse(query) {
+        Ok(p) => p,
+        Err(e) => return error_response(&e),
     };
     let (tx, rx) = mpsc::channel::<Bytes>(256);
-    let mut signal = inner.signal.subscribe();
-    let epoch = signal.borrow().1;
-    let mut bookmark_epoch = signal.borrow().2;
-    let interval = *inner
-        .bookmark_interval
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    let mut first: Vec<Bytes> = Vec::new();
-    let mut cursor: u64;
-    {
-        let st = inner.lock();
-        match from {
-            Some(n) if n < st.compacted => {
-                let e = err(
-                    410,
-                    "Expired",
-                    format!("too old resource version: {n} ({})", st.compacted),
-                );
-                first.push(watch_event("ERROR", &status_json(&e)));
-                cursor = u64::MAX;
-            }
-            Some(n) => cursor = n,
-            None => {
-                for obj in st.list(resource, namespace.as_deref()) {
-                    first.push(watch_event("ADDED", &obj));
-                }
-                cursor = st.rv;
-            }
-        }
-        if send_initial && from.is_none() {
-            first.push(bookmark(&def, cursor, true));
-        }
-    }
-    tokio::spawn(async move {
-        for b in first {
-            if tx.send(b).await.is_err() {
-                return;
-            }
-        }
-        if cursor == u64::MAX {
-            return;
-        }
-        let deadline = tokio::time::Instant::now() + timeout;
-        let mut ticker = tokio::time::interval(interval);
-        ticker.tick().await;
-        loop {
-            // Everything after the cursor.
-            let mut expired = false;
-            let pending: Vec<Bytes> = {
-                let st = inner.lock();
-                if cursor.saturating_add(1) < st.compacted {
-                    // History this watch had not sent yet was compacted away: tell the client.
-                    expired = true;
-                    let e = err(
-                        410,
-                        "Expired",
-                        format!("too old resource version: {cursor}"),
-                    );
-                    vec![watch_event("ERROR", &status_json(&e))]
-                } else {
-                    let start = st.log.partition_point(|e| e.rv <= cursor);
-                    let out = st.log[start..]
-                        .iter()
-                        .filter(|e| {
-                            e.resource == resource
-                                && namespace.as_deref().is_none_or(|n| n == e.namespace)
-                        })
-                        .map(|e| watch_event(e.kind, &e.object))
-                        .collect();
-                    cursor = st.rv;
-                    out
-                }
-            };
-            for b in pending {
-                if tx.send(b).await.is_err() {
-                    return;
-                }
-            }
-            if expired {
-                return;
-            }
-            tokio::select! {
-                changed = signal.changed() => {
-                    if changed.is_err() {
-                        return;
-                    }
-                    let (_, e, b) = *signal.borrow_and_update();
-                    if e != epoch {
-                        return;
-                    }
-                    if b != bookmark_epoch {
-                        bookmark_epoch = b;
-                        if bookmarks && tx.send(bookmark(&def, cursor, false)).await.is_err() {
-                            return;
-                        }
-                    }
-                }
-                _ = ticker.tick() => {
-                    // The cursor: everything up to it has been sent.
-                    if bookmarks && tx.send(bookmark(&def, cursor, false)).await.is_err() {
-                        return;
-                    }
-                }
-                _ = tokio::time::sleep_until(deadline) => return,
-            }
-        }
-    });
+    // Subscribed now: a restart after this request ends the watch.
+    let signal = inner.signal.subscribe();
+    let (first, cursor) = initial_events(&inner, target, &params);
+    tokio::spawn(stream(inner, signal, def, params, cursor, first, tx));
     Response::builder()
         .status(StatusCode::OK)
         .header("content-type", "application/json")
         .header("transfer-encoding", "chunked")
         .body(ChannelBody(rx).boxed())
         .expect("response")
+}
+
+/// What a watch sends first: the current objects as `ADDED` (no resource version given), or a
+/// 410 Gone error (a version older than the compaction point); the initial-events-end bookmark
+/// when asked for.
+fn initial_events(inner: &Inner, target: &Target, params: &WatchParams) -> (Vec<Bytes>, Cursor) {
+    let def = RESOURCES[target.resource];
+    let mut cursor = Cursor {
+        resource: target.resource,
+        namespace: target.namespace.clone(),
+        rv: 0,
+    };
+    let mut first: Vec<Bytes> = Vec::new();
+    let st = inner.lock();
+    match params.from {
+        Some(n) if n < st.compacted => {
+            let e = err(
+                410,
+                "Expired",
+                format!("too old resource version: {n} ({})", st.compacted),
+            );
+            first.push(watch_event("ERROR", &status_json(&e)));
+            cursor.rv = u64::MAX;
+        }
+        Some(n) => cursor.rv = n,
+        None => {
+            for obj in st.list(target.resource, target.namespace.as_deref()) {
+                first.push(watch_event("ADDED", &obj));
+            }
+            cursor.rv = st.rv;
+        }
+    }
+    if params.send_initial && params.from.is_none() {
+        first.push(bookmark(&def, cursor.rv, true));
+    }
+    (first, cursor)
+}
+
+/// The watch's stream: the first events, then every change after the cursor as it happens,
+/// bookmarks (periodic and on demand) when allowed, until the timeout, a restart of the
+/// server (its epoch changes) or the client going away.
+async fn stream(
+    inner: Arc<Inner>,
+    mut signal: watch::Receiver<(u64, u64, u64)>,
+    def: ResourceDef,
+    params: WatchParams,
+    mut cursor: Cursor,
+    first: Vec<Bytes>,
+    tx: mpsc::Sender<Bytes>,
+) {
+    let epoch = signal.borrow().1;
+    let mut bookmark_epoch = signal.borrow().2;
+    let interval = *inner
+        .bookmark_interval
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    for b in first {
+        if tx.send(b).await.is_err() {
+            return;
+        }
+    }
+    if cursor.rv == u64::MAX {
+        return;
+    }
+    let deadline = tokio::time::Instant::now() + params.timeout;
+    let mut ticker = tokio::time::interval(interval);
+    ticker.tick().await;
+    loop {
+        let (pending, expired) = cursor.pending(&inner);
+        for b in pending {
+            if tx.send(b).await.is_err() {
+                return;
+            }
+        }
+        if expired {
+            return;
+        }
+        tokio::select! {
+            changed = signal.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                let (_, e, b) = *signal.borrow_and_update();
+                if e != epoch {
+                    return;
+                }
+                if b != bookmark_epoch {
+                    bookmark_epoch = b;
+                    if params.bookmarks && tx.send(bookmark(&def, cursor.rv, false)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            _ = ticker.tick() => {
+                // The cursor: everything up to it has been sent.
+                if params.bookmarks && tx.send(bookmark(&def, cursor.rv, false)).await.is_err() {
+                    return;
+                }
+            }
+            _ = tokio::time::sleep_until(deadline) => return,
+        }
+    }
 }
