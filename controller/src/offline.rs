@@ -31,7 +31,9 @@ const SOURCE_PORT: u16 = 40000;
 /// Every pod of an engine as a local endpoint of one in-memory datapath.
 #[derive(Debug)]
 pub struct OfflineDatapath {
+    /// The engine → datapath mapping (endpoint ids by `ns/name`).
     pub program: NodeProgram,
+    /// The programmed in-memory tables that decide the crafted frames.
     pub datapath: MemDatapath,
 }
 

@@ -2,7 +2,7 @@
 //! maps. The agent (`--datapath bpf`), `ordnet lab` and the offline CLI (`matrix`, `trace`) all
 //! program through it, onto the kernel datapath (`ordnet_datapath::Datapath`) or the in-memory
 //! one (`ordnet_datapath::MemDatapath`); both implement
-//! [`ControlPlane`](ordnet_datapath::ControlPlane), so this module is generic over them.
+//! [`ControlPlane`], so this module is generic over them.
 //!
 //! ```no_run
 //! use ordnet::program::NodeProgram;
@@ -75,22 +75,29 @@ pub enum ProgramError {
     /// An operation on one endpoint (`ns/name`) failed.
     #[error("endpoint {endpoint}: {source}")]
     Endpoint {
+        /// `ns/name` of the endpoint.
         endpoint: String,
+        /// The datapath's error.
         #[source]
         source: Box<DatapathError>,
     },
     /// Another datapath operation failed (`what` names it).
     #[error("{what}: {source}")]
     Datapath {
+        /// The operation, e.g. `ipcache` or `host addresses`.
         what: &'static str,
+        /// The datapath's error.
         #[source]
         source: Box<DatapathError>,
     },
     /// Two endpoints have the same address (`first` and `second` are `ns/name`).
     #[error("endpoint {second}: address {ip} is also the address of endpoint {first}")]
     DuplicateAddress {
+        /// The shared address.
         ip: IpAddr,
+        /// The first endpoint with it, in `Engine::endpoints` order.
         first: String,
+        /// The next endpoint with it.
         second: String,
     },
     /// 2^32 - 1 endpoint ids were handed out.
@@ -107,9 +114,11 @@ pub struct ProgramStats {
     pub deltas: u64,
     /// Change sets written (one endpoint and direction, steps 3 and 5 counted once).
     pub change_sets: u64,
-    /// Endpoints created, removed, and re-addressed (addresses or identities changed).
+    /// Endpoints created.
     pub endpoints_added: u64,
+    /// Endpoints removed.
     pub endpoints_removed: u64,
+    /// Endpoints re-addressed (addresses or identities changed).
     pub endpoints_readdressed: u64,
     /// Endpoints whose change set did not fit and that got a full update instead.
     pub fallbacks: u64,

@@ -59,10 +59,15 @@ fn port_range(p: u32) -> (u8, u32, u32) {
 /// the identity's keys cover.
 #[derive(Debug, Clone, Default)]
 pub struct ClassLayout {
+    /// The rule set number the layout is for.
     pub ruleset: u32,
+    /// First-level cell words (as the enforcing layout's).
     pub l1: Vec<u32>,
+    /// Refined cells' blocks.
     pub blocks: Vec<u32>,
+    /// (rule set, identity or 0, class) -> verdict.
     pub entries: HashMap<ClassKey, PolicyValue>,
+    /// Number of port classes.
     pub classes: u32,
 }
 
@@ -195,11 +200,15 @@ impl ClassMaps for ClassLayout {
 /// lengths used.
 #[derive(Debug, Clone, Default)]
 pub struct ProbeLayout {
+    /// The rule set number the layout is for.
     pub ruleset: u32,
+    /// The key lengths used, per protocol slot.
     pub meta: ProbeMeta,
+    /// Every key.
     pub entries: HashMap<PolicyKey, PolicyValue>,
 }
 
+/// The probe layout of a flattened rule set.
 pub fn probe_layout(content: &RuleSetContent, ruleset: u32) -> ProbeLayout {
     let mut l = ProbeLayout {
         ruleset,
@@ -260,9 +269,11 @@ fn lpm_bytes(d: &LpmPolicyData) -> [u8; 11] {
 /// The LPM layout of one rule set: every key as an LPM entry (rule set, identity or 0, prefix).
 #[derive(Debug, Clone, Default)]
 pub struct LpmLayout {
+    /// (prefix length, key data, verdict) of every key.
     pub entries: Vec<(u32, LpmPolicyData, PolicyValue)>,
 }
 
+/// The LPM layout of a flattened rule set.
 pub fn lpm_layout(content: &RuleSetContent, ruleset: u32) -> LpmLayout {
     let key = |identity: u32, prefix: u32| {
         let len = prefix_len(prefix);
@@ -310,9 +321,11 @@ fn cilium_bytes(d: &CiliumData) -> [u8; 8] {
 /// from its rank (order key, deny before allow).
 #[derive(Debug, Clone, Default)]
 pub struct CiliumLayout {
+    /// (prefix length, key data, value with precedence) of every key.
     pub entries: Vec<(u32, CiliumData, CiliumValue)>,
 }
 
+/// Cilium's layout of a MapState (`egress`: the direction bit of its keys).
 pub fn cilium_layout(ms: &MapState, egress: bool) -> CiliumLayout {
     let keys = ms.iter();
     let ranks: BTreeSet<_> = keys.iter().map(|(_, e)| (e.order, e.verdict)).collect();
@@ -362,14 +375,18 @@ pub enum Layout {
     Floor,
     /// The enforcing layout.
     Ordnet,
+    /// Port classes: (identity, class) then (0, class).
     Classes,
+    /// Hash probes at every length the rule set uses.
     Probes,
+    /// Two LPM lookups of the MapState's keys.
     Lpm,
     /// Cilium's layout and lookup (reference).
     Cilium,
 }
 
 impl Layout {
+    /// Every layout, in the order the benchmark prints them.
     pub const ALL: [Layout; 7] = [
         Layout::Parse,
         Layout::Floor,
@@ -380,6 +397,7 @@ impl Layout {
         Layout::Cilium,
     ];
 
+    /// The name of its benchmark program in the benchmark eBPF object.
     pub fn program(self) -> &'static str {
         match self {
             Layout::Parse => "bench_parse",
@@ -392,6 +410,7 @@ impl Layout {
         }
     }
 
+    /// How the benchmark's tables name it.
     pub fn name(self) -> &'static str {
         match self {
             Layout::Parse => "parse only (no policy)",
@@ -414,15 +433,25 @@ pub const CLASS_LIMIT: usize = 1 << 21;
 pub struct LayoutSizes {
     /// Whether the class layout was small enough to install.
     pub classes_installed: bool,
+    /// Keys of the MapState.
     pub mapstate_keys: usize,
+    /// Identity keys (the floor's hash entries).
     pub floor: usize,
+    /// Policy hash entries of the enforcing layout.
     pub ordnet_policy: usize,
+    /// Refined-cell blocks of the enforcing layout.
     pub ordnet_blocks: u32,
+    /// Port classes of the class layout.
     pub classes: u32,
+    /// Its hash entries.
     pub class_entries: usize,
+    /// Its blocks.
     pub class_blocks: u32,
+    /// Hash entries of the probe layout.
     pub probe_entries: usize,
+    /// LPM entries of the LPM layout.
     pub lpm_entries: usize,
+    /// LPM entries of Cilium's layout.
     pub cilium_entries: usize,
 }
 

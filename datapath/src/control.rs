@@ -34,14 +34,16 @@ pub struct EndpointSpec<'a> {
     /// Per-address identities, in the order of `ips` (a dual-stack pod's two addresses may
     /// have different identities); empty: every address has `identity`.
     pub identities: &'a [u32],
-    /// Its MapStates (the isolation default of each is the endpoint's default).
+    /// Its ingress MapState (its isolation default is the endpoint's ingress default).
     pub ingress: &'a MapState,
+    /// Its egress MapState.
     pub egress: &'a MapState,
 }
 
 /// New addresses of an existing endpoint ([`Control::set_endpoint_addresses`]).
 #[derive(Debug, Clone, Copy)]
 pub struct EndpointAddresses<'a> {
+    /// Its addresses (any number, both families).
     pub ips: &'a [IpAddr],
     /// The identity of every address unless `identities` is given.
     pub identity: u32,
@@ -56,7 +58,9 @@ pub struct EndpointState {
     pub ips: Vec<IpAddr>,
     /// The identity of each address (same order as `ips`).
     pub identities: Vec<u32>,
+    /// Its ingress rule set slot and default.
     pub ingress: PolicyRef,
+    /// Its egress rule set slot and default.
     pub egress: PolicyRef,
 }
 
@@ -75,6 +79,7 @@ impl EndpointState {
             .zip(self.identities.iter().copied())
     }
 
+    /// The rule set reference of one direction.
     pub fn policy(&self, dir: Direction) -> PolicyRef {
         match dir {
             Direction::Ingress => self.ingress,
@@ -86,36 +91,58 @@ impl EndpointState {
 /// Errors of control-plane operations. Validation errors leave everything unchanged.
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
+    /// Endpoint id 0 means "no endpoint" in the maps.
     #[error("endpoint id 0 is reserved")]
     ZeroEndpointId,
+    /// A MapState the datapath cannot hold.
     #[error("endpoint {endpoint} {direction}: {source}")]
     Flatten {
+        /// The endpoint id.
         endpoint: u32,
+        /// The direction of the MapState.
         direction: Direction,
+        /// Why.
         #[source]
         source: FlattenError,
     },
+    /// An address another endpoint (not in the batch) holds.
     #[error("address {ip} belongs to endpoint {owner}")]
-    AddressInUse { ip: IpAddr, owner: u32 },
+    AddressInUse {
+        /// The address.
+        ip: IpAddr,
+        /// The endpoint that holds it.
+        owner: u32,
+    },
+    /// An operation on an endpoint id the datapath does not hold.
     #[error("unknown endpoint {0}")]
     UnknownEndpoint(u32),
+    /// Per-address identities whose number is not the number of addresses.
     #[error("endpoint {endpoint}: {identities} identities given for {ips} addresses")]
     IdentityCount {
+        /// The endpoint id.
         endpoint: u32,
+        /// Number of addresses.
         ips: usize,
+        /// Number of identities.
         identities: usize,
     },
+    /// A change set computed against other keys than the datapath holds (nothing written).
     #[error(
         "endpoint {endpoint} {direction}: the change set does not fit the datapath's keys \
          ({detail}); apply the full MapState instead"
     )]
     StaleChanges {
+        /// The endpoint id.
         endpoint: u32,
+        /// The direction.
         direction: Direction,
+        /// The first key that does not fit.
         detail: String,
     },
+    /// Rule set slots or blocks ran out.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// A map write failed.
     #[error(transparent)]
     Write(#[from] WriteError),
 }
@@ -287,6 +314,7 @@ impl Control {
         }
     }
 
+    /// The policy revision last written (tracked flows older than it are re-checked).
     pub fn revision(&self) -> u64 {
         self.state.revision
     }
@@ -296,10 +324,12 @@ impl Control {
         &self.state
     }
 
+    /// The local endpoints, by id.
     pub fn endpoints(&self) -> &BTreeMap<u32, EndpointState> {
         &self.endpoints
     }
 
+    /// The rule set store (slots, blocks, sharing).
     pub fn store(&self) -> &Store {
         &self.store
     }
@@ -1096,6 +1126,7 @@ impl Control {
         out
     }
 
+    /// This node's addresses.
     pub fn hosts(&self) -> impl Iterator<Item = IpAddr> + '_ {
         self.hosts.iter().map(key_ip)
     }

@@ -308,7 +308,7 @@ fn refinement(
 }
 
 /// The rule set that allows exactly what both `a` and `b` allow (each with its isolation
-/// default), for every identity, protocol and port: the keys of their [`refinement`], each
+/// default), for every identity, protocol and port: the keys of their refinement (see `refinement` in the source), each
 /// with the conjunction of both verdicts there. Used between two states of a batch that
 /// changes both sides of some flow (one endpoint's egress and another's ingress): writing the
 /// meet first and `b` after never lets a packet pass that neither `a` nor `b` lets pass,
@@ -345,7 +345,7 @@ pub fn meet(a: (&RuleSetContent, u8), b: (&RuleSetContent, u8)) -> (RuleSetConte
 /// Whether two rule sets (with their defaults) give every packet the same verdict, whatever
 /// their keys. Sound, not complete: `true` only when they agree everywhere; `false` may also
 /// mean they agree but one splits a prefix into longer keys that together cover it (the
-/// comparison is at every prefix of the [`refinement`], also those no packet ends at).
+/// comparison is at every prefix of the refinement, also those no packet ends at).
 pub fn same_verdicts(a: (&RuleSetContent, u8), b: (&RuleSetContent, u8)) -> bool {
     let ((ra, da), (rb, db)) = (a, b);
     let (wildcard, by_identity) = refinement(ra, rb);

@@ -2,8 +2,22 @@
 //! maps from MapStates, attaches it to interfaces, survives restarts through bpffs pins, and
 //! runs the kernel's own decision function in userspace over an exact copy of the maps.
 //!
-//! The programming operations are the [`ControlPlane`] trait, which [`MemDatapath`] (the same
-//! control plane over in-memory tables, no kernel) implements too. The agent and `ordnet lab`
+//! From an engine's MapStates to the maps, one name per layer:
+//!
+//! | layer | module | what it does |
+//! |---|---|---|
+//! | `ordnet::program::NodeProgram` (controller crate) | | the engine's endpoints, identities and deltas as programming operations, in a safe order |
+//! | [`ControlPlane`] | `plane` | the programming operations (endpoints, identities, hosts, Service frontends, interfaces), implemented by [`Datapath`] (the kernel) and [`MemDatapath`] (no kernel) |
+//! | [`Control`] | `control` | what both implementations share: endpoint records, rule set sharing, the safe write order (in place, beside, meet) |
+//! | [`Store`] | `store` | rule set slots and cell blocks, reference counts, deferred reuse |
+//! | [`flatten`], [`RuleSetContent`] | `flat` | a MapState as the datapath's keys; cell words; the meet of two rule sets |
+//! | [`TableWriter`] | `tables` | element writes: [`KernelTables`] (`kernel`, the BPF maps, batched) and [`MemTables`] (the in-memory copy) |
+//! | [`sys`] | `sys` | the few system calls aya does not wrap (batch map operations, bpffs) |
+//!
+//! The programs themselves and the decision function are in [`common`] (`ordnet-datapath-common`,
+//! `no_std`), shared by the kernel and userspace. The programming operations are the
+//! [`ControlPlane`] trait, which [`MemDatapath`] (the same control plane over in-memory tables,
+//! no kernel) implements too. The agent and `ordnet lab`
 //! use the same API (through `ordnet::program::NodeProgram`, which maps the engine onto it):
 //!
 //! ```no_run

@@ -22,10 +22,13 @@ use crate::store::{PodKey, Store, pod_key_text, read_namespace, read_pod};
 /// A local endpoint: a pod with at least one address (host-network pods are not endpoints).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Endpoint {
+    /// The pod's namespace.
     pub namespace: String,
+    /// The pod's name.
     pub name: String,
     /// Primary address first.
     pub ips: Vec<IpAddr>,
+    /// The pod's `spec.nodeName`; `None` when not scheduled.
     pub node: Option<String>,
     /// The identity of each address (same order as `ips`).
     pub identities: Vec<Identity>,
@@ -46,6 +49,7 @@ impl Endpoint {
 /// The MapState and isolation of one endpoint and direction.
 #[derive(Debug, Clone)]
 pub struct EndpointPolicy {
+    /// The compiled rules of every policy selecting the endpoint in this direction.
     pub mapstate: MapState,
     /// Whether the endpoint is isolated in this direction (the MapState's default is deny).
     pub isolated: bool,
@@ -57,11 +61,14 @@ pub struct EndpointPolicy {
 /// An IP family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum IpFamily {
+    /// IPv4.
     V4,
+    /// IPv6.
     V6,
 }
 
 impl IpFamily {
+    /// Whether `ip` is of this family.
     pub fn contains(self, ip: IpAddr) -> bool {
         match self {
             IpFamily::V4 => ip.is_ipv4(),
@@ -69,6 +76,7 @@ impl IpFamily {
         }
     }
 
+    /// The family of `ip`.
     pub fn of(ip: IpAddr) -> IpFamily {
         if ip.is_ipv4() {
             IpFamily::V4

@@ -20,7 +20,9 @@ use ordnet_crds::NAMESPACE_NAME_LABEL;
 /// The signature of a pod address.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub struct PodSig {
+    /// The labels of the pod's namespace (with `kubernetes.io/metadata.name` always set).
     pub namespace_labels: Arc<Labels>,
+    /// The pod's labels.
     pub labels: Arc<Labels>,
     /// The CIDR prefixes in use that contain the address, sorted.
     pub cidrs: Vec<IpNet>,
@@ -51,8 +53,12 @@ impl PodSig {
 /// What an identity stands for.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum Signature {
+    /// A pod address.
     Pod(Arc<PodSig>),
+    /// The external addresses whose longest containing prefix in use is this one (an ipBlock
+    /// `cidr` or `except` entry).
     Cidr(IpNet),
+    /// The external addresses that no prefix in use contains.
     World,
 }
 
@@ -60,15 +66,20 @@ pub enum Signature {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum IdentityKind {
+    /// Pod addresses of one [`PodSig`].
     Pod,
+    /// External addresses whose longest containing prefix in use is this one.
     Cidr(IpNet),
+    /// External addresses that no prefix in use contains.
     World,
 }
 
 /// What an identity stands for, for `trace` and `dump`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct IdentityInfo {
+    /// The identity number (never 0: that is the datapath wildcard).
     pub id: Identity,
+    /// What kind of addresses it stands for.
     pub kind: IdentityKind,
     /// Pod labels (empty for CIDR and world identities).
     pub labels: BTreeMap<String, String>,

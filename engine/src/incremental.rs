@@ -38,6 +38,7 @@ use crate::store::{PodKey, PodRec, read_namespace, read_pod};
 pub struct EndpointUpdate {
     /// `ns/name`.
     pub endpoint: String,
+    /// The MapState's direction.
     pub direction: Direction,
     /// The keys added, changed and removed (for a new endpoint: all of its keys, added).
     /// Shared: every endpoint of a shared MapState gets the same ChangeSet (a namespace relabel
@@ -53,8 +54,11 @@ pub struct EndpointUpdate {
 /// One ipcache change: the identity of a prefix (a pod address is a /32 or /128).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct IpcacheChange {
+    /// The ipcache key.
     pub prefix: IpNet,
+    /// Its identity before the change; `None` = the entry is new.
     pub old: Option<Identity>,
+    /// Its identity after the change; `None` = the entry is removed.
     pub new: Option<Identity>,
 }
 
@@ -67,8 +71,11 @@ pub struct EngineDelta {
     pub endpoints_removed: Vec<String>,
     /// Per endpoint and direction, sorted.
     pub updates: Vec<EndpointUpdate>,
+    /// The ipcache entries that changed (exact: only prefixes whose identity differs).
     pub ipcache: Vec<IpcacheChange>,
+    /// Identities allocated by this change, ascending.
     pub identities_added: Vec<Identity>,
+    /// Identities released by this change (no address has them any more), ascending.
     pub identities_removed: Vec<Identity>,
     /// A Service was added, changed or removed: the frontends may have changed
     /// (`Engine::service_frontends`, `Engine::node_ports`).

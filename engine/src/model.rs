@@ -33,8 +33,11 @@ pub type Labels = BTreeMap<String, String>;
 /// The kind of a policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub enum PolicyKind {
+    /// `networking.k8s.io/v1` `NetworkPolicy`.
     NetworkPolicy,
+    /// `OrderedNetworkPolicy` (namespaced).
     Ordered,
+    /// `ClusterOrderedNetworkPolicy` (cluster-scoped).
     ClusterOrdered,
 }
 
@@ -52,9 +55,11 @@ impl PolicyKind {
 /// Identifies one policy object.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub struct PolicyRef {
+    /// The policy's kind.
     pub kind: PolicyKind,
     /// `None` for cluster-scoped policies.
     pub namespace: Option<String>,
+    /// `metadata.name`.
     pub name: String,
 }
 
@@ -76,6 +81,7 @@ pub struct EngineError {
     pub object: String,
     /// The field path, e.g. `spec.ingress[0].from[1].ipBlock.cidr`.
     pub field: String,
+    /// What is wrong with the field.
     pub message: String,
 }
 
@@ -138,12 +144,20 @@ fn join<'a>(vs: impl IntoIterator<Item = &'a String>) -> String {
 pub enum PeerSpec {
     /// Pods (never external addresses) in the namespaces of `namespaces` with matching labels.
     Pods {
+        /// `namespaceSelector`; without one, the policy's own namespace (every namespace for a
+        /// cluster policy).
         namespaces: NsScope,
+        /// The pod label selector (absent = `{}`).
         #[serde(serialize_with = "ser_selector")]
         pods: LabelSel,
     },
     /// Addresses in `cidr` and in no `except` entry (pod addresses included).
-    Block { cidr: IpNet, except: Vec<IpNet> },
+    Block {
+        /// The ipBlock `cidr`.
+        cidr: IpNet,
+        /// Strict subsets of `cidr`, sorted; entries inside another entry are dropped.
+        except: Vec<IpNet>,
+    },
 }
 
 impl PeerSpec {
@@ -184,19 +198,30 @@ pub enum PortSpec {
     Proto(Protocol),
     /// An inclusive port range of one protocol (`first == last` for one port).
     Range {
+        /// The protocol (absent in the API = TCP).
         proto: Protocol,
+        /// `port`; at least 1.
         first: u16,
+        /// `endPort`, or `port` without one; `>= first`.
         last: u16,
     },
     /// A named container port, resolved on the destination pod.
-    Named { proto: Protocol, name: String },
+    Named {
+        /// The protocol (absent in the API = TCP); the container port must have it too.
+        proto: Protocol,
+        /// The container port name.
+        name: String,
+    },
 }
 
 /// One normalized rule.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Rule {
+    /// Names the rule for `trace` and `dump` (a NetworkPolicy rule keeps its real list index).
     pub origin: Arc<Origin>,
+    /// `(priority, rule index)`; `(0, 0)` for every NetworkPolicy rule.
     pub order: OrderKey,
+    /// Allow for a NetworkPolicy rule, else the rule's `action`.
     pub verdict: Verdict,
     /// `None` = every peer (pods, CIDRs and the world).
     pub peers: Option<Vec<Arc<PeerSpec>>>,
@@ -209,14 +234,18 @@ pub struct Rule {
 pub enum Subject {
     /// Pods of one namespace matching `pods`.
     Namespace {
+        /// The policy's own namespace.
         namespace: String,
+        /// `spec.podSelector`.
         #[serde(serialize_with = "ser_selector")]
         pods: LabelSel,
     },
     /// Pods matching `pods` in namespaces matching `namespaces`.
     Cluster {
+        /// `spec.namespaceSelector` (absent = `{}`).
         #[serde(serialize_with = "ser_selector")]
         namespaces: LabelSel,
+        /// `spec.podSelector` (absent = `{}`).
         #[serde(serialize_with = "ser_selector")]
         pods: LabelSel,
     },
@@ -242,6 +271,7 @@ impl Subject {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct FailedRule {
+    /// The rule's direction.
     pub direction: Direction,
     /// The rule's index in `spec.ingress` / `spec.egress`.
     pub index: u32,
@@ -249,6 +279,7 @@ pub struct FailedRule {
     pub action: Verdict,
     /// The first field that cannot be enforced, e.g. `spec.ingress[1].from[0].ipBlock.cidr`.
     pub field: String,
+    /// Why it cannot be enforced.
     pub message: String,
 }
 
@@ -287,10 +318,13 @@ impl fmt::Display for FailedRule {
 /// One normalized policy.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Policy {
+    /// The policy object.
     pub id: PolicyRef,
+    /// `spec.priority`; 0 for a NetworkPolicy.
     pub priority: i32,
+    /// The pods it applies to.
     pub subject: Subject,
-    /// Whether the policy isolates its subject, per direction (index [`dir_index`]).
+    /// Whether the policy isolates its subject, per direction (index `Direction::index`).
     pub isolates: [bool; 2],
     /// The rules per direction, in order (rules of a direction that a NetworkPolicy's effective
     /// `policyTypes` leaves out are dropped here).

@@ -18,11 +18,17 @@ use crate::model::{
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum Object {
+    /// `v1` `Namespace`: its labels.
     Namespace(Namespace),
+    /// `v1` `Pod`: labels, addresses, container ports, node, host network, phase.
     Pod(Pod),
+    /// `v1` `Service`: frontends, NodePorts, and the selector that picks its backends.
     Service(Service),
+    /// `networking.k8s.io/v1` `NetworkPolicy`.
     NetworkPolicy(NetworkPolicy),
+    /// `ordnet.io/v1alpha1` `OrderedNetworkPolicy`.
     OrderedNetworkPolicy(OrderedNetworkPolicy),
+    /// `ordnet.io/v1alpha1` `ClusterOrderedNetworkPolicy`.
     ClusterOrderedNetworkPolicy(ClusterOrderedNetworkPolicy),
 }
 
@@ -81,11 +87,17 @@ impl Object {
 /// The kind of an object, for deletions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub enum ObjectKind {
+    /// [`Object::Namespace`].
     Namespace,
+    /// [`Object::Pod`].
     Pod,
+    /// [`Object::Service`].
     Service,
+    /// [`Object::NetworkPolicy`].
     NetworkPolicy,
+    /// [`Object::OrderedNetworkPolicy`].
     OrderedNetworkPolicy,
+    /// [`Object::ClusterOrderedNetworkPolicy`].
     ClusterOrderedNetworkPolicy,
 }
 
@@ -137,8 +149,11 @@ pub enum ObjectChange {
     /// Deleted (`namespace` is ignored for cluster-scoped kinds; absent = `default` for
     /// namespaced ones).
     Delete {
+        /// The deleted object's kind.
         kind: ObjectKind,
+        /// Its namespace.
         namespace: Option<String>,
+        /// Its name.
         name: String,
     },
 }

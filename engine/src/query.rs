@@ -22,7 +22,14 @@ use crate::store::{PodKey, pod_key_text};
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum FlowEnd {
-    Pod { namespace: String, name: String },
+    /// A pod, probed at its first address of the flow's family (else its first address).
+    Pod {
+        /// The pod's namespace.
+        namespace: String,
+        /// The pod's name.
+        name: String,
+    },
+    /// An address; a pod's own address stands for that pod.
     Ip(IpAddr),
 }
 
@@ -42,6 +49,7 @@ pub(crate) fn ser_verdict<S: serde::Serializer>(v: &Verdict, s: S) -> Result<S::
 /// The verdict of one flow and why (`trace -o json`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct FlowTrace {
+    /// Allow iff every side present allows (or the flow is exempt); deny when `error` is set.
     #[serde(serialize_with = "ser_verdict")]
     pub verdict: Verdict,
     /// Set when the flow is allowed without looking at policy (same pod).
@@ -64,29 +72,40 @@ pub struct FlowTrace {
 pub struct SideTrace {
     /// `ns/name` of the endpoint whose MapState was consulted.
     pub endpoint: String,
+    /// Egress on the source's side, ingress on the destination's.
     pub direction: Direction,
     /// The other end, `ns/name` or an IP address.
     pub peer: String,
+    /// The other end's address used for the lookup.
     pub peer_address: IpAddr,
+    /// The ipcache identity of `peer_address` ([`Engine::identity_of`]).
     pub peer_identity: Identity,
+    /// This side's verdict.
     #[serde(serialize_with = "ser_verdict")]
     pub verdict: Verdict,
+    /// What decided `verdict`.
     pub decision: SideDecision,
 }
 
 /// Why a flow end cannot be resolved (`ordnet trace --from/--to`, `dump --pod`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ResolveError {
+    /// The text (trimmed) is neither an IP address nor `namespace/pod`.
     #[error("{0:?} is neither an IP address nor namespace/pod")]
     Syntax(String),
+    /// `ns/name` of a pod the engine does not know.
     #[error("no pod {0}")]
     NoPod(String),
+    /// `ns/name` of a host-network pod.
     #[error("pod {0} uses the host network: it is not an endpoint")]
     HostNetwork(String),
+    /// `ns/name` of a pod whose `status.phase` is `Succeeded` or `Failed`.
     #[error("pod {0} has terminated (Succeeded or Failed): it is not an endpoint")]
     Terminated(String),
+    /// `ns/name` of a pod without an address.
     #[error("pod {0} has no address")]
     NoAddress(String),
+    /// `ns/name` of a flow's pod end that is unknown, host-network, terminated or unaddressed.
     #[error("{0} is not a pod with an address")]
     NotAnEndpoint(String),
 }
@@ -100,10 +119,17 @@ pub enum ResolveError {
 )]
 pub enum SideDecision {
     /// A MapState key matched; `entry.origins` names the deciding rule(s).
-    Matched { key: Key, entry: StateEntry },
+    Matched {
+        /// The longest matching key (own identity first, then `*`).
+        key: Key,
+        /// The key's value.
+        entry: StateEntry,
+    },
     /// Nothing matched: the isolation default applied.
     Default {
+        /// Whether the endpoint is isolated in this direction (the default is then deny).
         isolated: bool,
+        /// The policies that isolate it ([`EndpointPolicy::isolated_by`]).
         isolated_by: Vec<Arc<Origin>>,
     },
 }
@@ -411,7 +437,10 @@ fn empty_policy(dir: Direction) -> &'static EndpointPolicy {
 /// "verdict":"allow"},...]}` (`endpoints` and `services` are not serialized).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Matrix {
+    /// The protocol probed.
     pub protocol: Protocol,
+    /// The destination port probed; a Service column probes it as the Service port and each
+    /// backend at its target port.
     pub port: u16,
     /// Row/column order: pods (`ns/name`, sorted) then external addresses (as given).
     #[serde(skip)]
@@ -429,7 +458,9 @@ pub struct Matrix {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MatrixVerdict {
+    /// Allowed (towards a Service: to every backend).
     Allow,
+    /// Denied (towards a Service: to every backend).
     Deny,
     /// Some backends allowed, some denied.
     Mixed,
@@ -488,6 +519,7 @@ impl std::fmt::Display for MatrixVerdict {
 pub struct BackendVerdict {
     /// `ns/name` of the backend pod.
     pub to: String,
+    /// The flow's verdict at the backend's target port.
     #[serde(serialize_with = "ser_verdict")]
     pub verdict: Verdict,
 }
@@ -495,8 +527,11 @@ pub struct BackendVerdict {
 /// One pair of a [`Matrix`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MatrixResult {
+    /// The source: `ns/name` or an external address.
     pub from: String,
+    /// The destination: `ns/name`, an external address or `svc:ns/name`.
     pub to: String,
+    /// The pair's verdict; `mixed` only towards a Service.
     pub verdict: MatrixVerdict,
     /// Towards a Service: the verdict of every backend (serialized only when `mixed`).
     pub backends: Vec<BackendVerdict>,

@@ -39,10 +39,13 @@ pub enum TargetPort {
 /// One port of a Service.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 pub struct ServicePort {
+    /// `spec.ports[].name`.
     pub name: Option<String>,
+    /// `spec.ports[].protocol` (absent = TCP).
     pub protocol: Protocol,
     /// The frontend port (on every ClusterIP, external and load-balancer IP).
     pub port: u16,
+    /// `targetPort`; absent = `port`, a numeric string = that number.
     pub target: TargetPort,
     /// The port on every node address (type NodePort or LoadBalancer).
     pub node_port: Option<u16>,
@@ -55,6 +58,7 @@ pub struct ServiceRec {
     pub cluster_ips: Vec<IpAddr>,
     /// `spec.externalIPs` and `status.loadBalancer.ingress[].ip`.
     pub external_ips: Vec<IpAddr>,
+    /// `spec.ports`, in order.
     pub ports: Vec<ServicePort>,
     /// `None`: no selector (backends managed by hand; unknown here).
     pub selector: Option<Arc<Labels>>,

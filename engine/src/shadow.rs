@@ -73,6 +73,7 @@ use crate::model::{PeerSpec, Policy, PolicyKind, PolicyRef, PortSpec, Rule};
 pub struct ShadowedRule {
     /// The policy (an `OrderedNetworkPolicy` or `ClusterOrderedNetworkPolicy`).
     pub policy: PolicyRef,
+    /// The rule's direction.
     pub direction: Direction,
     /// The rule's index in `spec.ingress` / `spec.egress`.
     pub index: u32,
@@ -415,7 +416,7 @@ impl<'a> Analysis<'a> {
 
 impl Engine {
     /// Every shadowed rule of every `OrderedNetworkPolicy` and `ClusterOrderedNetworkPolicy`
-    /// (see the [module documentation](crate::shadow) for the exact definition), sorted by
+    /// (see `docs/engine.md`, "Shadowed rules", and this module's source for the exact definition), sorted by
     /// policy, direction and index. Works on a node-scoped engine too: it uses only what the
     /// engine knows cluster-wide (policies, pods, identities, selectors), never MapStates.
     pub fn shadowed_rules(&self) -> Vec<ShadowedRule> {

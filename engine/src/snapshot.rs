@@ -22,6 +22,7 @@ pub type SnapPeer = Option<Signature>;
 /// Everything, canonical.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Snapshot {
+    /// Every endpoint, by `ns/name`.
     pub endpoints: BTreeMap<String, EndpointSnapshot>,
     /// Every ipcache prefix (pod addresses as /32 or /128, CIDR prefixes in use).
     pub ipcache: BTreeMap<IpNet, Signature>,
@@ -32,22 +33,31 @@ pub struct Snapshot {
 /// One endpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct EndpointSnapshot {
+    /// [`Endpoint::ips`](crate::Endpoint::ips).
     pub ips: Vec<IpAddr>,
+    /// [`Endpoint::node`](crate::Endpoint::node).
     pub node: Option<String>,
+    /// The signature of each address's identity (same order as `ips`).
     pub identities: Vec<Signature>,
+    /// The ingress MapState.
     pub ingress: PolicySnapshot,
+    /// The egress MapState.
     pub egress: PolicySnapshot,
 }
 
 /// One endpoint and direction.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PolicySnapshot {
+    /// The MapState's default verdict.
     pub default: Verdict,
+    /// [`EndpointPolicy::isolated`](crate::EndpointPolicy::isolated).
     pub isolated: bool,
+    /// [`EndpointPolicy::isolated_by`](crate::EndpointPolicy::isolated_by).
     pub isolated_by: Vec<Origin>,
     /// The MapState's keys and values.
     pub keys: Vec<(SnapPeer, L4Prefix, SnapEntry)>,
-    /// The covered contributions.
+    /// The covered contributions: (entry, its key's peer and prefix, the covering key's peer
+    /// and prefix).
     pub covered: Vec<(String, SnapPeer, L4Prefix, SnapPeer, L4Prefix)>,
     /// The policy entries fed to the MapState: (entry, order, verdict, selected identities or
     /// `None` for every identity).
@@ -57,10 +67,15 @@ pub struct PolicySnapshot {
 /// A MapState value.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 pub struct SnapEntry {
+    /// `StateEntry::verdict`.
     pub verdict: Verdict,
+    /// `StateEntry::order`.
     pub order: OrderKey,
+    /// The merged policy entries as `origin | peer | l4 | named port` text, sorted.
     pub entries: Vec<String>,
+    /// `StateEntry::origins`.
     pub origins: Vec<Origin>,
+    /// `StateEntry::synthesized`: a wildcard entry copied under an identity.
     pub synthesized: bool,
 }
 

@@ -4,6 +4,17 @@
 //! **without ever comparing priorities**. Its keys are `(peer, protocol/port prefix)` where the
 //! peer is one numeric identity or the wildcard `*`; see [`L4Prefix`] for the prefix layout.
 //!
+//! | module | what |
+//! |---|---|
+//! | `types` | identities, peers, verdicts, order keys, origins, policy entries, L4 matches |
+//! | `prefix` | [`L4Prefix`]: the 24-bit protocol/port prefix and its aligned blocks |
+//! | `state` | [`MapState`]: build, lookup, incremental [`Update`]s |
+//! | `changes` | [`ChangeSet`] and its safe write order |
+//! | [`reference`](mod@reference) | the reference evaluator (test oracle) and the reference state |
+//!
+//! Everything but `reference` is re-exported here; the human rendering of a MapState lives with
+//! the CLI's renderers (`controller/src/render/trie.rs`).
+//!
 //! ## Lookup contract
 //! For a packet from/to identity `I`, protocol `P`, port `N`:
 //! 1. the longest key of `I` that matches `(P, N)` decides;

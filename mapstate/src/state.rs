@@ -18,7 +18,9 @@ use crate::types::{
 /// A key of the MapState (the direction is the MapState's own).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub struct Key {
+    /// One identity, or `*` (every identity without a matching key of its own).
     pub peer: Peer,
+    /// The protocol/port block.
     pub prefix: L4Prefix,
 }
 
@@ -30,7 +32,9 @@ pub struct Key {
 /// reference-count increments instead of two allocations.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct StateEntry {
+    /// What the datapath does with a matching packet.
     pub verdict: Verdict,
+    /// The order key of the rule(s) this key comes from (smaller is stronger).
     pub order: OrderKey,
     /// The policy entries merged into this key (equal order key and verdict), sorted.
     pub entries: Arc<[EntryId]>,
@@ -45,6 +49,7 @@ pub struct StateEntry {
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Covered {
+    /// The policy entry that has no key here.
     pub entry: EntryId,
     /// The key the entry would have had.
     pub key: Key,
@@ -57,12 +62,18 @@ pub struct Covered {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision<'a> {
     /// A key matched; its entry decides.
-    Matched { key: Key, entry: &'a StateEntry },
+    Matched {
+        /// The longest matching key (the identity's own, else `*`).
+        key: Key,
+        /// Its value.
+        entry: &'a StateEntry,
+    },
     /// Nothing matched: the endpoint's isolation default applies.
     Default(Verdict),
 }
 
 impl Decision<'_> {
+    /// The verdict, from the key or the default.
     pub fn verdict(&self) -> Verdict {
         match self {
             Decision::Matched { entry, .. } => entry.verdict,
@@ -74,7 +85,9 @@ impl Decision<'_> {
 /// Errors of [`MapState::apply`]. The state is unchanged when one is returned.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum UpdateError {
+    /// `AddEntry` of an id that is already an input entry.
     DuplicateEntry(EntryId),
+    /// An update names an entry that is not an input entry.
     UnknownEntry(EntryId),
     /// Select/Deselect on an entry whose selector is the wildcard.
     WildcardSelection(EntryId),
@@ -97,21 +110,29 @@ impl std::error::Error for UpdateError {}
 /// One incremental change of the input.
 #[derive(Debug, Clone)]
 pub enum Update {
+    /// A new input entry (its id must be new).
     AddEntry(PolicyEntry),
+    /// An input entry goes.
     RemoveEntry(EntryId),
     /// The entry's selector now also selects these identities.
     Select {
+        /// The entry (its selector must be a set of identities).
         entry: EntryId,
+        /// Identities it selects from now on.
         ids: Vec<Identity>,
     },
     /// The entry's selector no longer selects these identities.
     Deselect {
+        /// The entry (its selector must be a set of identities).
         entry: EntryId,
+        /// Identities it no longer selects.
         ids: Vec<Identity>,
     },
     /// A new identity, selected by these entries' selectors.
     AddIdentity {
+        /// The identity.
         id: Identity,
+        /// The entries whose selectors select it.
         selected_by: Vec<EntryId>,
     },
     /// An identity is gone: no selector selects it any more.
@@ -435,6 +456,7 @@ impl MapState {
         Ok(ms)
     }
 
+    /// The direction of the endpoint this MapState decides for.
     pub fn direction(&self) -> Direction {
         self.direction
     }
@@ -456,6 +478,7 @@ impl MapState {
         self.entries.values()
     }
 
+    /// One input entry.
     pub fn policy_entry(&self, id: EntryId) -> Option<&PolicyEntry> {
         self.entries.get(&id)
     }
@@ -503,10 +526,12 @@ impl MapState {
     }
 
     /// Number of keys in the state.
+    /// Number of keys (every peer).
     pub fn len(&self) -> usize {
         self.tries.values().map(|t| t.len()).sum()
     }
 
+    /// Whether there is no key at all (every packet gets the default).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -34,14 +34,23 @@ const NAME_LABEL: &str = "kubernetes.io/metadata.name";
 /// Direction seen from the endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Dir {
+    /// Traffic the endpoint receives.
     Ingress,
+    /// Traffic the endpoint sends.
     Egress,
 }
 
 /// One end of a flow.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum End {
-    Pod { namespace: String, name: String },
+    /// A pod, probed at its first address of the family, else its first address.
+    Pod {
+        /// The pod's namespace.
+        namespace: String,
+        /// The pod's name.
+        name: String,
+    },
+    /// An address; a pod's address stands for that pod.
     Ip(IpAddr),
 }
 
@@ -81,10 +90,15 @@ struct RefPort {
 /// and the rule's position in its list.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct RuleName {
+    /// `NetworkPolicy`, `OrderedNetworkPolicy` or `ClusterOrderedNetworkPolicy`.
     pub kind: &'static str,
+    /// `None` for cluster policies.
     pub namespace: Option<String>,
+    /// The policy's name.
     pub name: String,
+    /// The rule's list: `ingress` or `egress`.
     pub direction: Dir,
+    /// The rule's position in that list.
     pub index: usize,
 }
 
@@ -159,264 +173,14 @@ impl Reference {
     /// Reads the objects. Errors for objects the reference cannot read (the engine would
     /// reject them too).
     pub fn new(objects: &ClusterObjects) -> Result<Reference, String> {
-        let mut ns_labels = BTreeMap::new();
-        for ns in &objects.namespaces {
-            let name = ns.object.metadata.name.clone().unwrap_or_default();
-            let mut labels = ns.object.metadata.labels.clone().unwrap_or_default();
-            labels.insert(NAME_LABEL.to_string(), name.clone());
-            ns_labels.insert(name, labels);
-        }
-        let mut pods = Vec::new();
-        for p in &objects.pods {
-            let pod = &p.object;
-            let spec = pod.spec.as_ref();
-            // Host-network pods use the node's address; terminated pods (phase Succeeded or
-            // Failed) are not endpoints and hold no address.
-            let terminated = matches!(
-                pod.status.as_ref().and_then(|s| s.phase.as_deref()),
-                Some("Succeeded" | "Failed")
-            );
-            if spec.and_then(|s| s.host_network).unwrap_or(false) || terminated {
-                continue;
-            }
-            let mut ips: Vec<IpAddr> = Vec::new();
-            if let Some(st) = &pod.status {
-                for t in st
-                    .pod_ip
-                    .iter()
-                    .chain(st.pod_ips.iter().flatten().map(|p| &p.ip))
-                {
-                    if let Ok(ip) = t.parse::<IpAddr>()
-                        && !ips.contains(&ip)
-                    {
-                        ips.push(ip);
-                    }
-                }
-            }
-            let mut ports = Vec::new();
-            for c in spec.map(|s| s.containers.as_slice()).unwrap_or_default() {
-                for cp in c.ports.iter().flatten() {
-                    if let (Some(n), Some(pr)) = (&cp.name, proto_number(cp.protocol.as_deref())) {
-                        ports.push((n.clone(), pr, cp.container_port as u16));
-                    }
-                }
-            }
-            pods.push(RefPod {
-                namespace: pod
-                    .metadata
-                    .namespace
-                    .clone()
-                    .unwrap_or_else(|| "default".into()),
-                name: pod.metadata.name.clone().unwrap_or_default(),
-                labels: pod.metadata.labels.clone().unwrap_or_default(),
-                ips,
-                ports,
-            });
-        }
         let mut policies = Vec::new();
         for np in &objects.network_policies {
-            let np = &np.object;
-            let ns = np
-                .metadata
-                .namespace
-                .clone()
-                .unwrap_or_else(|| "default".into());
-            let spec = np.spec.clone().unwrap_or_default();
-            let ingress = spec.ingress.unwrap_or_default();
-            let egress = spec.egress.unwrap_or_default();
-            let types = spec.policy_types.unwrap_or_default();
-            let isolates = if types.is_empty() {
-                [true, !egress.is_empty()]
-            } else {
-                [
-                    types.iter().any(|t| t == "Ingress"),
-                    types.iter().any(|t| t == "Egress"),
-                ]
-            };
-            let np_peer = |p: &NetworkPolicyPeer| -> Result<RefPeer, String> {
-                match &p.ip_block {
-                    Some(b) => Ok(RefPeer::Block {
-                        cidr: net(&b.cidr)?,
-                        except: b
-                            .except
-                            .iter()
-                            .flatten()
-                            .map(|e| net(e))
-                            .collect::<Result<_, _>>()?,
-                    }),
-                    None => Ok(RefPeer::Pods {
-                        namespaces: sel(p.namespace_selector.as_ref())?,
-                        own: Some(ns.clone()),
-                        pods: sel(p.pod_selector.as_ref())?,
-                    }),
-                }
-            };
-            let np_port = |p: &NetworkPolicyPort| -> Result<RefPort, String> {
-                Ok(RefPort {
-                    protocol: proto_number(p.protocol.as_deref()).ok_or("bad protocol")?,
-                    port: p.port.clone(),
-                    end_port: p.end_port,
-                })
-            };
-            let np_name = np.metadata.name.clone().unwrap_or_default();
-            // A NetworkPolicy rule: key (0, 0), allow; `peers` are its `from` or `to`.
-            let np_rule = |direction: Dir,
-                           index: usize,
-                           peers: Option<&Vec<NetworkPolicyPeer>>,
-                           ports: Option<&Vec<NetworkPolicyPort>>|
-             -> Result<RefRule, String> {
-                Ok(RefRule {
-                    name: RuleName {
-                        kind: "NetworkPolicy",
-                        namespace: Some(ns.clone()),
-                        name: np_name.clone(),
-                        direction,
-                        index,
-                    },
-                    key: (0, 0),
-                    deny: false,
-                    peers: peers
-                        .into_iter()
-                        .flatten()
-                        .map(np_peer)
-                        .collect::<Result<_, _>>()?,
-                    ports: ports
-                        .into_iter()
-                        .flatten()
-                        .map(np_port)
-                        .collect::<Result<_, _>>()?,
-                })
-            };
-            let mut rules: [Vec<RefRule>; 2] = [Vec::new(), Vec::new()];
-            if isolates[0] {
-                for (i, r) in ingress.iter().enumerate() {
-                    rules[0].push(np_rule(Dir::Ingress, i, r.from.as_ref(), r.ports.as_ref())?);
-                }
-            }
-            if isolates[1] {
-                for (i, r) in egress.iter().enumerate() {
-                    rules[1].push(np_rule(Dir::Egress, i, r.to.as_ref(), r.ports.as_ref())?);
-                }
-            }
-            policies.push(RefPolicy {
-                namespace: Some(ns.clone()),
-                namespaces: Selector::everything(),
-                pods: sel(spec.pod_selector.as_ref())?.unwrap_or_default(),
-                isolates,
-                rules,
-            });
+            policies.push(read_network_policy(&np.object)?);
         }
-        type Ordered<'a> = (
-            (&'static str, String),
-            Option<String>,
-            Selector,
-            Selector,
-            i32,
-            Option<&'a ordnet_crds::DefaultDeny>,
-            &'a [ordnet_crds::IngressRule],
-            &'a [ordnet_crds::EgressRule],
-        );
-        let mut ordered: Vec<Ordered<'_>> = Vec::new();
-        for p in &objects.ordered_policies {
-            let s = &p.object.spec;
-            ordered.push((
-                (
-                    "OrderedNetworkPolicy",
-                    p.object.metadata.name.clone().unwrap_or_default(),
-                ),
-                Some(
-                    p.object
-                        .metadata
-                        .namespace
-                        .clone()
-                        .unwrap_or_else(|| "default".into()),
-                ),
-                Selector::everything(),
-                sel(Some(&s.pod_selector))?.unwrap_or_default(),
-                s.priority,
-                s.default_deny.as_ref(),
-                &s.ingress,
-                &s.egress,
-            ));
-        }
-        for p in &objects.cluster_ordered_policies {
-            let s = &p.object.spec;
-            ordered.push((
-                (
-                    "ClusterOrderedNetworkPolicy",
-                    p.object.metadata.name.clone().unwrap_or_default(),
-                ),
-                None,
-                sel(Some(&s.namespace_selector))?.unwrap_or_default(),
-                sel(Some(&s.pod_selector))?.unwrap_or_default(),
-                s.priority,
-                s.default_deny.as_ref(),
-                &s.ingress,
-                &s.egress,
-            ));
-        }
-        for ((kind, name), namespace, namespaces, pods, priority, dd, ingress, egress) in ordered {
-            let rule_name = |direction: Dir, index: usize| RuleName {
-                kind,
-                namespace: namespace.clone(),
-                name: name.clone(),
-                direction,
-                index,
-            };
-            let peer = |p: &ordnet_crds::Peer| -> Result<RefPeer, String> {
-                match &p.ip_block {
-                    Some(b) => Ok(RefPeer::Block {
-                        cidr: net(&b.cidr)?,
-                        except: b.except.iter().map(|e| net(e)).collect::<Result<_, _>>()?,
-                    }),
-                    None => Ok(RefPeer::Pods {
-                        namespaces: sel(p.namespace_selector.as_ref())?,
-                        own: namespace.clone(),
-                        pods: sel(p.pod_selector.as_ref())?,
-                    }),
-                }
-            };
-            let port = |p: &ordnet_crds::Port| RefPort {
-                protocol: p.protocol.number(),
-                port: p.port.clone(),
-                end_port: p.end_port,
-            };
-            let deny = |a: ordnet_crds::Action| a == ordnet_crds::Action::Deny;
-            let mut rules: [Vec<RefRule>; 2] = [Vec::new(), Vec::new()];
-            for (i, r) in ingress.iter().enumerate() {
-                rules[0].push(RefRule {
-                    name: rule_name(Dir::Ingress, i),
-                    key: (i64::from(priority), i as u64),
-                    deny: deny(r.action),
-                    peers: r.from.iter().map(peer).collect::<Result<_, _>>()?,
-                    ports: r.ports.iter().map(port).collect(),
-                });
-            }
-            for (i, r) in egress.iter().enumerate() {
-                rules[1].push(RefRule {
-                    name: rule_name(Dir::Egress, i),
-                    key: (i64::from(priority), i as u64),
-                    deny: deny(r.action),
-                    peers: r.to.iter().map(peer).collect::<Result<_, _>>()?,
-                    ports: r.ports.iter().map(port).collect(),
-                });
-            }
-            let has_allow = |d: usize| rules[d].iter().any(|r| !r.deny);
-            let isolates = [
-                dd.and_then(|d| d.ingress).unwrap_or_else(|| has_allow(0)),
-                dd.and_then(|d| d.egress).unwrap_or_else(|| has_allow(1)),
-            ];
-            policies.push(RefPolicy {
-                namespace,
-                namespaces,
-                pods,
-                isolates,
-                rules,
-            });
-        }
+        policies.extend(read_ordered_policies(objects)?);
         Ok(Reference {
-            ns_labels,
-            pods,
+            ns_labels: read_namespaces(objects),
+            pods: read_pods(objects),
             policies,
         })
     }
@@ -625,4 +389,278 @@ impl Reference {
                 }
             })
     }
+}
+
+/// Namespace labels, with `kubernetes.io/metadata.name` set as the API server does.
+fn read_namespaces(objects: &ClusterObjects) -> BTreeMap<String, Labels> {
+    let mut ns_labels = BTreeMap::new();
+    for ns in &objects.namespaces {
+        let name = ns.object.metadata.name.clone().unwrap_or_default();
+        let mut labels = ns.object.metadata.labels.clone().unwrap_or_default();
+        labels.insert(NAME_LABEL.to_string(), name.clone());
+        ns_labels.insert(name, labels);
+    }
+    ns_labels
+}
+
+/// The pods that are endpoints (not host-network, not terminated): addresses and named ports.
+fn read_pods(objects: &ClusterObjects) -> Vec<RefPod> {
+    let mut pods = Vec::new();
+    for p in &objects.pods {
+        let pod = &p.object;
+        let spec = pod.spec.as_ref();
+        // Host-network pods use the node's address; terminated pods (phase Succeeded or
+        // Failed) are not endpoints and hold no address.
+        let terminated = matches!(
+            pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+            Some("Succeeded" | "Failed")
+        );
+        if spec.and_then(|s| s.host_network).unwrap_or(false) || terminated {
+            continue;
+        }
+        let mut ips: Vec<IpAddr> = Vec::new();
+        if let Some(st) = &pod.status {
+            for t in st
+                .pod_ip
+                .iter()
+                .chain(st.pod_ips.iter().flatten().map(|p| &p.ip))
+            {
+                if let Ok(ip) = t.parse::<IpAddr>()
+                    && !ips.contains(&ip)
+                {
+                    ips.push(ip);
+                }
+            }
+        }
+        let mut ports = Vec::new();
+        for c in spec.map(|s| s.containers.as_slice()).unwrap_or_default() {
+            for cp in c.ports.iter().flatten() {
+                if let (Some(n), Some(pr)) = (&cp.name, proto_number(cp.protocol.as_deref())) {
+                    ports.push((n.clone(), pr, cp.container_port as u16));
+                }
+            }
+        }
+        pods.push(RefPod {
+            namespace: pod
+                .metadata
+                .namespace
+                .clone()
+                .unwrap_or_else(|| "default".into()),
+            name: pod.metadata.name.clone().unwrap_or_default(),
+            labels: pod.metadata.labels.clone().unwrap_or_default(),
+            ips,
+            ports,
+        });
+    }
+    pods
+}
+
+/// A NetworkPolicy with upstream's defaulting: every rule an allow at key (0, 0).
+fn read_network_policy(
+    np: &k8s_openapi::api::networking::v1::NetworkPolicy,
+) -> Result<RefPolicy, String> {
+    let ns = np
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".into());
+    let spec = np.spec.clone().unwrap_or_default();
+    let ingress = spec.ingress.unwrap_or_default();
+    let egress = spec.egress.unwrap_or_default();
+    let types = spec.policy_types.unwrap_or_default();
+    let isolates = if types.is_empty() {
+        [true, !egress.is_empty()]
+    } else {
+        [
+            types.iter().any(|t| t == "Ingress"),
+            types.iter().any(|t| t == "Egress"),
+        ]
+    };
+    let np_peer = |p: &NetworkPolicyPeer| -> Result<RefPeer, String> {
+        match &p.ip_block {
+            Some(b) => Ok(RefPeer::Block {
+                cidr: net(&b.cidr)?,
+                except: b
+                    .except
+                    .iter()
+                    .flatten()
+                    .map(|e| net(e))
+                    .collect::<Result<_, _>>()?,
+            }),
+            None => Ok(RefPeer::Pods {
+                namespaces: sel(p.namespace_selector.as_ref())?,
+                own: Some(ns.clone()),
+                pods: sel(p.pod_selector.as_ref())?,
+            }),
+        }
+    };
+    let np_port = |p: &NetworkPolicyPort| -> Result<RefPort, String> {
+        Ok(RefPort {
+            protocol: proto_number(p.protocol.as_deref()).ok_or("bad protocol")?,
+            port: p.port.clone(),
+            end_port: p.end_port,
+        })
+    };
+    let np_name = np.metadata.name.clone().unwrap_or_default();
+    // A NetworkPolicy rule: key (0, 0), allow; `peers` are its `from` or `to`.
+    let np_rule = |direction: Dir,
+                   index: usize,
+                   peers: Option<&Vec<NetworkPolicyPeer>>,
+                   ports: Option<&Vec<NetworkPolicyPort>>|
+     -> Result<RefRule, String> {
+        Ok(RefRule {
+            name: RuleName {
+                kind: "NetworkPolicy",
+                namespace: Some(ns.clone()),
+                name: np_name.clone(),
+                direction,
+                index,
+            },
+            key: (0, 0),
+            deny: false,
+            peers: peers
+                .into_iter()
+                .flatten()
+                .map(np_peer)
+                .collect::<Result<_, _>>()?,
+            ports: ports
+                .into_iter()
+                .flatten()
+                .map(np_port)
+                .collect::<Result<_, _>>()?,
+        })
+    };
+    let mut rules: [Vec<RefRule>; 2] = [Vec::new(), Vec::new()];
+    if isolates[0] {
+        for (i, r) in ingress.iter().enumerate() {
+            rules[0].push(np_rule(Dir::Ingress, i, r.from.as_ref(), r.ports.as_ref())?);
+        }
+    }
+    if isolates[1] {
+        for (i, r) in egress.iter().enumerate() {
+            rules[1].push(np_rule(Dir::Egress, i, r.to.as_ref(), r.ports.as_ref())?);
+        }
+    }
+    Ok(RefPolicy {
+        namespace: Some(ns.clone()),
+        namespaces: Selector::everything(),
+        pods: sel(spec.pod_selector.as_ref())?.unwrap_or_default(),
+        isolates,
+        rules,
+    })
+}
+
+/// Every OrderedNetworkPolicy and ClusterOrderedNetworkPolicy: rules keyed (priority, index),
+/// isolation from `defaultDeny` or the presence of an allow rule.
+fn read_ordered_policies(objects: &ClusterObjects) -> Result<Vec<RefPolicy>, String> {
+    let mut policies = Vec::new();
+    type Ordered<'a> = (
+        (&'static str, String),
+        Option<String>,
+        Selector,
+        Selector,
+        i32,
+        Option<&'a ordnet_crds::DefaultDeny>,
+        &'a [ordnet_crds::IngressRule],
+        &'a [ordnet_crds::EgressRule],
+    );
+    let mut ordered: Vec<Ordered<'_>> = Vec::new();
+    for p in &objects.ordered_policies {
+        let s = &p.object.spec;
+        ordered.push((
+            (
+                "OrderedNetworkPolicy",
+                p.object.metadata.name.clone().unwrap_or_default(),
+            ),
+            Some(
+                p.object
+                    .metadata
+                    .namespace
+                    .clone()
+                    .unwrap_or_else(|| "default".into()),
+            ),
+            Selector::everything(),
+            sel(Some(&s.pod_selector))?.unwrap_or_default(),
+            s.priority,
+            s.default_deny.as_ref(),
+            &s.ingress,
+            &s.egress,
+        ));
+    }
+    for p in &objects.cluster_ordered_policies {
+        let s = &p.object.spec;
+        ordered.push((
+            (
+                "ClusterOrderedNetworkPolicy",
+                p.object.metadata.name.clone().unwrap_or_default(),
+            ),
+            None,
+            sel(Some(&s.namespace_selector))?.unwrap_or_default(),
+            sel(Some(&s.pod_selector))?.unwrap_or_default(),
+            s.priority,
+            s.default_deny.as_ref(),
+            &s.ingress,
+            &s.egress,
+        ));
+    }
+    for ((kind, name), namespace, namespaces, pods, priority, dd, ingress, egress) in ordered {
+        let rule_name = |direction: Dir, index: usize| RuleName {
+            kind,
+            namespace: namespace.clone(),
+            name: name.clone(),
+            direction,
+            index,
+        };
+        let peer = |p: &ordnet_crds::Peer| -> Result<RefPeer, String> {
+            match &p.ip_block {
+                Some(b) => Ok(RefPeer::Block {
+                    cidr: net(&b.cidr)?,
+                    except: b.except.iter().map(|e| net(e)).collect::<Result<_, _>>()?,
+                }),
+                None => Ok(RefPeer::Pods {
+                    namespaces: sel(p.namespace_selector.as_ref())?,
+                    own: namespace.clone(),
+                    pods: sel(p.pod_selector.as_ref())?,
+                }),
+            }
+        };
+        let port = |p: &ordnet_crds::Port| RefPort {
+            protocol: p.protocol.number(),
+            port: p.port.clone(),
+            end_port: p.end_port,
+        };
+        let deny = |a: ordnet_crds::Action| a == ordnet_crds::Action::Deny;
+        let mut rules: [Vec<RefRule>; 2] = [Vec::new(), Vec::new()];
+        for (i, r) in ingress.iter().enumerate() {
+            rules[0].push(RefRule {
+                name: rule_name(Dir::Ingress, i),
+                key: (i64::from(priority), i as u64),
+                deny: deny(r.action),
+                peers: r.from.iter().map(peer).collect::<Result<_, _>>()?,
+                ports: r.ports.iter().map(port).collect(),
+            });
+        }
+        for (i, r) in egress.iter().enumerate() {
+            rules[1].push(RefRule {
+                name: rule_name(Dir::Egress, i),
+                key: (i64::from(priority), i as u64),
+                deny: deny(r.action),
+                peers: r.to.iter().map(peer).collect::<Result<_, _>>()?,
+                ports: r.ports.iter().map(port).collect(),
+            });
+        }
+        let has_allow = |d: usize| rules[d].iter().any(|r| !r.deny);
+        let isolates = [
+            dd.and_then(|d| d.ingress).unwrap_or_else(|| has_allow(0)),
+            dd.and_then(|d| d.egress).unwrap_or_else(|| has_allow(1)),
+        ];
+        policies.push(RefPolicy {
+            namespace,
+            namespaces,
+            pods,
+            isolates,
+            rules,
+        });
+    }
+    Ok(policies)
 }

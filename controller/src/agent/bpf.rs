@@ -5,7 +5,7 @@
 //! * **Pins**: maps, program and links are pinned in [`DEFAULT_PIN_DIR`] (or `$ORDNET_PIN_DIR`).
 //!   [`BpfDatapath::open`] adopts pins that exist (the running program keeps enforcing the last
 //!   state) and writes nothing until the agent's initial sync is done; the first
-//!   [`program_full`](Datapath::program_full) then converges the adopted state to the engine
+//!   [`program_full`](Enforcer::program_full) then converges the adopted state to the engine
 //!   (endpoints keep their ids by address, only differences are written). Dropping a
 //!   `BpfDatapath` (SIGTERM, SIGINT) leaves the pins and the attachments in place.
 //! * **Host addresses**: every address of every interface of the agent's network namespace
@@ -62,8 +62,11 @@ pub enum Opened {
     Created,
     /// Pins adopted: the earlier state keeps being enforced until the initial sync.
     Adopted {
+        /// Number of endpoints found in the pinned maps.
         endpoints: usize,
+        /// Number of rule set slots in use.
         rulesets: usize,
+        /// Interfaces with an adopted pinned link (`tc:IFACE` for the TC program).
         links: Vec<String>,
     },
 }

@@ -1,12 +1,12 @@
-//! What the agent programs: the [`Datapath`] trait, the programming both datapaths share
+//! What the agent programs: the [`Enforcer`] trait, the programming both datapaths share
 //! ([`Programmer`]: [`NodeProgram`] onto a [`ControlPlane`], and a [`Record`] of what was
 //! written) and the `none` datapath, which programs an in-memory [`MemDatapath`] exactly as
 //! `bpf` programs the kernel (the same code, the same writes; only the table writer differs).
 //!
 //! The debug API answers from what was programmed: the MapStates and the ipcache as written
-//! ([`Datapath::programmed`], [`Datapath::ipcache`]; tests compare them with the offline
+//! ([`Enforcer::programmed`], [`Enforcer::ipcache`]; tests compare them with the offline
 //! engine), and the verdicts of `matrix` and `trace` decided over the programmed tables
-//! ([`Datapath::plane`]).
+//! ([`Enforcer::plane`]).
 
 use super::AgentError;
 use std::collections::BTreeMap;
@@ -21,7 +21,9 @@ use crate::program::NodeProgram;
 /// One endpoint and direction as programmed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ProgrammedPolicy {
+    /// The MapState's keys and values as written.
     pub entries: BTreeMap<Key, StateEntry>,
+    /// Whether the default verdict written is deny.
     pub isolated: bool,
 }
 
@@ -155,7 +157,9 @@ impl Record {
 /// [`ControlPlane`], and what was written successfully is recorded.
 #[derive(Debug, Default)]
 pub struct Programmer {
+    /// Writes the engine's state to the datapath.
     pub program: NodeProgram,
+    /// What was written successfully.
     pub record: Record,
 }
 

@@ -13,12 +13,15 @@ use super::Enforcer;
 pub struct Counter(AtomicU64);
 
 impl Counter {
+    /// Adds one.
     pub fn inc(&self) {
         self.add(1);
     }
+    /// Adds `n`.
     pub fn add(&self, n: u64) {
         self.0.fetch_add(n, Ordering::Relaxed);
     }
+    /// The current count.
     pub fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
@@ -33,15 +36,19 @@ pub const BUCKETS: [f64; 14] = [
 #[derive(Debug, Default)]
 pub struct Histogram(Mutex<HistogramData>);
 
+/// A copy of a [`Histogram`]'s state.
 #[derive(Debug, Default, Clone)]
 pub struct HistogramData {
     /// Non-cumulative counts per bucket, then the `+Inf` overflow.
     pub counts: [u64; BUCKETS.len() + 1],
+    /// Sum of the observed durations, seconds.
     pub sum: f64,
+    /// Number of observations.
     pub count: u64,
 }
 
 impl Histogram {
+    /// Records one duration, in seconds.
     pub fn observe(&self, seconds: f64) {
         let mut h = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let i = BUCKETS
@@ -52,6 +59,7 @@ impl Histogram {
         h.sum += seconds;
         h.count += 1;
     }
+    /// A consistent copy of the buckets, sum and count.
     pub fn data(&self) -> HistogramData {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
@@ -60,26 +68,44 @@ impl Histogram {
 /// Sizes, as of the last programming.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Sizes {
+    /// Identities allocated by the engine (`ordnet_identities`).
     pub identities: u64,
+    /// Local endpoints programmed in the datapath (`ordnet_endpoints`).
     pub endpoints: u64,
+    /// Ingress MapState keys programmed, summed over local endpoints.
     pub entries_ingress: u64,
+    /// Egress MapState keys programmed, summed over local endpoints.
     pub entries_egress: u64,
+    /// Distinct MapStates of the engine (`ordnet_shared_mapstates`).
     pub shared_mapstates: u64,
+    /// ipcache prefixes programmed (`ordnet_ipcache_entries`).
     pub ipcache: u64,
 }
 
 /// Every metric of the agent.
 #[derive(Debug, Default)]
 pub struct Metrics {
+    /// `ordnet_object_changes_total`: object changes applied to the engine.
     pub object_changes: Counter,
+    /// `ordnet_update_batches_total`: coalesced batches applied.
     pub batches: Counter,
+    /// `ordnet_relists_total`: re-lists after the initial one.
     pub relists: Counter,
+    /// `ordnet_watch_errors_total`: watch errors (retried with backoff).
     pub watch_errors: Counter,
+    /// `ordnet_invalid_objects_total`: object versions the engine cannot use at all.
     pub invalid_objects: Counter,
+    /// `ordnet_engine_errors_total`: objects the engine left out or did not apply.
     pub engine_errors: Counter,
+    /// `ordnet_datapath_errors_total`: failed programming or upkeep of the datapath.
     pub datapath_errors: Counter,
+    /// `ordnet_compile_duration_seconds`: engine computation per batch (the first one: the
+    /// full build).
     pub compile_seconds: Histogram,
+    /// `ordnet_apply_duration_seconds`: engine computation plus datapath programming per batch.
     pub apply_seconds: Histogram,
+    /// `ordnet_change_latency_seconds`: from a batch's first watch event to the datapath
+    /// updated.
     pub change_latency_seconds: Histogram,
     sizes: Mutex<Sizes>,
     /// The datapath's own metrics as of the last programming (`Datapath::write_metrics`).
@@ -87,6 +113,7 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    /// Records the sizes of `engine` and `dp`, and the datapath's own metrics text.
     pub fn set_sizes(&self, engine: &Engine, dp: &dyn Enforcer) {
         let mut s = Sizes {
             identities: engine.identities().count() as u64,
@@ -105,6 +132,7 @@ impl Metrics {
         *self.datapath_text.lock().unwrap_or_else(|e| e.into_inner()) = text;
     }
 
+    /// The sizes recorded last ([`Metrics::set_sizes`]).
     pub fn sizes(&self) -> Sizes {
         *self.sizes.lock().unwrap_or_else(|e| e.into_inner())
     }

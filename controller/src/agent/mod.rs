@@ -1,6 +1,6 @@
 //! `ordnet agent`: the node agent.
 //!
-//! * One watcher per kind of `ObjectKind::ALL` ([`watchers`]: `kube::runtime::watcher` with the
+//! * One watcher per kind of `ObjectKind::ALL` (`watchers`: `kube::runtime::watcher` with the
 //!   default backoff) feeds one channel.
 //! * The agent keeps a view of every object it was told about (with its resource version and
 //!   whether it is valid). Nothing is computed until every watcher finished its initial list;
@@ -21,7 +21,7 @@
 //!   unreadable address) is left out. Either way it is recorded in [`AgentState::problems`],
 //!   counted, reported in the policy's status and as an Event; everything else keeps working.
 //!
-//! The apply loop is [`applier`]; the datapath it programs is an [`Enforcer`] ([`bpf`] or the
+//! The apply loop is `applier`; the datapath it programs is an [`Enforcer`] ([`bpf`] or the
 //! in-memory [`NoneDatapath`]); [`status`] writes policy status under a Lease and emits Events;
 //! the debug API ([`debug`]) serves health, metrics and the matrix/trace/dump answers from the
 //! programmed state. The command line is the binary's (`src/cli/agent.rs`).
@@ -107,13 +107,19 @@ impl Enforcement {
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ObjectProblem {
+    /// The object's kind as Kubernetes spells it.
     pub kind: &'static str,
+    /// `None` for cluster-scoped kinds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub namespace: Option<String>,
+    /// The object's name.
     pub name: String,
+    /// `metadata.resourceVersion` of the version these problems are about.
     pub resource_version: Option<String>,
     /// `no` (left out), `partly` (some rules fail closed) or `yes`.
     pub enforced: &'static str,
+    /// Validation errors (warnings left out), `field: message`, plus the engine's reason when
+    /// it cannot use the object at all.
     pub errors: Vec<String>,
     /// The rules enforced fail-closed, e.g. `spec.ingress[1] (Deny) denies all ingress: ...`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -122,11 +128,13 @@ pub struct ObjectProblem {
 
 /// Everything the agent shares with the debug API and with tests.
 pub struct AgentState {
+    /// This node's name ([`AgentConfig::node`]).
     pub node: String,
     /// `None` until the initial sync is done and the datapath programmed.
     engine: RwLock<Option<Engine>>,
     datapath: Mutex<Box<dyn Enforcer>>,
     problems: RwLock<BTreeMap<ObjKey, ObjectProblem>>,
+    /// The agent's counters and gauges (served by the debug API).
     pub metrics: Metrics,
     /// Whether this agent holds the status writer Lease.
     leader: Arc<AtomicBool>,
@@ -193,6 +201,7 @@ impl AgentState {
 
 /// A running agent. Dropping it stops it.
 pub struct AgentHandle {
+    /// The running agent's shared state.
     pub state: Arc<AgentState>,
     debug_addr: SocketAddr,
     tasks: Vec<JoinHandle<()>>,
@@ -283,7 +292,7 @@ pub async fn start(
     })
 }
 
-/// How often the datapath's upkeep runs ([`Datapath::maintain`]).
+/// How often the datapath's upkeep runs ([`Enforcer::maintain`]).
 pub const MAINTAIN_EVERY: Duration = Duration::from_secs(2);
 
 /// Calls [`Datapath::maintain`] every [`MAINTAIN_EVERY`] once the initial sync is done.

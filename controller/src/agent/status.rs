@@ -69,6 +69,7 @@ pub const NOT_ENFORCED: &str = "not enforced";
 /// What the apply loop knows about the status of one policy.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WantedStatus {
+    /// `metadata.generation` of the policy version seen (written as `observedGeneration`).
     pub generation: Option<i64>,
     /// The validation errors (empty = valid).
     pub errors: Vec<String>,
@@ -257,6 +258,7 @@ fn policy_key(id: &PolicyRef) -> Option<ObjKey> {
 /// The status the writer wants one policy to have.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Desired {
+    /// `metadata.generation` the status describes (written as `observedGeneration`).
     pub generation: Option<i64>,
     /// The validation errors.
     pub errors: Vec<String>,
@@ -751,8 +753,11 @@ async fn write_status(
 /// A problem to publish as an Event.
 #[derive(Debug)]
 pub struct ProblemEvent {
+    /// The object the Event is about.
     pub object: Object,
+    /// Its problems, as in [`ObjectProblem::errors`](super::ObjectProblem::errors).
     pub errors: Vec<String>,
+    /// What the agent does with it.
     pub enforcement: Enforcement,
 }
 

@@ -11,8 +11,11 @@ use super::Style;
 /// Output formats of `dump`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
+    /// The trie as an indented tree, with the endpoint's addresses and identities and a legend.
     Tree,
+    /// The trie as JSON.
     Json,
+    /// The trie as a Graphviz dot graph.
     Dot,
 }
 
@@ -27,6 +30,7 @@ impl Format {
         }
     }
 
+    /// The name [`Format::parse`] reads.
     pub fn as_str(self) -> &'static str {
         match self {
             Format::Tree => "tree",

@@ -10,7 +10,9 @@ use super::Style;
 /// Output formats of `matrix`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
+    /// The verdict grid ([`super::verdict_grid`]).
     Table,
+    /// CLI.md's JSON (the serialized [`Matrix`]).
     Json,
 }
 
@@ -24,6 +26,7 @@ impl Format {
         }
     }
 
+    /// The name [`Format::parse`] reads.
     pub fn as_str(self) -> &'static str {
         match self {
             Format::Table => "table",

@@ -53,10 +53,12 @@ pub fn color_wanted() -> bool {
 /// ANSI styling that is a no-op when colour is off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Style {
+    /// Whether escapes are written (see [`color_wanted`]).
     pub color: bool,
 }
 
 impl Style {
+    /// A style that colours when `color` is on.
     pub fn new(color: bool) -> Style {
         Style { color }
     }
@@ -65,22 +67,27 @@ impl Style {
         ansi(self.color, code, s)
     }
 
+    /// `s` in bold.
     pub fn bold(&self, s: &str) -> String {
         self.wrap("1", s)
     }
 
+    /// `s` dimmed.
     pub fn dim(&self, s: &str) -> String {
         self.wrap("2", s)
     }
 
+    /// `s` in green.
     pub fn green(&self, s: &str) -> String {
         self.wrap("32", s)
     }
 
+    /// `s` in yellow.
     pub fn yellow(&self, s: &str) -> String {
         self.wrap("33", s)
     }
 
+    /// `s` in bold red.
     pub fn red(&self, s: &str) -> String {
         self.wrap("1;31", s)
     }
@@ -125,6 +132,7 @@ pub struct Cell {
 }
 
 impl Cell {
+    /// A cell without styling.
     pub fn plain(s: impl Into<String>) -> Cell {
         let s = s.into();
         Cell {
@@ -143,9 +151,12 @@ impl Cell {
     }
 }
 
+/// How [`table`] places a cell in its column.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Align {
+    /// Padded on the right (the default for columns without an entry).
     Left,
+    /// Padded on both sides, the odd space on the right.
     Center,
 }
 

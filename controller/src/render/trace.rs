@@ -14,7 +14,9 @@ use super::{Cell, Style};
 /// Output formats of `trace`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
+    /// The verdict, each side's decision and lookup path, for people.
     Text,
+    /// The serialized [`FlowTrace`].
     Json,
 }
 
@@ -28,6 +30,7 @@ impl Format {
         }
     }
 
+    /// The name [`Format::parse`] reads.
     pub fn as_str(self) -> &'static str {
         match self {
             Format::Text => "text",

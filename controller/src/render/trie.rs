@@ -72,7 +72,9 @@ use super::{ansi, pad, width};
 pub struct Focus {
     /// The peer's identity (`None`: an address without identity, only `*` keys apply).
     pub identity: Option<Identity>,
+    /// The packet's protocol.
     pub protocol: Protocol,
+    /// The packet's destination port.
     pub port: u16,
 }
 

@@ -304,7 +304,7 @@ impl PolicyValue {
     }
 }
 
-/// Key of [`MAP_CT`]: the 5-tuple in canonical order (the endpoint `(addr, port)` that sorts
+/// Key of [`MAP_CT4`]/[`MAP_CT6`]: the 5-tuple in canonical order (the endpoint `(addr, port)` that sorts
 /// first is `a`), so both directions of a flow find the same entry with one lookup.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -428,7 +428,7 @@ pub const IFACE_HAS_V4: u32 = 1;
 /// [`IfaceInfo::flags`]: `addr6` is set.
 pub const IFACE_HAS_V6: u32 = 2;
 
-/// Value of [`MAP_CT`].
+/// Value of [`MAP_CT4`]/[`MAP_CT6`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct CtEntry {

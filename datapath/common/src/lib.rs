@@ -13,7 +13,8 @@
 //!   in-memory copy or the live maps. Host tools and tests that call these functions therefore
 //!   compute exactly the verdict the kernel computes: there is no second implementation that
 //!   could drift.
-//! * [`alt`]: the alternative policy layouts the benchmark compares (not used for enforcement).
+//! * `alt` (feature `bench`): the alternative policy layouts the benchmark compares (not used
+//!   for enforcement).
 //! * [`craft`] (feature `std`): builders for well-formed and deliberately broken frames.
 //!
 //! The crate is `#![no_std]`; the `user` feature adds the `aya::Pod` impls that userspace needs

@@ -54,7 +54,7 @@ pub const IPPROTO_SHIM6: u8 = 140;
 
 /// ICMPv6 Neighbor Discovery message types (RFC 4861 §4): Router Solicitation, Router
 /// Advertisement, Neighbor Solicitation, Neighbor Advertisement, Redirect. See
-/// [`crate::verdict`] for how they are treated.
+/// [`crate::decide_at`] for how they are treated.
 pub const ICMPV6_ROUTER_SOLICITATION: u8 = 133;
 /// ICMPv6 Router Advertisement (type 134).
 pub const ICMPV6_ROUTER_ADVERTISEMENT: u8 = 134;
@@ -174,7 +174,7 @@ pub enum Parsed {
 }
 
 /// Why a frame could not be classified. Every variant is a frame that is, or may be, an IP
-/// packet whose headers are truncated or invalid; [`crate::verdict`] drops all of them.
+/// packet whose headers are truncated or invalid; [`crate::decide_at`] drops all of them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum ParseError {

@@ -50,7 +50,10 @@ pub enum Hook {
     /// TC (tcx) egress of the interface the packet leaves by: after netfilter, so Service
     /// translation and source NAT are done. `ingress_ifindex` is the interface the packet came
     /// in on; the node's own packets (index 0) never reach the decision.
-    Tc { ingress_ifindex: u32 },
+    Tc {
+        /// `skb->ingress_ifindex`: the interface the packet came in on (0: the node's own).
+        ingress_ifindex: u32,
+    },
 }
 
 /// What the XDP program returns for a frame.
@@ -62,10 +65,13 @@ pub enum Verdict {
     Drop,
 }
 
-/// TCP flag bits (byte 13 of the TCP header).
+/// TCP flag bits (byte 13 of the TCP header): FIN.
 pub const TCP_FIN: u8 = 0x01;
+/// SYN.
 pub const TCP_SYN: u8 = 0x02;
+/// RST.
 pub const TCP_RST: u8 = 0x04;
+/// ACK.
 pub const TCP_ACK: u8 = 0x10;
 
 /// Everything the decision reads and writes besides the packet.
@@ -77,10 +83,12 @@ pub trait DatapathMaps: PolicyMaps {
     fn ipcache(&self, key: &IpKey) -> Option<&IpInfo>;
     /// ipcache, prefix part: the identity of the longest prefix matching the full address.
     fn ipcidr(&self, key: &IpKey) -> Option<u32>;
+    /// The tracking entry of a flow (canonical 5-tuple), if any.
     fn ct_lookup(&self, key: &CtKey) -> Option<CtEntry>;
     /// Insert or replace a tracking entry (errors, e.g. a full map, are ignored: the packet's
     /// verdict does not depend on them).
     fn ct_store(&self, key: &CtKey, entry: &CtEntry);
+    /// Forget a tracking entry (a flow the policy no longer allows).
     fn ct_delete(&self, key: &CtKey);
     /// Monotonic clock in ticks of `State::hz` (the kernel's `bpf_jiffies64`).
     fn now(&self) -> u64;
@@ -133,7 +141,9 @@ pub enum Reason {
 /// The verdict of one packet and how it came about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Decision {
+    /// What happens to the packet.
     pub verdict: Verdict,
+    /// Why.
     pub reason: Reason,
     /// The egress lookup of the (original-direction) source, when it was made.
     pub egress: Option<PolicyDecision>,
