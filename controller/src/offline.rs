@@ -18,9 +18,7 @@ use ordnet_datapath::common::{Decision, Reason, Verdict as XdpVerdict};
 use ordnet_datapath::{
     ControlError, ControlPlane, DatapathConfig, DatapathError, MemDatapath, StoreError,
 };
-use ordnet_engine::{
-    BackendVerdict, Engine, FlowEnd, FlowTrace, IpFamily, Matrix, MatrixResult, MatrixVerdict,
-};
+use ordnet_engine::{Engine, FlowEnd, FlowTrace, IpFamily, Matrix};
 use ordnet_mapstate::{Protocol, Verdict};
 
 use crate::program::{NodeProgram, ProgramError};
@@ -304,60 +302,20 @@ pub fn matrix(
     externals: &[IpAddr],
     family: IpFamily,
 ) -> Matrix {
-    let mut ends: Vec<(String, IpAddr, bool)> = engine
-        .endpoints()
-        .iter()
-        .filter_map(|ep| ep.address(family).map(|ip| (ep.id(), ip, true)))
-        .collect();
-    ends.extend(
-        externals
-            .iter()
-            .filter(|ip| family.contains(**ip))
-            .map(|ip| (ip.to_string(), *ip, false)),
-    );
-    let services = engine.service_destinations(proto, port, family);
-    let mut results = Vec::new();
-    for (from, src, from_pod) in &ends {
-        for (to, dst, to_pod) in &ends {
-            if !from_pod && !to_pod {
-                continue;
-            }
-            let verdict =
-                verdict(plane, *src, *dst, proto, port).expect("both ends are of one family");
-            results.push(MatrixResult {
-                from: from.clone(),
-                to: to.clone(),
-                verdict: verdict.into(),
-                backends: Vec::new(),
-            });
-        }
-        for svc in &services {
+    ordnet_engine::matrix_by(
+        engine,
+        proto,
+        port,
+        externals,
+        family,
+        |from, to| {
+            verdict(plane, from.addr, to.addr, proto, port).expect("both ends are of one family")
+        },
+        |from, svc| {
             let targets: Vec<(IpAddr, u16)> =
                 svc.backends.iter().map(|(_, a, p)| (*a, *p)).collect();
-            let verdicts = decide_service(plane, *src, svc.frontend, &targets, proto, port)
-                .expect("all addresses are of one family");
-            let backends: Vec<BackendVerdict> = svc
-                .backends
-                .iter()
-                .zip(verdicts)
-                .map(|((pod, _, _), verdict)| BackendVerdict {
-                    to: pod.clone(),
-                    verdict,
-                })
-                .collect();
-            results.push(MatrixResult {
-                from: from.clone(),
-                to: svc.name.clone(),
-                verdict: MatrixVerdict::of(backends.iter().map(|b| b.verdict)),
-                backends,
-            });
-        }
-    }
-    Matrix {
-        protocol: proto,
-        port,
-        endpoints: ends.into_iter().map(|(n, _, _)| n).collect(),
-        services: services.into_iter().map(|s| s.name).collect(),
-        results,
-    }
+            decide_service(plane, from.addr, svc.frontend, &targets, proto, port)
+                .expect("all addresses are of one family")
+        },
+    )
 }

@@ -297,10 +297,7 @@ impl NodeProgram {
         if dp.service_frontends() != want {
             let s = dp
                 .set_service_frontends(&want)
-                .map_err(|source| ProgramError::Datapath {
-                    what: "service frontends",
-                    source: Box::new(source),
-                })?;
+                .map_err(datapath_error("service frontends"))?;
             add_stats(&mut self.stats.writes, s);
         }
         Ok(())
@@ -363,10 +360,7 @@ impl NodeProgram {
             Some((id, ips)) if !ips.is_empty() => dp.set_interface(ifindex, *id, Some(ips)),
             _ => dp.set_interface(ifindex, 0, None),
         }
-        .map_err(|source| ProgramError::Datapath {
-            what: "interfaces",
-            source: Box::new(source),
-        })?;
+        .map_err(datapath_error("interfaces"))?;
         add_stats(&mut self.stats.writes, s);
         Ok(())
     }
@@ -398,12 +392,9 @@ impl NodeProgram {
         let mut have = dp.host_addresses();
         have.sort();
         if have != self.hosts {
-            let s =
-                dp.set_host_addresses(&self.hosts)
-                    .map_err(|source| ProgramError::Datapath {
-                        what: "host addresses",
-                        source: Box::new(source),
-                    })?;
+            let s = dp
+                .set_host_addresses(&self.hosts)
+                .map_err(datapath_error("host addresses"))?;
             add_stats(&mut self.stats.writes, s);
         }
         Ok(())
@@ -451,10 +442,7 @@ impl NodeProgram {
         }
         let s = dp
             .remove_endpoints(gone)
-            .map_err(|source| ProgramError::Datapath {
-                what: "removing endpoints",
-                source: Box::new(source),
-            })?;
+            .map_err(datapath_error("removing endpoints"))?;
         self.stats.endpoints_removed += gone.len() as u64;
         add_stats(&mut self.stats.writes, s);
         Ok(())
@@ -631,10 +619,7 @@ impl NodeProgram {
         }
         let s = dp
             .set_identities(entries)
-            .map_err(|source| ProgramError::Datapath {
-                what: "ipcache",
-                source: Box::new(source),
-            })?;
+            .map_err(datapath_error("ipcache"))?;
         add_stats(&mut self.stats.writes, s);
         Ok(())
     }
@@ -1057,6 +1042,14 @@ impl NodeProgram {
             }
         }
         Ok(())
+    }
+}
+
+/// Maps a datapath error of operation `what` to a [`ProgramError`].
+fn datapath_error(what: &'static str) -> impl FnOnce(DatapathError) -> ProgramError {
+    move |source| ProgramError::Datapath {
+        what,
+        source: Box::new(source),
     }
 }
 

@@ -208,7 +208,7 @@ fn load_dir(api: &FakeApi, dir: &Path) {
     files.sort();
     for f in files {
         let text = std::fs::read_to_string(&f).unwrap();
-        for doc in serde_yaml::Deserializer::from_str(&text) {
+        for doc in yaml_serde::Deserializer::from_str(&text) {
             let v: Value = serde::Deserialize::deserialize(doc).unwrap();
             if v.is_object() {
                 api.create(v).unwrap();
@@ -1045,7 +1045,7 @@ fn rule_allows(rule: &Value, group: &str, resource: &str, verb: &str) -> bool {
 /// Role in the agent's own namespace), and the roles grant nothing the agent does not use.
 fn assert_least_privilege(api: &FakeApi, agent_namespace: &str) {
     let text = std::fs::read_to_string(repo().join("deploy/rbac.yaml")).unwrap();
-    let docs: Vec<Value> = serde_yaml::Deserializer::from_str(&text)
+    let docs: Vec<Value> = yaml_serde::Deserializer::from_str(&text)
         .map(|d| serde::Deserialize::deserialize(d).unwrap())
         .collect();
     let rules = |kind: &str| -> Vec<Value> {

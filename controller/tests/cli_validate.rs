@@ -332,14 +332,14 @@ fn every_conformance_scenario_validates_clean() {
     let out_dir = scratch("conformance");
     let mut failures = Vec::new();
     for scenario in &scenarios {
-        let doc: serde_yaml::Value =
-            serde_yaml::from_str(&std::fs::read_to_string(scenario).unwrap()).unwrap();
+        let doc: yaml_serde::Value =
+            yaml_serde::from_str(&std::fs::read_to_string(scenario).unwrap()).unwrap();
         let objects = doc["objects"].as_sequence().expect("objects list");
         let count = objects.len();
         let manifest = out_dir.join(scenario.file_name().unwrap());
         let stream: String = objects
             .iter()
-            .map(|o| format!("---\n{}", serde_yaml::to_string(o).unwrap()))
+            .map(|o| format!("---\n{}", yaml_serde::to_string(o).unwrap()))
             .collect();
         std::fs::write(&manifest, stream).unwrap();
         let out = run(&["validate", "-f", manifest.to_str().unwrap()]);
@@ -379,7 +379,7 @@ fn crd_prints_the_committed_yaml() {
          `cargo run -q -p ordnet -- crd > deploy/crds/ordnet.io_crds.yaml`"
     );
     // Both CRDs are there, and the output reads back as YAML documents.
-    let docs: Vec<serde_yaml::Value> = serde_yaml::Deserializer::from_str(&committed)
+    let docs: Vec<yaml_serde::Value> = yaml_serde::Deserializer::from_str(&committed)
         .map(|d| serde::Deserialize::deserialize(d).expect("YAML"))
         .collect();
     let names: Vec<&str> = docs

@@ -166,7 +166,7 @@ pub fn crd_yaml() -> String {
     for crd in crds() {
         out.push_str("---\n");
         // Serializing a CustomResourceDefinition (plain data, string map keys) cannot fail.
-        out.push_str(&serde_yaml::to_string(&crd).expect("a CRD serializes to YAML"));
+        out.push_str(&yaml_serde::to_string(&crd).expect("a CRD serializes to YAML"));
     }
     out
 }

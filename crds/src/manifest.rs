@@ -1069,8 +1069,8 @@ fn is_json_name(path: &Path) -> bool {
 fn parse_yaml_documents(text: &str) -> Vec<Result<Value, String>> {
     use serde::Deserialize;
     let mut out = Vec::new();
-    for document in serde_yaml::Deserializer::from_str(text) {
-        match serde_yaml::Value::deserialize(document) {
+    for document in yaml_serde::Deserializer::from_str(text) {
+        match yaml_serde::Value::deserialize(document) {
             Ok(mut value) => {
                 let converted = value
                     .apply_merge()
@@ -1174,8 +1174,8 @@ const MAX_DEPTH: usize = 200;
 
 /// Converts a YAML value to JSON as the Kubernetes YAML decoder does: scalar keys become
 /// strings; tags and non-scalar keys are errors.
-fn yaml_to_json(value: serde_yaml::Value, path: &str, depth: usize) -> Result<Value, String> {
-    use serde_yaml::Value as Y;
+fn yaml_to_json(value: yaml_serde::Value, path: &str, depth: usize) -> Result<Value, String> {
+    use yaml_serde::Value as Y;
     if depth > MAX_DEPTH {
         return Err("document nested too deeply".into());
     }

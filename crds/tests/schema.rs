@@ -319,7 +319,7 @@ fn repository_policies() -> Vec<Value> {
     let mut out = Vec::new();
     for f in files {
         let text = std::fs::read_to_string(&f).unwrap();
-        for doc in serde_yaml::Deserializer::from_str(&text) {
+        for doc in yaml_serde::Deserializer::from_str(&text) {
             let v: Value = match serde::Deserialize::deserialize(doc) {
                 Ok(v) => v,
                 Err(_) => continue,

@@ -405,6 +405,42 @@ const XDP_LINKS: &str = "links";
 /// The pin directory of the TC links (one pin per interface).
 const TC_LINKS: &str = "tc-links";
 
+/// The handle of a new attachment: pinned as `<pin_dir>/<links_dir>/<iface>` (it then survives
+/// the process), or owned by the program when there is no pin directory.
+fn link_handle<Id, L>(
+    pin_dir: Option<PathBuf>,
+    links_dir: &str,
+    iface: &str,
+    id: Id,
+    take: impl FnOnce(Id) -> Result<L, ProgramError>,
+) -> Result<LinkHandle<Id>, DatapathError>
+where
+    FdLink: TryFrom<L>,
+    <FdLink as TryFrom<L>>::Error: std::error::Error + Send + Sync + 'static,
+{
+    let Some(dir) = pin_dir else {
+        return Ok(LinkHandle::Owned(id));
+    };
+    let fd = FdLink::try_from(take(id)?).map_err(|e| DatapathError::Io {
+        path: dir.clone(),
+        source: std::io::Error::other(e),
+    })?;
+    Ok(LinkHandle::Pinned(pin_link(
+        fd,
+        &dir.join(links_dir),
+        iface,
+    )?))
+}
+
+/// Removes a pinned attachment (the link detaches when its last reference goes).
+fn unpin(pinned: PinnedLink, iface: &str) -> Result<(), DatapathError> {
+    drop(pinned.unpin().map_err(|source| DatapathError::Io {
+        path: PathBuf::from(iface),
+        source,
+    })?);
+    Ok(())
+}
+
 /// Refuses a kernel without tcx (see [`MIN_KERNEL`]).
 fn check_kernel() -> Result<(), DatapathError> {
     let v = aya::util::KernelVersion::current().map_err(|e| DatapathError::Io {
@@ -804,17 +840,7 @@ impl Datapath {
             TcAttachType::Egress,
             TcAttachOptions::TcxOrder(LinkOrder::default()),
         )?;
-        let handle = match pin_dir {
-            Some(dir) => {
-                let fd =
-                    FdLink::try_from(program.take_link(id)?).map_err(|e| DatapathError::Io {
-                        path: dir.clone(),
-                        source: std::io::Error::other(e),
-                    })?;
-                LinkHandle::Pinned(pin_link(fd, &dir.join(TC_LINKS), iface)?)
-            }
-            None => LinkHandle::Owned(id),
-        };
+        let handle = link_handle(pin_dir, TC_LINKS, iface, id, |id| program.take_link(id))?;
         self.tc_links.insert(iface.to_string(), handle);
         Ok(())
     }
@@ -822,13 +848,7 @@ impl Datapath {
     /// Detaches the TC program from an interface (and removes the link's pin).
     pub fn detach_tc(&mut self, iface: &str) -> Result<(), DatapathError> {
         match self.tc_links.remove(iface) {
-            Some(LinkHandle::Pinned(pinned)) => {
-                drop(pinned.unpin().map_err(|source| DatapathError::Io {
-                    path: PathBuf::from(iface),
-                    source,
-                })?);
-                Ok(())
-            }
+            Some(LinkHandle::Pinned(pinned)) => unpin(pinned, iface),
             Some(LinkHandle::Owned(id)) => Ok(self.tc_program_mut()?.detach(id)?),
             None => Err(DatapathError::NotAttached(format!("tc:{iface}"))),
         }
@@ -858,17 +878,7 @@ impl Datapath {
         let pin_dir = self.config.pin_dir.clone();
         let program = self.program_mut()?;
         let id = program.attach(iface, mode)?;
-        let handle = match pin_dir {
-            Some(dir) => {
-                let fd =
-                    FdLink::try_from(program.take_link(id)?).map_err(|e| DatapathError::Io {
-                        path: dir.clone(),
-                        source: std::io::Error::other(e),
-                    })?;
-                LinkHandle::Pinned(pin_link(fd, &dir.join(XDP_LINKS), iface)?)
-            }
-            None => LinkHandle::Owned(id),
-        };
+        let handle = link_handle(pin_dir, XDP_LINKS, iface, id, |id| program.take_link(id))?;
         self.links.insert(iface.to_string(), handle);
         Ok(())
     }
@@ -876,14 +886,7 @@ impl Datapath {
     /// Detaches the program from an interface (and removes the link's pin).
     pub fn detach(&mut self, iface: &str) -> Result<(), DatapathError> {
         match self.links.remove(iface) {
-            Some(LinkHandle::Pinned(pinned)) => {
-                let link = pinned.unpin().map_err(|source| DatapathError::Io {
-                    path: PathBuf::from(iface),
-                    source,
-                })?;
-                drop(link);
-                Ok(())
-            }
+            Some(LinkHandle::Pinned(pinned)) => unpin(pinned, iface),
             Some(LinkHandle::Owned(id)) => Ok(self.program_mut()?.detach(id)?),
             None => Err(DatapathError::NotAttached(iface.to_string())),
         }

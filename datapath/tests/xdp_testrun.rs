@@ -959,8 +959,28 @@ fn local_states(w: &World, addr: IpAddr) -> Option<&[MapState; 2]> {
     }
 }
 
-/// SEMANTICS §2 on the MapStates, for a parsed packet (not from the datapath's code).
+/// SEMANTICS §2 on the MapStates, for a parsed packet (not from the datapath's code), at XDP.
 fn world_expect(w: &World, frame: &[u8]) -> XdpAction {
+    world_expect_at(w, frame, None)
+}
+
+/// Interface indexes of the TC differential test: A's and B's host-side interfaces (in the
+/// interface map) and an uplink (not in it).
+const IF_A: u32 = 11;
+const IF_B: u32 = 12;
+const IF_UPLINK: u32 = 13;
+
+/// The TC hook's verdict for a frame that came in on `ifindex`, derived from the MapStates
+/// independently of the datapath (docs/datapath.md §14): like [`world_expect`], except that a
+/// packet whose source is not a local endpoint but that came in on A's or B's interface is that
+/// endpoint's, and a node source address (rewritten: the node's own packets never reach the
+/// hook) is not exempt but judged with the identity the world gives it.
+fn world_expect_tc(w: &World, frame: &[u8], ifindex: u32) -> XdpAction {
+    world_expect_at(w, frame, Some(ifindex))
+}
+
+/// The expectation at XDP (`tc` = `None`) or at TC (`Some(ingress ifindex)`).
+fn world_expect_at(w: &World, frame: &[u8], tc: Option<u32>) -> XdpAction {
     let p = match parse(frame) {
         Err(_) => return DROP,
         Ok(Parsed::NotIp { .. }) => return PASS,
@@ -979,75 +999,6 @@ fn world_expect(w: &World, frame: &[u8]) -> XdpAction {
     {
         return PASS;
     }
-    let addr = |w: [u32; 4]| -> IpAddr {
-        let a = ordnet_datapath::common::addr_bytes(w);
-        if p.ip_version == 4 {
-            IpAddr::from([a[0], a[1], a[2], a[3]])
-        } else {
-            IpAddr::from(a)
-        }
-    };
-    let (src, dst) = (addr(p.src), addr(p.dst));
-    let (ls, ld) = (local_states(w, src), local_states(w, dst));
-    if ls.is_none() && ld.is_none() {
-        return PASS;
-    }
-    let host = |a: IpAddr| a == ip(HOST4) || a == ip(HOST6);
-    if host(src) || host(dst) {
-        return PASS;
-    }
-    if let (Some(s), Some(d)) = (ls, ld)
-        && std::ptr::eq(s, d)
-    {
-        return PASS;
-    }
-    if let Some(s) = ls
-        && s[1]
-            .lookup(world_identity(dst), p.protocol, p.dport)
-            .verdict()
-            == Verdict::Deny
-    {
-        return DROP;
-    }
-    if let Some(d) = ld
-        && d[0]
-            .lookup(world_identity(src), p.protocol, p.dport)
-            .verdict()
-            == Verdict::Deny
-    {
-        return DROP;
-    }
-    PASS
-}
-
-/// Interface indexes of the TC differential test: A's and B's host-side interfaces (in the
-/// interface map) and an uplink (not in it).
-const IF_A: u32 = 11;
-const IF_B: u32 = 12;
-const IF_UPLINK: u32 = 13;
-
-/// The TC hook's verdict for a frame that came in on `ifindex`, derived from the MapStates
-/// independently of the datapath (docs/datapath.md §14): like [`world_expect`], except that a
-/// packet whose source is not a local endpoint but that came in on A's or B's interface is that
-/// endpoint's, and a node source address (rewritten: the node's own packets never reach the
-/// hook) is not exempt but judged with the identity the world gives it.
-fn world_expect_tc(w: &World, frame: &[u8], ifindex: u32) -> XdpAction {
-    let p = match parse(frame) {
-        Err(_) => return DROP,
-        Ok(Parsed::NotIp { .. }) => return PASS,
-        Ok(Parsed::Ip(p)) => p,
-    };
-    if p.fragment == ordnet_datapath::common::Fragment::Subsequent {
-        return PASS;
-    }
-    if p.ip_version == 6
-        && p.protocol == 58
-        && p.fragment == ordnet_datapath::common::Fragment::No
-        && p.hop_limit == 255
-        && (133..=137).contains(&p.icmp6_type)
-    {
-        return PASS;
-    }
     let addr = |a: [u32; 4]| -> IpAddr {
         let a = ordnet_datapath::common::addr_bytes(a);
         if p.ip_version == 4 {
@@ -1057,7 +1008,9 @@ fn world_expect_tc(w: &World, frame: &[u8], ifindex: u32) -> XdpAction {
         }
     };
     let (mut src, dst) = (addr(p.src), addr(p.dst));
-    if local_states(w, src).is_none() {
+    if let Some(ifindex) = tc
+        && local_states(w, src).is_none()
+    {
         let v6 = p.ip_version == 6;
         match ifindex {
             IF_A => src = ip(if v6 { A6 } else { A4 }),
@@ -1069,7 +1022,8 @@ fn world_expect_tc(w: &World, frame: &[u8], ifindex: u32) -> XdpAction {
     if ls.is_none() && ld.is_none() {
         return PASS;
     }
-    if dst == ip(HOST4) || dst == ip(HOST6) {
+    let host = |a: IpAddr| a == ip(HOST4) || a == ip(HOST6);
+    if (tc.is_none() && host(src)) || host(dst) {
         return PASS;
     }
     if let (Some(s), Some(d)) = (ls, ld)

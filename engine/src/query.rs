@@ -16,6 +16,7 @@ use serde::ser::SerializeStruct;
 use crate::build::{Endpoint, EndpointPolicy, Engine, IpFamily};
 use crate::identity::{IdentityInfo, Signature, longest_prefix};
 use crate::model::{EngineError, PeerSpec, Policy, PolicyRef};
+use crate::services::ServiceDestination;
 use crate::store::{PodKey, pod_key_text};
 
 /// One end of a flow.
@@ -580,40 +581,26 @@ pub fn matrix(
     externals: &[IpAddr],
     family: IpFamily,
 ) -> Matrix {
-    let mut ends: Vec<(String, FlowEnd, bool)> = Vec::new();
-    for ep in engine.endpoints() {
-        if ep.address(family).is_some() {
-            ends.push((
-                ep.id(),
-                FlowEnd::Pod {
-                    namespace: ep.namespace.clone(),
-                    name: ep.name.clone(),
-                },
-                true,
-            ));
-        }
-    }
-    for ip in externals {
-        ends.push((ip.to_string(), FlowEnd::Ip(*ip), false));
-    }
-    let services = engine.service_destinations(proto, port, family);
-    let mut results = Vec::new();
-    for (from_name, from, from_pod) in &ends {
-        for (to_name, to, to_pod) in &ends {
-            if !from_pod && !to_pod {
-                continue;
-            }
-            let t = engine.flow(from, to, family, proto, port);
-            results.push(MatrixResult {
-                from: from_name.clone(),
-                to: to_name.clone(),
-                verdict: t.verdict.into(),
-                backends: Vec::new(),
-            });
-        }
-        for svc in &services {
-            let backends: Vec<BackendVerdict> = svc
-                .backends
+    let flow_end = |e: &MatrixEnd| match &e.pod {
+        Some((namespace, name)) => FlowEnd::Pod {
+            namespace: namespace.clone(),
+            name: name.clone(),
+        },
+        None => FlowEnd::Ip(e.addr),
+    };
+    matrix_by(
+        engine,
+        proto,
+        port,
+        externals,
+        family,
+        |from, to| {
+            engine
+                .flow(&flow_end(from), &flow_end(to), family, proto, port)
+                .verdict
+        },
+        |from, svc| {
+            svc.backends
                 .iter()
                 .map(|(pod, _, bport)| {
                     let (ns, name) = pod.split_once('/').unwrap_or(("", pod));
@@ -621,14 +608,87 @@ pub fn matrix(
                         namespace: ns.to_string(),
                         name: name.to_string(),
                     };
-                    BackendVerdict {
-                        to: pod.clone(),
-                        verdict: engine.flow(from, &to, family, proto, *bport).verdict,
-                    }
+                    engine
+                        .flow(&flow_end(from), &to, family, proto, *bport)
+                        .verdict
+                })
+                .collect()
+        },
+    )
+}
+
+/// One end of a matrix: a pod (`(namespace, name)`) at its address of the family, or an
+/// external address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MatrixEnd {
+    /// `namespace/name`, or the address.
+    pub name: String,
+    /// The pod, `None` for an external address.
+    pub pod: Option<(String, String)>,
+    /// The address probed.
+    pub addr: IpAddr,
+}
+
+/// The matrix of `engine`'s endpoints and the external addresses of `family` (and the Services
+/// as destinations), with the verdict of a pair from `pair` and those of a Service's backends
+/// (in the order of [`ServiceDestination::backends`]) from `service`: [`matrix`] decides by
+/// MapState lookups, `ordnet::offline::matrix` by the datapath's decision function.
+pub fn matrix_by(
+    engine: &Engine,
+    proto: Protocol,
+    port: u16,
+    externals: &[IpAddr],
+    family: IpFamily,
+    mut pair: impl FnMut(&MatrixEnd, &MatrixEnd) -> Verdict,
+    mut service: impl FnMut(&MatrixEnd, &ServiceDestination) -> Vec<Verdict>,
+) -> Matrix {
+    let mut ends: Vec<MatrixEnd> = engine
+        .endpoints()
+        .iter()
+        .filter_map(|ep| {
+            ep.address(family).map(|addr| MatrixEnd {
+                name: ep.id(),
+                pod: Some((ep.namespace.clone(), ep.name.clone())),
+                addr,
+            })
+        })
+        .collect();
+    ends.extend(
+        externals
+            .iter()
+            .filter(|ip| family.contains(**ip))
+            .map(|ip| MatrixEnd {
+                name: ip.to_string(),
+                pod: None,
+                addr: *ip,
+            }),
+    );
+    let services = engine.service_destinations(proto, port, family);
+    let mut results = Vec::new();
+    for from in &ends {
+        for to in &ends {
+            if from.pod.is_none() && to.pod.is_none() {
+                continue;
+            }
+            results.push(MatrixResult {
+                from: from.name.clone(),
+                to: to.name.clone(),
+                verdict: pair(from, to).into(),
+                backends: Vec::new(),
+            });
+        }
+        for svc in &services {
+            let backends: Vec<BackendVerdict> = svc
+                .backends
+                .iter()
+                .zip(service(from, svc))
+                .map(|((pod, _, _), verdict)| BackendVerdict {
+                    to: pod.clone(),
+                    verdict,
                 })
                 .collect();
             results.push(MatrixResult {
-                from: from_name.clone(),
+                from: from.name.clone(),
                 to: svc.name.clone(),
                 verdict: MatrixVerdict::of(backends.iter().map(|b| b.verdict)),
                 backends,
@@ -638,7 +698,7 @@ pub fn matrix(
     Matrix {
         protocol: proto,
         port,
-        endpoints: ends.into_iter().map(|(n, _, _)| n).collect(),
+        endpoints: ends.into_iter().map(|e| e.name).collect(),
         services: services.into_iter().map(|s| s.name).collect(),
         results,
     }

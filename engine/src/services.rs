@@ -67,6 +67,16 @@ pub struct ServiceRec {
     pub external_local: bool,
 }
 
+impl ServiceRec {
+    /// The ClusterIP of `family`, if the Service has one.
+    pub fn cluster_ip(&self, family: crate::build::IpFamily) -> Option<IpAddr> {
+        self.cluster_ips
+            .iter()
+            .copied()
+            .find(|ip| family.contains(*ip))
+    }
+}
+
 /// One backend of a Service port.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Backend {
@@ -295,12 +305,7 @@ impl Engine {
     ) -> Vec<ServiceDestination> {
         let mut out = Vec::new();
         for ((ns, name), svc) in &self.store.services {
-            let Some(frontend) = svc
-                .cluster_ips
-                .iter()
-                .copied()
-                .find(|ip| family.contains(*ip))
-            else {
+            let Some(frontend) = svc.cluster_ip(family) else {
                 continue;
             };
             let Some(backends) = self.service_backends(ns, name, protocol, port) else {

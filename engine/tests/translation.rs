@@ -432,7 +432,7 @@ fn terminated_pods_are_not_endpoints() {
         )
     };
     let upsert = |yaml: &str| -> ObjectChange {
-        ObjectChange::Upsert(Object::Pod(serde_yaml::from_str(yaml).expect("pod")))
+        ObjectChange::Upsert(Object::Pod(yaml_serde::from_str(yaml).expect("pod")))
     };
     let host = |s: &str| -> ipnet::IpNet { s.parse::<IpAddr>().unwrap().into() };
     let cached = |e: &Engine, s: &str| {

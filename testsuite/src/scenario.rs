@@ -42,7 +42,7 @@ pub struct Scenario {
     #[serde(default)]
     pub family: Option<u8>,
     /// The Kubernetes objects, as applied (Namespaces, Pods, Services, policies).
-    pub objects: Vec<serde_yaml::Value>,
+    pub objects: Vec<yaml_serde::Value>,
     /// Extra endpoints: addresses outside the cluster (passed as `--external`).
     #[serde(default)]
     pub externals: Vec<IpAddr>,
@@ -71,7 +71,7 @@ impl Scenario {
     /// Reads and parses one scenario file (unknown fields are errors).
     pub fn load(path: &Path) -> Result<Scenario, String> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        serde_yaml::from_str(&text)
+        yaml_serde::from_str(&text)
             .map_err(|e| format!("{}: unreadable scenario: {e}", path.display()))
     }
 
@@ -79,7 +79,7 @@ impl Scenario {
     pub fn manifest(&self) -> String {
         self.objects
             .iter()
-            .map(|o| format!("---\n{}", serde_yaml::to_string(o).expect("YAML")))
+            .map(|o| format!("---\n{}", yaml_serde::to_string(o).expect("YAML")))
             .collect()
     }
 

@@ -163,7 +163,7 @@ fn incremental_engine_equals_reference() {
 #[derive(serde::Deserialize)]
 struct Scenario {
     name: String,
-    objects: Vec<serde_yaml::Value>,
+    objects: Vec<yaml_serde::Value>,
     #[serde(default)]
     externals: Vec<IpAddr>,
     expect: Vec<Probe>,
@@ -192,11 +192,11 @@ fn reference_matches_conformance_expectations() {
     let mut checked = 0;
     for path in &files {
         let sc: Scenario =
-            serde_yaml::from_str(&std::fs::read_to_string(path).unwrap()).expect("scenario");
+            yaml_serde::from_str(&std::fs::read_to_string(path).unwrap()).expect("scenario");
         let stream: String = sc
             .objects
             .iter()
-            .map(|o| format!("---\n{}", serde_yaml::to_string(o).unwrap()))
+            .map(|o| format!("---\n{}", yaml_serde::to_string(o).unwrap()))
             .collect();
         let outcome = ordnet_crds::validated(ordnet_crds::load_str(path, &stream));
         assert!(!outcome.has_errors(), "{}", sc.name);

@@ -260,12 +260,7 @@ fn kube_proxy_ports(engine: &Engine) -> Vec<kubeproxy::ServicePort> {
     let mut out = Vec::new();
     for ((ns, name), svc) in engine.services() {
         for family in [IpFamily::V4, IpFamily::V6] {
-            let Some(cluster_ip) = svc
-                .cluster_ips
-                .iter()
-                .copied()
-                .find(|ip| family.contains(*ip))
-            else {
+            let Some(cluster_ip) = svc.cluster_ip(family) else {
                 continue;
             };
             for sp in &svc.ports {

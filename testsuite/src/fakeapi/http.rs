@@ -115,7 +115,7 @@ pub(crate) async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Respons
     };
     let parse_body = || -> Result<Value, ApiError> {
         serde_json::from_slice::<Value>(&body)
-            .or_else(|_| serde_yaml::from_slice::<Value>(&body))
+            .or_else(|_| yaml_serde::from_slice::<Value>(&body))
             .map_err(|e| err(400, "BadRequest", format!("invalid body: {e}")))
     };
     let def = RESOURCES[target.resource];
