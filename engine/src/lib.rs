@@ -46,8 +46,8 @@ pub use model::{
 };
 pub use objects::{Object, ObjectChange, ObjectKind};
 pub use query::{
-    BackendVerdict, FlowEnd, FlowTrace, Matrix, MatrixEnd, MatrixResult, MatrixVerdict, ResolveError,
-    SideDecision, SideTrace, matrix, matrix_by,
+    BackendVerdict, FlowEnd, FlowTrace, Matrix, MatrixEnd, MatrixResult, MatrixVerdict,
+    ResolveError, SideDecision, SideTrace, matrix, matrix_by,
 };
 pub use services::{Backend, ServiceDestination, ServicePort, ServiceRec, TargetPort};
 pub use shadow::ShadowedRule;
