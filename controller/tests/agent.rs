@@ -811,7 +811,7 @@ async fn nothing_is_programmed_before_every_initial_list() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_scenarios_converge() {
-    let files = scenario::files(&scenario::data_dir("conformance"));
+    let files = scenario::conformance_files();
     assert!(files.len() > 50);
     for f in files {
         let sc = Scenario::load(&f).unwrap_or_else(|e| panic!("{e}"));
@@ -883,7 +883,7 @@ async fn repeated_rule_the_first_wins_and_the_repeat_is_reported_shadowed() {
         ),
     ];
     for (name, (kind, ns, policy), first) in cases {
-        let sc = Scenario::load(&scenario::path("conformance", name)).unwrap();
+        let sc = Scenario::load(&scenario::find(name)).unwrap();
         let api = FakeApi::start().await.unwrap();
         load_scenario(&api, &sc);
         let h = start_agent(&api).await;
@@ -920,16 +920,11 @@ async fn repeated_rule_the_first_wins_and_the_repeat_is_reported_shadowed() {
 /// (Service columns included) equals the scenario.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn services_follow_their_backends() {
-    let initial = Scenario::load(&scenario::path(
-        "conformance",
+    let initial = Scenario::load(&scenario::find(
         "svc-05i-service-backend-set-changes-initial",
     ))
     .unwrap();
-    let fin = Scenario::load(&scenario::path(
-        "conformance",
-        "svc-05-service-backend-set-changes",
-    ))
-    .unwrap();
+    let fin = Scenario::load(&scenario::find("svc-05-service-backend-set-changes")).unwrap();
     let api = FakeApi::start().await.unwrap();
     load_scenario(&api, &initial);
     let h = start_agent(&api).await;

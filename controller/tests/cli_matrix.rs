@@ -74,14 +74,20 @@ fn results(out: &serde_json::Value) -> Vec<(String, String, String)> {
 
 // ----- matrix -o json against conformance scenarios ------------------------------------------
 
-/// Writes the scenario's objects to a manifest file; returns (file, scenario).
+/// Writes a conformance scenario's objects (ours included) to a manifest file; returns (file,
+/// scenario).
 fn scenario(name: &str, dir: &Path) -> (PathBuf, Scenario) {
-    scenario_in("conformance", name, dir)
+    manifest_of(&scenario::find(name), dir)
 }
 
 /// [`scenario`] for a scenario of `testsuite/data/<sub>`.
 fn scenario_in(sub: &str, name: &str, dir: &Path) -> (PathBuf, Scenario) {
-    let sc = Scenario::load(&scenario::path(sub, name)).unwrap_or_else(|e| panic!("{e}"));
+    manifest_of(&scenario::path(sub, name), dir)
+}
+
+fn manifest_of(path: &Path, dir: &Path) -> (PathBuf, Scenario) {
+    let sc = Scenario::load(path).unwrap_or_else(|e| panic!("{e}"));
+    let name = &sc.name;
     let file = dir.join(format!("{name}.yaml"));
     std::fs::write(&file, sc.manifest()).unwrap();
     (file, sc)

@@ -322,12 +322,10 @@ fn missing_path_exits_1_and_usage_errors_exit_2() {
 fn every_conformance_scenario_validates_clean() {
     // The repository's copy of the scenarios (testsuite keeps it in sync with the shared
     // original when that exists; a fresh clone has only the copy).
-    let dir = ordnet_testsuite::scenario::data_dir("conformance");
-    let scenarios = ordnet_testsuite::scenario::files(&dir);
+    let scenarios = ordnet_testsuite::scenario::conformance_files();
     assert!(
-        scenarios.len() >= 60,
-        "expected the conformance scenarios in {}",
-        dir.display()
+        scenarios.len() >= 70,
+        "expected the conformance scenarios and our own"
     );
     let out_dir = scratch("conformance");
     let mut failures = Vec::new();

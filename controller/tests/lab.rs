@@ -263,7 +263,7 @@ fn conformance_scenarios_observed_as_expected() {
 fn services_observed_through_kube_proxy_dnat() {
     let Some(_guard) = lab_guard() else { return };
     let before = links();
-    let c = "conformance";
+    let c = "scenarios";
     check(c, "svc-01-ingress-isolation-through-service", &[]);
     check(c, "svc-02-egress-allowed-to-pods-and-their-service", &[]);
     check(c, "svc-03-named-target-port", &[]);

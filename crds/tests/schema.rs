@@ -303,7 +303,11 @@ fn ordnet_errors(object: &Value) -> Vec<String> {
 /// Every ordered policy object of the repository.
 fn repository_policies() -> Vec<Value> {
     let mut files = Vec::new();
-    for dir in ["testsuite/data/conformance", "examples"] {
+    for dir in [
+        "testsuite/data/conformance",
+        "testsuite/data/scenarios",
+        "examples",
+    ] {
         let mut stack = vec![repo().join(dir)];
         while let Some(d) = stack.pop() {
             for e in std::fs::read_dir(&d).unwrap() {

@@ -1,13 +1,17 @@
-//! The scenario files of `data/conformance/` (a copy of the shared `conformance/` directory)
-//! and `data/lab/`: their objects, external addresses, expected matrices and endpoints. The
-//! one reader of that format for every test that uses the scenarios.
+//! The scenario files of `data/conformance/` (a copy of the shared `conformance/` directory),
+//! `data/scenarios/` (our own, same format) and `data/lab/`: their objects, external addresses,
+//! expected matrices and endpoints. The one reader of that format for every test that uses the
+//! scenarios.
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-/// `data/<sub>` of this crate (`conformance` or `lab`).
+/// The directories whose scenarios every conformance test runs: the shared copy and our own.
+pub const CONFORMANCE_DIRS: [&str; 2] = ["conformance", "scenarios"];
+
+/// `data/<sub>` of this crate (`conformance`, `scenarios`, `lab` or `invalid`).
 pub fn data_dir(sub: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("data").join(sub)
 }
@@ -26,6 +30,24 @@ pub fn files(dir: &Path) -> Vec<PathBuf> {
         .collect();
     out.sort();
     out
+}
+
+/// The scenario named `name` in the first of [`CONFORMANCE_DIRS`] that has it (the path in
+/// `data/conformance` when neither has it, so the error names the usual place).
+pub fn find(name: &str) -> PathBuf {
+    CONFORMANCE_DIRS
+        .iter()
+        .map(|d| path(d, name))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| path(CONFORMANCE_DIRS[0], name))
+}
+
+/// Every scenario of [`CONFORMANCE_DIRS`], sorted by directory, then name.
+pub fn conformance_files() -> Vec<PathBuf> {
+    CONFORMANCE_DIRS
+        .iter()
+        .flat_map(|d| files(&data_dir(d)))
+        .collect()
 }
 
 /// One scenario file (format: `data/conformance/README.md`).

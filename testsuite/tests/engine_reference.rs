@@ -11,7 +11,6 @@ mod cluster_gen;
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::path::{Path, PathBuf};
 
 use cluster_gen::{EXTERNALS, PROBE_PORTS, Rng, World, random_change};
 use ordnet_engine::{Engine, FlowEnd, IpFamily, matrix};
@@ -180,14 +179,8 @@ struct Probe {
 
 #[test]
 fn reference_matches_conformance_expectations() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/conformance");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .expect("data/conformance")
-        .map(|e| e.expect("entry").path())
-        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
-        .collect();
-    files.sort();
-    assert!(files.len() >= 60);
+    let files = ordnet_testsuite::scenario::conformance_files();
+    assert!(files.len() >= 70);
     let mut wrong = Vec::new();
     let mut checked = 0;
     for path in &files {
