@@ -18,7 +18,10 @@ use ordnet_datapath_common::{
 use ordnet_mapstate::{ChangeSet, Direction, MapState, Verdict};
 
 use crate::{
-    flat::{ContentDiff, FlattenError, RuleSetContent, flatten, meet, same_verdicts, verdict_code},
+    flat::{
+        ContentDiff, FlattenError, RuleSetContent, flatten, meet, meet_steps, same_verdicts,
+        verdict_code,
+    },
     store::{Store, StoreError, WriteStats},
     tables::{TableWriter, Write, WriteError},
 };
@@ -788,24 +791,56 @@ impl Control {
             self.apply_items(w, items, &mut stats)?;
             return Ok(stats);
         }
+        /// The second step of an item: to the final content, or by a diff from the meet.
+        enum Final {
+            Content(RuleSetContent),
+            Diff(ContentDiff),
+        }
         let empty = RuleSetContent::default();
         let mut finals = Vec::with_capacity(items.len());
         let mut meets = Vec::with_capacity(items.len());
-        for (id, dir, old, diff, default) in items {
+        // Endpoints that share a rule set and get the same change set (the engine gives every
+        // user of a shared MapState the same one) share the steps.
+        let mut memo: HashMap<(u32, u8, usize), (ContentDiff, ContentDiff)> = HashMap::new();
+        for (i, (id, dir, old, diff, default)) in items.into_iter().enumerate() {
             let current = self.store.content(old.ruleset).unwrap_or(&empty);
+            if old.default == default {
+                // Only identity keys change: the steps cost the size of the change.
+                let key = (
+                    old.ruleset,
+                    default,
+                    std::ptr::from_ref(batch[i].2) as usize,
+                );
+                let steps = match memo.get(&key) {
+                    Some(steps) => Some(steps.clone()),
+                    None => meet_steps(current, default, &diff),
+                };
+                if let Some((to_meet, to_after)) = steps {
+                    memo.insert(key, (to_meet.clone(), to_after.clone()));
+                    meets.push((id, dir, old, to_meet, default));
+                    finals.push((id, dir, Final::Diff(to_after), default));
+                    continue;
+                }
+            }
             let mut after = current.clone();
             after.apply(&diff);
             let (m, m_default) = meet_side((current, old.default), (&after, default));
             meets.push((id, dir, old, ContentDiff::between(current, &m), m_default));
-            finals.push((id, dir, after, default));
+            finals.push((id, dir, Final::Content(after), default));
         }
         self.apply_items(w, meets, &mut stats)?;
         let items = finals
             .into_iter()
             .map(|(id, dir, after, default)| {
                 let now = self.endpoints[&id].policy(dir);
-                let current = self.store.content(now.ruleset).unwrap_or(&empty);
-                (id, dir, now, ContentDiff::between(current, &after), default)
+                let diff = match after {
+                    Final::Diff(d) => d,
+                    Final::Content(after) => {
+                        let current = self.store.content(now.ruleset).unwrap_or(&empty);
+                        ContentDiff::between(current, &after)
+                    }
+                };
+                (id, dir, now, diff, default)
             })
             .collect();
         self.apply_items(w, items, &mut stats)?;

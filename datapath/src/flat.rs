@@ -314,13 +314,6 @@ fn refinement(
 /// meet first and `b` after never lets a packet pass that neither `a` nor `b` lets pass,
 /// whatever order the datapath sees the endpoints' writes in (`docs/datapath.md` §6).
 pub fn meet(a: (&RuleSetContent, u8), b: (&RuleSetContent, u8)) -> (RuleSetContent, u8) {
-    let and = |x: u8, y: u8| {
-        if x == V_ALLOW && y == V_ALLOW {
-            V_ALLOW
-        } else {
-            V_DENY
-        }
-    };
     let ((ra, da), (rb, db)) = (a, b);
     let (wildcard, by_identity) = refinement(ra, rb);
     let mut out = RuleSetContent::default();
@@ -340,6 +333,114 @@ pub fn meet(a: (&RuleSetContent, u8), b: (&RuleSetContent, u8)) -> (RuleSetConte
         }
     }
     (out, and(da, db))
+}
+
+/// `V_ALLOW` only when both are.
+fn and(x: u8, y: u8) -> u8 {
+    if x == V_ALLOW && y == V_ALLOW {
+        V_ALLOW
+    } else {
+        V_DENY
+    }
+}
+
+/// The verdict of an identity whose keys are `own` (prefix → verdict), over the `*` keys
+/// `wildcard` and the default: [`RuleSetContent::verdict_at`] for one identity.
+fn verdict_of(own: &BTreeMap<u32, u8>, wildcard: &BTreeMap<u32, u8>, default: u8, p: u32) -> u8 {
+    ancestors(p)
+        .find_map(|a| own.get(&a).copied())
+        .or_else(|| ancestors(p).find_map(|a| wildcard.get(&a).copied()))
+        .unwrap_or(default)
+}
+
+/// Appends to `d` what turns identity `id`'s keys `from` into `to`.
+fn push_identity_diff(
+    d: &mut ContentDiff,
+    id: u32,
+    from: &BTreeMap<u32, u8>,
+    to: &BTreeMap<u32, u8>,
+) {
+    for (&p, &v) in to {
+        if from.get(&p) != Some(&v) {
+            d.specific_upserts.push(((id, p), v));
+        }
+    }
+    for (&p, &v) in from {
+        if !to.contains_key(&p) {
+            d.specific_removes.push(((id, p), v));
+        }
+    }
+}
+
+/// The two steps of a change of identity keys only (the `*` keys and the default stay) when
+/// both sides of some flow change: `(current → meet, meet → after)`, where per identity that
+/// the change touches the meet is [`meet`] restricted to that identity (or its new keys, or
+/// its old ones, when the meet decides like them, as in the whole-set choice of the control
+/// plane). Identities the change does not touch keep their keys and so their verdicts, and
+/// one identity's keys never decide another identity's packets: the per-identity meet gives
+/// every packet the verdict the whole-set meet gives it, at a cost in the size of the change
+/// instead of the size of the rule set. `None` when the change touches a `*` key.
+pub fn meet_steps(
+    current: &RuleSetContent,
+    default: u8,
+    diff: &ContentDiff,
+) -> Option<(ContentDiff, ContentDiff)> {
+    if !diff.wildcard_upserts.is_empty() || !diff.wildcard_removes.is_empty() {
+        return None;
+    }
+    let mut ids: Vec<u32> = diff
+        .specific_upserts
+        .iter()
+        .chain(&diff.specific_removes)
+        .map(|((id, _), _)| *id)
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let (mut to_meet, mut to_after) = (ContentDiff::default(), ContentDiff::default());
+    let w = &current.wildcard;
+    for id in ids {
+        let old: BTreeMap<u32, u8> = current
+            .specific
+            .range((id, 0)..=(id, u32::MAX))
+            .map(|(&(_, p), &v)| (p, v))
+            .collect();
+        let mut new = old.clone();
+        for ((_, p), _) in diff.specific_removes.iter().filter(|((i, _), _)| *i == id) {
+            new.remove(p);
+        }
+        for ((_, p), v) in diff.specific_upserts.iter().filter(|((i, _), _)| *i == id) {
+            new.insert(*p, *v);
+        }
+        // The refinement of this identity (see `refinement`).
+        let mut at: std::collections::BTreeSet<u32> =
+            old.keys().chain(new.keys()).copied().collect();
+        let covered: Vec<u32> = w
+            .keys()
+            .filter(|p| ancestors(**p).any(|a| at.contains(&a)))
+            .copied()
+            .collect();
+        at.extend(covered);
+        let both: Vec<(u32, u8, u8)> = at
+            .iter()
+            .map(|&p| {
+                (
+                    p,
+                    verdict_of(&old, w, default, p),
+                    verdict_of(&new, w, default, p),
+                )
+            })
+            .collect();
+        let meet = if both.iter().all(|&(_, a, b)| and(a, b) == b) {
+            new.clone()
+        } else if both.iter().all(|&(_, a, b)| and(a, b) == a) {
+            old.clone()
+        } else {
+            both.iter().map(|&(p, a, b)| (p, and(a, b))).collect()
+        };
+        push_identity_diff(&mut to_meet, id, &old, &meet);
+        push_identity_diff(&mut to_after, id, &meet, &new);
+    }
+    Some((to_meet, to_after))
 }
 
 /// Whether two rule sets (with their defaults) give every packet the same verdict, whatever
@@ -628,6 +729,74 @@ impl PolicyMaps for FlatRuleSet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A small random prefix: TCP or UDP, ports 80..88, a few lengths (nested blocks).
+    fn small_prefix(g: &mut quickcheck::Gen) -> u32 {
+        let proto = *g.choose(&[6u8, 17]).unwrap();
+        let port = 80 + u16::arbitrary(g) % 8;
+        let len = *g.choose(&[0u32, 8, 21, 22, 23, 24]).unwrap();
+        if len == 0 {
+            0
+        } else {
+            prefix_bits(proto, port, len)
+        }
+    }
+
+    fn verdict(g: &mut quickcheck::Gen) -> u8 {
+        *g.choose(&[V_ALLOW, V_DENY]).unwrap()
+    }
+
+    use quickcheck::Arbitrary;
+
+    /// The two steps of a change of identity keys give every packet of every identity the
+    /// conjunction of its old and new verdicts in between, and the new rule set at the end.
+    #[test]
+    fn meet_steps_is_the_meet_per_packet() {
+        fn prop(seed: u64) -> bool {
+            let mut g = quickcheck::Gen::new(8 + (seed % 8) as usize);
+            let mut a = RuleSetContent::default();
+            for _ in 0..u8::arbitrary(&mut g) % 12 {
+                let id = 1 + u32::arbitrary(&mut g) % 4;
+                a.specific
+                    .insert((id, small_prefix(&mut g)), verdict(&mut g));
+            }
+            for _ in 0..u8::arbitrary(&mut g) % 4 {
+                a.wildcard.insert(small_prefix(&mut g), verdict(&mut g));
+            }
+            let default = verdict(&mut g);
+            let mut b = a.clone();
+            for _ in 0..u8::arbitrary(&mut g) % 6 {
+                let k = (1 + u32::arbitrary(&mut g) % 4, small_prefix(&mut g));
+                if bool::arbitrary(&mut g) {
+                    b.specific.insert(k, verdict(&mut g));
+                } else {
+                    b.specific.remove(&k);
+                }
+            }
+            let diff = ContentDiff::between(&a, &b);
+            let (to_meet, to_after) = meet_steps(&a, default, &diff).expect("identity keys only");
+            let mut m = a.clone();
+            m.apply(&to_meet);
+            let mut end = m.clone();
+            end.apply(&to_after);
+            if end != b {
+                return false;
+            }
+            (0..=5).all(|id| {
+                [6u8, 17, 1].iter().all(|&proto| {
+                    (78..90).all(|port| {
+                        let p = prefix_bits(proto, port, 24);
+                        let id = (id > 0).then_some(id);
+                        m.verdict_at(default, id, p)
+                            == and(a.verdict_at(default, id, p), b.verdict_at(default, id, p))
+                    })
+                })
+            })
+        }
+        quickcheck::QuickCheck::new()
+            .tests(2000)
+            .quickcheck(prop as fn(u64) -> bool);
+    }
 
     #[test]
     fn affected_cells_of_each_length() {
