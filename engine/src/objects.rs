@@ -2,7 +2,9 @@
 //! a kind touches this file (and the engine stage that reads it) only: the agent watches
 //! [`ObjectKind::ALL`] and names objects through these methods.
 
-use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
+use k8s_openapi::api::core::v1::{
+    Container, Namespace, Pod, PodCondition, PodSpec, PodStatus, Service,
+};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use ordnet_crds::{ClusterOrderedNetworkPolicy, OrderedNetworkPolicy};
@@ -32,7 +34,100 @@ pub enum Object {
     ClusterOrderedNetworkPolicy(ClusterOrderedNetworkPolicy),
 }
 
+/// The metadata the engine, the validation and the status writer read: name, namespace,
+/// labels, uid, resourceVersion, generation. (Not annotations: `kubectl apply` keeps a whole
+/// copy of the object in one; not managedFields: often larger than the object.)
+fn slim_meta(m: ObjectMeta) -> ObjectMeta {
+    ObjectMeta {
+        name: m.name,
+        namespace: m.namespace,
+        labels: m.labels,
+        uid: m.uid,
+        resource_version: m.resource_version,
+        generation: m.generation,
+        ..ObjectMeta::default()
+    }
+}
+
+/// A container as the engine reads it: its name and ports.
+fn slim_container(c: Container) -> Container {
+    Container {
+        name: c.name,
+        ports: c.ports,
+        ..Container::default()
+    }
+}
+
+/// A pod as the engine reads it ([`crate::store`]'s `read_pod` and the validation): labels,
+/// container ports, node, host network, phase, addresses and the Ready condition.
+fn slim_pod(pod: Pod) -> Pod {
+    Pod {
+        metadata: slim_meta(pod.metadata),
+        spec: pod.spec.map(|s| PodSpec {
+            containers: s.containers.into_iter().map(slim_container).collect(),
+            init_containers: s
+                .init_containers
+                .map(|v| v.into_iter().map(slim_container).collect()),
+            node_name: s.node_name,
+            host_network: s.host_network,
+            ..PodSpec::default()
+        }),
+        status: pod.status.map(|s| PodStatus {
+            phase: s.phase,
+            pod_ip: s.pod_ip,
+            pod_ips: s.pod_ips,
+            conditions: s.conditions.map(|cs| {
+                cs.into_iter()
+                    .filter(|c| c.type_ == "Ready")
+                    .map(|c| PodCondition {
+                        type_: c.type_,
+                        status: c.status,
+                        ..PodCondition::default()
+                    })
+                    .collect()
+            }),
+            ..PodStatus::default()
+        }),
+    }
+}
+
 impl Object {
+    /// The object reduced to what the engine, the validation and the status writer read, so
+    /// that what a watcher keeps until the engine has it is small: a pod as its labels, ports,
+    /// node, phase, addresses and readiness (a real pod object is 4-10 KiB of JSON, mostly
+    /// managedFields, volumes and container details); for every kind, no annotations and no
+    /// managedFields. Verdicts are unchanged: nothing dropped is read.
+    pub fn slimmed(self) -> Object {
+        match self {
+            Object::Pod(p) => Object::Pod(slim_pod(p)),
+            Object::Namespace(mut x) => {
+                x.metadata = slim_meta(x.metadata);
+                x.spec = None;
+                x.status = None;
+                Object::Namespace(x)
+            }
+            Object::Service(mut x) => {
+                x.metadata = slim_meta(x.metadata);
+                x.status = None;
+                Object::Service(x)
+            }
+            Object::NetworkPolicy(mut x) => {
+                x.metadata = slim_meta(x.metadata);
+                Object::NetworkPolicy(x)
+            }
+            // The status stays: the status writer compares with it.
+            Object::OrderedNetworkPolicy(mut x) => {
+                x.metadata = slim_meta(x.metadata);
+                Object::OrderedNetworkPolicy(x)
+            }
+            // The status stays: the status writer compares with it.
+            Object::ClusterOrderedNetworkPolicy(mut x) => {
+                x.metadata = slim_meta(x.metadata);
+                Object::ClusterOrderedNetworkPolicy(x)
+            }
+        }
+    }
+
     /// The object's kind.
     pub fn kind(&self) -> ObjectKind {
         match self {

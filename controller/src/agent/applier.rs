@@ -1,7 +1,11 @@
 //! The apply loop: the view of every object the agent was told about, the initial sync gate,
 //! burst coalescing, and incremental application to the engine and the datapath.
+//!
+//! The view keeps only each object's resourceVersion and what the engine does with it; the
+//! object itself waits in `pending` until it is applied and is then moved into the engine,
+//! which keeps what it reads of it (so the cluster is never held twice).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -22,11 +26,10 @@ fn object_key(o: &Object) -> ObjKey {
     (o.kind(), ns, name)
 }
 
-/// One object the agent was told about.
+/// One object the agent was told about (the object itself is in the engine, or pending).
 #[derive(Debug, Clone)]
 struct ViewEntry {
     resource_version: Option<String>,
-    object: Object,
     /// What the engine does with it (everything but [`Enforcement::None`] is in the engine
     /// once synced).
     enforcement: Enforcement,
@@ -90,6 +93,9 @@ pub(crate) struct Applier {
     /// Keys touched since the last apply: their current view entry (or absence) is what the
     /// engine must get.
     dirty: BTreeSet<ObjKey>,
+    /// The latest object of every dirty key that is in the view (moved into the engine when
+    /// applied).
+    pending: HashMap<ObjKey, Object>,
     /// Keys the engine has (valid objects applied).
     in_engine: BTreeSet<ObjKey>,
     /// The wanted status of every ordered policy (for the status writer).
@@ -114,6 +120,7 @@ impl Applier {
             synced: [false; ObjectKind::ALL.len()],
             relist: Default::default(),
             dirty: BTreeSet::new(),
+            pending: HashMap::new(),
             in_engine: BTreeSet::new(),
             wanted,
             events,
@@ -303,16 +310,17 @@ impl Applier {
             key.clone(),
             ViewEntry {
                 resource_version: rv,
-                object,
                 enforcement,
             },
         );
+        self.pending.insert(key.clone(), object);
         self.dirty.insert(key);
     }
 
     fn remove(&mut self, key: ObjKey) {
         if self.view.remove(&key).is_some() {
             self.seq += 1;
+            self.pending.remove(&key);
             self.wanted.send_if_modified(|m| m.remove(&key).is_some());
             self.state
                 .problems
@@ -329,11 +337,15 @@ impl Applier {
         }
     }
 
-    /// The usable objects of the view, as the offline loader would give them.
-    fn cluster_objects(&self) -> ClusterObjects {
+    /// The usable objects of the view, as the offline loader would give them, moved out of
+    /// `pending` (which is empty afterwards).
+    fn take_cluster_objects(&mut self) -> ClusterObjects {
         let mut objects = ClusterObjects::default();
-        for entry in self.view.values().filter(|e| e.usable()) {
-            match entry.object.clone() {
+        for (key, object) in std::mem::take(&mut self.pending) {
+            if !self.view.get(&key).is_some_and(|e| e.usable()) {
+                continue;
+            }
+            match object {
                 Object::Namespace(o) => objects.namespaces.push(loaded(o)),
                 Object::Pod(o) => objects.pods.push(loaded(o)),
                 Object::NetworkPolicy(o) => objects.network_policies.push(loaded(o)),
@@ -349,8 +361,9 @@ impl Applier {
 
     fn initial_program(&mut self) {
         let started = Instant::now();
-        let objects = self.cluster_objects();
+        let objects = self.take_cluster_objects();
         let engine = Engine::build_with(&objects, &self.options());
+        drop(objects);
         self.state
             .metrics
             .compile_seconds
@@ -387,10 +400,11 @@ impl Applier {
         let mut upserts = Vec::new();
         let mut deletes = Vec::new();
         for key in dirty {
-            match self.view.get(&key) {
-                Some(e) if e.usable() => {
+            let object = self.pending.remove(&key);
+            match (self.view.get(&key), object) {
+                (Some(e), Some(object)) if e.usable() => {
                     self.in_engine.insert(key);
-                    upserts.push(ObjectChange::Upsert(e.object.clone()));
+                    upserts.push(ObjectChange::Upsert(object));
                 }
                 _ => {
                     if self.in_engine.remove(&key) {

@@ -9,20 +9,23 @@
 //! ([`Enforcer::plane`]).
 
 use super::AgentError;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use ipnet::IpNet;
 use ordnet_datapath::{ControlPlane, MemDatapath};
 use ordnet_engine::{Engine, EngineDelta};
-use ordnet_mapstate::{Direction, Identity, Key, StateEntry};
+use ordnet_mapstate::{ChangeSet, Direction, Identity, Key, MapState, StateEntry};
 
 use crate::program::NodeProgram;
 
 /// One endpoint and direction as programmed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ProgrammedPolicy {
-    /// The MapState's keys and values as written.
-    pub entries: BTreeMap<Key, StateEntry>,
+    /// The MapState's keys and values as written. Shared between the endpoints whose keys are
+    /// equal (the engine shares MapStates the same way), so the record costs one copy per
+    /// distinct MapState, not one per endpoint.
+    pub entries: Arc<BTreeMap<Key, StateEntry>>,
     /// Whether the default verdict written is deny.
     pub isolated: bool,
 }
@@ -64,17 +67,26 @@ impl Record {
     /// Records everything `engine` holds.
     pub fn program_full(&mut self, engine: &Engine) {
         self.endpoints.clear();
+        // One copy per MapState of the engine (endpoints with equal inputs share one).
+        let mut copies: HashMap<*const MapState, Arc<BTreeMap<Key, StateEntry>>> = HashMap::new();
         for ep in engine.endpoints() {
             let mut programmed = ProgrammedEndpoint::default();
             for dir in [Direction::Ingress, Direction::Egress] {
                 let policy = engine.policy(ep, dir);
+                let entries = copies
+                    .entry(&policy.mapstate as *const MapState)
+                    .or_insert_with(|| {
+                        Arc::new(
+                            policy
+                                .mapstate
+                                .iter()
+                                .into_iter()
+                                .map(|(k, e)| (k, e.clone()))
+                                .collect(),
+                        )
+                    });
                 programmed[dir.index()] = ProgrammedPolicy {
-                    entries: policy
-                        .mapstate
-                        .iter()
-                        .into_iter()
-                        .map(|(k, e)| (k, e.clone()))
-                        .collect(),
+                    entries: Arc::clone(entries),
                     isolated: policy.isolated,
                 };
             }
@@ -84,7 +96,18 @@ impl Record {
     }
 
     /// Records the deltas of one batch; an error if they do not fit what is recorded.
+    ///
+    /// Sharing is kept: endpoints that shared their keys and get the same change set (the
+    /// engine hands every user of a shared MapState the same `Arc<ChangeSet>`) share the
+    /// result, computed once; an endpoint that moved to another MapState (its own change set)
+    /// shares the keys of an endpoint whose keys are now equal.
     pub fn apply(&mut self, deltas: &[EngineDelta]) -> Result<(), AgentError> {
+        // (shared keys before, change set) -> keys after. Every Arc of a key is held in its
+        // value, so no address is reused while the batch is recorded.
+        type Keys = Arc<BTreeMap<Key, StateEntry>>;
+        type Memo = HashMap<(usize, usize), (Keys, Arc<ChangeSet>, Keys)>;
+        let mut memo: Memo = HashMap::new();
+        let mut moved: Vec<(String, usize)> = Vec::new();
         for delta in deltas {
             for gone in &delta.endpoints_removed {
                 self.endpoints.remove(gone);
@@ -103,8 +126,23 @@ impl Record {
                         what: "update of an endpoint that is not programmed",
                     })?;
                 let p = &mut ep[u.direction.index()];
+                let memo_key = (
+                    Arc::as_ptr(&p.entries) as usize,
+                    Arc::as_ptr(&u.changes) as usize,
+                );
+                if let Some((_, _, after)) = memo.get(&memo_key) {
+                    p.entries = Arc::clone(after);
+                    if let Some(isolated) = u.isolated {
+                        p.isolated = isolated;
+                    }
+                    continue;
+                }
+                // Shared keys are copied before they change (and the result is memoized);
+                // keys of this endpoint alone change in place.
+                let before = (Arc::strong_count(&p.entries) > 1).then(|| Arc::clone(&p.entries));
+                let entries = Arc::make_mut(&mut p.entries);
                 for (k, _) in &u.changes.removed {
-                    if p.entries.remove(k).is_none() {
+                    if entries.remove(k).is_none() {
                         return Err(AgentError::Record {
                             endpoint: u.endpoint.clone(),
                             direction: u.direction.as_str(),
@@ -113,7 +151,7 @@ impl Record {
                     }
                 }
                 for (k, _, new) in &u.changes.changed {
-                    if p.entries.insert(*k, new.clone()).is_none() {
+                    if entries.insert(*k, new.clone()).is_none() {
                         return Err(AgentError::Record {
                             endpoint: u.endpoint.clone(),
                             direction: u.direction.as_str(),
@@ -122,10 +160,19 @@ impl Record {
                     }
                 }
                 for (k, e) in &u.changes.added {
-                    p.entries.insert(*k, e.clone());
+                    entries.insert(*k, e.clone());
                 }
                 if let Some(isolated) = u.isolated {
                     p.isolated = isolated;
+                }
+                if let Some(before) = before {
+                    memo.insert(
+                        memo_key,
+                        (before, Arc::clone(&u.changes), Arc::clone(&p.entries)),
+                    );
+                }
+                if u.rebuilt {
+                    moved.push((u.endpoint.clone(), u.direction.index()));
                 }
             }
             for c in &delta.ipcache {
@@ -139,7 +186,35 @@ impl Record {
                 }
             }
         }
+        drop(memo);
+        self.share_moved(&moved);
         Ok(())
+    }
+
+    /// Endpoints that moved to another MapState got keys of their own: each shares the keys of
+    /// another endpoint whose keys are equal, if there is one (compared only when the sizes
+    /// are equal; about as costly as the move itself).
+    fn share_moved(&mut self, moved: &[(String, usize)]) {
+        for (name, dir) in moved {
+            let Some(mine) = self
+                .endpoints
+                .get(name)
+                .map(|ep| Arc::clone(&ep[*dir].entries))
+            else {
+                continue;
+            };
+            let same = self
+                .endpoints
+                .values()
+                .map(|ep| &ep[*dir].entries)
+                .find(|other| {
+                    !Arc::ptr_eq(other, &mine) && other.len() == mine.len() && ***other == *mine
+                })
+                .cloned();
+            if let (Some(same), Some(ep)) = (same, self.endpoints.get_mut(name)) {
+                ep[*dir].entries = same;
+            }
+        }
     }
 
     /// The recorded MapStates, per local endpoint (`ns/name`).
@@ -278,6 +353,74 @@ mod tests {
             }],
             ..EngineDelta::default()
         }
+    }
+
+    /// Endpoints with equal keys share one copy in the record, and keep sharing it through a
+    /// change set they share (as the engine hands it to every user of a shared MapState).
+    #[test]
+    fn equal_keys_are_recorded_once() {
+        let mut dp = Record::default();
+        let k = |port| Key {
+            peer: Peer::Id(7),
+            prefix: L4Prefix::packet(6, port),
+        };
+        let ep = |name: &str, changes: Arc<ChangeSet>, rebuilt| EndpointUpdate {
+            endpoint: name.into(),
+            direction: Direction::Ingress,
+            changes,
+            isolated: Some(true),
+            rebuilt,
+        };
+        let full = || {
+            Arc::new(ChangeSet {
+                added: vec![(k(80), entry(Verdict::Allow, 1))],
+                ..ChangeSet::default()
+            })
+        };
+        // Two new endpoints, each with a change set of its own.
+        dp.apply(&[EngineDelta {
+            endpoints_added: vec!["x/a".into(), "x/b".into()],
+            updates: vec![ep("x/a", full(), true), ep("x/b", full(), true)],
+            ..EngineDelta::default()
+        }])
+        .unwrap();
+        let shared = |dp: &Record| {
+            Arc::ptr_eq(
+                &dp.programmed()["x/a"][0].entries,
+                &dp.programmed()["x/b"][0].entries,
+            )
+        };
+        assert!(shared(&dp));
+        let one = Arc::new(ChangeSet {
+            added: vec![(k(443), entry(Verdict::Deny, 0))],
+            ..ChangeSet::default()
+        });
+        dp.apply(&[EngineDelta {
+            updates: vec![
+                ep("x/a", Arc::clone(&one), false),
+                ep("x/b", Arc::clone(&one), false),
+            ],
+            ..EngineDelta::default()
+        }])
+        .unwrap();
+        assert!(shared(&dp));
+        assert_eq!(dp.programmed()["x/b"][0].entries.len(), 2);
+        // One endpoint alone changes: the other keeps the keys it had.
+        dp.apply(&[EngineDelta {
+            updates: vec![ep(
+                "x/a",
+                Arc::new(ChangeSet {
+                    removed: vec![(k(80), entry(Verdict::Allow, 1))],
+                    ..ChangeSet::default()
+                }),
+                false,
+            )],
+            ..EngineDelta::default()
+        }])
+        .unwrap();
+        assert!(!shared(&dp));
+        assert_eq!(dp.programmed()["x/a"][0].entries.len(), 1);
+        assert_eq!(dp.programmed()["x/b"][0].entries.len(), 2);
     }
 
     #[test]

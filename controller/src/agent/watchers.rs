@@ -73,10 +73,12 @@ where
         while let Some(ev) = stream.next().await {
             let msg = match ev {
                 Ok(Event::Init) => WatchMsg::Init(kind),
-                Ok(Event::InitApply(o)) => WatchMsg::InitApply(wrap(o)),
+                // Slimmed at once: what waits in the channel and in the applier until the
+                // engine has it is only what the engine reads.
+                Ok(Event::InitApply(o)) => WatchMsg::InitApply(wrap(o).slimmed()),
                 Ok(Event::InitDone) => WatchMsg::InitDone(kind),
-                Ok(Event::Apply(o)) => WatchMsg::Apply(wrap(o)),
-                Ok(Event::Delete(o)) => WatchMsg::Delete(wrap(o)),
+                Ok(Event::Apply(o)) => WatchMsg::Apply(wrap(o).slimmed()),
+                Ok(Event::Delete(o)) => WatchMsg::Delete(wrap(o).slimmed()),
                 Err(e) => WatchMsg::Error(kind, e.to_string()),
             };
             if tx.send(msg).is_err() {
