@@ -82,6 +82,66 @@ pub(crate) fn error_response(e: &ApiError) -> Response<BoxBody> {
     json_response(e.code, &status_json(e))
 }
 
+/// A list, paged when the client asks (`limit`, then `continue` with the token of the previous
+/// page): every page is served as of the first page's resource version.
+fn list(
+    inner: &Inner,
+    target: &Target,
+    query: &BTreeMap<String, String>,
+) -> Result<(u16, Value), ApiError> {
+    let def = RESOURCES[target.resource];
+    let limit = match query.get("limit").map(|l| l.parse::<usize>()) {
+        None => 0,
+        Some(Ok(l)) => l,
+        Some(Err(_)) => return Err(err(400, "BadRequest", "limit: not a number")),
+    };
+    let st = inner.lock();
+    let (at, after) = match query.get("continue").filter(|c| !c.is_empty()) {
+        None => (st.rv, None),
+        Some(token) => parse_continue(token).ok_or_else(|| {
+            err(
+                400,
+                "BadRequest",
+                format!("continue: invalid token {token:?}"),
+            )
+        })?,
+    };
+    let (items, remaining) = st.list_page(
+        target.resource,
+        target.namespace.as_deref(),
+        Some(at),
+        after.as_ref(),
+        limit,
+    )?;
+    let mut metadata = json!({"resourceVersion": at.to_string()});
+    if remaining > 0
+        && let Some(last) = items.last()
+    {
+        let ns = meta_str(last, "namespace").unwrap_or_default();
+        let name = meta_str(last, "name").unwrap_or_default();
+        metadata["continue"] = json!(format!("{at}/{ns}/{name}"));
+        metadata["remainingItemCount"] = json!(remaining);
+    }
+    Ok((
+        200,
+        json!({
+            "apiVersion": def.api_version(),
+            "kind": format!("{}List", def.kind),
+            "metadata": metadata,
+            "items": items,
+        }),
+    ))
+}
+
+/// A continue token: `RV/NAMESPACE/NAME` of the last object served.
+fn parse_continue(token: &str) -> Option<(u64, Option<(String, String)>)> {
+    let mut parts = token.splitn(3, '/');
+    let rv = parts.next()?.parse().ok()?;
+    let ns = parts.next()?.to_string();
+    let name = parts.next()?.to_string();
+    Some((rv, Some((ns, name))))
+}
+
 pub(crate) async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Response<BoxBody> {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
@@ -125,17 +185,7 @@ pub(crate) async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Respons
             if query.get("watch").is_some_and(|w| w == "1" || w == "true") {
                 return start_watch(inner, &target, &query);
             }
-            let st = inner.lock();
-            let items = st.list(target.resource, target.namespace.as_deref());
-            Ok((
-                200,
-                json!({
-                    "apiVersion": def.api_version(),
-                    "kind": format!("{}List", def.kind),
-                    "metadata": {"resourceVersion": st.rv.to_string()},
-                    "items": items,
-                }),
-            ))
+            list(&inner, &target, &query)
         }
         (&Method::GET, Some(name)) => {
             let st = inner.lock();

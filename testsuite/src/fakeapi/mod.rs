@@ -7,8 +7,9 @@
 //!   networkpolicies; ordnet.io/v1alpha1 orderednetworkpolicies and
 //!   clusterorderednetworkpolicies; coordination.k8s.io/v1 leases; events.k8s.io/v1 events —
 //!   namespaced (`/namespaces/NS/…`, or across all namespaces) and cluster-scoped paths;
-//! * list (`GET` on a collection; `metadata.resourceVersion` in the ListMeta, no paging: the
-//!   whole list in one page), get, create (`POST`, `generateName` too), replace (`PUT`, with a
+//! * list (`GET` on a collection; `metadata.resourceVersion` in the ListMeta; paged with
+//!   `limit` and `continue`, every page as of the first page's resource version, rebuilt from the
+//!   change log; a token older than the last compaction gets 410 Gone), get, create (`POST`, `generateName` too), replace (`PUT`, with a
 //!   `metadata.resourceVersion` precondition → 409 Conflict), delete, and `PATCH` with
 //!   `application/apply-patch+yaml` (server-side apply, simplified: the applied object is
 //!   merged like a JSON merge patch, lists replaced; no managedFields), `application/merge-patch+json`

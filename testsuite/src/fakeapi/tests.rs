@@ -385,3 +385,66 @@ async fn raw_watch_sends_bookmarks_on_request_and_410_for_compacted_versions() {
     assert_eq!(line["object"]["code"], 410);
     assert_eq!(line["object"]["reason"], "Expired");
 }
+
+#[tokio::test]
+async fn paged_lists_are_served_as_of_the_first_page() {
+    let api = FakeApi::start().await.unwrap();
+    for i in 0..5 {
+        api.create(pod("a", &format!("p{i}"), "web")).unwrap();
+    }
+    let pods: Api<Pod> = Api::all(api.client());
+    let first = pods.list(&ListParams::default().limit(2)).await.unwrap();
+    let names = |l: &kube::core::ObjectList<Pod>| {
+        l.items
+            .iter()
+            .map(|p| p.metadata.name.clone().unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(names(&first), ["p0", "p1"]);
+    assert_eq!(first.metadata.remaining_item_count, Some(3));
+    let token = first.metadata.continue_.clone().unwrap();
+    // Changes after the first page do not show in the later pages.
+    api.delete("v1", "Pod", "a", "p2").unwrap();
+    api.create(pod("a", "p3a", "web")).unwrap();
+    let mut p4 = api.get("v1", "Pod", "a", "p4").unwrap();
+    p4["metadata"]["labels"]["app"] = json!("db");
+    api.update(p4).unwrap();
+    let second = pods
+        .list(&ListParams::default().limit(2).continue_token(&token))
+        .await
+        .unwrap();
+    assert_eq!(names(&second), ["p2", "p3"]);
+    let third = pods
+        .list(
+            &ListParams::default()
+                .limit(2)
+                .continue_token(second.metadata.continue_.as_deref().unwrap()),
+        )
+        .await
+        .unwrap();
+    assert_eq!(names(&third), ["p4"]);
+    assert_eq!(
+        third.items[0].metadata.labels.as_ref().unwrap()["app"],
+        "web"
+    );
+    assert_eq!(third.metadata.continue_, None);
+    assert_eq!(
+        third.metadata.resource_version,
+        first.metadata.resource_version
+    );
+    // A token from before a compaction has expired; the watcher (which pages by 500) still
+    // lists everything.
+    api.compact();
+    let e = pods
+        .list(&ListParams::default().limit(2).continue_token(&token))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, kube::Error::Api(ref s) if s.code == 410),
+        "{e:?}"
+    );
+    let mut s: Stream = Box::pin(watcher(pods, watcher::Config::default().page_size(2)));
+    let mut listed = read_init(&mut s, false).await;
+    listed.sort();
+    assert_eq!(listed, ["p0", "p1", "p3", "p3a", "p4"]);
+}
