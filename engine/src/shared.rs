@@ -120,6 +120,14 @@ impl SharedStates {
         self.states.contains_key(key)
     }
 
+    /// Replaces every MapState by an empty one (memory accounting, see `Engine::dismantle`).
+    pub(crate) fn drop_mapstates(&mut self) {
+        for s in self.states.values_mut() {
+            let m = &mut s.policy.mapstate;
+            *m = MapState::new(m.direction(), m.default_verdict());
+        }
+    }
+
     /// Number of states.
     pub(crate) fn len(&self) -> usize {
         self.states.len()

@@ -1,0 +1,628 @@
+//! Scale benchmark (issue 13; ignored by default, run in release):
+//!
+//! ```text
+//! cargo test --release -p ordnet --test scale_bench -- --ignored --nocapture
+//! ORDNET_SCALE=10000:1000,50000:5000 cargo test --release -p ordnet --test scale_bench -- --ignored --nocapture
+//! ```
+//!
+//! The `ordnet agent` binary (`--datapath none`, a process of its own, so its memory is its
+//! own) against the fake API server filled with a generated cluster
+//! ([`ordnet_testsuite::scale`]: 100 pods per node, 20 per namespace, realistic pod objects,
+//! half NetworkPolicies and half ordered, mixed selectors). Per cluster size (pods:policies,
+//! default 2k, 10k and 50k pods at 1 policy per 10 and per 2 pods) it prints the time from start
+//! to ready, the agent's resident memory once ready and its peak (`VmRSS`, `VmHWM`), KiB per
+//! cluster pod, and p50/p99/max of change → programmed (from the write to the API server until
+//! the agent has applied the batch, seen on its `/metrics`) for local and remote pod relabels,
+//! namespace relabels, NetworkPolicy edits and OrderedNetworkPolicy edits; at the end the growth
+//! from 10k to 50k pods and the marginal memory per pod. Prints numbers, asserts only that the
+//! agent gets ready and applies every change.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ordnet_testsuite::fakeapi::FakeApi;
+use ordnet_testsuite::scale::{self, Shape};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const CHANGES_PER_KIND: usize = 40;
+const KINDS: [&str; 5] = [
+    "local pod relabel",
+    "remote pod relabel",
+    "namespace relabel",
+    "NetworkPolicy edit",
+    "OrderedNetworkPolicy edit",
+];
+
+fn shapes() -> Vec<Shape> {
+    let text = std::env::var("ORDNET_SCALE").unwrap_or_else(|_| {
+        "2000:200,2000:1000,10000:1000,10000:5000,50000:5000,50000:25000".into()
+    });
+    text.split(',')
+        .map(|s| {
+            let (p, q) = s.split_once(':').expect("ORDNET_SCALE: PODS:POLICIES,...");
+            Shape {
+                pods: p.trim().parse().expect("pods"),
+                policies: q.trim().parse().expect("policies"),
+            }
+        })
+        .collect()
+}
+
+/// `VmRSS` and `VmHWM` of a process, in KiB.
+fn memory_kib(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.ok()?;
+    let code = out.split_whitespace().nth(1)?.parse().ok()?;
+    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
+    Some((code, body))
+}
+
+async fn batches(addr: &str) -> u64 {
+    let (_, body) = get(addr, "/metrics").await.expect("agent /metrics");
+    body.lines()
+        .find_map(|l| l.strip_prefix("ordnet_update_batches_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("ordnet_update_batches_total")
+}
+
+fn free_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+struct Agent {
+    child: Child,
+    addr: String,
+    log: PathBuf,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_agent(api: &FakeApi, tag: &str) -> Agent {
+    let dir = std::env::temp_dir();
+    let kubeconfig = dir.join(format!(
+        "ordnet-scale-{}-{tag}.kubeconfig",
+        std::process::id()
+    ));
+    std::fs::write(&kubeconfig, api.kubeconfig_yaml()).unwrap();
+    let log = dir.join(format!("ordnet-scale-{}-{tag}.log", std::process::id()));
+    let addr = free_addr();
+    let child = Command::new(env!("CARGO_BIN_EXE_ordnet"))
+        .args([
+            "agent",
+            "--datapath",
+            "none",
+            "--node",
+            &scale::node_name(0),
+        ])
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .args(["--debug-addr", &addr])
+        .env("POD_NAMESPACE", "kube-system")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("ordnet agent");
+    Agent { child, addr, log }
+}
+
+/// One change of kind `k` (index into [`KINDS`]), the `n`-th of its kind.
+fn change(api: &FakeApi, shape: &Shape, k: usize, n: usize) {
+    let nodes = shape.nodes();
+    match k {
+        0 | 1 => {
+            // A pod on the agent's node (0) or on node 1: flip its tier.
+            let candidates = shape.pods / nodes;
+            let i = ((n * 7919) % candidates) * nodes + (k % nodes.max(1));
+            let pod = shape.pod(i);
+            let (ns, name) = (&pod["metadata"]["namespace"], &pod["metadata"]["name"]);
+            let mut o = api
+                .get("v1", "Pod", ns.as_str().unwrap(), name.as_str().unwrap())
+                .unwrap();
+            let tier = &mut o["metadata"]["labels"]["tier"];
+            *tier = json!(if tier == "frontend" {
+                "backend"
+            } else {
+                "frontend"
+            });
+            api.update(o).unwrap();
+        }
+        2 => {
+            let ns = (n * 31) % shape.namespaces();
+            let mut o = api.get("v1", "Namespace", "", &scale::ns_name(ns)).unwrap();
+            // The next team: always a real change (an unchanged object is no event).
+            let team = &mut o["metadata"]["labels"]["team"];
+            let t: usize = team
+                .as_str()
+                .and_then(|t| t.strip_prefix("team-"))
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(0);
+            *team = json!(format!("team-{}", (t + 1 + n % 7) % 25));
+            api.update(o).unwrap();
+        }
+        3 => {
+            let i = (n * 13) % (shape.policies / 2);
+            let ns = scale::ns_name(i % shape.namespaces());
+            let mut o = api
+                .get(
+                    "networking.k8s.io/v1",
+                    "NetworkPolicy",
+                    &ns,
+                    &format!("np-{i}"),
+                )
+                .unwrap();
+            let apps = scale::APPS;
+            // Never what the generator wrote, never the previous edit.
+            o["spec"]["ingress"][0]["from"] = json!([
+                {"podSelector": {"matchLabels": {"app": apps[n % apps.len()]}}},
+                {"namespaceSelector": {"matchLabels": {"team": format!("team-{}", n % 25)}},
+                 "podSelector": {"matchLabels": {"edit": n.to_string()}}}]);
+            api.update(o).unwrap();
+        }
+        _ => {
+            let onps = shape.policies - shape.policies / 2 - shape.cluster_policies();
+            let i = (n * 17) % onps;
+            let ns = scale::ns_name(i % shape.namespaces());
+            let mut o = api
+                .get(
+                    "ordnet.io/v1alpha1",
+                    "OrderedNetworkPolicy",
+                    &ns,
+                    &format!("onp-{i}"),
+                )
+                .unwrap();
+            o["spec"]["priority"] = json!(1001 + n as i64);
+            api.update(o).unwrap();
+        }
+    }
+}
+
+struct Run {
+    shape: Shape,
+    ready: Duration,
+    rss_kib: u64,
+    peak_kib: u64,
+    latencies: Vec<Vec<Duration>>,
+}
+
+fn pct(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+async fn run(shape: Shape) -> Run {
+    let api = FakeApi::start().await.unwrap();
+    api.set_bookmark_interval(Duration::from_secs(30));
+    let loading = Instant::now();
+    for o in shape.objects() {
+        api.create(o).unwrap();
+    }
+    // Another agent holds the status Lease: no status writes mix into the timed batches.
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    api.create(
+        json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"namespace": "kube-system", "name": "ordnet-status-writer"},
+        "spec": {"holderIdentity": "elsewhere", "leaseDurationSeconds": 3600,
+                 "acquireTime": now, "renewTime": now}}),
+    )
+    .unwrap();
+    eprintln!(
+        "  {} pods / {} policies: {} objects loaded in {:.1?}",
+        shape.pods,
+        shape.policies,
+        api.resource_version(),
+        loading.elapsed()
+    );
+    let tag = format!("{}-{}", shape.pods, shape.policies);
+    let agent = spawn_agent(&api, &tag);
+    let pid = agent.child.id();
+    let started = Instant::now();
+    loop {
+        if let Some((200, _)) = get(&agent.addr, "/readyz").await {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(600),
+            "the agent was not ready within 600 s; its log: {}",
+            agent.log.display()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let ready = started.elapsed();
+    // Let the allocator settle after the initial build (freed pages, the watch buffers).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut latencies = vec![Vec::new(); KINDS.len()];
+    for n in 0..CHANGES_PER_KIND {
+        for (k, l) in latencies.iter_mut().enumerate() {
+            let before = batches(&agent.addr).await;
+            let t0 = Instant::now();
+            change(&api, &shape, k, n);
+            loop {
+                if batches(&agent.addr).await > before {
+                    break;
+                }
+                assert!(
+                    t0.elapsed() < Duration::from_secs(30),
+                    "{} {n} not applied within 30 s; agent log: {}",
+                    KINDS[k],
+                    agent.log.display()
+                );
+                tokio::time::sleep(Duration::from_micros(500)).await;
+            }
+            l.push(t0.elapsed());
+        }
+    }
+    let (rss_kib, peak_kib) = memory_kib(pid);
+    for l in &mut latencies {
+        l.sort();
+    }
+    drop(agent);
+    Run {
+        shape,
+        ready,
+        rss_kib,
+        peak_kib,
+        latencies,
+    }
+}
+
+fn report(r: &Run) {
+    let s = r.shape;
+    println!(
+        "{:>6} pods {:>6} policies: ready {:>6.2} s, RSS {:>6.1} MiB, peak {:>6.1} MiB, {:>5.1} KiB per cluster pod",
+        s.pods,
+        s.policies,
+        r.ready.as_secs_f64(),
+        r.rss_kib as f64 / 1024.0,
+        r.peak_kib as f64 / 1024.0,
+        r.rss_kib as f64 / s.pods as f64,
+    );
+    for (k, l) in r.latencies.iter().enumerate() {
+        println!(
+            "      {:<26} p50 {:>7.2} ms  p99 {:>7.2} ms  max {:>7.2} ms  ({} changes)",
+            KINDS[k],
+            ms(pct(l, 0.5)),
+            ms(pct(l, 0.99)),
+            ms(*l.last().unwrap()),
+            l.len()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: run in release with --ignored --nocapture"]
+async fn agent_at_scale() {
+    let mut runs: Vec<Run> = Vec::new();
+    for shape in shapes() {
+        let r = run(shape).await;
+        report(&r);
+        runs.push(r);
+    }
+    println!();
+    for a in &runs {
+        for b in runs.iter().filter(|b| {
+            b.shape.pods > a.shape.pods
+                && b.shape.policies * a.shape.pods == a.shape.policies * b.shape.pods
+        }) {
+            let growth = b.rss_kib as f64 / a.rss_kib as f64;
+            let marginal =
+                (b.rss_kib as f64 - a.rss_kib as f64) / (b.shape.pods - a.shape.pods) as f64;
+            println!(
+                "{}→{} pods at 1 policy per {} pods: RSS ×{growth:.2} for ×{:.1} pods; marginal {marginal:.1} KiB per pod",
+                a.shape.pods,
+                b.shape.pods,
+                a.shape.pods / a.shape.policies.max(1),
+                b.shape.pods as f64 / a.shape.pods as f64,
+            );
+        }
+    }
+}
+
+/// Counts the live heap bytes of this process (and their peak), for [`memory_breakdown`].
+struct Counting;
+
+static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static PEAK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        use std::sync::atomic::Ordering::Relaxed;
+        let p = unsafe { std::alloc::System.alloc(layout) };
+        if !p.is_null() {
+            let now = LIVE.fetch_add(layout.size(), Relaxed) + layout.size();
+            PEAK.fetch_max(now, Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        unsafe { std::alloc::System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), std::sync::atomic::Ordering::Relaxed);
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new: usize) -> *mut u8 {
+        use std::sync::atomic::Ordering::Relaxed;
+        let p = unsafe { std::alloc::System.realloc(ptr, layout, new) };
+        if !p.is_null() {
+            if new >= layout.size() {
+                let now = LIVE.fetch_add(new - layout.size(), Relaxed) + new - layout.size();
+                PEAK.fetch_max(now, Relaxed);
+            } else {
+                LIVE.fetch_sub(layout.size() - new, Relaxed);
+            }
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static COUNTING: Counting = Counting;
+
+fn live() -> usize {
+    LIVE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Resets the peak to the current live bytes; returns the live bytes.
+fn reset_peak() -> usize {
+    let now = live();
+    PEAK.store(now, std::sync::atomic::Ordering::Relaxed);
+    now
+}
+
+fn peak() -> usize {
+    PEAK.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Where the agent's memory goes, per component, measured with a counting allocator by building
+/// each component the way the agent does (in this process, from the generated objects) and by
+/// dropping the engine one part at a time ([`ordnet_engine::Engine::dismantle`]).
+#[test]
+#[ignore = "benchmark: run in release with --ignored --nocapture"]
+fn memory_breakdown() {
+    use ordnet::agent::{Enforcer, NoneDatapath};
+    use ordnet_engine::{BuildOptions, Engine};
+
+    let text = std::env::var("ORDNET_SCALE")
+        .unwrap_or_else(|_| "2000:200,10000:1000,50000:5000,10000:5000".into());
+    for s in text.split(',') {
+        let (p, q) = s.split_once(':').expect("PODS:POLICIES");
+        let shape = Shape {
+            pods: p.parse().unwrap(),
+            policies: q.parse().unwrap(),
+        };
+        let mut parts: Vec<(String, usize)> = Vec::new();
+
+        // The agent's view: per object its key and resourceVersion (the applier's view keeps no
+        // object); the objects themselves, slimmed as the watchers deliver them, wait for the
+        // initial build (transient) and are then dropped.
+        let base = reset_peak();
+        let mut view = std::collections::BTreeMap::new();
+        let mut objects = ordnet_crds::ClusterObjects::default();
+        for v in shape.objects() {
+            let o = typed(v).slimmed();
+            let (ns, name) = o.key();
+            view.insert((o.kind(), ns, name), o.meta().resource_version.clone());
+            push(&mut objects, o);
+        }
+        let copy = live() - base;
+        let before = reset_peak();
+        let engine = Engine::build_with(
+            &objects,
+            &BuildOptions {
+                node: Some(scale::node_name(0)),
+            },
+        );
+        let build_peak = peak() - before;
+        let engine_bytes = live() - before;
+        drop(objects);
+        parts.push((
+            "view (key, resourceVersion)".into(),
+            live().saturating_sub(base + engine_bytes),
+        ));
+
+        // What the MapStates hold: distinct states, their keys, the keys every endpoint gets.
+        {
+            use ordnet_mapstate::Direction;
+            let mut distinct = std::collections::HashSet::new();
+            let (mut keys, mut per_ep, mut entries) = (0usize, 0usize, 0usize);
+            for ep in engine.endpoints() {
+                for dir in [Direction::Ingress, Direction::Egress] {
+                    let ms = &engine.policy(ep, dir).mapstate;
+                    per_ep += ms.len();
+                    if distinct.insert(ms as *const _ as usize) {
+                        keys += ms.len();
+                        entries += ms.policy_entries().count();
+                    }
+                }
+            }
+            println!(
+                "  {} endpoints, {} identities, {} selectors; {} distinct MapStates with {keys} keys and {entries} policy entries; {per_ep} keys over every endpoint",
+                engine.endpoints().len(),
+                engine.identities().count(),
+                engine.selector_count(),
+                distinct.len(),
+            );
+        }
+
+        // The datapath mirror (--datapath none: what was programmed, and the in-memory tables).
+        let before = live();
+        let mut dp = NoneDatapath::default();
+        dp.program_full(&engine).unwrap();
+        let mirror = live() - before;
+
+        // The shadowed-rule analysis of the status writer: its peak, transient.
+        let before = reset_peak();
+        let shadowed = engine.shadowed_rules();
+        let shadow_peak = peak() - before;
+        drop(shadowed);
+
+        let mut last = live();
+        engine.dismantle(|part| {
+            let now = live();
+            parts.push((format!("engine: {part}"), last.saturating_sub(now)));
+            last = now;
+        });
+        parts.push(("datapath mirror (none)".into(), mirror));
+        let total: usize = parts.iter().map(|(_, b)| b).sum();
+        println!(
+            "{} pods, {} policies: {:.1} MiB kept ({:.1} KiB per cluster pod); transient: objects waiting for the initial build {:.1} MiB, build peak {:.1} MiB above them, shadow analysis peak {:.1} MiB; engine {:.1} MiB",
+            shape.pods,
+            shape.policies,
+            total as f64 / 1048576.0,
+            total as f64 / 1024.0 / shape.pods as f64,
+            copy as f64 / 1048576.0,
+            build_peak as f64 / 1048576.0,
+            shadow_peak as f64 / 1048576.0,
+            engine_bytes as f64 / 1048576.0,
+        );
+        for (name, b) in &parts {
+            println!(
+                "    {name:<32} {:>8.1} MiB {:>7.2} KiB/pod",
+                *b as f64 / 1048576.0,
+                *b as f64 / 1024.0 / shape.pods as f64
+            );
+        }
+        drop(dp);
+        drop(view);
+    }
+}
+
+fn typed(v: serde_json::Value) -> ordnet_engine::Object {
+    use ordnet_engine::Object;
+    let kind = v["kind"].as_str().unwrap_or_default().to_string();
+    fn f<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
+        serde_json::from_value(v).expect("generated object")
+    }
+    match kind.as_str() {
+        "Namespace" => Object::Namespace(f(v)),
+        "Pod" => Object::Pod(f(v)),
+        "Service" => Object::Service(f(v)),
+        "NetworkPolicy" => Object::NetworkPolicy(f(v)),
+        "OrderedNetworkPolicy" => Object::OrderedNetworkPolicy(f(v)),
+        _ => Object::ClusterOrderedNetworkPolicy(f(v)),
+    }
+}
+
+fn push(objects: &mut ordnet_crds::ClusterObjects, o: ordnet_engine::Object) {
+    use ordnet_engine::Object;
+    fn l<T>(object: T) -> ordnet_crds::Loaded<T> {
+        ordnet_crds::Loaded {
+            object,
+            source: None,
+        }
+    }
+    match o {
+        Object::Namespace(o) => objects.namespaces.push(l(o)),
+        Object::Pod(o) => objects.pods.push(l(o)),
+        Object::Service(o) => objects.services.push(l(o)),
+        Object::NetworkPolicy(o) => objects.network_policies.push(l(o)),
+        Object::OrderedNetworkPolicy(o) => objects.ordered_policies.push(l(o)),
+        Object::ClusterOrderedNetworkPolicy(o) => objects.cluster_ordered_policies.push(l(o)),
+    }
+}
+
+/// The engine alone (no agent, no API server): built for node 0 from the generated cluster,
+/// then the change kinds of [`agent_at_scale`] applied one at a time through
+/// [`ordnet_engine::Engine::apply`], each timed (what the agent's latency is made of, and what
+/// a profiler should look at: `perf record` on this test).
+#[test]
+#[ignore = "benchmark: run in release with --ignored --nocapture"]
+fn engine_changes() {
+    use ordnet::agent::{Enforcer, NoneDatapath};
+    use ordnet_engine::{BuildOptions, Engine, ObjectChange};
+    for shape in shapes() {
+        let mut objects = ordnet_crds::ClusterObjects::default();
+        let all = shape.objects();
+        for v in all.iter().cloned() {
+            push(&mut objects, typed(v).slimmed());
+        }
+        let started = Instant::now();
+        let mut engine = Engine::build_with(
+            &objects,
+            &BuildOptions {
+                node: Some(scale::node_name(0)),
+            },
+        );
+        println!(
+            "{} pods {} policies: built in {:.2} s",
+            shape.pods,
+            shape.policies,
+            started.elapsed().as_secs_f64()
+        );
+        let pods_of_node0: Vec<&serde_json::Value> = all
+            .iter()
+            .filter(|o| o["kind"] == "Pod" && o["spec"]["nodeName"] == scale::node_name(0))
+            .collect();
+        let namespaces: Vec<&serde_json::Value> =
+            all.iter().filter(|o| o["kind"] == "Namespace").collect();
+        let mut dp = NoneDatapath::default();
+        dp.program_full(&engine).unwrap();
+        // Per change kind: engine, datapath (`--datapath none`: the same programming as bpf).
+        let mut times: [Vec<f64>; 2] = Default::default();
+        let mut dp_times: [Vec<f64>; 2] = Default::default();
+        for n in 0..10 {
+            let mut pod = pods_of_node0[(n * 7) % pods_of_node0.len()].clone();
+            let tier = &mut pod["metadata"]["labels"]["tier"];
+            *tier = json!(if tier == "frontend" {
+                "backend"
+            } else {
+                "frontend"
+            });
+            let t = Instant::now();
+            let d = engine.apply(ObjectChange::Upsert(typed(pod)));
+            times[0].push(t.elapsed().as_secs_f64() * 1e3);
+            let t = Instant::now();
+            dp.apply(&engine, &[d]).unwrap();
+            dp_times[0].push(t.elapsed().as_secs_f64() * 1e3);
+            let mut ns = namespaces[(n * 31) % namespaces.len()].clone();
+            ns["metadata"]["labels"]["team"] = json!(format!("team-x{n}"));
+            let t = Instant::now();
+            let d = engine.apply(ObjectChange::Upsert(typed(ns)));
+            times[1].push(t.elapsed().as_secs_f64() * 1e3);
+            let t = Instant::now();
+            dp.apply(&engine, &[d]).unwrap();
+            dp_times[1].push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        for (i, name) in ["local pod relabel", "namespace relabel"]
+            .iter()
+            .enumerate()
+        {
+            let stats = |t: &Vec<f64>| {
+                let mut t = t.clone();
+                t.sort_by(f64::total_cmp);
+                (t[t.len() / 2], t[t.len() - 1])
+            };
+            let ((e50, emax), (d50, dmax)) = (stats(&times[i]), stats(&dp_times[i]));
+            println!(
+                "    {name:<20} engine p50 {e50:>8.2} ms max {emax:>8.2} ms; datapath p50 {d50:>8.2} ms max {dmax:>8.2} ms"
+            );
+        }
+    }
+}
