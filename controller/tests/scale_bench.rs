@@ -451,7 +451,7 @@ fn memory_breakdown() {
         {
             use ordnet_mapstate::Direction;
             let mut distinct = std::collections::HashSet::new();
-            let (mut keys, mut per_ep, mut entries) = (0usize, 0usize, 0usize);
+            let (mut keys, mut per_ep, mut entries, mut covered) = (0usize, 0usize, 0usize, 0usize);
             for ep in engine.endpoints() {
                 for dir in [Direction::Ingress, Direction::Egress] {
                     let ms = &engine.policy(ep, dir).mapstate;
@@ -459,11 +459,12 @@ fn memory_breakdown() {
                     if distinct.insert(ms as *const _ as usize) {
                         keys += ms.len();
                         entries += ms.policy_entries().count();
+                        covered += ms.covered().len();
                     }
                 }
             }
             println!(
-                "  {} endpoints, {} identities, {} selectors; {} distinct MapStates with {keys} keys and {entries} policy entries; {per_ep} keys over every endpoint",
+                "  {} endpoints, {} identities, {} selectors; {} distinct MapStates with {keys} keys, {covered} covered notes and {entries} policy entries; {per_ep} keys over every endpoint",
                 engine.endpoints().len(),
                 engine.identities().count(),
                 engine.selector_count(),

@@ -163,8 +163,8 @@ impl Engine {
 
     /// Drops the engine one part at a time, calling `dropped(part)` after each, for memory
     /// accounting: with a counting allocator, the bytes freed between two calls are what that
-    /// part held (the scale benchmark's breakdown). Parts, in order: `mapstates` (the compiled
-    /// MapStates), `shared rule sets` (who shares them, entry keys and ids, notification
+    /// part held (the scale benchmark's breakdown). Parts, in order: the parts of the MapStates
+    /// ([`MapState::PARTS`]), `shared rule sets` (who shares them, entry keys and ids, notification
     /// indexes), `endpoints`, `selector cache`, `addresses` (address → pod), `identities`,
     /// `objects` (pods, namespaces, Services, translated policies as kept), `rest`. Shared
     /// values (`Arc`s) are counted where their last reference goes.
@@ -183,8 +183,10 @@ impl Engine {
             mut shared,
             errors,
         } = self;
-        shared.drop_mapstates();
-        dropped("mapstates");
+        for (i, part) in MapState::PARTS.iter().enumerate() {
+            shared.release_mapstates(i);
+            dropped(part);
+        }
         drop(shared);
         drop(ep_keys);
         dropped("shared rule sets");

@@ -120,11 +120,11 @@ impl SharedStates {
         self.states.contains_key(key)
     }
 
-    /// Replaces every MapState by an empty one (memory accounting, see `Engine::dismantle`).
-    pub(crate) fn drop_mapstates(&mut self) {
+    /// Frees part `i` of every MapState ([`MapState::release`]; memory accounting, see
+    /// `Engine::dismantle`).
+    pub(crate) fn release_mapstates(&mut self, i: usize) {
         for s in self.states.values_mut() {
-            let m = &mut s.policy.mapstate;
-            *m = MapState::new(m.direction(), m.default_verdict());
+            s.policy.mapstate.release(i);
         }
     }
 

@@ -2,7 +2,7 @@
 //! region-scoped ordered recomputation. See the crate documentation for the algorithm and why it
 //! is correct.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use prefix_trie::PrefixMap;
@@ -30,7 +30,7 @@ pub struct Key {
 /// The two lists are shared slices (`Arc<[_]>`; build one from a `Vec` with `.into()`): values
 /// are cloned into every ChangeSet, diff and synthesized copy, and a clone is then two
 /// reference-count increments instead of two allocations.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 pub struct StateEntry {
     /// What the datapath does with a matching packet.
     pub verdict: Verdict,
@@ -140,7 +140,7 @@ pub enum Update {
 }
 
 /// One contribution of a policy entry at one (peer, block).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 struct Contrib {
     order: OrderKey,
     verdict: Verdict,
@@ -160,7 +160,7 @@ type Contribs = SmallVec<[Contrib; 2]>;
 /// just before its subtree, so a subtree is one contiguous run and the ancestors of a block all
 /// sort before it. (A sorted vector rather than a trie: most identities have one to a few
 /// blocks, and a `PrefixMap` costs ~400 bytes and several allocations even when small.)
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 struct Candidates(Vec<(L4Prefix, Contribs)>);
 
 impl Candidates {
@@ -231,7 +231,7 @@ impl Candidates {
 /// The keys of one peer, sorted by block like [`Candidates`] (a block just before its
 /// subtree). Most identities have one to a few keys: a sorted vector iterates, compares, copies
 /// and frees far faster than a trie, and a subtree is one contiguous run.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 struct Keys(Vec<(L4Prefix, StateEntry)>);
 
 /// Up to this many keys, the ancestors of a block are found by a scan instead of one binary
@@ -334,24 +334,82 @@ pub struct MapState {
     direction: Direction,
     default: Verdict,
     entries: BTreeMap<EntryId, PolicyEntry>,
-    /// Candidate contributions per peer and block (the input, indexed).
-    /// (Boxed: a `PrefixMap` is ~400 bytes, most peers have one or two blocks, and a map of
-    /// thousands of inline tries wasted its empty slots and copied them on every growth.)
-    cand: HashMap<Peer, Box<Candidates>>,
+    /// Candidate contributions per peer and block (the input, indexed). Shared between the
+    /// peers whose candidates are equal (see `pool`): the identities one set of selectors
+    /// holds all have the same ones.
+    cand: HashMap<Peer, Arc<Candidates>>,
     /// Identities that have specific candidates at each block (with contribution counts).
     spec_index: PrefixMap<L4Prefix, Vec<(Identity, u32)>>,
-    /// The state: the keys of each peer.
-    tries: HashMap<Peer, Keys>,
+    /// The state: the keys of each peer, shared like the candidates (equal candidates give
+    /// equal keys).
+    tries: HashMap<Peer, Arc<Keys>>,
     /// The `*` keys by protocol (256 for the "every protocol" key) and rank, strongest first:
     /// finds the `*` keys stronger than an own key without visiting the weaker ones.
     /// (With a copy of each `*` entry: `*` has few keys, and the walk then needs no trie lookup.)
     star_rank: BTreeMap<u16, BTreeMap<(Rank, L4Prefix), StateEntry>>,
     /// Covered contributions per peer, at the block where they would have been.
     /// (Sorted by block like [`Candidates`]: a region's notes are one contiguous run.)
-    covered: HashMap<Peer, Vec<(L4Prefix, Vec<Covered>)>>,
+    /// (Without the peer in each note, so that the notes of peers with equal candidates are
+    /// equal and shared like them.)
+    covered: HashMap<Peer, Arc<Notes>>,
     /// Entries whose L4 match has no block (an empty port range): they contribute nothing, so
     /// the candidates of an identity do not list them although their selector may hold it.
     blockless: BTreeSet<EntryId>,
+    /// The entry and origin lists of the keys, one allocation per distinct list: the keys of
+    /// the identities one selector holds carry equal lists, and a MapState of 6,500 keys had
+    /// 13,000 two-word allocations for a few dozen distinct lists. Lists no key uses any more
+    /// are dropped when the table has doubled since the last sweep.
+    lists: HashMap<Arc<[EntryId]>, Arc<[Arc<Origin>]>>,
+    lists_swept_at: usize,
+    /// The distinct candidate lists and key lists of the peers. At 10,000 pods a node's
+    /// MapStates held 750,000 keys for 2,000 identities, ~3 keys per identity and state, and
+    /// most identities of a state have the same candidates; each distinct list is kept once.
+    /// A peer whose list changes gets its own copy (`Arc::make_mut`) and is shared again when
+    /// recomputed. Lists no peer uses are dropped when a pool has doubled since its last sweep.
+    pool: Pool,
+}
+
+/// A [`Covered`] note of one peer, without the peer (the map key gives it).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+struct Note {
+    entry: EntryId,
+    /// The covering key's block...
+    by: L4Prefix,
+    /// ...and whether it is a `*` key of an identity's note (else a key of the peer itself).
+    by_star: bool,
+}
+
+/// The covered notes of one peer, sorted by block like [`Candidates`].
+type Notes = Vec<(L4Prefix, Vec<Note>)>;
+
+/// The shared candidate, key and note lists of a MapState.
+#[derive(Debug, Clone, Default)]
+struct Pool {
+    cand: HashSet<Arc<Candidates>>,
+    keys: HashSet<Arc<Keys>>,
+    notes: HashSet<Arc<Notes>>,
+    cand_swept_at: usize,
+    keys_swept_at: usize,
+    notes_swept_at: usize,
+}
+
+/// `slot`'s list, replaced by the equal one of `pool` (or added to it).
+fn share<T: Eq + std::hash::Hash>(
+    pool: &mut HashSet<Arc<T>>,
+    swept_at: &mut usize,
+    slot: &mut Arc<T>,
+) {
+    if let Some(p) = pool.get(&**slot) {
+        if !Arc::ptr_eq(p, slot) {
+            *slot = Arc::clone(p);
+        }
+        return;
+    }
+    if pool.len() >= 2 * (*swept_at).max(64) {
+        pool.retain(|a| Arc::strong_count(a) > 1);
+        *swept_at = pool.len();
+    }
+    pool.insert(Arc::clone(slot));
 }
 
 /// One item of an ordered insertion.
@@ -388,7 +446,59 @@ impl MapState {
             star_rank: BTreeMap::new(),
             covered: HashMap::new(),
             blockless: BTreeSet::new(),
+            lists: HashMap::new(),
+            lists_swept_at: 0,
+            pool: Pool::default(),
         }
+    }
+
+    /// The parts of a MapState for memory accounting, in the order of [`MapState::release`].
+    pub const PARTS: [&'static str; 8] = [
+        "MapState keys",
+        "MapState candidates",
+        "MapState identity index",
+        "MapState covered notes",
+        "MapState star rank index",
+        "MapState policy entries",
+        "MapState entry lists",
+        "MapState shared lists",
+    ];
+
+    /// Frees part `i` of [`MapState::PARTS`], for memory accounting (the scale benchmark's
+    /// breakdown): with a counting allocator, the bytes freed are what that part held. The
+    /// state answers nonsense afterwards; drop it.
+    pub fn release(&mut self, i: usize) {
+        match i {
+            0 => self.tries = HashMap::new(),
+            1 => self.cand = HashMap::new(),
+            2 => self.spec_index = PrefixMap::new(),
+            3 => self.covered = HashMap::new(),
+            4 => self.star_rank = BTreeMap::new(),
+            5 => {
+                self.entries = BTreeMap::new();
+                self.blockless = BTreeSet::new();
+            }
+            6 => self.lists = HashMap::new(),
+            _ => self.pool = Pool::default(),
+        }
+    }
+
+    /// `e` with its entry and origin lists shared with the keys that have equal ones.
+    fn intern(&mut self, mut e: StateEntry) -> StateEntry {
+        if let Some((entries, origins)) = self.lists.get_key_value(&*e.entries)
+            && *origins == e.origins
+        {
+            e.entries = Arc::clone(entries);
+            e.origins = Arc::clone(origins);
+            return e;
+        }
+        if self.lists.len() >= 2 * self.lists_swept_at.max(64) {
+            self.lists.retain(|k, _| Arc::strong_count(k) > 1);
+            self.lists_swept_at = self.lists.len();
+        }
+        self.lists
+            .insert(Arc::clone(&e.entries), Arc::clone(&e.origins));
+        e
     }
 
     /// Builds the state from scratch from a list of entries.
@@ -433,7 +543,7 @@ impl MapState {
                 .chunk_by(|a, b| a.1 == b.1)
                 .map(|g| (g[0].1, g.iter().map(|x| x.2).collect::<Contribs>()))
                 .collect();
-            ms.cand.insert(group[0].0, Box::new(Candidates(blocks)));
+            ms.cand.insert(group[0].0, Arc::new(Candidates(blocks)));
         }
         // The identity index in one go: per block, the identities with candidates there.
         let mut pairs: Vec<(L4Prefix, Identity, u32)> = Vec::new();
@@ -508,7 +618,7 @@ impl MapState {
     /// Every key and entry, sorted by peer (`*` first) and prefix (parents before children).
     pub fn iter(&self) -> Vec<(Key, &StateEntry)> {
         // Peer by peer in peer order (each trie iterates its keys in prefix order).
-        let mut peers: Vec<(&Peer, &Keys)> = self.tries.iter().collect();
+        let mut peers: Vec<(&Peer, &Keys)> = self.tries.iter().map(|(p, k)| (p, &**k)).collect();
         peers.sort_unstable_by_key(|(p, _)| **p);
         let mut out: Vec<(Key, &StateEntry)> = Vec::with_capacity(self.len());
         for (peer, t) in peers {
@@ -542,11 +652,22 @@ impl MapState {
     }
 
     /// Every covered contribution, sorted.
-    pub fn covered(&self) -> Vec<&Covered> {
-        let mut out: Vec<&Covered> = self
+    pub fn covered(&self) -> Vec<Covered> {
+        let mut out: Vec<Covered> = self
             .covered
-            .values()
-            .flat_map(|t| t.iter().flat_map(|(_, v)| v))
+            .iter()
+            .flat_map(|(&peer, t)| {
+                t.iter().flat_map(move |&(prefix, ref v)| {
+                    v.iter().map(move |n| Covered {
+                        entry: n.entry,
+                        key: Key { peer, prefix },
+                        covered_by: Key {
+                            peer: if n.by_star { Peer::Any } else { peer },
+                            prefix: n.by,
+                        },
+                    })
+                })
+            })
             .collect();
         out.sort();
         out
@@ -620,7 +741,8 @@ impl MapState {
             }
             if let Some(keys) = self.tries.remove(&peer) {
                 changes.removed.extend(
-                    keys.0
+                    Arc::unwrap_or_clone(keys)
+                        .0
                         .into_iter()
                         .map(|(prefix, e)| (Key { peer, prefix }, e)),
                 );
@@ -763,7 +885,7 @@ impl MapState {
                 Err(i) => v.insert(i, (id, cs.len() as u32)),
             }
         }
-        self.cand.insert(Peer::Id(id), Box::new(Candidates(blocks)));
+        self.cand.insert(Peer::Id(id), Arc::new(Candidates(blocks)));
         dirty.entry(Peer::Id(id)).or_default().push(L4Prefix::ANY);
     }
 
@@ -883,7 +1005,7 @@ impl MapState {
 
     /// The candidate part of [`Self::index_contrib`].
     fn index_cand(&mut self, peer: Peer, block: L4Prefix, c: Contrib, add: bool) {
-        let cand = self.cand.entry(peer).or_default();
+        let cand = Arc::make_mut(self.cand.entry(peer).or_default());
         if add {
             let v = cand.entry(block);
             let pos = v.binary_search(&c).unwrap_or_else(|p| p);
@@ -909,6 +1031,16 @@ impl MapState {
             && c.is_empty()
         {
             self.cand.remove(&peer);
+        }
+        let pool = &mut self.pool;
+        if let Some(c) = self.cand.get_mut(&peer) {
+            share(&mut pool.cand, &mut pool.cand_swept_at, c);
+        }
+        if let Some(k) = self.tries.get_mut(&peer) {
+            share(&mut pool.keys, &mut pool.keys_swept_at, k);
+        }
+        if let Some(n) = self.covered.get_mut(&peer) {
+            share(&mut pool.notes, &mut pool.notes_swept_at, n);
         }
     }
 
@@ -1145,10 +1277,12 @@ impl MapState {
         new: Vec<(L4Prefix, StateEntry)>,
         changes: Option<&mut ChangeSet>,
     ) {
+        let new: Vec<(L4Prefix, StateEntry)> =
+            new.into_iter().map(|(p, e)| (p, self.intern(e))).collect();
         if peer == Peer::Any {
             self.index_star(region, &new);
         }
-        let keys = self.tries.entry(peer).or_default();
+        let keys = Arc::make_mut(self.tries.entry(peer).or_default());
         let run = keys.run(&region);
         match changes {
             None => {
@@ -1206,7 +1340,7 @@ impl MapState {
         if notes.is_empty() && !self.covered.contains_key(&peer) {
             return;
         }
-        let cov = self.covered.entry(peer).or_default();
+        let cov = Arc::make_mut(self.covered.entry(peer).or_default());
         // The stale notes: the run of blocks inside `region`.
         let start = cov.partition_point(|(p, _)| *p < region);
         let end = start
@@ -1216,13 +1350,21 @@ impl MapState {
                 .count();
         let mut notes = notes;
         notes.sort_by_key(|n| n.key.prefix);
-        let mut groups: Vec<(L4Prefix, Vec<Covered>)> = Vec::new();
+        let note = |c: Covered| {
+            debug_assert!(c.covered_by.peer == peer || c.covered_by.peer == Peer::Any);
+            Note {
+                entry: c.entry,
+                by: c.covered_by.prefix,
+                by_star: c.covered_by.peer != peer,
+            }
+        };
+        let mut groups: Notes = Vec::new();
         let mut notes = notes.into_iter().peekable();
         while let Some(first) = notes.next() {
             let prefix = first.key.prefix;
-            let mut v = vec![first];
+            let mut v = vec![note(first)];
             while let Some(n) = notes.next_if(|n| n.key.prefix == prefix) {
-                v.push(n);
+                v.push(note(n));
             }
             v.sort();
             groups.push((prefix, v));

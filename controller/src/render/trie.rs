@@ -229,7 +229,7 @@ impl Mark {
 struct Node<'s> {
     prefix: L4Prefix,
     entry: Option<&'s StateEntry>,
-    covered: Vec<&'s Covered>,
+    covered: Vec<Covered>,
     children: Vec<usize>,
 }
 
@@ -241,7 +241,7 @@ struct PeerTree<'s> {
 
 /// The state of one side, grouped by peer and nested by prefix.
 fn peer_trees(state: &MapState) -> Vec<PeerTree<'_>> {
-    type Blocks<'s> = BTreeMap<L4Prefix, (Option<&'s StateEntry>, Vec<&'s Covered>)>;
+    type Blocks<'s> = BTreeMap<L4Prefix, (Option<&'s StateEntry>, Vec<Covered>)>;
     let mut by_peer: BTreeMap<Peer, Blocks<'_>> = BTreeMap::new();
     for (key, entry) in state.iter() {
         by_peer

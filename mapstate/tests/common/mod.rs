@@ -40,7 +40,7 @@ pub type Snapshot = (Vec<(Key, StateEntry)>, Vec<Covered>);
 pub fn snapshot(ms: &MapState) -> Snapshot {
     (
         ms.iter().into_iter().map(|(k, e)| (k, e.clone())).collect(),
-        ms.covered().into_iter().cloned().collect(),
+        ms.covered(),
     )
 }
 
