@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use ipnet::IpNet;
-use ordnet::agent::{self, AgentConfig, AgentHandle, NoneDatapath};
+use ordnet::agent::{self, AgentConfig, AgentHandle, Enforcer as _, NoneDatapath};
 use ordnet_engine::{Engine, ServiceRec, Signature};
 use ordnet_mapstate::{L4Prefix, OrderKey, Origin, Peer, Verdict};
 use ordnet_testsuite::fakeapi::FakeApi;
@@ -253,6 +253,9 @@ async fn start_agent(api: &FakeApi) -> AgentHandle {
 }
 
 async fn start_agent_on(api: &FakeApi, node: &str) -> AgentHandle {
+    // Every programmed key is recorded: `programmed` compares them with the engine's.
+    let mut dp = NoneDatapath::default();
+    dp.record_keys();
     let h = agent::start(
         AgentConfig {
             node: node.into(),
@@ -261,7 +264,7 @@ async fn start_agent_on(api: &FakeApi, node: &str) -> AgentHandle {
             lease_renew_every: Duration::from_millis(100),
         },
         api.client(),
-        Box::new(NoneDatapath::default()),
+        Box::new(dp),
     )
     .await
     .unwrap();

@@ -408,6 +408,10 @@ impl Enforcer for BpfDatapath {
         self.programmer.record.programmed()
     }
 
+    fn record_keys(&mut self) {
+        self.programmer.record.keep_keys();
+    }
+
     fn ipcache(&self) -> &BTreeMap<IpNet, Identity> {
         &self.ipcache
     }

@@ -5,6 +5,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ordnet_engine::Engine;
+use ordnet_mapstate::Direction;
 
 use super::Enforcer;
 
@@ -122,9 +123,9 @@ impl Metrics {
             ipcache: dp.ipcache().len() as u64,
             ..Sizes::default()
         };
-        for ep in dp.programmed().values() {
-            s.entries_ingress += ep[0].entries.len() as u64;
-            s.entries_egress += ep[1].entries.len() as u64;
+        for ep in engine.endpoints() {
+            s.entries_ingress += engine.policy(ep, Direction::Ingress).mapstate.len() as u64;
+            s.entries_egress += engine.policy(ep, Direction::Egress).mapstate.len() as u64;
         }
         *self.sizes.lock().unwrap_or_else(|e| e.into_inner()) = s;
         let mut text = String::new();
