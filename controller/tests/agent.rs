@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use ordnet::agent::{self, AgentConfig, AgentHandle, Enforcer as _, NoneDatapath};
-use ordnet_engine::{Engine, ServiceRec, Signature};
+use ordnet_engine::{BuildOptions, Engine, ServiceRec, Signature};
 use ordnet_mapstate::{L4Prefix, OrderKey, Origin, Peer, Verdict};
 use ordnet_testsuite::fakeapi::FakeApi;
 use ordnet_testsuite::scenario::{self, Scenario};
@@ -117,8 +117,18 @@ fn offline_objects(api: &FakeApi) -> ordnet_crds::ClusterObjects {
 /// What the offline engine computes: this node's endpoints, the whole ipcache, and every
 /// Service frontend (`--datapath none` knows no node address, so no NodePort frontends).
 fn offline(api: &FakeApi) -> State {
+    offline_on(api, NODE)
+}
+
+/// [`offline`] for the agent of `node` (a build for that node, as the agent's).
+fn offline_on(api: &FakeApi, node: &str) -> State {
     let objects = offline_objects(api);
-    let engine = Engine::build(&objects);
+    let engine = Engine::build_with(
+        &objects,
+        &BuildOptions {
+            node: Some(node.to_string()),
+        },
+    );
     let snap = engine.snapshot();
     let side = |p: &ordnet_engine::PolicySnapshot| -> Keys {
         let mut keys: Keys = p
@@ -141,7 +151,7 @@ fn offline(api: &FakeApi) -> State {
     let canon = snap
         .endpoints
         .iter()
-        .filter(|(_, e)| e.node.as_deref() == Some(NODE))
+        .filter(|(_, e)| e.node.as_deref() == Some(node))
         .map(|(name, e)| {
             (
                 name.clone(),
@@ -160,6 +170,69 @@ fn offline(api: &FakeApi) -> State {
         .map(|(ip, p, port)| (ip, p.number(), port))
         .collect();
     (canon, snap.ipcache, frontends, services(&engine))
+}
+
+/// At 10,000 pods and 1,000 policies (the scale benchmark's generated cluster), after changes
+/// of every kind (local and remote pod relabels, namespace relabels, policy edits), a local
+/// pod deleted and a policy deleted, the agent's incremental state equals a from-scratch build
+/// of the same objects: every key of every local endpoint as programmed, the isolation, the
+/// ipcache, the Service frontends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incremental_state_at_10k_pods_equals_a_fresh_build() {
+    use ordnet_testsuite::scale::{self, Shape};
+    let shape = Shape {
+        pods: 10_000,
+        policies: 1_000,
+    };
+    let node = scale::node_name(0);
+    let api = FakeApi::start().await.unwrap();
+    for o in shape.objects() {
+        api.create(o).unwrap();
+    }
+    let h = start_agent_within(&api, &node, Duration::from_secs(300)).await;
+    for n in 0..3 {
+        for k in 0..scale::CHANGE_KINDS.len() {
+            scale::change(&api, &shape, k, n);
+        }
+    }
+    let pod = shape.pod(0);
+    api.delete(
+        "v1",
+        "Pod",
+        pod["metadata"]["namespace"].as_str().unwrap(),
+        pod["metadata"]["name"].as_str().unwrap(),
+    )
+    .unwrap();
+    api.delete(
+        "networking.k8s.io/v1",
+        "NetworkPolicy",
+        &scale::ns_name(0),
+        "np-0",
+    )
+    .unwrap();
+    let want = offline_on(&api, &node);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(300);
+    loop {
+        let got = programmed(&h);
+        if got.as_ref() == Some(&want) {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            let got = got.unwrap_or_default();
+            let differ: Vec<&String> = want
+                .0
+                .iter()
+                .filter(|(ep, v)| got.0.get(*ep) != Some(*v))
+                .map(|(ep, _)| ep)
+                .collect();
+            panic!(
+                "the incremental state differs from a fresh build: endpoints {differ:?}, ipcache equal: {}, frontends equal: {}",
+                got.1 == want.1,
+                got.2 == want.2
+            );
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
 }
 
 /// Polls until the agent's programmed state equals the offline one.
@@ -253,6 +326,11 @@ async fn start_agent(api: &FakeApi) -> AgentHandle {
 }
 
 async fn start_agent_on(api: &FakeApi, node: &str) -> AgentHandle {
+    start_agent_within(api, node, LIMIT).await
+}
+
+/// [`start_agent_on`], ready within `limit`.
+async fn start_agent_within(api: &FakeApi, node: &str, limit: Duration) -> AgentHandle {
     // Every programmed key is recorded: `programmed` compares them with the engine's.
     let mut dp = NoneDatapath::default();
     dp.record_keys();
@@ -269,11 +347,11 @@ async fn start_agent_on(api: &FakeApi, node: &str) -> AgentHandle {
     .await
     .unwrap();
     let addr = h.debug_addr();
-    let deadline = tokio::time::Instant::now() + LIMIT;
+    let deadline = tokio::time::Instant::now() + limit;
     while http_get(addr, "/readyz").await.0 != 200 {
         assert!(
             tokio::time::Instant::now() < deadline,
-            "not ready in {LIMIT:?}"
+            "not ready in {limit:?}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -27,13 +27,6 @@ use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const CHANGES_PER_KIND: usize = 40;
-const KINDS: [&str; 5] = [
-    "local pod relabel",
-    "remote pod relabel",
-    "namespace relabel",
-    "NetworkPolicy edit",
-    "OrderedNetworkPolicy edit",
-];
 
 fn shapes() -> Vec<Shape> {
     let text = std::env::var("ORDNET_SCALE").unwrap_or_else(|_| {
@@ -132,77 +125,6 @@ fn spawn_agent(api: &FakeApi, tag: &str) -> Agent {
     Agent { child, addr, log }
 }
 
-/// One change of kind `k` (index into [`KINDS`]), the `n`-th of its kind.
-fn change(api: &FakeApi, shape: &Shape, k: usize, n: usize) {
-    let nodes = shape.nodes();
-    match k {
-        0 | 1 => {
-            // A pod on the agent's node (0) or on node 1: flip its tier.
-            let candidates = shape.pods / nodes;
-            let i = ((n * 7919) % candidates) * nodes + (k % nodes.max(1));
-            let pod = shape.pod(i);
-            let (ns, name) = (&pod["metadata"]["namespace"], &pod["metadata"]["name"]);
-            let mut o = api
-                .get("v1", "Pod", ns.as_str().unwrap(), name.as_str().unwrap())
-                .unwrap();
-            let tier = &mut o["metadata"]["labels"]["tier"];
-            *tier = json!(if tier == "frontend" {
-                "backend"
-            } else {
-                "frontend"
-            });
-            api.update(o).unwrap();
-        }
-        2 => {
-            let ns = (n * 31) % shape.namespaces();
-            let mut o = api.get("v1", "Namespace", "", &scale::ns_name(ns)).unwrap();
-            // The next team: always a real change (an unchanged object is no event).
-            let team = &mut o["metadata"]["labels"]["team"];
-            let t: usize = team
-                .as_str()
-                .and_then(|t| t.strip_prefix("team-"))
-                .and_then(|t| t.parse().ok())
-                .unwrap_or(0);
-            *team = json!(format!("team-{}", (t + 1 + n % 7) % 25));
-            api.update(o).unwrap();
-        }
-        3 => {
-            let i = (n * 13) % (shape.policies / 2);
-            let ns = scale::ns_name(i % shape.namespaces());
-            let mut o = api
-                .get(
-                    "networking.k8s.io/v1",
-                    "NetworkPolicy",
-                    &ns,
-                    &format!("np-{i}"),
-                )
-                .unwrap();
-            let apps = scale::APPS;
-            // Never what the generator wrote, never the previous edit.
-            o["spec"]["ingress"][0]["from"] = json!([
-                {"podSelector": {"matchLabels": {"app": apps[n % apps.len()]}}},
-                {"namespaceSelector": {"matchLabels": {"team": format!("team-{}", n % 25)}},
-                 "podSelector": {"matchLabels": {"edit": n.to_string()}}}]);
-            api.update(o).unwrap();
-        }
-        _ => {
-            let onps = shape.policies - shape.policies / 2 - shape.cluster_policies();
-            let i = (n * 17) % onps;
-            let ns = scale::ns_name(i % shape.namespaces());
-            let mut o = api
-                .get(
-                    "ordnet.io/v1alpha1",
-                    "OrderedNetworkPolicy",
-                    &ns,
-                    &format!("onp-{i}"),
-                )
-                .unwrap();
-            o["spec"]["priority"] = json!(1001 + n as i64);
-            api.update(o).unwrap();
-        }
-    }
-}
-
 struct Run {
     shape: Shape,
     ready: Duration,
@@ -260,12 +182,12 @@ async fn run(shape: Shape) -> Run {
     let ready = started.elapsed();
     // Let the allocator settle after the initial build (freed pages, the watch buffers).
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let mut latencies = vec![Vec::new(); KINDS.len()];
+    let mut latencies = vec![Vec::new(); scale::CHANGE_KINDS.len()];
     for n in 0..CHANGES_PER_KIND {
         for (k, l) in latencies.iter_mut().enumerate() {
             let before = batches(&agent.addr).await;
             let t0 = Instant::now();
-            change(&api, &shape, k, n);
+            scale::change(&api, &shape, k, n);
             loop {
                 if batches(&agent.addr).await > before {
                     break;
@@ -273,7 +195,7 @@ async fn run(shape: Shape) -> Run {
                 assert!(
                     t0.elapsed() < Duration::from_secs(30),
                     "{} {n} not applied within 30 s; agent log: {}",
-                    KINDS[k],
+                    scale::CHANGE_KINDS[k],
                     agent.log.display()
                 );
                 tokio::time::sleep(Duration::from_micros(500)).await;
@@ -309,7 +231,7 @@ fn report(r: &Run) {
     for (k, l) in r.latencies.iter().enumerate() {
         println!(
             "      {:<26} p50 {:>7.2} ms  p99 {:>7.2} ms  max {:>7.2} ms  ({} changes)",
-            KINDS[k],
+            scale::CHANGE_KINDS[k],
             ms(pct(l, 0.5)),
             ms(pct(l, 0.99)),
             ms(*l.last().unwrap()),

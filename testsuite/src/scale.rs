@@ -16,6 +16,8 @@
 
 use serde_json::{Value, json};
 
+use crate::fakeapi::FakeApi;
+
 /// Pods per node.
 pub const PODS_PER_NODE: usize = 100;
 /// Pods per namespace.
@@ -365,6 +367,89 @@ fn cluster_policy(r: &mut Rng, i: usize) -> Value {
                     "namespaceSelector": {"matchLabels": {"env": env}},
                     "ingress": [{"action": action(r), "from": list(r, 2, peer), "ports": list(r, 2, port)}],
                     "egress": [{"action": "Deny", "to": [{"ipBlock": {"cidr": "203.0.113.0/24"}}]}]}})
+}
+
+/// The kinds of change of the scale benchmark and the 10k-pod consistency test: a pod of node 0
+/// (the agent's) or of node 1 flips its `tier` label, a namespace gets the next team, a
+/// NetworkPolicy's first ingress peer list is replaced, an OrderedNetworkPolicy's priority moves.
+pub const CHANGE_KINDS: [&str; 5] = [
+    "local pod relabel",
+    "remote pod relabel",
+    "namespace relabel",
+    "NetworkPolicy edit",
+    "OrderedNetworkPolicy edit",
+];
+
+/// One change of kind `k` (index into [`CHANGE_KINDS`]), the `n`-th of its kind, written to the
+/// fake API server: always a real change of the object.
+pub fn change(api: &FakeApi, shape: &Shape, k: usize, n: usize) {
+    let nodes = shape.nodes();
+    match k {
+        0 | 1 => {
+            // A pod on the agent's node (0) or on node 1: flip its tier.
+            let candidates = shape.pods / nodes;
+            let i = ((n * 7919) % candidates) * nodes + (k % nodes.max(1));
+            let pod = shape.pod(i);
+            let (ns, name) = (&pod["metadata"]["namespace"], &pod["metadata"]["name"]);
+            let mut o = api
+                .get("v1", "Pod", ns.as_str().unwrap(), name.as_str().unwrap())
+                .unwrap();
+            let tier = &mut o["metadata"]["labels"]["tier"];
+            *tier = json!(if tier == "frontend" {
+                "backend"
+            } else {
+                "frontend"
+            });
+            api.update(o).unwrap();
+        }
+        2 => {
+            let ns = (n * 31) % shape.namespaces();
+            let mut o = api.get("v1", "Namespace", "", &ns_name(ns)).unwrap();
+            // The next team: always a real change (an unchanged object is no event).
+            let team = &mut o["metadata"]["labels"]["team"];
+            let t: usize = team
+                .as_str()
+                .and_then(|t| t.strip_prefix("team-"))
+                .and_then(|t| t.parse().ok())
+                .unwrap_or(0);
+            *team = json!(format!("team-{}", (t + 1 + n % 7) % 25));
+            api.update(o).unwrap();
+        }
+        3 => {
+            let i = (n * 13) % (shape.policies / 2);
+            let ns = ns_name(i % shape.namespaces());
+            let mut o = api
+                .get(
+                    "networking.k8s.io/v1",
+                    "NetworkPolicy",
+                    &ns,
+                    &format!("np-{i}"),
+                )
+                .unwrap();
+            let apps = APPS;
+            // Never what the generator wrote, never the previous edit.
+            o["spec"]["ingress"][0]["from"] = json!([
+                {"podSelector": {"matchLabels": {"app": apps[n % apps.len()]}}},
+                {"namespaceSelector": {"matchLabels": {"team": format!("team-{}", n % 25)}},
+                 "podSelector": {"matchLabels": {"edit": n.to_string()}}}]);
+            api.update(o).unwrap();
+        }
+        _ => {
+            let onps = shape.policies - shape.policies / 2 - shape.cluster_policies();
+            let i = (n * 17) % onps;
+            let ns = ns_name(i % shape.namespaces());
+            let mut o = api
+                .get(
+                    "ordnet.io/v1alpha1",
+                    "OrderedNetworkPolicy",
+                    &ns,
+                    &format!("onp-{i}"),
+                )
+                .unwrap();
+            o["spec"]["priority"] = json!(1001 + n as i64);
+            api.update(o).unwrap();
+        }
+    }
 }
 
 #[cfg(test)]
