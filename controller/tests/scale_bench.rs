@@ -329,7 +329,6 @@ fn peak() -> usize {
 #[ignore = "benchmark: run in release with --ignored --nocapture"]
 fn memory_breakdown() {
     use ordnet::agent::{Enforcer, NoneDatapath};
-    use ordnet_engine::{BuildOptions, Engine};
 
     let text = std::env::var("ORDNET_SCALE")
         .unwrap_or_else(|_| "2000:200,10000:1000,50000:5000,10000:5000".into());
@@ -340,34 +339,32 @@ fn memory_breakdown() {
             policies: q.parse().unwrap(),
         };
         let mut parts: Vec<(String, usize)> = Vec::new();
+        println!(
+            "(an Object is {} bytes inline, a ReadPod {})",
+            std::mem::size_of::<ordnet_engine::Object>(),
+            std::mem::size_of::<ordnet_engine::ReadPod>()
+        );
 
         // The agent's view: per object its key and resourceVersion (the applier's view keeps no
         // object); the objects themselves, slimmed as the watchers deliver them, wait for the
         // initial build (transient) and are then dropped.
         let base = reset_peak();
-        let mut view = std::collections::BTreeMap::new();
-        let mut objects = ordnet_crds::ClusterObjects::default();
+        let mut initial = Initial::default();
+        let mut keys = Vec::new();
         for v in shape.objects() {
             let o = typed(v).slimmed();
             let (ns, name) = o.key();
-            view.insert((o.kind(), ns, name), o.meta().resource_version.clone());
-            push(&mut objects, o);
+            keys.push((o.kind(), ns, name, o.meta().resource_version.clone()));
+            push(&mut initial, o);
         }
         let copy = live() - base;
+        let view: std::collections::BTreeMap<_, _> = keys
+            .into_iter()
+            .map(|(kind, ns, name, rv)| ((kind, ns, name), rv))
+            .collect();
         let before = reset_peak();
-        let engine = Engine::build_with(
-            &objects,
-            &BuildOptions {
-                node: Some(scale::node_name(0)),
-            },
-        );
+        let engine = initial.build(scale::node_name(0));
         let build_peak = peak() - before;
-        let engine_bytes = live() - before;
-        drop(objects);
-        parts.push((
-            "view (key, resourceVersion)".into(),
-            live().saturating_sub(base + engine_bytes),
-        ));
 
         // What the MapStates hold: distinct states, their keys, the keys every endpoint gets.
         {
@@ -419,11 +416,19 @@ fn memory_breakdown() {
             last = now;
         });
         parts.push(("datapath tables (none)".into(), mirror));
+        let before = live();
+        drop(view);
+        parts.insert(0, ("view (key, resourceVersion)".into(), before - live()));
         println!(
             "  (not kept by the agent: a record of every programmed key, as the tests keep, {:.1} MiB)",
             record_bytes as f64 / 1048576.0
         );
         let total: usize = parts.iter().map(|(_, b)| b).sum();
+        let engine_bytes: usize = parts
+            .iter()
+            .filter(|(n, _)| n.starts_with("engine"))
+            .map(|(_, b)| b)
+            .sum();
         println!(
             "{} pods, {} policies: {:.1} MiB kept ({:.1} KiB per cluster pod); transient: objects waiting for the initial build {:.1} MiB, build peak {:.1} MiB above them, shadow analysis peak {:.1} MiB; engine {:.1} MiB",
             shape.pods,
@@ -443,7 +448,6 @@ fn memory_breakdown() {
             );
         }
         drop(dp);
-        drop(view);
     }
 }
 
@@ -463,7 +467,25 @@ fn typed(v: serde_json::Value) -> ordnet_engine::Object {
     }
 }
 
-fn push(objects: &mut ordnet_crds::ClusterObjects, o: ordnet_engine::Object) {
+/// The objects of an initial build as the agent hands them to the engine: pods already read.
+#[derive(Default)]
+struct Initial {
+    objects: ordnet_crds::ClusterObjects,
+    read_pods: Vec<ordnet_engine::ReadPod>,
+}
+
+impl Initial {
+    fn build(self, node: String) -> ordnet_engine::Engine {
+        ordnet_engine::Engine::build_with_read_pods(
+            &self.objects,
+            self.read_pods,
+            &ordnet_engine::BuildOptions { node: Some(node) },
+        )
+    }
+}
+
+fn push(initial: &mut Initial, o: ordnet_engine::Object) {
+    let objects = &mut initial.objects;
     use ordnet_engine::Object;
     fn l<T>(object: T) -> ordnet_crds::Loaded<T> {
         ordnet_crds::Loaded {
@@ -473,8 +495,9 @@ fn push(objects: &mut ordnet_crds::ClusterObjects, o: ordnet_engine::Object) {
     }
     match o {
         Object::Namespace(o) => objects.namespaces.push(l(o)),
-        Object::Pod(o) => objects.pods.push(l(o)),
-        Object::Service(o) => objects.services.push(l(o)),
+        Object::Pod(o) => objects.pods.push(l(*o)),
+        Object::ReadPod(o) => initial.read_pods.push(*o),
+        Object::Service(o) => objects.services.push(l(*o)),
         Object::NetworkPolicy(o) => objects.network_policies.push(l(o)),
         Object::OrderedNetworkPolicy(o) => objects.ordered_policies.push(l(o)),
         Object::ClusterOrderedNetworkPolicy(o) => objects.cluster_ordered_policies.push(l(o)),
@@ -489,20 +512,15 @@ fn push(objects: &mut ordnet_crds::ClusterObjects, o: ordnet_engine::Object) {
 #[ignore = "benchmark: run in release with --ignored --nocapture"]
 fn engine_changes() {
     use ordnet::agent::{Enforcer, NoneDatapath};
-    use ordnet_engine::{BuildOptions, Engine, ObjectChange};
+    use ordnet_engine::ObjectChange;
     for shape in shapes() {
-        let mut objects = ordnet_crds::ClusterObjects::default();
+        let mut initial = Initial::default();
         let all = shape.objects();
         for v in all.iter().cloned() {
-            push(&mut objects, typed(v).slimmed());
+            push(&mut initial, typed(v).slimmed());
         }
         let started = Instant::now();
-        let mut engine = Engine::build_with(
-            &objects,
-            &BuildOptions {
-                node: Some(scale::node_name(0)),
-            },
-        );
+        let mut engine = initial.build(scale::node_name(0));
         println!(
             "{} pods {} policies: built in {:.2} s",
             shape.pods,

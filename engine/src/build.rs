@@ -15,6 +15,7 @@ use crate::model::{
     EngineError, PeerSpec, PolicyRef, translate_cluster_policy, translate_network_policy,
     translate_ordered_policy,
 };
+use crate::objects::ReadPod;
 use crate::selector_cache::SelectorCache;
 use crate::shared::{ShareKey, SharedStates};
 use crate::store::{PodKey, Store, pod_key_text, read_namespace, read_pod};
@@ -206,7 +207,23 @@ impl Engine {
 
     /// From-scratch build with options.
     pub fn build_with(objects: &ClusterObjects, options: &BuildOptions) -> Engine {
+        Engine::build_with_read_pods(objects, Vec::new(), options)
+    }
+
+    /// [`Engine::build_with`] from objects and pods already read ([`Object::slimmed`]); the
+    /// read pods are consumed one by one (the agent's initial build).
+    pub fn build_with_read_pods(
+        objects: &ClusterObjects,
+        read_pods: Vec<ReadPod>,
+        options: &BuildOptions,
+    ) -> Engine {
         let mut e = Engine::empty(options.clone());
+        for r in read_pods {
+            match r.into_read() {
+                Ok((k, rec)) => e.store.insert_pod(k, rec),
+                Err(err) => e.errors.push(err),
+            }
+        }
         for ns in &objects.namespaces {
             match read_namespace(&ns.object) {
                 Ok((name, labels)) => {
@@ -217,9 +234,7 @@ impl Engine {
         }
         for pod in &objects.pods {
             match read_pod(&pod.object) {
-                Ok((k, rec)) => {
-                    e.store.pods.insert(k, rec);
-                }
+                Ok((k, rec)) => e.store.insert_pod(k, rec),
                 Err(err) => e.errors.push(err),
             }
         }

@@ -180,6 +180,25 @@ impl Engine {
     }
 
     /// Step 1: the object store.
+    /// A pod read: stored (keeping its identities until they are recomputed) and marked, if it
+    /// changed.
+    fn store_pod(&mut self, k: PodKey, mut rec: PodRec, p: &mut Pending) {
+        match self.store.pods.get(&k) {
+            Some(old) => {
+                rec.ids = old.ids.clone();
+                rec.signed_ips = old.signed_ips.clone();
+                if *old != rec {
+                    self.store.insert_pod(k.clone(), rec);
+                    p.pods.insert(k);
+                }
+            }
+            None => {
+                self.store.insert_pod(k.clone(), rec);
+                p.pods.insert(k);
+            }
+        }
+    }
+
     fn store(&mut self, change: ObjectChange, p: &mut Pending) -> Result<(), EngineError> {
         let default_ns = || ordnet_crds::DEFAULT_NAMESPACE.to_string();
         match change {
@@ -202,21 +221,12 @@ impl Engine {
                 }
             }
             ObjectChange::Upsert(Object::Pod(pod)) => {
-                let (k, mut rec) = read_pod(&pod)?;
-                match self.store.pods.get(&k) {
-                    Some(old) => {
-                        rec.ids = old.ids.clone();
-                        rec.signed_ips = old.signed_ips.clone();
-                        if *old != rec {
-                            self.store.pods.insert(k.clone(), rec);
-                            p.pods.insert(k);
-                        }
-                    }
-                    None => {
-                        self.store.pods.insert(k.clone(), rec);
-                        p.pods.insert(k);
-                    }
-                }
+                let (k, rec) = read_pod(&pod)?;
+                self.store_pod(k, rec, p);
+            }
+            ObjectChange::Upsert(Object::ReadPod(r)) => {
+                let (k, rec) = r.read().clone()?;
+                self.store_pod(k, rec, p);
             }
             ObjectChange::Upsert(Object::Service(svc)) => {
                 let (k, rec) = crate::services::read_service(&svc)?;

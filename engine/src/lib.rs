@@ -44,7 +44,7 @@ pub use model::{
     EngineError, FailedRule, Labels, PeerSpec, Policy, PolicyKind, PolicyRef, PortSpec, Rule,
     Subject,
 };
-pub use objects::{Object, ObjectChange, ObjectKind};
+pub use objects::{Object, ObjectChange, ObjectKind, ReadPod};
 pub use query::{
     BackendVerdict, FlowEnd, FlowTrace, Matrix, MatrixEnd, MatrixResult, MatrixVerdict,
     ResolveError, SideDecision, SideTrace, matrix, matrix_by,

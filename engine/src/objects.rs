@@ -2,9 +2,7 @@
 //! a kind touches this file (and the engine stage that reads it) only: the agent watches
 //! [`ObjectKind::ALL`] and names objects through these methods.
 
-use k8s_openapi::api::core::v1::{
-    Container, Namespace, Pod, PodCondition, PodSpec, PodStatus, Service,
-};
+use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use ordnet_crds::{ClusterOrderedNetworkPolicy, OrderedNetworkPolicy};
@@ -14,18 +12,23 @@ use crate::model::{
     EngineError, Policy, translate_cluster_policy, translate_network_policy,
     translate_ordered_policy,
 };
+use crate::store::{PodKey, PodRec, read_pod};
 
 /// A Kubernetes object the engine consumes.
-// Objects are moved once per change; boxing them would only make the API clumsier.
-#[allow(clippy::large_enum_variant)]
+///
+/// A `Pod` and a `Service` are boxed: a `Pod` is 2.4 KiB inline (a `Container` 2.3 KiB more),
+/// and every object waiting in a queue or a map would take that much.
 #[derive(Debug, Clone)]
 pub enum Object {
     /// `v1` `Namespace`: its labels.
     Namespace(Namespace),
     /// `v1` `Pod`: labels, addresses, container ports, node, host network, phase.
-    Pod(Pod),
+    Pod(Box<Pod>),
+    /// A `v1` `Pod` already read ([`Object::slimmed`]): what the engine and the validation
+    /// take from it, without the object.
+    ReadPod(Box<ReadPod>),
     /// `v1` `Service`: frontends, NodePorts, and the selector that picks its backends.
-    Service(Service),
+    Service(Box<Service>),
     /// `networking.k8s.io/v1` `NetworkPolicy`.
     NetworkPolicy(NetworkPolicy),
     /// `ordnet.io/v1alpha1` `OrderedNetworkPolicy`.
@@ -49,57 +52,59 @@ fn slim_meta(m: ObjectMeta) -> ObjectMeta {
     }
 }
 
-/// A container as the engine reads it: its name and ports.
-fn slim_container(c: Container) -> Container {
-    Container {
-        name: c.name,
-        ports: c.ports,
-        ..Container::default()
-    }
+/// A pod as read once: its metadata (as [`Object::slimmed`] keeps it), its validation errors,
+/// and what the engine reads of it. About 1 KiB where a slimmed `Pod` object is 5 KiB and more
+/// (its `Container`s are 2.3 KiB each inline): what an agent holds per pod between the watch
+/// event and the engine (at 50,000 pods, the whole initial list).
+#[derive(Debug, Clone)]
+pub struct ReadPod {
+    meta: ObjectMeta,
+    errors: Vec<String>,
+    read: Result<(PodKey, PodRec), EngineError>,
 }
 
-/// A pod as the engine reads it ([`crate::store`]'s `read_pod` and the validation): labels,
-/// container ports, node, host network, phase, addresses and the Ready condition.
-fn slim_pod(pod: Pod) -> Pod {
-    Pod {
-        metadata: slim_meta(pod.metadata),
-        spec: pod.spec.map(|s| PodSpec {
-            containers: s.containers.into_iter().map(slim_container).collect(),
-            init_containers: s
-                .init_containers
-                .map(|v| v.into_iter().map(slim_container).collect()),
-            node_name: s.node_name,
-            host_network: s.host_network,
-            ..PodSpec::default()
-        }),
-        status: pod.status.map(|s| PodStatus {
-            phase: s.phase,
-            pod_ip: s.pod_ip,
-            pod_ips: s.pod_ips,
-            conditions: s.conditions.map(|cs| {
-                cs.into_iter()
-                    .filter(|c| c.type_ == "Ready")
-                    .map(|c| PodCondition {
-                        type_: c.type_,
-                        status: c.status,
-                        ..PodCondition::default()
-                    })
-                    .collect()
-            }),
-            ..PodStatus::default()
-        }),
+impl ReadPod {
+    /// Reads `pod`: validation ([`ordnet_crds::validate::validate_pod`], errors only) and the
+    /// engine's reading.
+    pub fn of(pod: Pod) -> ReadPod {
+        let errors = ordnet_crds::validate::validate_pod(&pod)
+            .iter()
+            .filter(|e| e.severity == ordnet_crds::Severity::Error)
+            .map(|e| e.to_string())
+            .collect();
+        let read = read_pod(&pod);
+        ReadPod {
+            meta: slim_meta(pod.metadata),
+            errors,
+            read,
+        }
+    }
+
+    /// The pod's validation errors (as `FieldError` texts).
+    pub fn errors(&self) -> &[String] {
+        &self.errors
+    }
+
+    /// What the engine reads of the pod, or why it cannot.
+    pub(crate) fn read(&self) -> &Result<(PodKey, PodRec), EngineError> {
+        &self.read
+    }
+
+    pub(crate) fn into_read(self) -> Result<(PodKey, PodRec), EngineError> {
+        self.read
     }
 }
 
 impl Object {
     /// The object reduced to what the engine, the validation and the status writer read, so
-    /// that what a watcher keeps until the engine has it is small: a pod as its labels, ports,
-    /// node, phase, addresses and readiness (a real pod object is 4-10 KiB of JSON, mostly
-    /// managedFields, volumes and container details); for every kind, no annotations and no
-    /// managedFields. Verdicts are unchanged: nothing dropped is read.
+    /// that what a watcher keeps until the engine has it is small: a pod read once
+    /// ([`ReadPod`]: a real pod object is 4-10 KiB of JSON, mostly managedFields, volumes and
+    /// container details); for every kind, no annotations and no managedFields. Verdicts are
+    /// unchanged: nothing dropped is read.
     pub fn slimmed(self) -> Object {
         match self {
-            Object::Pod(p) => Object::Pod(slim_pod(p)),
+            Object::Pod(p) => Object::ReadPod(Box::new(ReadPod::of(*p))),
+            Object::ReadPod(r) => Object::ReadPod(r),
             Object::Namespace(mut x) => {
                 x.metadata = slim_meta(x.metadata);
                 x.spec = None;
@@ -107,7 +112,7 @@ impl Object {
                 Object::Namespace(x)
             }
             Object::Service(mut x) => {
-                x.metadata = slim_meta(x.metadata);
+                x.metadata = slim_meta(std::mem::take(&mut x.metadata));
                 x.status = None;
                 Object::Service(x)
             }
@@ -132,7 +137,7 @@ impl Object {
     pub fn kind(&self) -> ObjectKind {
         match self {
             Object::Namespace(_) => ObjectKind::Namespace,
-            Object::Pod(_) => ObjectKind::Pod,
+            Object::Pod(_) | Object::ReadPod(_) => ObjectKind::Pod,
             Object::Service(_) => ObjectKind::Service,
             Object::NetworkPolicy(_) => ObjectKind::NetworkPolicy,
             Object::OrderedNetworkPolicy(_) => ObjectKind::OrderedNetworkPolicy,
@@ -145,6 +150,7 @@ impl Object {
         match self {
             Object::Namespace(x) => &x.metadata,
             Object::Pod(x) => &x.metadata,
+            Object::ReadPod(x) => &x.meta,
             Object::Service(x) => &x.metadata,
             Object::NetworkPolicy(x) => &x.metadata,
             Object::OrderedNetworkPolicy(x) => &x.metadata,
@@ -174,7 +180,9 @@ impl Object {
             Object::NetworkPolicy(np) => translate_network_policy(np),
             Object::OrderedNetworkPolicy(onp) => translate_ordered_policy(onp),
             Object::ClusterOrderedNetworkPolicy(conp) => translate_cluster_policy(conp),
-            Object::Namespace(_) | Object::Pod(_) | Object::Service(_) => return None,
+            Object::Namespace(_) | Object::Pod(_) | Object::ReadPod(_) | Object::Service(_) => {
+                return None;
+            }
         })
     }
 }

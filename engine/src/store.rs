@@ -2,7 +2,7 @@
 //! translated policies), indexed the way the later stages read it, and the use counts of the
 //! CIDR prefixes and egress named ports the policies mention (they shape the identities).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -60,9 +60,29 @@ pub(crate) struct Store {
     pub cidr_use: BTreeMap<IpNet, u32>,
     /// (name, protocol) of named ports used by egress rules, with reference counts.
     pub named_use: BTreeMap<(String, Protocol), u32>,
+    /// The distinct label sets of the pods, each kept once: the replicas of a workload carry
+    /// equal labels (and their identity's signature shares them too). Sets no pod uses any more
+    /// are dropped when the table has doubled since the last sweep.
+    label_sets: HashSet<Arc<Labels>>,
+    label_sets_swept_at: usize,
 }
 
 impl Store {
+    /// Stores a pod, its labels shared with the pods that have equal ones.
+    pub(crate) fn insert_pod(&mut self, key: PodKey, mut rec: PodRec) {
+        match self.label_sets.get(&*rec.labels) {
+            Some(shared) => rec.labels = Arc::clone(shared),
+            None => {
+                if self.label_sets.len() >= 2 * self.label_sets_swept_at.max(64) {
+                    self.label_sets.retain(|l| Arc::strong_count(l) > 1);
+                    self.label_sets_swept_at = self.label_sets.len();
+                }
+                self.label_sets.insert(Arc::clone(&rec.labels));
+            }
+        }
+        self.pods.insert(key, rec);
+    }
+
     /// Adds a translated policy to the object store and the use counts (no identities, no
     /// selectors).
     pub(crate) fn insert_policy(&mut self, p: Arc<Policy>) {

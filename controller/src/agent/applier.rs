@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use ordnet_crds::validate;
 use ordnet_crds::{ClusterObjects, Loaded};
-use ordnet_engine::{BuildOptions, Engine, EngineDelta, Object, ObjectChange, ObjectKind};
+use ordnet_engine::{BuildOptions, Engine, EngineDelta, Object, ObjectChange, ObjectKind, ReadPod};
 use tokio::sync::{mpsc, watch};
 
 use super::watchers::WatchMsg;
@@ -67,6 +67,8 @@ fn validate_object(o: &Object) -> Vec<String> {
         Object::Service(x) => validate::validate_service(x),
         Object::Namespace(x) => validate::validate_namespace(x),
         Object::Pod(x) => validate::validate_pod(x),
+        // Read (and validated) when it arrived.
+        Object::ReadPod(x) => return x.errors().to_vec(),
         Object::NetworkPolicy(x) => validate::validate_network_policy(x),
         Object::OrderedNetworkPolicy(x) => validate::validate_ordered_network_policy(x),
         Object::ClusterOrderedNetworkPolicy(x) => {
@@ -339,30 +341,32 @@ impl Applier {
 
     /// The usable objects of the view, as the offline loader would give them, moved out of
     /// `pending` (which is empty afterwards).
-    fn take_cluster_objects(&mut self) -> ClusterObjects {
+    fn take_cluster_objects(&mut self) -> (ClusterObjects, Vec<ReadPod>) {
         let mut objects = ClusterObjects::default();
+        let mut read_pods = Vec::new();
         for (key, object) in std::mem::take(&mut self.pending) {
             if !self.view.get(&key).is_some_and(|e| e.usable()) {
                 continue;
             }
             match object {
                 Object::Namespace(o) => objects.namespaces.push(loaded(o)),
-                Object::Pod(o) => objects.pods.push(loaded(o)),
+                Object::Pod(o) => objects.pods.push(loaded(*o)),
+                Object::ReadPod(o) => read_pods.push(*o),
                 Object::NetworkPolicy(o) => objects.network_policies.push(loaded(o)),
                 Object::OrderedNetworkPolicy(o) => objects.ordered_policies.push(loaded(o)),
                 Object::ClusterOrderedNetworkPolicy(o) => {
                     objects.cluster_ordered_policies.push(loaded(o))
                 }
-                Object::Service(o) => objects.services.push(loaded(o)),
+                Object::Service(o) => objects.services.push(loaded(*o)),
             }
         }
-        objects
+        (objects, read_pods)
     }
 
     fn initial_program(&mut self) {
         let started = Instant::now();
-        let objects = self.take_cluster_objects();
-        let engine = Engine::build_with(&objects, &self.options());
+        let (objects, read_pods) = self.take_cluster_objects();
+        let engine = Engine::build_with_read_pods(&objects, read_pods, &self.options());
         drop(objects);
         self.state
             .metrics

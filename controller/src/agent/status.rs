@@ -780,6 +780,11 @@ pub async fn event_loop(
         let reference = match &p.object {
             Object::Namespace(o) => o.object_ref(&()),
             Object::Pod(o) => o.object_ref(&()),
+            Object::ReadPod(o) => k8s_openapi::api::core::v1::Pod {
+                metadata: Object::ReadPod(o.clone()).meta().clone(),
+                ..Default::default()
+            }
+            .object_ref(&()),
             Object::Service(o) => o.object_ref(&()),
             Object::NetworkPolicy(o) => o.object_ref(&()),
             Object::OrderedNetworkPolicy(o) => o.object_ref(&()),

@@ -35,8 +35,10 @@ pub(crate) fn spawn_all(
             let (c, t) = (client.clone(), tx.clone());
             match kind {
                 ObjectKind::Namespace => spawn_watch::<Namespace>(c, kind, Object::Namespace, t),
-                ObjectKind::Pod => spawn_watch::<Pod>(c, kind, Object::Pod, t),
-                ObjectKind::Service => spawn_watch::<Service>(c, kind, Object::Service, t),
+                ObjectKind::Pod => spawn_watch::<Pod>(c, kind, |p| Object::Pod(Box::new(p)), t),
+                ObjectKind::Service => {
+                    spawn_watch::<Service>(c, kind, |s| Object::Service(Box::new(s)), t)
+                }
                 ObjectKind::NetworkPolicy => {
                     spawn_watch::<NetworkPolicy>(c, kind, Object::NetworkPolicy, t)
                 }
