@@ -394,6 +394,7 @@ impl Applier {
             .metrics
             .apply_seconds
             .observe(started.elapsed().as_secs_f64());
+        release_free_memory();
     }
 
     fn apply_dirty(&mut self, observed: Instant) {
@@ -468,6 +469,19 @@ impl Applier {
             .observe(observed.elapsed().as_secs_f64());
         // Last: a batch counted is a batch fully recorded.
         self.state.metrics.batches.inc();
+    }
+}
+
+/// Gives the memory freed after the initial sync back to the system. The initial list and
+/// build peak at about twice what the agent keeps (the listed objects wait for the build, the
+/// build has its scratch), and glibc's allocator keeps freed memory for reuse: at 50,000 pods
+/// the agent's RSS stayed at that peak (909 MiB for 480 MiB in use). `malloc_trim` returns the
+/// free pages (also those between allocations in use).
+fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases memory the allocator holds as free.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
 
