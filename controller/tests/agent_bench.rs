@@ -112,12 +112,10 @@ async fn bench_2000_pods_1000_policies() {
     load(&api);
     // Another agent holds the status Lease for the whole run, so no status writes (and their
     // watch echoes) mix into the timed batches.
-    let now = k8s_openapi::jiff::Timestamp::now().to_string();
-    api.create(
-        json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-        "metadata": {"namespace": "kube-system", "name": "ordnet-status-writer"},
-        "spec": {"holderIdentity": "elsewhere", "leaseDurationSeconds": 3600,
-                 "acquireTime": now, "renewTime": now}}),
+    api.hold_lease(
+        "kube-system",
+        ordnet::agent::status::LEASE_NAME,
+        "elsewhere",
     )
     .unwrap();
     let rss_before = rss_kib();

@@ -148,13 +148,12 @@ async fn run(shape: Shape) -> Run {
     for o in shape.objects() {
         api.create(o).unwrap();
     }
-    // Another agent holds the status Lease: no status writes mix into the timed batches.
-    let now = k8s_openapi::jiff::Timestamp::now().to_string();
-    api.create(
-        json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-        "metadata": {"namespace": "kube-system", "name": "ordnet-status-writer"},
-        "spec": {"holderIdentity": "elsewhere", "leaseDurationSeconds": 3600,
-                 "acquireTime": now, "renewTime": now}}),
+    // Another agent holds the status Lease for the whole run, so no status writes (and their
+    // watch echoes) mix into the timed batches.
+    api.hold_lease(
+        "kube-system",
+        ordnet::agent::status::LEASE_NAME,
+        "elsewhere",
     )
     .unwrap();
     eprintln!(

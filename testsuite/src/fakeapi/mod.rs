@@ -336,6 +336,19 @@ impl FakeApi {
         }
     }
 
+    /// Creates a `coordination.k8s.io/v1` Lease `namespace/name` held by `holder` for an hour
+    /// from now (benchmarks: another agent holds the status writer's Lease, so no status writes
+    /// mix into what they time).
+    pub fn hold_lease(&self, namespace: &str, name: &str, holder: &str) -> Result<Value, ApiError> {
+        let now = k8s_openapi::jiff::Timestamp::now().to_string();
+        self.create(
+            json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"namespace": namespace, "name": name},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": 3600,
+                     "acquireTime": now, "renewTime": now}}),
+        )
+    }
+
     /// Deletes an object; `namespace` is ignored for cluster-scoped kinds.
     pub fn delete(
         &self,
