@@ -179,6 +179,17 @@ async fn run(shape: Shape) -> Run {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let ready = started.elapsed();
+    // Of which the initial build (engine and datapath programming), from the agent's histogram.
+    let (_, metrics) = get(&agent.addr, "/metrics").await.expect("agent /metrics");
+    let build = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("ordnet_apply_duration_seconds_sum "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .unwrap_or(f64::NAN);
+    eprintln!(
+        "  ready after {:.2} s, of which the initial build and programming {build:.2} s",
+        ready.as_secs_f64()
+    );
     // Let the allocator settle after the initial build (freed pages, the watch buffers).
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut latencies = vec![Vec::new(); scale::CHANGE_KINDS.len()];
