@@ -368,6 +368,8 @@ pub struct MapState {
     /// are dropped when the table has doubled since the last sweep.
     lists: FastMap<Arc<[EntryId]>, Arc<[Arc<Origin>]>>,
     lists_swept_at: usize,
+    /// The number of keys (`len`).
+    key_count: usize,
     /// The distinct candidate lists and key lists of the peers. At 10,000 pods a node's
     /// MapStates held 750,000 keys for 2,000 identities, ~3 keys per identity and state, and
     /// most identities of a state have the same candidates; each distinct list is kept once.
@@ -455,6 +457,7 @@ impl MapState {
             blockless: BTreeSet::new(),
             lists: FastMap::default(),
             lists_swept_at: 0,
+            key_count: 0,
             pool: Pool::default(),
         }
     }
@@ -476,7 +479,10 @@ impl MapState {
     /// state answers nonsense afterwards; drop it.
     pub fn release(&mut self, i: usize) {
         match i {
-            0 => self.tries = FastMap::default(),
+            0 => {
+                self.tries = FastMap::default();
+                self.key_count = 0;
+            }
             1 => self.cand = FastMap::default(),
             2 => self.spec_index = PrefixMap::new(),
             3 => self.covered = FastMap::default(),
@@ -642,10 +648,14 @@ impl MapState {
         out
     }
 
-    /// Number of keys in the state.
-    /// Number of keys (every peer).
+    /// Number of keys (every peer). Kept as the keys are written: the agent's metrics read it
+    /// after every batch, for every local endpoint.
     pub fn len(&self) -> usize {
-        self.tries.values().map(|t| t.len()).sum()
+        debug_assert_eq!(
+            self.key_count,
+            self.tries.values().map(|t| t.len()).sum::<usize>()
+        );
+        self.key_count
     }
 
     /// Whether there is no key at all (every packet gets the default).
@@ -747,6 +757,7 @@ impl MapState {
                 continue;
             }
             if let Some(keys) = self.tries.remove(&peer) {
+                self.key_count -= keys.len();
                 changes.removed.extend(
                     Arc::unwrap_or_clone(keys)
                         .0
@@ -1291,6 +1302,7 @@ impl MapState {
         }
         let keys = Arc::make_mut(self.tries.entry(peer).or_default());
         let run = keys.run(&region);
+        self.key_count = self.key_count + new.len() - run.len();
         match changes {
             None => {
                 keys.0.splice(run, new);
