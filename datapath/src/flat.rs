@@ -388,29 +388,28 @@ pub fn meet_steps(
     if !diff.wildcard_upserts.is_empty() || !diff.wildcard_removes.is_empty() {
         return None;
     }
-    let mut ids: Vec<u32> = diff
-        .specific_upserts
-        .iter()
-        .chain(&diff.specific_removes)
-        .map(|((id, _), _)| *id)
-        .collect();
-    ids.sort_unstable();
-    ids.dedup();
+    // Per touched identity: its removed prefixes and its upserted keys.
+    type Change = (Vec<u32>, Vec<(u32, u8)>);
+    let mut by_id: BTreeMap<u32, Change> = BTreeMap::new();
+    for &((id, p), _) in &diff.specific_removes {
+        by_id.entry(id).or_default().0.push(p);
+    }
+    for &((id, p), v) in &diff.specific_upserts {
+        by_id.entry(id).or_default().1.push((p, v));
+    }
     let (mut to_meet, mut to_after) = (ContentDiff::default(), ContentDiff::default());
     let w = &current.wildcard;
-    for id in ids {
+    for (id, (removes, upserts)) in by_id {
         let old: BTreeMap<u32, u8> = current
             .specific
             .range((id, 0)..=(id, u32::MAX))
             .map(|(&(_, p), &v)| (p, v))
             .collect();
         let mut new = old.clone();
-        for ((_, p), _) in diff.specific_removes.iter().filter(|((i, _), _)| *i == id) {
-            new.remove(p);
+        for p in removes {
+            new.remove(&p);
         }
-        for ((_, p), v) in diff.specific_upserts.iter().filter(|((i, _), _)| *i == id) {
-            new.insert(*p, *v);
-        }
+        new.extend(upserts);
         // The refinement of this identity (see `refinement`).
         let mut at: std::collections::BTreeSet<u32> =
             old.keys().chain(new.keys()).copied().collect();

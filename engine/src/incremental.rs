@@ -225,7 +225,7 @@ impl Engine {
                 self.store_pod(k, rec, p);
             }
             ObjectChange::Upsert(Object::ReadPod(r)) => {
-                let (k, rec) = r.read().clone()?;
+                let (k, rec) = r.into_read()?;
                 self.store_pod(k, rec, p);
             }
             ObjectChange::Upsert(Object::Service(svc)) => {

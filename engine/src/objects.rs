@@ -86,10 +86,6 @@ impl ReadPod {
     }
 
     /// What the engine reads of the pod, or why it cannot.
-    pub(crate) fn read(&self) -> &Result<(PodKey, PodRec), EngineError> {
-        &self.read
-    }
-
     pub(crate) fn into_read(self) -> Result<(PodKey, PodRec), EngineError> {
         self.read
     }

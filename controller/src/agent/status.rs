@@ -780,8 +780,8 @@ pub async fn event_loop(
         let reference = match &p.object {
             Object::Namespace(o) => o.object_ref(&()),
             Object::Pod(o) => o.object_ref(&()),
-            Object::ReadPod(o) => k8s_openapi::api::core::v1::Pod {
-                metadata: Object::ReadPod(o.clone()).meta().clone(),
+            Object::ReadPod(_) => k8s_openapi::api::core::v1::Pod {
+                metadata: p.object.meta().clone(),
                 ..Default::default()
             }
             .object_ref(&()),

@@ -476,6 +476,13 @@ impl Track {
         {
             return None;
         }
+        self.track_new(maps, self.initiator | CT_SERVICE);
+        Some(Decision::simple(Verdict::Pass, Reason::ServiceFrontend))
+    }
+
+    /// Tracks the flow from now on, with `flags`, at the current revision.
+    #[inline(always)]
+    fn track_new<M: DatapathMaps + ?Sized>(&mut self, maps: &M, flags: u32) {
         if self.now == 0 {
             self.now = maps.now();
         }
@@ -484,11 +491,10 @@ impl Track {
             &CtEntry {
                 revision: self.revision,
                 last_seen: self.now,
-                flags: self.initiator | CT_SERVICE,
+                flags,
                 _pad: 0,
             },
         );
-        Some(Decision::simple(Verdict::Pass, Reason::ServiceFrontend))
     }
 
     /// Whether the packet comes from the side that opened the tracked flow (or there is none).
@@ -533,18 +539,7 @@ impl Track {
                     && self.now.saturating_sub(e.last_seen) <= self.refresh;
             }
             if !fresh {
-                if self.now == 0 {
-                    self.now = maps.now();
-                }
-                maps.ct_store(
-                    &self.key,
-                    &CtEntry {
-                        revision: self.revision,
-                        last_seen: self.now,
-                        flags: self.initiator,
-                        _pad: 0,
-                    },
-                );
+                self.track_new(maps, self.initiator);
             }
         }
         d

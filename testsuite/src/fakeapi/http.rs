@@ -13,6 +13,17 @@ pub(crate) struct Target {
     pub(crate) status: bool,
 }
 
+impl Target {
+    /// The part of the object a write to this path changes.
+    fn part(&self) -> Part {
+        if self.status {
+            Part::Status
+        } else {
+            Part::Main
+        }
+    }
+}
+
 pub(crate) fn parse_path(path: &str) -> Result<Target, ApiError> {
     let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
     let (group, version, rest) = match segs.as_slice() {
@@ -214,13 +225,8 @@ pub(crate) async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Respons
                 ));
             }
             let key = (target.resource, ns.clone(), name.clone());
-            let part = if target.status {
-                Part::Status
-            } else {
-                Part::Main
-            };
             let mut st = inner.lock();
-            st.store_update(&key, obj, part).map(|o| (200, o))
+            st.store_update(&key, obj, target.part()).map(|o| (200, o))
         }),
         (&Method::PATCH, Some(name)) => parse_body().and_then(|patch| {
             apply_patch(
@@ -268,11 +274,7 @@ fn apply_patch(
     let ns = target.namespace.clone().unwrap_or_default();
     let name = name.to_string();
     let key = (target.resource, ns.clone(), name.clone());
-    let part = if target.status {
-        Part::Status
-    } else {
-        Part::Main
-    };
+    let part = target.part();
     let mut st = inner.lock();
     match content_type {
         Some("application/apply-patch+yaml") => {
