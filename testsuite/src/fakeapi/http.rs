@@ -106,6 +106,17 @@ fn list(
         Some(Ok(l)) => l,
         Some(Err(_)) => return Err(err(400, "BadRequest", "limit: not a number")),
     };
+    {
+        let mut faults = inner.faults();
+        if faults.failing_lists > 0 {
+            faults.failing_lists -= 1;
+            return Err(err(
+                410,
+                "Expired",
+                "fake API server: the list failed with 410 Gone (a played fault)",
+            ));
+        }
+    }
     let st = inner.lock();
     let (at, after) = match query.get("continue").filter(|c| !c.is_empty()) {
         None => (st.rv, None),
@@ -167,6 +178,10 @@ pub(crate) async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Respons
         uri: req.uri().to_string(),
         content_type: content_type.clone(),
     });
+    let delay = inner.faults().delay;
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
     let target = match parse_path(&path) {
         Ok(t) => t,
         Err(e) => return error_response(&e),

@@ -32,6 +32,13 @@
 //! [`FakeApi::drop_watches`], [`FakeApi::restart`], [`FakeApi::bookmark`],
 //! [`FakeApi::events`], [`FakeApi::requests`]. The hooks are synchronous (a `std` mutex guards
 //! the store), so a test calls them from anywhere.
+//!
+//! Faults, for the agent's fault tests: [`FakeApi::stop`] kills the server (the port refuses
+//! connections, every open connection is closed without a word) and [`FakeApi::start_again`]
+//! brings it back on the same port with the same objects and resource versions (history kept,
+//! or compacted so that every watch gets 410 Gone); [`Faults`] (set with
+//! [`FakeApi::set_faults`]) makes every answer slow, watches silent (accepted, then nothing:
+//! no event, no bookmark, no end) and the next lists fail with 410 Gone.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -176,14 +183,38 @@ fn resource_of_object(obj: &Value) -> Result<usize, String> {
 pub struct FakeApi {
     inner: Arc<Inner>,
     addr: SocketAddr,
-    server: JoinHandle<()>,
+    /// The accept loop; `None` while stopped ([`FakeApi::stop`]).
+    server: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Drop for FakeApi {
     fn drop(&mut self) {
-        self.server.abort();
-        self.inner.signal.send_modify(|s| s.1 += 1);
+        self.stop();
     }
+}
+
+/// Faults the server plays until they are set otherwise ([`FakeApi::set_faults`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// Every request is answered this late (a slow or overloaded server).
+    pub delay: Duration,
+    /// Watches started from now on are accepted (200, headers sent) and then never send
+    /// anything: no event, no bookmark, no end at their timeout (a half-open connection, a
+    /// stalled proxy). They end only with [`FakeApi::stop`] or the client going away.
+    pub silent_watches: bool,
+    /// The next this many list requests (any resource, any page) are answered 410 Gone.
+    pub failing_lists: usize,
+}
+
+/// What [`FakeApi::start_again`] keeps of the watch history.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum History {
+    /// Everything: a watch resumed from any resource version seen before gets the events after
+    /// it (an API server restart with etcd's history intact).
+    Kept,
+    /// Nothing: every watch resumed from a resource version seen before gets 410 Gone and the
+    /// client has to list again (etcd compacted while the server was away).
+    Compacted,
 }
 
 /// An API error as the server answers it.
@@ -217,34 +248,55 @@ impl FakeApi {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let (signal, _) = watch::channel((0, 0, 0));
+        let (generation, _) = watch::channel(0);
         let inner = Arc::new(Inner {
             state: Mutex::new(State::default()),
             signal,
             bookmark_interval: Mutex::new(Duration::from_secs(1)),
+            faults: Mutex::new(Faults::default()),
+            generation,
         });
-        let server_inner = inner.clone();
-        let server = tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let inner = server_inner.clone();
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req| {
-                        let inner = inner.clone();
-                        async move { Ok::<_, Infallible>(handle(inner, req).await) }
-                    });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-            }
-        });
+        let server = serve(listener, inner.clone());
         Ok(FakeApi {
             inner,
             addr,
-            server,
+            server: Mutex::new(Some(server)),
         })
+    }
+
+    /// Kills the server: the port refuses connections from now on, and every open connection
+    /// (watches included) is closed at once, with no answer and no end of stream (as when the
+    /// process is killed). The objects and resource versions stay for [`FakeApi::start_again`].
+    pub fn stop(&self) {
+        if let Some(server) = self.server.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            server.abort();
+        }
+        self.inner.generation.send_modify(|g| *g += 1);
+        self.inner.signal.send_modify(|s| s.1 += 1);
+    }
+
+    /// Serves again on the same address after [`FakeApi::stop`], with the same objects and
+    /// resource versions; `history` says whether resumed watches get the events they missed or
+    /// 410 Gone. (A no-op stop first when the server is running.)
+    pub async fn start_again(&self, history: History) -> std::io::Result<()> {
+        self.stop();
+        if history == History::Compacted {
+            self.compact();
+        }
+        let listener = TcpListener::bind(self.addr).await?;
+        *self.server.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(serve(listener, self.inner.clone()));
+        Ok(())
+    }
+
+    /// Plays `faults` from now on ([`Faults::default`]: none).
+    pub fn set_faults(&self, faults: Faults) {
+        *self.inner.faults() = faults;
+    }
+
+    /// The faults being played (`failing_lists` counts down as lists fail).
+    pub fn faults(&self) -> Faults {
+        self.inner.faults().clone()
     }
 
     /// The server's address.
@@ -440,6 +492,33 @@ impl FakeApi {
             meta_str(obj, "name").unwrap_or_default().to_string(),
         )
     }
+}
+
+/// The accept loop: one task per connection, each closed when the server's generation moves
+/// ([`FakeApi::stop`]).
+fn serve(listener: TcpListener, inner: Arc<Inner>) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let inner = inner.clone();
+            let mut generation = inner.generation.subscribe();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req| {
+                    let inner = inner.clone();
+                    async move { Ok::<_, Infallible>(handle(inner, req).await) }
+                });
+                let conn = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc);
+                // Dropping the connection closes the socket mid-whatever.
+                tokio::select! {
+                    _ = conn => {}
+                    _ = generation.changed() => {}
+                }
+            });
+        }
+    })
 }
 
 mod http;

@@ -45,11 +45,20 @@ pub(crate) struct Inner {
     /// `drop_watches` and every `bookmark` moves it.
     pub(crate) signal: watch::Sender<(u64, u64, u64)>,
     pub(crate) bookmark_interval: Mutex<Duration>,
+    /// The faults the server plays (see [`Faults`]).
+    pub(crate) faults: Mutex<Faults>,
+    /// Moves on every [`FakeApi::stop`]: every open connection is closed (no answer, no
+    /// end of stream: the socket goes away as when the process is killed).
+    pub(crate) generation: watch::Sender<u64>,
 }
 
 impl Inner {
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn faults(&self) -> MutexGuard<'_, Faults> {
+        self.faults.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub(crate) fn notify(&self, rv: u64) {

@@ -115,10 +115,25 @@ pub(crate) fn start_watch(
         Err(e) => return error_response(&e),
     };
     let (tx, rx) = mpsc::channel::<Bytes>(256);
+    if inner.faults().silent_watches {
+        // Accepted, then nothing at all until the server is stopped or the client goes away.
+        let mut generation = inner.generation.subscribe();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = generation.changed() => {}
+                _ = tx.closed() => {}
+            }
+        });
+        return watch_response(rx);
+    }
     // Subscribed now: a restart after this request ends the watch.
     let signal = inner.signal.subscribe();
     let (first, cursor) = initial_events(&inner, target, &params);
     tokio::spawn(stream(inner, signal, def, params, cursor, first, tx));
+    watch_response(rx)
+}
+
+fn watch_response(rx: mpsc::Receiver<Bytes>) -> Response<BoxBody> {
     Response::builder()
         .status(StatusCode::OK)
         .header("content-type", "application/json")
