@@ -340,6 +340,7 @@ async fn start_agent_within(api: &FakeApi, node: &str, limit: Duration) -> Agent
             debug_addr: "127.0.0.1:0".parse().unwrap(),
             namespace: "kube-system".into(),
             lease_renew_every: Duration::from_millis(100),
+            watch: agent::WatchConfig::default(),
         },
         api.client(),
         Box::new(dp),
@@ -698,14 +699,16 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
 
     // An API server restart: history gone, every watch gets 410 and re-lists; changes made
     // meanwhile (including a delete the agent never sees as an event) converge.
-    let relists = h.state.metrics.relists.get();
+    let relists =
+        |h: &AgentHandle| -> u64 { h.state.watch.all().iter().map(|(_, k)| k.relists).sum() };
+    let before = relists(&h);
     api.restart();
     api.delete("v1", "Pod", "prod", "api").unwrap();
     let mut n = get(&api, "v1", "Namespace", "", "prod");
     n["metadata"]["labels"]["tier"] = json!("gold");
     api.update(n).unwrap();
     converges(&api, &h, "restart and re-list").await;
-    assert!(agent::wait_until(LIMIT, || h.state.metrics.relists.get() >= relists + 5).await);
+    assert!(agent::wait_until(LIMIT, || relists(&h) >= before + 5).await);
     api.create(
         json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": {"namespace": "qa", "name": "deny-all"},
@@ -722,6 +725,8 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
         "ordnet_invalid_objects 0",
         "ordnet_change_latency_seconds_count",
         "ordnet_compile_duration_seconds_bucket{le=\"+Inf\"}",
+        "ordnet_watch_stale_seconds{kind=\"Pod\"} 0\n",
+        "ordnet_watch_relists_total{kind=\"NetworkPolicy\"} 1\n",
     ] {
         assert!(metrics.contains(want), "{want} missing from\n{metrics}");
     }

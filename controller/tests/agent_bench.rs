@@ -126,6 +126,7 @@ async fn bench_2000_pods_1000_policies() {
             debug_addr: "127.0.0.1:0".parse().unwrap(),
             namespace: "kube-system".into(),
             lease_renew_every: Duration::from_secs(5),
+            watch: agent::WatchConfig::default(),
         },
         api.client(),
         Box::new(NoneDatapath::default()),

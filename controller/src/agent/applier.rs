@@ -184,11 +184,9 @@ impl Applier {
     fn handle(&mut self, msg: WatchMsg) {
         match msg {
             WatchMsg::Init(kind) => {
-                let k = kind.index();
-                if self.synced[k] {
-                    self.state.metrics.relists.inc();
-                }
-                self.relist[k] = Some(BTreeMap::new());
+                // A new list (the first, a re-list, or a list tried again after a failure: any
+                // partial one is dropped here).
+                self.relist[kind.index()] = Some(BTreeMap::new());
             }
             WatchMsg::InitApply(o) => {
                 let key = object_key(&o);
@@ -224,10 +222,6 @@ impl Applier {
             WatchMsg::Delete(o) => {
                 let key = object_key(&o);
                 self.remove(key);
-            }
-            WatchMsg::Error(kind, e) => {
-                self.state.metrics.watch_errors.inc();
-                eprintln!("ordnet agent: watch {}: {e}", kind.name());
             }
         }
     }
@@ -268,18 +262,21 @@ impl Applier {
                 match &enforcement {
                     Enforcement::None => {
                         self.state.metrics.invalid_objects.inc();
-                        eprintln!(
-                            "ordnet agent: not enforcing invalid {name}: {}",
-                            problems.join("; ")
+                        tracing::warn!(
+                            object = %name,
+                            problems = %problems.join("; "),
+                            "not enforcing an object the engine cannot use"
                         );
                     }
-                    Enforcement::Partial(_) => eprintln!(
-                        "ordnet agent: enforcing {name} with rules failing closed: {}",
-                        failed.join("; ")
+                    Enforcement::Partial(_) => tracing::warn!(
+                        object = %name,
+                        rules = %failed.join("; "),
+                        "enforcing with rules failing closed"
                     ),
-                    Enforcement::Full => eprintln!(
-                        "ordnet agent: enforcing {name} as written despite: {}",
-                        problems.join("; ")
+                    Enforcement::Full => tracing::info!(
+                        object = %name,
+                        problems = %problems.join("; "),
+                        "enforcing as written despite validation problems"
                     ),
                 }
                 p.insert(
@@ -374,7 +371,7 @@ impl Applier {
             .observe(started.elapsed().as_secs_f64());
         for e in engine.errors() {
             self.state.metrics.engine_errors.inc();
-            eprintln!("ordnet agent: left out: {e}");
+            tracing::warn!(error = %e, "left out of the engine");
         }
         self.in_engine = self
             .view
@@ -386,7 +383,7 @@ impl Applier {
         let (mut slot, mut dp) = self.state.lock_for_update();
         if let Err(e) = dp.program_full(&engine) {
             self.state.metrics.datapath_errors.inc();
-            eprintln!("ordnet agent: programming the datapath: {e}");
+            tracing::error!(error = %e, "programming the datapath failed");
         }
         self.state.metrics.set_sizes(&engine, dp.as_ref());
         *slot = Some(engine);
@@ -442,7 +439,7 @@ impl Applier {
         for d in &deltas {
             for e in &d.errors {
                 self.state.metrics.engine_errors.inc();
-                eprintln!("ordnet agent: not applied: {e}");
+                tracing::warn!(error = %e, "change not applied");
             }
         }
         self.state
@@ -452,9 +449,9 @@ impl Applier {
         if let Err(e) = dp.apply(engine, &deltas) {
             // The recorded state no longer follows the engine: program everything again.
             self.state.metrics.datapath_errors.inc();
-            eprintln!("ordnet agent: applying to the datapath: {e}; reprogramming");
+            tracing::error!(error = %e, "applying to the datapath failed; reprogramming");
             if let Err(e) = dp.program_full(engine) {
-                eprintln!("ordnet agent: programming the datapath: {e}");
+                tracing::error!(error = %e, "programming the datapath failed");
             }
         }
         self.state.metrics.set_sizes(engine, dp.as_ref());

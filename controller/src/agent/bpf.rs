@@ -258,12 +258,12 @@ impl BpfDatapath {
         self.record_interfaces(&wanted, &unattached);
         for (who, why) in &unattached {
             if self.unattached.get(who) != Some(why) {
-                eprintln!("ordnet agent: not enforced yet: {who}: {why} (retrying)");
+                tracing::warn!(endpoint = %who, reason = %why, "not enforced yet (retrying)");
             }
         }
         for who in self.unattached.keys() {
             if !unattached.contains_key(who) {
-                eprintln!("ordnet agent: {who}: attached");
+                tracing::info!(endpoint = %who, "attached");
             }
         }
         self.unattached = unattached;
@@ -334,12 +334,12 @@ impl BpfDatapath {
         self.ifindex.remove(iface);
         match self.dp.detach(iface) {
             Ok(()) => self.detaches += 1,
-            Err(e) => eprintln!("ordnet agent: detaching XDP from {iface}: {e}"),
+            Err(e) => tracing::warn!(interface = %iface, error = %e, "detaching XDP failed"),
         }
         if self.dp.tc_attached().any(|a| a == iface)
             && let Err(e) = self.dp.detach_tc(iface)
         {
-            eprintln!("ordnet agent: detaching TC from {iface}: {e}");
+            tracing::warn!(interface = %iface, error = %e, "detaching TC failed");
         }
     }
 
@@ -373,7 +373,7 @@ impl BpfDatapath {
             .chain(by_endpoint.into_iter().map(|(n, i)| (n, Some(i))));
         for (name, index) in changes {
             if let Err(e) = program.set_interface(&mut self.dp, &name, index) {
-                eprintln!("ordnet agent: recording the interface of {name}: {e}");
+                tracing::warn!(endpoint = %name, error = %e, "recording the interface failed");
             }
         }
     }

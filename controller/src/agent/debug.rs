@@ -2,7 +2,8 @@
 //! in `docs/agent.md`:
 //!
 //! * `GET /healthz`: 200 while the process serves;
-//! * `GET /readyz`: 200 once the initial sync is programmed, 503 before;
+//! * `GET /readyz`: 200 once the initial sync is programmed, 503 before; the body names every
+//!   kind whose watch is stale (since when, the last error) while the last state is enforced;
 //! * `GET /metrics`: Prometheus text;
 //! * `GET /v1/problems`: the objects skipped as invalid (JSON);
 //! * `GET /v1/matrix?protocol=TCP&port=80&external=IP&family=4&output=table|json&width=N`:
@@ -67,6 +68,23 @@ pub async fn serve(
         }
     });
     Ok((bound, task))
+}
+
+/// One line per stale kind: `Pod: stale for 12 s: <the last error>`.
+fn stale_lines(state: &AgentState) -> Vec<String> {
+    state
+        .watch
+        .stale(std::time::Instant::now())
+        .into_iter()
+        .map(|(kind, d, e)| {
+            let mut line = format!("{}: stale for {} s", kind.name(), d.as_secs());
+            if let Some(e) = e {
+                line.push_str(": ");
+                line.push_str(&e);
+            }
+            line
+        })
+        .collect()
 }
 
 fn respond(code: StatusCode, content_type: &str, body: String) -> Response<Full<Bytes>> {
@@ -163,12 +181,32 @@ fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     match req.uri().path() {
         "/healthz" => text(StatusCode::OK, "ok"),
         "/readyz" => {
+            let stale = stale_lines(state);
             if state.ready() {
-                text(StatusCode::OK, "ready")
-            } else {
+                if stale.is_empty() {
+                    text(StatusCode::OK, "ready")
+                } else {
+                    // Still ready: the last programmed state is enforced; say how old it may be.
+                    text(
+                        StatusCode::OK,
+                        format!(
+                            "ready, enforcing the last programmed state; stale:\n{}",
+                            stale.join("\n")
+                        ),
+                    )
+                }
+            } else if stale.is_empty() {
                 text(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "not ready: waiting for the initial lists",
+                )
+            } else {
+                text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!(
+                        "not ready: waiting for the initial lists; stale:\n{}",
+                        stale.join("\n")
+                    ),
                 )
             }
         }
@@ -182,6 +220,7 @@ fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
                     .iter()
                     .filter(|p| p.enforced == "no")
                     .count(),
+                &state.watch,
             ),
         ),
         "/v1/problems" => json(

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use ordnet_engine::Engine;
 use ordnet_mapstate::Direction;
 
-use super::Enforcer;
+use super::{Enforcer, WatchHealth};
 
 /// A monotonically increasing count.
 #[derive(Debug, Default)]
@@ -90,10 +90,6 @@ pub struct Metrics {
     pub object_changes: Counter,
     /// `ordnet_update_batches_total`: coalesced batches applied.
     pub batches: Counter,
-    /// `ordnet_relists_total`: re-lists after the initial one.
-    pub relists: Counter,
-    /// `ordnet_watch_errors_total`: watch errors (retried with backoff).
-    pub watch_errors: Counter,
     /// `ordnet_invalid_objects_total`: object versions the engine cannot use at all.
     pub invalid_objects: Counter,
     /// `ordnet_engine_errors_total`: objects the engine left out or did not apply.
@@ -139,8 +135,9 @@ impl Metrics {
     }
 
     /// The Prometheus text exposition.
-    pub fn render(&self, ready: bool, invalid_now: usize) -> String {
+    pub fn render(&self, ready: bool, invalid_now: usize, watch: &WatchHealth) -> String {
         let mut out = String::new();
+        watch_metrics(&mut out, watch);
         let s = self.sizes();
         gauge(
             &mut out,
@@ -200,18 +197,6 @@ impl Metrics {
         );
         counter(
             &mut out,
-            "ordnet_relists_total",
-            "Re-lists after the initial one (410 Gone, restarts).",
-            &self.relists,
-        );
-        counter(
-            &mut out,
-            "ordnet_watch_errors_total",
-            "Watch errors (retried with backoff).",
-            &self.watch_errors,
-        );
-        counter(
-            &mut out,
             "ordnet_invalid_objects_total",
             "Object versions seen that the engine cannot use at all (not enforced).",
             &self.invalid_objects,
@@ -249,6 +234,67 @@ impl Metrics {
         out.push_str(&self.datapath_text.lock().unwrap_or_else(|e| e.into_inner()));
         out
     }
+}
+
+/// Per kind: staleness, the age of what was heard last, and the watch's failure counts.
+fn watch_metrics(out: &mut String, watch: &WatchHealth) {
+    let now = std::time::Instant::now();
+    let all = watch.all();
+    let family = |out: &mut String,
+                  name: &str,
+                  kind: &str,
+                  help: &str,
+                  v: &dyn Fn(&super::KindHealth) -> String| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (k, h) in &all {
+            let _ = writeln!(out, "{name}{{kind=\"{}\"}} {}", k.name(), v(h));
+        }
+    };
+    family(
+        out,
+        "ordnet_watch_stale_seconds",
+        "gauge",
+        "For how long the view of this kind may have been behind the API server (0: in step); the last programmed state is enforced meanwhile.",
+        &|h| format!("{}", h.stale_for(now).map_or(0.0, |d| d.as_secs_f64())),
+    );
+    family(
+        out,
+        "ordnet_watch_last_heard_seconds",
+        "gauge",
+        "Age of the last list page, event or bookmark received for this kind.",
+        &|h| match h.last_heard {
+            Some(t) => format!("{}", now.duration_since(t).as_secs_f64()),
+            None => "NaN".to_string(),
+        },
+    );
+    family(
+        out,
+        "ordnet_watch_errors_total",
+        "counter",
+        "Failed list and watch requests (retried after a bounded backoff).",
+        &|h| h.errors.to_string(),
+    );
+    family(
+        out,
+        "ordnet_watch_reconnects_total",
+        "counter",
+        "Watches started again after a failure.",
+        &|h| h.reconnects.to_string(),
+    );
+    family(
+        out,
+        "ordnet_watch_silent_total",
+        "counter",
+        "Watches taken for dead after hearing nothing (no event, no bookmark) past their timeout.",
+        &|h| h.silent.to_string(),
+    );
+    family(
+        out,
+        "ordnet_watch_relists_total",
+        "counter",
+        "Lists after the first one (the resource version was gone: 410).",
+        &|h| h.relists.to_string(),
+    );
 }
 
 fn gauge(out: &mut String, name: &str, help: &str, v: u64) {

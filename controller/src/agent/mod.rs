@@ -1,7 +1,8 @@
 //! `ordnet agent`: the node agent.
 //!
-//! * One watcher per kind of `ObjectKind::ALL` (`watchers`: `kube::runtime::watcher` with the
-//!   default backoff) feeds one channel.
+//! * One watcher per kind of `ObjectKind::ALL` (`watchers`: paged list, then watch with
+//!   bookmarks; a bounded reconnect backoff, watches that go silent are restarted, and each
+//!   kind's staleness is kept in [`WatchHealth`]) feeds one channel.
 //! * The agent keeps a view of every object it was told about (with its resource version and
 //!   whether it is valid). Nothing is computed until every watcher finished its initial list;
 //!   then the engine is built from the valid objects (MapStates for this node's pods only) and
@@ -50,6 +51,7 @@ mod watchers;
 pub use datapath::{Enforcer, NoneDatapath, ProgrammedEndpoint, ProgrammedPolicy};
 pub use error::AgentError;
 use metrics::Metrics;
+pub use watchers::{KindHealth, WatchConfig, WatchHealth};
 
 /// How the agent runs.
 #[derive(Debug, Clone)]
@@ -63,6 +65,8 @@ pub struct AgentConfig {
     /// How often the Lease is renewed or tried ([`status::RENEW_EVERY`] by default; it must
     /// stay well below [`status::LEASE_SECONDS`]).
     pub lease_renew_every: Duration,
+    /// Watch timeouts and the reconnect backoff.
+    pub watch: WatchConfig,
 }
 
 /// Burst coalescing (see `Applier::coalesce`): a batch closes once no watch event arrived for
@@ -136,6 +140,8 @@ pub struct AgentState {
     problems: RwLock<BTreeMap<ObjKey, ObjectProblem>>,
     /// The agent's counters and gauges (served by the debug API).
     pub metrics: Metrics,
+    /// Each kind's watch: in step or stale since when, and why.
+    pub watch: Arc<WatchHealth>,
     /// Whether this agent holds the status writer Lease.
     leader: Arc<AtomicBool>,
     /// The apply loop's change number (every view change counts one) that the engine has
@@ -249,6 +255,7 @@ pub async fn start(
         datapath: Mutex::new(datapath),
         problems: RwLock::new(BTreeMap::new()),
         metrics: Metrics::default(),
+        watch: Arc::new(WatchHealth::default()),
         leader: Arc::new(AtomicBool::new(false)),
         applied: AtomicU64::new(0),
     });
@@ -276,7 +283,12 @@ pub async fn start(
             events_rx,
         )),
     ];
-    tasks.extend(watchers::spawn_all(&client, &tx));
+    tasks.extend(watchers::spawn_all(
+        &client,
+        &config.watch,
+        &state.watch,
+        &tx,
+    ));
     drop(tx);
     tasks.push(tokio::spawn(maintain_loop(state.clone())));
     let loop_state = state.clone();
@@ -311,7 +323,7 @@ async fn maintain_loop(state: Arc<AgentState>) {
             let mut dp = state.datapath.lock().unwrap_or_else(|e| e.into_inner());
             if let Err(e) = dp.maintain(engine) {
                 state.metrics.datapath_errors.inc();
-                eprintln!("ordnet agent: datapath upkeep: {e}");
+                tracing::error!(error = %e, "datapath upkeep failed");
             }
             state.metrics.set_sizes(engine, dp.as_ref());
         })

@@ -553,13 +553,13 @@ pub async fn lease_loop(
         let held = match try_hold(&leases, &identity).await {
             Ok(h) => h,
             Err(e) => {
-                eprintln!("ordnet agent: lease {namespace}/{LEASE_NAME}: {e}");
+                tracing::warn!(lease = %format!("{namespace}/{LEASE_NAME}"), error = %e, "status writer lease");
                 false
             }
         };
         if held != leader.swap(held, Ordering::SeqCst) {
-            eprintln!(
-                "ordnet agent: {} the status writer lease",
+            tracing::info!(
+                "{} the status writer lease",
                 if held { "acquired" } else { "lost" }
             );
         }
@@ -658,7 +658,7 @@ pub async fn status_loop(
                         }
                         written.insert(key, d);
                     }
-                    Err(e) => eprintln!("ordnet agent: status of {}: {e}", key.2),
+                    Err(e) => tracing::warn!(object = %key.2, error = %e, "writing status failed"),
                 }
             }
             written.retain(|k, _| wanted.borrow().contains_key(k));
@@ -687,7 +687,7 @@ async fn publish_shadowed(
         secondary: None,
     };
     if let Err(e) = recorder.publish(&event, reference).await {
-        eprintln!("ordnet agent: publishing an event: {e}");
+        tracing::warn!(error = %e, "publishing an event failed");
     }
 }
 
@@ -819,7 +819,7 @@ pub async fn event_loop(
             secondary: None,
         };
         if let Err(e) = recorder.publish(&event, &reference).await {
-            eprintln!("ordnet agent: publishing an event: {e}");
+            tracing::warn!(error = %e, "publishing an event failed");
         }
     }
 }

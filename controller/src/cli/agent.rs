@@ -16,6 +16,14 @@ pub enum DatapathArg {
     None,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// One human-readable line per event.
+    Text,
+    /// One JSON object per line (for log collectors).
+    Json,
+}
+
 #[derive(Debug, Args)]
 pub struct AgentArgs {
     /// The name of the node this agent runs on.
@@ -33,6 +41,40 @@ pub struct AgentArgs {
     /// Address of the debug API (health, metrics, matrix/trace/dump), as IP:PORT.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9090")]
     pub debug_addr: SocketAddr,
+    /// The log format (to stderr).
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+    /// What to log: a level (error, warn, info, debug, trace) or a tracing filter such as
+    /// `info,kube=debug`; RUST_LOG, when set, wins.
+    #[arg(long, value_name = "FILTER", default_value = "info")]
+    pub log_level: String,
+    /// The server-side timeout of every watch, in seconds (at least 1); a watch that heard
+    /// nothing, not even a bookmark, for this plus 5 s is taken for dead and restarted.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub watch_timeout: u64,
+}
+
+/// Logs to stderr through `tracing` (the agent's own events and kube-rs's).
+fn init_logging(args: &AgentArgs) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(&args.log_level));
+    let filter = match filter {
+        Ok(f) => f,
+        Err(e) => Cli::command()
+            .error(
+                clap::error::ErrorKind::InvalidValue,
+                format!("--log-level {:?}: {e}", args.log_level),
+            )
+            .exit(),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match args.log_format {
+        LogFormat::Text => builder.with_ansi(false).init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
 }
 
 /// Runs `ordnet agent` until SIGTERM/SIGINT (exit 0) or a fatal error (exit 1); usage errors
@@ -46,11 +88,12 @@ pub fn run(args: AgentArgs) -> ExitCode {
             )
             .exit();
     }
+    init_logging(&args);
     let debug_addr = args.debug_addr;
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("ordnet agent: {e}");
+            tracing::error!(error = %e, "starting the runtime failed");
             return ExitCode::from(1);
         }
     };
@@ -58,7 +101,7 @@ pub fn run(args: AgentArgs) -> ExitCode {
         let client = match agent::client_for(args.kubeconfig.as_deref()).await {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("ordnet agent: {e}");
+                tracing::error!(error = %e, "no kube client");
                 return ExitCode::from(1);
             }
         };
@@ -67,30 +110,36 @@ pub fn run(args: AgentArgs) -> ExitCode {
             debug_addr,
             namespace: std::env::var("POD_NAMESPACE").unwrap_or_else(|_| "kube-system".into()),
             lease_renew_every: agent::status::RENEW_EVERY,
+            watch: agent::WatchConfig {
+                timeout: std::time::Duration::from_secs(args.watch_timeout),
+                ..agent::WatchConfig::default()
+            },
         };
         let (datapath, kind): (Box<dyn agent::Enforcer>, &str) = if args.datapath == DatapathArg::Bpf {
             let pin_dir = agent::bpf::pin_dir_from_env();
             match agent::bpf::BpfDatapath::open(&pin_dir, args.uplink.clone()) {
                 Ok(dp) => {
                     match dp.opened() {
-                        agent::bpf::Opened::Created => eprintln!(
-                            "ordnet agent: datapath bpf: new maps pinned in {}",
-                            pin_dir.display()
+                        agent::bpf::Opened::Created => tracing::info!(
+                            pins = %pin_dir.display(),
+                            "datapath bpf: new maps pinned"
                         ),
                         agent::bpf::Opened::Adopted {
                             endpoints,
                             rulesets,
                             links,
-                        } => eprintln!(
-                            "ordnet agent: datapath bpf: adopted the pins in {} ({endpoints} endpoints, {rulesets} rule sets, attached to {}); enforcing them until the initial sync",
-                            pin_dir.display(),
-                            if links.is_empty() { "nothing".to_string() } else { links.join(", ") }
+                        } => tracing::info!(
+                            pins = %pin_dir.display(),
+                            endpoints,
+                            rulesets,
+                            attached = %if links.is_empty() { "nothing".to_string() } else { links.join(", ") },
+                            "datapath bpf: adopted the pins; enforcing them until the initial sync"
                         ),
                     }
                     (Box::new(dp), "bpf")
                 }
                 Err(e) => {
-                    eprintln!("ordnet agent: --datapath bpf: {e}");
+                    tracing::error!(error = %e, "--datapath bpf failed");
                     return ExitCode::from(1);
                 }
             }
@@ -100,27 +149,29 @@ pub fn run(args: AgentArgs) -> ExitCode {
         let mut handle = match agent::start(config, client, datapath).await {
             Ok(h) => h,
             Err(e) => {
-                eprintln!("ordnet agent: --debug-addr {debug_addr}: {e}");
+                tracing::error!(error = %e, "--debug-addr {debug_addr}: cannot listen");
                 return ExitCode::from(1);
             }
         };
-        eprintln!(
-            "ordnet agent: node {}, datapath {kind}, debug API on http://{}",
-            handle.state.node,
-            handle.debug_addr()
+        tracing::info!(
+            node = %handle.state.node,
+            datapath = kind,
+            debug_api = %format!("http://{}", handle.debug_addr()),
+            version = env!("CARGO_PKG_VERSION"),
+            "agent started"
         );
         let mut term =
             match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
                 Ok(s) => s,
                 Err(e) => {
-                    eprintln!("ordnet agent: {e}");
+                    tracing::error!(error = %e, "no SIGTERM handler");
                     return ExitCode::from(1);
                 }
             };
         let stopped = |kind: &str| {
             if kind == "bpf" {
-                eprintln!(
-                    "ordnet agent: stopping; the pinned maps and attachments stay (enforcement continues, a restarted agent adopts them)"
+                tracing::info!(
+                    "stopping; the pinned maps and attachments stay (enforcement continues, a restarted agent adopts them)"
                 );
             }
             ExitCode::SUCCESS
@@ -129,7 +180,7 @@ pub fn run(args: AgentArgs) -> ExitCode {
             _ = term.recv() => stopped(kind),
             _ = tokio::signal::ctrl_c() => stopped(kind),
             _ = handle.wait() => {
-                eprintln!("ordnet agent: a task ended unexpectedly");
+                tracing::error!("a task ended unexpectedly");
                 ExitCode::from(1)
             }
         }
