@@ -2,174 +2,26 @@
 //! with `--datapath none`: after every scripted change the MapStates the agent programmed must
 //! equal what the offline engine computes for the same objects.
 
-use std::collections::BTreeMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
 use ipnet::IpNet;
-use ordnet::agent::{self, AgentConfig, AgentHandle, Enforcer as _, NoneDatapath};
-use ordnet_engine::{BuildOptions, Engine, ServiceRec, Signature};
-use ordnet_mapstate::{L4Prefix, OrderKey, Origin, Peer, Verdict};
+use ordnet::agent::{self, AgentHandle};
 use ordnet_testsuite::fakeapi::FakeApi;
 use ordnet_testsuite::scenario::{self, Scenario};
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+mod support;
+use support::*;
 
 const NODE: &str = "node-1";
 const LIMIT: Duration = Duration::from_secs(15);
-
-type Keys = Vec<(
-    Option<Signature>,
-    L4Prefix,
-    Verdict,
-    OrderKey,
-    Vec<Origin>,
-    bool,
-)>;
-/// Per endpoint: (ingress isolated, ingress keys, egress isolated, egress keys).
-type Canon = BTreeMap<String, (bool, Keys, bool, Keys)>;
-
-/// Service frontends as the datapath holds them: (address, IP protocol number, port).
-type Frontends = Vec<(IpAddr, u8, u16)>;
-/// The Services the engine knows (their backends follow from them and the pods).
-type Services = Vec<((String, String), ServiceRec)>;
-/// Everything compared: the endpoints' MapStates, the ipcache, the Service frontends, and the
-/// engine's Services (the `--agent` matrix's Service columns come from them).
-type State = (Canon, BTreeMap<IpNet, Signature>, Frontends, Services);
-
-fn services(engine: &Engine) -> Services {
-    engine
-        .services()
-        .map(|(k, r)| (k.clone(), r.clone()))
-        .collect()
-}
-
-/// What the agent programmed, identities replaced by what they stand for.
-fn programmed(h: &AgentHandle) -> Option<State> {
-    h.state.with_programmed(|engine, dp| {
-        let sig = |id| {
-            engine
-                .identity_signature(id)
-                .cloned()
-                .unwrap_or_else(|| panic!("programmed identity {id} is unknown to the engine"))
-        };
-        let side = |p: &agent::ProgrammedPolicy| -> Keys {
-            let mut keys: Keys = p
-                .entries
-                .iter()
-                .map(|(k, e)| {
-                    (
-                        match k.peer {
-                            Peer::Any => None,
-                            Peer::Id(id) => Some(sig(id)),
-                        },
-                        k.prefix,
-                        e.verdict,
-                        e.order,
-                        e.origins.iter().map(|o| (**o).clone()).collect(),
-                        e.synthesized,
-                    )
-                })
-                .collect();
-            keys.sort();
-            keys
-        };
-        let canon = dp
-            .programmed()
-            .iter()
-            .map(|(ep, [i, e])| (ep.clone(), (i.isolated, side(i), e.isolated, side(e))))
-            .collect();
-        let ipcache = dp.ipcache().iter().map(|(p, id)| (*p, sig(*id))).collect();
-        (
-            canon,
-            ipcache,
-            dp.plane().service_frontends(),
-            services(engine),
-        )
-    })
-}
-
-/// The fake server's policy-relevant objects as one multi-document manifest (JSON documents).
-fn manifests(api: &FakeApi) -> String {
-    let mut docs = Vec::new();
-    for (v, k) in [
-        ("v1", "Namespace"),
-        ("v1", "Pod"),
-        ("v1", "Service"),
-        ("networking.k8s.io/v1", "NetworkPolicy"),
-        ("ordnet.io/v1alpha1", "OrderedNetworkPolicy"),
-        ("ordnet.io/v1alpha1", "ClusterOrderedNetworkPolicy"),
-    ] {
-        for o in api.list(v, k) {
-            docs.push(serde_json::to_string(&o).unwrap());
-        }
-    }
-    docs.join("\n---\n")
-}
-
-/// The fake server's objects as manifests, through the offline loader and validator.
-fn offline_objects(api: &FakeApi) -> ordnet_crds::ClusterObjects {
-    let outcome = ordnet_crds::load_str(Path::new("fake-api"), &manifests(api));
-    ordnet_crds::validated(outcome).objects
-}
 
 /// What the offline engine computes: this node's endpoints, the whole ipcache, and every
 /// Service frontend (`--datapath none` knows no node address, so no NodePort frontends).
 fn offline(api: &FakeApi) -> State {
     offline_on(api, NODE)
-}
-
-/// [`offline`] for the agent of `node` (a build for that node, as the agent's).
-fn offline_on(api: &FakeApi, node: &str) -> State {
-    let objects = offline_objects(api);
-    let engine = Engine::build_with(
-        &objects,
-        &BuildOptions {
-            node: Some(node.to_string()),
-        },
-    );
-    let snap = engine.snapshot();
-    let side = |p: &ordnet_engine::PolicySnapshot| -> Keys {
-        let mut keys: Keys = p
-            .keys
-            .iter()
-            .map(|(peer, prefix, e)| {
-                (
-                    peer.clone(),
-                    *prefix,
-                    e.verdict,
-                    e.order,
-                    e.origins.clone(),
-                    e.synthesized,
-                )
-            })
-            .collect();
-        keys.sort();
-        keys
-    };
-    let canon = snap
-        .endpoints
-        .iter()
-        .filter(|(_, e)| e.node.as_deref() == Some(node))
-        .map(|(name, e)| {
-            (
-                name.clone(),
-                (
-                    e.ingress.isolated,
-                    side(&e.ingress),
-                    e.egress.isolated,
-                    side(&e.egress),
-                ),
-            )
-        })
-        .collect();
-    let frontends = engine
-        .service_frontends()
-        .into_iter()
-        .map(|(ip, p, port)| (ip, p.number(), port))
-        .collect();
-    (canon, snap.ipcache, frontends, services(&engine))
 }
 
 /// At 10,000 pods and 1,000 policies (the scale benchmark's generated cluster), after changes
@@ -256,21 +108,6 @@ async fn converges(api: &FakeApi, h: &AgentHandle, step: &str) {
     }
 }
 
-async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .unwrap();
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).await.unwrap();
-    let text = String::from_utf8(buf).unwrap();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap();
-    let code = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (code, body.to_string())
-}
-
 /// Loads every YAML document of `dir` into the fake server.
 fn load_dir(api: &FakeApi, dir: &Path) {
     let mut files: Vec<_> = std::fs::read_dir(dir)
@@ -327,36 +164,6 @@ async fn start_agent(api: &FakeApi) -> AgentHandle {
 
 async fn start_agent_on(api: &FakeApi, node: &str) -> AgentHandle {
     start_agent_within(api, node, LIMIT).await
-}
-
-/// [`start_agent_on`], ready within `limit`.
-async fn start_agent_within(api: &FakeApi, node: &str, limit: Duration) -> AgentHandle {
-    // Every programmed key is recorded: `programmed` compares them with the engine's.
-    let mut dp = NoneDatapath::default();
-    dp.record_keys();
-    let h = agent::start(
-        AgentConfig {
-            node: node.into(),
-            debug_addr: "127.0.0.1:0".parse().unwrap(),
-            namespace: "kube-system".into(),
-            lease_renew_every: Duration::from_millis(100),
-            watch: agent::WatchConfig::default(),
-        },
-        api.client(),
-        Box::new(dp),
-    )
-    .await
-    .unwrap();
-    let addr = h.debug_addr();
-    let deadline = tokio::time::Instant::now() + limit;
-    while http_get(addr, "/readyz").await.0 != 200 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not ready in {limit:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    h
 }
 
 fn get(api: &FakeApi, v: &str, k: &str, ns: &str, name: &str) -> Value {

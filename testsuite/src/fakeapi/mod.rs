@@ -268,10 +268,12 @@ impl FakeApi {
     /// (watches included) is closed at once, with no answer and no end of stream (as when the
     /// process is killed). The objects and resource versions stay for [`FakeApi::start_again`].
     pub fn stop(&self) {
+        // The generation first: the accept loop ends at its next turn and closes whatever it
+        // accepts until then.
+        self.inner.generation.send_modify(|g| *g += 1);
         if let Some(server) = self.server.lock().unwrap_or_else(|e| e.into_inner()).take() {
             server.abort();
         }
-        self.inner.generation.send_modify(|g| *g += 1);
         self.inner.signal.send_modify(|s| s.1 += 1);
     }
 
@@ -283,7 +285,18 @@ impl FakeApi {
         if history == History::Compacted {
             self.compact();
         }
-        let listener = TcpListener::bind(self.addr).await?;
+        // The stopped accept loop lets go of the port at its next turn.
+        let mut tries = 0;
+        let listener = loop {
+            match TcpListener::bind(self.addr).await {
+                Ok(l) => break l,
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && tries < 100 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        };
         *self.server.lock().unwrap_or_else(|e| e.into_inner()) =
             Some(serve(listener, self.inner.clone()));
         Ok(())
@@ -495,15 +508,25 @@ impl FakeApi {
 }
 
 /// The accept loop: one task per connection, each closed when the server's generation moves
-/// ([`FakeApi::stop`]).
+/// ([`FakeApi::stop`]). A connection accepted after the move (the loop ends at its next turn) is
+/// closed at once, so no client reaches a stopped server.
 fn serve(listener: TcpListener, inner: Arc<Inner>) -> JoinHandle<()> {
+    let mut stopped = inner.generation.subscribe();
+    let generation = *stopped.borrow_and_update();
     tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
+            let stream = tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, _)) => stream,
+                    Err(_) => continue,
+                },
+                _ = stopped.changed() => return,
             };
             let inner = inner.clone();
-            let mut generation = inner.generation.subscribe();
+            let mut moved = inner.generation.subscribe();
+            if *moved.borrow_and_update() != generation {
+                return;
+            }
             tokio::spawn(async move {
                 let svc = service_fn(move |req| {
                     let inner = inner.clone();
@@ -514,7 +537,7 @@ fn serve(listener: TcpListener, inner: Arc<Inner>) -> JoinHandle<()> {
                 // Dropping the connection closes the socket mid-whatever.
                 tokio::select! {
                     _ = conn => {}
-                    _ = generation.changed() => {}
+                    _ = moved.changed() => {}
                 }
             });
         }

@@ -448,3 +448,106 @@ async fn paged_lists_are_served_as_of_the_first_page() {
     listed.sort();
     assert_eq!(listed, ["p0", "p1", "p3", "p3a", "p4"]);
 }
+
+/// A stopped server refuses connections and closes open watches; started again with its
+/// history, a watch resumed from an old version gets what it missed; compacted, it gets 410.
+#[tokio::test]
+async fn stop_and_start_again_with_and_without_history() {
+    let api = FakeApi::start().await.unwrap();
+    api.create(pod("a", "p1", "web")).unwrap();
+    let pods: Api<Pod> = Api::all(api.client());
+    let rv = pods
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap();
+    let mut open = pods
+        .watch(&kube::api::WatchParams::default(), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    api.stop();
+    // The open watch is cut off (an error or the end, never an event).
+    let cut = timeout(Duration::from_secs(5), open.next()).await.unwrap();
+    assert!(!matches!(cut, Some(Ok(_))), "{cut:?}");
+    assert!(pods.list(&ListParams::default()).await.is_err());
+    api.create(pod("a", "p2", "web")).unwrap();
+
+    api.start_again(History::Kept).await.unwrap();
+    let mut resumed = pods
+        .watch(&kube::api::WatchParams::default(), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    match timeout(Duration::from_secs(5), resumed.next())
+        .await
+        .unwrap()
+    {
+        Some(Ok(kube::api::WatchEvent::Added(p))) => {
+            assert_eq!(p.metadata.name.as_deref(), Some("p2"))
+        }
+        other => panic!("{other:?}"),
+    }
+
+    api.start_again(History::Compacted).await.unwrap();
+    let mut gone = pods
+        .watch(&kube::api::WatchParams::default(), &rv)
+        .await
+        .unwrap()
+        .boxed();
+    match timeout(Duration::from_secs(5), gone.next()).await.unwrap() {
+        Some(Ok(kube::api::WatchEvent::Error(e))) => assert_eq!(e.code, 410),
+        other => panic!("{other:?}"),
+    }
+    // Same objects, same versions.
+    assert_eq!(
+        pods.list(&ListParams::default()).await.unwrap().items.len(),
+        2
+    );
+}
+
+/// Faults: a silent watch sends nothing (not even at its timeout), failing lists answer 410
+/// the given number of times, and a delay holds every answer back.
+#[tokio::test]
+async fn faults_are_played() {
+    let api = FakeApi::start().await.unwrap();
+    api.create(pod("a", "p1", "web")).unwrap();
+    api.set_bookmark_interval(Duration::from_millis(100));
+    let pods: Api<Pod> = Api::all(api.client());
+    api.set_faults(Faults {
+        silent_watches: true,
+        failing_lists: 2,
+        ..Faults::default()
+    });
+    for _ in 0..2 {
+        match pods.list(&ListParams::default()).await {
+            Err(kube::Error::Api(s)) => assert_eq!(s.code, 410),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(api.faults().failing_lists, 0);
+    assert_eq!(
+        pods.list(&ListParams::default()).await.unwrap().items.len(),
+        1
+    );
+    let mut silent = pods
+        .watch(&kube::api::WatchParams::default().timeout(1), "0")
+        .await
+        .unwrap()
+        .boxed();
+    assert!(
+        timeout(Duration::from_millis(1500), silent.next())
+            .await
+            .is_err(),
+        "a silent watch sent something"
+    );
+    api.set_faults(Faults {
+        delay: Duration::from_millis(300),
+        ..Faults::default()
+    });
+    let t = std::time::Instant::now();
+    pods.list(&ListParams::default()).await.unwrap();
+    assert!(t.elapsed() >= Duration::from_millis(300));
+}
