@@ -1037,6 +1037,8 @@ async fn the_binary_runs_from_a_kubeconfig_and_exits_0_on_sigterm() {
             "none",
             "--debug-addr",
             &debug,
+            "--log-format",
+            "json",
         ])
         .arg("--kubeconfig")
         .arg(&kubeconfig)
@@ -1085,11 +1087,18 @@ async fn the_binary_runs_from_a_kubeconfig_and_exits_0_on_sigterm() {
         .await
         .unwrap();
     guard.1 = true;
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    // `--log-format json`: every line one JSON object with a level and a message.
+    let lines: Vec<Value> = stderr
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["level"] == "INFO" && l["message"] == "agent started" && l["node"] == NODE),
+        "{stderr}"
     );
 }
 

@@ -76,20 +76,46 @@ impl Cluster {
     }
 
     /// Waits until what the agent programmed equals a fresh build of the server's objects;
-    /// how long that took.
-    async fn converged(&self, limit: Duration, step: &str) -> Duration {
-        let t = Instant::now();
+    /// how long after `since` the batch that got it there was applied (a sampler notes when
+    /// each batch lands, so the cost of the fresh build and of the comparison is not counted).
+    async fn converged_since(&self, since: Instant, limit: Duration, step: &str) -> Duration {
+        let state = self.agent.state.clone();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let sampler = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut seen = state.metrics.batches.get();
+                let mut last = since;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    let now = state.metrics.batches.get();
+                    if now != seen {
+                        seen = now;
+                        last = Instant::now();
+                    }
+                    std::thread::sleep(Duration::from_micros(500));
+                }
+                last
+            })
+        };
+        let want = offline_on(&self.api, &self.node);
         loop {
-            let want = offline_on(&self.api, &self.node);
             if programmed(&self.agent).as_ref() == Some(&want) {
-                return t.elapsed();
+                break;
             }
             assert!(
-                t.elapsed() < limit,
+                since.elapsed() < limit,
                 "{step}: the agent did not end equal to a fresh build within {limit:?}"
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let last = sampler.join().unwrap();
+        last.saturating_duration_since(since)
+    }
+
+    /// [`Cluster::converged_since`] now.
+    async fn converged(&self, limit: Duration, step: &str) -> Duration {
+        self.converged_since(Instant::now(), limit, step).await
     }
 
     /// The verdicts of every pair of this node's endpoints on TCP 80, decided by the datapath
@@ -208,8 +234,9 @@ async fn api_server_killed_and_back_with_history_and_compacted() {
         c.unchanged_for(Duration::from_secs(2), &step).await;
 
         c.api.start_again(history).await.unwrap();
+        let back = Instant::now();
         c.change_all();
-        let took = c.converged(LIMIT, &step).await;
+        let took = c.converged_since(back, LIMIT, &step).await;
         eprintln!("{step}: changes programmed {took:?} after the server was back");
         c.in_step(&step).await;
         let relisted = c.total(|h| h.relists) - relists;
@@ -371,8 +398,7 @@ async fn restart_bench() {
         c.api.start_again(history).await.unwrap();
         let back = Instant::now();
         c.change_all();
-        c.converged(LIMIT, "restart").await;
-        took.push(back.elapsed());
+        took.push(c.converged_since(back, LIMIT, "restart").await);
         assert!(
             wait_until(LIMIT, || c
                 .agent
@@ -383,9 +409,14 @@ async fn restart_bench() {
             .await
         );
         in_step.push(back.elapsed());
+        let health = c.agent.state.watch.all();
         eprintln!(
-            "run {run} ({history:?}): changes programmed {:.0} ms after the server was back",
-            took[run].as_secs_f64() * 1e3
+            "run {run} ({history:?}): changes programmed {:.0} ms after the server was back; failed requests so far per kind: {:?}",
+            took[run].as_secs_f64() * 1e3,
+            health
+                .iter()
+                .map(|(k, h)| (k.name(), h.errors))
+                .collect::<Vec<_>>()
         );
     }
     let report = |what: &str, v: &mut Vec<Duration>| {

@@ -71,7 +71,7 @@ impl Default for WatchConfig {
             timeout: Duration::from_secs(60),
             idle_grace: Duration::from_secs(5),
             backoff_min: Duration::from_millis(100),
-            backoff_max: Duration::from_millis(750),
+            backoff_max: Duration::from_millis(500),
             request_timeout: Duration::from_secs(30),
             page_size: 500,
         }
