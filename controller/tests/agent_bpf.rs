@@ -395,8 +395,9 @@ impl Agent {
             let line = lines
                 .recv_timeout(left)
                 .expect("the agent printed its debug address");
-            if let Some(rest) = line.split("debug API on http://").nth(1) {
-                break rest.trim().parse().unwrap();
+            // The `agent started` log line: `... debug_api=http://ADDR ...`.
+            if let Some(rest) = line.split("debug_api=http://").nth(1) {
+                break rest.split_whitespace().next().unwrap().parse().unwrap();
             }
         };
         Agent {
@@ -736,6 +737,21 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     assert_eq!(agent.metric("ordnet_endpoints"), 2.0);
     assert_eq!(agent.metric("ordnet_datapath_attached_interfaces"), 3.0);
     agent.terminate();
+
+    // 8. Uninstall: every program detached, every pin removed; nothing is enforced any more.
+    let out = Command::new("nsenter")
+        .arg(format!("--net=/var/run/netns/{}", lab.node))
+        .arg(env!("CARGO_BIN_EXE_ordnet"))
+        .args(["agent", "--uninstall"])
+        .env("ORDNET_PIN_DIR", &lab.pin_dir)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    assert!(said.contains("uninstalled"), "{said}");
+    assert!(!lab.pin_dir.exists(), "the pin directory is still there");
+    lab.expect("uninstalled", &[]);
+    lab.expect_service("uninstalled", &["client", "far", "web"]);
     drop(api);
     drop(runtime);
 }

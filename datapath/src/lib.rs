@@ -400,6 +400,17 @@ enum LinkHandle<Id> {
     Owned(Id),
 }
 
+/// What [`Datapath::remove_pins`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RemovedPins {
+    /// Maps and programs.
+    pub objects: usize,
+    /// Interfaces whose XDP link pin was removed (the program is detached from them).
+    pub xdp_links: Vec<String>,
+    /// Interfaces whose TC link pin was removed.
+    pub tc_links: Vec<String>,
+}
+
 /// The pin directory of the XDP links (one pin per interface).
 const XDP_LINKS: &str = "links";
 /// The pin directory of the TC links (one pin per interface).
@@ -605,9 +616,11 @@ impl Datapath {
         }
     }
 
-    /// Removes every pin in `dir` (maps, program, links): the maps disappear once no program
-    /// or process uses them, and pinned links detach.
-    pub fn remove_pins(dir: &Path) -> Result<(), DatapathError> {
+    /// Removes every pin in `dir` (maps, programs, links): the maps disappear once no program
+    /// or process uses them, and pinned links detach (unless a process still holds them, i.e.
+    /// a running agent). Says what it removed.
+    pub fn remove_pins(dir: &Path) -> Result<RemovedPins, DatapathError> {
+        let mut removed = RemovedPins::default();
         for name in MAP_NAMES
             .iter()
             .copied()
@@ -616,15 +629,24 @@ impl Datapath {
             let p = dir.join(name);
             if p.exists() {
                 std::fs::remove_file(&p).map_err(io_err(&p))?;
+                removed.objects += 1;
             }
         }
-        for sub in [XDP_LINKS, TC_LINKS] {
+        for (sub, out) in [
+            (XDP_LINKS, &mut removed.xdp_links),
+            (TC_LINKS, &mut removed.tc_links),
+        ] {
             let links = dir.join(sub);
             if links.exists() {
+                for e in std::fs::read_dir(&links).map_err(io_err(&links))? {
+                    let e = e.map_err(io_err(&links))?;
+                    out.push(e.file_name().to_string_lossy().into_owned());
+                }
+                out.sort();
                 std::fs::remove_dir_all(&links).map_err(io_err(&links))?;
             }
         }
-        Ok(())
+        Ok(removed)
     }
 
     fn load(config: &DatapathConfig) -> Result<(Ebpf, KernelTables), DatapathError> {

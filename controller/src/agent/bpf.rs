@@ -478,6 +478,25 @@ impl Enforcer for BpfDatapath {
     }
 }
 
+/// `ordnet agent --uninstall`: removes every pin of this node's datapath in `pin_dir` (maps,
+/// programs, and the links, which detaches the XDP and TC programs from every interface), then
+/// the directory itself. Run it when no agent runs on the node any more (a running agent holds
+/// its links open and they would stay attached until it exits). Nothing there: nothing done.
+pub fn uninstall(pin_dir: &Path) -> Result<ordnet_datapath::RemovedPins, AgentError> {
+    if !pin_dir.exists() {
+        return Ok(ordnet_datapath::RemovedPins::default());
+    }
+    let removed = Kernel::remove_pins(pin_dir).map_err(|source| AgentError::Open {
+        what: "removing the pins",
+        pin_dir: pin_dir.to_path_buf(),
+        source: Box::new(source),
+    })?;
+    // The directory goes too when nothing else is in it (a bpffs mounted on it stays mounted,
+    // empty).
+    let _ = std::fs::remove_dir(pin_dir);
+    Ok(removed)
+}
+
 /// Makes sure `pin_dir` is on a bpffs: the conventional `/sys/fs/bpf` is mounted if it is not
 /// one yet (as on a host where nothing uses BPF pins), any other directory is mounted itself.
 fn mount_bpffs(pin_dir: &Path) -> Result<(), AgentError> {

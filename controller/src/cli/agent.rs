@@ -27,8 +27,14 @@ pub enum LogFormat {
 #[derive(Debug, Args)]
 pub struct AgentArgs {
     /// The name of the node this agent runs on.
-    #[arg(long, env = "NODE_NAME", value_parser = NonEmptyStringValueParser::new())]
-    pub node: String,
+    #[arg(long, env = "NODE_NAME", value_parser = NonEmptyStringValueParser::new(),
+          required_unless_present = "uninstall")]
+    pub node: Option<String>,
+    /// Remove ordnet from this node instead of running: detach the XDP and TC programs from
+    /// every interface and remove every pin ($ORDNET_PIN_DIR, default /sys/fs/bpf/ordnet).
+    /// Run it after the agent's DaemonSet is gone (deploy/uninstall/).
+    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout"])]
+    pub uninstall: bool,
     /// Kubeconfig to use (default: in-cluster config, then the usual kubeconfig lookup).
     #[arg(long, value_name = "PATH")]
     pub kubeconfig: Option<PathBuf>,
@@ -53,6 +59,32 @@ pub struct AgentArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 60,
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub watch_timeout: u64,
+}
+
+/// `ordnet agent --uninstall`: exit 0 when this node has no ordnet pins (any more), 1 when
+/// something could not be removed.
+fn uninstall() -> ExitCode {
+    let pin_dir = agent::bpf::pin_dir_from_env();
+    match agent::bpf::uninstall(&pin_dir) {
+        Ok(r) if r.objects == 0 && r.xdp_links.is_empty() && r.tc_links.is_empty() => {
+            tracing::info!(pins = %pin_dir.display(), "nothing to uninstall");
+            ExitCode::SUCCESS
+        }
+        Ok(r) => {
+            tracing::info!(
+                pins = %pin_dir.display(),
+                maps_and_programs = r.objects,
+                xdp_detached_from = %r.xdp_links.join(","),
+                tc_detached_from = %r.tc_links.join(","),
+                "uninstalled: every program detached, every pin removed"
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "uninstall failed");
+            ExitCode::from(1)
+        }
+    }
 }
 
 /// Logs to stderr through `tracing` (the agent's own events and kube-rs's).
@@ -89,6 +121,17 @@ pub fn run(args: AgentArgs) -> ExitCode {
             .exit();
     }
     init_logging(&args);
+    if args.uninstall {
+        return uninstall();
+    }
+    let Some(node) = args.node.clone() else {
+        Cli::command()
+            .error(
+                clap::error::ErrorKind::MissingRequiredArgument,
+                "--node is required",
+            )
+            .exit();
+    };
     let debug_addr = args.debug_addr;
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
@@ -106,7 +149,7 @@ pub fn run(args: AgentArgs) -> ExitCode {
             }
         };
         let config = agent::AgentConfig {
-            node: args.node,
+            node,
             debug_addr,
             namespace: std::env::var("POD_NAMESPACE").unwrap_or_else(|_| "kube-system".into()),
             lease_renew_every: agent::status::RENEW_EVERY,
