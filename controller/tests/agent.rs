@@ -1012,6 +1012,29 @@ async fn exactly_one_agent_writes_status() {
         "ordnet-status-writer",
     );
     assert_eq!(lease["spec"]["leaseTransitions"], 0);
+
+    // The writer stops (SIGTERM): it releases the Lease and the other agent takes it at its
+    // next try, long before the Lease (15 s) would have expired.
+    let (mut writer, other) = if a.state.is_status_writer() {
+        (a, b)
+    } else {
+        (b, a)
+    };
+    writer.stop(Duration::from_secs(2)).await;
+    assert!(!writer.state.is_status_writer());
+    assert!(
+        agent::wait_until(Duration::from_secs(5), || other.state.is_status_writer()).await,
+        "the other agent did not take the released Lease"
+    );
+    let lease = get(
+        &api,
+        "coordination.k8s.io/v1",
+        "Lease",
+        "kube-system",
+        "ordnet-status-writer",
+    );
+    assert_eq!(lease["spec"]["holderIdentity"], other.state.node.as_str());
+    assert_eq!(lease["spec"]["leaseTransitions"], 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -211,6 +211,8 @@ pub struct AgentHandle {
     pub state: Arc<AgentState>,
     debug_addr: SocketAddr,
     tasks: Vec<JoinHandle<()>>,
+    /// For releasing the status writer Lease at the end: the client and the Lease's namespace.
+    lease: (Client, String),
 }
 
 impl AgentHandle {
@@ -224,6 +226,31 @@ impl AgentHandle {
         for t in self.tasks.drain(..) {
             t.abort();
         }
+    }
+
+    /// Stops every task, then gives up the status writer Lease if this agent holds it, so
+    /// another agent takes over at once (SIGTERM). At most `limit` is spent on the API server.
+    pub async fn stop(&mut self, limit: Duration) {
+        let was_writer = self.state.is_status_writer();
+        self.shutdown();
+        if !was_writer {
+            return;
+        }
+        let (client, namespace) = self.lease.clone();
+        match tokio::time::timeout(
+            limit,
+            status::release_lease(client, &namespace, &self.state.node),
+        )
+        .await
+        {
+            Ok(Ok(true)) => tracing::info!("released the status writer lease"),
+            Ok(Ok(false)) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "releasing the status writer lease failed"),
+            Err(_) => tracing::warn!("releasing the status writer lease: no answer in time"),
+        }
+        self.state
+            .leader
+            .store(false, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Waits until one of the agent's tasks ends (they only end on a fatal error).
@@ -301,6 +328,7 @@ pub async fn start(
         state,
         debug_addr,
         tasks,
+        lease: (client, config.namespace),
     })
 }
 

@@ -3,8 +3,11 @@
 //! * Exactly one agent writes status at a time: the holder of the `coordination.k8s.io/v1`
 //!   Lease [`LEASE_NAME`] (in the agent's namespace). Every agent tries to acquire it every
 //!   [`RENEW_EVERY`] (configurable); the holder renews it; a holder that stopped renewing for
-//!   `leaseDurationSeconds` loses it to the next agent that looks. Updates are guarded by the
-//!   Lease's resourceVersion (409 Conflict = somebody else was faster).
+//!   `leaseDurationSeconds` loses it to the next agent that looks. Expiry is measured on the
+//!   looking agent's own clock, from when it last saw the Lease record change (as client-go's
+//!   leader election does), so clock skew between nodes does not matter. A holder that stops
+//!   (SIGTERM) releases it ([`release_lease`]) and the next agent takes it at once. Updates are
+//!   guarded by the Lease's resourceVersion (409 Conflict = somebody else was faster).
 //! * The status writer sets, on every OrderedNetworkPolicy and ClusterOrderedNetworkPolicy,
 //!   `status.observedGeneration` and the `Accepted` condition (`True`/`Valid`, or
 //!   `False`/`Invalid` with the validation errors naming the fields) by server-side apply on the
@@ -549,8 +552,9 @@ pub async fn lease_loop(
     every: Duration,
 ) {
     let leases: Api<Lease> = Api::namespaced(client, &namespace);
+    let mut observed = Observed::default();
     loop {
-        let held = match try_hold(&leases, &identity).await {
+        let held = match try_hold(&leases, &identity, &mut observed).await {
             Ok(h) => h,
             Err(e) => {
                 tracing::warn!(lease = %format!("{namespace}/{LEASE_NAME}"), error = %e, "status writer lease");
@@ -567,7 +571,64 @@ pub async fn lease_loop(
     }
 }
 
-async fn try_hold(leases: &Api<Lease>, identity: &str) -> Result<bool, kube::Error> {
+/// Gives the Lease up if `identity` holds it (on SIGTERM): another agent takes it over at its
+/// next try instead of waiting for it to expire.
+pub async fn release_lease(
+    client: Client,
+    namespace: &str,
+    identity: &str,
+) -> Result<bool, kube::Error> {
+    let leases: Api<Lease> = Api::namespaced(client, namespace);
+    let Some(mut lease) = leases.get_opt(LEASE_NAME).await? else {
+        return Ok(false);
+    };
+    let spec = lease.spec.get_or_insert_with(Default::default);
+    if spec.holder_identity.as_deref() != Some(identity) {
+        return Ok(false);
+    }
+    spec.holder_identity = None;
+    spec.lease_duration_seconds = Some(1);
+    spec.renew_time = Some(MicroTime(Timestamp::now()));
+    leases
+        .replace(LEASE_NAME, &PostParams::default(), &lease)
+        .await?;
+    Ok(true)
+}
+
+/// Another holder's Lease record as this agent last saw it, and when (by this agent's own
+/// clock) it last saw it change. A Lease is expired when its record has not changed for its
+/// duration: the holder's clock and ours are never compared, so clock skew between nodes
+/// cannot make two agents hold it at once (nor keep a dead holder's Lease alive).
+#[derive(Debug, Default)]
+struct Observed {
+    record: Option<(Option<String>, Option<String>, Option<i32>)>,
+    since: Option<Instant>,
+}
+
+impl Observed {
+    fn expired(&mut self, spec: &k8s_openapi::api::coordination::v1::LeaseSpec) -> bool {
+        let record = (
+            spec.holder_identity.clone(),
+            spec.renew_time.as_ref().map(|t| t.0.to_string()),
+            spec.lease_transitions,
+        );
+        let now = Instant::now();
+        if self.record.as_ref() != Some(&record) {
+            self.record = Some(record);
+            self.since = Some(now);
+        }
+        let duration =
+            u64::try_from(spec.lease_duration_seconds.unwrap_or(LEASE_SECONDS)).unwrap_or(0);
+        self.since
+            .is_some_and(|t| now.duration_since(t) > Duration::from_secs(duration))
+    }
+}
+
+async fn try_hold(
+    leases: &Api<Lease>,
+    identity: &str,
+    observed: &mut Observed,
+) -> Result<bool, kube::Error> {
     let now = MicroTime(Timestamp::now());
     match leases.get_opt(LEASE_NAME).await? {
         None => {
@@ -591,12 +652,8 @@ async fn try_hold(leases: &Api<Lease>, identity: &str) -> Result<bool, kube::Err
         Some(mut lease) => {
             let spec = lease.spec.get_or_insert_with(Default::default);
             let mine = spec.holder_identity.as_deref() == Some(identity);
-            let duration = i64::from(spec.lease_duration_seconds.unwrap_or(LEASE_SECONDS));
-            let expired = spec
-                .renew_time
-                .as_ref()
-                .is_none_or(|t| now.0.as_second() - t.0.as_second() > duration);
-            if !mine && !expired {
+            let free = spec.holder_identity.as_deref().is_none_or(str::is_empty);
+            if !mine && !free && !observed.expired(spec) {
                 return Ok(false);
             }
             if !mine {
@@ -833,4 +890,37 @@ fn truncate(s: &str, max: usize) -> String {
         end -= 1;
     }
     format!("{}…", &s[..end])
+}
+
+#[cfg(test)]
+mod lease_tests {
+    use super::*;
+    use k8s_openapi::api::coordination::v1::LeaseSpec;
+
+    fn spec(holder: &str, renewed_secs_ago: i64, duration: i32) -> LeaseSpec {
+        let t = Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(renewed_secs_ago);
+        LeaseSpec {
+            holder_identity: Some(holder.into()),
+            renew_time: Some(MicroTime(t)),
+            lease_duration_seconds: Some(duration),
+            ..LeaseSpec::default()
+        }
+    }
+
+    /// A holder whose clock is an hour behind looks long expired by timestamps; by observation
+    /// it is alive until its record stops changing for the Lease's duration.
+    #[test]
+    fn expiry_is_judged_by_the_observers_own_clock() {
+        let mut seen = Observed::default();
+        assert!(!seen.expired(&spec("node-a", 3600, 15)));
+        // Renewed (a new record): still alive, however old its timestamp says it is.
+        assert!(!seen.expired(&spec("node-a", 3599, 15)));
+        // A record that has not changed for longer than the duration (0 s here) is expired,
+        // even if its timestamp says it was renewed in the future (a clock ahead).
+        let mut seen = Observed::default();
+        let ahead = spec("node-b", -3600, 0);
+        assert!(!seen.expired(&ahead));
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(seen.expired(&ahead));
+    }
 }

@@ -211,21 +211,21 @@ pub fn run(args: AgentArgs) -> ExitCode {
                     return ExitCode::from(1);
                 }
             };
-        let stopped = |kind: &str| {
-            if kind == "bpf" {
-                tracing::info!(
-                    "stopping; the pinned maps and attachments stay (enforcement continues, a restarted agent adopts them)"
-                );
-            }
-            ExitCode::SUCCESS
+        let signalled = tokio::select! {
+            _ = term.recv() => true,
+            _ = tokio::signal::ctrl_c() => true,
+            _ = handle.wait() => false,
         };
-        tokio::select! {
-            _ = term.recv() => stopped(kind),
-            _ = tokio::signal::ctrl_c() => stopped(kind),
-            _ = handle.wait() => {
-                tracing::error!("a task ended unexpectedly");
-                ExitCode::from(1)
-            }
+        if !signalled {
+            tracing::error!("a task ended unexpectedly");
+            return ExitCode::from(1);
         }
+        if kind == "bpf" {
+            tracing::info!(
+                "stopping; the pinned maps and attachments stay (enforcement continues, a restarted agent adopts them)"
+            );
+        }
+        handle.stop(std::time::Duration::from_secs(2)).await;
+        ExitCode::SUCCESS
     })
 }
