@@ -127,6 +127,7 @@ async fn bench_2000_pods_1000_policies() {
             namespace: "kube-system".into(),
             lease_renew_every: Duration::from_secs(5),
             watch: agent::WatchConfig::default(),
+            cni_socket: None,
         },
         api.client(),
         Box::new(NoneDatapath::default()),

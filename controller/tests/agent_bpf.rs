@@ -18,7 +18,6 @@
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -26,8 +25,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+mod support;
+
 use ordnet_testsuite::fakeapi::FakeApi;
 use serde_json::{Value, json};
+use support::{in_netns, root_or_skip, run};
 
 const NODE: &str = "node-1";
 const PORT: u16 = 80;
@@ -40,29 +42,6 @@ const FAR_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 9, 9);
 /// The ClusterIP of Service `shop/db` (backend: the db pod), DNATed in the node namespace by a
 /// kube-proxy-style nftables rule.
 const DB_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
-
-fn root_or_skip() -> bool {
-    // SAFETY: no arguments, no memory.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    if std::env::var_os("CI").is_some() {
-        panic!("agent_bpf needs root (bpf, XDP, network namespaces), and CI is set");
-    }
-    eprintln!("agent_bpf: skipped (needs root)");
-    false
-}
-
-/// Runs a command line (words separated by spaces); panics with its stderr if it fails.
-fn run(line: &str) {
-    let args: Vec<&str> = line.split_whitespace().collect();
-    let out = Command::new(args[0]).args(&args[1..]).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{line}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 /// The namespaces and interfaces of one test; removed on drop.
 struct Lab {
@@ -178,7 +157,7 @@ impl Lab {
     /// Whether `from` reaches the db Service at its ClusterIP (and the db pod answers).
     fn connects_to_service(&self, from: &str) -> bool {
         let (ns, _) = self.pods[from].clone();
-        Lab::in_netns(&ns, move || {
+        in_netns(&ns, move || {
             let addr = SocketAddr::from((DB_VIP, PORT));
             let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(700)) else {
                 return false;
@@ -214,25 +193,11 @@ impl Lab {
         format!("onb{}{}", std::process::id(), &pod[..1])
     }
 
-    /// Runs `f` on a new thread inside network namespace `ns`.
-    fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-        let path = format!("/var/run/netns/{ns}");
-        std::thread::spawn(move || {
-            let file = std::fs::File::open(&path).unwrap();
-            // SAFETY: a valid namespace fd; only this thread moves.
-            let r = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(r, 0, "setns {path}: {}", std::io::Error::last_os_error());
-            f()
-        })
-        .join()
-        .unwrap()
-    }
-
     /// A TCP server on port 80 in every pod: it answers each connection with the pod's name.
     fn serve(&self) {
         for (name, (ns, ip)) in &self.pods {
             let ip = *ip;
-            let listener = Lab::in_netns(ns, move || {
+            let listener = in_netns(ns, move || {
                 TcpListener::bind(SocketAddrV4::new(ip, PORT)).unwrap()
             });
             listener.set_nonblocking(true).unwrap();
@@ -257,7 +222,7 @@ impl Lab {
         let (ns, _) = self.pods[from].clone();
         let (_, ip) = self.pods[to];
         let want = to.to_string();
-        Lab::in_netns(&ns, move || {
+        in_netns(&ns, move || {
             let addr = SocketAddr::from((ip, PORT));
             let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(700)) else {
                 return false;
@@ -543,7 +508,7 @@ fn db_policy(from_app: &str) -> Value {
 
 #[test]
 fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
-    if !root_or_skip() {
+    if !root_or_skip("agent_bpf") {
         return;
     }
     let lab = Lab::new();

@@ -7,6 +7,7 @@ use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use ordnet_crds::{ClusterOrderedNetworkPolicy, OrderedNetworkPolicy};
 use serde::Serialize;
+use std::net::IpAddr;
 
 use crate::model::{
     EngineError, Policy, translate_cluster_policy, translate_network_policy,
@@ -88,6 +89,25 @@ impl ReadPod {
     /// What the engine reads of the pod, or why it cannot.
     pub(crate) fn into_read(self) -> Result<(PodKey, PodRec), EngineError> {
         self.read
+    }
+
+    /// `namespace/name`, the node the pod is scheduled to, its addresses and whether it has
+    /// terminated; `None` when the engine cannot read the pod.
+    pub fn placement(&self) -> Option<(&PodKey, Option<&str>, &[IpAddr], bool)> {
+        let (key, rec) = self.read.as_ref().ok()?;
+        Some((key, rec.node.as_deref(), &rec.ips, rec.terminal))
+    }
+
+    /// The same pod with `ips` as its addresses: for the time between the container runtime
+    /// giving them (the CNI plugin's ADD on the pod's node) and the API server reporting them,
+    /// so the pod is an endpoint with its own policy from its first packet. A pod the engine
+    /// cannot read stays as it is.
+    pub fn with_runtime_ips(&self, ips: &[IpAddr]) -> ReadPod {
+        let mut out = self.clone();
+        if let Ok((_, rec)) = out.read.as_mut() {
+            rec.ips = ips.to_vec();
+        }
+        out
     }
 }
 

@@ -4,8 +4,14 @@
 //! The view keeps only each object's resourceVersion and what the engine does with it; the
 //! object itself waits in `pending` until it is applied and is then moved into the engine,
 //! which keeps what it reads of it (so the cluster is never held twice).
+//!
+//! The CNI plugin's requests come through the same loop (`WatchMsg::Cni`): a pod the runtime
+//! just gave addresses becomes an endpoint with those addresses (its latest version as watched,
+//! `ReadPod::with_runtime_ips`) until the API server reports them, and the answer goes back
+//! once the batch that made it so is programmed.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -15,6 +21,7 @@ use ordnet_crds::{ClusterObjects, Loaded};
 use ordnet_engine::{BuildOptions, Engine, EngineDelta, Object, ObjectChange, ObjectKind, ReadPod};
 use tokio::sync::{mpsc, watch};
 
+use super::cni::{CniOp, CniReply};
 use super::watchers::WatchMsg;
 use super::{
     AgentState, COALESCE_MAX_EVENTS, COALESCE_MAX_WAIT, COALESCE_QUIET, Enforcement, ObjKey,
@@ -106,6 +113,14 @@ pub(crate) struct Applier {
     events: mpsc::UnboundedSender<status::ProblemEvent>,
     /// Change number: one more for every view change (see `AgentState::applied`).
     seq: u64,
+    /// The latest version of every pod scheduled to this node (not terminated): what a CNI ADD
+    /// gives addresses to.
+    local_pods: BTreeMap<ObjKey, ReadPod>,
+    /// Addresses the container runtime gave a local pod (CNI ADD: container id, addresses)
+    /// that the API server does not report yet.
+    runtime_ips: BTreeMap<ObjKey, (String, Vec<IpAddr>)>,
+    /// CNI requests to answer once the current batch is programmed.
+    cni_waiting: Vec<(CniOp, tokio::sync::oneshot::Sender<CniReply>)>,
 }
 
 impl Applier {
@@ -127,6 +142,9 @@ impl Applier {
             wanted,
             events,
             seq: 0,
+            local_pods: BTreeMap::new(),
+            runtime_ips: BTreeMap::new(),
+            cni_waiting: Vec::new(),
         }
     }
 
@@ -148,6 +166,7 @@ impl Applier {
             self.coalesce(&mut rx, observed).await;
             self.apply_dirty(observed);
             self.state.applied.store(self.seq, Ordering::SeqCst);
+            self.answer_cni();
         }
     }
 
@@ -223,6 +242,7 @@ impl Applier {
                 let key = object_key(&o);
                 self.remove(key);
             }
+            WatchMsg::Cni(op, reply) => self.cni(op, reply),
         }
     }
 
@@ -234,6 +254,7 @@ impl Applier {
         {
             return;
         }
+        let object = self.with_runtime_ips(&key, object);
         self.seq += 1;
         let (problems, enforcement) = assess(&object);
         let failed: Vec<String> = match &enforcement {
@@ -316,7 +337,141 @@ impl Applier {
         self.dirty.insert(key);
     }
 
+    /// A pod of this node: remembered (its latest version) for CNI ADDs, and given the
+    /// addresses the runtime gave it while the API server reports none or others.
+    fn with_runtime_ips(&mut self, key: &ObjKey, object: Object) -> Object {
+        let Object::ReadPod(pod) = &object else {
+            return object;
+        };
+        let local = pod
+            .placement()
+            .is_some_and(|(_, node, _, terminal)| node == Some(self.node.as_str()) && !terminal);
+        if !local {
+            self.local_pods.remove(key);
+            self.runtime_ips.remove(key);
+            return object;
+        }
+        self.local_pods.insert(key.clone(), (**pod).clone());
+        let reported: &[IpAddr] = pod.placement().map_or(&[], |p| p.2);
+        match self.runtime_ips.get(key) {
+            Some((_, ips)) if ips.as_slice() == reported => {
+                // The API server caught up.
+                self.runtime_ips.remove(key);
+                object
+            }
+            Some((_, ips)) => Object::ReadPod(Box::new(pod.with_runtime_ips(ips))),
+            None => object,
+        }
+    }
+
+    /// Applies `object` even if its resource version is the one the view has (a CNI ADD or
+    /// DEL changes what the agent makes of the same version).
+    fn force_upsert(&mut self, key: ObjKey, object: Object) {
+        if let Some(v) = self.view.get_mut(&key) {
+            v.resource_version = None;
+        }
+        self.upsert(key, object);
+    }
+
+    /// A CNI request: ADD gives the pod the runtime's addresses, DEL takes them back; every
+    /// request is answered after the batch it is part of is programmed.
+    fn cni(&mut self, op: CniOp, reply: tokio::sync::oneshot::Sender<CniReply>) {
+        if let Some(key) = op.pod_key() {
+            match &op {
+                // A pod not seen yet: the answer says so and the CNI server asks again.
+                CniOp::Add(a) => {
+                    if let Some(pod) = self.local_pods.get(&key).cloned() {
+                        let reported: &[IpAddr] = pod.placement().map_or(&[], |p| p.2);
+                        let known = self
+                            .runtime_ips
+                            .get(&key)
+                            .is_some_and(|(_, ips)| ips == &a.ips);
+                        if reported != a.ips.as_slice() && !known {
+                            self.runtime_ips
+                                .insert(key.clone(), (a.container_id.clone(), a.ips.clone()));
+                            self.force_upsert(key, Object::ReadPod(Box::new(pod)));
+                        }
+                    }
+                }
+                CniOp::Del(a) => {
+                    let ours = self
+                        .runtime_ips
+                        .get(&key)
+                        .is_some_and(|(id, _)| id == &a.container_id);
+                    if ours {
+                        self.runtime_ips.remove(&key);
+                        if let Some(pod) = self.local_pods.get(&key).cloned() {
+                            self.force_upsert(key, Object::ReadPod(Box::new(pod)));
+                        }
+                    }
+                }
+                CniOp::Check(_) => {}
+            }
+        }
+        self.cni_waiting.push((op, reply));
+    }
+
+    /// Answers the CNI requests of the batch just programmed.
+    fn answer_cni(&mut self) {
+        for (op, reply) in std::mem::take(&mut self.cni_waiting) {
+            let answer = match &op {
+                CniOp::Del(_) => CniReply::Done("forgotten".into()),
+                CniOp::Add(a) | CniOp::Check(a) => {
+                    let id = match (&a.pod_namespace, &a.pod_name) {
+                        (Some(ns), Some(name)) => format!("{ns}/{name}"),
+                        _ => String::new(),
+                    };
+                    let known = op
+                        .pod_key()
+                        .is_some_and(|k| self.local_pods.contains_key(&k));
+                    self.state
+                        .with_programmed(|engine, dp| {
+                            let endpoint = engine.endpoints().iter().find(|e| e.id() == id);
+                            match endpoint {
+                                None if !known => CniReply::NotYet(format!(
+                                    "the agent has not seen {} scheduled to node {} yet",
+                                    a.who(),
+                                    self.node
+                                )),
+                                None => CniReply::NotYet(format!("{} is no endpoint", a.who())),
+                                Some(ep) => {
+                                    let missing: Vec<String> = a
+                                        .ips
+                                        .iter()
+                                        .filter(|ip| !ep.ips.contains(ip))
+                                        .map(|ip| ip.to_string())
+                                        .collect();
+                                    if !missing.is_empty() {
+                                        CniReply::NotYet(format!(
+                                            "{} does not have {} yet",
+                                            a.who(),
+                                            missing.join(", ")
+                                        ))
+                                    } else {
+                                        match dp.endpoint_ready(&id) {
+                                            Ok(()) => CniReply::Done(format!(
+                                                "{} is enforced on {}",
+                                                a.who(),
+                                                a.host_interfaces.join(", ")
+                                            )),
+                                            Err(why) => CniReply::NotYet(why),
+                                        }
+                                    }
+                                }
+                            }
+                        })
+                        .unwrap_or_else(|| {
+                            CniReply::NotYet("the agent's initial sync is not done".into())
+                        })
+                }
+            };
+            let _ = reply.send(answer);
+        }
+    }
+
     fn remove(&mut self, key: ObjKey) {
+        self.local_pods.remove(&key);
+        self.runtime_ips.remove(&key);
         if self.view.remove(&key).is_some() {
             self.seq += 1;
             self.pending.remove(&key);

@@ -420,6 +420,16 @@ impl Enforcer for BpfDatapath {
         &self.dp
     }
 
+    fn endpoint_ready(&self, endpoint: &str) -> Result<(), String> {
+        if !self.programmed().contains_key(endpoint) {
+            return Err(format!("{endpoint} is not programmed"));
+        }
+        match self.unattached.get(endpoint) {
+            None => Ok(()),
+            Some(why) => Err(format!("{endpoint} is not attached: {why}")),
+        }
+    }
+
     fn maintain(&mut self, engine: &Engine) -> Result<(), AgentError> {
         if self.needs_full {
             return self.full(engine);

@@ -43,6 +43,15 @@ pub trait Enforcer: Send {
     fn programmed(&self) -> &BTreeMap<String, ProgrammedEndpoint>;
     /// The programmed ipcache.
     fn ipcache(&self) -> &BTreeMap<IpNet, Identity>;
+    /// Whether the local endpoint `ns/name` is programmed and, where the datapath attaches to
+    /// interfaces, attached; why not otherwise.
+    fn endpoint_ready(&self, endpoint: &str) -> Result<(), String> {
+        if self.programmed().contains_key(endpoint) {
+            Ok(())
+        } else {
+            Err(format!("{endpoint} is not programmed"))
+        }
+    }
     /// The programmed tables (what the maps hold), for the verdicts of the debug API:
     /// `ControlPlane::decide` runs the XDP program's decision function over them.
     fn plane(&self) -> &dyn ControlPlane;

@@ -41,6 +41,7 @@ use tokio::task::JoinHandle;
 mod applier;
 pub mod bpf;
 pub mod client;
+mod cni;
 pub mod datapath;
 pub mod debug;
 mod error;
@@ -67,6 +68,8 @@ pub struct AgentConfig {
     pub lease_renew_every: Duration,
     /// Watch timeouts and the reconnect backoff.
     pub watch: WatchConfig,
+    /// Where the CNI plugin's requests are served (`None`: not served).
+    pub cni_socket: Option<std::path::PathBuf>,
 }
 
 /// Burst coalescing (see `Applier::coalesce`): a batch closes once no watch event arrived for
@@ -316,6 +319,9 @@ pub async fn start(
         &state.watch,
         &tx,
     ));
+    if let Some(path) = &config.cni_socket {
+        tasks.push(cni::serve(path, state.clone(), tx.clone())?);
+    }
     drop(tx);
     tasks.push(tokio::spawn(maintain_loop(state.clone())));
     let loop_state = state.clone();

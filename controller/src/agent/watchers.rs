@@ -44,6 +44,11 @@ pub(crate) enum WatchMsg {
     InitDone(ObjectKind),
     Apply(Object),
     Delete(Object),
+    /// Not from a watch: a request of the CNI plugin, answered once programmed.
+    Cni(
+        super::cni::CniOp,
+        tokio::sync::oneshot::Sender<super::cni::CniReply>,
+    ),
 }
 
 /// How the watchers talk to the API server.

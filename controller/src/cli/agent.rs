@@ -33,7 +33,7 @@ pub struct AgentArgs {
     /// Remove ordnet from this node instead of running: detach the XDP and TC programs from
     /// every interface and remove every pin ($ORDNET_PIN_DIR, default /sys/fs/bpf/ordnet).
     /// Run it after the agent's DaemonSet is gone (deploy/uninstall/).
-    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout"])]
+    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket"])]
     pub uninstall: bool,
     /// Kubeconfig to use (default: in-cluster config, then the usual kubeconfig lookup).
     #[arg(long, value_name = "PATH")]
@@ -59,6 +59,10 @@ pub struct AgentArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 60,
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub watch_timeout: u64,
+    /// Where to serve the `ordnet-cni` plugin (a unix socket in a host directory; the plugin's
+    /// network configuration names the same path). `none`: do not serve it.
+    #[arg(long, value_name = "PATH", default_value = ordnet_cni::DEFAULT_SOCKET)]
+    pub cni_socket: String,
 }
 
 /// `ordnet agent --uninstall`: exit 0 when this node has no ordnet pins (any more), 1 when
@@ -157,6 +161,7 @@ pub fn run(args: AgentArgs) -> ExitCode {
                 timeout: std::time::Duration::from_secs(args.watch_timeout),
                 ..agent::WatchConfig::default()
             },
+            cni_socket: (args.cni_socket != "none").then(|| args.cni_socket.clone().into()),
         };
         let (datapath, kind): (Box<dyn agent::Enforcer>, &str) = if args.datapath == DatapathArg::Bpf {
             let pin_dir = agent::bpf::pin_dir_from_env();

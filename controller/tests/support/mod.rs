@@ -200,6 +200,7 @@ pub async fn start_agent_with(
             namespace: "kube-system".into(),
             lease_renew_every: Duration::from_millis(100),
             watch,
+            cni_socket: None,
         },
         api.client(),
         Box::new(dp),
@@ -216,4 +217,47 @@ pub async fn start_agent_with(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     h
+}
+
+/// Whether the test runs as root; without root it is skipped (a line on stderr), unless CI is
+/// set: then it fails.
+pub fn root_or_skip(test: &str) -> bool {
+    // SAFETY: no arguments, no memory.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    if std::env::var_os("CI").is_some() {
+        panic!("{test} needs root (bpf, XDP, network namespaces), and CI is set");
+    }
+    eprintln!("{test}: skipped (needs root)");
+    false
+}
+
+/// Runs a command line (split on whitespace), which must succeed.
+pub fn run(line: &str) {
+    let args: Vec<&str> = line.split_whitespace().collect();
+    let out = std::process::Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{line}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Runs `f` on a new thread inside the network namespace `/var/run/netns/NS`.
+pub fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    use std::os::fd::AsRawFd as _;
+    let path = format!("/var/run/netns/{ns}");
+    std::thread::spawn(move || {
+        let file = std::fs::File::open(&path).unwrap();
+        // SAFETY: a valid namespace fd; only this thread moves.
+        let r = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(r, 0, "setns {path}: {}", std::io::Error::last_os_error());
+        f()
+    })
+    .join()
+    .unwrap()
 }
