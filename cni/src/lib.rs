@@ -24,6 +24,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+pub mod install;
 pub mod plugin;
 
 /// Where the agent listens unless the network configuration's `socket` says otherwise (a host

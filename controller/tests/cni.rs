@@ -46,6 +46,10 @@ struct Node {
     bpffs: PathBuf,
     pin_dir: PathBuf,
     socket: PathBuf,
+    /// The node's CNI configuration directory (the main plugin's conflist; the agent chains
+    /// ordnet-cni into it) and the bin directory the agent installs ordnet-cni into.
+    conf_dir: PathBuf,
+    bin_dir: PathBuf,
     stop: Arc<AtomicBool>,
 }
 
@@ -65,6 +69,8 @@ impl Node {
             mgmt_ip: Ipv4Addr::new(10, 216, (sub >> 8) as u8, (sub & 0xff) as u8 + 2),
             subnet: format!("10.217.{}.0/24", pid % 250),
             socket: dir.join("run/cni.sock"),
+            conf_dir: dir.join("net.d"),
+            bin_dir: dir.join("bin"),
             pin_dir: bpffs.join("ordnet"),
             bpffs,
             dir,
@@ -88,7 +94,53 @@ impl Node {
         run(&format!("ip link set {r} up"));
         run(&format!("ip -n {n} addr add {}/30 dev {m}", node.mgmt_ip));
         run(&format!("ip -n {n} link set {m} up"));
+        std::fs::create_dir_all(&node.conf_dir).unwrap();
+        std::fs::write(
+            node.conf_dir.join("10-ptp.conflist"),
+            node.main_conflist().to_string(),
+        )
+        .unwrap();
         node
+    }
+
+    /// The main plugin's conflist, as the node had it before ordnet.
+    fn main_conflist(&self) -> Value {
+        json!({"cniVersion": "1.0.0", "name": "ordnet-test", "plugins": [
+            {"type": "ptp", "mtu": 1500,
+             "ipam": {"type": "host-local", "subnet": self.subnet,
+                      "dataDir": self.dir.join("ipam").to_string_lossy()}}]})
+    }
+
+    /// The conflist the runtime reads now.
+    fn conflist(&self) -> Value {
+        serde_json::from_slice(&std::fs::read(self.conf_dir.join("10-ptp.conflist")).unwrap())
+            .unwrap()
+    }
+
+    /// The plugin configurations of the conflist, as the runtime passes them (the list's
+    /// version and name added to each).
+    fn chain(&self) -> Vec<Value> {
+        let list = self.conflist();
+        list["plugins"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| {
+                let mut c = p.clone();
+                c["cniVersion"] = list["cniVersion"].clone();
+                c["name"] = list["name"].clone();
+                c
+            })
+            .collect()
+    }
+
+    /// A plugin's binary, found in CNI_PATH as the runtime does.
+    fn binary(&self, plugin: &str) -> PathBuf {
+        [self.bin_dir.as_path(), Path::new("/usr/lib/cni")]
+            .iter()
+            .map(|d| d.join(plugin))
+            .find(|p| p.exists())
+            .unwrap_or_else(|| panic!("no {plugin} in the CNI path"))
     }
 
     fn pod_ns(&self, pod: &str) -> String {
@@ -102,7 +154,10 @@ impl Node {
             ("CNI_CONTAINERID", format!("{}-{pod}", self.id)),
             ("CNI_NETNS", format!("/var/run/netns/{}", self.pod_ns(pod))),
             ("CNI_IFNAME", "eth0".to_string()),
-            ("CNI_PATH", "/usr/lib/cni".to_string()),
+            (
+                "CNI_PATH",
+                format!("{}:/usr/lib/cni", self.bin_dir.display()),
+            ),
             (
                 "CNI_ARGS",
                 format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME={pod}"),
@@ -115,7 +170,7 @@ impl Node {
 
     /// Runs a CNI plugin in the node's network namespace, as the runtime does: (exit status
     /// success, stdout as JSON).
-    fn plugin(&self, binary: &str, command: &str, pod: &str, conf: &Value) -> (bool, Value) {
+    fn plugin(&self, binary: &Path, command: &str, pod: &str, conf: &Value) -> (bool, Value) {
         let mut child = Command::new("nsenter")
             .arg(format!("--net=/var/run/netns/{}", self.ns))
             .arg(binary)
@@ -138,7 +193,8 @@ impl Node {
         } else {
             serde_json::from_str(text.trim()).unwrap_or_else(|e| {
                 panic!(
-                    "{binary} {command} {pod}: {e}: {text}; stderr {}",
+                    "{} {command} {pod}: {e}: {text}; stderr {}",
+                    binary.display(),
                     String::from_utf8_lossy(&out.stderr)
                 )
             })
@@ -146,49 +202,58 @@ impl Node {
         (out.status.success(), value)
     }
 
-    fn ptp_conf(&self) -> Value {
-        json!({"cniVersion": "1.0.0", "name": "ordnet-test", "type": "ptp", "mtu": 1500,
-               "ipam": {"type": "host-local", "subnet": self.subnet,
-                        "dataDir": self.dir.join("ipam").to_string_lossy()}})
+    /// The runtime's ADD of the chain, each plugin with the previous one's result: the main
+    /// plugin's result, and the last plugin's (success, output).
+    fn add(&self, pod: &str) -> (Value, (bool, Value)) {
+        run(&format!("ip netns add {}", self.pod_ns(pod)));
+        run(&format!("ip -n {} link set lo up", self.pod_ns(pod)));
+        let chain = self.chain();
+        let (mut main, mut last) = (Value::Null, (true, Value::Null));
+        for (i, conf) in chain.iter().enumerate() {
+            let mut conf = conf.clone();
+            if i > 0 {
+                conf["prevResult"] = last.1.clone();
+            }
+            let ty = conf["type"].as_str().unwrap().to_string();
+            last = self.plugin(&self.binary(&ty), "ADD", pod, &conf);
+            if i == 0 {
+                assert!(last.0, "{ty} ADD {pod}: {}", last.1);
+                main = last.1.clone();
+            }
+            if !last.0 {
+                break;
+            }
+        }
+        (main, last)
     }
 
+    /// The runtime's DEL of the chain, in reverse order.
+    fn del(&self, pod: &str, main: &Value) {
+        for conf in self.chain().iter().rev() {
+            let mut conf = conf.clone();
+            conf["prevResult"] = main.clone();
+            let ty = conf["type"].as_str().unwrap().to_string();
+            let (ok, out) = self.plugin(&self.binary(&ty), "DEL", pod, &conf);
+            assert!(ok, "{ty} DEL {pod}: {out}");
+        }
+        run(&format!("ip netns del {}", self.pod_ns(pod)));
+    }
+
+    /// The ordnet-cni entry of the chain with `prev` as prevResult.
     fn ordnet_conf(&self, prev: Option<&Value>) -> Value {
-        let mut c = json!({"cniVersion": "1.0.0", "name": "ordnet-test", "type": "ordnet-cni",
-                           "socket": self.socket.to_string_lossy(), "timeoutSeconds": 15});
+        let mut c = self
+            .chain()
+            .into_iter()
+            .find(|c| c["type"] == "ordnet-cni")
+            .unwrap_or_else(|| panic!("ordnet-cni is not chained: {}", self.conflist()));
         if let Some(p) = prev {
             c["prevResult"] = p.clone();
         }
         c
     }
 
-    /// The runtime's ADD of the chain (ptp, then ordnet-cni): ptp's result, and ordnet-cni's
-    /// (success, output).
-    fn add(&self, pod: &str) -> (Value, (bool, Value)) {
-        run(&format!("ip netns add {}", self.pod_ns(pod)));
-        run(&format!("ip -n {} link set lo up", self.pod_ns(pod)));
-        let (ok, ptp) = self.plugin(PTP, "ADD", pod, &self.ptp_conf());
-        assert!(ok, "ptp ADD {pod}: {ptp}");
-        let ours = self.plugin(
-            env!("CARGO_BIN_EXE_ordnet-cni"),
-            "ADD",
-            pod,
-            &self.ordnet_conf(Some(&ptp)),
-        );
-        (ptp, ours)
-    }
-
-    /// The runtime's DEL of the chain, in reverse order.
-    fn del(&self, pod: &str, ptp: &Value) {
-        let (ok, out) = self.plugin(
-            env!("CARGO_BIN_EXE_ordnet-cni"),
-            "DEL",
-            pod,
-            &self.ordnet_conf(Some(ptp)),
-        );
-        assert!(ok, "ordnet-cni DEL {pod}: {out}");
-        let (ok, out) = self.plugin(PTP, "DEL", pod, &self.ptp_conf());
-        assert!(ok, "ptp DEL {pod}: {out}");
-        run(&format!("ip netns del {}", self.pod_ns(pod)));
+    fn ordnet_cni(&self) -> PathBuf {
+        self.bin_dir.join("ordnet-cni")
     }
 
     /// A TCP server on `ip:PORT` inside network namespace `ns`.
@@ -275,17 +340,31 @@ impl Agent {
             .arg(format!("{}:0", node.mgmt_ip))
             .arg("--cni-socket")
             .arg(&node.socket)
+            .arg("--cni-bin-dir")
+            .arg(&node.bin_dir)
+            .arg("--cni-conf-dir")
+            .arg(&node.conf_dir)
             .env("ORDNET_PIN_DIR", &node.pin_dir)
             .env("POD_NAMESPACE", "ordnet-system")
             .stderr(Stdio::inherit())
             .spawn()
             .unwrap();
         let agent = Agent(child);
-        // Ready when the CNI plugin's STATUS says so.
+        // Ready when it installed and chained the plugin and the plugin's STATUS says so.
         let deadline = Instant::now() + LIMIT;
         loop {
+            if !node.ordnet_cni().exists()
+                || !node.chain().iter().any(|c| c["type"] == "ordnet-cni")
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "the agent did not chain ordnet-cni"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
             let (ok, _) = node.plugin(
-                env!("CARGO_BIN_EXE_ordnet-cni"),
+                &node.ordnet_cni(),
                 "STATUS",
                 "none",
                 &node.ordnet_conf(None),
@@ -423,7 +502,7 @@ fn cni_chain_enforces_from_the_first_packet_and_fails_closed() {
     );
     assert!(node.connects("good", open));
     let (ok, out) = node.plugin(
-        env!("CARGO_BIN_EXE_ordnet-cni"),
+        &node.ordnet_cni(),
         "CHECK",
         "good",
         &node.ordnet_conf(Some(&ptp)),
@@ -490,6 +569,26 @@ fn cni_chain_enforces_from_the_first_packet_and_fails_closed() {
     // The probe target is reachable at all: from a pod enforced earlier.
     assert!(node.connects("good", gateway));
     node.del("late", &ptp);
+
+    // Uninstall: the conflist is the main plugin's again, the plugin and the pins are gone.
+    let out = Command::new("nsenter")
+        .arg(format!("--net=/var/run/netns/{}", node.ns))
+        .arg(env!("CARGO_BIN_EXE_ordnet"))
+        .args(["agent", "--uninstall", "--cni-conf-dir"])
+        .arg(&node.conf_dir)
+        .arg("--cni-bin-dir")
+        .arg(&node.bin_dir)
+        .env("ORDNET_PIN_DIR", &node.pin_dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(node.conflist(), node.main_conflist());
+    assert!(!node.ordnet_cni().exists());
+    assert!(!node.pin_dir.exists());
     node.stop.store(true, Ordering::SeqCst);
     drop(api);
     drop(runtime);

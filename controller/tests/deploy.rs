@@ -61,19 +61,25 @@ fn kustomizations_name_the_image_scripts_image_builds() {
     }
 }
 
+/// The host paths the manifests mount under `/host/`, moved into a scratch directory.
+fn hosted(arg: &str, root: &Path) -> String {
+    arg.replace("=/host/", &format!("={}/", root.display()))
+}
+
 /// The command lines of the DaemonSets run with the binary: the agent's arguments parse (it
 /// gets as far as looking for a cluster, exit 1, not a usage error, exit 2), and the uninstall
 /// container's command succeeds on a node with nothing to remove.
 #[test]
 fn the_daemonsets_command_lines_are_what_the_binary_accepts() {
+    let root = std::env::temp_dir().join(format!("ordnet-deploy-{}", std::process::id()));
     let agent = yaml(&deploy().join("daemonset.yaml"));
     let c = &containers(&agent)[0];
     assert_eq!(c["command"][0], "/usr/local/bin/ordnet");
-    let args: Vec<&str> = c["args"]
+    let args: Vec<String> = c["args"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|a| a.as_str().unwrap())
+        .map(|a| hosted(a.as_str().unwrap(), &root))
         .collect();
     let out = Command::new(env!("CARGO_BIN_EXE_ordnet"))
         .args(&args)
@@ -86,11 +92,11 @@ fn the_daemonsets_command_lines_are_what_the_binary_accepts() {
 
     let uninstall = yaml(&deploy().join("uninstall/daemonset.yaml"));
     let c = &containers(&uninstall)[0];
-    let cmd: Vec<&str> = c["command"]
+    let cmd: Vec<String> = c["command"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|a| a.as_str().unwrap())
+        .map(|a| hosted(a.as_str().unwrap(), &root))
         .collect();
     assert_eq!(cmd[0], "/usr/local/bin/ordnet");
     let empty = std::env::temp_dir().join(format!("ordnet-no-pins-{}", std::process::id()));
@@ -102,4 +108,5 @@ fn the_daemonsets_command_lines_are_what_the_binary_accepts() {
     let said = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{cmd:?}: {said}");
     assert!(said.contains("nothing to uninstall"), "{said}");
+    let _ = std::fs::remove_dir_all(&root);
 }

@@ -30,9 +30,10 @@ pub struct AgentArgs {
     #[arg(long, env = "NODE_NAME", value_parser = NonEmptyStringValueParser::new(),
           required_unless_present = "uninstall")]
     pub node: Option<String>,
-    /// Remove ordnet from this node instead of running: detach the XDP and TC programs from
-    /// every interface and remove every pin ($ORDNET_PIN_DIR, default /sys/fs/bpf/ordnet).
-    /// Run it after the agent's DaemonSet is gone (deploy/uninstall/).
+    /// Remove ordnet from this node instead of running: take `ordnet-cni` out of the conflists
+    /// of --cni-conf-dir and out of --cni-bin-dir (when given), detach the XDP and TC programs
+    /// from every interface and remove every pin ($ORDNET_PIN_DIR, default
+    /// /sys/fs/bpf/ordnet). Run it after the agent's DaemonSet is gone (deploy/uninstall/).
     #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket"])]
     pub uninstall: bool,
     /// Kubeconfig to use (default: in-cluster config, then the usual kubeconfig lookup).
@@ -63,16 +64,48 @@ pub struct AgentArgs {
     /// network configuration names the same path). `none`: do not serve it.
     #[arg(long, value_name = "PATH", default_value = ordnet_cni::DEFAULT_SOCKET)]
     pub cni_socket: String,
+    /// Install the `ordnet-cni` plugin (the binary next to this one) into this CNI bin
+    /// directory at start (the host's /opt/cni/bin, mounted).
+    #[arg(long, value_name = "DIR")]
+    pub cni_bin_dir: Option<PathBuf>,
+    /// Chain `ordnet-cni` into the conflist the runtime uses (the first *.conflist of this
+    /// directory, the host's /etc/cni/net.d, mounted) once the agent serves its socket.
+    #[arg(long, value_name = "DIR")]
+    pub cni_conf_dir: Option<PathBuf>,
 }
 
-/// `ordnet agent --uninstall`: exit 0 when this node has no ordnet pins (any more), 1 when
-/// something could not be removed.
-fn uninstall() -> ExitCode {
+/// `ordnet agent --uninstall`: exit 0 when this node has no ordnet left (any more), 1 when
+/// something could not be removed. The CNI chain first (so no new pod waits for an agent that
+/// is gone), then the programs and pins.
+fn uninstall(args: &AgentArgs) -> ExitCode {
+    let mut failed = false;
+    if let Some(dir) = &args.cni_conf_dir {
+        match ordnet_cni::install::unchain(dir) {
+            Ok(changed) if changed.is_empty() => {}
+            Ok(changed) => tracing::info!(
+                conflists = %changed.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(","),
+                "ordnet-cni taken out of the CNI chain"
+            ),
+            Err(e) => {
+                tracing::error!(error = %e, "taking ordnet-cni out of the CNI chain failed");
+                failed = true;
+            }
+        }
+    }
+    if let Some(dir) = &args.cni_bin_dir {
+        match ordnet_cni::install::remove_binary(dir) {
+            Ok(true) => tracing::info!(dir = %dir.display(), "ordnet-cni removed"),
+            Ok(false) => {}
+            Err(e) => {
+                tracing::error!(error = %e, "removing ordnet-cni failed");
+                failed = true;
+            }
+        }
+    }
     let pin_dir = agent::bpf::pin_dir_from_env();
     match agent::bpf::uninstall(&pin_dir) {
         Ok(r) if r.objects == 0 && r.xdp_links.is_empty() && r.tc_links.is_empty() => {
             tracing::info!(pins = %pin_dir.display(), "nothing to uninstall");
-            ExitCode::SUCCESS
         }
         Ok(r) => {
             tracing::info!(
@@ -82,13 +115,27 @@ fn uninstall() -> ExitCode {
                 tc_detached_from = %r.tc_links.join(","),
                 "uninstalled: every program detached, every pin removed"
             );
-            ExitCode::SUCCESS
         }
         Err(e) => {
             tracing::error!(error = %e, "uninstall failed");
-            ExitCode::from(1)
+            failed = true;
         }
     }
+    if failed {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+/// Installs the plugin binary (`--cni-bin-dir`): the `ordnet-cni` next to this binary.
+fn install_cni_binary(dir: &std::path::Path) -> Result<(), String> {
+    let exe = std::env::current_exe().map_err(|e| format!("this binary: {e}"))?;
+    let plugin = exe.with_file_name(ordnet_cni::install::PLUGIN);
+    if ordnet_cni::install::install_binary(&plugin, dir)? {
+        tracing::info!(from = %plugin.display(), dir = %dir.display(), "ordnet-cni installed");
+    }
+    Ok(())
 }
 
 /// Logs to stderr through `tracing` (the agent's own events and kube-rs's).
@@ -124,10 +171,19 @@ pub fn run(args: AgentArgs) -> ExitCode {
             )
             .exit();
     }
+    if args.cni_conf_dir.is_some() && args.cni_socket == "none" {
+        Cli::command()
+            .error(
+                clap::error::ErrorKind::ArgumentConflict,
+                "--cni-conf-dir chains ordnet-cni, which needs --cni-socket (not none)",
+            )
+            .exit();
+    }
     init_logging(&args);
     if args.uninstall {
-        return uninstall();
+        return uninstall(&args);
     }
+
     let Some(node) = args.node.clone() else {
         Cli::command()
             .error(
@@ -152,6 +208,12 @@ pub fn run(args: AgentArgs) -> ExitCode {
                 return ExitCode::from(1);
             }
         };
+        if let Some(dir) = &args.cni_bin_dir
+            && let Err(e) = install_cni_binary(dir)
+        {
+            tracing::error!(error = %e, "--cni-bin-dir: installing ordnet-cni failed");
+            return ExitCode::from(1);
+        }
         let config = agent::AgentConfig {
             node,
             debug_addr,
@@ -208,6 +270,17 @@ pub fn run(args: AgentArgs) -> ExitCode {
             version = env!("CARGO_PKG_VERSION"),
             "agent started"
         );
+        if let Some(dir) = &args.cni_conf_dir {
+            let socket = std::path::PathBuf::from(&args.cni_socket);
+            match ordnet_cni::install::chain(dir, &socket) {
+                Ok(Some(path)) => tracing::info!(conflist = %path.display(), "ordnet-cni chained"),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::error!(error = %e, "--cni-conf-dir: chaining ordnet-cni failed");
+                    return ExitCode::from(1);
+                }
+            }
+        }
         let mut term =
             match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
                 Ok(s) => s,
