@@ -532,7 +532,9 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
         "ordnet_invalid_objects 0",
         "ordnet_change_latency_seconds_count",
         "ordnet_compile_duration_seconds_bucket{le=\"+Inf\"}",
-        "ordnet_watch_stale_seconds{kind=\"Pod\"} 0\n",
+        "ordnet_watch_stale_seconds{kind=\"Pod\"} 0.0\n",
+        "ordnet_build_info{version=\"",
+        "process_resident_memory_bytes ",
         "ordnet_watch_relists_total{kind=\"NetworkPolicy\"} 1\n",
     ] {
         assert!(metrics.contains(want), "{want} missing from\n{metrics}");
@@ -1051,6 +1053,12 @@ async fn the_binary_runs_from_a_kubeconfig_and_exits_0_on_sigterm() {
         .unwrap()
         .port();
     let debug = format!("127.0.0.1:{port}");
+    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let metrics_at = format!("127.0.0.1:{metrics_port}");
     let child = std::process::Command::new(env!("CARGO_BIN_EXE_ordnet"))
         .args([
             "agent",
@@ -1062,6 +1070,10 @@ async fn the_binary_runs_from_a_kubeconfig_and_exits_0_on_sigterm() {
             &debug,
             "--log-format",
             "json",
+            "--metrics-addr",
+            &metrics_at,
+            "--cni-socket",
+            "none",
         ])
         .arg("--kubeconfig")
         .arg(&kubeconfig)
@@ -1101,6 +1113,13 @@ async fn the_binary_runs_from_a_kubeconfig_and_exits_0_on_sigterm() {
         m,
         offline_cli(&api, &["matrix", "--port", "8081", "-o", "json"])
     );
+    let scraped = http_get(metrics_at.parse().unwrap(), "/metrics").await;
+    assert_eq!(
+        http_get(metrics_at.parse().unwrap(), "/v1/problems")
+            .await
+            .0,
+        404
+    );
     let killed = std::process::Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -1117,11 +1136,17 @@ async fn the_binary_runs_from_a_kubeconfig_and_exits_0_on_sigterm() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
         .collect();
+    let started = lines
+        .iter()
+        .find(|l| l["level"] == "INFO" && l["message"] == "agent started" && l["node"] == NODE)
+        .unwrap_or_else(|| panic!("no `agent started` line: {stderr}"));
+    // The metrics listener (--metrics-addr) served while the agent ran.
+    assert_eq!(started["metrics"], format!("http://{metrics_at}/metrics"));
+    assert_eq!(scraped.0, 200);
     assert!(
-        lines
-            .iter()
-            .any(|l| l["level"] == "INFO" && l["message"] == "agent started" && l["node"] == NODE),
-        "{stderr}"
+        scraped.1.contains("ordnet_build_info{version=\""),
+        "{}",
+        scraped.1
     );
 }
 

@@ -128,6 +128,7 @@ async fn bench_2000_pods_1000_policies() {
             lease_renew_every: Duration::from_secs(5),
             watch: agent::WatchConfig::default(),
             cni_socket: None,
+            metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
         },
         api.client(),
         Box::new(NoneDatapath::default()),

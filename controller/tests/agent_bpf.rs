@@ -341,6 +341,7 @@ impl Agent {
             .arg(kubeconfig)
             .arg("--debug-addr")
             .arg(format!("{}:0", lab.mgmt_ip))
+            .args(["--metrics-addr", "none", "--cni-socket", "none"])
             .env("ORDNET_PIN_DIR", &lab.pin_dir)
             .env("POD_NAMESPACE", "ordnet-system")
             .stderr(Stdio::piped())

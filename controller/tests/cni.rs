@@ -338,6 +338,7 @@ impl Agent {
             .arg(kubeconfig)
             .arg("--debug-addr")
             .arg(format!("{}:0", node.mgmt_ip))
+            .args(["--metrics-addr", "none"])
             .arg("--cni-socket")
             .arg(&node.socket)
             .arg("--cni-bin-dir")

@@ -227,8 +227,9 @@ async fn api_server_killed_and_back_with_history_and_compacted() {
         }
         assert!(
             c.metrics().await.lines().any(|l| l
-                .starts_with("ordnet_watch_stale_seconds{kind=\"Pod\"} ")
-                && !l.ends_with(" 0")),
+                .strip_prefix("ordnet_watch_stale_seconds{kind=\"Pod\"} ")
+                .and_then(|v| v.parse::<f64>().ok())
+                .is_some_and(|v| v > 0.0)),
             "{step}: ordnet_watch_stale_seconds does not show the Pod watch stale"
         );
         c.unchanged_for(Duration::from_secs(2), &step).await;

@@ -117,6 +117,7 @@ fn spawn_agent(api: &FakeApi, tag: &str) -> Agent {
         .arg("--kubeconfig")
         .arg(&kubeconfig)
         .args(["--debug-addr", &addr])
+        .args(["--metrics-addr", "none", "--cni-socket", "none"])
         .env("POD_NAMESPACE", "kube-system")
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())

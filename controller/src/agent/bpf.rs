@@ -29,7 +29,6 @@
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
-use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 
@@ -442,38 +441,55 @@ impl Enforcer for BpfDatapath {
         Ok(())
     }
 
-    fn write_metrics(&self, out: &mut String) {
+    fn metrics(&self) -> Vec<super::metrics::Sample> {
+        use super::metrics::Sample;
         let stats = self.programmer.program.stats();
         let w = &stats.writes;
-        let _ = write!(
-            out,
-            "# HELP ordnet_datapath_attached_interfaces Interfaces the XDP program is attached to.\n\
-             # TYPE ordnet_datapath_attached_interfaces gauge\n\
-             ordnet_datapath_attached_interfaces {}\n\
-             # HELP ordnet_datapath_unattached_endpoints Local endpoints (and the uplink) whose interface is not found or not attached yet.\n\
-             # TYPE ordnet_datapath_unattached_endpoints gauge\n\
-             ordnet_datapath_unattached_endpoints {}\n\
-             # HELP ordnet_datapath_attach_errors_total Failed XDP attachments.\n\
-             # TYPE ordnet_datapath_attach_errors_total counter\n\
-             ordnet_datapath_attach_errors_total {}\n\
-             # HELP ordnet_datapath_attaches_total XDP attachments made.\n\
-             # TYPE ordnet_datapath_attaches_total counter\n\
-             ordnet_datapath_attaches_total {}\n\
-             # HELP ordnet_datapath_detaches_total XDP attachments removed.\n\
-             # TYPE ordnet_datapath_detaches_total counter\n\
-             ordnet_datapath_detaches_total {}\n\
-             # HELP ordnet_datapath_fallbacks_total Change sets that did not fit and became a full endpoint update.\n\
-             # TYPE ordnet_datapath_fallbacks_total counter\n\
-             ordnet_datapath_fallbacks_total {}\n\
-             # HELP ordnet_datapath_writes_total Writes to the BPF maps, by kind.\n\
-             # TYPE ordnet_datapath_writes_total counter\n",
-            self.dp.attached().count(),
-            self.unattached.len(),
-            self.attach_errors,
-            self.attaches,
-            self.detaches,
-            stats.fallbacks,
-        );
+        let one = |name, help, counter, value: u64| Sample {
+            name,
+            help,
+            counter,
+            labels: Vec::new(),
+            value,
+        };
+        let mut out = vec![
+            one(
+                "ordnet_datapath_attached_interfaces",
+                "Interfaces the XDP program is attached to.",
+                false,
+                self.dp.attached().count() as u64,
+            ),
+            one(
+                "ordnet_datapath_unattached_endpoints",
+                "Local endpoints (and the uplink) whose interface is not found or not attached yet.",
+                false,
+                self.unattached.len() as u64,
+            ),
+            one(
+                "ordnet_datapath_attach_errors",
+                "Failed XDP attachments.",
+                true,
+                self.attach_errors,
+            ),
+            one(
+                "ordnet_datapath_attaches",
+                "XDP attachments made.",
+                true,
+                self.attaches,
+            ),
+            one(
+                "ordnet_datapath_detaches",
+                "XDP attachments removed.",
+                true,
+                self.detaches,
+            ),
+            one(
+                "ordnet_datapath_fallbacks",
+                "Change sets that did not fit and became a full endpoint update.",
+                true,
+                stats.fallbacks,
+            ),
+        ];
         for (kind, n) in [
             ("ruleset_installed", w.rulesets_installed),
             ("ruleset_updated", w.rulesets_updated),
@@ -483,8 +499,15 @@ impl Enforcer for BpfDatapath {
             ("block", w.block_writes),
             ("ipcache", w.ip_writes),
         ] {
-            let _ = writeln!(out, "ordnet_datapath_writes_total{{kind=\"{kind}\"}} {n}");
+            out.push(Sample {
+                name: "ordnet_datapath_writes",
+                help: "Writes to the BPF maps, by kind.",
+                counter: true,
+                labels: vec![("kind", kind.to_string())],
+                value: u64::from(n),
+            });
         }
+        out
     }
 }
 

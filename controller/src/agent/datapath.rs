@@ -60,8 +60,10 @@ pub trait Enforcer: Send {
     fn maintain(&mut self, _engine: &Engine) -> Result<(), AgentError> {
         Ok(())
     }
-    /// The datapath's own metrics (Prometheus text lines, HELP and TYPE included).
-    fn write_metrics(&self, _out: &mut String) {}
+    /// The datapath's own metrics.
+    fn metrics(&self) -> Vec<super::metrics::Sample> {
+        Vec::new()
+    }
     /// Keeps a copy of every programmed key from the next full programming on
     /// ([`Record::with_keys`]; the agent tests compare them with the engine), so that
     /// [`Enforcer::programmed`] lists them.

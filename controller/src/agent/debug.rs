@@ -4,7 +4,7 @@
 //! * `GET /healthz`: 200 while the process serves;
 //! * `GET /readyz`: 200 once the initial sync is programmed, 503 before; the body names every
 //!   kind whose watch is stale (since when, the last error) while the last state is enforced;
-//! * `GET /metrics`: Prometheus text;
+//! * `GET /metrics`: the metrics (OpenMetrics text; also on `--metrics-addr`, see `metrics.rs`);
 //! * `GET /v1/problems`: the objects skipped as invalid (JSON);
 //! * `GET /v1/matrix?protocol=TCP&port=80&external=IP&family=4&output=table|json&width=N`:
 //!   `ordnet matrix` over this node's endpoints (and the `external` addresses);
@@ -48,6 +48,29 @@ pub async fn serve(
     addr: SocketAddr,
     state: Arc<AgentState>,
 ) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
+    serve_with(addr, state, route).await
+}
+
+/// Binds `addr` and serves only `GET /metrics` (`--metrics-addr`: on the node's addresses for
+/// Prometheus, while the debug API stays on loopback).
+pub async fn serve_metrics(
+    addr: SocketAddr,
+    state: Arc<AgentState>,
+) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
+    serve_with(addr, state, |state, req| {
+        match (req.method(), req.uri().path()) {
+            (&Method::GET, "/metrics") => metrics(state),
+            _ => text(StatusCode::NOT_FOUND, "only GET /metrics here"),
+        }
+    })
+    .await
+}
+
+async fn serve_with(
+    addr: SocketAddr,
+    state: Arc<AgentState>,
+    route: fn(&AgentState, &Request<Incoming>) -> Response<Full<Bytes>>,
+) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     let task = tokio::spawn(async move {
@@ -68,6 +91,22 @@ pub async fn serve(
         }
     });
     Ok((bound, task))
+}
+
+fn metrics(state: &AgentState) -> Response<Full<Bytes>> {
+    respond(
+        StatusCode::OK,
+        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        state.metrics.render(
+            state.ready(),
+            state
+                .problems()
+                .iter()
+                .filter(|p| p.enforced == "no")
+                .count(),
+            &state.watch,
+        ),
+    )
 }
 
 /// One line per stale kind: `Pod: stale for 12 s: <the last error>`.
@@ -210,19 +249,7 @@ fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
                 )
             }
         }
-        "/metrics" => respond(
-            StatusCode::OK,
-            "text/plain; version=0.0.4; charset=utf-8",
-            state.metrics.render(
-                state.ready(),
-                state
-                    .problems()
-                    .iter()
-                    .filter(|p| p.enforced == "no")
-                    .count(),
-                &state.watch,
-            ),
-        ),
+        "/metrics" => metrics(state),
         "/v1/problems" => json(
             serde_json::to_string_pretty(&state.problems()).expect("problems serialize") + "\n",
         ),

@@ -70,6 +70,8 @@ pub struct AgentConfig {
     pub watch: WatchConfig,
     /// Where the CNI plugin's requests are served (`None`: not served).
     pub cni_socket: Option<std::path::PathBuf>,
+    /// Where `GET /metrics` is served besides the debug API (`None`: only there).
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 /// Burst coalescing (see `Applier::coalesce`): a batch closes once no watch event arrived for
@@ -213,6 +215,7 @@ pub struct AgentHandle {
     /// The running agent's shared state.
     pub state: Arc<AgentState>,
     debug_addr: SocketAddr,
+    metrics_addr: Option<SocketAddr>,
     tasks: Vec<JoinHandle<()>>,
     /// For releasing the status writer Lease at the end: the client and the Lease's namespace.
     lease: (Client, String),
@@ -222,6 +225,11 @@ impl AgentHandle {
     /// Where the debug API listens.
     pub fn debug_addr(&self) -> SocketAddr {
         self.debug_addr
+    }
+
+    /// Where the metrics listener listens (`--metrics-addr`), if any.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
     }
 
     /// Stops every task of the agent.
@@ -292,6 +300,13 @@ pub async fn start(
     let (wanted_tx, wanted_rx) = watch::channel(BTreeMap::new());
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let (debug_addr, debug_task) = debug::serve(config.debug_addr, state.clone()).await?;
+    let mut metrics_addr = None;
+    let mut metrics_task = None;
+    if let Some(addr) = config.metrics_addr {
+        let (bound, task) = debug::serve_metrics(addr, state.clone()).await?;
+        metrics_addr = Some(bound);
+        metrics_task = Some(task);
+    }
     let (tx, rx) = mpsc::unbounded_channel();
     let mut tasks = vec![
         debug_task,
@@ -319,6 +334,7 @@ pub async fn start(
         &state.watch,
         &tx,
     ));
+    tasks.extend(metrics_task);
     if let Some(path) = &config.cni_socket {
         tasks.push(cni::serve(path, state.clone(), tx.clone())?);
     }
@@ -333,6 +349,7 @@ pub async fn start(
     Ok(AgentHandle {
         state,
         debug_addr,
+        metrics_addr,
         tasks,
         lease: (client, config.namespace),
     })

@@ -34,7 +34,7 @@ pub struct AgentArgs {
     /// of --cni-conf-dir and out of --cni-bin-dir (when given), detach the XDP and TC programs
     /// from every interface and remove every pin ($ORDNET_PIN_DIR, default
     /// /sys/fs/bpf/ordnet). Run it after the agent's DaemonSet is gone (deploy/uninstall/).
-    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket"])]
+    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket", "metrics_addr"])]
     pub uninstall: bool,
     /// Kubeconfig to use (default: in-cluster config, then the usual kubeconfig lookup).
     #[arg(long, value_name = "PATH")]
@@ -48,6 +48,11 @@ pub struct AgentArgs {
     /// Address of the debug API (health, metrics, matrix/trace/dump), as IP:PORT.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9090")]
     pub debug_addr: SocketAddr,
+    /// Where Prometheus scrapes `GET /metrics` (all addresses of the node by default; the debug
+    /// API, loopback only, serves it too). `none`: only on the debug API.
+    #[arg(long, value_name = "ADDR|none", default_value = "[::]:9091",
+          value_parser = parse_metrics_addr)]
+    pub metrics_addr: MetricsAddr,
     /// The log format (to stderr).
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -138,6 +143,19 @@ fn install_cni_binary(dir: &std::path::Path) -> Result<(), String> {
     Ok(())
 }
 
+/// `--metrics-addr`: an address, or `none`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetricsAddr(pub Option<SocketAddr>);
+
+fn parse_metrics_addr(s: &str) -> Result<MetricsAddr, String> {
+    if s == "none" {
+        return Ok(MetricsAddr(None));
+    }
+    s.parse()
+        .map(|a| MetricsAddr(Some(a)))
+        .map_err(|e| format!("{s:?}: {e} (an IP:PORT, [IPv6]:PORT, or none)"))
+}
+
 /// Logs to stderr through `tracing` (the agent's own events and kube-rs's).
 fn init_logging(args: &AgentArgs) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -224,6 +242,7 @@ pub fn run(args: AgentArgs) -> ExitCode {
                 ..agent::WatchConfig::default()
             },
             cni_socket: (args.cni_socket != "none").then(|| args.cni_socket.clone().into()),
+            metrics_addr: args.metrics_addr.0,
         };
         let (datapath, kind): (Box<dyn agent::Enforcer>, &str) = if args.datapath == DatapathArg::Bpf {
             let pin_dir = agent::bpf::pin_dir_from_env();
@@ -267,6 +286,7 @@ pub fn run(args: AgentArgs) -> ExitCode {
             node = %handle.state.node,
             datapath = kind,
             debug_api = %format!("http://{}", handle.debug_addr()),
+            metrics = %handle.metrics_addr().map_or("none".to_string(), |a| format!("http://{a}/metrics")),
             version = env!("CARGO_PKG_VERSION"),
             "agent started"
         );

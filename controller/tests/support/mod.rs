@@ -201,6 +201,7 @@ pub async fn start_agent_with(
             lease_renew_every: Duration::from_millis(100),
             watch,
             cni_socket: None,
+            metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
         },
         api.client(),
         Box::new(dp),
