@@ -129,6 +129,8 @@ async fn bench_2000_pods_1000_policies() {
             watch: agent::WatchConfig::default(),
             cni_socket: None,
             metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+            follow_netlink: false,
+            maintain_every: agent::MAINTAIN_EVERY,
         },
         api.client(),
         Box::new(NoneDatapath::default()),

@@ -39,6 +39,7 @@ const PODS: [(&str, &str, u8); 3] = [("web", "web", 2), ("db", "db", 3), ("clien
 /// A pod of another node (app `web`), behind the node's uplink.
 const FAR: &str = "far";
 const FAR_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 9, 9);
+const LATE_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 7);
 /// The ClusterIP of Service `shop/db` (backend: the db pod), DNATed in the node namespace by a
 /// kube-proxy-style nftables rule.
 const DB_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
@@ -103,20 +104,7 @@ impl Lab {
             })
             .chain([(FAR, lab.uplink.clone(), FAR_IP)]);
         for (name, host, ip) in members {
-            let ns = format!("{p}{}", &name[..1]);
-            lab.pods.insert(name.to_string(), (ns.clone(), ip));
-            run(&format!("ip netns add {ns}"));
-            run(&format!("ip -n {ns} link set lo up"));
-            run(&format!(
-                "ip -n {n} link add {host} type veth peer name eth0 netns {ns}"
-            ));
-            run(&format!("ip -n {n} addr add 10.213.0.1/32 dev {host}"));
-            run(&format!("ip -n {n} link set {host} up"));
-            run(&format!("ip -n {n} route add {ip}/32 dev {host}"));
-            run(&format!("ip -n {ns} addr add {ip}/32 dev eth0"));
-            run(&format!("ip -n {ns} link set eth0 up"));
-            run(&format!("ip -n {ns} route add 10.213.0.1/32 dev eth0"));
-            run(&format!("ip -n {ns} route add default via 10.213.0.1"));
+            lab.plumb(name, &host, ip);
         }
         // The management link: the fake API server listens on its side in this namespace.
         let (r, m) = (&lab.root_veth, format!("{p}m"));
@@ -128,6 +116,26 @@ impl Lab {
         run(&format!("ip -n {n} addr add {mgmt_ip}/30 dev {m}"));
         run(&format!("ip -n {n} link set {m} up"));
         lab
+    }
+
+    /// A pod's namespace behind its host-side veth `host`: a /32 route on the node, a gateway
+    /// route in the pod.
+    fn plumb(&mut self, name: &str, host: &str, ip: Ipv4Addr) {
+        let (n, p) = (self.node.clone(), format!("onb{}", std::process::id()));
+        let ns = format!("{p}{}", &name[..1]);
+        self.pods.insert(name.to_string(), (ns.clone(), ip));
+        run(&format!("ip netns add {ns}"));
+        run(&format!("ip -n {ns} link set lo up"));
+        run(&format!(
+            "ip -n {n} link add {host} type veth peer name eth0 netns {ns}"
+        ));
+        run(&format!("ip -n {n} addr add 10.213.0.1/32 dev {host}"));
+        run(&format!("ip -n {n} link set {host} up"));
+        run(&format!("ip -n {n} route add {ip}/32 dev {host}"));
+        run(&format!("ip -n {ns} addr add {ip}/32 dev eth0"));
+        run(&format!("ip -n {ns} link set eth0 up"));
+        run(&format!("ip -n {ns} route add 10.213.0.1/32 dev eth0"));
+        run(&format!("ip -n {ns} route add default via 10.213.0.1"));
     }
 
     /// kube-proxy's translation of `DB_VIP:80` to the db pod, as its nftables mode writes it:
@@ -342,6 +350,8 @@ impl Agent {
             .arg("--debug-addr")
             .arg(format!("{}:0", lab.mgmt_ip))
             .args(["--metrics-addr", "none", "--cni-socket", "none"])
+            // Upkeep only on netlink events (and hourly): the test sees them work.
+            .args(["--upkeep-interval", "3600"])
             .env("ORDNET_PIN_DIR", &lab.pin_dir)
             .env("POD_NAMESPACE", "ordnet-system")
             .stderr(Stdio::piped())
@@ -692,6 +702,30 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     // (The DNAT still goes to db: kube-proxy's rules are the test's; the datapath judges the
     // backend the packet actually reaches, whatever the Service object says.)
     lab.expect_service("selector changed, rules not", &["client"]);
+
+    // 6b. A pod the agent knows before its interface and route exist (as when the CNI plugin is
+    // not chained): attached on the netlink route event, not at an upkeep (hourly here).
+    api.create(pod("late", "late", NODE, LATE_IP)).unwrap();
+    let deadline = Instant::now() + LIMIT;
+    while agent.metric("ordnet_datapath_unattached_endpoints") < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "late was not reported unattached"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let late_iface = lab.host_iface("late");
+    let mut lab = Arc::into_inner(lab).expect("the probes are done");
+    lab.plumb("late", &late_iface, LATE_IP);
+    let deadline = Instant::now() + LIMIT;
+    while !lab.pinned_links().contains(&late_iface) {
+        assert!(
+            Instant::now() < deadline,
+            "late's interface was not attached on its route event"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    api.delete("v1", "Pod", "shop", "late").unwrap();
 
     // 7. A pod that goes away loses its attachment.
     api.delete("v1", "Pod", "shop", "client").unwrap();

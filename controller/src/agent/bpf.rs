@@ -13,7 +13,8 @@
 //! * **Interfaces**: each local endpoint's interface is the one the main routing table routes
 //!   its address to (longest prefix of `/proc/thread-self/net/route` and `ipv6_route`), unless
 //!   that is the uplink, `lo`, or a default route. An endpoint without one is reported (stderr,
-//!   `ordnet_datapath_unattached_endpoints`) and retried at every batch and maintenance.
+//!   `ordnet_datapath_unattached_endpoints`) and retried at every batch and upkeep (which runs
+//!   on every netlink route, link and address event: `super::follow_netlink`).
 //!   Attachments of interfaces no local endpoint (or the uplink) uses are removed; an
 //!   attachment whose interface was re-created (a new index under the same name) is renewed.
 //! * **Both hooks** on each of those interfaces: XDP and TC (tcx egress, after kube-proxy's

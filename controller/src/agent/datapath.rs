@@ -55,7 +55,8 @@ pub trait Enforcer: Send {
     /// The programmed tables (what the maps hold), for the verdicts of the debug API:
     /// `ControlPlane::decide` runs the XDP program's decision function over them.
     fn plane(&self) -> &dyn ControlPlane;
-    /// Periodic upkeep after the initial sync (every [`super::MAINTAIN_EVERY`]): retries what
+    /// Upkeep after the initial sync (on every netlink event, and every
+    /// [`super::MAINTAIN_EVERY`]): retries what
     /// failed (a full programming, attachments), follows this node's addresses.
     fn maintain(&mut self, _engine: &Engine) -> Result<(), AgentError> {
         Ok(())

@@ -72,6 +72,11 @@ pub struct AgentConfig {
     pub cni_socket: Option<std::path::PathBuf>,
     /// Where `GET /metrics` is served besides the debug API (`None`: only there).
     pub metrics_addr: Option<SocketAddr>,
+    /// Run the datapath's upkeep on every route, link or address change (the bpf datapath:
+    /// attach a pod as soon as its route appears).
+    pub follow_netlink: bool,
+    /// The upkeep's interval otherwise ([`MAINTAIN_EVERY`]).
+    pub maintain_every: Duration,
 }
 
 /// Burst coalescing (see `Applier::coalesce`): a batch closes once no watch event arrived for
@@ -339,7 +344,15 @@ pub async fn start(
         tasks.push(cni::serve(path, state.clone(), tx.clone())?);
     }
     drop(tx);
-    tasks.push(tokio::spawn(maintain_loop(state.clone())));
+    let events = Arc::new(tokio::sync::Notify::new());
+    if config.follow_netlink {
+        tasks.push(follow_netlink(events.clone())?);
+    }
+    tasks.push(tokio::spawn(maintain_loop(
+        state.clone(),
+        events,
+        config.maintain_every,
+    )));
     let loop_state = state.clone();
     tasks.push(tokio::spawn(async move {
         applier::Applier::new(loop_state, config.node, wanted_tx, events_tx)
@@ -355,15 +368,20 @@ pub async fn start(
     })
 }
 
-/// How often the datapath's upkeep runs ([`Enforcer::maintain`]).
-pub const MAINTAIN_EVERY: Duration = Duration::from_secs(2);
+/// How often the datapath's upkeep runs ([`Enforcer::maintain`]) at least: it also runs at
+/// once on every route, link or address change of the node (netlink, [`follow_netlink`]).
+pub const MAINTAIN_EVERY: Duration = Duration::from_secs(10);
 
-/// Calls [`Datapath::maintain`] every [`MAINTAIN_EVERY`] once the initial sync is done.
-async fn maintain_loop(state: Arc<AgentState>) {
-    let mut tick = tokio::time::interval(MAINTAIN_EVERY);
+/// Runs [`Enforcer::maintain`] once the initial sync is done: on every netlink event (after 5 ms,
+/// so a burst, e.g. a veth with its address and route, is one run) and every `every`.
+async fn maintain_loop(state: Arc<AgentState>, events: Arc<tokio::sync::Notify>, every: Duration) {
+    let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = events.notified() => tokio::time::sleep(Duration::from_millis(5)).await,
+        }
         let state = state.clone();
         let _ = tokio::task::spawn_blocking(move || {
             // Lock order everywhere: engine, then datapath.
@@ -380,6 +398,35 @@ async fn maintain_loop(state: Arc<AgentState>) {
         })
         .await;
     }
+}
+
+/// Follows the node's links, addresses and routes (rtnetlink multicast groups): every message
+/// wakes `events`, so a pod whose route appears is attached at once instead of at the next
+/// upkeep.
+fn follow_netlink(events: Arc<tokio::sync::Notify>) -> std::io::Result<JoinHandle<()>> {
+    use futures::StreamExt as _;
+    use rtnetlink::constants::{
+        RTMGRP_IPV4_IFADDR, RTMGRP_IPV4_ROUTE, RTMGRP_IPV6_IFADDR, RTMGRP_IPV6_ROUTE, RTMGRP_LINK,
+    };
+    let (mut connection, _, mut messages) = rtnetlink::new_connection()?;
+    let groups = RTMGRP_LINK
+        | RTMGRP_IPV4_IFADDR
+        | RTMGRP_IPV4_ROUTE
+        | RTMGRP_IPV6_IFADDR
+        | RTMGRP_IPV6_ROUTE;
+    use netlink_sys::AsyncSocket as _;
+    connection
+        .socket_mut()
+        .socket_mut()
+        .bind(&netlink_sys::SocketAddr::new(0, groups))?;
+    Ok(tokio::spawn(async move {
+        let connection = tokio::spawn(connection);
+        while messages.next().await.is_some() {
+            events.notify_one();
+        }
+        connection.abort();
+        tracing::error!("the netlink event stream ended; upkeep runs on its interval only");
+    }))
 }
 
 /// The kube client for `--kubeconfig PATH`, or the default (in-cluster, then the usual

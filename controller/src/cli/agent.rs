@@ -34,7 +34,7 @@ pub struct AgentArgs {
     /// of --cni-conf-dir and out of --cni-bin-dir (when given), detach the XDP and TC programs
     /// from every interface and remove every pin ($ORDNET_PIN_DIR, default
     /// /sys/fs/bpf/ordnet). Run it after the agent's DaemonSet is gone (deploy/uninstall/).
-    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket", "metrics_addr"])]
+    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket", "metrics_addr", "upkeep_interval"])]
     pub uninstall: bool,
     /// Kubeconfig to use (default: in-cluster config, then the usual kubeconfig lookup).
     #[arg(long, value_name = "PATH")]
@@ -53,6 +53,11 @@ pub struct AgentArgs {
     #[arg(long, value_name = "ADDR|none", default_value = "[::]:9091",
           value_parser = parse_metrics_addr)]
     pub metrics_addr: MetricsAddr,
+    /// The datapath's upkeep (attachments, host addresses, retries) runs on every route, link
+    /// or address change of the node, and at least this often, in seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..=86400))]
+    pub upkeep_interval: u64,
     /// The log format (to stderr).
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -243,6 +248,8 @@ pub fn run(args: AgentArgs) -> ExitCode {
             },
             cni_socket: (args.cni_socket != "none").then(|| args.cni_socket.clone().into()),
             metrics_addr: args.metrics_addr.0,
+            follow_netlink: args.datapath == DatapathArg::Bpf,
+            maintain_every: std::time::Duration::from_secs(args.upkeep_interval),
         };
         let (datapath, kind): (Box<dyn agent::Enforcer>, &str) = if args.datapath == DatapathArg::Bpf {
             let pin_dir = agent::bpf::pin_dir_from_env();

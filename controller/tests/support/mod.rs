@@ -202,6 +202,8 @@ pub async fn start_agent_with(
             watch,
             cni_socket: None,
             metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+            follow_netlink: false,
+            maintain_every: agent::MAINTAIN_EVERY,
         },
         api.client(),
         Box::new(dp),
