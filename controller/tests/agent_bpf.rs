@@ -294,7 +294,8 @@ impl Lab {
     }
 
     fn pinned(&self, dir: &str) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(self.pin_dir.join(dir))
+        let layout = ordnet_datapath::layout_dir(&self.pin_dir);
+        let mut v: Vec<String> = std::fs::read_dir(layout.join(dir))
             .map(|d| {
                 d.filter_map(|e| e.ok())
                     .map(|e| e.file_name().to_string_lossy().into_owned())
@@ -624,7 +625,10 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     agent.terminate();
     assert_eq!(lab.pinned_links(), links);
     for m in ordnet_datapath::MAP_NAMES {
-        assert!(lab.pin_dir.join(m).exists(), "{m} is not pinned any more");
+        assert!(
+            ordnet_datapath::layout_dir(&lab.pin_dir).join(m).exists(),
+            "{m} is not pinned any more"
+        );
     }
     lab.expect(
         "agent stopped",
@@ -737,8 +741,51 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     assert_eq!(agent.metric("ordnet_endpoints"), 2.0);
     assert_eq!(agent.metric("ordnet_datapath_attached_interfaces"), 3.0);
     agent.terminate();
+    let links = lab.pinned_links();
 
-    // 8. Uninstall: every program detached, every pin removed; nothing is enforced any more.
+    // 8. A new map layout: the next agent finds the pins of an older layout beside its own
+    // directory (the layouts are equal here; the older agent's directory is what differs). It
+    // programs new maps, then moves every attachment onto its programs in place: probes all
+    // through the switch see no wrong verdict, nothing is attached anew, the older pins go.
+    let layout = ordnet_datapath::layout_dir(&lab.pin_dir);
+    let older = lab.pin_dir.join("v0");
+    std::fs::rename(&layout, &older).unwrap();
+    let lab = Arc::new(lab);
+    let probing = Arc::new(AtomicBool::new(true));
+    let probes: Vec<_> = [("web", "db", false), ("db", "web", true)]
+        .into_iter()
+        .map(|(from, to, allowed)| {
+            let (lab, probing) = (lab.clone(), probing.clone());
+            std::thread::spawn(move || {
+                let mut n = 0;
+                while probing.load(Ordering::SeqCst) {
+                    assert_eq!(
+                        lab.connects(from, to),
+                        allowed,
+                        "{from} -> {to} during the layout change (probe {n})"
+                    );
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let agent = Agent::start(&lab, &kubeconfig);
+    agent.wait_ready();
+    std::thread::sleep(Duration::from_millis(500));
+    probing.store(false, Ordering::SeqCst);
+    for p in probes {
+        let n = p.join().expect("a probe saw a wrong verdict");
+        assert!(n >= 2, "only {n} probes");
+    }
+    assert!(!older.exists(), "the older layout's pins are still there");
+    assert_eq!(lab.pinned_links(), links);
+    assert_eq!(agent.metric("ordnet_datapath_attaches_total"), 0.0);
+    agent.terminate();
+    let lab = Arc::into_inner(lab).expect("the probes are done");
+
+    // 9. Uninstall: every program detached, every pin removed; nothing is enforced any more.
     let out = Command::new("nsenter")
         .arg(format!("--net=/var/run/netns/{}", lab.node))
         .arg(env!("CARGO_BIN_EXE_ordnet"))

@@ -400,9 +400,22 @@ enum LinkHandle<Id> {
     Owned(Id),
 }
 
+/// The version of the maps' layout (their set, types, key and value layouts): bumped by every
+/// change an older datapath's pins cannot be adopted across. Pins live in a directory per
+/// layout ([`layout_dir`]), so a newer agent finds an older layout's pins beside its own and
+/// takes their attachments over ([`Datapath::take_over_links`]) instead of adopting them.
+pub const LAYOUT_VERSION: u32 = 1;
+
+/// The pin directory of this layout under a pin root: `ROOT/vN`.
+pub fn layout_dir(root: &Path) -> PathBuf {
+    root.join(format!("v{LAYOUT_VERSION}"))
+}
+
 /// What [`Datapath::remove_pins`] removed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RemovedPins {
+    /// The pin directories of layouts removed (empty for a remove_pins of one directory).
+    pub layouts: Vec<PathBuf>,
     /// Maps and programs.
     pub objects: usize,
     /// Interfaces whose XDP link pin was removed (the program is detached from them).
@@ -614,6 +627,80 @@ impl Datapath {
             }
             _ => Self::create(config),
         }
+    }
+
+    /// Moves the attachments pinned in `old_dir` (another datapath's, e.g. one of an older map
+    /// layout) onto this datapath's programs without detaching them: each link's program is
+    /// replaced in place (`bpf_link_update`, atomic per interface), the link is pinned under this
+    /// datapath's pin directory and its old pin removed. An interface this datapath is already
+    /// attached to keeps its own link (the old one is only unpinned). The interfaces taken over
+    /// (`tc:IFACE` for the TC program's).
+    pub fn take_over_links(&mut self, old_dir: &Path) -> Result<Vec<String>, DatapathError> {
+        let dir = self.config.pin_dir.clone().ok_or(DatapathError::NoPinDir)?;
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |e| DatapathError::Io {
+                path,
+                source: std::io::Error::other(e),
+            }
+        };
+        let mut moved = Vec::new();
+        for (sub, xdp) in [(XDP_LINKS, true), (TC_LINKS, false)] {
+            let old = old_dir.join(sub);
+            if !old.exists() {
+                continue;
+            }
+            let mut entries: Vec<PathBuf> = std::fs::read_dir(&old)
+                .map_err(io_err(&old))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .collect();
+            entries.sort();
+            for path in entries {
+                let name = path
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                let ours = if xdp {
+                    self.links.contains_key(&name)
+                } else {
+                    self.tc_links.contains_key(&name)
+                };
+                if !ours {
+                    let fd = FdLink::from(PinnedLink::from_pin(&path).map_err(io(&path))?);
+                    if xdp {
+                        let program: &mut Xdp = self
+                            .ebpf
+                            .program_mut(PROGRAM_NAME)
+                            .ok_or(DatapathError::Missing(PROGRAM_NAME))?
+                            .try_into()?;
+                        let id =
+                            program.attach_to_link(XdpLink::try_from(fd).map_err(io(&path))?)?;
+                        let handle = link_handle(Some(dir.clone()), XDP_LINKS, &name, id, |id| {
+                            program.take_link(id)
+                        })?;
+                        self.links.insert(name.clone(), handle);
+                        moved.push(name.clone());
+                    } else {
+                        let program: &mut SchedClassifier = self
+                            .ebpf
+                            .program_mut(TC_PROGRAM_NAME)
+                            .ok_or(DatapathError::Missing(TC_PROGRAM_NAME))?
+                            .try_into()?;
+                        let id = program.attach_to_link(
+                            SchedClassifierLink::try_from(fd).map_err(io(&path))?,
+                        )?;
+                        let handle = link_handle(Some(dir.clone()), TC_LINKS, &name, id, |id| {
+                            program.take_link(id)
+                        })?;
+                        self.tc_links.insert(name.clone(), handle);
+                        moved.push(format!("tc:{name}"));
+                    }
+                }
+                // The new pin (or our own link) holds the attachment now.
+                std::fs::remove_file(&path).map_err(io_err(&path))?;
+            }
+        }
+        Ok(moved)
     }
 
     /// Removes every pin in `dir` (maps, programs, links): the maps disappear once no program

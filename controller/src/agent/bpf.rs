@@ -88,6 +88,9 @@ pub struct BpfDatapath {
     needs_full: bool,
     /// The first full programming succeeded: interfaces are managed from then on.
     synced: bool,
+    /// Pin directories of older map layouts whose attachments the first full programming
+    /// takes over.
+    migrate_from: Vec<PathBuf>,
     hosts: Vec<IpAddr>,
     attach_errors: u64,
     attaches: u64,
@@ -96,11 +99,21 @@ pub struct BpfDatapath {
 }
 
 impl BpfDatapath {
-    /// Opens the datapath pinned in `pin_dir` (adopting what is there, writing nothing) or
-    /// creates it. The bpffs is mounted at `pin_dir` if it is not on one. Needs root
-    /// (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN for the mount).
-    pub fn open(pin_dir: &Path, uplink: Option<String>) -> Result<BpfDatapath, AgentError> {
-        mount_bpffs(pin_dir)?;
+    /// Opens the datapath pinned under the pin root `root`, in this layout's directory
+    /// ([`ordnet_datapath::layout_dir`]): adopts what is there (writing nothing) or creates it.
+    /// Pins of an older layout beside it are kept enforcing until the first full programming,
+    /// which takes their attachments over onto the new programs and removes them. The bpffs is
+    /// mounted at `root` if it is not on one. Needs root (CAP_BPF, CAP_NET_ADMIN,
+    /// CAP_SYS_ADMIN for the mount).
+    pub fn open(root: &Path, uplink: Option<String>) -> Result<BpfDatapath, AgentError> {
+        mount_bpffs(root)?;
+        let pin_dir = &ordnet_datapath::layout_dir(root);
+        std::fs::create_dir_all(pin_dir).map_err(|source| AgentError::Bpffs {
+            what: "creating the layout's pin directory",
+            path: pin_dir.clone(),
+            source,
+        })?;
+        let older = older_layouts(root, pin_dir);
         let config = DatapathConfig {
             pin_dir: Some(pin_dir.to_path_buf()),
             ..DatapathConfig::default()
@@ -140,6 +153,7 @@ impl BpfDatapath {
             unattached: BTreeMap::new(),
             needs_full: false,
             synced: false,
+            migrate_from: older,
             hosts: Vec::new(),
             attach_errors: 0,
             attaches: 0,
@@ -185,9 +199,40 @@ impl BpfDatapath {
         self.programmer.program_full(engine, &mut self.dp)?;
         self.needs_full = false;
         self.synced = true;
+        self.take_over_older_layouts();
         self.ipcache = self.dp.control().identities().into_iter().collect();
         self.reconcile_links(engine);
         Ok(())
+    }
+
+    /// Once the new maps hold the whole state: the attachments of an older layout's pins move
+    /// onto the new programs (in place, per interface: no moment without a program), then the
+    /// older pins go. (Connection tracking starts empty: established flows are judged again.)
+    fn take_over_older_layouts(&mut self) {
+        for old in std::mem::take(&mut self.migrate_from) {
+            match self.dp.take_over_links(&old) {
+                Ok(moved) => tracing::info!(
+                    from = %old.display(),
+                    interfaces = %moved.join(","),
+                    "took the attachments of an older map layout over"
+                ),
+                Err(e) => {
+                    // Its links stay attached to the old programs: keep them for the next try.
+                    tracing::error!(from = %old.display(), error = %e, "taking an older layout's attachments over failed");
+                    self.migrate_from.push(old);
+                    continue;
+                }
+            }
+            if let Err(e) = Kernel::remove_pins(&old) {
+                tracing::warn!(from = %old.display(), error = %e, "removing an older layout's pins");
+            }
+            if old
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with('v'))
+            {
+                let _ = std::fs::remove_dir(&old);
+            }
+        }
     }
 
     /// Attaches the program to every interface a local endpoint (or the uplink) needs and
@@ -516,19 +561,72 @@ impl Enforcer for BpfDatapath {
 /// programs, and the links, which detaches the XDP and TC programs from every interface), then
 /// the directory itself. Run it when no agent runs on the node any more (a running agent holds
 /// its links open and they would stay attached until it exits). Nothing there: nothing done.
-pub fn uninstall(pin_dir: &Path) -> Result<ordnet_datapath::RemovedPins, AgentError> {
-    if !pin_dir.exists() {
-        return Ok(ordnet_datapath::RemovedPins::default());
+pub fn uninstall(root: &Path) -> Result<ordnet_datapath::RemovedPins, AgentError> {
+    let mut removed = ordnet_datapath::RemovedPins::default();
+    if !root.exists() {
+        return Ok(removed);
     }
-    let removed = Kernel::remove_pins(pin_dir).map_err(|source| AgentError::Open {
-        what: "removing the pins",
-        pin_dir: pin_dir.to_path_buf(),
-        source: Box::new(source),
-    })?;
-    // The directory goes too when nothing else is in it (a bpffs mounted on it stays mounted,
+    // Every layout's directory, and pins directly in the root (before layouts had one).
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(root)
+        .map(|d| {
+            d.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| is_layout_dir(p))
+                .collect()
+        })
+        .unwrap_or_default();
+    dirs.sort();
+    dirs.push(root.to_path_buf());
+    for dir in dirs {
+        let r = Kernel::remove_pins(&dir).map_err(|source| AgentError::Open {
+            what: "removing the pins",
+            pin_dir: dir.clone(),
+            source: Box::new(source),
+        })?;
+        if dir != root {
+            let _ = std::fs::remove_dir(&dir);
+            removed.layouts.push(dir);
+        }
+        removed.objects += r.objects;
+        removed.xdp_links.extend(r.xdp_links);
+        removed.tc_links.extend(r.tc_links);
+    }
+    // The root goes too when nothing else is in it (a bpffs mounted on it stays mounted,
     // empty).
-    let _ = std::fs::remove_dir(pin_dir);
+    let _ = std::fs::remove_dir(root);
     Ok(removed)
+}
+
+/// `ROOT/vN`: a layout's pin directory.
+fn is_layout_dir(p: &Path) -> bool {
+    p.is_dir()
+        && p.file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix('v'))
+            .is_some_and(|v| v.parse::<u32>().is_ok())
+}
+
+/// The pins of other layouts under `root`: other `ROOT/vN` directories with pins, and pins
+/// directly in the root (before layouts had a directory).
+fn older_layouts(root: &Path, current: &Path) -> Vec<PathBuf> {
+    let has_pins = |d: &Path| {
+        ordnet_datapath::MAP_NAMES
+            .iter()
+            .any(|m| d.join(m).exists())
+            || d.join("links").exists()
+            || d.join("tc-links").exists()
+    };
+    let mut out: Vec<PathBuf> = std::fs::read_dir(root)
+        .map(|d| {
+            d.filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| is_layout_dir(p) && p != current && has_pins(p))
+                .collect()
+        })
+        .unwrap_or_default();
+    out.sort();
+    if has_pins(root) {
+        out.push(root.to_path_buf());
+    }
+    out
 }
 
 /// Makes sure `pin_dir` is on a bpffs: the conventional `/sys/fs/bpf` is mounted if it is not
