@@ -1047,18 +1047,15 @@ async fn the_binary_runs_from_a_kubeconfig_and_exits_0_on_sigterm() {
     std::fs::create_dir_all(&dir).unwrap();
     let kubeconfig = dir.join("kubeconfig");
     std::fs::write(&kubeconfig, api.kubeconfig_yaml()).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let debug = format!("127.0.0.1:{port}");
-    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let metrics_at = format!("127.0.0.1:{metrics_port}");
+    let free = || {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        format!("127.0.0.1:{port}")
+    };
+    let (debug, metrics_at) = (free(), free());
     let child = std::process::Command::new(env!("CARGO_BIN_EXE_ordnet"))
         .args([
             "agent",

@@ -294,16 +294,7 @@ impl Lab {
     }
 
     fn pinned(&self, dir: &str) -> Vec<String> {
-        let layout = ordnet_datapath::layout_dir(&self.pin_dir);
-        let mut v: Vec<String> = std::fs::read_dir(layout.join(dir))
-            .map(|d| {
-                d.filter_map(|e| e.ok())
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        v.sort();
-        v
+        support::pinned_links(&self.pin_dir, dir)
     }
 }
 
@@ -502,6 +493,44 @@ fn agent_matrix_agrees(lab: &Lab, agent: &Agent, step: &str, denied: &[(&str, &s
     }
 }
 
+/// Runs `during` while every pair of `pairs` is probed again and again (from 300 ms before to
+/// 500 ms after it): each probe must see the given verdict.
+fn probe_through<T>(
+    lab: &Arc<Lab>,
+    step: &'static str,
+    pairs: &[(&'static str, &'static str, bool)],
+    during: impl FnOnce() -> T,
+) -> T {
+    let probing = Arc::new(AtomicBool::new(true));
+    let probes: Vec<_> = pairs
+        .iter()
+        .map(|&(from, to, allowed)| {
+            let (lab, probing) = (lab.clone(), probing.clone());
+            std::thread::spawn(move || {
+                let mut n = 0;
+                while probing.load(Ordering::SeqCst) {
+                    assert_eq!(
+                        lab.connects(from, to),
+                        allowed,
+                        "{from} -> {to} during {step} (probe {n})"
+                    );
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let out = during();
+    std::thread::sleep(Duration::from_millis(500));
+    probing.store(false, Ordering::SeqCst);
+    for p in probes {
+        let n = p.join().expect("a probe saw a wrong verdict");
+        assert!(n >= 2, "only {n} probes during {step}");
+    }
+    out
+}
+
 fn pod(name: &str, app: &str, node: &str, ip: Ipv4Addr) -> Value {
     json!({"apiVersion": "v1", "kind": "Pod",
         "metadata": {"namespace": "shop", "name": name, "labels": {"app": app}},
@@ -640,34 +669,16 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     // 4. Restart: the pins are adopted; nothing is re-attached and no rule set rewritten, and
     // probes all through the restart never see a wrong verdict.
     let lab = Arc::new(lab);
-    let probing = Arc::new(AtomicBool::new(true));
-    let probes: Vec<_> = [("web", "db", false), ("client", "db", true)]
-        .into_iter()
-        .map(|(from, to, allowed)| {
-            let (lab, probing) = (lab.clone(), probing.clone());
-            std::thread::spawn(move || {
-                let mut n = 0;
-                while probing.load(Ordering::SeqCst) {
-                    assert_eq!(
-                        lab.connects(from, to),
-                        allowed,
-                        "{from} -> {to} during the restart (probe {n})"
-                    );
-                    n += 1;
-                }
-                n
-            })
-        })
-        .collect();
-    std::thread::sleep(Duration::from_millis(300));
-    let agent = Agent::start(&lab, &kubeconfig);
-    agent.wait_ready();
-    std::thread::sleep(Duration::from_millis(500));
-    probing.store(false, Ordering::SeqCst);
-    for p in probes {
-        let n = p.join().expect("a probe saw a wrong verdict");
-        assert!(n >= 2, "only {n} probes");
-    }
+    let agent = probe_through(
+        &lab,
+        "the restart",
+        &[("web", "db", false), ("client", "db", true)],
+        || {
+            let agent = Agent::start(&lab, &kubeconfig);
+            agent.wait_ready();
+            agent
+        },
+    );
     lab.expect(
         "restarted",
         &[("web", "db"), ("far", "db"), ("client", "web")],
@@ -751,34 +762,16 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     let older = lab.pin_dir.join("v0");
     std::fs::rename(&layout, &older).unwrap();
     let lab = Arc::new(lab);
-    let probing = Arc::new(AtomicBool::new(true));
-    let probes: Vec<_> = [("web", "db", false), ("db", "web", true)]
-        .into_iter()
-        .map(|(from, to, allowed)| {
-            let (lab, probing) = (lab.clone(), probing.clone());
-            std::thread::spawn(move || {
-                let mut n = 0;
-                while probing.load(Ordering::SeqCst) {
-                    assert_eq!(
-                        lab.connects(from, to),
-                        allowed,
-                        "{from} -> {to} during the layout change (probe {n})"
-                    );
-                    n += 1;
-                }
-                n
-            })
-        })
-        .collect();
-    std::thread::sleep(Duration::from_millis(300));
-    let agent = Agent::start(&lab, &kubeconfig);
-    agent.wait_ready();
-    std::thread::sleep(Duration::from_millis(500));
-    probing.store(false, Ordering::SeqCst);
-    for p in probes {
-        let n = p.join().expect("a probe saw a wrong verdict");
-        assert!(n >= 2, "only {n} probes");
-    }
+    let agent = probe_through(
+        &lab,
+        "the layout change",
+        &[("web", "db", false), ("db", "web", true)],
+        || {
+            let agent = Agent::start(&lab, &kubeconfig);
+            agent.wait_ready();
+            agent
+        },
+    );
     assert!(!older.exists(), "the older layout's pins are still there");
     assert_eq!(lab.pinned_links(), links);
     assert_eq!(agent.metric("ordnet_datapath_attaches_total"), 0.0);

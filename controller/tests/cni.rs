@@ -293,16 +293,7 @@ impl Node {
     }
 
     fn links(&self) -> Vec<String> {
-        let layout = ordnet_datapath::layout_dir(&self.pin_dir);
-        let mut v: Vec<String> = std::fs::read_dir(layout.join("links"))
-            .map(|d| {
-                d.filter_map(|e| e.ok())
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        v.sort();
-        v
+        support::pinned_links(&self.pin_dir, "links")
     }
 }
 

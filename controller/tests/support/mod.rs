@@ -264,3 +264,18 @@ pub fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'sta
     .join()
     .unwrap()
 }
+
+/// The interfaces with a pinned link in `sub` (`links` or `tc-links`) of this map layout's pin
+/// directory under the pin root, sorted.
+pub fn pinned_links(pin_root: &Path, sub: &str) -> Vec<String> {
+    let dir = ordnet_datapath::layout_dir(pin_root).join(sub);
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
