@@ -320,7 +320,9 @@ impl Watcher {
     }
 
     /// One complete paged list, sent as `Init`, `InitApply`s, `InitDone`; the list's resource
-    /// version, or why it failed (the applier drops a partial list at the next `Init`).
+    /// version, or why it failed (the applier drops a partial list at the next `Init`). The
+    /// next page is requested as soon as a page arrives, so the API server builds (and the
+    /// client decodes) page N+1 while the objects of page N are slimmed and sent.
     async fn list<K>(
         &self,
         api: &Api<K>,
@@ -330,30 +332,43 @@ impl Watcher {
         K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
     {
         self.send(WatchMsg::Init(self.kind))?;
-        let mut token: Option<String> = None;
-        loop {
+        let fetch = |token: Option<String>| {
+            let api = api.clone();
             let mut params = ListParams::default().limit(self.config.page_size);
-            if let Some(t) = token.take() {
+            if let Some(t) = token {
                 params = params.continue_token(&t);
             }
-            let page =
-                match tokio::time::timeout(self.config.request_timeout, api.list(&params)).await {
-                    Err(_) => return Ok(Err(self.timed_out())),
-                    Ok(Err(e)) => return Ok(Err(e.to_string())),
-                    Ok(Ok(page)) => page,
-                };
+            let limit = self.config.request_timeout;
+            tokio::spawn(async move { tokio::time::timeout(limit, api.list(&params)).await })
+        };
+        /// Aborts the page still being fetched when the list ends early.
+        struct Pending<T>(JoinHandle<T>);
+        impl<T> Drop for Pending<T> {
+            fn drop(&mut self) {
+                self.0.abort();
+            }
+        }
+        let mut pending = Pending(fetch(None));
+        loop {
+            let page = match (&mut pending.0).await {
+                Err(e) => return Ok(Err(format!("the list request failed: {e}"))),
+                Ok(Err(_)) => return Ok(Err(self.timed_out())),
+                Ok(Ok(Err(e))) => return Ok(Err(e.to_string())),
+                Ok(Ok(Ok(page))) => page,
+            };
             self.health.heard(self.kind);
+            let next = page.metadata.continue_.clone().filter(|c| !c.is_empty());
+            if let Some(token) = &next {
+                pending = Pending(fetch(Some(token.clone())));
+            }
             for o in page.items {
                 // Slimmed at once: what waits in the channel and in the applier until the
                 // engine has it is only what the engine reads.
                 self.send(WatchMsg::InitApply(wrap(o).slimmed()))?;
             }
-            match page.metadata.continue_.filter(|c| !c.is_empty()) {
-                Some(next) => token = Some(next),
-                None => {
-                    self.send(WatchMsg::InitDone(self.kind))?;
-                    return Ok(Ok(page.metadata.resource_version.unwrap_or_default()));
-                }
+            if next.is_none() {
+                self.send(WatchMsg::InitDone(self.kind))?;
+                return Ok(Ok(page.metadata.resource_version.unwrap_or_default()));
             }
         }
     }
