@@ -460,6 +460,22 @@ fn cni_chain_enforces_from_the_first_packet_and_fails_closed() {
     .unwrap();
     let agent = Agent::start(&node, &kubeconfig);
 
+    // The main CNI rewrites its conflist (as many do when they restart): the agent puts
+    // ordnet-cni back.
+    std::fs::write(
+        node.conf_dir.join("10-ptp.conflist"),
+        node.main_conflist().to_string(),
+    )
+    .unwrap();
+    let deadline = Instant::now() + LIMIT;
+    while !node.chain().iter().any(|c| c["type"] == "ordnet-cni") {
+        assert!(
+            Instant::now() < deadline,
+            "ordnet-cni was not chained again"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
     // The servers.
     let mut results = std::collections::BTreeMap::new();
     for name in ["srv", "open"] {

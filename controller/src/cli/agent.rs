@@ -148,6 +148,9 @@ fn install_cni_binary(dir: &std::path::Path) -> Result<(), String> {
     Ok(())
 }
 
+/// How often the CNI chain is checked (`--cni-conf-dir`).
+const CNI_RECHAIN_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// `--metrics-addr`: an address, or `none`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MetricsAddr(pub Option<SocketAddr>);
@@ -307,6 +310,22 @@ pub fn run(args: AgentArgs) -> ExitCode {
                     return ExitCode::from(1);
                 }
             }
+            // A main CNI that rewrites its conflist (many do when they restart) drops the
+            // entry: it is checked every CNI_RECHAIN_EVERY and put back.
+            let dir = dir.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(CNI_RECHAIN_EVERY).await;
+                    match ordnet_cni::install::chain(&dir, &socket) {
+                        Ok(Some(path)) => tracing::warn!(
+                            conflist = %path.display(),
+                            "the conflist had lost ordnet-cni (rewritten by the main CNI?): chained again"
+                        ),
+                        Ok(None) => {}
+                        Err(e) => tracing::warn!(error = %e, "--cni-conf-dir: checking the chain failed"),
+                    }
+                }
+            });
         }
         let mut term =
             match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
