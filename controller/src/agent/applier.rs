@@ -161,6 +161,7 @@ impl Applier {
                     self.initial_program();
                     self.state.applied.store(self.seq, Ordering::SeqCst);
                 }
+                self.answer_cni();
                 continue;
             }
             self.coalesce(&mut rx, observed).await;
@@ -411,59 +412,55 @@ impl Applier {
         self.cni_waiting.push((op, reply));
     }
 
-    /// Answers the CNI requests of the batch just programmed.
+    /// Answers the CNI requests of the batch just programmed (before the initial sync: "not
+    /// yet", and the CNI server asks again).
     fn answer_cni(&mut self) {
         for (op, reply) in std::mem::take(&mut self.cni_waiting) {
-            let answer = match &op {
-                CniOp::Del(_) => CniReply::Done("forgotten".into()),
-                CniOp::Add(a) | CniOp::Check(a) => {
-                    let id = match (&a.pod_namespace, &a.pod_name) {
-                        (Some(ns), Some(name)) => format!("{ns}/{name}"),
-                        _ => String::new(),
-                    };
-                    let known = op
-                        .pod_key()
-                        .is_some_and(|k| self.local_pods.contains_key(&k));
-                    self.state
-                        .with_programmed(|engine, dp| {
-                            let endpoint = engine.endpoints().iter().find(|e| e.id() == id);
-                            match endpoint {
-                                None if !known => CniReply::NotYet(format!(
+            let answer = match (&op, op.pod_key()) {
+                (CniOp::Del(_), _) => CniReply::Done("forgotten".into()),
+                (CniOp::Add(a) | CniOp::Check(a), None) => CniReply::NotYet(format!(
+                    "{}: the runtime did not say which pod it is (K8S_POD_NAMESPACE, K8S_POD_NAME)",
+                    a.who()
+                )),
+                (CniOp::Add(a) | CniOp::Check(a), Some(key)) => self
+                    .state
+                    .with_programmed(|engine, dp| {
+                        let Some(ep) = engine.endpoint(&key.1, &key.2) else {
+                            return CniReply::NotYet(if self.local_pods.contains_key(&key) {
+                                format!("{} is no endpoint", a.who())
+                            } else {
+                                format!(
                                     "the agent has not seen {} scheduled to node {} yet",
                                     a.who(),
                                     self.node
-                                )),
-                                None => CniReply::NotYet(format!("{} is no endpoint", a.who())),
-                                Some(ep) => {
-                                    let missing: Vec<String> = a
-                                        .ips
-                                        .iter()
-                                        .filter(|ip| !ep.ips.contains(ip))
-                                        .map(|ip| ip.to_string())
-                                        .collect();
-                                    if !missing.is_empty() {
-                                        CniReply::NotYet(format!(
-                                            "{} does not have {} yet",
-                                            a.who(),
-                                            missing.join(", ")
-                                        ))
-                                    } else {
-                                        match dp.endpoint_ready(&id) {
-                                            Ok(()) => CniReply::Done(format!(
-                                                "{} is enforced on {}",
-                                                a.who(),
-                                                a.host_interfaces.join(", ")
-                                            )),
-                                            Err(why) => CniReply::NotYet(why),
-                                        }
-                                    }
-                                }
-                            }
-                        })
-                        .unwrap_or_else(|| {
-                            CniReply::NotYet("the agent's initial sync is not done".into())
-                        })
-                }
+                                )
+                            });
+                        };
+                        let missing: Vec<String> = a
+                            .ips
+                            .iter()
+                            .filter(|ip| !ep.ips.contains(ip))
+                            .map(|ip| ip.to_string())
+                            .collect();
+                        if !missing.is_empty() {
+                            return CniReply::NotYet(format!(
+                                "{} does not have {} yet",
+                                a.who(),
+                                missing.join(", ")
+                            ));
+                        }
+                        match dp.endpoint_ready(&ep.id()) {
+                            Ok(()) => CniReply::Done(format!(
+                                "{} is enforced on {}",
+                                a.who(),
+                                a.host_interfaces.join(", ")
+                            )),
+                            Err(why) => CniReply::NotYet(why),
+                        }
+                    })
+                    .unwrap_or_else(|| {
+                        CniReply::NotYet("the agent's initial sync is not done".into())
+                    }),
             };
             let _ = reply.send(answer);
         }

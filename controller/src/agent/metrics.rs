@@ -361,6 +361,16 @@ impl Snapshot {
         );
     }
 
+    /// A counter with a fractional value (CPU seconds).
+    fn counter_f(&mut self, name: &'static str, help: &'static str, v: f64) {
+        self.family(
+            name,
+            help,
+            MetricType::Counter,
+            vec![(vec![], Value::CounterF(v))],
+        );
+    }
+
     fn info(&mut self, name: &'static str, help: &'static str, labels: Labels) {
         self.family(name, help, MetricType::Info, vec![(labels, Value::Info)]);
     }
@@ -547,18 +557,6 @@ fn process_metrics(f: &mut Snapshot) {
             "process_max_fds",
             "Maximum number of open file descriptors.",
             limit.rlim_cur as f64,
-        );
-    }
-}
-
-impl Snapshot {
-    /// A counter with a fractional value (CPU seconds).
-    fn counter_f(&mut self, name: &'static str, help: &'static str, v: f64) {
-        self.family(
-            name,
-            help,
-            MetricType::Counter,
-            vec![(vec![], Value::CounterF(v))],
         );
     }
 }
