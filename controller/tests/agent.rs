@@ -87,6 +87,17 @@ async fn incremental_state_at_10k_pods_equals_a_fresh_build() {
     }
 }
 
+/// The status writer's Lease.
+fn status_lease(api: &FakeApi) -> Value {
+    get(
+        api,
+        "coordination.k8s.io/v1",
+        "Lease",
+        "kube-system",
+        "ordnet-status-writer",
+    )
+}
+
 /// Polls until the agent's programmed state equals the offline one.
 async fn converges(api: &FakeApi, h: &AgentHandle, step: &str) {
     let deadline = tokio::time::Instant::now() + LIMIT;
@@ -328,13 +339,7 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
 
     // One agent holds the Lease and writes every ordered policy's status.
     assert!(agent::wait_until(LIMIT, || h.state.is_status_writer()).await);
-    let lease = get(
-        &api,
-        "coordination.k8s.io/v1",
-        "Lease",
-        "kube-system",
-        "ordnet-status-writer",
-    );
+    let lease = status_lease(&api);
     assert_eq!(lease["spec"]["holderIdentity"], NODE);
     for name in ["qa-must-not-reach-prod", "grafana-reads-artifacts"] {
         accepted(&api, "ClusterOrderedNetworkPolicy", "", name, "True", 1, "").await;
@@ -1006,13 +1011,7 @@ async fn exactly_one_agent_writes_status() {
         assert!(!(a.state.is_status_writer() && b.state.is_status_writer()));
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let lease = get(
-        &api,
-        "coordination.k8s.io/v1",
-        "Lease",
-        "kube-system",
-        "ordnet-status-writer",
-    );
+    let lease = status_lease(&api);
     assert_eq!(lease["spec"]["leaseTransitions"], 0);
 
     // The writer stops (SIGTERM): it releases the Lease and the other agent takes it at its
@@ -1028,13 +1027,7 @@ async fn exactly_one_agent_writes_status() {
         agent::wait_until(Duration::from_secs(5), || other.state.is_status_writer()).await,
         "the other agent did not take the released Lease"
     );
-    let lease = get(
-        &api,
-        "coordination.k8s.io/v1",
-        "Lease",
-        "kube-system",
-        "ordnet-status-writer",
-    );
+    let lease = status_lease(&api);
     assert_eq!(lease["spec"]["holderIdentity"], other.state.node.as_str());
     assert_eq!(lease["spec"]["leaseTransitions"], 1);
 }

@@ -375,6 +375,13 @@ impl Agent {
         }
     }
 
+    /// [`Agent::start`], then waits until it is ready.
+    fn start_ready(lab: &Lab, kubeconfig: &Path) -> Agent {
+        let agent = Agent::start(lab, kubeconfig);
+        agent.wait_ready();
+        agent
+    }
+
     fn get(&self, path: &str) -> (u16, String) {
         let Ok(mut s) = TcpStream::connect_timeout(&self.debug, Duration::from_secs(2)) else {
             return (0, String::new());
@@ -597,8 +604,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     .unwrap();
 
     // 1. Start: fresh pins, every pod's veth and the uplink attached.
-    let agent = Agent::start(&lab, &kubeconfig);
-    agent.wait_ready();
+    let agent = Agent::start_ready(&lab, &kubeconfig);
     lab.expect("initial", &[("client", "db"), ("client", "web")]);
     // Through the Service, db's ingress decides (judged after the DNAT, at TC).
     lab.expect_service("initial", &["far", "web"]);
@@ -673,11 +679,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
         &lab,
         "the restart",
         &[("web", "db", false), ("client", "db", true)],
-        || {
-            let agent = Agent::start(&lab, &kubeconfig);
-            agent.wait_ready();
-            agent
-        },
+        || Agent::start_ready(&lab, &kubeconfig),
     );
     lab.expect(
         "restarted",
@@ -766,11 +768,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
         &lab,
         "the layout change",
         &[("web", "db", false), ("db", "web", true)],
-        || {
-            let agent = Agent::start(&lab, &kubeconfig);
-            agent.wait_ready();
-            agent
-        },
+        || Agent::start_ready(&lab, &kubeconfig),
     );
     assert!(!older.exists(), "the older layout's pins are still there");
     assert_eq!(lab.pinned_links(), links);
