@@ -2,6 +2,7 @@
 //!
 //! | module | what |
 //! |---|---|
+//! | `cnp` | the upstream `policy.networking.k8s.io` `ClusterNetworkPolicy` (v1beta1 and v1alpha2) |
 //! | `types` | the `ordnet.io/v1alpha1` kinds `OrderedNetworkPolicy` and `ClusterOrderedNetworkPolicy` (kube `CustomResource`s with JSON schemas) |
 //! | `crd` | the CustomResourceDefinition YAML (`ordnet crd`) |
 //! | `manifest` | loading `-f` paths into [`ClusterObjects`]; the kind names ([`KIND_POD`], ...) |
@@ -14,6 +15,7 @@
 use std::collections::HashSet;
 use std::path::Path;
 
+mod cnp;
 mod crd;
 mod manifest;
 mod problem;
@@ -24,11 +26,12 @@ pub mod validate;
 
 pub use k8s_openapi;
 
+pub use cnp::*;
 pub use crd::{crd_yaml, crds};
 pub use manifest::{
     ClusterObjects, DEFAULT_NAMESPACE, KIND_CLUSTER_ORDERED, KIND_NAMESPACE, KIND_NETWORK_POLICY,
-    KIND_ORDERED, KIND_POD, KIND_SERVICE, LoadOutcome, Loaded, Loader, NAMESPACE_NAME_LABEL,
-    implied_namespace, load_bytes, load_paths, load_str,
+    KIND_NODE, KIND_ORDERED, KIND_POD, KIND_SERVICE, LoadOutcome, Loaded, Loader,
+    NAMESPACE_NAME_LABEL, implied_namespace, load_bytes, load_paths, load_str,
 };
 pub use problem::{FieldError, ObjectRef, Problem, Severity, Source};
 pub use selector::{Requirement, Selector, validate_label_selector};

@@ -24,7 +24,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Serialize;
@@ -32,6 +32,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
 use crate::problem::{ObjectRef, Problem, Severity, Source};
+use crate::cnp::{CNP_API_VERSIONS, ClusterNetworkPolicy, KIND_CLUSTER_NETWORK_POLICY};
 use crate::types::{API_VERSION, ClusterOrderedNetworkPolicy, OrderedNetworkPolicy};
 
 /// The label every namespace carries, with the namespace's name as value.
@@ -51,6 +52,8 @@ pub const KIND_NETWORK_POLICY: &str = "NetworkPolicy";
 pub const KIND_ORDERED: &str = "OrderedNetworkPolicy";
 /// `ClusterOrderedNetworkPolicy` kind name.
 pub const KIND_CLUSTER_ORDERED: &str = "ClusterOrderedNetworkPolicy";
+/// `Node` kind name (the `nodes` peers of a ClusterNetworkPolicy match their addresses).
+pub const KIND_NODE: &str = "Node";
 
 /// An object and where it came from.
 #[derive(Clone, Debug, PartialEq)]
@@ -75,6 +78,10 @@ pub struct ClusterObjects {
     pub ordered_policies: Vec<Loaded<OrderedNetworkPolicy>>,
     /// ClusterOrderedNetworkPolicies.
     pub cluster_ordered_policies: Vec<Loaded<ClusterOrderedNetworkPolicy>>,
+    /// Upstream ClusterNetworkPolicies (`v1alpha2` ones read as `v1beta1`: same schema).
+    pub cluster_network_policies: Vec<Loaded<ClusterNetworkPolicy>>,
+    /// Nodes.
+    pub nodes: Vec<Loaded<Node>>,
     /// Services.
     pub services: Vec<Loaded<Service>>,
 }
@@ -116,6 +123,8 @@ impl ClusterObjects {
             KIND_NETWORK_POLICY => has(&self.network_policies, r, |o| &o.metadata),
             KIND_ORDERED => has(&self.ordered_policies, r, |o| &o.metadata),
             KIND_CLUSTER_ORDERED => has(&self.cluster_ordered_policies, r, |o| &o.metadata),
+            KIND_CLUSTER_NETWORK_POLICY => has(&self.cluster_network_policies, r, |o| &o.metadata),
+            KIND_NODE => has(&self.nodes, r, |o| &o.metadata),
             KIND_SERVICE => has(&self.services, r, |o| &o.metadata),
             _ => false,
         }
@@ -131,6 +140,8 @@ impl ClusterObjects {
             + self.network_policies.len()
             + self.ordered_policies.len()
             + self.cluster_ordered_policies.len()
+            + self.cluster_network_policies.len()
+            + self.nodes.len()
             + self.services.len()
     }
 
@@ -149,6 +160,9 @@ impl ClusterObjects {
             .sort_by_key(|o| key(&o.object.metadata));
         self.cluster_ordered_policies
             .sort_by_key(|o| key(&o.object.metadata));
+        self.cluster_network_policies
+            .sort_by_key(|o| key(&o.object.metadata));
+        self.nodes.sort_by_key(|o| key(&o.object.metadata));
         self.services.sort_by_key(|o| key(&o.object.metadata));
     }
 }
@@ -395,7 +409,7 @@ impl Loader {
             self.add_unknown_kind(map, &kind, &api_version, source);
             return;
         };
-        if api_version != known.api_version() {
+        if !known.accepts(&api_version) {
             self.error(
                 &source,
                 None,
@@ -431,6 +445,10 @@ impl Loader {
                 self.typed::<ClusterOrderedNetworkPolicy>(&value, &source, &object, true)
             }
             KnownKind::Service => self.typed::<Service>(&value, &source, &object, false),
+            KnownKind::ClusterNetwork => {
+                self.typed::<ClusterNetworkPolicy>(&value, &source, &object, true)
+            }
+            KnownKind::Node => self.typed::<Node>(&value, &source, &object, false),
         };
         let Some(typed) = ok else {
             return;
@@ -639,6 +657,20 @@ impl Loader {
                     source,
                 });
             }
+            Typed::ClusterNetwork(mut cnp) => {
+                self.drop_namespace_of_cluster_object(&mut cnp.metadata, source.as_ref(), object);
+                self.objects.cluster_network_policies.push(Loaded {
+                    object: *cnp,
+                    source,
+                });
+            }
+            Typed::Node(mut node) => {
+                self.drop_namespace_of_cluster_object(&mut node.metadata, source.as_ref(), object);
+                self.objects.nodes.push(Loaded {
+                    object: *node,
+                    source,
+                });
+            }
             Typed::Service(mut svc) => {
                 svc.metadata.namespace = namespace;
                 self.objects.services.push(Loaded {
@@ -763,6 +795,8 @@ enum KnownKind {
     Ordered,
     ClusterOrdered,
     Service,
+    ClusterNetwork,
+    Node,
 }
 
 impl KnownKind {
@@ -777,6 +811,8 @@ impl KnownKind {
             KnownKind::Ordered => KIND_ORDERED,
             KnownKind::ClusterOrdered => KIND_CLUSTER_ORDERED,
             KnownKind::Service => KIND_SERVICE,
+            KnownKind::ClusterNetwork => KIND_CLUSTER_NETWORK_POLICY,
+            KnownKind::Node => KIND_NODE,
         }
     }
 
@@ -788,15 +824,27 @@ impl KnownKind {
             KIND_ORDERED => KnownKind::Ordered,
             KIND_CLUSTER_ORDERED => KnownKind::ClusterOrdered,
             KIND_SERVICE => KnownKind::Service,
+            KIND_CLUSTER_NETWORK_POLICY => KnownKind::ClusterNetwork,
+            KIND_NODE => KnownKind::Node,
             _ => return None,
         })
     }
 
     fn api_version(self) -> &'static str {
         match self {
-            KnownKind::Namespace | KnownKind::Pod | KnownKind::Service => "v1",
+            KnownKind::Namespace | KnownKind::Pod | KnownKind::Service | KnownKind::Node => "v1",
             KnownKind::NetworkPolicy => "networking.k8s.io/v1",
             KnownKind::Ordered | KnownKind::ClusterOrdered => API_VERSION,
+            KnownKind::ClusterNetwork => CNP_API_VERSIONS[0],
+        }
+    }
+
+    /// Whether objects of this kind may have `api_version` (a ClusterNetworkPolicy has two
+    /// versions of one schema).
+    fn accepts(self, api_version: &str) -> bool {
+        match self {
+            KnownKind::ClusterNetwork => CNP_API_VERSIONS.contains(&api_version),
+            _ => api_version == self.api_version(),
         }
     }
 
@@ -816,6 +864,20 @@ enum Typed {
     Ordered(Box<OrderedNetworkPolicy>),
     ClusterOrdered(Box<ClusterOrderedNetworkPolicy>),
     Service(Box<Service>),
+    ClusterNetwork(Box<ClusterNetworkPolicy>),
+    Node(Box<Node>),
+}
+
+impl From<ClusterNetworkPolicy> for Typed {
+    fn from(v: ClusterNetworkPolicy) -> Self {
+        Typed::ClusterNetwork(Box::new(v))
+    }
+}
+
+impl From<Node> for Typed {
+    fn from(v: Node) -> Self {
+        Typed::Node(Box::new(v))
+    }
 }
 
 impl From<Service> for Typed {

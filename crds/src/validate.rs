@@ -25,9 +25,13 @@ use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyPeer, Network
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
+use crate::cnp::{
+    CNP_MAX_ITEMS, CNP_MAX_RULES, ClusterNetworkPolicy, CnpAction, CnpEgressPeer, CnpProtocol,
+    KIND_CLUSTER_NETWORK_POLICY, NamespacedPod,
+};
 use crate::manifest::{
-    ClusterObjects, KIND_CLUSTER_ORDERED, KIND_NAMESPACE, KIND_NETWORK_POLICY, KIND_ORDERED,
-    KIND_POD, KIND_SERVICE, Loaded,
+    ClusterObjects, KIND_CLUSTER_ORDERED, KIND_NAMESPACE, KIND_NETWORK_POLICY, KIND_NODE,
+    KIND_ORDERED, KIND_POD, KIND_SERVICE, Loaded,
 };
 use crate::problem::{FieldError, ObjectRef, Problem};
 use crate::selector::validate_label_selector;
@@ -795,6 +799,286 @@ pub fn validate_service(svc: &Service) -> Vec<FieldError> {
     out
 }
 
+/// The port a ClusterNetworkPolicy protocol entry matches, checked: `(protocol, first, last)`,
+/// or the named port, or the problem. `Ok(None)` for an entry with no field ordnet knows (a
+/// newer API version: enforced fail-closed).
+pub fn cnp_protocol(p: &CnpProtocol) -> Result<Option<CnpPortMatch>, String> {
+    let set = [
+        p.tcp.as_ref().map(|x| (Protocol::Tcp, x)),
+        p.udp.as_ref().map(|x| (Protocol::Udp, x)),
+        p.sctp.as_ref().map(|x| (Protocol::Sctp, x)),
+    ];
+    let known = set.iter().flatten().count() + usize::from(p.destination_named_port.is_some());
+    if known > 1 {
+        return Err("exactly one of tcp, udp, sctp or destinationNamedPort may be set".into());
+    }
+    if let Some(name) = &p.destination_named_port {
+        if name.is_empty() {
+            return Err("destinationNamedPort: must not be empty".into());
+        }
+        return Ok(Some(CnpPortMatch::Named(name.clone())));
+    }
+    let Some((proto, ports)) = set.into_iter().flatten().next() else {
+        return Ok(None);
+    };
+    let field = proto.as_str().to_ascii_lowercase();
+    let Some(port) = &ports.destination_port else {
+        return Err(format!("{field}.destinationPort: required"));
+    };
+    let number = |n: i32, f: &str| {
+        u16::try_from(n)
+            .ok()
+            .filter(|&n| n >= 1)
+            .ok_or_else(|| format!("{field}.destinationPort.{f}: {n} is not a port number (1-65535)"))
+    };
+    match (port.number, &port.range) {
+        (Some(n), None) => {
+            let n = number(n, "number")?;
+            Ok(Some(CnpPortMatch::Ports(proto, n, n)))
+        }
+        (None, Some(r)) => {
+            let (start, end) = (number(r.start, "range.start")?, number(r.end, "range.end")?);
+            if start >= end {
+                return Err(format!(
+                    "{field}.destinationPort.range: start ({start}) must be less than end ({end})"
+                ));
+            }
+            Ok(Some(CnpPortMatch::Ports(proto, start, end)))
+        }
+        _ => Err(format!(
+            "{field}.destinationPort: exactly one of number or range must be set"
+        )),
+    }
+}
+
+/// What one ClusterNetworkPolicy protocol entry matches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CnpPortMatch {
+    /// A protocol and an inclusive port range.
+    Ports(Protocol, u16, u16),
+    /// A named container port of the destination pod.
+    Named(String),
+}
+
+/// What one ClusterNetworkPolicy peer is.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CnpPeerKind<'a> {
+    /// `namespaces`.
+    Namespaces(&'a LabelSelector),
+    /// `pods`.
+    Pods(&'a NamespacedPod),
+    /// `nodes`.
+    Nodes(&'a LabelSelector),
+    /// `networks`.
+    Networks(&'a [String]),
+    /// `domainNames` (not supported: fail-closed).
+    DomainNames,
+    /// No field ordnet knows (fail-closed); the unknown field names.
+    Unknown(Vec<&'a str>),
+}
+
+/// The kind of a peer; `Err` when more than one field is set.
+pub fn cnp_peer(p: &CnpEgressPeer) -> Result<CnpPeerKind<'_>, String> {
+    let mut kinds = Vec::new();
+    if let Some(s) = &p.namespaces {
+        kinds.push(CnpPeerKind::Namespaces(s));
+    }
+    if let Some(s) = &p.pods {
+        kinds.push(CnpPeerKind::Pods(s));
+    }
+    if let Some(s) = &p.nodes {
+        kinds.push(CnpPeerKind::Nodes(s));
+    }
+    if let Some(n) = &p.networks {
+        kinds.push(CnpPeerKind::Networks(n));
+    }
+    if p.domain_names.is_some() {
+        kinds.push(CnpPeerKind::DomainNames);
+    }
+    match kinds.len() {
+        0 => Ok(CnpPeerKind::Unknown(p.other.keys().map(String::as_str).collect())),
+        1 => Ok(kinds.remove(0)),
+        _ => Err("exactly one of namespaces, pods, nodes, networks or domainNames may be set".into()),
+    }
+}
+
+/// Validates an upstream ClusterNetworkPolicy: what its CRD checks (ranges, exactly-one fields,
+/// CIDRs without host bits, port ranges, named ports only towards pods), so that manifests the
+/// API server would refuse are refused here too. Peers ordnet cannot enforce (`domainNames`,
+/// unknown fields) are warnings: the rule is enforced fail-closed.
+pub fn validate_cluster_network_policy(policy: &ClusterNetworkPolicy) -> Vec<FieldError> {
+    let mut out = Vec::new();
+    validate_metadata(&policy.metadata, false, &mut out);
+    let spec = &policy.spec;
+    if !(0..=1000).contains(&spec.priority) {
+        out.push(FieldError::error(
+            "spec.priority",
+            format!("{} is out of range: 0-1000", spec.priority),
+        ));
+    }
+    let pods = |p: &NamespacedPod, path: &str, out: &mut Vec<FieldError>| {
+        validate_label_selector(
+            &p.namespace_selector,
+            &format!("{path}.namespaceSelector"),
+            out,
+        );
+        validate_label_selector(&p.pod_selector, &format!("{path}.podSelector"), out);
+    };
+    match (&spec.subject.namespaces, &spec.subject.pods) {
+        (Some(s), None) => validate_label_selector(s, "spec.subject.namespaces", &mut out),
+        (None, Some(p)) => pods(p, "spec.subject.pods", &mut out),
+        _ => out.push(FieldError::error(
+            "spec.subject",
+            "exactly one of namespaces or pods must be set",
+        )),
+    }
+    for direction in [Direction::Ingress, Direction::Egress] {
+        let list = direction.field();
+        let peers_field = match direction {
+            Direction::Ingress => "from",
+            Direction::Egress => "to",
+        };
+        let rules = spec.rules(direction);
+        too_many(format!("spec.{list}"), rules.len(), CNP_MAX_RULES, &mut out);
+        for rule in &rules {
+            let base = format!("spec.{list}[{}]", rule.index);
+            if let Some(name) = rule.name
+                && name.len() > 100
+            {
+                out.push(FieldError::error(
+                    format!("{base}.name"),
+                    "longer than 100 characters",
+                ));
+            }
+            if rule.peers.is_empty() {
+                out.push(FieldError::error(
+                    format!("{base}.{peers_field}"),
+                    "at least one peer is required",
+                ));
+            }
+            too_many(
+                format!("{base}.{peers_field}"),
+                rule.peers.len(),
+                CNP_MAX_ITEMS,
+                &mut out,
+            );
+            let mut address_peer = false;
+            for (j, peer) in rule.peers.iter().enumerate() {
+                let path = format!("{base}.{peers_field}[{j}]");
+                match cnp_peer(peer) {
+                    Err(e) => out.push(FieldError::error(path, e)),
+                    Ok(CnpPeerKind::Namespaces(s)) => {
+                        validate_label_selector(s, &format!("{path}.namespaces"), &mut out)
+                    }
+                    Ok(CnpPeerKind::Pods(p)) => pods(p, &format!("{path}.pods"), &mut out),
+                    Ok(CnpPeerKind::Nodes(s)) => {
+                        address_peer = true;
+                        validate_label_selector(s, &format!("{path}.nodes"), &mut out)
+                    }
+                    Ok(CnpPeerKind::Networks(nets)) => {
+                        address_peer = true;
+                        if nets.is_empty() {
+                            out.push(FieldError::error(
+                                format!("{path}.networks"),
+                                "at least one CIDR is required",
+                            ));
+                        }
+                        too_many(format!("{path}.networks"), nets.len(), CNP_MAX_ITEMS, &mut out);
+                        for (k, n) in nets.iter().enumerate() {
+                            let f = format!("{path}.networks[{k}]");
+                            match parse_cidr(n) {
+                                Err(e) => out.push(FieldError::error(f, e)),
+                                Ok(c) if c.host_bits_set => out.push(FieldError::error(
+                                    f,
+                                    format!("{n:?} has bits set after the prefix: write {}", c.net),
+                                )),
+                                Ok(_) => {}
+                            }
+                        }
+                    }
+                    Ok(CnpPeerKind::DomainNames) => {
+                        address_peer = true;
+                        out.push(FieldError::warning(
+                            format!("{path}.domainNames"),
+                            fail_closed_text(rule.action, direction, "domainNames peers are not supported by ordnet"),
+                        ))
+                    }
+                    Ok(CnpPeerKind::Unknown(fields)) if fields.is_empty() => out.push(
+                        FieldError::error(path, "an empty peer: set exactly one field"),
+                    ),
+                    Ok(CnpPeerKind::Unknown(fields)) => out.push(FieldError::warning(
+                        path,
+                        fail_closed_text(
+                            rule.action,
+                            direction,
+                            &format!("unknown peer field {} (a newer API version?)", fields.join(", ")),
+                        ),
+                    )),
+                }
+            }
+            if let Some(protocols) = rule.protocols {
+                if protocols.is_empty() {
+                    out.push(FieldError::error(
+                        format!("{base}.protocols"),
+                        "at least one entry is required (leave protocols out to match all traffic)",
+                    ));
+                }
+                too_many(format!("{base}.protocols"), protocols.len(), CNP_MAX_ITEMS, &mut out);
+                for (j, p) in protocols.iter().enumerate() {
+                    let path = format!("{base}.protocols[{j}]");
+                    match cnp_protocol(p) {
+                        Err(e) => out.push(FieldError::error(path, e)),
+                        Ok(Some(CnpPortMatch::Named(_))) if address_peer => {
+                            out.push(FieldError::error(
+                                format!("{path}.destinationNamedPort"),
+                                "networks/nodes/domainNames peers cannot be combined with a named port: they have no named ports",
+                            ))
+                        }
+                        Ok(Some(_)) => {}
+                        Ok(None) if p.other.is_empty() => out.push(FieldError::error(
+                            path,
+                            "an empty entry: set exactly one of tcp, udp, sctp or destinationNamedPort",
+                        )),
+                        Ok(None) => out.push(FieldError::warning(
+                            path,
+                            fail_closed_text(
+                                rule.action,
+                                direction,
+                                &format!(
+                                    "unknown protocol field {} (a newer API version?)",
+                                    p.other.keys().cloned().collect::<Vec<_>>().join(", ")
+                                ),
+                            ),
+                        )),
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The text of a rule enforced fail-closed: an Accept matches nothing, a Deny or Pass denies
+/// everything in its direction.
+pub fn fail_closed_text(action: CnpAction, direction: Direction, why: &str) -> String {
+    match action {
+        CnpAction::Accept => format!("{why}: this Accept rule is enforced fail-closed and matches nothing"),
+        CnpAction::Deny | CnpAction::Pass => format!(
+            "{why}: this {} rule is enforced fail-closed and denies all {}",
+            action.as_str(),
+            direction.field()
+        ),
+    }
+}
+
+/// Validates a Node: its metadata (its addresses are read as given; those that are not IP
+/// addresses, such as `Hostname`, are not used).
+pub fn validate_node(node: &k8s_openapi::api::core::v1::Node) -> Vec<FieldError> {
+    let mut out = Vec::new();
+    validate_metadata(&node.metadata, false, &mut out);
+    out
+}
+
 /// Validates a Namespace: name (DNS-1123 label) and labels.
 pub fn validate_namespace(namespace: &Namespace) -> Vec<FieldError> {
     let mut out = Vec::new();
@@ -886,6 +1170,20 @@ pub fn validate_objects(objects: &ClusterObjects) -> Vec<Problem> {
         &objects.services,
         |o| &o.metadata,
         validate_service,
+        &mut out,
+    );
+    push_all(
+        KIND_CLUSTER_NETWORK_POLICY,
+        &objects.cluster_network_policies,
+        |o| &o.metadata,
+        validate_cluster_network_policy,
+        &mut out,
+    );
+    push_all(
+        KIND_NODE,
+        &objects.nodes,
+        |o| &o.metadata,
+        validate_node,
         &mut out,
     );
     // Two pods with one address would make every verdict about that address ambiguous.

@@ -58,7 +58,7 @@ fn floor_entries(entries: &[PolicyEntry]) -> HashMap<Key, StateEntry> {
                 map.insert(
                     Key { peer, prefix },
                     StateEntry {
-                        verdict: e.verdict,
+                        verdict: e.verdict(),
                         order: e.order,
                         entries: vec![e.id].into(),
                         origins: vec![e.origin.clone()].into(),
@@ -78,7 +78,7 @@ fn floor_bare(entries: &[PolicyEntry]) -> HashMap<Key, (Verdict, OrderKey)> {
         let blocks = e.l4.blocks();
         for peer in peers(e) {
             for &prefix in &blocks {
-                map.insert(Key { peer, prefix }, (e.verdict, e.order));
+                map.insert(Key { peer, prefix }, (e.verdict(), e.order));
             }
         }
     }

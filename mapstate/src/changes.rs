@@ -1,6 +1,8 @@
 //! The exact key-level difference produced by one batch of updates, and a write order for the
 //! datapath that never opens a transient allow.
 
+use std::collections::BTreeMap;
+
 use serde::Serialize;
 
 use crate::state::{Key, StateEntry};
@@ -28,6 +30,50 @@ pub enum Op {
 }
 
 impl ChangeSet {
+    /// This change set followed by `later` (which starts from the state this one ends in), as
+    /// one change set from this one's start to `later`'s end.
+    pub fn then(self, later: ChangeSet) -> ChangeSet {
+        if self.is_empty() {
+            return later;
+        }
+        if later.is_empty() {
+            return self;
+        }
+        // key -> (value before self, value after later)
+        let mut net: BTreeMap<Key, (Option<StateEntry>, Option<StateEntry>)> = BTreeMap::new();
+        for (k, e) in self.added {
+            net.insert(k, (None, Some(e)));
+        }
+        for (k, o, e) in self.changed {
+            net.insert(k, (Some(o), Some(e)));
+        }
+        for (k, o) in self.removed {
+            net.insert(k, (Some(o), None));
+        }
+        let mut set = |k: Key, old: Option<StateEntry>, new: Option<StateEntry>| {
+            net.entry(k).or_insert((old, None)).1 = new;
+        };
+        for (k, e) in later.added {
+            set(k, None, Some(e));
+        }
+        for (k, o, e) in later.changed {
+            set(k, Some(o), Some(e));
+        }
+        for (k, o) in later.removed {
+            set(k, Some(o), None);
+        }
+        let mut out = ChangeSet::default();
+        for (k, v) in net {
+            match v {
+                (None, Some(e)) => out.added.push((k, e)),
+                (Some(o), Some(e)) if o != e => out.changed.push((k, o, e)),
+                (Some(o), None) => out.removed.push((k, o)),
+                _ => {}
+            }
+        }
+        out
+    }
+
     /// Whether no key changed.
     pub fn is_empty(&self) -> bool {
         self.added.is_empty() && self.changed.is_empty() && self.removed.is_empty()

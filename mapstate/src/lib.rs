@@ -8,7 +8,8 @@
 //! |---|---|
 //! | `types` | identities, peers, verdicts, order keys, origins, policy entries, L4 matches |
 //! | `prefix` | [`L4Prefix`]: the 24-bit protocol/port prefix and its aligned blocks |
-//! | `state` | [`MapState`]: build, lookup, incremental [`Update`]s |
+//! | `state` | the core of [`MapState`]: build, lookup, incremental [`Update`]s over entries that decide by themselves |
+//! | `tiers` | [`MapState`]: tiers and `Pass` resolved into those entries (copies under a Pass), dormant Baseline entries |
 //! | `changes` | [`ChangeSet`] and its safe write order |
 //! | [`reference`](mod@reference) | the reference evaluator (test oracle) and the reference state |
 //!
@@ -111,16 +112,51 @@
 //! (property tested). Each batch returns the exact [`ChangeSet`]; [`ChangeSet::safe_order`] gives a write
 //! order that never opens a transient allow.
 
+//! ## Tiers and Pass
+//! Entries carry a tier ([`Tier`]: Admin, ordnet, Baseline; SEMANTICS.md §8) and an
+//! [`Action`]: Allow, Deny, or `Pass` (Admin and Baseline only). The lookup contract above does
+//! not change: tiers and Pass are resolved into the order keys of entries that decide by
+//! themselves, and the ordered insertion above runs on those (`tiers.rs`):
+//!
+//! - the order key compares the tier first, so every Admin entry ranks before every ordnet
+//!   entry, and those before every Baseline entry; at an equal `(tier, priority, index)` Deny
+//!   ranks before Pass before Allow ([`Step`]);
+//! - the isolation default sits between the ordnet and the Baseline tiers. While it is deny,
+//!   no packet reaches the Baseline tier, and Baseline entries are left out; while it is allow
+//!   they are inserted after everything else, and "nothing matched" is the final allow;
+//! - a Baseline Pass skips the rest of its tier, i.e. reaches the final allow: it is an allow;
+//! - an Admin Pass P skips the weaker Admin entries for the traffic it matches, and lets the
+//!   weaker tiers decide it. So for every entry S of a weaker tier, the traffic both match is
+//!   decided by S right after P: a **copy** of S with the selector `P ∩ S`, the L4 match
+//!   `P ∩ S`, P's key with step `Passed(S's rank)` (copies rank among themselves as their
+//!   originals do), S's verdict. After the copies comes P's own entry with the default's
+//!   verdict (what no weaker tier decides gets it). A weaker Admin entry inside P's match is
+//!   covered by P's own key or by a copy, exactly as by any stronger entry.
+//!
+//! Why that equals the tiered evaluation ([`reference::evaluate`], which walks the tiers): for a
+//! packet P matches, the best-ranked matching entry among the stronger Admin entries, P's
+//! copies and P's end is either a stronger Admin entry (it decides, as in the tiered walk), or a
+//! copy of the best-ranked matching weaker-tier entry (copies keep their originals' order), or
+//! P's end when no weaker-tier entry matches (the default). For a packet no Admin Pass matches,
+//! the copies do not match either, and the entries rank exactly as the tiers walk them.
+//! Incremental updates keep the copies in step (a selection change of P or S changes the copy
+//! by the identities the other side also selects), and a change of the default moves the
+//! Baseline entries in or out and rewrites the Pass ends ([`MapState::set_default`] returns the
+//! keys that change). The property tests generate Admin and Baseline entries and Pass, against
+//! [`reference::evaluate`] and from-scratch builds.
+
 mod changes;
 mod prefix;
 pub mod reference;
 mod state;
+mod tiers;
 mod types;
 
 pub use changes::{ChangeSet, Op};
 pub use prefix::L4Prefix;
-pub use state::{Covered, Decision, Key, MapState, StateEntry, Update, UpdateError};
+pub use state::{Covered, Decision, Key, StateEntry, Update, UpdateError};
+pub use tiers::{COPY_BASE, MapState};
 pub use types::{
-    Direction, EntryId, Identity, L4Match, OrderKey, Origin, Peer, PolicyEntry, Protocol, Selector,
-    Verdict,
+    Action, Direction, EntryId, Identity, L4Match, OrderKey, Origin, Peer, PolicyEntry, Protocol,
+    Selector, Step, Tier, Verdict, Via,
 };

@@ -1,13 +1,18 @@
-//! The reference evaluator: SEMANTICS.md §2 applied directly to an entry list (no trie). It is
-//! the test oracle that the MapState lookup, and the datapath, must agree with.
+//! The reference evaluator: SEMANTICS.md §2, §3 and §8 applied directly to an entry list (no
+//! trie, no resolution of tiers into keys). It is the test oracle that the MapState lookup, and
+//! the datapath, must agree with.
 
 use crate::prefix::L4Prefix;
 use crate::state::{Covered, Key, StateEntry};
-use crate::types::{EntryId, Identity, OrderKey, Peer, PolicyEntry, Selector, Verdict};
+use crate::types::{
+    Action, EntryId, Identity, OrderKey, Peer, PolicyEntry, Selector, Tier, Verdict,
+};
 
-/// The verdict for a packet of identity `id` (None = an address no selector knows),
-/// protocol `proto` and port `port`: the matching entries with the smallest order key decide,
-/// deny wins ties; with no match, `default`.
+/// The verdict for a packet of identity `id` (None = an address no selector knows), protocol
+/// `proto` and port `port`, `default` being the endpoint's isolation default: tier by tier
+/// (Admin, ordnet, Baseline) the matching entries with the smallest order key decide (deny,
+/// then pass, then allow at equal keys); a Pass goes on with the next tier; after the ordnet
+/// tier an isolated endpoint (`default` deny) is denied; after the Baseline tier, allow.
 pub fn evaluate(
     entries: &[PolicyEntry],
     default: Verdict,
@@ -15,33 +20,53 @@ pub fn evaluate(
     proto: u8,
     port: u16,
 ) -> Verdict {
-    decide(entries, id, proto, port)
-        .map(|e| e.verdict)
-        .unwrap_or(default)
+    decide(entries, default, id, proto, port).0
 }
 
-/// The deciding entry (one of them when several of equal rank decide), if any matches.
+/// The verdict of [`evaluate`] and the entry that decided it (one of them when several of
+/// equal rank decide); `None` when a default decided (the isolation default, or the final
+/// allow), possibly after Pass entries.
 pub fn decide(
     entries: &[PolicyEntry],
+    default: Verdict,
     id: Option<Identity>,
     proto: u8,
     port: u16,
-) -> Option<&PolicyEntry> {
-    entries
-        .iter()
-        .filter(|e| match id {
-            Some(id) => e.selector.selects(id),
-            None => e.selector == Selector::Any,
-        })
-        .filter(|e| e.l4.matches(proto, port))
-        .min_by_key(|e| e.rank())
+) -> (Verdict, Option<&PolicyEntry>) {
+    let best = |tier: Tier| {
+        entries
+            .iter()
+            .filter(|e| e.order.tier == tier)
+            .filter(|e| match id {
+                Some(id) => e.selector.selects(id),
+                None => e.selector == Selector::Any,
+            })
+            .filter(|e| e.l4.matches(proto, port))
+            .min_by_key(|e| e.rank())
+    };
+    for tier in [Tier::Admin, Tier::Ordnet] {
+        match best(tier) {
+            Some(e) if e.action == Action::Deny => return (Verdict::Deny, Some(e)),
+            Some(e) if e.action == Action::Allow => return (Verdict::Allow, Some(e)),
+            _ => {}
+        }
+    }
+    if default == Verdict::Deny {
+        return (Verdict::Deny, None);
+    }
+    match best(Tier::Baseline) {
+        Some(e) if e.action == Action::Deny => (Verdict::Deny, Some(e)),
+        Some(e) => (Verdict::Allow, Some(e)),
+        None => (Verdict::Allow, None),
+    }
 }
 
 /// A key of [`state`]'s scratch trie: prefix, rank, entries, whether it holds an own entry.
 type RefKey = (L4Prefix, (OrderKey, Verdict), Vec<EntryId>, bool);
 
 /// The MapState by its definition (crate documentation), computed the slow, obvious way: no
-/// index, no trie, no incremental step. It is the test oracle of [`crate::MapState`]'s keys,
+/// index, no trie, no incremental step. `entries` decide by themselves (Allow or Deny: the
+/// entries a MapState resolves its input into, `MapState::resolved_entries`). It is the test oracle of [`crate::MapState`]'s keys,
 /// values and covered notes, entry for entry.
 ///
 /// - `*`: every wildcard contribution, inserted one by one in rank order (broader first at equal
@@ -77,7 +102,7 @@ pub fn state(entries: &[PolicyEntry]) -> (Vec<(Key, StateEntry)>, Vec<Covered>) 
                 _ => continue,
             };
             for b in e.l4.blocks() {
-                items.push((e.rank(), b.len(), b, own, e.id));
+                items.push(((e.order, e.verdict()), b.len(), b, own, e.id));
             }
         }
         items.sort_by_key(|&(rank, len, b, own, id)| (rank, len, b.sort_key(), own, id));

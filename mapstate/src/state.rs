@@ -98,6 +98,10 @@ pub enum UpdateError {
     UnknownEntry(EntryId),
     /// Select/Deselect on an entry whose selector is the wildcard.
     WildcardSelection(EntryId),
+    /// An entry id from the range the MapState keeps for its own copies (`COPY_BASE` up).
+    ReservedEntryId(EntryId),
+    /// A `Pass` entry of the ordnet tier (only the Admin and Baseline tiers have Pass).
+    PassInOrdnetTier(EntryId),
 }
 
 impl std::fmt::Display for UpdateError {
@@ -107,6 +111,15 @@ impl std::fmt::Display for UpdateError {
             UpdateError::UnknownEntry(id) => write!(f, "unknown policy entry {id}"),
             UpdateError::WildcardSelection(id) => {
                 write!(f, "policy entry {id} selects every identity already")
+            }
+            UpdateError::ReservedEntryId(id) => {
+                write!(
+                    f,
+                    "policy entry id {id} is in the range reserved for copies"
+                )
+            }
+            UpdateError::PassInOrdnetTier(id) => {
+                write!(f, "policy entry {id} is a Pass of the ordnet tier")
             }
         }
     }
@@ -335,9 +348,11 @@ struct KeyFrame {
     chain_specific: bool,
 }
 
-/// The precedence-aware LPM MapState of one endpoint and one direction.
+/// The precedence-aware LPM state of one endpoint and one direction, over entries that decide
+/// by themselves (Allow or Deny, every tier and Pass already resolved into their order keys:
+/// `crate::tiers`). [`crate::MapState`] wraps it.
 #[derive(Debug, Clone)]
-pub struct MapState {
+pub(crate) struct Core {
     direction: Direction,
     default: Verdict,
     entries: BTreeMap<EntryId, PolicyEntry>,
@@ -442,10 +457,10 @@ struct Scratch {
     specific: bool,
 }
 
-impl MapState {
+impl Core {
     /// An empty MapState whose isolation default is `default`.
-    pub fn new(direction: Direction, default: Verdict) -> MapState {
-        MapState {
+    pub fn new(direction: Direction, default: Verdict) -> Core {
+        Core {
             direction,
             default,
             entries: BTreeMap::new(),
@@ -519,8 +534,8 @@ impl MapState {
         direction: Direction,
         default: Verdict,
         entries: impl IntoIterator<Item = PolicyEntry>,
-    ) -> Result<MapState, UpdateError> {
-        let mut ms = MapState::new(direction, default);
+    ) -> Result<Core, UpdateError> {
+        let mut ms = Core::new(direction, default);
         // The candidate index in one go: every (peer, block, contribution), sorted, then cut
         // into one sorted `Candidates` per peer.
         let mut all: Vec<(Peer, L4Prefix, Contrib)> = Vec::new();
@@ -530,7 +545,7 @@ impl MapState {
             }
             let c = Contrib {
                 order: e.order,
-                verdict: e.verdict,
+                verdict: e.verdict(),
                 entry: e.id,
             };
             let blocks = e.l4.blocks();
@@ -883,7 +898,7 @@ impl MapState {
             }
             let c = Contrib {
                 order: e.order,
-                verdict: e.verdict,
+                verdict: e.verdict(),
                 entry: *entry,
             };
             all.extend(e.l4.blocks().into_iter().map(|b| (b, c)));
@@ -928,7 +943,7 @@ impl MapState {
         if changed.is_empty() {
             return;
         }
-        let (order, verdict, blocks) = (e.order, e.verdict, e.l4.blocks());
+        let (order, verdict, blocks) = (e.order, e.verdict(), e.l4.blocks());
         let c = Contrib {
             order,
             verdict,
@@ -980,7 +995,7 @@ impl MapState {
     fn index_entry(&mut self, e: &PolicyEntry, add: bool) {
         let c = Contrib {
             order: e.order,
-            verdict: e.verdict,
+            verdict: e.verdict(),
             entry: e.id,
         };
         let blocks = e.l4.blocks();

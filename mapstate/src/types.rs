@@ -227,26 +227,178 @@ impl fmt::Display for L4Match {
     }
 }
 
-/// `(priority, rule index)`: lower is stronger (SEMANTICS.md §2).
+/// The tiers of the order (SEMANTICS.md §8), strongest first: the upstream
+/// `ClusterNetworkPolicy` rules of tier `Admin`, then the ordnet rules (ClusterOrderedNetworkPolicy,
+/// OrderedNetworkPolicy, NetworkPolicy) and the isolation default, then the `Baseline` rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    /// ClusterNetworkPolicy `tier: Admin`: before everything else.
+    Admin,
+    /// The ordnet kinds and NetworkPolicy, then the isolation default.
+    #[default]
+    Ordnet,
+    /// ClusterNetworkPolicy `tier: Baseline`: only where the tiers above leave the default open.
+    Baseline,
+}
+
+impl Tier {
+    /// Every tier, strongest first.
+    pub const ALL: [Tier; 3] = [Tier::Admin, Tier::Ordnet, Tier::Baseline];
+
+    /// The lowercase name (`admin`, `ordnet`, `baseline`), as in the serialized form.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Admin => "admin",
+            Tier::Ordnet => "ordnet",
+            Tier::Baseline => "baseline",
+        }
+    }
+}
+
+impl fmt::Display for Tier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a rule does with the traffic it matches. `Pass` (upstream ClusterNetworkPolicy) skips
+/// the weaker rules of its own tier and lets the next tier decide. At an equal order key Deny
+/// wins over Pass, and Pass over Allow (the declaration order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Action {
+    /// Drop the traffic.
+    Deny,
+    /// Go on with the next tier.
+    Pass,
+    /// Let the traffic through.
+    Allow,
+}
+
+impl Action {
+    /// The lowercase name (`allow`, `deny`, `pass`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Allow => "allow",
+            Action::Deny => "deny",
+            Action::Pass => "pass",
+        }
+    }
+}
+
+impl From<Verdict> for Action {
+    fn from(v: Verdict) -> Action {
+        match v {
+            Verdict::Allow => Action::Allow,
+            Verdict::Deny => Action::Deny,
+        }
+    }
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where a MapState entry ranks among the entries of an equal `(tier, priority, index)`.
+/// Callers build every order key with [`Step::Rule`]; the MapState sets the others when it
+/// resolves tiers and `Pass` (crate documentation, "Tiers and Pass").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum Step {
+    /// An ordinary rule (Deny before Allow at an equal key, by the verdict).
+    #[default]
+    Rule,
+    /// A rule of a weaker tier copied in place of the `Pass` rule whose key this is, restricted
+    /// to the traffic both match: under the Pass, it decides before anything weaker of the
+    /// Pass's tier. Copies rank among themselves as their rules do.
+    Passed(Via),
+    /// A `Pass` rule's own key, after its copies: what no weaker tier decides gets the default.
+    PassEnd,
+    /// An `Allow` of a tiered (ClusterNetworkPolicy) rule: after Deny and Pass at an equal key.
+    Accept,
+}
+
+/// The rule a [`Step::Passed`] copy comes from: its key and verdict, in rank order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct Via {
+    /// The copied rule's tier.
+    pub tier: Tier,
+    /// Its priority.
+    pub priority: i32,
+    /// Its rule index.
+    pub index: u32,
+    /// Its step (never `Passed`): 0 rule, 1 pass end, 2 accept.
+    pub step: u8,
+    /// Its verdict (deny first at an equal step).
+    pub verdict: Verdict,
+}
+
+/// `(tier, priority, rule index, step)`: lower is stronger (SEMANTICS.md §2, §8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub struct OrderKey {
+    /// The tier; every tier is weaker than the ones before it.
+    #[serde(skip_serializing_if = "is_ordnet")]
+    pub tier: Tier,
     /// Policy priority; lower is stronger.
     pub priority: i32,
     /// Tie-breaker at equal priority: the rule's index in its policy (the engine gives every
     /// NetworkPolicy rule 0); lower is stronger.
     pub index: u32,
+    /// Rank among entries of the same tier, priority and index.
+    #[serde(skip_serializing_if = "is_rule")]
+    pub step: Step,
+}
+
+fn is_ordnet(t: &Tier) -> bool {
+    *t == Tier::Ordnet
+}
+
+fn is_rule(s: &Step) -> bool {
+    *s == Step::Rule
 }
 
 impl OrderKey {
-    /// The order key of rule `index` of a policy of priority `priority`.
+    /// The order key of rule `index` of an ordnet-tier policy of priority `priority`.
     pub fn new(priority: i32, index: u32) -> Self {
-        OrderKey { priority, index }
+        OrderKey::tiered(Tier::Ordnet, priority, index)
+    }
+
+    /// The order key of rule `index` of a policy of tier `tier` and priority `priority`.
+    pub fn tiered(tier: Tier, priority: i32, index: u32) -> Self {
+        OrderKey {
+            tier,
+            priority,
+            index,
+            step: Step::Rule,
+        }
+    }
+
+    /// The same key with another step.
+    pub fn with_step(self, step: Step) -> Self {
+        OrderKey { step, ..self }
     }
 }
 
 impl fmt::Display for OrderKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "({}, {})", self.priority, self.index)
+        if self.tier != Tier::Ordnet {
+            write!(f, "{} ", self.tier)?;
+        }
+        write!(f, "({}, {})", self.priority, self.index)?;
+        match self.step {
+            Step::Rule | Step::Accept => Ok(()),
+            Step::PassEnd => f.write_str(" pass"),
+            Step::Passed(v) => {
+                f.write_str(" pass → ")?;
+                if v.tier != Tier::Ordnet {
+                    write!(f, "{} ", v.tier)?;
+                }
+                write!(f, "({}, {})", v.priority, v.index)
+            }
+        }
     }
 }
 
@@ -266,10 +418,19 @@ pub struct Origin {
     pub direction: Direction,
     /// Index of the rule within the policy's rules for `direction`.
     pub rule_index: u32,
+    /// The rule's own name, for kinds whose rules have one (ClusterNetworkPolicy).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rule_name: Option<String>,
     /// Priority of the policy; lower is stronger.
     pub priority: i32,
     /// What the rule does with the traffic it matches.
-    pub action: Verdict,
+    pub action: Action,
+    /// The tier of the policy.
+    #[serde(skip_serializing_if = "is_ordnet")]
+    pub tier: Tier,
+    /// For a rule of a weaker tier copied under a `Pass` rule: the Pass rule.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub passed_by: Option<Arc<Origin>>,
 }
 
 impl fmt::Display for Origin {
@@ -278,11 +439,18 @@ impl fmt::Display for Origin {
             Some(ns) => write!(f, "{} {}/{}", self.kind, ns, self.name)?,
             None => write!(f, "{} {}", self.kind, self.name)?,
         }
-        write!(
-            f,
-            " {}[{}] prio {} {}",
-            self.direction, self.rule_index, self.priority, self.action
-        )
+        if self.tier != Tier::Ordnet {
+            write!(f, " {}", self.tier)?;
+        }
+        write!(f, " {}[{}]", self.direction, self.rule_index)?;
+        if let Some(n) = &self.rule_name {
+            write!(f, " {n:?}")?;
+        }
+        write!(f, " prio {} {}", self.priority, self.action)?;
+        if let Some(p) = &self.passed_by {
+            write!(f, " (after the pass of {p})")?;
+        }
+        Ok(())
     }
 }
 
@@ -329,7 +497,7 @@ pub struct PolicyEntry {
     /// Where the entry ranks (lower is stronger; deny wins a tie).
     pub order: OrderKey,
     /// What the entry does with the traffic it matches.
-    pub verdict: Verdict,
+    pub action: Action,
     /// The peers the entry applies to.
     pub selector: Selector,
     /// The protocols and ports the entry applies to.
@@ -339,8 +507,18 @@ pub struct PolicyEntry {
 }
 
 impl PolicyEntry {
-    /// The rank of this entry: order key, then deny before allow.
-    pub fn rank(&self) -> (OrderKey, Verdict) {
-        (self.order, self.verdict)
+    /// The verdict of an entry that decides by itself (`Pass` counts as allow: it is only ever
+    /// one in the MapState's own resolved entries as a Baseline Pass, which allows).
+    pub fn verdict(&self) -> Verdict {
+        match self.action {
+            Action::Deny => Verdict::Deny,
+            Action::Allow | Action::Pass => Verdict::Allow,
+        }
+    }
+
+    /// The rank of this entry among the entries of its tier: order key, then deny before pass
+    /// before allow.
+    pub fn rank(&self) -> (OrderKey, Action) {
+        (self.order, self.action)
     }
 }

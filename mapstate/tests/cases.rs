@@ -122,9 +122,7 @@ fn step(ms: &mut MapState, updates: Vec<Update>, now: &[PolicyEntry]) -> Vec<Str
     check_change_set(&before, ms, &changes).unwrap();
     check(ms, now);
     let mut ids = probe_ids(now);
-    ids.extend(probe_ids(
-        &before.policy_entries().cloned().collect::<Vec<_>>(),
-    ));
+    ids.extend(probe_ids(&before.policy_entries()));
     let ports = probe_ports(key_ranges(&before).into_iter().chain(key_ranges(ms)));
     check_write_order(&before, ms, &changes.safe_order(), &ids, &probes_at(&ports)).unwrap();
     render_changes(&changes)

@@ -85,7 +85,18 @@ fn arb_entry(g: &mut Gen, id: u64) -> PolicyEntry {
         i32::from(i8::arbitrary(g) % 4),
         u32::from(u8::arbitrary(g) % 3),
     );
-    entry(id, priority, index, arb_verdict(g), selector, arb_l4(g))
+    // A third of the entries in the Admin or Baseline tier, where a third of them pass.
+    let tier = match u8::arbitrary(g) % 6 {
+        0 => Tier::Admin,
+        1 => Tier::Baseline,
+        _ => Tier::Ordnet,
+    };
+    let action = if tier != Tier::Ordnet && u8::arbitrary(g) % 3 == 0 {
+        Action::Pass
+    } else {
+        arb_verdict(g).into()
+    };
+    tiered_entry(id, tier, priority, index, action, selector, arb_l4(g))
 }
 
 impl Arbitrary for Input {
@@ -159,10 +170,19 @@ fn build(entries: &[PolicyEntry], default: Verdict) -> MapState {
     MapState::build(Direction::Ingress, default, entries.iter().cloned()).unwrap()
 }
 
-/// The state equals its definition and a from-scratch build of the same entries.
+/// The state equals its definition and a from-scratch build of the same entries, and it holds
+/// exactly those entries.
 fn check_state(ms: &MapState, entries: &[PolicyEntry], default: Verdict) -> Result<(), String> {
+    let mut given = entries.to_vec();
+    given.sort_by_key(|e| e.id);
+    if ms.policy_entries() != given {
+        return Err(format!(
+            "entries differ\nstate: {:#?}\nwant: {given:#?}",
+            ms.policy_entries()
+        ));
+    }
     let got = snapshot(ms);
-    let want = reference::state(entries);
+    let want = reference::state(&ms.resolved_entries());
     if got != want {
         return Err(format!(
             "state != definition\nstate: {got:#?}\ndefinition: {want:#?}"
@@ -208,7 +228,7 @@ fn build_equals_definition() {
     fn prop(input: Input) -> TestResult {
         let ms = build(&input.entries, input.default);
         let got = snapshot(&ms);
-        let want = reference::state(&input.entries);
+        let want = reference::state(&ms.resolved_entries());
         if got != want {
             return TestResult::error(format!(
                 "state != definition\nstate: {got:#?}\ndefinition: {want:#?}"
@@ -489,6 +509,43 @@ fn mixed_batches_equal_from_scratch() {
 }
 
 #[test]
+fn default_changes_equal_from_scratch() {
+    // The isolation default flips (Baseline entries go dormant or come back, Admin Pass ends
+    // change), between batches of updates: state, change set and lookup stay exact.
+    fn prop(s: Scenario) -> TestResult {
+        let mut default = s.input.default;
+        let mut live = s.input.entries.clone();
+        let mut ms = build(&live, default);
+        for steps in &s.batches {
+            default = match default {
+                Verdict::Allow => Verdict::Deny,
+                Verdict::Deny => Verdict::Allow,
+            };
+            let before = ms.clone();
+            let changes = ms.set_default(default);
+            if let Err(e) = check_state(&ms, &live, default)
+                .and_then(|()| check_change_set(&before, &ms, &changes))
+                .and_then(|()| check_lookup(&live, default, &ms, &[]))
+            {
+                return TestResult::error(format!("after the default became {default}: {e}"));
+            }
+            let updates = resolve(steps, &mut live);
+            let before = ms.clone();
+            let changes = ms.apply(updates).unwrap();
+            if let Err(e) = check_state(&ms, &live, default)
+                .and_then(|()| check_change_set(&before, &ms, &changes))
+            {
+                return TestResult::error(e);
+            }
+        }
+        result(check_lookup(&live, default, &ms, &[]))
+    }
+    QuickCheck::new()
+        .tests(runs(1500))
+        .quickcheck(prop as fn(Scenario) -> TestResult);
+}
+
+#[test]
 fn failed_batch_changes_nothing() {
     // A valid batch followed by one invalid update: the whole batch is refused.
     fn prop(s: Scenario, which: u8) -> TestResult {
@@ -571,9 +628,10 @@ fn no_entry_needed_twice() {
         let ms = build(&input.entries, input.default);
         let keys = ms.iter();
         let star: Vec<_> = keys.iter().filter(|(k, _)| k.peer == Peer::Any).collect();
+        // What the keys come from: the entries resolved (tiers, copies under a Pass).
+        let resolved = ms.resolved_entries();
         let is_wild = |id: &EntryId| {
-            input
-                .entries
+            resolved
                 .iter()
                 .any(|e| e.id == *id && e.selector == Selector::Any)
         };
@@ -614,8 +672,7 @@ fn no_entry_needed_twice() {
                 if !e.synthesized {
                     // An own key holds an entry that selects this identity by name.
                     if !e.entries.iter().any(|x| {
-                        input
-                            .entries
+                        resolved
                             .iter()
                             .any(|p| p.id == *x && p.selector != Selector::Any)
                     }) {

@@ -121,7 +121,7 @@ pub fn workload(rules: usize, identities: u32, seed: u64) -> Vec<PolicyEntry> {
             PolicyEntry {
                 id: EntryId(i),
                 order,
-                verdict,
+                action: verdict.into(),
                 selector,
                 l4,
                 origin: Arc::new(Origin {
@@ -130,8 +130,11 @@ pub fn workload(rules: usize, identities: u32, seed: u64) -> Vec<PolicyEntry> {
                     name: format!("pol{}", i / 5),
                     direction: Direction::Ingress,
                     rule_index: order.index,
+                    rule_name: None,
                     priority: order.priority,
-                    action: verdict,
+                    action: verdict.into(),
+                    tier: Tier::Ordnet,
+                    passed_by: None,
                 }),
             }
         })

@@ -16,10 +16,31 @@ pub fn entry(
     selector: Selector,
     l4: L4Match,
 ) -> PolicyEntry {
+    tiered_entry(
+        id,
+        Tier::Ordnet,
+        priority,
+        index,
+        verdict.into(),
+        selector,
+        l4,
+    )
+}
+
+/// A policy entry of any tier and action, with a test origin named after its id.
+pub fn tiered_entry(
+    id: u64,
+    tier: Tier,
+    priority: i32,
+    index: u32,
+    action: Action,
+    selector: Selector,
+    l4: L4Match,
+) -> PolicyEntry {
     PolicyEntry {
         id: EntryId(id),
-        order: OrderKey::new(priority, index),
-        verdict,
+        order: OrderKey::tiered(tier, priority, index),
+        action,
         selector,
         l4,
         origin: Arc::new(Origin {
@@ -28,8 +49,11 @@ pub fn entry(
             name: format!("e{id}"),
             direction: Direction::Ingress,
             rule_index: index,
+            rule_name: None,
             priority,
-            action: verdict,
+            action,
+            tier,
+            passed_by: None,
         }),
     }
 }
