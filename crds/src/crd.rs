@@ -10,11 +10,16 @@ use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
 use kube::CustomResourceExt;
 use serde_json::Value;
 
+use crate::cnp::{CNP_API_APPROVED, CNP_BUNDLE_VERSION, ClusterNetworkPolicy};
 use crate::types::{ClusterOrderedNetworkPolicy, OrderedNetworkPolicy};
 
 /// Path of the committed CRD YAML, relative to the workspace root.
 #[cfg(test)]
 const COMMITTED_CRD_PATH: &str = "deploy/crds/ordnet.io_crds.yaml";
+/// Path of the committed upstream ClusterNetworkPolicy CRD, relative to the workspace root.
+#[cfg(test)]
+const COMMITTED_CNP_CRD_PATH: &str =
+    "deploy/crds/upstream/policy.networking.k8s.io_clusternetworkpolicies.yaml";
 
 /// The CustomResourceDefinitions of the ordnet kinds, in a fixed order.
 ///
@@ -131,6 +136,65 @@ fn is_label_selector(map: &serde_json::Map<String, Value>) -> bool {
         })
 }
 
+/// The CustomResourceDefinition of the upstream `ClusterNetworkPolicy`, for clusters that do
+/// not have the one of the network-policy-api project (`ordnet crd --upstream`): the same
+/// fields and checks as upstream's experimental channel (the `nodes` and `domainNames` peers
+/// and `destinationNamedPort` included), versions `v1beta1` (stored) and `v1alpha2` (served,
+/// same schema). A CRD of a `*.k8s.io` group must carry `api-approved.kubernetes.io` with the
+/// approving API review (else the API server marks it non-conformant): this is upstream's API,
+/// so it cites upstream's. Label selectors keep the plain Kubernetes schema (no ordnet bounds:
+/// what upstream's CRD admits, this one admits).
+pub fn cnp_crd() -> CustomResourceDefinition {
+    fn walk(value: &mut Value) {
+        match value {
+            Value::Object(map) => {
+                map.remove("nullable");
+                map.values_mut().for_each(walk);
+            }
+            Value::Array(items) => items.iter_mut().for_each(walk),
+            _ => {}
+        }
+    }
+    let mut crd = ClusterNetworkPolicy::crd();
+    for version in &mut crd.spec.versions {
+        if let Some(validation) = version.schema.as_mut()
+            && let Some(schema) = validation.open_api_v3_schema.take()
+        {
+            let mut value = serde_json::to_value(&schema).expect("a schema serializes to JSON");
+            walk(&mut value);
+            validation.open_api_v3_schema =
+                Some(serde_json::from_value(value).expect("still a schema"));
+        }
+    }
+    crd.metadata.annotations = Some(
+        [
+            ("api-approved.kubernetes.io", CNP_API_APPROVED),
+            (
+                "policy.networking.k8s.io/bundle-version",
+                CNP_BUNDLE_VERSION,
+            ),
+            ("policy.networking.k8s.io/channel", "experimental"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect(),
+    );
+    let mut alpha = crd.spec.versions[0].clone();
+    alpha.name = "v1alpha2".into();
+    alpha.storage = false;
+    crd.spec.versions.push(alpha);
+    crd
+}
+
+/// [`cnp_crd`] as YAML (what `ordnet crd --upstream` prints and what is committed under
+/// `deploy/crds/upstream/`).
+pub fn cnp_crd_yaml() -> String {
+    format!(
+        "---\n{}",
+        yaml_serde::to_string(&cnp_crd()).expect("a CRD serializes to YAML")
+    )
+}
+
 /// Post-processes a generated schema: removes every `nullable: true` (an explicit `null` is then
 /// pruned by the API server before defaulting and validation, exactly like an absent field,
 /// which keeps the CEL rules' `has(...)` meaningful) and replaces every label selector with
@@ -180,6 +244,44 @@ mod tests {
         PathBuf::from(env!("CARGO_MANIFEST_DIR"))
             .join("..")
             .join(COMMITTED_CRD_PATH)
+    }
+
+    #[test]
+    fn committed_upstream_crd_yaml_is_current() {
+        let expected = cnp_crd_yaml();
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join(COMMITTED_CNP_CRD_PATH);
+        if std::env::var_os("ORDNET_UPDATE_CRDS").is_some() {
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, &expected).unwrap();
+        }
+        let committed = std::fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            committed == expected,
+            "{} is out of date: run `cargo run -q -p ordnet -- crd --upstream > {}`",
+            COMMITTED_CNP_CRD_PATH,
+            COMMITTED_CNP_CRD_PATH
+        );
+    }
+
+    #[test]
+    fn upstream_crd_has_both_versions_and_the_approval() {
+        let crd = cnp_crd();
+        let versions: Vec<(&str, bool, bool)> = crd
+            .spec
+            .versions
+            .iter()
+            .map(|v| (v.name.as_str(), v.served, v.storage))
+            .collect();
+        assert_eq!(
+            versions,
+            [("v1beta1", true, true), ("v1alpha2", true, false)]
+        );
+        assert_eq!(crd.spec.group, "policy.networking.k8s.io");
+        assert_eq!(crd.spec.scope, "Cluster");
+        let ann = crd.metadata.annotations.unwrap();
+        assert!(ann["api-approved.kubernetes.io"].starts_with("https://github.com/"));
     }
 
     #[test]

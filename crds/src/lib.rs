@@ -27,7 +27,7 @@ pub mod validate;
 pub use k8s_openapi;
 
 pub use cnp::*;
-pub use crd::{crd_yaml, crds};
+pub use crd::{cnp_crd, cnp_crd_yaml, crd_yaml, crds};
 pub use manifest::{
     ClusterObjects, DEFAULT_NAMESPACE, KIND_CLUSTER_ORDERED, KIND_NAMESPACE, KIND_NETWORK_POLICY,
     KIND_NODE, KIND_ORDERED, KIND_POD, KIND_SERVICE, LoadOutcome, Loaded, Loader,

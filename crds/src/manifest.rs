@@ -31,8 +31,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
-use crate::problem::{ObjectRef, Problem, Severity, Source};
 use crate::cnp::{CNP_API_VERSIONS, ClusterNetworkPolicy, KIND_CLUSTER_NETWORK_POLICY};
+use crate::problem::{ObjectRef, Problem, Severity, Source};
 use crate::types::{API_VERSION, ClusterOrderedNetworkPolicy, OrderedNetworkPolicy};
 
 /// The label every namespace carries, with the namespace's name as value.

@@ -826,10 +826,9 @@ pub fn cnp_protocol(p: &CnpProtocol) -> Result<Option<CnpPortMatch>, String> {
         return Err(format!("{field}.destinationPort: required"));
     };
     let number = |n: i32, f: &str| {
-        u16::try_from(n)
-            .ok()
-            .filter(|&n| n >= 1)
-            .ok_or_else(|| format!("{field}.destinationPort.{f}: {n} is not a port number (1-65535)"))
+        u16::try_from(n).ok().filter(|&n| n >= 1).ok_or_else(|| {
+            format!("{field}.destinationPort.{f}: {n} is not a port number (1-65535)")
+        })
     };
     match (port.number, &port.range) {
         (Some(n), None) => {
@@ -896,9 +895,13 @@ pub fn cnp_peer(p: &CnpEgressPeer) -> Result<CnpPeerKind<'_>, String> {
         kinds.push(CnpPeerKind::DomainNames);
     }
     match kinds.len() {
-        0 => Ok(CnpPeerKind::Unknown(p.other.keys().map(String::as_str).collect())),
+        0 => Ok(CnpPeerKind::Unknown(
+            p.other.keys().map(String::as_str).collect(),
+        )),
         1 => Ok(kinds.remove(0)),
-        _ => Err("exactly one of namespaces, pods, nodes, networks or domainNames may be set".into()),
+        _ => {
+            Err("exactly one of namespaces, pods, nodes, networks or domainNames may be set".into())
+        }
     }
 }
 
@@ -983,7 +986,12 @@ pub fn validate_cluster_network_policy(policy: &ClusterNetworkPolicy) -> Vec<Fie
                                 "at least one CIDR is required",
                             ));
                         }
-                        too_many(format!("{path}.networks"), nets.len(), CNP_MAX_ITEMS, &mut out);
+                        too_many(
+                            format!("{path}.networks"),
+                            nets.len(),
+                            CNP_MAX_ITEMS,
+                            &mut out,
+                        );
                         for (k, n) in nets.iter().enumerate() {
                             let f = format!("{path}.networks[{k}]");
                             match parse_cidr(n) {
@@ -1000,7 +1008,11 @@ pub fn validate_cluster_network_policy(policy: &ClusterNetworkPolicy) -> Vec<Fie
                         address_peer = true;
                         out.push(FieldError::warning(
                             format!("{path}.domainNames"),
-                            fail_closed_text(rule.action, direction, "domainNames peers are not supported by ordnet"),
+                            fail_closed_text(
+                                rule.action,
+                                direction,
+                                "domainNames peers are not supported by ordnet",
+                            ),
                         ))
                     }
                     Ok(CnpPeerKind::Unknown(fields)) if fields.is_empty() => out.push(
@@ -1011,7 +1023,10 @@ pub fn validate_cluster_network_policy(policy: &ClusterNetworkPolicy) -> Vec<Fie
                         fail_closed_text(
                             rule.action,
                             direction,
-                            &format!("unknown peer field {} (a newer API version?)", fields.join(", ")),
+                            &format!(
+                                "unknown peer field {} (a newer API version?)",
+                                fields.join(", ")
+                            ),
                         ),
                     )),
                 }
@@ -1023,7 +1038,12 @@ pub fn validate_cluster_network_policy(policy: &ClusterNetworkPolicy) -> Vec<Fie
                         "at least one entry is required (leave protocols out to match all traffic)",
                     ));
                 }
-                too_many(format!("{base}.protocols"), protocols.len(), CNP_MAX_ITEMS, &mut out);
+                too_many(
+                    format!("{base}.protocols"),
+                    protocols.len(),
+                    CNP_MAX_ITEMS,
+                    &mut out,
+                );
                 for (j, p) in protocols.iter().enumerate() {
                     let path = format!("{base}.protocols[{j}]");
                     match cnp_protocol(p) {
@@ -1062,7 +1082,9 @@ pub fn validate_cluster_network_policy(policy: &ClusterNetworkPolicy) -> Vec<Fie
 /// everything in its direction.
 pub fn fail_closed_text(action: CnpAction, direction: Direction, why: &str) -> String {
     match action {
-        CnpAction::Accept => format!("{why}: this Accept rule is enforced fail-closed and matches nothing"),
+        CnpAction::Accept => {
+            format!("{why}: this Accept rule is enforced fail-closed and matches nothing")
+        }
         CnpAction::Deny | CnpAction::Pass => format!(
             "{why}: this {} rule is enforced fail-closed and denies all {}",
             action.as_str(),

@@ -1,3 +1,4 @@
+use crate::CNP_API_VERSIONS;
 use std::path::Path;
 
 use super::*;
@@ -540,5 +541,69 @@ fn long_rule_lists_stay_linear() {
         start.elapsed() < std::time::Duration::from_secs(30),
         "{:?}",
         start.elapsed()
+    );
+}
+
+fn cnp(api_version: &str, spec: &str) -> ClusterNetworkPolicy {
+    let text = format!(
+        "apiVersion: {api_version}\nkind: ClusterNetworkPolicy\nmetadata: {{name: c}}\nspec: {spec}\n"
+    );
+    let out = load_str(Path::new("t.yaml"), &text);
+    assert!(!out.has_errors(), "{:?}", out.problems);
+    out.objects.cluster_network_policies[0].object.clone()
+}
+
+#[test]
+fn cluster_network_policy_both_versions_load_and_validate() {
+    let spec = "{tier: Admin, priority: 10, subject: {pods: {podSelector: {matchLabels: {app: a}}}}, ingress: [{name: r, action: Pass, from: [{namespaces: {}}], protocols: [{tcp: {destinationPort: {range: {start: 80, end: 90}}}}, {destinationNamedPort: web}]}], egress: [{action: Accept, to: [{networks: [10.0.0.0/8, 'fd00::/8']}, {nodes: {matchLabels: {role: infra}}}]}]}";
+    for v in CNP_API_VERSIONS {
+        let c = cnp(v, spec);
+        assert_eq!(validate_cluster_network_policy(&c), [], "{v}");
+    }
+    // An unknown apiVersion of the group is refused by the loader.
+    let out = load_str(
+        Path::new("t.yaml"),
+        "apiVersion: policy.networking.k8s.io/v9\nkind: ClusterNetworkPolicy\nmetadata: {name: c}\nspec: {tier: Admin, priority: 1, subject: {namespaces: {}}}\n",
+    );
+    assert!(out.has_errors());
+}
+
+#[test]
+fn cluster_network_policy_errors_name_the_field() {
+    let c = cnp(
+        CNP_API_VERSIONS[0],
+        "{tier: Baseline, priority: 1001, subject: {namespaces: {}, pods: {podSelector: {}}}, ingress: [{action: Deny, from: []}], egress: [{action: Deny, to: [{networks: [10.0.0.1/8]}, {namespaces: {}, networks: [10.0.0.0/8]}], protocols: [{tcp: {}}, {udp: {destinationPort: {range: {start: 90, end: 80}}}}, {destinationNamedPort: web}, {}]}]}",
+    );
+    let errors = validate_cluster_network_policy(&c);
+    assert_eq!(
+        render(&errors, Severity::Error),
+        [
+            "spec.priority: 1001 is out of range: 0-1000",
+            "spec.subject: exactly one of namespaces or pods must be set",
+            "spec.ingress[0].from: at least one peer is required",
+            "spec.egress[0].to[0].networks[0]: \"10.0.0.1/8\" has bits set after the prefix: write 10.0.0.0/8",
+            "spec.egress[0].to[1]: exactly one of namespaces, pods, nodes, networks or domainNames may be set",
+            "spec.egress[0].protocols[0]: tcp.destinationPort: required",
+            "spec.egress[0].protocols[1]: udp.destinationPort.range: start (90) must be less than end (80)",
+            "spec.egress[0].protocols[2].destinationNamedPort: networks/nodes/domainNames peers cannot be combined with a named port: they have no named ports",
+            "spec.egress[0].protocols[3]: an empty entry: set exactly one of tcp, udp, sctp or destinationNamedPort",
+        ]
+    );
+}
+
+#[test]
+fn cluster_network_policy_unenforceable_peers_are_warnings() {
+    let c = cnp(
+        CNP_API_VERSIONS[0],
+        "{tier: Admin, priority: 1, subject: {namespaces: {}}, egress: [{action: Accept, to: [{domainNames: [www.example.com]}]}, {action: Pass, to: [{futurePeer: {x: 1}}]}]}",
+    );
+    let errors = validate_cluster_network_policy(&c);
+    assert_eq!(render(&errors, Severity::Error), Vec::<String>::new());
+    assert_eq!(
+        render(&errors, Severity::Warning),
+        [
+            "spec.egress[0].to[0].domainNames: domainNames peers are not supported by ordnet: this Accept rule is enforced fail-closed and matches nothing",
+            "spec.egress[1].to[0]: unknown peer field futurePeer (a newer API version?): this Pass rule is enforced fail-closed and denies all egress",
+        ]
     );
 }
