@@ -246,6 +246,24 @@ impl Engine {
                 Err(err) => e.errors.push(err),
             }
         }
+        for node in &objects.nodes {
+            let name = node.object.metadata.name.clone().unwrap_or_default();
+            let labels = node.object.metadata.labels.clone().unwrap_or_default();
+            e.store
+                .nodes
+                .insert(name, (labels, crate::model::node_addresses(&node.object)));
+        }
+        for cnp in &objects.cluster_network_policies {
+            let name = cnp.object.metadata.name.clone().unwrap_or_default();
+            e.store
+                .cnp_objects
+                .insert(name, Arc::new(cnp.object.clone()));
+        }
+        let cnps: Vec<_> = objects
+            .cluster_network_policies
+            .iter()
+            .map(|p| e.store.translate_cnp(&p.object))
+            .collect();
         let translated = objects
             .network_policies
             .iter()
@@ -261,7 +279,8 @@ impl Engine {
                     .cluster_ordered_policies
                     .iter()
                     .map(|p| translate_cluster_policy(&p.object)),
-            );
+            )
+            .chain(cnps);
         for p in translated {
             match p {
                 Ok(p) => e.store.insert_policy(Arc::new(p)),

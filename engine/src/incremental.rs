@@ -254,6 +254,40 @@ impl Engine {
                     p.pods.insert(k);
                 }
             }
+            ObjectChange::Upsert(Object::ClusterNetworkPolicy(cnp)) => {
+                let new = self.store.translate_cnp(&cnp)?;
+                self.store
+                    .cnp_objects
+                    .insert(new.id.name.clone(), Arc::new(*cnp));
+                self.store_policy(Some(new.id.clone()), Some(new), p);
+            }
+            ObjectChange::Upsert(Object::Node(node)) => {
+                let name = node.metadata.name.clone().unwrap_or_default();
+                if name.is_empty() {
+                    return Err(EngineError {
+                        object: format!("Node {name}"),
+                        field: "metadata.name".into(),
+                        message: "required".into(),
+                    });
+                }
+                let rec = (
+                    node.metadata.labels.clone().unwrap_or_default(),
+                    crate::model::node_addresses(&node),
+                );
+                if self.store.nodes.get(&name) != Some(&rec) {
+                    self.store.nodes.insert(name, rec);
+                    self.retranslate_node_peers(p);
+                }
+            }
+            ObjectChange::Delete {
+                kind: ObjectKind::Node,
+                name,
+                ..
+            } => {
+                if self.store.nodes.remove(&name).is_some() {
+                    self.retranslate_node_peers(p);
+                }
+            }
             ObjectChange::Upsert(
                 o @ (Object::NetworkPolicy(_)
                 | Object::OrderedNetworkPolicy(_)
@@ -278,6 +312,10 @@ impl Engine {
                         PolicyKind::Ordered,
                         Some(namespace.unwrap_or_else(default_ns)),
                     ),
+                    ObjectKind::ClusterNetworkPolicy => {
+                        self.store.cnp_objects.remove(&name);
+                        (PolicyKind::ClusterNetwork, None)
+                    }
                     _ => (PolicyKind::ClusterOrdered, None),
                 };
                 let id = PolicyRef {
@@ -300,6 +338,28 @@ impl Engine {
             .map(|(k, _)| k)
         {
             p.pods.insert(k.clone());
+        }
+    }
+
+    /// A Node changed: every ClusterNetworkPolicy with a `nodes` peer is translated again (its
+    /// peers hold the addresses); those whose translation changed are changed policies.
+    fn retranslate_node_peers(&mut self, p: &mut Pending) {
+        let with_nodes: Vec<Arc<ordnet_crds::ClusterNetworkPolicy>> = self
+            .store
+            .cnp_objects
+            .values()
+            .filter(|c| {
+                c.spec
+                    .egress
+                    .iter()
+                    .any(|r| r.to.iter().any(|t| t.nodes.is_some()))
+            })
+            .cloned()
+            .collect();
+        for cnp in with_nodes {
+            if let Ok(new) = self.store.translate_cnp(&cnp) {
+                self.store_policy(Some(new.id.clone()), Some(new), p);
+            }
         }
     }
 

@@ -21,10 +21,12 @@ use k8s_openapi::api::networking::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use ordnet_crds::Selector as LabelSel;
+use ordnet_crds::validate::{CnpPeerKind, CnpPortMatch, cnp_peer, cnp_protocol};
 use ordnet_crds::{
-    Action, ClusterOrderedNetworkPolicy, IpBlock, OrderedNetworkPolicy, OrderedSpec, Peer, Port,
+    Action as ApiAction, ClusterNetworkPolicy, ClusterOrderedNetworkPolicy, CnpAction, CnpTier,
+    IpBlock, NamespacedPod, OrderedNetworkPolicy, OrderedSpec, Peer, Port,
 };
-use ordnet_mapstate::{Direction, OrderKey, Origin, Protocol, Verdict};
+use ordnet_mapstate::{Action, Direction, OrderKey, Origin, Protocol, Tier, Verdict};
 use serde::Serialize;
 
 /// Labels of a pod or namespace.
@@ -39,6 +41,8 @@ pub enum PolicyKind {
     Ordered,
     /// `ClusterOrderedNetworkPolicy` (cluster-scoped).
     ClusterOrdered,
+    /// Upstream `ClusterNetworkPolicy` (`policy.networking.k8s.io`, cluster-scoped, tiered).
+    ClusterNetwork,
 }
 
 impl PolicyKind {
@@ -48,6 +52,7 @@ impl PolicyKind {
             PolicyKind::NetworkPolicy => ordnet_crds::KIND_NETWORK_POLICY,
             PolicyKind::Ordered => ordnet_crds::KIND_ORDERED,
             PolicyKind::ClusterOrdered => ordnet_crds::KIND_CLUSTER_ORDERED,
+            PolicyKind::ClusterNetwork => ordnet_crds::KIND_CLUSTER_NETWORK_POLICY,
         }
     }
 }
@@ -158,6 +163,16 @@ pub enum PeerSpec {
         /// Strict subsets of `cidr`, sorted; entries inside another entry are dropped.
         except: Vec<IpNet>,
     },
+    /// The addresses of the Nodes whose labels match (a ClusterNetworkPolicy `nodes` peer),
+    /// resolved when the policy is translated (again whenever a Node changes).
+    Nodes {
+        /// The Node label selector.
+        #[serde(serialize_with = "ser_selector")]
+        nodes: LabelSel,
+        /// Their addresses (`status.addresses` of type InternalIP or ExternalIP) as host
+        /// prefixes, sorted.
+        addrs: Vec<IpNet>,
+    },
 }
 
 impl PeerSpec {
@@ -184,6 +199,13 @@ impl fmt::Display for PeerSpec {
                 write!(f, "{cidr}")?;
                 for e in except {
                     write!(f, " -{e}")?;
+                }
+                Ok(())
+            }
+            PeerSpec::Nodes { nodes, addrs } => {
+                write!(f, "nodes [{}]", selector_text(nodes))?;
+                if addrs.is_empty() {
+                    f.write_str(" (none)")?;
                 }
                 Ok(())
             }
@@ -219,10 +241,10 @@ pub enum PortSpec {
 pub struct Rule {
     /// Names the rule for `trace` and `dump` (a NetworkPolicy rule keeps its real list index).
     pub origin: Arc<Origin>,
-    /// `(priority, rule index)`; `(0, 0)` for every NetworkPolicy rule.
+    /// `(tier, priority, rule index)`; `(0, 0)` for every NetworkPolicy rule.
     pub order: OrderKey,
-    /// Allow for a NetworkPolicy rule, else the rule's `action`.
-    pub verdict: Verdict,
+    /// Allow for a NetworkPolicy rule, else the rule's `action` (Accept = Allow).
+    pub action: Action,
     /// `None` = every peer (pods, CIDRs and the world).
     pub peers: Option<Vec<Arc<PeerSpec>>>,
     /// `None` = every protocol and port (ICMP included).
@@ -275,8 +297,8 @@ pub struct FailedRule {
     pub direction: Direction,
     /// The rule's index in `spec.ingress` / `spec.egress`.
     pub index: u32,
-    /// The rule's action as written.
-    pub action: Verdict,
+    /// The rule's action as written (Accept = Allow).
+    pub action: Action,
     /// The first field that cannot be enforced, e.g. `spec.ingress[1].from[0].ipBlock.cidr`.
     pub field: String,
     /// Why it cannot be enforced.
@@ -287,9 +309,9 @@ impl FailedRule {
     /// What the rule does instead: `"matches nothing"` (Allow) or `"denies all <direction>"`.
     pub fn effect(&self) -> &'static str {
         match (self.action, self.direction) {
-            (Verdict::Allow, _) => "matches nothing",
-            (Verdict::Deny, Direction::Ingress) => "denies all ingress",
-            (Verdict::Deny, Direction::Egress) => "denies all egress",
+            (Action::Allow, _) => "matches nothing",
+            (_, Direction::Ingress) => "denies all ingress",
+            (_, Direction::Egress) => "denies all egress",
         }
     }
 }
@@ -305,8 +327,9 @@ impl fmt::Display for FailedRule {
             },
             self.index,
             match self.action {
-                Verdict::Allow => "Allow",
-                Verdict::Deny => "Deny",
+                Action::Allow => "Allow",
+                Action::Deny => "Deny",
+                Action::Pass => "Pass",
             },
             self.effect(),
             self.field,
@@ -322,6 +345,9 @@ pub struct Policy {
     pub id: PolicyRef,
     /// `spec.priority`; 0 for a NetworkPolicy.
     pub priority: i32,
+    /// The tier of its rules (SEMANTICS.md §8): the ordnet tier for every kind but
+    /// ClusterNetworkPolicy.
+    pub tier: Tier,
     /// The pods it applies to.
     pub subject: Subject,
     /// Whether the policy isolates its subject, per direction (index `Direction::index`).
@@ -364,13 +390,17 @@ impl Policy {
         v
     }
 
-    /// Every CIDR prefix used (ipBlock `cidr` and `except` entries).
+    /// Every CIDR prefix used (ipBlock `cidr` and `except` entries, Node addresses).
     pub fn cidrs(&self) -> Vec<IpNet> {
         let mut out = Vec::new();
         for p in self.peers() {
-            if let PeerSpec::Block { cidr, except } = &*p {
-                out.push(*cidr);
-                out.extend(except.iter().copied());
+            match &*p {
+                PeerSpec::Block { cidr, except } => {
+                    out.push(*cidr);
+                    out.extend(except.iter().copied());
+                }
+                PeerSpec::Nodes { addrs, .. } => out.extend(addrs.iter().copied()),
+                PeerSpec::Pods { .. } => {}
             }
         }
         out.sort();
@@ -582,20 +612,30 @@ pub fn parse_protocol(p: Option<&str>) -> Option<Protocol> {
     }
 }
 
-fn make_origin(id: &PolicyRef, d: Direction, index: u32, priority: i32, v: Verdict) -> Arc<Origin> {
+fn make_origin(
+    id: &PolicyRef,
+    d: Direction,
+    index: u32,
+    priority: i32,
+    action: Action,
+    tier: Tier,
+) -> Arc<Origin> {
     Arc::new(Origin {
         kind: id.kind.as_str().to_string(),
         namespace: id.namespace.clone(),
         name: id.name.clone(),
         direction: d,
         rule_index: index,
+        rule_name: None,
         priority,
-        action: v,
+        action,
+        tier,
+        passed_by: None,
     })
 }
 
 fn isolation_origins(id: &PolicyRef, priority: i32) -> [Arc<Origin>; 2] {
-    Direction::ALL.map(|d| make_origin(id, d, 0, priority, Verdict::Deny))
+    Direction::ALL.map(|d| make_origin(id, d, 0, priority, Action::Deny, Tier::Ordnet))
 }
 
 fn meta_name(
@@ -677,21 +717,22 @@ pub fn translate_network_policy(np: &NetworkPolicy) -> Result<Policy, EngineErro
             let base = format!("{list_field}[{i}]");
             let index = u32::try_from(i).map_err(|_| ctx.err(base.clone(), "too many rules"))?;
             let translated = np_rule(&ctx, &own, &base, peer_field, *peers, *ports);
-            let origin = make_origin(&id, d, index, 0, Verdict::Allow);
+            let origin = make_origin(&id, d, index, 0, Action::Allow, Tier::Ordnet);
             match translated {
                 Ok((peers, ports)) => rules[di].push(Rule {
                     origin,
                     order: OrderKey::new(0, 0),
-                    verdict: Verdict::Allow,
+                    action: Action::Allow,
                     peers: dedup_peers(peers),
                     ports: dedup_ports(ports),
                 }),
                 // Fail-closed: an Allow rule that cannot be enforced matches nothing.
-                Err(e) => failed_rules.push(failed(d, index, Verdict::Allow, e)),
+                Err(e) => failed_rules.push(failed(d, index, Action::Allow, e)),
             }
         }
     }
     Ok(Policy {
+        tier: Tier::Ordnet,
         isolation_origin: isolation_origins(&id, 0),
         subject: Subject::Namespace {
             namespace: own,
@@ -787,7 +828,7 @@ fn np_rule(
     Ok((peers, ports))
 }
 
-fn failed(direction: Direction, index: u32, action: Verdict, e: EngineError) -> FailedRule {
+fn failed(direction: Direction, index: u32, action: Action, e: EngineError) -> FailedRule {
     FailedRule {
         direction,
         index,
@@ -857,8 +898,8 @@ fn translate_ordered<S: OrderedSpec>(
             let index =
                 u32::try_from(r.index).map_err(|_| ctx.err(base.clone(), "too many rules"))?;
             let verdict = match r.action {
-                Action::Allow => Verdict::Allow,
-                Action::Deny => Verdict::Deny,
+                ApiAction::Allow => Verdict::Allow,
+                ApiAction::Deny => Verdict::Deny,
             };
             let translated = (|| -> Result<_, EngineError> {
                 let peers = if r.peers.is_empty() {
@@ -887,26 +928,26 @@ fn translate_ordered<S: OrderedSpec>(
                 };
                 Ok((peers, ports))
             })();
-            let origin = make_origin(&id, d, index, priority, verdict);
+            let origin = make_origin(&id, d, index, priority, verdict.into(), Tier::Ordnet);
             let order = OrderKey::new(priority, index);
             match (translated, verdict) {
                 (Ok((peers, ports)), _) => rules[d.index()].push(Rule {
                     origin,
                     order,
-                    verdict,
+                    action: verdict.into(),
                     peers: dedup_peers(peers),
                     ports: dedup_ports(ports),
                 }),
                 // Fail-closed (SEMANTICS.md §7): an Allow rule that cannot be enforced matches
                 // nothing; a Deny rule that cannot be enforced matches everything, at its place
                 // in the order.
-                (Err(e), Verdict::Allow) => failed_rules.push(failed(d, index, verdict, e)),
+                (Err(e), Verdict::Allow) => failed_rules.push(failed(d, index, verdict.into(), e)),
                 (Err(e), Verdict::Deny) => {
-                    failed_rules.push(failed(d, index, verdict, e));
+                    failed_rules.push(failed(d, index, verdict.into(), e));
                     rules[d.index()].push(Rule {
                         origin,
                         order,
-                        verdict,
+                        action: Action::Deny,
                         peers: None,
                         ports: None,
                     });
@@ -922,6 +963,7 @@ fn translate_ordered<S: OrderedSpec>(
         isolation_origin: isolation_origins(&id, priority),
         id,
         priority,
+        tier: Tier::Ordnet,
         subject,
         isolates,
         rules,
@@ -951,4 +993,214 @@ pub fn translate_cluster_policy(p: &ClusterOrderedNetworkPolicy) -> Result<Polic
     let namespaces = ctx.selector(&p.spec.namespace_selector, "spec.namespaceSelector")?;
     let pods = ctx.selector(&p.spec.pod_selector, "spec.podSelector")?;
     translate_ordered(id, &p.spec, Subject::Cluster { namespaces, pods })
+}
+
+/// Translates an upstream ClusterNetworkPolicy (SEMANTICS.md §8): its tier, order key
+/// `(tier, priority, rule index)`, Accept = Allow, Deny, Pass; it never isolates. Peers:
+/// `namespaces` and `pods` as pod peers (a `pods` peer without namespaceSelector: every
+/// namespace), `networks` as ipBlocks (pod addresses included), `nodes` as the addresses of the
+/// Nodes `nodes` resolves the selector to. A `destinationNamedPort` is the container port of that
+/// name, whatever its protocol. A rule with a peer or protocol ordnet cannot enforce
+/// (`domainNames`, fields of a newer API version) is enforced fail-closed: an Accept matches
+/// nothing, a Deny or Pass denies everything in its direction at its place in the order.
+pub fn translate_cluster_network_policy(
+    p: &ClusterNetworkPolicy,
+    nodes: &dyn Fn(&LabelSel) -> Vec<IpNet>,
+) -> Result<Policy, EngineError> {
+    let id = meta_name(&p.metadata, PolicyKind::ClusterNetwork, false)?;
+    let ctx = Ctx { object: &id };
+    let spec = &p.spec;
+    let tier = match spec.tier {
+        CnpTier::Admin => Tier::Admin,
+        CnpTier::Baseline => Tier::Baseline,
+    };
+    let priority = spec.priority;
+    let pods_peer = |np: &NamespacedPod, field: &str| -> Result<PeerSpec, EngineError> {
+        Ok(PeerSpec::Pods {
+            namespaces: NsScope::Matching(ctx.selector(
+                &np.namespace_selector,
+                &format!("{field}.namespaceSelector"),
+            )?),
+            pods: ctx.selector(&np.pod_selector, &format!("{field}.podSelector"))?,
+        })
+    };
+    let subject = match (&spec.subject.namespaces, &spec.subject.pods) {
+        (Some(ns), None) => Subject::Cluster {
+            namespaces: ctx.selector(ns, "spec.subject.namespaces")?,
+            pods: LabelSel::everything(),
+        },
+        (None, Some(np)) => match pods_peer(np, "spec.subject.pods")? {
+            PeerSpec::Pods {
+                namespaces: NsScope::Matching(namespaces),
+                pods,
+            } => Subject::Cluster { namespaces, pods },
+            _ => unreachable!("pods_peer gives a pod peer of matching namespaces"),
+        },
+        _ => {
+            return Err(ctx.err(
+                "spec.subject",
+                "exactly one of namespaces or pods must be set",
+            ));
+        }
+    };
+    let mut rules: [Vec<Rule>; 2] = [Vec::new(), Vec::new()];
+    let mut failed_rules = Vec::new();
+    for d in Direction::ALL {
+        let cd = match d {
+            Direction::Ingress => ordnet_crds::Direction::Ingress,
+            Direction::Egress => ordnet_crds::Direction::Egress,
+        };
+        let peer_field = match d {
+            Direction::Ingress => "from",
+            Direction::Egress => "to",
+        };
+        for r in spec.rules(cd) {
+            let base = format!("spec.{}[{}]", cd.field(), r.index);
+            let index =
+                u32::try_from(r.index).map_err(|_| ctx.err(base.clone(), "too many rules"))?;
+            let action = match r.action {
+                CnpAction::Accept => Action::Allow,
+                CnpAction::Deny => Action::Deny,
+                CnpAction::Pass => Action::Pass,
+            };
+            let translated = (|| -> Result<_, EngineError> {
+                let mut peers = Vec::new();
+                for (j, peer) in r.peers.iter().enumerate() {
+                    let field = format!("{base}.{peer_field}[{j}]");
+                    match cnp_peer(peer).map_err(|e| ctx.err(field.clone(), e))? {
+                        CnpPeerKind::Namespaces(sel) => peers.push(PeerSpec::Pods {
+                            namespaces: NsScope::Matching(
+                                ctx.selector(sel, &format!("{field}.namespaces"))?,
+                            ),
+                            pods: LabelSel::everything(),
+                        }),
+                        CnpPeerKind::Pods(np) => {
+                            peers.push(pods_peer(np, &format!("{field}.pods"))?)
+                        }
+                        CnpPeerKind::Nodes(sel) => {
+                            let sel = ctx.selector(sel, &format!("{field}.nodes"))?;
+                            let mut addrs = nodes(&sel);
+                            addrs.sort();
+                            addrs.dedup();
+                            peers.push(PeerSpec::Nodes { nodes: sel, addrs });
+                        }
+                        CnpPeerKind::Networks(nets) => {
+                            for (k, n) in nets.iter().enumerate() {
+                                let cidr = ctx.cidr(n, &format!("{field}.networks[{k}]"))?;
+                                peers.push(PeerSpec::Block {
+                                    cidr,
+                                    except: Vec::new(),
+                                });
+                            }
+                        }
+                        CnpPeerKind::DomainNames => {
+                            return Err(ctx.err(
+                                format!("{field}.domainNames"),
+                                "domainNames peers are not supported by ordnet",
+                            ));
+                        }
+                        CnpPeerKind::Unknown(fields) => {
+                            return Err(ctx.err(
+                                field,
+                                format!(
+                                    "no peer field ordnet knows (found: {}); a newer API version?",
+                                    if fields.is_empty() {
+                                        "none".to_string()
+                                    } else {
+                                        fields.join(", ")
+                                    }
+                                ),
+                            ));
+                        }
+                    }
+                }
+                let ports = match r.protocols {
+                    None => None,
+                    Some(list) => {
+                        let mut out = Vec::new();
+                        for (j, proto) in list.iter().enumerate() {
+                            let field = format!("{base}.protocols[{j}]");
+                            match cnp_protocol(proto).map_err(|e| ctx.err(field.clone(), e))? {
+                                Some(CnpPortMatch::Ports(p, first, last)) => {
+                                    out.push(PortSpec::Range {
+                                        proto: protocol(p),
+                                        first,
+                                        last,
+                                    })
+                                }
+                                // The container port of that name, whatever its protocol (a
+                                // container port has exactly one).
+                                Some(CnpPortMatch::Named(name)) => {
+                                    out.extend(Protocol::ALL.map(|proto| PortSpec::Named {
+                                        proto,
+                                        name: name.clone(),
+                                    }))
+                                }
+                                None => {
+                                    return Err(ctx.err(
+                                        field,
+                                        "no protocol field ordnet knows; a newer API version?",
+                                    ));
+                                }
+                            }
+                        }
+                        Some(out)
+                    }
+                };
+                Ok((Some(peers.into_iter().map(Arc::new).collect()), ports))
+            })();
+            let origin = Arc::new(Origin {
+                rule_name: r.name.map(str::to_string),
+                ..(*make_origin(&id, d, index, priority, action, tier)).clone()
+            });
+            let order = OrderKey::tiered(tier, priority, index);
+            match (translated, action) {
+                (Ok((peers, ports)), _) => rules[d.index()].push(Rule {
+                    origin,
+                    order,
+                    action,
+                    peers: dedup_peers(peers),
+                    ports: dedup_ports(ports),
+                }),
+                // Fail-closed (SEMANTICS.md §7, and upstream's comments on unknown peers).
+                (Err(e), Action::Allow) => failed_rules.push(failed(d, index, action, e)),
+                (Err(e), Action::Deny | Action::Pass) => {
+                    failed_rules.push(failed(d, index, action, e));
+                    rules[d.index()].push(Rule {
+                        origin,
+                        order,
+                        action: Action::Deny,
+                        peers: None,
+                        ports: None,
+                    });
+                }
+            }
+        }
+    }
+    Ok(Policy {
+        isolation_origin: isolation_origins(&id, priority),
+        id,
+        priority,
+        tier,
+        subject,
+        isolates: [false, false],
+        rules,
+        failed_rules,
+    })
+}
+
+/// The host prefixes of a Node's addresses (`InternalIP` and `ExternalIP`; `Hostname` and
+/// anything that is not an IP address is skipped).
+pub fn node_addresses(node: &k8s_openapi::api::core::v1::Node) -> Vec<IpNet> {
+    let mut out: Vec<IpNet> = node
+        .status
+        .iter()
+        .flat_map(|s| s.addresses.iter().flatten())
+        .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
+        .filter_map(|a| a.address.parse::<std::net::IpAddr>().ok())
+        .map(IpNet::from)
+        .collect();
+    out.sort();
+    out.dedup();
+    out
 }

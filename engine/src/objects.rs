@@ -2,16 +2,16 @@
 //! a kind touches this file (and the engine stage that reads it) only: the agent watches
 //! [`ObjectKind::ALL`] and names objects through these methods.
 
-use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use ordnet_crds::{ClusterOrderedNetworkPolicy, OrderedNetworkPolicy};
+use ordnet_crds::{ClusterNetworkPolicy, ClusterOrderedNetworkPolicy, OrderedNetworkPolicy};
 use serde::Serialize;
 use std::net::IpAddr;
 
 use crate::model::{
-    EngineError, Policy, translate_cluster_policy, translate_network_policy,
-    translate_ordered_policy,
+    EngineError, Policy, translate_cluster_network_policy, translate_cluster_policy,
+    translate_network_policy, translate_ordered_policy,
 };
 use crate::store::{PodKey, PodRec, read_pod};
 
@@ -36,6 +36,10 @@ pub enum Object {
     OrderedNetworkPolicy(OrderedNetworkPolicy),
     /// `ordnet.io/v1alpha1` `ClusterOrderedNetworkPolicy`.
     ClusterOrderedNetworkPolicy(ClusterOrderedNetworkPolicy),
+    /// `policy.networking.k8s.io/v1beta1` `ClusterNetworkPolicy` (upstream).
+    ClusterNetworkPolicy(Box<ClusterNetworkPolicy>),
+    /// `v1` `Node`: its labels and addresses (the `nodes` peers of ClusterNetworkPolicies).
+    Node(Box<Node>),
 }
 
 /// The metadata the engine, the validation and the status writer read: name, namespace,
@@ -146,6 +150,23 @@ impl Object {
                 x.metadata = slim_meta(x.metadata);
                 Object::ClusterOrderedNetworkPolicy(x)
             }
+            // The status stays: the status writer compares with it.
+            Object::ClusterNetworkPolicy(mut x) => {
+                x.metadata = slim_meta(std::mem::take(&mut x.metadata));
+                Object::ClusterNetworkPolicy(x)
+            }
+            // Labels and addresses only.
+            Object::Node(x) => {
+                let addresses = x.status.and_then(|s| s.addresses);
+                Object::Node(Box::new(Node {
+                    metadata: slim_meta(x.metadata),
+                    spec: None,
+                    status: Some(k8s_openapi::api::core::v1::NodeStatus {
+                        addresses,
+                        ..Default::default()
+                    }),
+                }))
+            }
         }
     }
 
@@ -158,6 +179,8 @@ impl Object {
             Object::NetworkPolicy(_) => ObjectKind::NetworkPolicy,
             Object::OrderedNetworkPolicy(_) => ObjectKind::OrderedNetworkPolicy,
             Object::ClusterOrderedNetworkPolicy(_) => ObjectKind::ClusterOrderedNetworkPolicy,
+            Object::ClusterNetworkPolicy(_) => ObjectKind::ClusterNetworkPolicy,
+            Object::Node(_) => ObjectKind::Node,
         }
     }
 
@@ -171,6 +194,8 @@ impl Object {
             Object::NetworkPolicy(x) => &x.metadata,
             Object::OrderedNetworkPolicy(x) => &x.metadata,
             Object::ClusterOrderedNetworkPolicy(x) => &x.metadata,
+            Object::ClusterNetworkPolicy(x) => &x.metadata,
+            Object::Node(x) => &x.metadata,
         }
     }
 
@@ -188,15 +213,31 @@ impl Object {
         (ns, meta.name.clone().unwrap_or_default())
     }
 
-    /// The normalized policy of a policy object (`None` for pods and namespaces): `Err` when
-    /// the engine cannot use the object at all (it is left out); otherwise the policy, whose
-    /// [`Policy::failed_rules`] lists the rules enforced fail-closed instead of as written.
+    /// The normalized policy of a policy object (`None` for pods, namespaces, Services and
+    /// Nodes): `Err` when the engine cannot use the object at all (it is left out); otherwise
+    /// the policy, whose [`Policy::failed_rules`] lists the rules enforced fail-closed instead
+    /// of as written. A ClusterNetworkPolicy's `nodes` peers are resolved to no address here
+    /// (what the status reports does not depend on them); the engine resolves them against
+    /// the Nodes it holds ([`Object::translate_with`]).
     pub fn translate(&self) -> Option<Result<Policy, EngineError>> {
+        self.translate_with(&|_| Vec::new())
+    }
+
+    /// [`Object::translate`] with `nodes` giving the addresses of the Nodes a selector selects.
+    pub fn translate_with(
+        &self,
+        nodes: &dyn Fn(&ordnet_crds::Selector) -> Vec<ipnet::IpNet>,
+    ) -> Option<Result<Policy, EngineError>> {
         Some(match self {
             Object::NetworkPolicy(np) => translate_network_policy(np),
             Object::OrderedNetworkPolicy(onp) => translate_ordered_policy(onp),
             Object::ClusterOrderedNetworkPolicy(conp) => translate_cluster_policy(conp),
-            Object::Namespace(_) | Object::Pod(_) | Object::ReadPod(_) | Object::Service(_) => {
+            Object::ClusterNetworkPolicy(cnp) => translate_cluster_network_policy(cnp, nodes),
+            Object::Namespace(_)
+            | Object::Pod(_)
+            | Object::ReadPod(_)
+            | Object::Service(_)
+            | Object::Node(_) => {
                 return None;
             }
         })
@@ -218,18 +259,24 @@ pub enum ObjectKind {
     OrderedNetworkPolicy,
     /// [`Object::ClusterOrderedNetworkPolicy`].
     ClusterOrderedNetworkPolicy,
+    /// [`Object::ClusterNetworkPolicy`].
+    ClusterNetworkPolicy,
+    /// [`Object::Node`].
+    Node,
 }
 
 impl ObjectKind {
     /// Every kind the engine consumes, in the order it prefers to see them (namespaces and pods
     /// before the policies that select them).
-    pub const ALL: [ObjectKind; 6] = [
+    pub const ALL: [ObjectKind; 8] = [
         ObjectKind::Namespace,
         ObjectKind::Pod,
         ObjectKind::Service,
         ObjectKind::NetworkPolicy,
         ObjectKind::OrderedNetworkPolicy,
         ObjectKind::ClusterOrderedNetworkPolicy,
+        ObjectKind::ClusterNetworkPolicy,
+        ObjectKind::Node,
     ];
 
     /// The position in [`ObjectKind::ALL`].
@@ -247,14 +294,25 @@ impl ObjectKind {
             ObjectKind::NetworkPolicy => m::KIND_NETWORK_POLICY,
             ObjectKind::OrderedNetworkPolicy => m::KIND_ORDERED,
             ObjectKind::ClusterOrderedNetworkPolicy => m::KIND_CLUSTER_ORDERED,
+            ObjectKind::ClusterNetworkPolicy => m::KIND_CLUSTER_NETWORK_POLICY,
+            ObjectKind::Node => m::KIND_NODE,
         }
+    }
+
+    /// Whether the kind may be missing from a cluster (its CRD is not ordnet's and may not be
+    /// installed): the upstream ClusterNetworkPolicy.
+    pub fn optional(self) -> bool {
+        self == ObjectKind::ClusterNetworkPolicy
     }
 
     /// Whether objects of the kind live in a namespace.
     pub fn namespaced(self) -> bool {
         !matches!(
             self,
-            ObjectKind::Namespace | ObjectKind::ClusterOrderedNetworkPolicy
+            ObjectKind::Namespace
+                | ObjectKind::ClusterOrderedNetworkPolicy
+                | ObjectKind::ClusterNetworkPolicy
+                | ObjectKind::Node
         )
     }
 }

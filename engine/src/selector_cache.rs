@@ -172,6 +172,11 @@ pub(crate) fn evaluate(spec: &PeerSpec, ids: &Identities, store: &Store) -> BTre
                 test(id);
             }
         }
+        PeerSpec::Nodes { .. } => {
+            for id in &ids.non_pod {
+                test(id);
+            }
+        }
     }
     out
 }
@@ -191,5 +196,8 @@ pub(crate) fn selects(spec: &PeerSpec, sig: &Signature) -> bool {
             cidr.contains(net) && !except.iter().any(|e| e.contains(net))
         }
         (PeerSpec::Block { .. }, Signature::World) => false,
+        // A Node address is a host prefix in use: its identity is that prefix's.
+        (PeerSpec::Nodes { addrs, .. }, Signature::Cidr(net)) => addrs.binary_search(net).is_ok(),
+        (PeerSpec::Nodes { .. }, _) => false,
     }
 }

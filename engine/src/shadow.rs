@@ -60,7 +60,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use ordnet_mapstate::{Direction, Identity, OrderKey, Origin, Protocol, Verdict};
+use ordnet_mapstate::{Action, Direction, Identity, OrderKey, Origin, Protocol, Tier};
 use serde::Serialize;
 
 use crate::build::Engine;
@@ -145,10 +145,10 @@ struct Rect {
 type RuleId = (usize, usize, usize);
 
 /// The rank of a rule: smaller decides first; equal ranks decide together.
-type Rank = (OrderKey, Verdict);
+type Rank = (OrderKey, Action);
 
 fn rank(r: &Rule) -> Rank {
-    (r.order, r.verdict)
+    (r.order, r.action)
 }
 
 /// The pod identities of a peer per number a named port resolves to on them.
@@ -476,10 +476,12 @@ impl Engine {
                 .iter()
                 .filter_map(|id| index.get(id).copied())
                 .collect();
-            if !selecting
-                .iter()
-                .any(|&i| a.policies[i].id.kind != PolicyKind::NetworkPolicy)
-            {
+            if !selecting.iter().any(|&i| {
+                matches!(
+                    a.policies[i].id.kind,
+                    PolicyKind::Ordered | PolicyKind::ClusterOrdered
+                )
+            }) {
                 continue;
             }
             let mut names: Vec<(String, Protocol)> = selecting
@@ -525,21 +527,39 @@ impl Analysis<'_> {
                     })
                     .collect();
                 rules.sort();
+                // Tiers (SEMANTICS.md §8): an Admin-tier Pass hands the traffic it matches to
+                // the ordnet tier, past the weaker Admin rules. Rather than follow that, the
+                // Admin rules of a class with an Admin Pass are left out of the stronger rules
+                // (fewer stronger rules: a rule may go unreported, never reported falsely).
+                let admin_pass = rules
+                    .iter()
+                    .any(|((o, act), _)| o.tier == Tier::Admin && *act == Action::Pass);
                 for (pos, &(rk, id)) in rules.iter().enumerate() {
                     let policy = a.policies[id.0];
-                    if policy.id.kind == PolicyKind::NetworkPolicy
-                        || matches!(status.get(&id), Some(Status::Decides))
+                    if !matches!(
+                        policy.id.kind,
+                        PolicyKind::Ordered | PolicyKind::ClusterOrdered
+                    ) || matches!(status.get(&id), Some(Status::Decides))
                     {
                         continue;
                     }
                     let stronger_end = rules[..pos].partition_point(|(x, _)| *x < rk);
-                    let stronger = &rules[..stronger_end];
+                    let stronger: Vec<(Rank, RuleId)> = rules[..stronger_end]
+                        .iter()
+                        .filter(|((o, _), _)| !(admin_pass && o.tier == Tier::Admin))
+                        .copied()
+                        .collect();
+                    let stronger = stronger.as_slice();
                     let key: MemoKey = (
                         id,
                         selecting
                             .iter()
                             .copied()
-                            .filter(|&pi| a.policies[pi].priority <= policy.priority)
+                            .filter(|&pi| {
+                                let q = a.policies[pi];
+                                q.tier < policy.tier
+                                    || (q.tier == policy.tier && q.priority <= policy.priority)
+                            })
                             .collect(),
                         own.clone(),
                     );

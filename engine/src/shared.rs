@@ -8,8 +8,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 use ordnet_mapstate::{
-    Direction, EntryId, Identity, L4Match, MapState, OrderKey, Origin, PolicyEntry, Protocol,
-    Selector, Verdict,
+    Action, Direction, EntryId, Identity, L4Match, MapState, OrderKey, Origin, PolicyEntry,
+    Protocol, Selector, Verdict,
 };
 
 use crate::build::{EndpointPolicy, Engine};
@@ -48,7 +48,7 @@ pub(crate) struct EntryKey {
 pub(crate) struct NamedGroup {
     pub origin: Arc<Origin>,
     pub order: OrderKey,
-    pub verdict: Verdict,
+    pub action: Action,
     pub sel: SelId,
     pub spec: Arc<PeerSpec>,
     pub name: String,
@@ -305,7 +305,7 @@ impl Engine {
                                 index.named.push(NamedGroup {
                                     origin: rule.origin.clone(),
                                     order: rule.order,
-                                    verdict: rule.verdict,
+                                    action: rule.action,
                                     sel,
                                     spec: spec.clone(),
                                     name: name.clone(),
@@ -339,7 +339,7 @@ impl Engine {
                         let entry = PolicyEntry {
                             id,
                             order: rule.order,
-                            verdict: rule.verdict,
+                            action: rule.action,
                             selector,
                             l4: ek.l4,
                             origin: rule.origin.clone(),

@@ -8,7 +8,7 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 use ordnet_mapstate::{
-    Direction, EntryId, Identity, L4Prefix, OrderKey, Origin, Peer, Selector, Verdict,
+    Action, Direction, EntryId, Identity, L4Prefix, OrderKey, Origin, Peer, Selector, Verdict,
 };
 use serde::Serialize;
 
@@ -59,9 +59,9 @@ pub struct PolicySnapshot {
     /// The covered contributions: (entry, its key's peer and prefix, the covering key's peer
     /// and prefix).
     pub covered: Vec<(String, SnapPeer, L4Prefix, SnapPeer, L4Prefix)>,
-    /// The policy entries fed to the MapState: (entry, order, verdict, selected identities or
+    /// The policy entries fed to the MapState: (entry, order, action, selected identities or
     /// `None` for every identity).
-    pub entries: Vec<(String, OrderKey, Verdict, Option<BTreeSet<Signature>>)>,
+    pub entries: Vec<(String, OrderKey, Action, Option<BTreeSet<Signature>>)>,
 }
 
 /// A MapState value.
@@ -92,6 +92,13 @@ impl Engine {
     }
 
     fn entry_text(s: &Shared, id: EntryId) -> String {
+        if let Some((pass, source)) = s.policy.mapstate.copy_of(id) {
+            return format!(
+                "{} under the pass of {}",
+                Self::entry_text(s, source),
+                Self::entry_text(s, pass)
+            );
+        }
         match s.entries.get(&id) {
             Some(k) => format!(
                 "{} | {} | {} | {}",
@@ -148,11 +155,12 @@ impl Engine {
         covered.sort();
         let mut entries: Vec<_> = ms
             .policy_entries()
+            .into_iter()
             .map(|e| {
                 (
                     Self::entry_text(s, e.id),
                     e.order,
-                    e.verdict,
+                    e.action,
                     match &e.selector {
                         Selector::Any => None,
                         Selector::Ids(ids) => Some(ids.iter().map(|i| self.sig_of(*i)).collect()),

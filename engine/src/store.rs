@@ -60,6 +60,11 @@ pub(crate) struct Store {
     pub cidr_use: BTreeMap<IpNet, u32>,
     /// (name, protocol) of named ports used by egress rules, with reference counts.
     pub named_use: BTreeMap<(String, Protocol), u32>,
+    /// Nodes: labels and addresses (host prefixes), for the `nodes` peers.
+    pub nodes: BTreeMap<String, (Labels, Vec<IpNet>)>,
+    /// The ClusterNetworkPolicy objects, translated again when a Node changes (their `nodes`
+    /// peers are resolved at translation).
+    pub cnp_objects: BTreeMap<String, Arc<ordnet_crds::ClusterNetworkPolicy>>,
     /// The distinct label sets of the pods, each kept once: the replicas of a workload carry
     /// equal labels (and their identity's signature shares them too). Sets no pod uses any more
     /// are dropped when the table has doubled since the last sweep.
@@ -68,6 +73,23 @@ pub(crate) struct Store {
 }
 
 impl Store {
+    /// The addresses of the Nodes `sel` selects.
+    pub(crate) fn node_addrs(&self, sel: &ordnet_crds::Selector) -> Vec<IpNet> {
+        self.nodes
+            .values()
+            .filter(|(labels, _)| sel.matches(labels))
+            .flat_map(|(_, addrs)| addrs.iter().copied())
+            .collect()
+    }
+
+    /// A ClusterNetworkPolicy translated against the Nodes held.
+    pub(crate) fn translate_cnp(
+        &self,
+        cnp: &ordnet_crds::ClusterNetworkPolicy,
+    ) -> Result<Policy, crate::model::EngineError> {
+        crate::model::translate_cluster_network_policy(cnp, &|sel| self.node_addrs(sel))
+    }
+
     /// Stores a pod, its labels shared with the pods that have equal ones.
     pub(crate) fn insert_pod(&mut self, key: PodKey, mut rec: PodRec) {
         match self.label_sets.get(&*rec.labels) {

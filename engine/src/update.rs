@@ -283,13 +283,13 @@ impl Engine {
         let NamedGroup {
             origin,
             order,
-            verdict,
+            action,
             spec,
             name,
             proto,
             ..
         } = group;
-        let (order, verdict, proto, name) = (*order, *verdict, *proto, name.as_str());
+        let (order, action, proto, name) = (*order, *action, *proto, name.as_str());
         let ek = |n: u16| EntryKey {
             origin: origin.clone(),
             peer: Some(spec.clone()),
@@ -355,7 +355,7 @@ impl Engine {
                     acc.updates.push(Update::AddEntry(PolicyEntry {
                         id,
                         order,
-                        verdict,
+                        action,
                         selector: Selector::Ids(g.clone()),
                         l4: k.l4,
                         origin: origin.clone(),

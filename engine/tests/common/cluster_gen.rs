@@ -370,6 +370,7 @@ impl World {
                 .map(typed::<ClusterOrderedNetworkPolicy>)
                 .collect(),
             services: Vec::new(),
+            ..ClusterObjects::default()
         }
     }
 
