@@ -12,7 +12,7 @@ fn entry(id: u64, priority: i32, verdict: Verdict, selector: Selector, l4: L4Mat
     PolicyEntry {
         id: EntryId(id),
         order: OrderKey::new(priority, 0),
-        verdict,
+        action: verdict.into(),
         selector,
         l4,
         origin: Arc::new(Origin {
@@ -21,8 +21,11 @@ fn entry(id: u64, priority: i32, verdict: Verdict, selector: Selector, l4: L4Mat
             name: format!("rule{id}"),
             direction: Direction::Ingress,
             rule_index: 0,
+            rule_name: None,
             priority,
-            action: verdict,
+            action: verdict.into(),
+            tier: ordnet_mapstate::Tier::Ordnet,
+            passed_by: None,
         }),
     }
 }

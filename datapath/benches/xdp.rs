@@ -42,7 +42,7 @@ fn entry(
     PolicyEntry {
         id: EntryId(id),
         order,
-        verdict,
+        action: verdict.into(),
         selector,
         l4,
         origin: Arc::new(Origin {
@@ -51,8 +51,11 @@ fn entry(
             name: format!("e{id}"),
             direction: Direction::Egress,
             rule_index: order.index,
+            rule_name: None,
             priority: order.priority,
-            action: verdict,
+            action: verdict.into(),
+            tier: ordnet_mapstate::Tier::Ordnet,
+            passed_by: None,
         }),
     }
 }
@@ -538,12 +541,7 @@ fn full_program(
     let b: IpAddr = [10, 0, 0, 3].into();
     let r: IpAddr = v4(id).into();
     dp.set_identity(IpNet::from(r), id).unwrap();
-    let ingress = MapState::build(
-        Direction::Ingress,
-        Verdict::Deny,
-        ms.policy_entries().cloned(),
-    )
-    .unwrap();
+    let ingress = MapState::build(Direction::Ingress, Verdict::Deny, ms.policy_entries()).unwrap();
     dp.upsert_endpoint(
         1,
         EndpointSpec {

@@ -347,7 +347,7 @@ mod tests {
         Update::AddEntry(PolicyEntry {
             id: EntryId(id),
             order: OrderKey::new(0, id as u32),
-            verdict: Verdict::Allow,
+            action: Verdict::Allow.into(),
             selector: Selector::ids([peer]),
             l4,
             origin: Arc::new(Origin {
@@ -356,8 +356,11 @@ mod tests {
                 name: format!("r{id}"),
                 direction: Direction::Ingress,
                 rule_index: id as u32,
+                rule_name: None,
                 priority: 0,
-                action: Verdict::Allow,
+                action: Verdict::Allow.into(),
+                tier: ordnet_mapstate::Tier::Ordnet,
+                passed_by: None,
             }),
         })
     }
@@ -617,7 +620,7 @@ mod tests {
             .apply([Update::AddEntry(PolicyEntry {
                 id: EntryId(1),
                 order: OrderKey::new(0, 0),
-                verdict: Verdict::Allow,
+                action: Verdict::Allow.into(),
                 selector: Selector::Any,
                 l4: L4Match::Any,
                 origin: Arc::new(Origin {
@@ -626,8 +629,11 @@ mod tests {
                     name: "any".into(),
                     direction: Direction::Ingress,
                     rule_index: 0,
+                    rule_name: None,
                     priority: 0,
-                    action: Verdict::Allow,
+                    action: Verdict::Allow.into(),
+                    tier: ordnet_mapstate::Tier::Ordnet,
+                    passed_by: None,
                 }),
             })])
             .unwrap();

@@ -421,9 +421,9 @@ fn identical_mapstates_share_one_ruleset() {
     // Everyone moves to the same new policy in one batch: changed in place.
     let mut b = a.clone();
     for (i, ms) in b.iter_mut().enumerate() {
-        let mut entries: Vec<_> = ms.policy_entries().cloned().collect();
+        let mut entries: Vec<_> = ms.policy_entries();
         let mut e = arb_entry(&mut rng, 1000 + i as u64, IDS);
-        e.verdict = Verdict::Deny;
+        e.action = ordnet_mapstate::Action::Deny;
         e.order = ordnet_mapstate::OrderKey::new(-5, 0);
         entries.push(e);
         *ms = build(ms.direction(), ms.default_verdict(), &entries);

@@ -90,7 +90,7 @@ fn ms(dir: Direction, default: Verdict, rules: &[(Selector, L4Match, Verdict)]) 
         .map(|(i, (sel, l4, v))| PolicyEntry {
             id: EntryId(i as u64),
             order: OrderKey::new(0, i as u32),
-            verdict: *v,
+            action: (*v).into(),
             selector: sel.clone(),
             l4: *l4,
             origin: Arc::new(Origin {
@@ -99,8 +99,11 @@ fn ms(dir: Direction, default: Verdict, rules: &[(Selector, L4Match, Verdict)]) 
                 name: format!("r{i}"),
                 direction: dir,
                 rule_index: i as u32,
+                rule_name: None,
                 priority: 0,
-                action: *v,
+                action: (*v).into(),
+                tier: ordnet_mapstate::Tier::Ordnet,
+                passed_by: None,
             }),
         });
     MapState::build(dir, default, entries).unwrap()

@@ -81,6 +81,8 @@ fn validate_object(o: &Object) -> Vec<String> {
         Object::ClusterOrderedNetworkPolicy(x) => {
             validate::validate_cluster_ordered_network_policy(x)
         }
+        Object::ClusterNetworkPolicy(x) => validate::validate_cluster_network_policy(x),
+        Object::Node(x) => validate::validate_node(x),
     };
     // Warnings do not make an object invalid (the offline loader keeps it too).
     errors
@@ -506,6 +508,10 @@ impl Applier {
                 Object::ClusterOrderedNetworkPolicy(o) => {
                     objects.cluster_ordered_policies.push(loaded(o))
                 }
+                Object::ClusterNetworkPolicy(o) => {
+                    objects.cluster_network_policies.push(loaded(*o))
+                }
+                Object::Node(o) => objects.nodes.push(loaded(*o)),
                 Object::Service(o) => objects.services.push(loaded(*o)),
             }
         }

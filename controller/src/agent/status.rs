@@ -41,14 +41,15 @@ use kube::api::{Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Api, Client, Resource};
 use ordnet_crds::{
-    Action, CONDITION_ACCEPTED, CONDITION_RULES_SHADOWED, ClusterOrderedNetworkPolicy,
-    EVENT_RULE_SHADOWED, EVENT_RULES_FAILED_CLOSED, FailClosedEffect, FailedClosedRule,
-    OrderedNetworkPolicy, OrderedSpec, PolicyStatus, REASON_INVALID, REASON_NOT_SHADOWED,
-    REASON_RULES_FAILED_CLOSED, REASON_SHADOWED, REASON_VALID, RuleReference, ShadowedRule,
+    Action, CNP_GROUP, CNP_VERSION, CONDITION_ACCEPTED, CONDITION_RULES_SHADOWED,
+    ClusterNetworkPolicy, ClusterOrderedNetworkPolicy, EVENT_RULE_SHADOWED,
+    EVENT_RULES_FAILED_CLOSED, FailClosedEffect, FailedClosedRule, OrderedNetworkPolicy,
+    OrderedSpec, PolicyStatus, REASON_INVALID, REASON_NOT_SHADOWED, REASON_RULES_FAILED_CLOSED,
+    REASON_SHADOWED, REASON_VALID, RuleReference, ShadowedRule,
 };
 use ordnet_engine::Labels;
 use ordnet_engine::{Engine, IdentityKind, Object, ObjectKind, PolicyKind, PolicyRef};
-use ordnet_mapstate::{Direction, Verdict};
+use ordnet_mapstate::{Action as MsAction, Direction};
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
 
@@ -89,6 +90,9 @@ pub struct WantedStatus {
     pub seq: u64,
     /// The rule counts of this version's spec ([`rule_counts`]).
     pub rules: String,
+    /// An upstream ClusterNetworkPolicy: its status has only `conditions` (upstream's schema),
+    /// `Accepted` alone.
+    pub upstream: bool,
 }
 
 /// The API form of a rule enforced fail-closed.
@@ -99,22 +103,29 @@ pub fn api_failed(r: &ordnet_engine::FailedRule) -> FailedClosedRule {
             Direction::Egress => ordnet_crds::Direction::Egress,
         },
         index: r.index,
+        // (A ClusterNetworkPolicy's Pass rule fails closed like a Deny; its status has no
+        // failedClosedRules list, only the condition message, which names the Pass.)
         action: match r.action {
-            Verdict::Allow => Action::Allow,
-            Verdict::Deny => Action::Deny,
+            MsAction::Allow => Action::Allow,
+            MsAction::Deny | MsAction::Pass => Action::Deny,
         },
         effect: match r.action {
-            Verdict::Allow => FailClosedEffect::MatchesNothing,
-            Verdict::Deny => FailClosedEffect::DeniesAll,
+            MsAction::Allow => FailClosedEffect::MatchesNothing,
+            MsAction::Deny | MsAction::Pass => FailClosedEffect::DeniesAll,
         },
         message: format!(
             "{}: {}: {} instead",
             r.field,
             r.message,
             match r.action {
-                Verdict::Allow => "the Allow rule matches nothing".to_string(),
-                Verdict::Deny => format!(
-                    "the Deny rule denies all {} of the policy's pods that no stronger rule decides",
+                MsAction::Allow => "the Allow rule matches nothing".to_string(),
+                MsAction::Deny | MsAction::Pass => format!(
+                    "the {} rule denies all {} of the policy's pods that no stronger rule decides",
+                    if r.action == MsAction::Pass {
+                        "Pass"
+                    } else {
+                        "Deny"
+                    },
                     match r.direction {
                         Direction::Ingress => "ingress",
                         Direction::Egress => "egress",
@@ -146,8 +157,18 @@ pub fn wanted(
             p.object_ref(&()),
             rule_counts(&p.spec),
         ),
+        Object::ClusterNetworkPolicy(p) => (
+            p.metadata.generation,
+            p.status.as_ref().map(|st| PolicyStatus {
+                conditions: st.conditions.clone(),
+                ..PolicyStatus::default()
+            }),
+            p.object_ref(&()),
+            String::new(),
+        ),
         _ => return None,
     };
+    let upstream = matches!(object, Object::ClusterNetworkPolicy(_));
     Some(WantedStatus {
         generation,
         errors: errors.to_vec(),
@@ -160,6 +181,7 @@ pub fn wanted(
         reference,
         seq,
         rules,
+        upstream,
     })
 }
 
@@ -249,6 +271,7 @@ fn policy_key(id: &PolicyRef) -> Option<ObjKey> {
     let kind = match id.kind {
         PolicyKind::Ordered => ObjectKind::OrderedNetworkPolicy,
         PolicyKind::ClusterOrdered => ObjectKind::ClusterOrderedNetworkPolicy,
+        PolicyKind::ClusterNetwork => ObjectKind::ClusterNetworkPolicy,
         PolicyKind::NetworkPolicy => return None,
     };
     Some((
@@ -275,6 +298,8 @@ pub struct Desired {
     pub subject: String,
     /// `status.rules`: [`rule_counts`].
     pub rules: String,
+    /// An upstream ClusterNetworkPolicy: `conditions` only, `Accepted` only.
+    pub upstream: bool,
 }
 
 /// One condition: (type, status, reason, message).
@@ -332,6 +357,10 @@ impl Desired {
                 "the policy is valid and enforced".to_string(),
             )
         };
+        if self.upstream {
+            // Shadowed rules are analysed for the ordnet kinds only.
+            return vec![accepted];
+        }
         let shadow = if self.shadowed.is_empty() {
             (
                 CONDITION_RULES_SHADOWED,
@@ -356,6 +385,18 @@ impl Desired {
             return false;
         };
         let wanted = self.conditions();
+        let same_conditions = wanted.iter().all(|(type_, status, reason, message)| {
+            cur.conditions.iter().any(|c| {
+                c.type_ == *type_
+                    && c.status == *status
+                    && c.reason == *reason
+                    && c.message == *message
+                    && c.observed_generation == self.generation
+            })
+        });
+        if self.upstream {
+            return same_conditions;
+        }
         cur.observed_generation == self.generation
             && cur.shadowed_rules == self.shadowed
             && cur.failed_closed_rules == self.failed
@@ -439,8 +480,8 @@ pub fn api_shadowed(rules: &[&ordnet_engine::ShadowedRule]) -> Vec<ShadowedRule>
                     index: o.rule_index,
                     priority: o.priority,
                     action: match o.action {
-                        Verdict::Allow => Action::Allow,
-                        Verdict::Deny => Action::Deny,
+                        MsAction::Allow => Action::Allow,
+                        MsAction::Deny | MsAction::Pass => Action::Deny,
                     },
                 })
                 .collect();
@@ -525,6 +566,7 @@ fn desired(key: &ObjKey, w: &WantedStatus, report: Option<&Report>) -> Option<De
             shadowed: Vec::new(),
             subject: NOT_ENFORCED.to_string(),
             rules: w.rules.clone(),
+            upstream: w.upstream,
         });
     }
     let report = report.filter(|r| r.seq >= w.seq)?;
@@ -540,6 +582,7 @@ fn desired(key: &ObjKey, w: &WantedStatus, report: Option<&Report>) -> Option<De
             .cloned()
             .unwrap_or_else(|| NOT_ENFORCED.to_string()),
         rules: w.rules.clone(),
+        upstream: w.upstream,
     })
 }
 
@@ -795,6 +838,18 @@ async fn write_status(
         },
     });
     let params = PatchParams::apply(FIELD_MANAGER).force();
+    if d.upstream {
+        // Upstream's status schema: conditions only.
+        let body = json!({
+            "apiVersion": format!("{CNP_GROUP}/{CNP_VERSION}"),
+            "kind": kind,
+            "status": {"conditions": conditions},
+        });
+        let api: Api<ClusterNetworkPolicy> = Api::all(client.clone());
+        api.patch_status(&key.2, &params, &Patch::Apply(&body))
+            .await?;
+        return Ok(());
+    }
     if key.1.is_empty() {
         let api: Api<ClusterOrderedNetworkPolicy> = Api::all(client.clone());
         api.patch_status(&key.2, &params, &Patch::Apply(&body))
@@ -846,6 +901,8 @@ pub async fn event_loop(
             Object::NetworkPolicy(o) => o.object_ref(&()),
             Object::OrderedNetworkPolicy(o) => o.object_ref(&()),
             Object::ClusterOrderedNetworkPolicy(o) => o.object_ref(&()),
+            Object::ClusterNetworkPolicy(o) => o.object_ref(&()),
+            Object::Node(o) => o.object_ref(&()),
         };
         let (reason, note) = match &p.enforcement {
             Enforcement::None => (

@@ -24,11 +24,11 @@ use std::time::{Duration, Instant};
 
 use backon::BackoffBuilder;
 use futures::{Stream, StreamExt};
-use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::{ListParams, WatchEvent, WatchParams};
 use kube::{Api, Client, Resource, ResourceExt};
-use ordnet_crds::{ClusterOrderedNetworkPolicy, OrderedNetworkPolicy};
+use ordnet_crds::{ClusterNetworkPolicy, ClusterOrderedNetworkPolicy, OrderedNetworkPolicy};
 use ordnet_engine::{Object, ObjectKind};
 use serde::de::DeserializeOwned;
 use std::sync::Arc;
@@ -127,6 +127,10 @@ pub struct KindHealth {
     pub silent: u64,
     /// Lists after the first (410 Gone).
     pub relists: u64,
+    /// The API server does not serve the kind (an optional CRD, the upstream
+    /// ClusterNetworkPolicy, is not installed): the view holds none, and the kind is looked for
+    /// again every [`ABSENT_POLL`].
+    pub absent: bool,
 }
 
 impl KindHealth {
@@ -234,6 +238,10 @@ pub(crate) fn spawn_all(
                 ObjectKind::ClusterOrderedNetworkPolicy => {
                     w.spawn::<ClusterOrderedNetworkPolicy>(c, Object::ClusterOrderedNetworkPolicy)
                 }
+                ObjectKind::ClusterNetworkPolicy => w.spawn::<ClusterNetworkPolicy>(c, |p| {
+                    Object::ClusterNetworkPolicy(Box::new(p))
+                }),
+                ObjectKind::Node => w.spawn::<Node>(c, |n| Object::Node(Box::new(n))),
             }
         })
         .collect()
@@ -241,6 +249,18 @@ pub(crate) fn spawn_all(
 
 /// The receiving side went away (the agent stops).
 struct Closed;
+
+/// How often a kind the API server does not serve (an optional CRD not installed) is looked for
+/// again.
+pub(crate) const ABSENT_POLL: Duration = Duration::from_secs(10);
+
+/// Why a list failed.
+enum ListError {
+    /// The API server does not serve the kind (404 for an optional kind).
+    Absent(String),
+    /// Anything else: retried after the backoff.
+    Failed(String),
+}
 
 /// How a watch ended.
 enum WatchEnd {
@@ -285,12 +305,37 @@ impl Watcher {
         loop {
             let mut version = match self.list(api, wrap).await? {
                 Ok(version) => version,
-                Err(e) => {
+                Err(ListError::Absent(e)) => {
+                    // The upstream ClusterNetworkPolicy CRD is not installed: there are no such
+                    // objects (an empty, complete list), and the kind is looked for again.
+                    self.send(WatchMsg::Init(self.kind))?;
+                    self.send(WatchMsg::InitDone(self.kind))?;
+                    {
+                        let mut h = self.health.slot(self.kind);
+                        if !h.absent {
+                            tracing::info!(
+                                kind = self.kind.name(),
+                                error = e,
+                                "the API server does not serve this kind (its CRD is not installed); \
+                                 looking again every {} s",
+                                ABSENT_POLL.as_secs()
+                            );
+                        }
+                        h.absent = true;
+                        h.listed = true;
+                        h.stale_since = None;
+                    }
+                    first = false;
+                    tokio::time::sleep(ABSENT_POLL).await;
+                    continue;
+                }
+                Err(ListError::Failed(e)) => {
                     self.health.failed(self.kind, "list", &e, None);
                     self.pause(&mut backoff).await;
                     continue;
                 }
             };
+            self.health.slot(self.kind).absent = false;
             backoff = self.config.backoff();
             {
                 let mut h = self.health.slot(self.kind);
@@ -327,7 +372,7 @@ impl Watcher {
         &self,
         api: &Api<K>,
         wrap: fn(K) -> Object,
-    ) -> Result<Result<String, String>, Closed>
+    ) -> Result<Result<String, ListError>, Closed>
     where
         K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug + Send + 'static,
     {
@@ -351,9 +396,16 @@ impl Watcher {
         let mut pending = Pending(fetch(None));
         loop {
             let page = match (&mut pending.0).await {
-                Err(e) => return Ok(Err(format!("the list request failed: {e}"))),
-                Ok(Err(_)) => return Ok(Err(self.timed_out())),
-                Ok(Ok(Err(e))) => return Ok(Err(e.to_string())),
+                Err(e) => {
+                    return Ok(Err(ListError::Failed(format!(
+                        "the list request failed: {e}"
+                    ))));
+                }
+                Ok(Err(_)) => return Ok(Err(ListError::Failed(self.timed_out()))),
+                Ok(Ok(Err(kube::Error::Api(s)))) if s.code == 404 && self.kind.optional() => {
+                    return Ok(Err(ListError::Absent(s.message)));
+                }
+                Ok(Ok(Err(e))) => return Ok(Err(ListError::Failed(e.to_string()))),
                 Ok(Ok(Ok(page))) => page,
             };
             self.health.heard(self.kind);

@@ -33,11 +33,20 @@ pub enum Command {
     /// Check every policy in the manifests and report all problems.
     Validate(ValidateArgs),
     /// Print the CustomResourceDefinitions of the ordnet kinds.
-    Crd,
+    Crd(CrdArgs),
     /// Build the pods as network namespaces, enforce with XDP and probe real connections (root).
     Lab(LabArgs),
     /// Run the node agent: watch the cluster, program this node's datapath, write status.
     Agent(agent::AgentArgs),
+}
+
+/// `ordnet crd` arguments.
+#[derive(Debug, Args, Clone)]
+pub struct CrdArgs {
+    /// Print the upstream ClusterNetworkPolicy CRD (policy.networking.k8s.io, v1beta1 and
+    /// v1alpha2) instead, for a cluster that does not have network-policy-api's.
+    #[arg(long)]
+    pub upstream: bool,
 }
 
 /// Where the cluster state comes from: manifests (`-f`) or a running agent (`--agent`).
@@ -182,7 +191,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Trace(args) => trace::run(&args),
         Command::Dump(args) => dump::run(&args),
         Command::Validate(args) => validate::run(&args),
-        Command::Crd => crd::run(),
+        Command::Crd(a) => crd::run(a.upstream),
         Command::Lab(args) => crate::lab::run(&args),
         Command::Agent(args) => agent::run(args),
     }

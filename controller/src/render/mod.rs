@@ -14,7 +14,7 @@ use std::fmt::Write as _;
 use std::io::IsTerminal;
 
 use ordnet_engine::{Engine, MatrixVerdict};
-use ordnet_mapstate::{Identity, Origin, Verdict};
+use ordnet_mapstate::{Action, Identity, Origin, Tier, Verdict};
 
 /// What an identity stands for, e.g. `prod/app=api [prod/api]`, `cidr 10.0.0.0/8`, `world`.
 pub fn identity_label(engine: &Engine, id: Identity) -> Option<String> {
@@ -31,17 +31,29 @@ pub fn policy_name(o: &Origin) -> String {
 
 /// Every field of a rule: kind, namespace/name, direction, rule index, priority, action.
 pub fn rule_text(o: &Origin) -> String {
-    format!(
-        "{}, {} rule {}, priority {}, action {}",
-        policy_name(o),
-        o.direction,
-        o.rule_index,
+    let mut text = policy_name(o);
+    if o.tier != Tier::Ordnet {
+        let _ = write!(text, ", {} tier", o.tier);
+    }
+    let _ = write!(text, ", {} rule {}", o.direction, o.rule_index);
+    if let Some(name) = &o.rule_name {
+        let _ = write!(text, " {name:?}");
+    }
+    let _ = write!(
+        text,
+        ", priority {}, action {}",
         o.priority,
-        match o.action {
-            Verdict::Allow => "Allow",
-            Verdict::Deny => "Deny",
+        match (o.action, o.tier) {
+            (Action::Allow, Tier::Ordnet) => "Allow",
+            (Action::Allow, _) => "Accept",
+            (Action::Deny, _) => "Deny",
+            (Action::Pass, _) => "Pass",
         }
-    )
+    );
+    if let Some(p) = &o.passed_by {
+        let _ = write!(text, " (reached through the Pass of {})", rule_text(p));
+    }
+    text
 }
 
 /// Colour only when stdout is a terminal and `NO_COLOR` is unset or empty (no-color.org).

@@ -198,7 +198,7 @@ fn decision_rows(s: &SideTrace, row: &mut impl FnMut(&str, String)) {
                 "{} -> {} {}",
                 key_text(key),
                 entry.verdict,
-                render_order(entry.order.priority, entry.order.index)
+                render_order(&entry.order)
             );
             if entry.synthesized {
                 k.push_str(
@@ -281,6 +281,26 @@ fn lookup_path(
     }
 }
 
-fn render_order(priority: i32, index: u32) -> String {
-    format!("(priority {priority}, rule index {index})")
+/// `(priority 10, rule index 1)`, with the tier outside the ordnet tier (`(admin tier, priority
+/// 10, rule index 1)`) and, for an entry copied under a Pass, the rule it copies.
+fn render_order(o: &ordnet_mapstate::OrderKey) -> String {
+    let tier = if o.tier == ordnet_mapstate::Tier::Ordnet {
+        String::new()
+    } else {
+        format!("{} tier, ", o.tier)
+    };
+    let mut out = format!("({tier}priority {}, rule index {}", o.priority, o.index);
+    match o.step {
+        ordnet_mapstate::Step::PassEnd => out.push_str(", the Pass itself"),
+        ordnet_mapstate::Step::Passed(v) => {
+            out.push_str(", under its Pass: ");
+            if v.tier != ordnet_mapstate::Tier::Ordnet {
+                out.push_str(&format!("{} tier, ", v.tier));
+            }
+            out.push_str(&format!("priority {}, rule index {}", v.priority, v.index));
+        }
+        _ => {}
+    }
+    out.push(')');
+    out
 }

@@ -62,7 +62,7 @@ use serde_json::{Value, json};
 
 use ordnet_mapstate::{
     Covered, Decision, Identity, Key, L4Prefix, MapState, OrderKey, Origin, Peer, Protocol,
-    StateEntry, Verdict,
+    StateEntry, Step, Tier, Verdict,
 };
 
 use super::{ansi, pad, width};
@@ -156,12 +156,14 @@ fn node_text(p: &L4Prefix) -> String {
     }
 }
 
+/// `(priority, index)`, with the tier when it is not the ordnet tier and the Pass a copied
+/// entry ranks under (`admin (10, 1) pass → (0, 0)`).
 fn order_text(o: &OrderKey) -> String {
-    format!("({}, {})", o.priority, o.index)
+    o.to_string()
 }
 
 fn origin_json(o: &Origin) -> Value {
-    json!({
+    let mut v = json!({
         "kind": o.kind,
         "namespace": o.namespace,
         "name": o.name,
@@ -169,11 +171,37 @@ fn origin_json(o: &Origin) -> Value {
         "ruleIndex": o.rule_index,
         "priority": o.priority,
         "action": o.action.as_str(),
-    })
+    });
+    // Only what other kinds than the ordnet ones have (ClusterNetworkPolicy).
+    if o.tier != Tier::Ordnet {
+        v["tier"] = json!(o.tier.as_str());
+    }
+    if let Some(n) = &o.rule_name {
+        v["ruleName"] = json!(n);
+    }
+    if let Some(p) = &o.passed_by {
+        v["passedBy"] = origin_json(p);
+    }
+    v
 }
 
 fn order_json(o: &OrderKey) -> Value {
-    json!({"priority": o.priority, "index": o.index})
+    let mut v = json!({"priority": o.priority, "index": o.index});
+    if o.tier != Tier::Ordnet {
+        v["tier"] = json!(o.tier.as_str());
+    }
+    match o.step {
+        Step::Rule | Step::Accept => {}
+        Step::PassEnd => v["pass"] = json!("end"),
+        Step::Passed(via) => {
+            v["pass"] = json!({
+                "tier": via.tier.as_str(),
+                "priority": via.priority,
+                "index": via.index,
+            })
+        }
+    }
+    v
 }
 
 fn peer_identity(p: Peer) -> Option<Identity> {
@@ -479,6 +507,21 @@ impl<'a> Dump<'a> {
             for l in lines {
                 let _ = writeln!(out, "  {}", paint(c, Paint::Dim, l));
             }
+            let tiered = self.sides.iter().any(|s| {
+                s.state
+                    .iter()
+                    .iter()
+                    .any(|(_, e)| e.order.tier != Tier::Ordnet)
+            });
+            if tiered {
+                for l in [
+                    "admin / baseline (P, I): a ClusterNetworkPolicy rule of that tier (admin before every other rule, baseline after the isolation default)",
+                    "(P, I) pass: a Pass rule's own key: what no weaker tier decides under it gets the default",
+                    "(P, I) pass → (P', I'): rule (P', I') of a weaker tier, decided right under the Pass (P, I), before the weaker rules of the Pass's tier",
+                ] {
+                    let _ = writeln!(out, "  {}", paint(c, Paint::Dim, l));
+                }
+            }
             if self.focus.is_some() {
                 let _ = writeln!(
                     out,
@@ -764,7 +807,7 @@ impl<'a> Dump<'a> {
             let pe = state.policy_entry(cov.entry);
             rows.push(Row {
                 label: label(&mut first),
-                verdict: pe.map(|e| e.verdict),
+                verdict: pe.map(|e| e.verdict()),
                 order: pe.map(|e| order_text(&e.order)).unwrap_or_default(),
                 origin: pe
                     .map(|e| origin_text(&e.origin))
@@ -850,7 +893,7 @@ impl<'a> Dump<'a> {
                     let mut cv = json!({
                         "key": text,
                         "entry": cov.entry.0,
-                        "verdict": pe.map(|e| e.verdict.as_str()),
+                        "verdict": pe.map(|e| e.verdict().as_str()),
                         "order": pe.map(|e| order_json(&e.order)),
                         "origin": pe.map(|e| origin_json(&e.origin)),
                         "coveredBy": {
@@ -1167,7 +1210,7 @@ fn cov_text(state: &MapState, cov: &Covered) -> String {
     match state.policy_entry(cov.entry) {
         Some(e) => format!(
             "{} {} {}",
-            e.verdict,
+            e.verdict(),
             order_text(&e.order),
             origin_text(&e.origin)
         ),
@@ -1209,7 +1252,7 @@ mod tests {
         PolicyEntry {
             id: EntryId(id),
             order: OrderKey::new(order.0, order.1),
-            verdict,
+            action: verdict.into(),
             selector,
             l4,
             origin: Arc::new(Origin {
@@ -1218,8 +1261,11 @@ mod tests {
                 name: name.into(),
                 direction: Direction::Ingress,
                 rule_index: order.1,
+                rule_name: None,
                 priority: order.0,
-                action: verdict,
+                action: verdict.into(),
+                tier: ordnet_mapstate::Tier::Ordnet,
+                passed_by: None,
             }),
         }
     }

@@ -93,7 +93,7 @@ pub fn arb_entry(rng: &mut Rng, id: u64, ids: u32) -> PolicyEntry {
     PolicyEntry {
         id: EntryId(id),
         order,
-        verdict,
+        action: verdict.into(),
         selector,
         l4: arb_l4(rng),
         origin: Arc::new(Origin {
@@ -102,8 +102,11 @@ pub fn arb_entry(rng: &mut Rng, id: u64, ids: u32) -> PolicyEntry {
             name: format!("e{id}"),
             direction: Direction::Ingress,
             rule_index: order.index,
+            rule_name: None,
             priority: order.priority,
-            action: verdict,
+            action: verdict.into(),
+            tier: ordnet_mapstate::Tier::Ordnet,
+            passed_by: None,
         }),
     }
 }
