@@ -223,7 +223,7 @@ impl Engine {
         batch.extend(acc.updates);
         let isolation = acc.policy_changed.then(|| self.isolation(key));
         let s = self.shared.get_mut(key).expect("affected state exists");
-        let cs = match s.policy.mapstate.apply(batch) {
+        let mut cs = match s.policy.mapstate.apply(batch) {
             Ok(cs) => cs,
             Err(e) => {
                 // Cannot happen (entry ids are tracked exactly); fall back to a rebuild.
@@ -259,11 +259,13 @@ impl Engine {
             }
             s.policy.isolated = isolated;
             s.policy.isolated_by = isolated_by;
-            s.policy.mapstate.set_default(if isolated {
+            // Keys change with the default when the state has Baseline entries or Admin Passes.
+            let more = s.policy.mapstate.set_default(if isolated {
                 Verdict::Deny
             } else {
                 Verdict::Allow
             });
+            cs = cs.then(more);
         }
         (cs, iso)
     }
