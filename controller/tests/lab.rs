@@ -254,6 +254,28 @@ fn conformance_scenarios_observed_as_expected() {
     assert_clean(&before, "after the conformance runs");
 }
 
+/// Upstream ClusterNetworkPolicy scenarios (translated from network-policy-api's conformance
+/// tests) with real packets: Admin Pass and rule order, Admin Pass handing traffic to a
+/// NetworkPolicy and the Baseline tier, `networks` peers matching pod addresses, `nodes` peers
+/// (the Node addresses are external namespaces of the lab), a named port, UDP and SCTP.
+#[test]
+fn cluster_network_policies_observed_with_real_packets() {
+    let Some(_guard) = lab_guard() else { return };
+    let before = links();
+    let c = "scenarios";
+    check(c, "cnp-admin-ingress-tcp-3", &[("TCP", 80)]);
+    check(c, "cnp-integration-admin-np-baseline-3", &[("TCP", 80)]);
+    check(c, "cnp-baseline-egress-inline-cidr-2", &[("TCP", 80)]);
+    check(
+        c,
+        "cnp-admin-egress-node-peers",
+        &[("TCP", 36363), ("UDP", 34345)],
+    );
+    check(c, "cnp-admin-egress-named-port", &[("TCP", 80)]);
+    check(c, "cnp-admin-ingress-sctp-4", &[]);
+    assert_clean(&before, "after the ClusterNetworkPolicy runs");
+}
+
 /// Services through kube-proxy-style nftables DNAT in the lab's node namespace: every
 /// scenario's matrix, Service columns included, is observed with real packets, each backend of
 /// a Service probed separately. Includes the two cases measured in issue 11: an ingress-isolated

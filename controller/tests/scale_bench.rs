@@ -388,7 +388,7 @@ fn memory_breakdown() {
                     per_ep += ms.len();
                     if distinct.insert(ms as *const _ as usize) {
                         keys += ms.len();
-                        entries += ms.policy_entries().count();
+                        entries += ms.policy_entry_count();
                         covered += ms.covered().len();
                     }
                 }
@@ -512,6 +512,8 @@ fn push(initial: &mut Initial, o: ordnet_engine::Object) {
         Object::NetworkPolicy(o) => objects.network_policies.push(l(o)),
         Object::OrderedNetworkPolicy(o) => objects.ordered_policies.push(l(o)),
         Object::ClusterOrderedNetworkPolicy(o) => objects.cluster_ordered_policies.push(l(o)),
+        Object::ClusterNetworkPolicy(o) => objects.cluster_network_policies.push(l(*o)),
+        Object::Node(o) => objects.nodes.push(l(*o)),
     }
 }
 

@@ -16,6 +16,14 @@
 //!   destination pod (the endpoint for ingress, the peer for egress, never a non-pod).
 //! * A flow needs the source pod's egress and the destination pod's ingress; a pod to itself is
 //!   allowed. Host-network pods are not pods here (their addresses are plain addresses).
+//! * §8: upstream ClusterNetworkPolicies are walked tier by tier: the Admin rules (by
+//!   `(priority, index)`, Deny before Pass before Accept at an equal key; the first match
+//!   decides, a Pass goes on), then the ordnet rules as above, then the isolation default, then
+//!   the Baseline rules (a Pass allows), then allow. Their peers: `namespaces`, `pods`,
+//!   `networks` (any address, pods included), `nodes` (the Nodes' InternalIP/ExternalIP
+//!   addresses); `destinationNamedPort` is the destination pod's port of that name, any
+//!   protocol. A rule with `domainNames` (or a peer of no known field) fails closed: an Accept
+//!   matches nothing, a Deny or Pass denies everything.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -77,6 +85,8 @@ enum RefPeer {
         cidr: IpNet,
         except: Vec<IpNet>,
     },
+    /// Exactly these addresses (a ClusterNetworkPolicy `nodes` peer).
+    Addrs(Vec<IpAddr>),
 }
 
 #[derive(Debug, Clone)]
@@ -115,8 +125,12 @@ pub struct SideRules {
 #[derive(Debug, Clone)]
 struct RefRule {
     name: RuleName,
+    /// 0 Admin, 1 the ordnet kinds, 2 Baseline.
+    tier: u8,
     key: (i64, u64),
     deny: bool,
+    /// A ClusterNetworkPolicy `Pass` (never with `deny`).
+    pass: bool,
     /// Empty = every peer.
     peers: Vec<RefPeer>,
     /// Empty = everything.
@@ -178,6 +192,7 @@ impl Reference {
             policies.push(read_network_policy(&np.object)?);
         }
         policies.extend(read_ordered_policies(objects)?);
+        policies.extend(read_cluster_network_policies(objects)?);
         Ok(Reference {
             ns_labels: read_namespaces(objects),
             pods: read_pods(objects),
@@ -245,29 +260,50 @@ impl Reference {
         proto: u8,
         port: u16,
     ) -> bool {
-        let mut isolated = false;
-        let mut best: Option<((i64, u64), bool)> = None;
-        for p in self.policies.iter().filter(|p| self.selects(p, ep)) {
-            isolated |= p.isolates[idx(d)];
-            for r in &p.rules[idx(d)] {
-                if !self.rule_matches(r, ep, d, peer_ip, peer_pod, proto, port) {
-                    continue;
-                }
-                best = match best {
-                    None => Some((r.key, r.deny)),
-                    Some((k, deny)) if r.key < k => {
-                        let _ = deny;
-                        Some((r.key, r.deny))
+        let selecting: Vec<&RefPolicy> = self
+            .policies
+            .iter()
+            .filter(|p| self.selects(p, ep))
+            .collect();
+        let isolated = selecting.iter().any(|p| p.isolates[idx(d)]);
+        // The best matching rule of a tier: smallest key; at an equal key Deny, then Pass,
+        // then Allow. (deny, pass) of it.
+        let best = |tier: u8| -> Option<(bool, bool)> {
+            let mut best: Option<((i64, u64), u8)> = None;
+            for p in &selecting {
+                for r in p.rules[idx(d)].iter().filter(|r| r.tier == tier) {
+                    if !self.rule_matches(r, ep, d, peer_ip, peer_pod, proto, port) {
+                        continue;
                     }
-                    Some((k, deny)) if r.key == k => Some((k, deny || r.deny)),
-                    other => other,
-                };
+                    let rank = (
+                        r.key,
+                        if r.deny {
+                            0
+                        } else if r.pass {
+                            1
+                        } else {
+                            2
+                        },
+                    );
+                    if best.is_none_or(|b| rank < b) {
+                        best = Some(rank);
+                    }
+                }
+            }
+            best.map(|(_, a)| (a == 0, a == 1))
+        };
+        for tier in [0, 1] {
+            match best(tier) {
+                Some((true, _)) => return false,
+                Some((false, false)) => return true,
+                // A Pass, or no match: the next tier.
+                _ => {}
             }
         }
-        match best {
-            Some((_, deny)) => !deny,
-            None => !isolated,
+        if isolated {
+            return false;
         }
+        !matches!(best(2), Some((true, _)))
     }
 
     /// Whether policy `p` selects endpoint `ep`.
@@ -344,6 +380,7 @@ impl Reference {
                 RefPeer::Block { cidr, except } => {
                     cidr.contains(&peer_ip) && !except.iter().any(|e| e.contains(&peer_ip))
                 }
+                RefPeer::Addrs(addrs) => addrs.contains(&peer_ip),
                 RefPeer::Pods {
                     namespaces,
                     own,
@@ -516,8 +553,10 @@ fn read_network_policy(
                 direction,
                 index,
             },
+            tier: 1,
             key: (0, 0),
             deny: false,
+            pass: false,
             peers: peers
                 .into_iter()
                 .flatten()
@@ -634,8 +673,10 @@ fn read_ordered_policies(objects: &ClusterObjects) -> Result<Vec<RefPolicy>, Str
         for (i, r) in ingress.iter().enumerate() {
             rules[0].push(RefRule {
                 name: rule_name(Dir::Ingress, i),
+                tier: 1,
                 key: (i64::from(priority), i as u64),
                 deny: deny(r.action),
+                pass: false,
                 peers: r.from.iter().map(peer).collect::<Result<_, _>>()?,
                 ports: r.ports.iter().map(port).collect(),
             });
@@ -643,8 +684,10 @@ fn read_ordered_policies(objects: &ClusterObjects) -> Result<Vec<RefPolicy>, Str
         for (i, r) in egress.iter().enumerate() {
             rules[1].push(RefRule {
                 name: rule_name(Dir::Egress, i),
+                tier: 1,
                 key: (i64::from(priority), i as u64),
                 deny: deny(r.action),
+                pass: false,
                 peers: r.to.iter().map(peer).collect::<Result<_, _>>()?,
                 ports: r.ports.iter().map(port).collect(),
             });
@@ -663,4 +706,146 @@ fn read_ordered_policies(objects: &ClusterObjects) -> Result<Vec<RefPolicy>, Str
         });
     }
     Ok(policies)
+}
+
+/// Every upstream ClusterNetworkPolicy: rules of their tier keyed (priority, index); they never
+/// isolate. `nodes` peers are the addresses of the Nodes they select.
+fn read_cluster_network_policies(objects: &ClusterObjects) -> Result<Vec<RefPolicy>, String> {
+    let nodes: Vec<(Labels, Vec<IpAddr>)> = objects
+        .nodes
+        .iter()
+        .map(|n| {
+            let addrs = n
+                .object
+                .status
+                .iter()
+                .flat_map(|s| s.addresses.iter().flatten())
+                .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
+                .filter_map(|a| a.address.parse().ok())
+                .collect();
+            (n.object.metadata.labels.clone().unwrap_or_default(), addrs)
+        })
+        .collect();
+    let mut out = Vec::new();
+    for c in &objects.cluster_network_policies {
+        let name = c.object.metadata.name.clone().unwrap_or_default();
+        let s = &c.object.spec;
+        let tier = match s.tier {
+            ordnet_crds::CnpTier::Admin => 0,
+            ordnet_crds::CnpTier::Baseline => 2,
+        };
+        let pods_peer = |np: &ordnet_crds::NamespacedPod| -> Result<RefPeer, String> {
+            Ok(RefPeer::Pods {
+                namespaces: sel(Some(&np.namespace_selector))?,
+                own: None,
+                pods: sel(Some(&np.pod_selector))?,
+            })
+        };
+        let (namespaces, pods) = match (&s.subject.namespaces, &s.subject.pods) {
+            (Some(ns), None) => (sel(Some(ns))?.unwrap_or_default(), Selector::everything()),
+            (None, Some(p)) => (
+                sel(Some(&p.namespace_selector))?.unwrap_or_default(),
+                sel(Some(&p.pod_selector))?.unwrap_or_default(),
+            ),
+            _ => return Err(format!("ClusterNetworkPolicy {name}: bad subject")),
+        };
+        let mut rules: [Vec<RefRule>; 2] = [Vec::new(), Vec::new()];
+        for (d, direction) in [(0, Dir::Ingress), (1, Dir::Egress)] {
+            let list = match direction {
+                Dir::Ingress => s.rules(ordnet_crds::Direction::Ingress),
+                Dir::Egress => s.rules(ordnet_crds::Direction::Egress),
+            };
+            for r in list {
+                let accept = r.action == ordnet_crds::CnpAction::Accept;
+                let mut peers = Vec::new();
+                let mut unenforceable = false;
+                for p in &r.peers {
+                    if let Some(ns) = &p.namespaces {
+                        peers.push(RefPeer::Pods {
+                            namespaces: sel(Some(ns))?,
+                            own: None,
+                            pods: None,
+                        });
+                    } else if let Some(np) = &p.pods {
+                        peers.push(pods_peer(np)?);
+                    } else if let Some(sel_nodes) = &p.nodes {
+                        let sel_nodes = sel(Some(sel_nodes))?.unwrap_or_default();
+                        peers.push(RefPeer::Addrs(
+                            nodes
+                                .iter()
+                                .filter(|(l, _)| sel_nodes.matches(l))
+                                .flat_map(|(_, a)| a.iter().copied())
+                                .collect(),
+                        ));
+                    } else if let Some(nets) = &p.networks {
+                        for n in nets {
+                            peers.push(RefPeer::Block {
+                                cidr: net(n)?,
+                                except: Vec::new(),
+                            });
+                        }
+                    } else {
+                        unenforceable = true;
+                    }
+                }
+                let mut ports = Vec::new();
+                for p in r.protocols.into_iter().flatten() {
+                    let numbered = [(6, &p.tcp), (17, &p.udp), (132, &p.sctp)];
+                    if let Some((protocol, x)) = numbered.iter().find(|(_, x)| x.is_some()) {
+                        let dp = x.as_ref().and_then(|x| x.destination_port.clone());
+                        let (first, last) = match dp {
+                            Some(ordnet_crds::CnpPort {
+                                number: Some(n), ..
+                            }) => (n, n),
+                            Some(ordnet_crds::CnpPort {
+                                range: Some(rg), ..
+                            }) => (rg.start, rg.end),
+                            _ => return Err(format!("ClusterNetworkPolicy {name}: bad port")),
+                        };
+                        ports.push(RefPort {
+                            protocol: *protocol,
+                            port: Some(IntOrString::Int(first)),
+                            end_port: Some(last),
+                        });
+                    } else if let Some(n) = &p.destination_named_port {
+                        for protocol in [6, 17, 132] {
+                            ports.push(RefPort {
+                                protocol,
+                                port: Some(IntOrString::String(n.clone())),
+                                end_port: None,
+                            });
+                        }
+                    } else {
+                        unenforceable = true;
+                    }
+                }
+                if unenforceable && accept {
+                    continue;
+                }
+                rules[d].push(RefRule {
+                    name: RuleName {
+                        kind: "ClusterNetworkPolicy",
+                        namespace: None,
+                        name: name.clone(),
+                        direction,
+                        index: r.index,
+                    },
+                    tier,
+                    key: (i64::from(s.priority), r.index as u64),
+                    deny: unenforceable || r.action == ordnet_crds::CnpAction::Deny,
+                    pass: !unenforceable && r.action == ordnet_crds::CnpAction::Pass,
+                    peers: if unenforceable { Vec::new() } else { peers },
+                    ports: if unenforceable { Vec::new() } else { ports },
+                });
+            }
+        }
+        out.push(RefPolicy {
+            namespace: None,
+            namespaces,
+            pods,
+            isolates: [false, false],
+            rules,
+        });
+    }
+    Ok(out)
 }

@@ -99,6 +99,7 @@ fn rule_of(s: &ordnet_engine::ShadowedRule) -> RuleName {
             ordnet_engine::PolicyKind::Ordered => "OrderedNetworkPolicy",
             ordnet_engine::PolicyKind::ClusterOrdered => "ClusterOrderedNetworkPolicy",
             ordnet_engine::PolicyKind::NetworkPolicy => "NetworkPolicy",
+            ordnet_engine::PolicyKind::ClusterNetwork => "ClusterNetworkPolicy",
         },
         namespace: s.policy.namespace.clone(),
         name: s.policy.name.clone(),

@@ -95,6 +95,8 @@ pub fn manifests(api: &FakeApi) -> String {
         ("networking.k8s.io/v1", "NetworkPolicy"),
         ("ordnet.io/v1alpha1", "OrderedNetworkPolicy"),
         ("ordnet.io/v1alpha1", "ClusterOrderedNetworkPolicy"),
+        ("policy.networking.k8s.io/v1beta1", "ClusterNetworkPolicy"),
+        ("v1", "Node"),
     ] {
         for o in api.list(v, k) {
             docs.push(serde_json::to_string(&o).unwrap());

@@ -82,6 +82,10 @@ pub struct World {
     pub nps: BTreeMap<(String, String), Value>,
     pub onps: BTreeMap<(String, String), Value>,
     pub conps: BTreeMap<String, Value>,
+    /// Upstream ClusterNetworkPolicies.
+    pub cnps: BTreeMap<String, Value>,
+    /// Nodes (their addresses are some of [`EXTERNALS`]).
+    pub nodes: BTreeMap<String, Value>,
 }
 
 fn labels(r: &mut Rng, keys: &[(&str, &[&str])]) -> Value {
@@ -302,6 +306,105 @@ pub fn cluster_policy(r: &mut Rng, name: &str) -> Value {
            "metadata": {"name": name}, "spec": spec})
 }
 
+/// Node names and their addresses (external addresses of the matrix).
+pub const NODES: [(&str, &[&str]); 2] = [
+    ("n1", &["192.0.2.77", "fd00:9::9"]),
+    ("n2", &["198.51.100.5"]),
+];
+const NODE_KEYS: [(&str, &[&str]); 1] = [("role", &["infra", "worker"])];
+
+pub fn node(r: &mut Rng, i: usize) -> Value {
+    let (name, addrs) = NODES[i];
+    let addresses: Vec<Value> = addrs
+        .iter()
+        .map(|a| json!({"type": "InternalIP", "address": a}))
+        .chain([json!({"type": "Hostname", "address": name})])
+        .collect();
+    json!({"apiVersion": "v1", "kind": "Node",
+           "metadata": {"name": name, "labels": labels(r, &NODE_KEYS)},
+           "status": {"addresses": addresses}})
+}
+
+fn cnp_peer(r: &mut Rng, egress: bool) -> Value {
+    match r.below(if egress { 10 } else { 5 }) {
+        0 | 1 => json!({"namespaces": selector(r, &NS_KEYS)}),
+        2..=4 => {
+            let mut p = json!({"podSelector": selector(r, &POD_KEYS)});
+            if r.chance(60) {
+                p["namespaceSelector"] = selector(r, &NS_KEYS);
+            }
+            json!({"pods": p})
+        }
+        5..=7 => {
+            let n = 1 + r.below(2);
+            let nets: Vec<&str> = (0..n).map(|_| r.pick(&CIDRS).0).collect();
+            let mut nets: Vec<&str> = nets.into_iter().collect();
+            nets.sort();
+            nets.dedup();
+            json!({"networks": nets})
+        }
+        8 => json!({"nodes": selector(r, &NODE_KEYS)}),
+        _ => json!({"domainNames": ["www.example.com"]}),
+    }
+}
+
+fn cnp_protocol(r: &mut Rng, named: bool) -> Value {
+    let proto = *r.pick(&["tcp", "udp", "sctp"]);
+    match r.below(if named { 5 } else { 3 }) {
+        0 | 1 => {
+            json!({proto: {"destinationPort": {"number": *r.pick(&[53, 80, 81, 85, 8080, 9090])}}})
+        }
+        2 => {
+            json!({proto: {"destinationPort": {"range": {"start": 80, "end": *r.pick(&[81, 85, 90])}}}})
+        }
+        _ => json!({"destinationNamedPort": *r.pick(&PORT_NAMES)}),
+    }
+}
+
+fn cnp_rule(r: &mut Rng, egress: bool) -> Value {
+    let action = *r.pick(&["Accept", "Deny", "Pass"]);
+    let n = 1 + r.below(2);
+    let peers: Vec<Value> = (0..n).map(|_| cnp_peer(r, egress)).collect();
+    // Named ports only towards pods (upstream's CRD refuses them with address peers).
+    let named = peers
+        .iter()
+        .all(|p| p.get("namespaces").is_some() || p.get("pods").is_some());
+    let mut rule = json!({"action": action, (if egress { "to" } else { "from" }): peers});
+    if r.chance(60) {
+        let n = 1 + r.below(2);
+        rule["protocols"] = Value::Array((0..n).map(|_| cnp_protocol(r, named)).collect());
+    }
+    if r.chance(30) {
+        rule["name"] = json!(format!("r{}", r.below(10)));
+    }
+    rule
+}
+
+pub fn cluster_network_policy(r: &mut Rng, name: &str) -> Value {
+    let subject = if r.chance(50) {
+        json!({"namespaces": selector(r, &NS_KEYS)})
+    } else {
+        let mut p = json!({"podSelector": selector(r, &POD_KEYS)});
+        if r.chance(60) {
+            p["namespaceSelector"] = selector(r, &NS_KEYS);
+        }
+        json!({"pods": p})
+    };
+    let mut spec = json!({
+        "tier": if r.chance(50) { "Admin" } else { "Baseline" },
+        "priority": r.below(3),
+        "subject": subject,
+    });
+    for (field, egress) in [("ingress", false), ("egress", true)] {
+        let n = r.below(4);
+        if n > 0 {
+            spec[field] = Value::Array((0..n).map(|_| cnp_rule(r, egress)).collect());
+        }
+    }
+    json!({"apiVersion": "policy.networking.k8s.io/v1beta1", "kind": "ClusterNetworkPolicy",
+           "metadata": {"name": name}, "spec": spec})
+}
+
 impl World {
     pub fn random(r: &mut Rng) -> World {
         let mut w = World {
@@ -310,6 +413,8 @@ impl World {
             nps: BTreeMap::new(),
             onps: BTreeMap::new(),
             conps: BTreeMap::new(),
+            cnps: BTreeMap::new(),
+            nodes: BTreeMap::new(),
         };
         for ns in NAMESPACES {
             if r.chance(85) {
@@ -343,6 +448,17 @@ impl World {
             w.conps
                 .insert(format!("conp{i}"), cluster_policy(r, &format!("conp{i}")));
         }
+        for i in 0..r.below(4) {
+            w.cnps.insert(
+                format!("cnp{i}"),
+                cluster_network_policy(r, &format!("cnp{i}")),
+            );
+        }
+        for (i, (name, _)) in NODES.iter().enumerate() {
+            if r.chance(80) {
+                w.nodes.insert(name.to_string(), node(r, i));
+            }
+        }
         w
     }
 
@@ -370,7 +486,8 @@ impl World {
                 .map(typed::<ClusterOrderedNetworkPolicy>)
                 .collect(),
             services: Vec::new(),
-            ..ClusterObjects::default()
+            cluster_network_policies: self.cnps.values().map(typed).collect(),
+            nodes: self.nodes.values().map(typed).collect(),
         }
     }
 
@@ -390,7 +507,32 @@ pub fn random_change(
     *counter += 1;
     let typed = |v: &Value| v.clone();
     loop {
-        match r.below(12) {
+        match r.below(15) {
+            12 => {
+                let name = format!("cnp{}", r.below(3));
+                let v = cluster_network_policy(r, &name);
+                w.cnps.insert(name, v.clone());
+                return ObjectChange::Upsert(Object::ClusterNetworkPolicy(
+                    serde_json::from_value(v).unwrap(),
+                ));
+            }
+            13 => {
+                let i = r.below(NODES.len());
+                let v = node(r, i);
+                w.nodes.insert(NODES[i].0.to_string(), v.clone());
+                return ObjectChange::Upsert(Object::Node(serde_json::from_value(v).unwrap()));
+            }
+            14 => {
+                let i = r.below(NODES.len());
+                if w.nodes.remove(NODES[i].0).is_none() {
+                    continue;
+                }
+                return ObjectChange::Delete {
+                    kind: ObjectKind::Node,
+                    namespace: None,
+                    name: NODES[i].0.to_string(),
+                };
+            }
             // New or replaced pod (relabel, re-IP, new ports, node move).
             0..=2 => {
                 let ni = r.below(3);
@@ -513,6 +655,11 @@ pub fn random_change(
                             .keys()
                             .map(|n| (ObjectKind::ClusterOrderedNetworkPolicy, None, n.clone())),
                     )
+                    .chain(
+                        w.cnps
+                            .keys()
+                            .map(|n| (ObjectKind::ClusterNetworkPolicy, None, n.clone())),
+                    )
                     .collect();
                 if all.is_empty() {
                     continue;
@@ -524,6 +671,9 @@ pub fn random_change(
                     }
                     ObjectKind::OrderedNetworkPolicy => {
                         w.onps.remove(&(namespace.clone().unwrap(), name.clone()));
+                    }
+                    ObjectKind::ClusterNetworkPolicy => {
+                        w.cnps.remove(&name);
                     }
                     _ => {
                         w.conps.remove(&name);

@@ -186,6 +186,17 @@ pub(crate) async fn handle(inner: Arc<Inner>, req: Request<Incoming>) -> Respons
         Ok(t) => t,
         Err(e) => return error_response(&e),
     };
+    if inner
+        .faults()
+        .absent
+        .contains(&RESOURCES[target.resource].plural)
+    {
+        return error_response(&err(
+            404,
+            "NotFound",
+            format!("the server could not find the requested resource ({path})"),
+        ));
+    }
     for unsupported in ["labelSelector", "fieldSelector"] {
         if query.get(unsupported).is_some_and(|v| !v.is_empty()) {
             return error_response(&err(

@@ -3,9 +3,9 @@
 //!
 //! What it implements (JSON only, HTTP/1.1 on `127.0.0.1` or the address given to
 //! [`FakeApi::start_on`]):
-//! * the resources of [`RESOURCES`]: v1 namespaces, pods, events; networking.k8s.io/v1
-//!   networkpolicies; ordnet.io/v1alpha1 orderednetworkpolicies and
-//!   clusterorderednetworkpolicies; coordination.k8s.io/v1 leases; events.k8s.io/v1 events —
+//! * the resources of [`RESOURCES`]: v1 namespaces, pods, services, nodes, events;
+//!   networking.k8s.io/v1 networkpolicies; ordnet.io/v1alpha1 orderednetworkpolicies and
+//!   clusterorderednetworkpolicies; policy.networking.k8s.io/v1beta1 clusternetworkpolicies; coordination.k8s.io/v1 leases; events.k8s.io/v1 events —
 //!   namespaced (`/namespaces/NS/…`, or across all namespaces) and cluster-scoped paths;
 //! * list (`GET` on a collection; `metadata.resourceVersion` in the ListMeta; paged with
 //!   `limit` and `continue`, every page as of the first page's resource version, rebuilt from the
@@ -147,6 +147,22 @@ pub const RESOURCES: &[ResourceDef] = &[
         status: true,
     },
     ResourceDef {
+        group: "",
+        version: "v1",
+        plural: "nodes",
+        kind: "Node",
+        namespaced: false,
+        status: true,
+    },
+    ResourceDef {
+        group: "policy.networking.k8s.io",
+        version: "v1beta1",
+        plural: "clusternetworkpolicies",
+        kind: "ClusterNetworkPolicy",
+        namespaced: false,
+        status: true,
+    },
+    ResourceDef {
         group: "coordination.k8s.io",
         version: "v1",
         plural: "leases",
@@ -204,6 +220,8 @@ pub struct Faults {
     pub silent_watches: bool,
     /// The next this many list requests (any resource, any page) are answered 410 Gone.
     pub failing_lists: usize,
+    /// Resources (plurals) answered 404 Not Found, as when their CRD is not installed.
+    pub absent: Vec<&'static str>,
 }
 
 /// What [`FakeApi::start_again`] keeps of the watch history.
