@@ -72,21 +72,19 @@ fn step_code(s: Step) -> u8 {
     }
 }
 
-/// The entry the core holds for a caller's entry (`None` for an Admin Pass: see [`end_entry`]).
-fn resolved(e: &PolicyEntry) -> PolicyEntry {
+/// The entry the core holds for a caller's entry that is not an Admin Pass (see [`end_entry`]).
+/// Taken by value: its selector may hold thousands of identities.
+fn resolved(mut e: PolicyEntry) -> PolicyEntry {
     let step = match (e.order.tier, e.action) {
         (Tier::Ordnet, _) | (_, Action::Deny) => Step::Rule,
         (_, Action::Pass) => Step::PassEnd,
         (_, Action::Allow) => Step::Accept,
     };
-    PolicyEntry {
-        order: e.order.with_step(step),
-        action: match e.action {
-            Action::Deny => Action::Deny,
-            Action::Allow | Action::Pass => Action::Allow,
-        },
-        ..e.clone()
+    e.order = e.order.with_step(step);
+    if e.action == Action::Pass {
+        e.action = Action::Allow;
     }
+    e
 }
 
 /// An Admin Pass's own entry in the core: what no weaker tier decides gets `default`.
@@ -218,7 +216,7 @@ impl MapState {
                 core_entries.push(end_entry(&e, default));
                 admin_passes.push(e);
             } else {
-                core_entries.push(resolved(&e));
+                core_entries.push(resolved(e));
             }
         }
         let sources: Vec<PolicyEntry> = core_entries
@@ -491,7 +489,7 @@ impl MapState {
                         self.add_copy(&e, &s, out);
                     }
                 } else {
-                    let r = resolved(&e);
+                    let r = resolved(e);
                     if is_source(&r) {
                         let passes: Vec<PolicyEntry> = self
                             .passes

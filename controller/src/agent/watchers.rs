@@ -254,6 +254,27 @@ struct Closed;
 /// again.
 pub(crate) const ABSENT_POLL: Duration = Duration::from_secs(10);
 
+/// Whether the API server serves ClusterNetworkPolicy as `v1alpha2` (an older bundle, another
+/// schema) although not as `v1beta1`.
+async fn only_v1alpha2_served(client: Client, config: &WatchConfig) -> bool {
+    let ar = kube::core::ApiResource {
+        group: ordnet_crds::CNP_GROUP.into(),
+        version: "v1alpha2".into(),
+        api_version: format!("{}/v1alpha2", ordnet_crds::CNP_GROUP),
+        kind: ordnet_crds::KIND_CLUSTER_NETWORK_POLICY.into(),
+        plural: "clusternetworkpolicies".into(),
+    };
+    let api: Api<kube::core::DynamicObject> = Api::all_with(client, &ar);
+    matches!(
+        tokio::time::timeout(
+            config.request_timeout,
+            api.list(&ListParams::default().limit(1))
+        )
+        .await,
+        Ok(Ok(_))
+    )
+}
+
 /// Why a list failed.
 enum ListError {
     /// The API server does not serve the kind (404 for an optional kind).
@@ -310,9 +331,25 @@ impl Watcher {
                     // objects (an empty, complete list), and the kind is looked for again.
                     self.send(WatchMsg::Init(self.kind))?;
                     self.send(WatchMsg::InitDone(self.kind))?;
+                    let newly = !self.health.slot(self.kind).absent;
+                    // An older network-policy-api bundle serves only v1alpha2, with another
+                    // schema: its objects cannot be read, so say so loudly (not enforced).
+                    let older = if newly && self.kind == ObjectKind::ClusterNetworkPolicy {
+                        only_v1alpha2_served(api.clone().into_client(), &self.config).await
+                    } else {
+                        false
+                    };
                     {
                         let mut h = self.health.slot(self.kind);
-                        if !h.absent {
+                        if older {
+                            let e = "ClusterNetworkPolicy is served only as v1alpha2, by a \
+                                     network-policy-api CRD older than v0.2.0 whose schema ordnet \
+                                     does not read: those policies are NOT enforced; install \
+                                     network-policy-api v0.2.0 or later (or `ordnet crd --upstream`)";
+                            tracing::error!(kind = self.kind.name(), "{e}");
+                            h.last_error = Some(e.to_string());
+                            h.stale_since.get_or_insert_with(Instant::now);
+                        } else if newly {
                             tracing::info!(
                                 kind = self.kind.name(),
                                 error = e,
@@ -321,9 +358,11 @@ impl Watcher {
                                 ABSENT_POLL.as_secs()
                             );
                         }
+                        if !older && newly {
+                            h.stale_since = None;
+                        }
                         h.absent = true;
                         h.listed = true;
-                        h.stale_since = None;
                     }
                     first = false;
                     tokio::time::sleep(ABSENT_POLL).await;
