@@ -828,6 +828,14 @@ fn np_rule(
     Ok((peers, ports))
 }
 
+/// The API's direction and the field of a rule's peers (`from` / `to`).
+fn api_direction(d: Direction) -> (ordnet_crds::Direction, &'static str) {
+    match d {
+        Direction::Ingress => (ordnet_crds::Direction::Ingress, "from"),
+        Direction::Egress => (ordnet_crds::Direction::Egress, "to"),
+    }
+}
+
 fn failed(direction: Direction, index: u32, action: Action, e: EngineError) -> FailedRule {
     FailedRule {
         direction,
@@ -885,14 +893,7 @@ fn translate_ordered<S: OrderedSpec>(
     let mut rules: [Vec<Rule>; 2] = [Vec::new(), Vec::new()];
     let mut failed_rules = Vec::new();
     for d in Direction::ALL {
-        let cd = match d {
-            Direction::Ingress => ordnet_crds::Direction::Ingress,
-            Direction::Egress => ordnet_crds::Direction::Egress,
-        };
-        let peer_field = match d {
-            Direction::Ingress => "from",
-            Direction::Egress => "to",
-        };
+        let (cd, peer_field) = api_direction(d);
         for r in spec.rules(cd) {
             let base = format!("spec.{}[{}]", cd.field(), r.index);
             let index =
@@ -1046,14 +1047,7 @@ pub fn translate_cluster_network_policy(
     let mut rules: [Vec<Rule>; 2] = [Vec::new(), Vec::new()];
     let mut failed_rules = Vec::new();
     for d in Direction::ALL {
-        let cd = match d {
-            Direction::Ingress => ordnet_crds::Direction::Ingress,
-            Direction::Egress => ordnet_crds::Direction::Egress,
-        };
-        let peer_field = match d {
-            Direction::Ingress => "from",
-            Direction::Egress => "to",
-        };
+        let (cd, peer_field) = api_direction(d);
         for r in spec.rules(cd) {
             let base = format!("spec.{}[{}]", cd.field(), r.index);
             let index =

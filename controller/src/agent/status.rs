@@ -409,15 +409,7 @@ impl Desired {
                     [CONDITION_ACCEPTED, CONDITION_RULES_SHADOWED].contains(&c.type_.as_str())
                 })
                 .all(|c| wanted.iter().any(|w| w.0 == c.type_))
-            && wanted.iter().all(|(type_, status, reason, message)| {
-                cur.conditions.iter().any(|c| {
-                    c.type_ == *type_
-                        && c.status == *status
-                        && c.reason == *reason
-                        && c.message == *message
-                        && c.observed_generation == self.generation
-                })
-            })
+            && same_conditions
     }
 }
 
