@@ -12,8 +12,9 @@
 //! tie); their "precedence levels" are our priorities.
 //!
 //! Cilium rows not translated, because ordnet has no such verdicts: 8, 9 and the redirect half
-//! of 10 (L7 proxy redirects and listener priorities), 15 and 16 (mutual-auth propagation),
-//! 23-25 (PASS verdicts and tiers).
+//! of 10 (L7 proxy redirects and listener priorities), 15 and 16 (mutual-auth propagation).
+//! Tiers and Pass (Cilium's 23-25) have their own cases at the end, with the bug Cilium fixed in
+//! #43916 (a wildcard allow of a lower tier lost for an identity with a higher-tier Pass).
 
 mod common;
 
@@ -87,7 +88,11 @@ fn build(entries: &[PolicyEntry]) -> MapState {
 
 fn check(ms: &MapState, entries: &[PolicyEntry]) {
     let snap = snapshot(ms);
-    assert_eq!(snap, reference::state(entries), "state != definition");
+    assert_eq!(
+        snap,
+        reference::state(&ms.resolved_entries()),
+        "state != definition"
+    );
     let rev: Vec<PolicyEntry> = entries.iter().rev().cloned().collect();
     let built = MapState::build(ms.direction(), ms.default_verdict(), rev.clone()).unwrap();
     assert_eq!(snapshot(&built), snap, "reverse input order");
@@ -1062,4 +1067,95 @@ fn safe_order_when_an_identity_loses_its_last_key() {
     ];
     assert!(check_write_order(&before, &after, &naive, &ids, &probes).is_err());
     check_write_order(&before, &after, &changes.safe_order(), &ids, &probes).unwrap();
+}
+
+/// An entry of a tier, at rule index 0.
+fn t(
+    id: u64,
+    tier: Tier,
+    priority: i32,
+    action: Action,
+    selector: Selector,
+    l4: L4Match,
+) -> PolicyEntry {
+    tiered_entry(id, tier, priority, 0, action, selector, l4)
+}
+
+#[test]
+fn admin_pass_hands_an_identity_to_a_weaker_wildcard_allow() {
+    // Admin: Pass TCP from 5 (prio 10), then Deny everything (prio 20). Ordnet: Allow TCP/80 from
+    // everyone. For 5, TCP/80 is passed to the ordnet Allow (the copy of the wildcard entry under
+    // the Pass is a key of 5: Cilium lost it, #43916); other TCP of 5 finds nothing below and gets
+    // the default (deny here); 5's UDP and everyone else meet the Admin Deny.
+    let pass = t(1, Tier::Admin, 10, Action::Pass, ids(&[5]), tcp_all());
+    let deny = t(2, Tier::Admin, 20, Action::Deny, any(), l3());
+    let allow = e(3, 0, Allow, any(), tcp(80));
+    let ms = build(&[pass, deny, allow]);
+    let copy = COPY_BASE | 1 << 32 | 3;
+    assert_eq!(
+        render_keys(&ms),
+        [
+            "* * deny admin (20, 0) [#2]".to_string(),
+            "5 TCP/* deny admin (10, 0) pass [#1]".to_string(),
+            format!("5 TCP/80 allow admin (10, 0) pass → (0, 0) [#{copy}]"),
+        ]
+    );
+    assert_eq!(ms.copy_of(EntryId(copy)), Some((EntryId(1), EntryId(3))));
+    assert_eq!(verdict(&ms, Some(5), TCP, 80), "allow");
+    assert_eq!(verdict(&ms, Some(5), TCP, 81), "deny");
+    assert_eq!(verdict(&ms, Some(5), UDP, 53), "deny");
+    assert_eq!(verdict(&ms, Some(6), TCP, 80), "deny");
+    assert_eq!(verdict(&ms, None, TCP, 80), "deny");
+}
+
+#[test]
+fn equal_key_deny_beats_pass_beats_accept() {
+    // Three Admin entries at one (priority, index): Accept from everyone, Pass from 5, Deny TCP/80
+    // from 6. 5 is passed (to the default: deny), 6 is denied on TCP/80 and accepted elsewhere, 7
+    // is accepted.
+    let accept = t(1, Tier::Admin, 5, Action::Allow, any(), l3());
+    let pass = t(2, Tier::Admin, 5, Action::Pass, ids(&[5]), l3());
+    let deny = t(3, Tier::Admin, 5, Action::Deny, ids(&[6]), tcp(80));
+    let ms = build(&[accept, pass, deny]);
+    assert_eq!(verdict(&ms, Some(5), TCP, 80), "deny");
+    assert_eq!(verdict(&ms, Some(6), TCP, 80), "deny");
+    assert_eq!(verdict(&ms, Some(6), UDP, 53), "allow");
+    assert_eq!(verdict(&ms, Some(7), TCP, 80), "allow");
+}
+
+#[test]
+fn baseline_entries_decide_only_while_the_default_is_allow() {
+    // A Baseline Deny of TCP/80 from 5 and a Baseline Pass of TCP from 5 after it: while the
+    // endpoint is not isolated they are keys (TCP/80 denied, other TCP allowed by the Pass, which
+    // skips the weaker Baseline Deny of everything); once it is isolated they are gone (the
+    // isolation default decides before the Baseline tier), and they come back.
+    let deny80 = t(1, Tier::Baseline, 1, Action::Deny, ids(&[5]), tcp(80));
+    let pass = t(2, Tier::Baseline, 2, Action::Pass, ids(&[5]), tcp_all());
+    let deny_all = t(3, Tier::Baseline, 3, Action::Deny, any(), l3());
+    let entries = [deny80, pass, deny_all];
+    let mut ms = MapState::build(Direction::Ingress, Allow, entries.to_vec()).unwrap();
+    check(&ms, &entries);
+    assert_eq!(verdict(&ms, Some(5), TCP, 80), "deny");
+    assert_eq!(verdict(&ms, Some(5), TCP, 81), "allow");
+    assert_eq!(verdict(&ms, Some(5), UDP, 53), "deny");
+    let flip = |ms: &mut MapState, to: Verdict| {
+        let before = ms.clone();
+        let changes = ms.set_default(to);
+        check_change_set(&before, ms, &changes).unwrap();
+        check(ms, &entries);
+        assert_eq!(ms.policy_entries(), entries.to_vec());
+        render_changes(&changes)
+    };
+    assert_eq!(
+        flip(&mut ms, Deny),
+        [
+            "- * * deny baseline (3, 0) [#3]",
+            "- 5 TCP/* allow baseline (2, 0) pass [#2]",
+            "- 5 TCP/80 deny baseline (1, 0) [#1]",
+        ]
+    );
+    assert!(ms.is_empty());
+    assert_eq!(verdict(&ms, Some(5), TCP, 81), "default");
+    assert_eq!(flip(&mut ms, Allow).len(), 3);
+    assert_eq!(verdict(&ms, Some(5), TCP, 81), "allow");
 }
