@@ -27,6 +27,12 @@
 //! a rule: it never shadows anything. `NetworkPolicy` rules (rank `((0, 0), Allow)`) can
 //! shadow ordered rules, but are never reported themselves (they have no status).
 //!
+//! **Tiers** (SEMANTICS.md §8): the candidates include ClusterNetworkPolicy rules. Admin rules rank
+//! before every ordnet rule and can shadow them, except for the packets an Admin `Pass` hands on
+//! (the scan below keeps those apart: weaker Admin rules cannot take them, ordnet rules can).
+//! Baseline rules rank after the ordnet rules and never shadow them. Only the ordnet kinds'
+//! rules are reported (ClusterNetworkPolicy rules are not analysed for being shadowed).
+//!
 //! The analysis is of the current cluster: a rule shadowed now can decide packets after a pod
 //! or namespace appears or is relabelled (the status writer recomputes it after every change).
 //!
@@ -130,6 +136,11 @@ impl Bits {
         for (a, b) in self.0.iter_mut().zip(&other.0) {
             *a |= b;
         }
+    }
+
+    /// `self \ other`.
+    fn minus(&self, other: &Bits) -> Bits {
+        Bits(self.0.iter().zip(&other.0).map(|(a, b)| a & !b).collect())
     }
 }
 
@@ -371,6 +382,10 @@ impl<'a> Analysis<'a> {
         let mut by = BTreeSet::new();
         let mut covered = Bits::empty(self.n);
         let mut group = Bits::empty(self.n);
+        // Packets an Admin Pass handed on: no weaker Admin rule takes them (SEMANTICS.md §8);
+        // the ordnet rules still can.
+        let mut passed = Bits::empty(self.n);
+        let mut pass_group = Bits::empty(self.n);
         for m in mine.iter() {
             // The stronger rectangles that overlap this one, in rank order.
             let overlapping: Vec<(Rank, RuleId, &Rect)> = theirs
@@ -389,6 +404,8 @@ impl<'a> Analysis<'a> {
                 let (lo, hi) = (w[0], w[1] - 1);
                 covered.clear();
                 group.clear();
+                passed.clear();
+                pass_group.clear();
                 let mut current: Option<Rank> = None;
                 for (rk, id, x) in &overlapping {
                     if x.lo > lo || x.hi < hi {
@@ -397,12 +414,24 @@ impl<'a> Analysis<'a> {
                     if current != Some(*rk) {
                         covered.or(&group);
                         group.clear();
+                        passed.or(&pass_group);
+                        pass_group.clear();
                         current = Some(*rk);
                     }
-                    if x.ids.masked_not_in(&m.ids, &covered) {
+                    let admin = rk.0.tier() == Tier::Admin;
+                    if admin && rk.1 == Action::Pass {
+                        pass_group.or_masked(&x.ids.minus(&covered), &m.ids);
+                        continue;
+                    }
+                    let taken: std::borrow::Cow<'_, Bits> = if admin {
+                        std::borrow::Cow::Owned(x.ids.minus(&passed))
+                    } else {
+                        std::borrow::Cow::Borrowed(&*x.ids)
+                    };
+                    if taken.masked_not_in(&m.ids, &covered) {
                         by.insert(*id);
                     }
-                    group.or_masked(&x.ids, &m.ids);
+                    group.or_masked(&taken, &m.ids);
                 }
                 covered.or(&group);
                 if m.ids.masked_not_in(&self.all, &covered) {
@@ -527,13 +556,6 @@ impl Analysis<'_> {
                     })
                     .collect();
                 rules.sort();
-                // Tiers (SEMANTICS.md §8): an Admin-tier Pass hands the traffic it matches to
-                // the ordnet tier, past the weaker Admin rules. Rather than follow that, the
-                // Admin rules of a class with an Admin Pass are left out of the stronger rules
-                // (fewer stronger rules: a rule may go unreported, never reported falsely).
-                let admin_pass = rules
-                    .iter()
-                    .any(|((o, act), _)| o.tier == Tier::Admin && *act == Action::Pass);
                 for (pos, &(rk, id)) in rules.iter().enumerate() {
                     let policy = a.policies[id.0];
                     if !matches!(
@@ -544,12 +566,7 @@ impl Analysis<'_> {
                         continue;
                     }
                     let stronger_end = rules[..pos].partition_point(|(x, _)| *x < rk);
-                    let stronger: Vec<(Rank, RuleId)> = rules[..stronger_end]
-                        .iter()
-                        .filter(|((o, _), _)| !(admin_pass && o.tier == Tier::Admin))
-                        .copied()
-                        .collect();
-                    let stronger = stronger.as_slice();
+                    let stronger = &rules[..stronger_end];
                     let key: MemoKey = (
                         id,
                         selecting

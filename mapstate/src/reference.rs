@@ -36,7 +36,7 @@ pub fn decide(
     let best = |tier: Tier| {
         entries
             .iter()
-            .filter(|e| e.order.tier == tier)
+            .filter(|e| e.order.tier() == tier)
             .filter(|e| match id {
                 Some(id) => e.selector.selects(id),
                 None => e.selector == Selector::Any,

@@ -55,12 +55,12 @@ fn copy_id(pass: EntryId, source: EntryId, next: &mut u64) -> EntryId {
 }
 
 fn is_admin_pass(e: &PolicyEntry) -> bool {
-    e.action == Action::Pass && e.order.tier == Tier::Admin
+    e.action == Action::Pass && e.order.tier() == Tier::Admin
 }
 
 /// A copy's source: an entry of a tier weaker than Admin that the caller gave (not a copy).
 fn is_source(e: &PolicyEntry) -> bool {
-    e.order.tier > Tier::Admin && e.id.0 < COPY_BASE
+    e.order.tier() > Tier::Admin && e.id.0 < COPY_BASE
 }
 
 /// The step code of an entry's key in a [`Via`].
@@ -75,7 +75,7 @@ fn step_code(s: Step) -> u8 {
 /// The entry the core holds for a caller's entry that is not an Admin Pass (see [`end_entry`]).
 /// Taken by value: its selector may hold thousands of identities.
 fn resolved(mut e: PolicyEntry) -> PolicyEntry {
-    let step = match (e.order.tier, e.action) {
+    let step = match (e.order.tier(), e.action) {
         (Tier::Ordnet, _) | (_, Action::Deny) => Step::Rule,
         (_, Action::Pass) => Step::PassEnd,
         (_, Action::Allow) => Step::Accept,
@@ -98,7 +98,7 @@ fn end_entry(p: &PolicyEntry, default: Verdict) -> PolicyEntry {
 
 /// The caller's form of an entry the core holds (not a copy).
 fn given(core: &PolicyEntry) -> PolicyEntry {
-    let action = if core.order.step == Step::PassEnd {
+    let action = if core.order.step() == Step::PassEnd {
         Action::Pass
     } else {
         core.action
@@ -149,10 +149,10 @@ fn selector_both(a: &Selector, b: &Selector) -> Selector {
 fn copy_entry(pass: &PolicyEntry, source: &PolicyEntry, id: EntryId) -> Option<PolicyEntry> {
     let l4 = l4_both(pass.l4, source.l4)?;
     let via = Via {
-        tier: source.order.tier,
+        tier: source.order.tier(),
         priority: source.order.priority,
         index: source.order.index,
-        step: step_code(source.order.step),
+        step: step_code(source.order.step()),
         verdict: source.verdict(),
     };
     Some(PolicyEntry {
@@ -205,7 +205,7 @@ impl MapState {
             if !seen.insert(e.id) {
                 return Err(UpdateError::DuplicateEntry(e.id));
             }
-            if e.order.tier == Tier::Baseline && default == Verdict::Deny {
+            if e.order.tier() == Tier::Baseline && default == Verdict::Deny {
                 ms.dormant.insert(e.id, e);
                 continue;
             }
@@ -242,7 +242,7 @@ impl MapState {
         if e.id.0 >= COPY_BASE {
             return Err(UpdateError::ReservedEntryId(e.id));
         }
-        if e.action == Action::Pass && e.order.tier == Tier::Ordnet {
+        if e.action == Action::Pass && e.order.tier() == Tier::Ordnet {
             return Err(UpdateError::PassInOrdnetTier(e.id));
         }
         Ok(())
@@ -270,11 +270,11 @@ impl MapState {
             || self
                 .core
                 .policy_entries()
-                .any(|e| e.order.tier == Tier::Baseline && e.id.0 < COPY_BASE);
+                .any(|e| e.order.tier() == Tier::Baseline && e.id.0 < COPY_BASE);
         let admin: Vec<EntryId> = self
             .passes
             .values()
-            .filter(|p| p.order.tier == Tier::Admin)
+            .filter(|p| p.order.tier() == Tier::Admin)
             .map(|p| p.id)
             .collect();
         if !has_baseline && admin.is_empty() {
@@ -287,7 +287,7 @@ impl MapState {
             let baseline: Vec<PolicyEntry> = self
                 .core
                 .policy_entries()
-                .filter(|e| e.order.tier == Tier::Baseline && e.id.0 < COPY_BASE)
+                .filter(|e| e.order.tier() == Tier::Baseline && e.id.0 < COPY_BASE)
                 .map(|e| self.given_form(e))
                 .collect();
             for e in baseline {
@@ -470,7 +470,8 @@ impl MapState {
     fn translate(&mut self, u: Update, out: &mut Vec<Update>) {
         match u {
             Update::AddEntry(e) => {
-                if e.order.tier == Tier::Baseline && self.core.default_verdict() == Verdict::Deny {
+                if e.order.tier() == Tier::Baseline && self.core.default_verdict() == Verdict::Deny
+                {
                     self.dormant.insert(e.id, e);
                     return;
                 }

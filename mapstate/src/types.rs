@@ -328,7 +328,7 @@ pub struct Via {
     pub tier: Tier,
     /// Its priority.
     pub priority: i32,
-    /// Its rule index.
+    /// Its rule index (kept up to 65,535: a policy has at most 256 rules per direction).
     pub index: u32,
     /// Its step (never `Passed`): 0 rule, 1 pass end, 2 accept.
     pub step: u8,
@@ -336,28 +336,119 @@ pub struct Via {
     pub verdict: Verdict,
 }
 
-/// `(tier, priority, rule index, step)`: lower is stronger (SEMANTICS.md §2, §8).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+fn is_ordnet(t: &Tier) -> bool {
+    *t == Tier::Ordnet
+}
+
+const TIER_SHIFT: u32 = 62;
+const STEP_SHIFT: u32 = 60;
+const LOW_BITS: u64 = (1 << STEP_SHIFT) - 1;
+
+fn tier_code(t: Tier) -> u64 {
+    match t {
+        Tier::Admin => 0,
+        Tier::Ordnet => 1,
+        Tier::Baseline => 2,
+    }
+}
+
+fn tier_of(code: u64) -> Tier {
+    match code & 3 {
+        0 => Tier::Admin,
+        1 => Tier::Ordnet,
+        _ => Tier::Baseline,
+    }
+}
+
+impl Via {
+    /// The 60 bits of a [`Step::Passed`] in [`OrderKey`], ordered as `Via` is: tier, priority,
+    /// index (saturated at 65,535), step, verdict.
+    fn pack(self) -> u64 {
+        tier_code(self.tier) << 57
+            | u64::from((self.priority as u32) ^ 0x8000_0000) << 25
+            | u64::from(self.index.min(0xFFFF)) << 9
+            | u64::from(self.step & 3) << 7
+            | u64::from(self.verdict == Verdict::Allow) << 6
+    }
+
+    fn unpack(bits: u64) -> Via {
+        Via {
+            tier: tier_of(bits >> 57),
+            priority: (((bits >> 25) & 0xFFFF_FFFF) as u32 ^ 0x8000_0000) as i32,
+            index: ((bits >> 9) & 0xFFFF) as u32,
+            step: ((bits >> 7) & 3) as u8,
+            verdict: if (bits >> 6) & 1 == 1 {
+                Verdict::Allow
+            } else {
+                Verdict::Deny
+            },
+        }
+    }
+}
+
+/// `(tier, priority, rule index, step)`: lower is stronger (SEMANTICS.md §2, §8). 16 bytes: the
+/// tier and the step (with, for a copy under a Pass, the copied rule's rank) share one word;
+/// every MapState key and candidate carries one.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct OrderKey {
-    /// The tier; every tier is weaker than the ones before it.
-    #[serde(skip_serializing_if = "is_ordnet")]
-    pub tier: Tier,
     /// Policy priority; lower is stronger.
     pub priority: i32,
     /// Tie-breaker at equal priority: the rule's index in its policy (the engine gives every
     /// NetworkPolicy rule 0); lower is stronger.
     pub index: u32,
-    /// Rank among entries of the same tier, priority and index.
-    #[serde(skip_serializing_if = "is_rule")]
-    pub step: Step,
+    /// Bits 62-63 the tier, 60-61 the step's kind, 0-59 a `Passed` step's [`Via`].
+    packed: u64,
 }
 
-fn is_ordnet(t: &Tier) -> bool {
-    *t == Tier::Ordnet
+impl Ord for OrderKey {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (
+            self.packed >> TIER_SHIFT,
+            self.priority,
+            self.index,
+            self.packed & !(3 << TIER_SHIFT),
+        )
+            .cmp(&(
+                o.packed >> TIER_SHIFT,
+                o.priority,
+                o.index,
+                o.packed & !(3 << TIER_SHIFT),
+            ))
+    }
 }
 
-fn is_rule(s: &Step) -> bool {
-    *s == Step::Rule
+impl PartialOrd for OrderKey {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+
+impl fmt::Debug for OrderKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OrderKey")
+            .field("tier", &self.tier())
+            .field("priority", &self.priority)
+            .field("index", &self.index)
+            .field("step", &self.step())
+            .finish()
+    }
+}
+
+impl Serialize for OrderKey {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let (tier, step) = (self.tier(), self.step());
+        let mut st = s.serialize_struct("OrderKey", 4)?;
+        if tier != Tier::Ordnet {
+            st.serialize_field("tier", &tier)?;
+        }
+        st.serialize_field("priority", &self.priority)?;
+        st.serialize_field("index", &self.index)?;
+        if step != Step::Rule {
+            st.serialize_field("step", &step)?;
+        }
+        st.end()
+    }
 }
 
 impl OrderKey {
@@ -369,26 +460,49 @@ impl OrderKey {
     /// The order key of rule `index` of a policy of tier `tier` and priority `priority`.
     pub fn tiered(tier: Tier, priority: i32, index: u32) -> Self {
         OrderKey {
-            tier,
             priority,
             index,
-            step: Step::Rule,
+            packed: tier_code(tier) << TIER_SHIFT,
+        }
+    }
+
+    /// The tier; every tier is weaker than the ones before it.
+    pub fn tier(&self) -> Tier {
+        tier_of(self.packed >> TIER_SHIFT)
+    }
+
+    /// Rank among entries of the same tier, priority and index.
+    pub fn step(&self) -> Step {
+        match (self.packed >> STEP_SHIFT) & 3 {
+            0 => Step::Rule,
+            1 => Step::Passed(Via::unpack(self.packed & LOW_BITS)),
+            2 => Step::PassEnd,
+            _ => Step::Accept,
         }
     }
 
     /// The same key with another step.
     pub fn with_step(self, step: Step) -> Self {
-        OrderKey { step, ..self }
+        let bits = match step {
+            Step::Rule => 0,
+            Step::Passed(v) => 1 << STEP_SHIFT | v.pack(),
+            Step::PassEnd => 2 << STEP_SHIFT,
+            Step::Accept => 3 << STEP_SHIFT,
+        };
+        OrderKey {
+            packed: self.packed & (3 << TIER_SHIFT) | bits,
+            ..self
+        }
     }
 }
 
 impl fmt::Display for OrderKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.tier != Tier::Ordnet {
-            write!(f, "{} ", self.tier)?;
+        if self.tier() != Tier::Ordnet {
+            write!(f, "{} ", self.tier())?;
         }
         write!(f, "({}, {})", self.priority, self.index)?;
-        match self.step {
+        match self.step() {
             Step::Rule | Step::Accept => Ok(()),
             Step::PassEnd => f.write_str(" pass"),
             Step::Passed(v) => {

@@ -100,7 +100,8 @@ struct RefPort {
 /// and the rule's position in its list.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct RuleName {
-    /// `NetworkPolicy`, `OrderedNetworkPolicy` or `ClusterOrderedNetworkPolicy`.
+    /// `NetworkPolicy`, `OrderedNetworkPolicy`, `ClusterOrderedNetworkPolicy` or
+    /// `ClusterNetworkPolicy`.
     pub kind: &'static str,
     /// `None` for cluster policies.
     pub namespace: Option<String>,
@@ -117,8 +118,10 @@ pub struct RuleName {
 pub struct SideRules {
     /// Every candidate rule that matches the packet.
     pub matching: Vec<RuleName>,
-    /// The rules that decide it: the matching rules of the smallest order key, and of those
-    /// only the Deny rules if there is one.
+    /// The rules that decide it: tier by tier (§8), the matching rules of the smallest order
+    /// key, and of those only the Deny rules if there is one (then the Pass rules); a Pass of
+    /// the Admin or ordnet tier decides nothing (the next tier does), nor does anything after
+    /// the isolation default of an isolated endpoint.
     pub deciding: Vec<RuleName>,
 }
 
@@ -340,8 +343,13 @@ impl Reference {
     ) -> Option<SideRules> {
         let ep = self.pod_by_name(namespace, name)?;
         let peer_pod = self.pod_by_ip(peer_ip);
+        let selecting: Vec<&RefPolicy> = self
+            .policies
+            .iter()
+            .filter(|p| self.selects(p, ep))
+            .collect();
         let mut matching: Vec<&RefRule> = Vec::new();
-        for p in self.policies.iter().filter(|p| self.selects(p, ep)) {
+        for p in &selecting {
             for r in &p.rules[idx(d)] {
                 if self.rule_matches(r, ep, d, peer_ip, peer_pod, proto, port) {
                     matching.push(r);
@@ -352,14 +360,38 @@ impl Reference {
             matching: matching.iter().map(|r| r.name.clone()).collect(),
             deciding: Vec::new(),
         };
-        if let Some(best) = matching.iter().map(|r| r.key).min() {
-            let first: Vec<&&RefRule> = matching.iter().filter(|r| r.key == best).collect();
-            let any_deny = first.iter().any(|r| r.deny);
-            out.deciding = first
+        // Tier by tier (§8): the best matching rules of the tier; a Pass hands the packet to
+        // the next tier; after the ordnet tier an isolated endpoint is decided by its default.
+        let isolated = selecting.iter().any(|p| p.isolates[idx(d)]);
+        for tier in [0u8, 1, 2] {
+            if tier == 2 && isolated {
+                break;
+            }
+            let rank = |r: &RefRule| {
+                (
+                    r.key,
+                    if r.deny {
+                        0
+                    } else if r.pass {
+                        1
+                    } else {
+                        2
+                    },
+                )
+            };
+            let in_tier: Vec<&&RefRule> = matching.iter().filter(|r| r.tier == tier).collect();
+            let Some(best) = in_tier.iter().map(|r| rank(r)).min() else {
+                continue;
+            };
+            if best.1 == 1 && tier < 2 {
+                continue;
+            }
+            out.deciding = in_tier
                 .iter()
-                .filter(|r| r.deny || !any_deny)
+                .filter(|r| rank(r) == best)
                 .map(|r| r.name.clone())
                 .collect();
+            break;
         }
         Some(out)
     }

@@ -172,6 +172,7 @@ fn check(world: &World, counts: &mut Counts) -> Result<(), String> {
                     kind: match o.kind.as_str() {
                         "NetworkPolicy" => "NetworkPolicy",
                         "OrderedNetworkPolicy" => "OrderedNetworkPolicy",
+                        "ClusterNetworkPolicy" => "ClusterNetworkPolicy",
                         _ => "ClusterOrderedNetworkPolicy",
                     },
                     namespace: o.namespace.clone(),
@@ -187,8 +188,8 @@ fn check(world: &World, counts: &mut Counts) -> Result<(), String> {
         })
         .collect();
     for (r, by) in &reported {
-        if r.kind == "NetworkPolicy" {
-            return Err(format!("a NetworkPolicy rule is reported: {r:?}"));
+        if r.kind == "NetworkPolicy" || r.kind == "ClusterNetworkPolicy" {
+            return Err(format!("a {} rule is reported: {r:?}", r.kind));
         }
         if decided.contains(r) {
             return Err(format!("{r:?} is reported shadowed but decides a probe"));
@@ -214,7 +215,10 @@ fn check(world: &World, counts: &mut Counts) -> Result<(), String> {
     if exhaustive {
         counts.exhaustive += 1;
         for r in &matched {
-            if r.kind != "NetworkPolicy" && !decided.contains(r) && !reported.contains_key(r) {
+            // Only the ordnet kinds' rules are analysed (NetworkPolicy rules are never
+            // shadowed reports, ClusterNetworkPolicy rules are not analysed).
+            let analysed = r.kind != "NetworkPolicy" && r.kind != "ClusterNetworkPolicy";
+            if analysed && !decided.contains(r) && !reported.contains_key(r) {
                 return Err(format!(
                     "{r:?} matches probes and decides none, but is not reported (decided by {:?})",
                     takers.get(r)
@@ -232,6 +236,8 @@ fn describe(world: &World) -> String {
         .chain(world.nps.values())
         .chain(world.onps.values())
         .chain(world.conps.values())
+        .chain(world.cnps.values())
+        .chain(world.nodes.values())
         .map(|v| v.to_string())
         .collect::<Vec<_>>()
         .join("\n")

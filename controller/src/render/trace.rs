@@ -284,13 +284,13 @@ fn lookup_path(
 /// `(priority 10, rule index 1)`, with the tier outside the ordnet tier (`(admin tier, priority
 /// 10, rule index 1)`) and, for an entry copied under a Pass, the rule it copies.
 fn render_order(o: &ordnet_mapstate::OrderKey) -> String {
-    let tier = if o.tier == ordnet_mapstate::Tier::Ordnet {
+    let tier = if o.tier() == ordnet_mapstate::Tier::Ordnet {
         String::new()
     } else {
-        format!("{} tier, ", o.tier)
+        format!("{} tier, ", o.tier())
     };
     let mut out = format!("({tier}priority {}, rule index {}", o.priority, o.index);
-    match o.step {
+    match o.step() {
         ordnet_mapstate::Step::PassEnd => out.push_str(", the Pass itself"),
         ordnet_mapstate::Step::Passed(v) => {
             out.push_str(", under its Pass: ");

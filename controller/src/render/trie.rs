@@ -187,10 +187,10 @@ fn origin_json(o: &Origin) -> Value {
 
 fn order_json(o: &OrderKey) -> Value {
     let mut v = json!({"priority": o.priority, "index": o.index});
-    if o.tier != Tier::Ordnet {
-        v["tier"] = json!(o.tier.as_str());
+    if o.tier() != Tier::Ordnet {
+        v["tier"] = json!(o.tier().as_str());
     }
-    match o.step {
+    match o.step() {
         Step::Rule | Step::Accept => {}
         Step::PassEnd => v["pass"] = json!("end"),
         Step::Passed(via) => {
@@ -511,7 +511,7 @@ impl<'a> Dump<'a> {
                 s.state
                     .iter()
                     .iter()
-                    .any(|(_, e)| e.order.tier != Tier::Ordnet)
+                    .any(|(_, e)| e.order.tier() != Tier::Ordnet)
             });
             if tiered {
                 for l in [
