@@ -2295,11 +2295,11 @@ fn service_flows_are_judged_after_translation() {
         );
         step(
             &dp,
-            "node(masq) -> A:80 at TC from A's interface: A's own traffic",
+            "node(masq) -> A:80 at TC from A's interface: a hairpin, judged (A's egress allows only B)",
             Some(IF_A),
             frame(host, a, syn(40002, 80)),
-            PASS,
-            Reason::SameEndpoint,
+            DROP,
+            Reason::EgressDenied,
         );
         // A NodePort (externalTrafficPolicy Cluster) from outside: source rewritten to the node.
         step(

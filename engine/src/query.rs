@@ -354,6 +354,32 @@ impl Engine {
         proto: Protocol,
         port: u16,
     ) -> FlowTrace {
+        self.flow_judged(from, to, family, proto, port, true)
+    }
+
+    /// The verdict of a flow through a Service to one of its backends (`to`, at its target
+    /// `port`): [`Engine::flow`], except that a pod reaching itself (a hairpin) is judged like
+    /// any flow to that backend (SEMANTICS.md §2; upstream ClusterNetworkPolicy's hairpin rule).
+    pub fn flow_to_backend(
+        &self,
+        from: &FlowEnd,
+        to: &FlowEnd,
+        family: IpFamily,
+        proto: Protocol,
+        port: u16,
+    ) -> FlowTrace {
+        self.flow_judged(from, to, family, proto, port, false)
+    }
+
+    fn flow_judged(
+        &self,
+        from: &FlowEnd,
+        to: &FlowEnd,
+        family: IpFamily,
+        proto: Protocol,
+        port: u16,
+        self_exempt: bool,
+    ) -> FlowTrace {
         let failed = |e: ResolveError| FlowTrace {
             verdict: Verdict::Deny,
             exemption: None,
@@ -369,7 +395,7 @@ impl Engine {
             Ok(x) => x,
             Err(e) => return failed(e),
         };
-        if src_pod.is_some() && src_pod == dst_pod {
+        if self_exempt && src_pod.is_some() && src_pod == dst_pod {
             return FlowTrace {
                 verdict: Verdict::Allow,
                 exemption: Some("a pod talking to itself is always allowed".into()),
@@ -572,8 +598,8 @@ impl Matrix {
 /// as sources and destinations, and every Service ([`Engine::service_destinations`]) as a
 /// destination. A pod with itself is included (always allowed); pairs of two external addresses
 /// are not. Each verdict is [`Engine::flow`], i.e. MapState lookups only; towards a Service, the
-/// flow to each backend at its target port (a backend that is the source itself: allowed, a
-/// pod's own traffic).
+/// flow to each backend at its target port ([`Engine::flow_to_backend`]: a backend that is the
+/// source itself is judged, a hairpin).
 pub fn matrix(
     engine: &Engine,
     proto: Protocol,
@@ -609,7 +635,7 @@ pub fn matrix(
                         name: name.to_string(),
                     };
                     engine
-                        .flow(&flow_end(from), &to, family, proto, *bport)
+                        .flow_to_backend(&flow_end(from), &to, family, proto, *bport)
                         .verdict
                 })
                 .collect()

@@ -21,7 +21,9 @@
 //!   frontend), nothing else, and is never re-checked;
 //! * [`Hook::Tc`] only: a packet whose source address is not a local endpoint but that came in
 //!   on a local endpoint's interface ([`MAP_IFACE`]: kube-proxy masqueraded it, e.g. hairpin) is
-//!   that endpoint's; a source address of this node is exempt only for the node's own traffic
+//!   that endpoint's; a pod reaching itself (a hairpin through a Service: nothing else brings
+//!   a pod's traffic to itself out of it) is judged like any flow to that backend, where XDP
+//!   exempts a pod with itself; a source address of this node is exempt only for the node's own traffic
 //!   (the caller passes locally generated packets before calling), so a forwarded packet whose
 //!   source was rewritten to a node address is judged with that address's identity;
 //! * otherwise the policy decides: egress of the source when it is a local endpoint, ingress of
@@ -559,7 +561,8 @@ impl<'m> Ends<'m> {
     /// At the TC hook a packet that came in on a local endpoint's interface is that
     /// endpoint's, whatever its source address says (source NAT). The exemptions end the
     /// decision here (`Err`): neither end local, traffic between a pod and its node (at TC a
-    /// node source on a forwarded packet was rewritten: it is judged), a pod with itself.
+    /// node source on a forwarded packet was rewritten: it is judged), a pod with itself (at
+    /// XDP only: at TC it is a hairpin through a Service, judged).
     #[inline(always)]
     fn resolve<M: DatapathMaps + ?Sized>(
         p: &IpPacket,
@@ -585,8 +588,12 @@ impl<'m> Ends<'m> {
         if src_host || dst.is_some_and(|i| i.is_host()) {
             return Err(Decision::simple(Verdict::Pass, Reason::Host));
         }
+        // A pod with itself is exempt at XDP. At TC a packet whose two ends are one endpoint is
+        // a hairpin through a Service (a pod's traffic to its own address never leaves it; the
+        // source is the pod's own address or, masqueraded, attributed to it by its interface):
+        // judged like any flow to that backend (SEMANTICS.md §2, upstream ClusterNetworkPolicy).
         let endpoint = |i: Option<&IpInfo>| i.map_or(0, |i| i.endpoint);
-        if src_local && dst_local && endpoint(src) == endpoint(dst) {
+        if ingress_ifindex == 0 && src_local && dst_local && endpoint(src) == endpoint(dst) {
             return Err(Decision::simple(Verdict::Pass, Reason::SameEndpoint));
         }
         Ok(Ends {
