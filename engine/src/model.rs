@@ -846,6 +846,43 @@ fn failed(direction: Direction, index: u32, action: Action, e: EngineError) -> F
     }
 }
 
+/// A translated rule's peers and ports (`None` = every peer / protocol and port), or why it
+/// cannot be enforced.
+type Translated = Result<(Option<Vec<Arc<PeerSpec>>>, Option<Vec<PortSpec>>), EngineError>;
+
+/// Adds one translated rule of an ordered or tiered policy, fail-closed (SEMANTICS.md §7) when
+/// it cannot be enforced: an Allow matches nothing (it is only listed as failed); a Deny or Pass
+/// matches everything as a Deny, at its place in the order.
+fn push_rule(
+    rules: &mut Vec<Rule>,
+    failed_rules: &mut Vec<FailedRule>,
+    (d, index): (Direction, u32),
+    (origin, order, action): (Arc<Origin>, OrderKey, Action),
+    translated: Translated,
+) {
+    match translated {
+        Ok((peers, ports)) => rules.push(Rule {
+            origin,
+            order,
+            action,
+            peers: dedup_peers(peers),
+            ports: dedup_ports(ports),
+        }),
+        Err(e) => {
+            failed_rules.push(failed(d, index, action, e));
+            if action != Action::Allow {
+                rules.push(Rule {
+                    origin,
+                    order,
+                    action: Action::Deny,
+                    peers: None,
+                    ports: None,
+                });
+            }
+        }
+    }
+}
+
 fn dedup_peers(p: Option<Vec<Arc<PeerSpec>>>) -> Option<Vec<Arc<PeerSpec>>> {
     p.map(|mut v| {
         let mut seen = std::collections::HashSet::new();
@@ -931,29 +968,13 @@ fn translate_ordered<S: OrderedSpec>(
             })();
             let origin = make_origin(&id, d, index, priority, verdict.into(), Tier::Ordnet);
             let order = OrderKey::new(priority, index);
-            match (translated, verdict) {
-                (Ok((peers, ports)), _) => rules[d.index()].push(Rule {
-                    origin,
-                    order,
-                    action: verdict.into(),
-                    peers: dedup_peers(peers),
-                    ports: dedup_ports(ports),
-                }),
-                // Fail-closed (SEMANTICS.md §7): an Allow rule that cannot be enforced matches
-                // nothing; a Deny rule that cannot be enforced matches everything, at its place
-                // in the order.
-                (Err(e), Verdict::Allow) => failed_rules.push(failed(d, index, verdict.into(), e)),
-                (Err(e), Verdict::Deny) => {
-                    failed_rules.push(failed(d, index, verdict.into(), e));
-                    rules[d.index()].push(Rule {
-                        origin,
-                        order,
-                        action: Action::Deny,
-                        peers: None,
-                        ports: None,
-                    });
-                }
-            }
+            push_rule(
+                &mut rules[d.index()],
+                &mut failed_rules,
+                (d, index),
+                (origin, order, verdict.into()),
+                translated,
+            );
         }
     }
     let isolates = [
@@ -1148,27 +1169,13 @@ pub fn translate_cluster_network_policy(
                 ..(*make_origin(&id, d, index, priority, action, tier)).clone()
             });
             let order = OrderKey::tiered(tier, priority, index);
-            match (translated, action) {
-                (Ok((peers, ports)), _) => rules[d.index()].push(Rule {
-                    origin,
-                    order,
-                    action,
-                    peers: dedup_peers(peers),
-                    ports: dedup_ports(ports),
-                }),
-                // Fail-closed (SEMANTICS.md §7, and upstream's comments on unknown peers).
-                (Err(e), Action::Allow) => failed_rules.push(failed(d, index, action, e)),
-                (Err(e), Action::Deny | Action::Pass) => {
-                    failed_rules.push(failed(d, index, action, e));
-                    rules[d.index()].push(Rule {
-                        origin,
-                        order,
-                        action: Action::Deny,
-                        peers: None,
-                        ports: None,
-                    });
-                }
-            }
+            push_rule(
+                &mut rules[d.index()],
+                &mut failed_rules,
+                (d, index),
+                (origin, order, action),
+                translated,
+            );
         }
     }
     Ok(Policy {

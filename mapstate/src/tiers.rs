@@ -417,6 +417,33 @@ impl MapState {
         updates: impl IntoIterator<Item = Update>,
     ) -> Result<ChangeSet, UpdateError> {
         let updates: Vec<Update> = updates.into_iter().collect();
+        // The common case (no Pass, nothing aside, no entry that would go aside or be a Pass):
+        // every update is its own core update, which the core checks itself; checking the batch
+        // here too would simulate it twice on the agent's hot path.
+        let deny = self.core.default_verdict() == Verdict::Deny;
+        let plain = self.passes.is_empty()
+            && self.dormant.is_empty()
+            && updates.iter().all(|u| match u {
+                Update::AddEntry(e) => {
+                    e.action != Action::Pass && !(deny && e.order.tier() == Tier::Baseline)
+                }
+                _ => true,
+            });
+        if plain {
+            for u in &updates {
+                if let Update::AddEntry(e) = u {
+                    self.check_new(e)?;
+                }
+            }
+            let batch: Vec<Update> = updates
+                .into_iter()
+                .map(|u| match u {
+                    Update::AddEntry(e) => Update::AddEntry(resolved(e)),
+                    u => u,
+                })
+                .collect();
+            return self.core.apply(batch);
+        }
         self.check(&updates)?;
         let admin_passes = self.copies_needed(&updates);
         if !admin_passes {
