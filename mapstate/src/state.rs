@@ -536,9 +536,14 @@ impl Core {
         entries: impl IntoIterator<Item = PolicyEntry>,
     ) -> Result<Core, UpdateError> {
         let mut ms = Core::new(direction, default);
-        // The candidate index in one go: every (peer, block, contribution), sorted, then cut
-        // into one sorted `Candidates` per peer.
-        let mut all: Vec<(Peer, L4Prefix, Contrib)> = Vec::new();
+        // The candidate index in one go. Identities selected by the same entries have equal
+        // candidates (and so equal keys): the pairs (identity, entry) are sorted, each
+        // identity's list of entries is looked up, and each distinct list's candidates are
+        // computed once. (Sorting one (peer, block, contribution) triple per identity, entry and
+        // block was 40 % of a build at 50,000 pods.)
+        let mut wild: Vec<(L4Prefix, Contrib)> = Vec::new();
+        let mut specific: Vec<(Contrib, Vec<L4Prefix>)> = Vec::new();
+        let mut pairs: Vec<(Identity, u32)> = Vec::new();
         for e in entries {
             if ms.entries.contains_key(&e.id) {
                 return Err(UpdateError::DuplicateEntry(e.id));
@@ -551,28 +556,51 @@ impl Core {
             let blocks = e.l4.blocks();
             if blocks.is_empty() {
                 ms.blockless.insert(e.id);
-            }
-            match &e.selector {
-                Selector::Any => all.extend(blocks.iter().map(|b| (Peer::Any, *b, c))),
-                Selector::Ids(ids) => {
-                    for id in ids {
-                        all.extend(blocks.iter().map(|b| (Peer::Id(*id), *b, c)));
+            } else {
+                match &e.selector {
+                    Selector::Any => wild.extend(blocks.iter().map(|b| (*b, c))),
+                    Selector::Ids(ids) => {
+                        let index = specific.len() as u32;
+                        pairs.extend(ids.iter().map(|id| (*id, index)));
+                        specific.push((c, blocks));
                     }
                 }
             }
             ms.entries.insert(e.id, e);
         }
-        all.sort_unstable();
-        let peer_count = all.chunk_by(|a, b| a.0 == b.0).count();
-        ms.cand.reserve(peer_count);
-        ms.tries.reserve(peer_count);
-        for group in all.chunk_by(|a, b| a.0 == b.0) {
-            let blocks = group
-                .chunk_by(|a, b| a.1 == b.1)
-                .map(|g| (g[0].1, g.iter().map(|x| x.2).collect::<Contribs>()))
-                .collect();
-            ms.cand.insert(group[0].0, Arc::new(Candidates(blocks)));
+        fn candidates(mut all: Vec<(L4Prefix, Contrib)>) -> Candidates {
+            all.sort_unstable();
+            Candidates(
+                all.chunk_by(|a, b| a.0 == b.0)
+                    .map(|g| (g[0].0, g.iter().map(|x| x.1).collect::<Contribs>()))
+                    .collect(),
+            )
         }
+        if !wild.is_empty() {
+            ms.cand.insert(Peer::Any, Arc::new(candidates(wild)));
+        }
+        pairs.sort_unstable();
+        let lists: Vec<u32> = pairs.iter().map(|p| p.1).collect();
+        let mut distinct: FastMap<&[u32], Arc<Candidates>> = FastMap::default();
+        let mut at = 0;
+        ms.cand.reserve(pairs.chunk_by(|a, b| a.0 == b.0).count());
+        for group in pairs.chunk_by(|a, b| a.0 == b.0) {
+            let list = &lists[at..at + group.len()];
+            at += group.len();
+            let cand = distinct.entry(list).or_insert_with(|| {
+                let all = list
+                    .iter()
+                    .flat_map(|&i| {
+                        let (c, blocks) = &specific[i as usize];
+                        blocks.iter().map(move |b| (*b, *c))
+                    })
+                    .collect();
+                Arc::new(candidates(all))
+            });
+            ms.cand.insert(Peer::Id(group[0].0), Arc::clone(cand));
+        }
+        drop(distinct);
+        ms.tries.reserve(ms.cand.len());
         // The identity index in one go: per block, the identities with candidates there.
         let mut pairs: Vec<(L4Prefix, Identity, u32)> = Vec::new();
         for (peer, cand) in &ms.cand {
@@ -586,10 +614,30 @@ impl Core {
             ms.spec_index.insert(group[0].0, ids);
         }
         // `*` first: the identities' keys are computed from the `*` keys.
+        // Equal candidates give equal keys and notes: each distinct list is computed once.
         let mut peers: Vec<Peer> = ms.cand.keys().copied().collect();
         peers.sort_unstable();
+        type Computed = (Option<Arc<Keys>>, Option<Arc<Notes>>);
+        let mut computed: FastMap<*const Candidates, Computed> = FastMap::default();
         for peer in peers {
+            let cand = Arc::as_ptr(&ms.cand[&peer]);
+            if peer != Peer::Any
+                && let Some((keys, notes)) = computed.get(&cand)
+            {
+                if let Some(keys) = keys {
+                    ms.key_count += keys.len();
+                    ms.tries.insert(peer, Arc::clone(keys));
+                }
+                if let Some(notes) = notes {
+                    ms.covered.insert(peer, Arc::clone(notes));
+                }
+                continue;
+            }
             ms.recompute(peer, L4Prefix::ANY, None);
+            computed.insert(
+                cand,
+                (ms.tries.get(&peer).cloned(), ms.covered.get(&peer).cloned()),
+            );
         }
         Ok(ms)
     }

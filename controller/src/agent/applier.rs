@@ -637,6 +637,14 @@ fn release_free_memory() {
     // SAFETY: malloc_trim only releases memory the allocator holds as free.
     unsafe {
         libc::malloc_trim(0);
+        let m = libc::mallinfo2();
+        tracing::info!(
+            heap_in_use_mib = m.uordblks as f64 / 1048576.0,
+            heap_free_mib = m.fordblks as f64 / 1048576.0,
+            mmapped_mib = m.hblkhd as f64 / 1048576.0,
+            arenas_mib = m.arena as f64 / 1048576.0,
+            "gave freed memory back after the initial sync"
+        );
     }
 }
 
