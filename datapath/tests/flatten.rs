@@ -510,7 +510,7 @@ fn random_update(
                         ids: vec![id],
                     }
                 } else {
-                    set.remove(&id);
+                    set.remove(id);
                     Update::Deselect {
                         entry,
                         ids: vec![id],

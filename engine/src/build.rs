@@ -1,7 +1,9 @@
 //! The engine state: objects, identities, selector cache, per-endpoint MapStates, and the
 //! query API used by the CLI (`docs/contracts/engine-api.md`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use crate::fast::HashMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -150,11 +152,11 @@ impl Engine {
             ids: Identities::default(),
             world: 0,
             cidr_ids: BTreeMap::new(),
-            pod_addrs: HashMap::new(),
+            pod_addrs: HashMap::default(),
             selectors: SelectorCache::default(),
             endpoints: Vec::new(),
-            ep_index: HashMap::new(),
-            ep_keys: HashMap::new(),
+            ep_index: HashMap::default(),
+            ep_keys: HashMap::default(),
             shared: SharedStates::default(),
             errors: Vec::new(),
         };

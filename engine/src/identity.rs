@@ -6,7 +6,9 @@
 //! pod. Two addresses with one signature are indistinguishable to every selector, so they can
 //! share one identity; two addresses that some selector tells apart never do.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::fast::HashMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 

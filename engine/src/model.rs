@@ -885,7 +885,7 @@ fn push_rule(
 
 fn dedup_peers(p: Option<Vec<Arc<PeerSpec>>>) -> Option<Vec<Arc<PeerSpec>>> {
     p.map(|mut v| {
-        let mut seen = std::collections::HashSet::new();
+        let mut seen = crate::fast::HashSet::default();
         v.retain(|x| seen.insert(x.clone()));
         v
     })
@@ -893,7 +893,7 @@ fn dedup_peers(p: Option<Vec<Arc<PeerSpec>>>) -> Option<Vec<Arc<PeerSpec>>> {
 
 fn dedup_ports(p: Option<Vec<PortSpec>>) -> Option<Vec<PortSpec>> {
     p.map(|mut v| {
-        let mut seen = std::collections::HashSet::new();
+        let mut seen = crate::fast::HashSet::default();
         v.retain(|x| seen.insert(x.clone()));
         v
     })

@@ -3,7 +3,9 @@
 //! arrives; afterwards only identities come and go, and [`SelectorCache::notify`] turns that
 //! into per-selector gains and losses (the notifications the shared MapStates follow).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::fast::HashMap;
 use std::sync::Arc;
 
 use ordnet_mapstate::Identity;

@@ -63,7 +63,9 @@
 //!   shadowing rule); identities of r left over mean r decides a packet (r is not shadowed, and
 //!   it is not examined in any other class).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::fast::HashMap;
 use std::sync::Arc;
 
 use ordnet_mapstate::{Action, Direction, Identity, OrderKey, Origin, Protocol, Tier};
@@ -219,9 +221,9 @@ impl<'a> Analysis<'a> {
             bit,
             n,
             all: Arc::new(all),
-            selectors: HashMap::new(),
-            named: HashMap::new(),
-            rects: HashMap::new(),
+            selectors: HashMap::default(),
+            named: HashMap::default(),
+            rects: HashMap::default(),
         }
     }
 
@@ -543,7 +545,7 @@ impl Analysis<'_> {
         let a = self;
         let mut status: BTreeMap<RuleId, Status> = BTreeMap::new();
         type MemoKey = (RuleId, Vec<usize>, OwnPorts);
-        let mut memo: HashMap<MemoKey, Outcome> = HashMap::new();
+        let mut memo: HashMap<MemoKey, Outcome> = HashMap::default();
         for (di, set) in classes.iter().enumerate() {
             for (selecting, own) in set {
                 let mut rules: Vec<(Rank, RuleId)> = selecting

@@ -4,7 +4,9 @@
 //! users and their per-policy notification index, and how a state is compiled from scratch
 //! (the policies' rules as ordered `PolicyEntry`s).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::fast::{HashMap, HashSet};
 use std::sync::Arc;
 
 use ordnet_mapstate::{
@@ -266,7 +268,7 @@ impl Engine {
                     let mut made: Vec<(EntryKey, Selector)> = Vec::new();
                     let sel = |e: &Engine| match peer {
                         None => Selector::Any,
-                        Some(p) => Selector::Ids(e.selectors.selected(p)),
+                        Some(p) => Selector::Ids(e.selectors.selected(p).into_iter().collect()),
                     };
                     match port {
                         None => made.push((plain(L4Match::Any), sel(self))),
@@ -319,7 +321,7 @@ impl Engine {
                                             l4: L4Match::port(*proto, n),
                                             named: Some(name.clone()),
                                         },
-                                        Selector::Ids(group),
+                                        Selector::Ids(group.into_iter().collect()),
                                     ));
                                 }
                             }
@@ -381,7 +383,7 @@ impl Engine {
         } else {
             Verdict::Allow
         };
-        let mut keys = HashMap::with_capacity(entries.len());
+        let mut keys = HashMap::with_capacity_and_hasher(entries.len(), Default::default());
         let mut list = Vec::with_capacity(entries.len());
         for (id, (ek, e)) in entries {
             keys.insert(id, ek);

@@ -163,7 +163,7 @@ impl Engine {
                     e.action,
                     match &e.selector {
                         Selector::Any => None,
-                        Selector::Ids(ids) => Some(ids.iter().map(|i| self.sig_of(*i)).collect()),
+                        Selector::Ids(ids) => Some(ids.iter().map(|i| self.sig_of(i)).collect()),
                     },
                 )
             })

@@ -2,7 +2,9 @@
 //! translated policies), indexed the way the later stages read it, and the use counts of the
 //! CIDR prefixes and egress named ports the policies mention (they shape the identities).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::fast::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 

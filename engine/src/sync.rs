@@ -3,7 +3,9 @@
 //! selector cache and the shared MapStates in line with it, one function per step, and
 //! collects what changed into an [`EngineDelta`].
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::fast::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -400,8 +402,8 @@ impl Engine {
         // a shared old state is never copied.)
         let arriving: HashSet<Arc<ShareKey>> =
             moving.iter().map(|(_, _, _, new)| new.clone()).collect();
-        let mut derived: HashMap<Arc<ShareKey>, (PodKey, BTreeSet<PolicyRef>)> = HashMap::new();
-        let mut snapshots: HashMap<Arc<ShareKey>, StateSnapshot> = HashMap::new();
+        let mut derived: HashMap<Arc<ShareKey>, (PodKey, BTreeSet<PolicyRef>)> = HashMap::default();
+        let mut snapshots: HashMap<Arc<ShareKey>, StateSnapshot> = HashMap::default();
         let changed: BTreeSet<PolicyRef> = p.policies.keys().cloned().collect();
         let leaving: HashSet<(PodKey, usize)> = moving
             .iter()
@@ -478,7 +480,7 @@ impl Engine {
         let (gained, lost, notified_policies) = (&notes.gained, &notes.lost, &notes.policies);
         // Shared states to update (each once; keys compared by address).
         let mut affected: Vec<Arc<ShareKey>> = Vec::new();
-        let mut seen: HashSet<*const ShareKey> = HashSet::new();
+        let mut seen: HashSet<*const ShareKey> = HashSet::default();
         let updated = p
             .policies
             .iter()
@@ -511,7 +513,7 @@ impl Engine {
             state_changes.push((key, cs, iso));
         }
         let mut derived_changes: HashMap<PodKey, Vec<(usize, ChangeSet, Option<bool>)>> =
-            HashMap::new();
+            HashMap::default();
         for (key, (mover, full)) in derived {
             let before = self.shared.get(key).map(|s| s.policy.isolated);
             let (cs, _) = self.update_state(key, full, added_ids, removed_ids, gained, lost);

@@ -4,11 +4,13 @@
 //! identities, and the egress named-port groups that follow them). The `Update`s go to
 //! `MapState::apply` as one batch, whose ChangeSet is what the state's users get.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::fast::HashMap;
 use std::sync::Arc;
 
 use ordnet_mapstate::{
-    ChangeSet, EntryId, Identity, L4Match, PolicyEntry, Selector, Update, Verdict,
+    ChangeSet, EntryId, IdSet, Identity, L4Match, PolicyEntry, Selector, Update, Verdict,
 };
 
 use crate::build::Engine;
@@ -44,8 +46,8 @@ fn diff_entry(
 ) {
     match (have.map(|e| &e.selector), &want.selector) {
         (Some(Selector::Ids(h)), Selector::Ids(w)) => {
-            let add: Vec<Identity> = w.difference(h).copied().collect();
-            let del: Vec<Identity> = h.difference(w).copied().collect();
+            let add: Vec<Identity> = w.difference(h).collect();
+            let del: Vec<Identity> = h.difference(w).collect();
             if !add.is_empty() {
                 updates.push(Update::Select {
                     entry: id,
@@ -321,8 +323,8 @@ impl Engine {
                 Some(id) => {
                     // The entry's identities are borrowed, not copied: it selects up to every
                     // pod identity, and this runs for each group of every notified state.
-                    let empty = BTreeSet::new();
-                    let have: &BTreeSet<Identity> = match self.shared[key]
+                    let empty = IdSet::new();
+                    let have: &IdSet = match self.shared[key]
                         .policy
                         .mapstate
                         .policy_entry(id)
@@ -333,14 +335,14 @@ impl Engine {
                     };
                     // Empty after the update iff nothing is gained and every identity is lost.
                     let emptied = g.is_none_or(|g| g.is_empty())
-                        && have.iter().all(|i| l.is_some_and(|l| l.contains(i)));
+                        && have.iter().all(|i| l.is_some_and(|l| l.contains(&i)));
                     if emptied {
                         // Removed after the RemoveIdentity updates of the batch.
                         acc.updates.push(Update::RemoveEntry(id));
                         acc.remove_keys.push(id);
                     } else {
                         for i in g.into_iter().flatten() {
-                            if !have.contains(i) {
+                            if !have.contains(*i) {
                                 let v = acc.selections.entry(*i).or_default();
                                 if !v.contains(&id) {
                                     v.push(id);
@@ -358,7 +360,7 @@ impl Engine {
                         id,
                         order,
                         action,
-                        selector: Selector::Ids(g.clone()),
+                        selector: Selector::Ids(g.iter().copied().collect()),
                         l4: k.l4,
                         origin: origin.clone(),
                     }));

@@ -44,7 +44,7 @@ fn best<T>(reps: usize, mut f: impl FnMut() -> T) -> (Duration, T) {
 fn peers(e: &PolicyEntry) -> Vec<Peer> {
     match &e.selector {
         Selector::Any => vec![Peer::Any],
-        Selector::Ids(ids) => ids.iter().map(|id| Peer::Id(*id)).collect(),
+        Selector::Ids(ids) => ids.iter().map(Peer::Id).collect(),
     }
 }
 

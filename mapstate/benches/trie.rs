@@ -63,7 +63,7 @@ fn main() {
         let blocks = e.l4.blocks();
         let peers: Vec<Peer> = match &e.selector {
             Selector::Any => vec![Peer::Any],
-            Selector::Ids(s) => s.iter().map(|id| Peer::Id(*id)).collect(),
+            Selector::Ids(s) => s.iter().map(Peer::Id).collect(),
         };
         for p in peers {
             for b in &blocks {

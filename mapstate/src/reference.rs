@@ -83,7 +83,7 @@ pub fn state(entries: &[PolicyEntry]) -> (Vec<(Key, StateEntry)>, Vec<Covered>) 
     let mut ids: Vec<Identity> = entries
         .iter()
         .filter_map(|e| match &e.selector {
-            Selector::Ids(s) => Some(s.iter().copied()),
+            Selector::Ids(s) => Some(s.iter()),
             Selector::Any => None,
         })
         .flatten()
@@ -98,7 +98,7 @@ pub fn state(entries: &[PolicyEntry]) -> (Vec<(Key, StateEntry)>, Vec<Covered>) 
         for e in entries {
             let own = match (&e.selector, peer) {
                 (Selector::Any, _) => false,
-                (Selector::Ids(s), Peer::Id(id)) if s.contains(&id) => true,
+                (Selector::Ids(s), Peer::Id(id)) if s.contains(id) => true,
                 _ => continue,
             };
             for b in e.l4.blocks() {

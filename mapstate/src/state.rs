@@ -561,7 +561,7 @@ impl Core {
                     Selector::Any => wild.extend(blocks.iter().map(|b| (*b, c))),
                     Selector::Ids(ids) => {
                         let index = specific.len() as u32;
-                        pairs.extend(ids.iter().map(|id| (*id, index)));
+                        pairs.extend(ids.iter().map(|id| (id, index)));
                         specific.push((c, blocks));
                     }
                 }
@@ -912,7 +912,7 @@ impl Core {
             if let Some(e) = self.entries.get_mut(&entry)
                 && let Selector::Ids(set) = &mut e.selector
             {
-                set.remove(&id);
+                set.remove(id);
             }
         }
         for (block, _) in cand.iter().flat_map(|c| c.0.iter()) {
@@ -983,7 +983,7 @@ impl Core {
         };
         let mut changed = Vec::new();
         for &id in ids {
-            let did = if add { set.insert(id) } else { set.remove(&id) };
+            let did = if add { set.insert(id) } else { set.remove(id) };
             if did {
                 changed.push(id);
             }
@@ -1019,7 +1019,7 @@ impl Core {
         match &e.selector {
             Selector::Ids(ids) => {
                 for id in ids {
-                    dirty.entry(Peer::Id(*id)).or_default().extend(&blocks);
+                    dirty.entry(Peer::Id(id)).or_default().extend(&blocks);
                 }
             }
             Selector::Any => {
@@ -1056,7 +1056,7 @@ impl Core {
             Selector::Ids(ids) => {
                 for id in ids {
                     for b in &blocks {
-                        self.index_contrib(Peer::Id(*id), *b, c, add);
+                        self.index_contrib(Peer::Id(id), *b, c, add);
                     }
                 }
             }

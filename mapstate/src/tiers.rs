@@ -140,7 +140,7 @@ pub(crate) fn l4_both(a: L4Match, b: L4Match) -> Option<L4Match> {
 fn selector_both(a: &Selector, b: &Selector) -> Selector {
     match (a, b) {
         (Selector::Any, x) | (x, Selector::Any) => x.clone(),
-        (Selector::Ids(x), Selector::Ids(y)) => Selector::Ids(x.intersection(y).copied().collect()),
+        (Selector::Ids(x), Selector::Ids(y)) => Selector::Ids(x.intersection(y)),
     }
 }
 
@@ -593,7 +593,7 @@ impl MapState {
             Update::RemoveIdentity(id) => {
                 for e in self.dormant.values_mut().chain(self.passes.values_mut()) {
                     if let Selector::Ids(s) = &mut e.selector {
-                        s.remove(&id);
+                        s.remove(id);
                     }
                 }
                 out.push(Update::RemoveIdentity(id));
@@ -617,7 +617,7 @@ impl MapState {
                     if add {
                         s.insert(*id);
                     } else {
-                        s.remove(id);
+                        s.remove(*id);
                     }
                 }
             }
@@ -644,7 +644,7 @@ impl MapState {
         for (other, copy) in pairs {
             let these: Vec<Identity> = match self.selector(other) {
                 Some(Selector::Any) => ids.clone(),
-                Some(Selector::Ids(s)) => ids.iter().copied().filter(|i| s.contains(i)).collect(),
+                Some(Selector::Ids(s)) => ids.iter().copied().filter(|i| s.contains(*i)).collect(),
                 None => Vec::new(),
             };
             if these.is_empty() {

@@ -1,6 +1,5 @@
 //! The input model of a MapState: resolved, ordered policy entries.
 
-use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::Arc;
 
@@ -578,6 +577,94 @@ impl fmt::Display for EntryId {
     }
 }
 
+/// A set of identities, as a compressed bitmap. An entry holds the identities its selector
+/// selects, once per MapState, and an entry that selects every pod holds every pod identity: as
+/// a `BTreeSet` that was ~6 bytes per identity (122 MiB for 8,135 entries at 50,000 pods), as a
+/// bitmap it is at most 2 bytes (8 KiB per 65,536 identities once dense), and inserting or
+/// removing an identity no longer walks a tree.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct IdSet(roaring::RoaringBitmap);
+
+impl IdSet {
+    /// The empty set.
+    pub fn new() -> IdSet {
+        IdSet::default()
+    }
+
+    /// Adds `id`; whether it was new.
+    pub fn insert(&mut self, id: Identity) -> bool {
+        self.0.insert(id)
+    }
+
+    /// Removes `id`; whether it was there.
+    pub fn remove(&mut self, id: Identity) -> bool {
+        self.0.remove(id)
+    }
+
+    /// Whether `id` is in the set.
+    pub fn contains(&self, id: Identity) -> bool {
+        self.0.contains(id)
+    }
+
+    /// Number of identities.
+    pub fn len(&self) -> usize {
+        self.0.len() as usize
+    }
+
+    /// Whether the set is empty.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The identities, ascending.
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = Identity> + '_ {
+        self.0.iter()
+    }
+
+    /// The identities in both sets.
+    pub fn intersection(&self, other: &IdSet) -> IdSet {
+        IdSet(&self.0 & &other.0)
+    }
+
+    /// The identities of `self` that are not in `other`, ascending.
+    pub fn difference<'a>(&'a self, other: &'a IdSet) -> impl Iterator<Item = Identity> + 'a {
+        self.iter().filter(move |id| !other.contains(*id))
+    }
+}
+
+impl FromIterator<Identity> for IdSet {
+    fn from_iter<I: IntoIterator<Item = Identity>>(iter: I) -> IdSet {
+        IdSet(iter.into_iter().collect())
+    }
+}
+
+impl<'a> IntoIterator for &'a IdSet {
+    type Item = Identity;
+    type IntoIter = roaring::bitmap::Iter<'a>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
+}
+
+impl Extend<Identity> for IdSet {
+    fn extend<I: IntoIterator<Item = Identity>>(&mut self, iter: I) {
+        self.0.extend(iter)
+    }
+}
+
+impl fmt::Debug for IdSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_set().entries(self.iter()).finish()
+    }
+}
+
+/// As the sorted list of identities.
+impl Serialize for IdSet {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.iter())
+    }
+}
+
 /// Which peers an entry applies to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -585,7 +672,7 @@ pub enum Selector {
     /// Every identity (and addresses without one).
     Any,
     /// Exactly these identities (possibly none, for a selector that currently selects nothing).
-    Ids(BTreeSet<Identity>),
+    Ids(IdSet),
 }
 
 impl Selector {
@@ -598,7 +685,7 @@ impl Selector {
     pub fn selects(&self, id: Identity) -> bool {
         match self {
             Selector::Any => true,
-            Selector::Ids(s) => s.contains(&id),
+            Selector::Ids(s) => s.contains(id),
         }
     }
 }

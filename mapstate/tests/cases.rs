@@ -70,7 +70,7 @@ fn probe_ids(entries: &[PolicyEntry]) -> Vec<Option<Identity>> {
     let mut out: Vec<Option<Identity>> = vec![None, Some(99)];
     for e in entries {
         if let Selector::Ids(s) = &e.selector {
-            out.extend(s.iter().map(|id| Some(*id)));
+            out.extend(s.iter().map(Some));
         }
     }
     out.sort();

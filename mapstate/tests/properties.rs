@@ -303,7 +303,7 @@ fn identity_selection_changes_equal_from_scratch() {
                     ids: vec![id],
                 }
             } else {
-                set.remove(&id);
+                set.remove(id);
                 Update::Deselect {
                     entry: entries[i].id,
                     ids: vec![id],
@@ -319,7 +319,7 @@ fn identity_selection_changes_equal_from_scratch() {
         ms.apply([Update::RemoveIdentity(gone)]).unwrap();
         for e in &mut entries {
             if let Selector::Ids(s) = &mut e.selector {
-                s.remove(&gone);
+                s.remove(gone);
             }
         }
         if let Err(e) = check_state(&ms, &entries, input.default) {
@@ -443,11 +443,11 @@ fn resolve(steps: &[Step], live: &mut Vec<PolicyEntry>) -> Vec<Update> {
                     unreachable!()
                 };
                 if matches!(step, Step::Select(..)) {
-                    set.extend(&ids);
+                    set.extend(ids.iter().copied());
                     out.push(Update::Select { entry, ids });
                 } else {
                     for id in &ids {
-                        set.remove(id);
+                        set.remove(*id);
                     }
                     out.push(Update::Deselect { entry, ids });
                 }
@@ -469,7 +469,7 @@ fn resolve(steps: &[Step], live: &mut Vec<PolicyEntry>) -> Vec<Update> {
                 let id = id_of(*id);
                 for e in live.iter_mut() {
                     if let Selector::Ids(set) = &mut e.selector {
-                        set.remove(&id);
+                        set.remove(id);
                     }
                 }
                 out.push(Update::RemoveIdentity(id));
