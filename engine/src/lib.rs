@@ -57,5 +57,5 @@ pub use query::{
     ResolveError, SideDecision, SideTrace, matrix, matrix_by,
 };
 pub use services::{Backend, ServiceDestination, ServicePort, ServiceRec, TargetPort};
-pub use shadow::ShadowedRule;
+pub use shadow::{ShadowInputs, ShadowedRule};
 pub use snapshot::{EndpointSnapshot, PolicySnapshot, SnapEntry, Snapshot};

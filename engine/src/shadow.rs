@@ -188,8 +188,10 @@ enum Status {
 }
 
 struct Analysis<'a> {
-    engine: &'a Engine,
-    policies: Vec<&'a Arc<Policy>>,
+    /// `None` once detached ([`ShadowInputs`]): every selector and named-port group a rule can
+    /// ask for has been computed by then.
+    engine: Option<&'a Engine>,
+    policies: Vec<Arc<Policy>>,
     /// Identity -> bit.
     bit: HashMap<Identity, usize>,
     n: usize,
@@ -216,8 +218,8 @@ impl<'a> Analysis<'a> {
         let mut all = Bits::empty(n);
         (0..n).for_each(|i| all.set(i));
         Analysis {
-            engine,
-            policies: engine.store.policies.values().collect(),
+            engine: Some(engine),
+            policies: engine.store.policies.values().cloned().collect(),
             bit,
             n,
             all: Arc::new(all),
@@ -242,12 +244,16 @@ impl<'a> Analysis<'a> {
         if let Some(b) = self.selectors.get(spec) {
             return b.clone();
         }
-        let b = Arc::new(match self.engine.selector_identities(spec) {
+        let Some(engine) = self.engine else {
+            debug_assert!(false, "a detached analysis asked for a selector it lacks");
+            return Arc::new(Bits::empty(self.n));
+        };
+        let b = Arc::new(match engine.selector_identities(spec) {
             Some(ids) => self.bits(ids),
             None => self.bits(&crate::selector_cache::evaluate(
                 spec,
-                &self.engine.ids,
-                &self.engine.store,
+                &engine.ids,
+                &engine.store,
             )),
         });
         self.selectors.insert(spec.clone(), b.clone());
@@ -260,14 +266,17 @@ impl<'a> Analysis<'a> {
         if let Some(g) = self.named.get(&key) {
             return g.clone();
         }
-        let ids: Vec<Identity> = match self.engine.selector_identities(spec) {
+        let Some(engine) = self.engine else {
+            debug_assert!(false, "a detached analysis asked for a named port it lacks");
+            return Arc::new(Vec::new());
+        };
+        let ids: Vec<Identity> = match engine.selector_identities(spec) {
             Some(ids) => ids.iter().copied().collect(),
-            None => crate::selector_cache::evaluate(spec, &self.engine.ids, &self.engine.store)
+            None => crate::selector_cache::evaluate(spec, &engine.ids, &engine.store)
                 .into_iter()
                 .collect(),
         };
-        let groups: Vec<(u16, Arc<Bits>)> = self
-            .engine
+        let groups: Vec<(u16, Arc<Bits>)> = engine
             .group_by_port(ids, name, proto)
             .into_iter()
             .map(|(n, set)| (n, Arc::new(self.bits(&set))))
@@ -282,7 +291,7 @@ impl<'a> Analysis<'a> {
         if let Some(r) = self.rects.get(&id) {
             return r.clone();
         }
-        let policy = self.policies[id.0];
+        let policy = Arc::clone(&self.policies[id.0]);
         let rule = &policy.rules[id.1][id.2];
         let dir = if id.1 == 0 {
             Direction::Ingress
@@ -451,8 +460,54 @@ impl Engine {
     /// policy, direction and index. Works on a node-scoped engine too: it uses only what the
     /// engine knows cluster-wide (policies, pods, identities, selectors), never MapStates.
     pub fn shadowed_rules(&self) -> Vec<ShadowedRule> {
+        self.shadow_inputs().analyze()
+    }
+
+    /// What the shadowed-rule analysis needs from the engine, copied out: the policies, the
+    /// endpoint classes, and every selector and named-port group their rules use, as bitsets
+    /// over the identities. The agent takes it under the engine's lock and analyses after
+    /// releasing it (at 10,000 pods and 5,000 policies the analysis takes ~0.7 s; the applier
+    /// waited for it).
+    pub fn shadow_inputs(&self) -> ShadowInputs {
         let mut a = Analysis::new(self);
         let classes = self.endpoint_classes(&a);
+        // Every rule of every policy, as the analysis can ask for it: its selectors and egress
+        // named-port groups are computed now (and the rectangles that depend on no class).
+        for pi in 0..a.policies.len() {
+            for di in 0..2 {
+                for ri in 0..a.policies[pi].rules[di].len() {
+                    a.rule_rects((pi, di, ri), &Vec::new());
+                }
+            }
+        }
+        ShadowInputs {
+            analysis: Analysis {
+                engine: None,
+                policies: a.policies,
+                bit: a.bit,
+                n: a.n,
+                all: a.all,
+                selectors: a.selectors,
+                named: a.named,
+                rects: a.rects,
+            },
+            classes,
+        }
+    }
+}
+
+/// The inputs of the shadowed-rule analysis, detached from the engine
+/// ([`Engine::shadow_inputs`]).
+pub struct ShadowInputs {
+    analysis: Analysis<'static>,
+    classes: [BTreeSet<(Vec<usize>, OwnPorts)>; 2],
+}
+
+impl ShadowInputs {
+    /// [`Engine::shadowed_rules`] of the engine these inputs were taken from.
+    pub fn analyze(self) -> Vec<ShadowedRule> {
+        let mut a = self.analysis;
+        let classes = self.classes;
         let status = a.rule_status(&classes);
         let mut out: Vec<ShadowedRule> = status
             .into_iter()
@@ -461,7 +516,7 @@ impl Engine {
                 Status::Decides => None,
             })
             .map(|(id, by)| {
-                let policy = a.policies[id.0];
+                let policy = &a.policies[id.0];
                 let rule = &policy.rules[id.1][id.2];
                 let mut shadowed_by: Vec<&Rule> = by
                     .iter()
@@ -485,7 +540,9 @@ impl Engine {
         });
         out
     }
+}
 
+impl Engine {
     /// The distinct endpoint classes per direction: selecting policies (by number in
     /// `a.policies`) and, for ingress, what their ingress named ports resolve to on the
     /// endpoint. Only endpoints selected by some ordered policy count.
@@ -497,39 +554,54 @@ impl Engine {
             .map(|(i, p)| (&p.id, i))
             .collect();
         let mut classes: [BTreeSet<(Vec<usize>, OwnPorts)>; 2] = Default::default();
+        // Pods of one namespace with one label set are selected by the same policies: computed
+        // once per (namespace, label set), the label sets being shared between pods (per pod it
+        // was 86 % of the analysis' inputs at 10,000 pods).
+        type Selecting = Option<(Vec<usize>, Vec<(String, Protocol)>)>;
+        let mut by_labels: HashMap<(&str, *const crate::model::Labels), Selecting> =
+            HashMap::default();
         for (k, rec) in &self.store.pods {
             if !rec.addressed() || rec.ids.is_empty() {
                 continue;
             }
-            let selecting: Vec<usize> = self
-                .store
-                .selecting_policies(k)
-                .iter()
-                .filter_map(|id| index.get(id).copied())
-                .collect();
-            if !selecting.iter().any(|&i| {
-                matches!(
-                    a.policies[i].id.kind,
-                    PolicyKind::Ordered | PolicyKind::ClusterOrdered
-                )
-            }) {
+            let found = by_labels
+                .entry((k.0.as_str(), Arc::as_ptr(&rec.labels)))
+                .or_insert_with(|| {
+                    let mut selecting: Vec<usize> = self
+                        .store
+                        .selecting(&k.0, &rec.labels)
+                        .filter_map(|(id, _)| index.get(id).copied())
+                        .collect();
+                    // In policy order (`a.policies` is), as `selecting_policies` sorts them.
+                    selecting.sort_unstable();
+                    if !selecting.iter().any(|&i| {
+                        matches!(
+                            a.policies[i].id.kind,
+                            PolicyKind::Ordered | PolicyKind::ClusterOrdered
+                        )
+                    }) {
+                        return None;
+                    }
+                    let mut names: Vec<(String, Protocol)> = selecting
+                        .iter()
+                        .flat_map(|&i| a.policies[i].named_ports(Direction::Ingress))
+                        .collect();
+                    names.sort();
+                    names.dedup();
+                    Some((selecting, names))
+                });
+            let Some((selecting, names)) = found else {
                 continue;
-            }
-            let mut names: Vec<(String, Protocol)> = selecting
-                .iter()
-                .flat_map(|&i| a.policies[i].named_ports(Direction::Ingress))
-                .collect();
-            names.sort();
-            names.dedup();
+            };
             let own: OwnPorts = names
-                .into_iter()
+                .iter()
                 .map(|(n, p)| {
-                    let r = resolve_named(&rec.ports, &n, p);
-                    ((n, p), r)
+                    let r = resolve_named(&rec.ports, n, *p);
+                    ((n.clone(), *p), r)
                 })
                 .collect();
             classes[0].insert((selecting.clone(), own));
-            classes[1].insert((selecting, Vec::new()));
+            classes[1].insert((selecting.clone(), Vec::new()));
         }
         classes
     }
@@ -559,7 +631,7 @@ impl Analysis<'_> {
                     .collect();
                 rules.sort();
                 for (pos, &(rk, id)) in rules.iter().enumerate() {
-                    let policy = a.policies[id.0];
+                    let policy = Arc::clone(&a.policies[id.0]);
                     if !matches!(
                         policy.id.kind,
                         PolicyKind::Ordered | PolicyKind::ClusterOrdered
@@ -575,7 +647,7 @@ impl Analysis<'_> {
                             .iter()
                             .copied()
                             .filter(|&pi| {
-                                let q = a.policies[pi];
+                                let q = &a.policies[pi];
                                 q.tier < policy.tier
                                     || (q.tier == policy.tier && q.priority <= policy.priority)
                             })

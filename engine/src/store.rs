@@ -181,22 +181,31 @@ impl Store {
         let Some(rec) = self.pods.get(k) else {
             return Vec::new();
         };
-        let ns_labels = self.ns_labels(&k.0);
         let mut out: Vec<PolicyRef> = self
-            .ns_policies
-            .get(&k.0)
-            .into_iter()
-            .flatten()
-            .chain(self.cluster_policies.iter())
-            .filter(|id| {
-                self.policies
-                    .get(*id)
-                    .is_some_and(|p| p.subject.selects(&k.0, &ns_labels, &rec.labels))
-            })
-            .cloned()
+            .selecting(&k.0, &rec.labels)
+            .map(|(id, _)| id.clone())
             .collect();
         out.sort();
         out
+    }
+
+    /// The policies whose subject selects a pod of namespace `ns` with labels `labels`, in no
+    /// particular order.
+    pub(crate) fn selecting<'a>(
+        &'a self,
+        ns: &'a str,
+        labels: &'a Labels,
+    ) -> impl Iterator<Item = (&'a PolicyRef, &'a Arc<Policy>)> + 'a {
+        let ns_labels = self.ns_labels(ns);
+        self.ns_policies
+            .get(ns)
+            .into_iter()
+            .flatten()
+            .chain(self.cluster_policies.iter())
+            .filter_map(move |id| {
+                let p = self.policies.get(id)?;
+                p.subject.selects(ns, &ns_labels, labels).then_some((id, p))
+            })
     }
 }
 

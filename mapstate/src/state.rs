@@ -12,7 +12,7 @@ use smallvec::SmallVec;
 use crate::changes::ChangeSet;
 use crate::prefix::L4Prefix;
 use crate::types::{
-    Direction, EntryId, Identity, OrderKey, Origin, Peer, PolicyEntry, Selector, Verdict,
+    Direction, EntryId, IdSet, Identity, OrderKey, Origin, Peer, PolicyEntry, Selector, Verdict,
 };
 
 /// The hash maps and sets of the per-peer state: keyed by peers and lists that the walk looks
@@ -360,8 +360,10 @@ pub(crate) struct Core {
     /// peers whose candidates are equal (see `pool`): the identities one set of selectors
     /// holds all have the same ones.
     cand: FastMap<Peer, Arc<Candidates>>,
-    /// Identities that have specific candidates at each block (with contribution counts).
-    spec_index: PrefixMap<L4Prefix, Vec<(Identity, u32)>>,
+    /// Identities that have specific candidates at each block. (A bitmap per block: with a
+    /// count of contributions per identity it was the largest part of a MapState at 50,000
+    /// pods; the candidates have the counts.)
+    spec_index: PrefixMap<L4Prefix, IdSet>,
     /// The state: the keys of each peer, shared like the candidates (equal candidates give
     /// equal keys).
     tries: FastMap<Peer, Arc<Keys>>,
@@ -602,15 +604,15 @@ impl Core {
         drop(distinct);
         ms.tries.reserve(ms.cand.len());
         // The identity index in one go: per block, the identities with candidates there.
-        let mut pairs: Vec<(L4Prefix, Identity, u32)> = Vec::new();
+        let mut pairs: Vec<(L4Prefix, Identity)> = Vec::new();
         for (peer, cand) in &ms.cand {
             if let Peer::Id(id) = peer {
-                pairs.extend(cand.iter().map(|(b, cs)| (b, *id, cs.len() as u32)));
+                pairs.extend(cand.iter().map(|(b, _)| (b, *id)));
             }
         }
         pairs.sort_unstable_by_key(|p| (p.0.sort_key(), p.1));
         for group in pairs.chunk_by(|a, b| a.0 == b.0) {
-            let ids = group.iter().map(|&(_, id, n)| (id, n)).collect();
+            let ids = group.iter().map(|&(_, id)| id).collect();
             ms.spec_index.insert(group[0].0, ids);
         }
         // `*` first: the identities' keys are computed from the `*` keys.
@@ -917,9 +919,7 @@ impl Core {
         }
         for (block, _) in cand.iter().flat_map(|c| c.0.iter()) {
             if let Some(v) = self.spec_index.get_mut(block) {
-                if let Ok(i) = v.binary_search_by_key(&id, |e| e.0) {
-                    v.remove(i);
-                }
+                v.remove(id);
                 if v.is_empty() {
                     self.spec_index.remove(block);
                 }
@@ -959,12 +959,8 @@ impl Core {
             .chunk_by(|a, b| a.0 == b.0)
             .map(|g| (g[0].0, g.iter().map(|x| x.1).collect::<Contribs>()))
             .collect();
-        for (block, cs) in &blocks {
-            let v = self.spec_index.entry(*block).or_default();
-            match v.binary_search_by_key(&id, |e| e.0) {
-                Ok(i) => v[i].1 += cs.len() as u32,
-                Err(i) => v.insert(i, (id, cs.len() as u32)),
-            }
+        for (block, _) in &blocks {
+            self.spec_index.entry(*block).or_default().insert(id);
         }
         self.cand.insert(Peer::Id(id), Arc::new(Candidates(blocks)));
         dirty.entry(Peer::Id(id)).or_default().push(L4Prefix::ANY);
@@ -1031,8 +1027,8 @@ impl Core {
                         .map(|(_, v)| v)
                         .chain(self.spec_index.children(b).map(|(_, v)| v))
                     {
-                        for (id, _) in ids {
-                            dirty.entry(Peer::Id(*id)).or_default().push(*b);
+                        for id in ids {
+                            dirty.entry(Peer::Id(id)).or_default().push(*b);
                         }
                     }
                 }
@@ -1066,17 +1062,13 @@ impl Core {
     fn index_contrib(&mut self, peer: Peer, block: L4Prefix, c: Contrib, add: bool) {
         self.index_cand(peer, block, c, add);
         if let Peer::Id(id) = peer {
+            // Indexed while the identity has a contribution at the block.
+            let present = self.cand.get(&peer).is_some_and(|c| c.find(&block).is_ok());
             let v = self.spec_index.entry(block).or_default();
-            match (v.binary_search_by_key(&id, |e| e.0), add) {
-                (Ok(i), true) => v[i].1 += 1,
-                (Err(i), true) => v.insert(i, (id, 1)),
-                (Ok(i), false) => {
-                    v[i].1 -= 1;
-                    if v[i].1 == 0 {
-                        v.remove(i);
-                    }
-                }
-                (Err(_), false) => {}
+            if present {
+                v.insert(id);
+            } else {
+                v.remove(id);
             }
             if v.is_empty() {
                 self.spec_index.remove(&block);

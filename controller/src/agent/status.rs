@@ -519,11 +519,14 @@ async fn refresh(state: &Arc<AgentState>, report: &mut Option<Report>) {
     let started = Instant::now();
     let st = state.clone();
     let result = tokio::task::spawn_blocking(move || {
-        st.with_engine(|e| {
-            // Read under the engine's lock: the engine has applied at least this change number.
+        // The inputs are copied under the engine's lock (the engine has applied at least this
+        // change number); the analysis runs after releasing it, so that the applier does not
+        // wait for it.
+        let (seq, inputs, subjects) = st.with_engine(|e| {
             let seq = st.applied.load(Ordering::SeqCst);
-            (seq, e.shadowed_rules(), subjects(e))
-        })
+            (seq, e.shadow_inputs(), subjects(e))
+        })?;
+        Some((seq, inputs.analyze(), subjects))
     })
     .await;
     let Ok(Some((seq, rules, subjects))) = result else {
