@@ -13,10 +13,7 @@ use std::{
     collections::{BTreeMap, HashMap},
 };
 
-/// The hasher of the policy and ipcache copies: their keys are a few integers, inserted by the
-/// million when a node is programmed (SipHash was a fifth of programming at 10k pods / 5k
-/// policies). Seeded per process.
-pub type FastHash = foldhash::fast::RandomState;
+use ordnet_mapstate::FastHash;
 
 use ordnet_datapath_common::{
     DatapathMaps, addr_bytes, addr_words,

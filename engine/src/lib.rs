@@ -24,11 +24,8 @@
 
 mod build;
 mod fast {
-    //! The engine's hash maps: keyed by policy lists, names and selectors, looked up on every
-    //! change (SipHash of a state's policy list was 12 % of a relabel at 10k pods / 5k
-    //! policies). Seeded per process, like the standard library's.
-    pub(crate) type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
-    pub(crate) type HashSet<T> = std::collections::HashSet<T, foldhash::fast::RandomState>;
+    //! The engine's hash maps use the workspace's hasher ([`ordnet_mapstate::FastHash`]).
+    pub(crate) use ordnet_mapstate::{FastMap as HashMap, FastSet as HashSet};
 }
 mod identity;
 mod incremental;

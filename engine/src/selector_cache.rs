@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::fast::HashMap;
 use std::sync::Arc;
 
-use ordnet_mapstate::Identity;
+use ordnet_mapstate::{IdSet, Identity};
 
 use crate::identity::{Identities, Signature};
 use crate::model::{NsScope, PeerSpec, PolicyRef};
@@ -86,10 +86,10 @@ impl SelectorCache {
 
     /// The identities of `spec` (empty if it is not cached, which does not happen for the
     /// peers of stored policies).
-    pub(crate) fn selected(&self, spec: &PeerSpec) -> BTreeSet<Identity> {
+    pub(crate) fn selected(&self, spec: &PeerSpec) -> IdSet {
         self.entries
             .get(spec)
-            .map(|s| s.ids.clone())
+            .map(|s| s.ids.iter().copied().collect())
             .unwrap_or_default()
     }
 

@@ -268,7 +268,7 @@ impl Engine {
                     let mut made: Vec<(EntryKey, Selector)> = Vec::new();
                     let sel = |e: &Engine| match peer {
                         None => Selector::Any,
-                        Some(p) => Selector::Ids(e.selectors.selected(p).into_iter().collect()),
+                        Some(p) => Selector::Ids(e.selectors.selected(p)),
                     };
                     match port {
                         None => made.push((plain(L4Match::Any), sel(self))),

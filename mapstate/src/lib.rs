@@ -157,6 +157,6 @@ pub use prefix::L4Prefix;
 pub use state::{Covered, Decision, Key, StateEntry, Update, UpdateError};
 pub use tiers::{COPY_BASE, MapState};
 pub use types::{
-    Action, Direction, EntryId, IdSet, Identity, L4Match, OrderKey, Origin, Peer, PolicyEntry,
-    Protocol, Selector, Step, Tier, Verdict, Via,
+    Action, Direction, EntryId, FastHash, FastMap, FastSet, IdSet, Identity, L4Match, OrderKey,
+    Origin, Peer, PolicyEntry, Protocol, Selector, Step, Tier, Verdict, Via,
 };

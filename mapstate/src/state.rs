@@ -15,12 +15,7 @@ use crate::types::{
     Direction, EntryId, IdSet, Identity, OrderKey, Origin, Peer, PolicyEntry, Selector, Verdict,
 };
 
-/// The hash maps and sets of the per-peer state: keyed by peers and lists that the walk looks
-/// up for every peer it visits, so a fast non-cryptographic hash (foldhash; the keys are not
-/// chosen by an adversary: identities and lists the engine computes). SipHash was ~13 % of a
-/// relabel's engine time at 10k pods / 5k policies.
-type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
-type FastSet<T> = std::collections::HashSet<T, foldhash::fast::RandomState>;
+use crate::types::{FastMap, FastSet};
 
 /// A key of the MapState (the direction is the MapState's own).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
