@@ -44,7 +44,7 @@ async fn incremental_state_at_10k_pods_equals_a_fresh_build() {
     let h = start_agent_within(&api, &node, Duration::from_secs(300)).await;
     for n in 0..3 {
         for k in 0..scale::CHANGE_KINDS.len() {
-            scale::change(&api, &shape, k, n);
+            let _ = scale::change(&api, &shape, k, n);
         }
     }
     let pod = shape.pod(0);

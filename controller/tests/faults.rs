@@ -70,7 +70,7 @@ impl Cluster {
     /// One change of every kind (pods here and elsewhere, a namespace, both policy kinds).
     fn change_all(&mut self) {
         for k in 0..scale::CHANGE_KINDS.len() {
-            scale::change(&self.api, &self.shape, k, self.changes);
+            let _ = scale::change(&self.api, &self.shape, k, self.changes);
         }
         self.changes += 1;
     }

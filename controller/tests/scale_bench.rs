@@ -23,7 +23,6 @@ use std::time::{Duration, Instant};
 
 use ordnet_testsuite::fakeapi::FakeApi;
 use ordnet_testsuite::scale::{self, Shape};
-use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const CHANGES_PER_KIND: usize = 40;
@@ -71,12 +70,28 @@ async fn get(addr: &str, path: &str) -> Option<(u16, String)> {
     Some((code, body))
 }
 
-async fn batches(addr: &str) -> u64 {
+/// The agent's counters the benchmark reads from its `/metrics`: batches applied, and the sums
+/// of the engine's time and of the engine's plus the datapath's time over them.
+#[derive(Clone, Copy)]
+struct Counters {
+    batches: u64,
+    compile: f64,
+    apply: f64,
+}
+
+async fn counters(addr: &str) -> Counters {
     let (_, body) = get(addr, "/metrics").await.expect("agent /metrics");
-    body.lines()
-        .find_map(|l| l.strip_prefix("ordnet_update_batches_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .expect("ordnet_update_batches_total")
+    let value = |name: &str| {
+        body.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("{name} missing from the agent's /metrics"))
+    };
+    Counters {
+        batches: value("ordnet_update_batches_total") as u64,
+        compile: value("ordnet_compile_duration_seconds_sum"),
+        apply: value("ordnet_apply_duration_seconds_sum"),
+    }
 }
 
 fn free_addr() -> String {
@@ -131,7 +146,17 @@ struct Run {
     ready: Duration,
     rss_kib: u64,
     peak_kib: u64,
-    latencies: Vec<Vec<Duration>>,
+    /// Per change kind, sorted by the total.
+    latencies: Vec<Vec<Latency>>,
+}
+
+/// One change → programmed: in all, and of which the agent's engine and its datapath
+/// programming (the rest is the API server, the watch, decoding and the batching).
+#[derive(Clone, Copy)]
+struct Latency {
+    total: Duration,
+    engine: Duration,
+    datapath: Duration,
 }
 
 fn pct(sorted: &[Duration], p: f64) -> Duration {
@@ -196,11 +221,22 @@ async fn run(shape: Shape) -> Run {
     let mut latencies = vec![Vec::new(); scale::CHANGE_KINDS.len()];
     for n in 0..CHANGES_PER_KIND {
         for (k, l) in latencies.iter_mut().enumerate() {
-            let before = batches(&agent.addr).await;
+            let before = counters(&agent.addr).await;
             let t0 = Instant::now();
-            scale::change(&api, &shape, k, n);
+            let _ = scale::change(&api, &shape, k, n);
             loop {
-                if batches(&agent.addr).await > before {
+                let now = counters(&agent.addr).await;
+                if now.batches > before.batches {
+                    let total = t0.elapsed();
+                    let engine = Duration::from_secs_f64(now.compile - before.compile);
+                    let datapath = Duration::from_secs_f64(
+                        (now.apply - now.compile) - (before.apply - before.compile),
+                    );
+                    l.push(Latency {
+                        total,
+                        engine,
+                        datapath,
+                    });
                     break;
                 }
                 assert!(
@@ -211,12 +247,11 @@ async fn run(shape: Shape) -> Run {
                 );
                 tokio::time::sleep(Duration::from_micros(500)).await;
             }
-            l.push(t0.elapsed());
         }
     }
     let (rss_kib, peak_kib) = memory_kib(pid);
     for l in &mut latencies {
-        l.sort();
+        l.sort_by_key(|l| l.total);
     }
     drop(agent);
     Run {
@@ -240,13 +275,23 @@ fn report(r: &Run) {
         r.rss_kib as f64 / s.pods as f64,
     );
     for (k, l) in r.latencies.iter().enumerate() {
+        let total: Vec<Duration> = l.iter().map(|l| l.total).collect();
+        let mut engine: Vec<Duration> = l.iter().map(|l| l.engine).collect();
+        let mut datapath: Vec<Duration> = l.iter().map(|l| l.datapath).collect();
+        engine.sort();
+        datapath.sort();
+        let slowest = l.last().unwrap();
         println!(
-            "      {:<26} p50 {:>7.2} ms  p99 {:>7.2} ms  max {:>7.2} ms  ({} changes)",
+            "      {:<26} p50 {:>7.2} ms  p99 {:>7.2} ms  max {:>7.2} ms  ({} changes); engine p50 {:.2} ms, datapath p50 {:.2} ms; the slowest: engine {:.2} ms, datapath {:.2} ms",
             scale::CHANGE_KINDS[k],
-            ms(pct(l, 0.5)),
-            ms(pct(l, 0.99)),
-            ms(*l.last().unwrap()),
-            l.len()
+            ms(pct(&total, 0.5)),
+            ms(pct(&total, 0.99)),
+            ms(slowest.total),
+            l.len(),
+            ms(pct(&engine, 0.5)),
+            ms(pct(&datapath, 0.5)),
+            ms(slowest.engine),
+            ms(slowest.datapath),
         );
     }
 }
@@ -523,20 +568,22 @@ fn push(initial: &mut Initial, o: ordnet_engine::Object) {
     }
 }
 
-/// The engine alone (no agent, no API server): built for node 0 from the generated cluster,
-/// then the change kinds of [`agent_at_scale`] applied one at a time through
-/// [`ordnet_engine::Engine::apply`], each timed (what the agent's latency is made of, and what
-/// a profiler should look at: `perf record` on this test).
-#[test]
+/// The engine alone (no agent; the fake API server only writes the changes): built for node 0
+/// from the generated cluster, then the changes of [`agent_at_scale`] (the same objects, in the
+/// same order) applied one at a time through [`ordnet_engine::Engine::apply`], each timed (what
+/// the agent's latency is made of, and what a profiler should look at: `perf record` on this
+/// test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "benchmark: run in release with --ignored --nocapture"]
-fn engine_changes() {
+async fn engine_changes() {
     use ordnet::agent::{Enforcer, NoneDatapath};
     use ordnet_engine::ObjectChange;
     for shape in shapes() {
+        let api = FakeApi::start().await.unwrap();
         let mut initial = Initial::default();
-        let all = shape.objects();
-        for v in all.iter().cloned() {
-            push(&mut initial, typed(v).slimmed());
+        for v in shape.objects() {
+            let written = api.create(v).unwrap();
+            push(&mut initial, typed(written).slimmed());
         }
         let started = Instant::now();
         let mut engine = initial.build(scale::node_name(0));
@@ -546,52 +593,35 @@ fn engine_changes() {
             shape.policies,
             started.elapsed().as_secs_f64()
         );
-        let pods_of_node0: Vec<&serde_json::Value> = all
-            .iter()
-            .filter(|o| o["kind"] == "Pod" && o["spec"]["nodeName"] == scale::node_name(0))
-            .collect();
-        let namespaces: Vec<&serde_json::Value> =
-            all.iter().filter(|o| o["kind"] == "Namespace").collect();
         let mut dp = NoneDatapath::default();
         dp.program_full(&engine).unwrap();
-        // Per change kind: engine, datapath (`--datapath none`: the same programming as bpf).
-        let mut times: [Vec<f64>; 2] = Default::default();
-        let mut dp_times: [Vec<f64>; 2] = Default::default();
-        for n in 0..10 {
-            let mut pod = pods_of_node0[(n * 7) % pods_of_node0.len()].clone();
-            let tier = &mut pod["metadata"]["labels"]["tier"];
-            *tier = json!(if tier == "frontend" {
-                "backend"
-            } else {
-                "frontend"
-            });
-            let t = Instant::now();
-            let d = engine.apply(ObjectChange::Upsert(typed(pod)));
-            times[0].push(t.elapsed().as_secs_f64() * 1e3);
-            let t = Instant::now();
-            dp.apply(&engine, &[d]).unwrap();
-            dp_times[0].push(t.elapsed().as_secs_f64() * 1e3);
-            let mut ns = namespaces[(n * 31) % namespaces.len()].clone();
-            ns["metadata"]["labels"]["team"] = json!(format!("team-x{n}"));
-            let t = Instant::now();
-            let d = engine.apply(ObjectChange::Upsert(typed(ns)));
-            times[1].push(t.elapsed().as_secs_f64() * 1e3);
-            let t = Instant::now();
-            dp.apply(&engine, &[d]).unwrap();
-            dp_times[1].push(t.elapsed().as_secs_f64() * 1e3);
+        // The agent benchmark's changes, in its order: per kind, the engine's and the
+        // datapath's time (`--datapath none`: the same programming as bpf).
+        let mut times = vec![Vec::new(); scale::CHANGE_KINDS.len()];
+        for n in 0..CHANGES_PER_KIND {
+            for (k, t) in times.iter_mut().enumerate() {
+                let written = scale::change(&api, &shape, k, n);
+                let change = ObjectChange::Upsert(typed(written).slimmed());
+                let started = Instant::now();
+                let d = engine.apply(change);
+                let computed = started.elapsed();
+                dp.apply(&engine, &[d]).unwrap();
+                t.push((computed, started.elapsed() - computed));
+            }
         }
-        for (i, name) in ["local pod relabel", "namespace relabel"]
-            .iter()
-            .enumerate()
-        {
-            let stats = |t: &Vec<f64>| {
-                let mut t = t.clone();
-                t.sort_by(f64::total_cmp);
-                (t[t.len() / 2], t[t.len() - 1])
-            };
-            let ((e50, emax), (d50, dmax)) = (stats(&times[i]), stats(&dp_times[i]));
+        for (k, t) in times.iter().enumerate() {
+            let mut e: Vec<Duration> = t.iter().map(|t| t.0).collect();
+            let mut d: Vec<Duration> = t.iter().map(|t| t.1).collect();
+            e.sort();
+            d.sort();
             println!(
-                "    {name:<20} engine p50 {e50:>8.2} ms max {emax:>8.2} ms; datapath p50 {d50:>8.2} ms max {dmax:>8.2} ms"
+                "    {:<26} engine p50 {:>7.2} ms p99 {:>7.2} ms max {:>7.2} ms; datapath p50 {:>6.2} ms max {:>6.2} ms",
+                scale::CHANGE_KINDS[k],
+                ms(pct(&e, 0.5)),
+                ms(pct(&e, 0.99)),
+                ms(*e.last().unwrap()),
+                ms(pct(&d, 0.5)),
+                ms(*d.last().unwrap()),
             );
         }
     }

@@ -381,8 +381,8 @@ pub const CHANGE_KINDS: [&str; 5] = [
 ];
 
 /// One change of kind `k` (index into [`CHANGE_KINDS`]), the `n`-th of its kind, written to the
-/// fake API server: always a real change of the object.
-pub fn change(api: &FakeApi, shape: &Shape, k: usize, n: usize) {
+/// fake API server: always a real change of the object. Returns the object as written.
+pub fn change(api: &FakeApi, shape: &Shape, k: usize, n: usize) -> Value {
     let nodes = shape.nodes();
     match k {
         0 | 1 => {
@@ -400,7 +400,7 @@ pub fn change(api: &FakeApi, shape: &Shape, k: usize, n: usize) {
             } else {
                 "frontend"
             });
-            api.update(o).unwrap();
+            api.update(o).unwrap()
         }
         2 => {
             let ns = (n * 31) % shape.namespaces();
@@ -413,7 +413,7 @@ pub fn change(api: &FakeApi, shape: &Shape, k: usize, n: usize) {
                 .and_then(|t| t.parse().ok())
                 .unwrap_or(0);
             *team = json!(format!("team-{}", (t + 1 + n % 7) % 25));
-            api.update(o).unwrap();
+            api.update(o).unwrap()
         }
         3 => {
             let i = (n * 13) % (shape.policies / 2);
@@ -432,7 +432,7 @@ pub fn change(api: &FakeApi, shape: &Shape, k: usize, n: usize) {
                 {"podSelector": {"matchLabels": {"app": apps[n % apps.len()]}}},
                 {"namespaceSelector": {"matchLabels": {"team": format!("team-{}", n % 25)}},
                  "podSelector": {"matchLabels": {"edit": n.to_string()}}}]);
-            api.update(o).unwrap();
+            api.update(o).unwrap()
         }
         _ => {
             let onps = shape.policies - shape.policies / 2 - shape.cluster_policies();
@@ -447,7 +447,7 @@ pub fn change(api: &FakeApi, shape: &Shape, k: usize, n: usize) {
                 )
                 .unwrap();
             o["spec"]["priority"] = json!(1001 + n as i64);
-            api.update(o).unwrap();
+            api.update(o).unwrap()
         }
     }
 }
