@@ -502,19 +502,25 @@ pub struct CellInputs {
 }
 
 impl CellInputs {
-    /// Counts one more identity key at `prefix`.
-    pub fn add_specific(&mut self, prefix: u32) {
-        *self.specific_count.entry(prefix).or_default() += 1;
+    /// Counts one more identity key at `prefix`. Returns whether it is the first (the cell
+    /// words read only whether a prefix has identity keys, so only then can they change).
+    pub fn add_specific(&mut self, prefix: u32) -> bool {
+        let n = self.specific_count.entry(prefix).or_default();
+        *n += 1;
+        *n == 1
     }
 
-    /// Counts one identity key fewer at `prefix` (no-op if there is none).
-    pub fn remove_specific(&mut self, prefix: u32) {
+    /// Counts one identity key fewer at `prefix` (no-op if there is none). Returns whether it
+    /// was the last (only then can the cell words change).
+    pub fn remove_specific(&mut self, prefix: u32) -> bool {
         if let Some(n) = self.specific_count.get_mut(&prefix) {
             *n -= 1;
             if *n == 0 {
                 self.specific_count.remove(&prefix);
+                return true;
             }
         }
+        false
     }
 }
 

@@ -583,11 +583,12 @@ impl Store {
             prefix,
         };
 
-        // Phase A: widen the masks.
+        // Phase A: widen the masks (only where a prefix gets its first identity key).
         let mut region = BTreeSet::new();
         for &((_, p), _) in &spec_added {
-            rs.inputs.add_specific(p);
-            region.extend(affected_cells(p));
+            if rs.inputs.add_specific(p) {
+                region.extend(affected_cells(p));
+            }
         }
         let mut phase = Phase::default();
         self.realize(w, slot, &rs.inputs, &region, &mut phase)?;
@@ -637,11 +638,12 @@ impl Store {
             self.run_phase(w, stats, phase)?;
         }
 
-        // Phase Z: narrow the masks.
+        // Phase Z: narrow the masks (only where a prefix loses its last identity key).
         let mut region = BTreeSet::new();
         for &((_, p), _) in spec_removed {
-            rs.inputs.remove_specific(p);
-            region.extend(affected_cells(p));
+            if rs.inputs.remove_specific(p) {
+                region.extend(affected_cells(p));
+            }
         }
         let mut phase = Phase::default();
         self.realize(w, slot, &rs.inputs, &region, &mut phase)?;
