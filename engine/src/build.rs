@@ -13,6 +13,7 @@ use ordnet_mapstate::{Identity, MapState, Origin};
 use serde::Serialize;
 
 use crate::identity::{Identities, Signature, pod_signature};
+use crate::incremental::DERIVE_COST_RATIO;
 use crate::model::{
     EngineError, PeerSpec, PolicyRef, translate_cluster_policy, translate_network_policy,
     translate_ordered_policy,
@@ -115,6 +116,8 @@ pub struct Engine {
     /// The MapStates, one per share key, with their users.
     pub(crate) shared: SharedStates,
     pub(crate) errors: Vec<EngineError>,
+    /// When a moving endpoint takes its old MapState over ([`crate::incremental`]).
+    pub(crate) derive_cost_ratio: usize,
 }
 
 impl Engine {
@@ -158,6 +161,7 @@ impl Engine {
             ep_index: HashMap::default(),
             ep_keys: HashMap::default(),
             shared: SharedStates::default(),
+            derive_cost_ratio: DERIVE_COST_RATIO,
             errors: Vec::new(),
         };
         e.world = e.ids.acquire(Signature::World, "").0;
@@ -177,6 +181,7 @@ impl Engine {
             store,
             ids,
             world: _,
+            derive_cost_ratio: _,
             cidr_ids,
             pod_addrs,
             selectors,

@@ -102,6 +102,14 @@ impl EngineDelta {
 /// endpoint to take its old MapState over instead of compiling a new one.
 pub(crate) const MAX_DERIVE_DIFF: usize = 3;
 
+/// How many times cheaper per (identity, entry) pair compiling a MapState is than updating one
+/// in place. Measured at 10,000 pods / 5,000 policies: a compilation costs about 90 ns per pair
+/// (it computes each distinct candidate list once), an update in place 10-20 µs per pair of
+/// the differing policies (every identity they select is recomputed on its own). Taking a
+/// state over whose differing policies weighed 2,000-10,000 pairs of 40,000 took 40-100 ms,
+/// compiling 5-9 ms.
+pub(crate) const DERIVE_COST_RATIO: usize = 128;
+
 /// A changed policy: (old, new); `None` = absent.
 pub(crate) type PolicyVersions = (Option<Arc<Policy>>, Option<Arc<Policy>>);
 
@@ -423,6 +431,59 @@ impl Engine {
             }
         }
         out
+    }
+
+    /// Whether updating the old state in place with the entries of the policies `differing`
+    /// (the endpoint's sole state, taking it over) is cheaper than compiling the state of
+    /// `new` ([`DERIVE_COST_RATIO`], or the ratio a test set).
+    pub(crate) fn derive_is_cheaper(
+        &self,
+        new: &ShareKey,
+        differing: &BTreeSet<PolicyRef>,
+    ) -> bool {
+        let identities = self.ids.recs.len();
+        let derive: usize = differing
+            .iter()
+            .map(|p| self.policy_weight(p, new.dir, identities))
+            .sum();
+        let compile: usize = new
+            .policies
+            .iter()
+            .map(|p| self.policy_weight(p, new.dir, 1))
+            .sum();
+        derive.saturating_mul(self.derive_cost_ratio) <= compile
+    }
+
+    /// Replaces [`DERIVE_COST_RATIO`]; 0 takes the old state over whenever at most
+    /// [`MAX_DERIVE_DIFF`] policies differ. For tests: both ways to a new state must give the
+    /// same result, and small test clusters would otherwise almost always compile.
+    #[doc(hidden)]
+    pub fn set_derive_cost_ratio(&mut self, ratio: usize) {
+        self.derive_cost_ratio = ratio;
+    }
+
+    /// A rough cost of adding or removing policy `p`'s entries in a state of direction `dir`:
+    /// the (identity, entry) pairs its selectors give, each rule without peers (a wildcard)
+    /// counting `wildcard` pairs per port. (For an update in place a wildcard can make every
+    /// identity of the state dirty; for a compilation it is one entry.)
+    fn policy_weight(&self, p: &PolicyRef, dir: Direction, wildcard: usize) -> usize {
+        let Some(policy) = self.store.policies.get(p) else {
+            return 0;
+        };
+        policy.rules[dir.index()]
+            .iter()
+            .map(|rule| {
+                let ports = rule.ports.as_ref().map_or(1, |v| v.len().max(1));
+                let peers = match &rule.peers {
+                    None => wildcard,
+                    Some(v) => v
+                        .iter()
+                        .map(|spec| self.selectors.get(spec).map_or(0, |s| s.ids.len()))
+                        .sum(),
+                };
+                ports * peers
+            })
+            .sum()
     }
 
     /// Local endpoints that a policy's subject may select (all pods of its namespace, or all).

@@ -424,6 +424,7 @@ impl Engine {
                 let full = self.key_diff(old, new, &changed);
                 if sole
                     && full.len() <= MAX_DERIVE_DIFF
+                    && self.derive_is_cheaper(new, &full)
                     && let Some(mut s) = self.shared.remove(old)
                 {
                     s.users.clear();
