@@ -135,7 +135,7 @@ fn run(seed: u64, steps: usize) -> Result<(), String> {
     let mut inc = Engine::build(&world.objects());
     // Half of the runs: a moving endpoint takes its old state over whenever few policies
     // differ (as large clusters do when the differing policies select few identities).
-    if seed % 2 == 0 {
+    if seed.is_multiple_of(2) {
         inc.set_derive_cost_ratio(0);
     }
     if !inc.errors().is_empty() {
