@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::fast::HashMap;
+use crate::fast::{HashMap, HashSet};
 use std::sync::Arc;
 
 use ordnet_mapstate::{IdSet, Identity};
@@ -110,7 +110,27 @@ impl SelectorCache {
         if added.is_empty() && removed.is_empty() {
             return n;
         }
+        // The namespaces of the pod identities that come and go: a selector of one namespace's
+        // own pods (most selectors: a namespaced policy's peers without a namespaceSelector)
+        // holds only pod identities of that namespace, so the others skip it.
+        let touched: HashSet<&str> = added
+            .iter()
+            .map(|(_, sig)| sig)
+            .chain(removed.values())
+            .filter_map(|sig| match sig {
+                Signature::Pod(p) => Some(p.namespace()),
+                _ => None,
+            })
+            .collect();
         for (spec, st) in self.entries.iter_mut() {
+            if let PeerSpec::Pods {
+                namespaces: NsScope::Named(ns),
+                ..
+            } = &**spec
+                && !touched.contains(ns.as_str())
+            {
+                continue;
+            }
             let mut changed = false;
             for (id, sig) in added {
                 if selects(spec, sig) && st.ids.insert(*id) {
