@@ -388,6 +388,14 @@ pub(crate) struct Core {
     /// A peer whose list changes gets its own copy (`Arc::make_mut`) and is shared again when
     /// recomputed. Lists no peer uses are dropped when a pool has doubled since its last sweep.
     pool: Pool,
+    /// For a shared candidate list (by address), an identity that holds it. An identity whose
+    /// whole space is dirty and whose candidates equal that one's takes its keys and notes
+    /// instead of being computed (equal candidates give equal keys and notes), as long as that
+    /// identity still holds that very list and is up to date. (A relabel adds an identity to
+    /// every state of the node; nearly always another identity has the same candidates.)
+    /// Stale entries are dropped when the map has doubled since the last sweep.
+    twins: FastMap<usize, Identity>,
+    twins_swept_at: usize,
 }
 
 /// A [`Covered`] note of one peer, without the peer (the map key gives it).
@@ -471,6 +479,8 @@ impl Core {
             lists_swept_at: 0,
             key_count: 0,
             pool: Pool::default(),
+            twins: FastMap::default(),
+            twins_swept_at: 0,
         }
     }
 
@@ -504,7 +514,10 @@ impl Core {
                 self.blockless = BTreeSet::new();
             }
             6 => self.lists = FastMap::default(),
-            _ => self.pool = Pool::default(),
+            _ => {
+                self.pool = Pool::default();
+                self.twins = FastMap::default();
+            }
         }
     }
 
@@ -614,27 +627,11 @@ impl Core {
         // Equal candidates give equal keys and notes: each distinct list is computed once.
         let mut peers: Vec<Peer> = ms.cand.keys().copied().collect();
         peers.sort_unstable();
-        type Computed = (Option<Arc<Keys>>, Option<Arc<Notes>>);
-        let mut computed: FastMap<*const Candidates, Computed> = FastMap::default();
         for peer in peers {
-            let cand = Arc::as_ptr(&ms.cand[&peer]);
-            if peer != Peer::Any
-                && let Some((keys, notes)) = computed.get(&cand)
-            {
-                if let Some(keys) = keys {
-                    ms.key_count += keys.len();
-                    ms.tries.insert(peer, Arc::clone(keys));
-                }
-                if let Some(notes) = notes {
-                    ms.covered.insert(peer, Arc::clone(notes));
-                }
-                continue;
+            if !ms.take_twin(peer, &FastSet::default(), None) {
+                ms.recompute(peer, L4Prefix::ANY, None);
+                ms.note_twin(peer);
             }
-            ms.recompute(peer, L4Prefix::ANY, None);
-            computed.insert(
-                cand,
-                (ms.tries.get(&peer).cloned(), ms.covered.get(&peer).cloned()),
-            );
         }
         Ok(ms)
     }
@@ -828,10 +825,18 @@ impl Core {
             self.covered.remove(&peer);
         }
         // `Peer::Any` sorts first: the identities' keys are computed from the `*` keys.
+        // Identities not yet recomputed are not up to date: none of them is taken as a twin.
+        let mut pending: FastSet<Peer> = dirty.keys().copied().collect();
         for (peer, regions) in dirty {
-            for region in minimal_regions(regions) {
+            pending.remove(&peer);
+            let regions = minimal_regions(regions);
+            if regions == [L4Prefix::ANY] && self.take_twin(peer, &pending, Some(&mut changes)) {
+                continue;
+            }
+            for region in regions {
                 self.recompute(peer, region, Some(&mut changes));
             }
+            self.note_twin(peer);
         }
         Ok(changes)
     }
@@ -1360,29 +1365,86 @@ impl Core {
             Some(changes) => {
                 let old: Vec<(L4Prefix, StateEntry)> =
                     keys.0.splice(run, new.iter().cloned()).collect();
-                let mut old = old.into_iter().peekable();
-                for (prefix, n) in new {
-                    while let Some((o, e)) = old.next_if(|(o, _)| *o < prefix) {
-                        changes.removed.push((Key { peer, prefix: o }, e));
-                    }
-                    let key = Key { peer, prefix };
-                    match old.next_if(|(o, _)| *o == prefix) {
-                        Some((_, o)) => {
-                            if o != n {
-                                changes.changed.push((key, o, n));
-                            }
-                        }
-                        None => changes.added.push((key, n)),
-                    }
-                }
-                for (o, e) in old {
-                    changes.removed.push((Key { peer, prefix: o }, e));
-                }
+                diff_keys(peer, old, new, changes);
             }
         }
         if keys.is_empty() {
             self.tries.remove(&peer);
         }
+    }
+
+    /// If `peer` is an identity whose candidates (shared first) are held by an up-to-date twin
+    /// (see `twins`; not in `pending`), gives it the twin's keys and notes, records the key
+    /// differences in `changes` (if given) and returns true.
+    fn take_twin(
+        &mut self,
+        peer: Peer,
+        pending: &FastSet<Peer>,
+        changes: Option<&mut ChangeSet>,
+    ) -> bool {
+        let Peer::Id(id) = peer else {
+            return false;
+        };
+        let Some(cand) = self.cand.get_mut(&peer) else {
+            return false;
+        };
+        if cand.is_empty() {
+            return false;
+        }
+        share(&mut self.pool.cand, &mut self.pool.cand_swept_at, cand);
+        let addr = Arc::as_ptr(cand) as usize;
+        let Some(&twin) = self.twins.get(&addr) else {
+            return false;
+        };
+        let twin = Peer::Id(twin);
+        if twin == Peer::Id(id)
+            || pending.contains(&twin)
+            || self
+                .cand
+                .get(&twin)
+                .is_none_or(|c| Arc::as_ptr(c) as usize != addr)
+        {
+            return false;
+        }
+        let keys = self.tries.get(&twin).cloned();
+        let notes = self.covered.get(&twin).cloned();
+        let old = self.tries.remove(&peer);
+        self.key_count -= old.as_ref().map_or(0, |k| k.len());
+        self.key_count += keys.as_ref().map_or(0, |k| k.len());
+        if let Some(changes) = changes {
+            let new = keys.as_deref().map_or(&[][..], |k| &k.0[..]);
+            let old = old.as_deref().map_or(&[][..], |k| &k.0[..]);
+            diff_keys(peer, old.iter().cloned(), new.iter().cloned(), changes);
+        }
+        if let Some(keys) = keys {
+            self.tries.insert(peer, keys);
+        }
+        match notes {
+            Some(notes) => self.covered.insert(peer, notes),
+            None => self.covered.remove(&peer),
+        };
+        true
+    }
+
+    /// Records `peer` (just brought up to date) as the twin of its candidate list.
+    fn note_twin(&mut self, peer: Peer) {
+        let Peer::Id(id) = peer else {
+            return;
+        };
+        let Some(cand) = self.cand.get(&peer) else {
+            return;
+        };
+        let addr = Arc::as_ptr(cand) as usize;
+        if self.twins.len() >= 2 * self.twins_swept_at.max(64) {
+            let cands = &self.cand;
+            self.twins.retain(|a, t| {
+                cands
+                    .get(&Peer::Id(*t))
+                    .is_some_and(|c| Arc::as_ptr(c) as usize == *a)
+            });
+            self.twins_swept_at = self.twins.len();
+        }
+        self.twins.insert(addr, id);
     }
 
     /// Brings the rank index of the `*` keys up to date for the keys inside `region` becoming
@@ -1492,6 +1554,33 @@ impl Core {
 /// broader before narrower; an item whose block is already covered (equal or broader key present)
 /// is not inserted, except that an item of equal rank at an equal key merges into it. Returns the
 /// trie and the blocked items of `peer` inside `region` with the key that blocked each.
+/// Records in `changes` how the keys of `peer` went from `old` to `new` (both sorted by prefix).
+fn diff_keys(
+    peer: Peer,
+    old: impl IntoIterator<Item = (L4Prefix, StateEntry)>,
+    new: impl IntoIterator<Item = (L4Prefix, StateEntry)>,
+    changes: &mut ChangeSet,
+) {
+    let mut old = old.into_iter().peekable();
+    for (prefix, n) in new {
+        while let Some((o, e)) = old.next_if(|(o, _)| *o < prefix) {
+            changes.removed.push((Key { peer, prefix: o }, e));
+        }
+        let key = Key { peer, prefix };
+        match old.next_if(|(o, _)| *o == prefix) {
+            Some((_, o)) => {
+                if o != n {
+                    changes.changed.push((key, o, n));
+                }
+            }
+            None => changes.added.push((key, n)),
+        }
+    }
+    for (o, e) in old {
+        changes.removed.push((Key { peer, prefix: o }, e));
+    }
+}
+
 fn ordered_insert(
     items: &[Item],
     peer: Peer,
