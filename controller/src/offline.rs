@@ -60,7 +60,7 @@ impl OfflineDatapath {
         };
         config.max_blocks = config.max_blocks.max(config.max_rulesets * 4);
         loop {
-            let mut datapath = MemDatapath::new(&config);
+            let mut datapath = MemDatapath::new(&config).keep_keys_in_store();
             let mut program = NodeProgram::new();
             match program.program_full(engine, &mut datapath) {
                 Ok(()) => return Ok(OfflineDatapath { program, datapath }),

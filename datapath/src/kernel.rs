@@ -451,4 +451,22 @@ impl TableWriter for KernelTables {
     fn tables(&self) -> &MemTables {
         &self.mirror
     }
+
+    fn slot_keys(&self, slot: u32) -> Result<Vec<(PolicyKey, PolicyValue)>, WriteError> {
+        if !self.mirror.keys_in_store {
+            return Ok(self.mirror.policy_of(slot));
+        }
+        let keys = sys::lookup_all::<PolicyKey, PolicyValue>(self.policy.map().fd().as_fd())
+            .map_err(|source| WriteError::Syscall {
+                map: MAP_POLICY,
+                op: "lookup batch",
+                done: 0,
+                total: 0,
+                source,
+            })?;
+        Ok(keys
+            .into_iter()
+            .filter(|(k, _)| k.ruleset == slot)
+            .collect())
+    }
 }

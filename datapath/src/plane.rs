@@ -24,7 +24,7 @@ use crate::{
     flat::RuleSetContent,
     store::{SlotInfo, Store, WriteStats},
     sys,
-    tables::{MemTables, TableWriter, UserCt},
+    tables::{MemTables, Mirror, TableWriter, UserCt},
 };
 
 /// The programming operations of a datapath (see the module documentation). Implementors
@@ -241,7 +241,7 @@ pub trait ControlPlane {
     fn decide_at(&self, frame: &[u8], hook: Hook, ct: &UserCt) -> Decision {
         ordnet_datapath_common::decide_at(
             &ordnet_datapath_common::parse(frame),
-            &self.tables().with_ct(ct),
+            &Mirror::with_store(self.tables(), ct, self.control().store()),
             hook,
         )
     }
@@ -277,6 +277,16 @@ impl MemDatapath {
             .set_hosts(&mut dp.tables, &[])
             .expect("writing to memory cannot fail");
         dp
+    }
+}
+
+impl MemDatapath {
+    /// Keeps no copy of the policy keys in the tables: the rule set store has them, and the
+    /// decisions read them there ([`MemTables::keys_in_store`]). For datapaths that are not
+    /// checked write by write (the agent's `none` datapath, the offline CLI).
+    pub fn keep_keys_in_store(mut self) -> MemDatapath {
+        self.tables.keep_keys_in_store();
+        self
     }
 }
 
@@ -375,7 +385,19 @@ mod tests {
 
     #[test]
     fn programs_and_decides_like_the_kernel_program() {
-        let mut dp = small();
+        // With the policy keys copied into the tables and without (decisions read them in
+        // the rule set store).
+        for keys_in_store in [false, true] {
+            let dp = if keys_in_store {
+                small().keep_keys_in_store()
+            } else {
+                small()
+            };
+            programs_and_decides(dp);
+        }
+    }
+
+    fn programs_and_decides(mut dp: MemDatapath) {
         assert_eq!(dp.revision(), 1);
         let open = MapState::new(Direction::Egress, Verdict::Allow);
         let ingress = allow_from(7, 80);
@@ -397,6 +419,11 @@ mod tests {
             ("10.0.1.8/32".parse().unwrap(), Some(8)),
         ])
         .unwrap();
+        assert_eq!(
+            dp.tables().policy.is_empty(),
+            dp.tables().keys_in_store,
+            "the tables copy the policy keys unless the store has them"
+        );
         let d = dp.decide(&tcp("10.0.1.7", "10.0.0.5", 80));
         assert_eq!((d.verdict, d.reason), (Xdp::Pass, Reason::Allowed));
         let d = dp.decide(&tcp("fd00:1::7", "fd00::5", 80));

@@ -115,20 +115,20 @@ fn content_hash(c: &RuleSetContent) -> u64 {
     c.content_hash()
 }
 
-/// The keys of `slot` as the tables hold them.
-fn slot_content<W: TableWriter + ?Sized>(w: &W, slot: u32) -> RuleSetContent {
+/// The keys of `slot` as the maps hold them ([`TableWriter::slot_keys`]).
+fn slot_content<W: TableWriter + ?Sized>(
+    w: &W,
+    slot: u32,
+) -> Result<RuleSetContent, crate::tables::WriteError> {
     let mut c = RuleSetContent::default();
-    for (k, v) in &w.tables().policy {
-        if k.ruleset != slot {
-            continue;
-        }
+    for (k, v) in w.slot_keys(slot)? {
         if k.identity == 0 {
             c.wildcard.insert(k.prefix, v.verdict);
         } else {
             c.specific.insert((k.identity, k.prefix), v.verdict);
         }
     }
-    c
+    Ok(c)
 }
 
 /// Summary of one slot, for inspection.
@@ -236,6 +236,53 @@ impl Store {
     /// The content hash of a slot in use.
     pub fn hash(&self, slot: u32) -> Option<u64> {
         self.slots.get(slot as usize)?.as_ref().map(|r| r.hash)
+    }
+
+    /// The value of policy key `key` as the maps hold it: every slot's content, also of a slot
+    /// released and not yet cleared, is exactly its keys in the maps (what was written
+    /// successfully).
+    pub fn policy_value(&self, key: &PolicyKey) -> Option<PolicyValue> {
+        let content = self.slots.get(key.ruleset as usize)?.as_ref()?;
+        let verdict = if key.identity == 0 {
+            content.content.wildcard.get(&key.prefix)
+        } else {
+            content.content.specific.get(&(key.identity, key.prefix))
+        };
+        verdict.map(|v| PolicyValue::new(*v))
+    }
+
+    /// Every policy key the maps hold, from the slots' contents (see [`Store::policy_value`]).
+    pub fn policy_keys(&self) -> impl Iterator<Item = (PolicyKey, PolicyValue)> + '_ {
+        self.slots.iter().enumerate().flat_map(|(slot, r)| {
+            let slot = slot as u32;
+            r.iter().flat_map(move |r| {
+                let specific = r
+                    .content
+                    .specific
+                    .iter()
+                    .map(move |(&(identity, prefix), &v)| {
+                        (
+                            PolicyKey {
+                                ruleset: slot,
+                                identity,
+                                prefix,
+                            },
+                            PolicyValue::new(v),
+                        )
+                    });
+                let wildcard = r.content.wildcard.iter().map(move |(&prefix, &v)| {
+                    (
+                        PolicyKey {
+                            ruleset: slot,
+                            identity: 0,
+                            prefix,
+                        },
+                        PolicyValue::new(v),
+                    )
+                });
+                specific.chain(wildcard)
+            })
+        })
     }
 
     /// Number of references to `slot` (0 when it is not in use).
@@ -540,7 +587,11 @@ impl Store {
         } else {
             // A write failed part-way: take the keys as the tables now hold them, and try to
             // bring the words in line with them (best effort; the error is reported anyway).
-            rs.content = slot_content(w, slot);
+            // If even reading them back fails, the old content stays (the caller programs
+            // everything again).
+            if let Ok(content) = slot_content(w, slot) {
+                rs.content = content;
+            }
             rs.inputs = rs.content.cell_inputs();
             rs.hash = content_hash(&rs.content);
             let all: BTreeSet<u32> = (0..CELLS_PER_RULESET).collect();
@@ -663,6 +714,10 @@ impl Store {
         refs: &BTreeMap<u32, u32>,
         stats: &mut WriteStats,
     ) -> Result<Store, StoreError> {
+        assert!(
+            !w.tables().keys_in_store,
+            "adopting reads the policy keys from the tables: read them back first"
+        );
         let mut store = Store::new(max_rulesets, max_blocks, grace);
         let mut contents: BTreeMap<u32, RuleSetContent> = BTreeMap::new();
         for (k, v) in &w.tables().policy {

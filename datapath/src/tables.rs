@@ -15,6 +15,8 @@ use std::{
 
 use ordnet_mapstate::FastHash;
 
+use crate::store::Store;
+
 use ordnet_datapath_common::{
     DatapathMaps, addr_bytes, addr_words,
     layout::{
@@ -93,6 +95,12 @@ pub trait TableWriter {
     fn write(&mut self, writes: &[Write]) -> Result<(), WriteError>;
     /// Current state (what has been written so far).
     fn tables(&self) -> &MemTables;
+    /// The policy keys of rule set `slot` as the maps hold them (read back after a failed
+    /// write). From [`MemTables::policy`] unless the tables keep no copy of the keys
+    /// ([`MemTables::keys_in_store`]): then the writer reads them from where they are.
+    fn slot_keys(&self, slot: u32) -> Result<Vec<(PolicyKey, PolicyValue)>, WriteError> {
+        Ok(self.tables().policy_of(slot))
+    }
 }
 
 /// An in-memory copy of the datapath maps.
@@ -108,8 +116,14 @@ pub struct MemTables {
     pub cells: Vec<u32>,
     /// The refined-block array (`ORDNET_BLOCKS`), as `u32` words.
     pub blocks: Vec<u32>,
-    /// The policy keys of every rule set (`ORDNET_POLICY`).
+    /// The policy keys of every rule set (`ORDNET_POLICY`); empty when
+    /// [`MemTables::keys_in_store`].
     pub policy: HashMap<PolicyKey, PolicyValue, FastHash>,
+    /// The policy keys are not copied into [`MemTables::policy`]: the rule set store of the
+    /// control plane that writes these tables has every one of them (as each slot's content),
+    /// and decisions read them there ([`Mirror::with_store`]). The agent's datapaths keep no
+    /// second copy (72 MiB at 50,000 pods); tests that check every single write keep it.
+    pub keys_in_store: bool,
     /// The global state (`ORDNET_STATE`).
     pub state: State,
     /// Service frontends.
@@ -128,16 +142,35 @@ impl MemTables {
         }
     }
 
+    /// The keys of rule set `slot` in [`MemTables::policy`].
+    pub fn policy_of(&self, slot: u32) -> Vec<(PolicyKey, PolicyValue)> {
+        self.policy
+            .iter()
+            .filter(|(k, _)| k.ruleset == slot)
+            .map(|(k, v)| (*k, *v))
+            .collect()
+    }
+
+    /// Stops copying the policy keys ([`MemTables::keys_in_store`]) and frees the copy.
+    pub fn keep_keys_in_store(&mut self) {
+        self.keys_in_store = true;
+        self.policy = HashMap::default();
+    }
+
     /// Applies one write.
     pub fn apply(&mut self, w: &Write) {
         match *w {
             Write::Cell(i, v) => self.cells[i as usize] = v,
             Write::Block(i, v) => self.blocks[i as usize] = v,
             Write::PolicyUpsert(k, v) => {
-                self.policy.insert(k, v);
+                if !self.keys_in_store {
+                    self.policy.insert(k, v);
+                }
             }
             Write::PolicyDelete(k) => {
-                self.policy.remove(&k);
+                if !self.keys_in_store {
+                    self.policy.remove(&k);
+                }
             }
             Write::IpUpsert(k, v) => {
                 self.ipcache.insert(k, v);
@@ -258,7 +291,11 @@ impl MemTables {
     /// This state with a connection-tracking table: the full `DatapathMaps` of the kernel
     /// program.
     pub fn with_ct<'a>(&'a self, ct: &'a UserCt) -> Mirror<'a> {
-        Mirror { tables: self, ct }
+        Mirror {
+            tables: self,
+            ct,
+            store: None,
+        }
     }
 }
 
@@ -266,12 +303,14 @@ impl TableWriter for MemTables {
     fn write(&mut self, writes: &[Write]) -> Result<(), WriteError> {
         // Room for a first programming's policy keys at once rather than by repeated doubling
         // (millions at 50k pods); a batch that rewrites existing keys reserves nothing more.
-        let upserts = writes
-            .iter()
-            .filter(|w| matches!(w, Write::PolicyUpsert(..)))
-            .count();
-        self.policy
-            .reserve(upserts.saturating_sub(self.policy.len()));
+        if !self.keys_in_store {
+            let upserts = writes
+                .iter()
+                .filter(|w| matches!(w, Write::PolicyUpsert(..)))
+                .count();
+            self.policy
+                .reserve(upserts.saturating_sub(self.policy.len()));
+        }
         for w in writes {
             self.apply(w);
         }
@@ -376,6 +415,20 @@ pub struct Mirror<'a> {
     pub tables: &'a MemTables,
     /// The connection-tracking table and clock.
     pub ct: &'a UserCt,
+    /// Where the policy keys are when the tables keep no copy of them
+    /// ([`MemTables::keys_in_store`]).
+    pub store: Option<&'a Store>,
+}
+
+impl<'a> Mirror<'a> {
+    /// `tables` and `ct`, with the policy keys read from `store` when the tables keep none.
+    pub fn with_store(tables: &'a MemTables, ct: &'a UserCt, store: &'a Store) -> Mirror<'a> {
+        Mirror {
+            tables,
+            ct,
+            store: Some(store),
+        }
+    }
 }
 
 impl PolicyMaps for Mirror<'_> {
@@ -388,7 +441,10 @@ impl PolicyMaps for Mirror<'_> {
     }
 
     fn policy(&self, key: &PolicyKey) -> Option<PolicyValue> {
-        self.tables.policy(key)
+        match self.store {
+            Some(store) if self.tables.keys_in_store => store.policy_value(key),
+            _ => self.tables.policy(key),
+        }
     }
 }
 

@@ -1180,6 +1180,11 @@ fn differential_random_mapstates() {
     let mut reasons = std::collections::BTreeMap::<String, usize>::new();
     let mut tc_reasons = std::collections::BTreeMap::<String, usize>::new();
     for scenario in 0..SCENARIOS {
+        // The second half as the agent runs: no copy of the policy keys in the userspace
+        // tables, the userspace decisions and `verify` read them in the rule set store.
+        if scenario == SCENARIOS / 2 {
+            dp.keep_keys_in_store();
+        }
         let world = World {
             a: [
                 arb_mapstate(&mut rng, Direction::Ingress, 14),

@@ -121,7 +121,7 @@ impl BpfDatapath {
         let pinned = ordnet_datapath::MAP_NAMES
             .iter()
             .all(|m| pin_dir.join(m).exists());
-        let (dp, opened) = if pinned {
+        let (mut dp, opened) = if pinned {
             let (dp, report) = Kernel::adopt(config).map_err(|source| AgentError::Open {
                 what: "adopting the pins",
                 pin_dir: pin_dir.to_path_buf(),
@@ -143,6 +143,8 @@ impl BpfDatapath {
             })?;
             (dp, Opened::Created)
         };
+        // The rule set store has every policy key; the userspace copy of the maps keeps none.
+        dp.keep_keys_in_store();
         let ipcache = dp.control().identities().into_iter().collect();
         Ok(BpfDatapath {
             dp,

@@ -317,13 +317,24 @@ impl Programmer {
 }
 
 /// `--datapath none`: programs an in-memory datapath (the kernel's tables without a kernel, and
-/// no host addresses: it does not know the node's) and touches no kernel state.
-#[derive(Debug, Default)]
+/// no host addresses: it does not know the node's) and touches no kernel state. Its tables keep
+/// no second copy of the policy keys (the rule set store has them).
+#[derive(Debug)]
 pub struct NoneDatapath {
     programmer: Programmer,
     dp: MemDatapath,
     /// A full programming is owed (an incremental one failed).
     needs_full: bool,
+}
+
+impl Default for NoneDatapath {
+    fn default() -> Self {
+        NoneDatapath {
+            programmer: Programmer::default(),
+            dp: MemDatapath::default().keep_keys_in_store(),
+            needs_full: false,
+        }
+    }
 }
 
 impl NoneDatapath {
