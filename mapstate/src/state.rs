@@ -1391,8 +1391,13 @@ impl Core {
         if cand.is_empty() {
             return false;
         }
-        share(&mut self.pool.cand, &mut self.pool.cand_swept_at, cand);
-        let addr = Arc::as_ptr(cand) as usize;
+        // By address first (in a build, equal lists are one allocation already), then shared
+        // with an equal list of the pool (a list made for this update).
+        let mut addr = Arc::as_ptr(cand) as usize;
+        if !self.twins.contains_key(&addr) {
+            share(&mut self.pool.cand, &mut self.pool.cand_swept_at, cand);
+            addr = Arc::as_ptr(cand) as usize;
+        }
         let Some(&twin) = self.twins.get(&addr) else {
             return false;
         };
