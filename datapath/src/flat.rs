@@ -171,6 +171,40 @@ impl RuleSetContent {
         self.specific.len() + self.wildcard.len()
     }
 
+    /// The keys as the policy map holds them in rule set `slot` (`*` keys have identity 0),
+    /// with their verdicts.
+    pub fn policy_keys(&self, slot: u32) -> impl Iterator<Item = (PolicyKey, u8)> + '_ {
+        let key = move |identity, prefix| PolicyKey {
+            ruleset: slot,
+            identity,
+            prefix,
+        };
+        let specific = self
+            .specific
+            .iter()
+            .map(move |(&(id, p), &v)| (key(id, p), v));
+        let wildcard = self.wildcard.iter().map(move |(&p, &v)| (key(0, p), v));
+        specific.chain(wildcard)
+    }
+
+    /// The verdict of policy map key `key` (its rule set aside).
+    pub fn verdict_of(&self, key: &PolicyKey) -> Option<u8> {
+        if key.identity == 0 {
+            self.wildcard.get(&key.prefix).copied()
+        } else {
+            self.specific.get(&(key.identity, key.prefix)).copied()
+        }
+    }
+
+    /// Adds policy map key `key` (its rule set aside) with `verdict`.
+    pub fn insert_key(&mut self, key: &PolicyKey, verdict: u8) {
+        if key.identity == 0 {
+            self.wildcard.insert(key.prefix, verdict);
+        } else {
+            self.specific.insert((key.identity, key.prefix), verdict);
+        }
+    }
+
     /// The content hash (XOR of [`key_hash`] over the keys; `*` keys have identity 0).
     pub fn content_hash(&self) -> u64 {
         let s = self

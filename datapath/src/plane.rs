@@ -241,7 +241,11 @@ pub trait ControlPlane {
     fn decide_at(&self, frame: &[u8], hook: Hook, ct: &UserCt) -> Decision {
         ordnet_datapath_common::decide_at(
             &ordnet_datapath_common::parse(frame),
-            &Mirror::with_store(self.tables(), ct, self.control().store()),
+            &Mirror {
+                tables: self.tables(),
+                ct,
+                store: self.control().store(),
+            },
             hook,
         )
     }

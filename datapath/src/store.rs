@@ -122,11 +122,7 @@ fn slot_content<W: TableWriter + ?Sized>(
 ) -> Result<RuleSetContent, crate::tables::WriteError> {
     let mut c = RuleSetContent::default();
     for (k, v) in w.slot_keys(slot)? {
-        if k.identity == 0 {
-            c.wildcard.insert(k.prefix, v.verdict);
-        } else {
-            c.specific.insert((k.identity, k.prefix), v.verdict);
-        }
+        c.insert_key(&k, v.verdict);
     }
     Ok(c)
 }
@@ -242,45 +238,17 @@ impl Store {
     /// released and not yet cleared, is exactly its keys in the maps (what was written
     /// successfully).
     pub fn policy_value(&self, key: &PolicyKey) -> Option<PolicyValue> {
-        let content = self.slots.get(key.ruleset as usize)?.as_ref()?;
-        let verdict = if key.identity == 0 {
-            content.content.wildcard.get(&key.prefix)
-        } else {
-            content.content.specific.get(&(key.identity, key.prefix))
-        };
-        verdict.map(|v| PolicyValue::new(*v))
+        let r = self.slots.get(key.ruleset as usize)?.as_ref()?;
+        r.content.verdict_of(key).map(PolicyValue::new)
     }
 
     /// Every policy key the maps hold, from the slots' contents (see [`Store::policy_value`]).
     pub fn policy_keys(&self) -> impl Iterator<Item = (PolicyKey, PolicyValue)> + '_ {
         self.slots.iter().enumerate().flat_map(|(slot, r)| {
-            let slot = slot as u32;
             r.iter().flat_map(move |r| {
-                let specific = r
-                    .content
-                    .specific
-                    .iter()
-                    .map(move |(&(identity, prefix), &v)| {
-                        (
-                            PolicyKey {
-                                ruleset: slot,
-                                identity,
-                                prefix,
-                            },
-                            PolicyValue::new(v),
-                        )
-                    });
-                let wildcard = r.content.wildcard.iter().map(move |(&prefix, &v)| {
-                    (
-                        PolicyKey {
-                            ruleset: slot,
-                            identity: 0,
-                            prefix,
-                        },
-                        PolicyValue::new(v),
-                    )
-                });
-                specific.chain(wildcard)
+                r.content
+                    .policy_keys(slot as u32)
+                    .map(|(k, v)| (k, PolicyValue::new(v)))
             })
         })
     }
@@ -360,21 +328,11 @@ impl Store {
         let Some(r) = self.slots[slot as usize].take() else {
             return Ok(());
         };
-        let mut policy = Vec::with_capacity(r.content.len());
-        for &(identity, prefix) in r.content.specific.keys() {
-            policy.push(Write::PolicyDelete(PolicyKey {
-                ruleset: slot,
-                identity,
-                prefix,
-            }));
-        }
-        for &prefix in r.content.wildcard.keys() {
-            policy.push(Write::PolicyDelete(PolicyKey {
-                ruleset: slot,
-                identity: 0,
-                prefix,
-            }));
-        }
+        let policy: Vec<Write> = r
+            .content
+            .policy_keys(slot)
+            .map(|(k, _)| Write::PolicyDelete(k))
+            .collect();
         let base = slot * CELLS_PER_RULESET;
         let mut cells = Vec::new();
         for i in 0..CELLS_PER_RULESET {
@@ -509,26 +467,11 @@ impl Store {
         let all: BTreeSet<u32> = (0..CELLS_PER_RULESET).collect();
         self.realize(w, slot, &inputs, &all, &mut phase)?;
         phase.policy.reserve(content.len());
-        for (&(identity, prefix), &v) in &content.specific {
-            phase.policy.push(Write::PolicyUpsert(
-                PolicyKey {
-                    ruleset: slot,
-                    identity,
-                    prefix,
-                },
-                PolicyValue::new(v),
-            ));
-        }
-        for (&prefix, &v) in &content.wildcard {
-            phase.policy.push(Write::PolicyUpsert(
-                PolicyKey {
-                    ruleset: slot,
-                    identity: 0,
-                    prefix,
-                },
-                PolicyValue::new(v),
-            ));
-        }
+        phase.policy.extend(
+            content
+                .policy_keys(slot)
+                .map(|(k, v)| Write::PolicyUpsert(k, PolicyValue::new(v))),
+        );
         self.run_phase(w, stats, phase)?;
         let hash = content_hash(&content);
         self.by_hash.entry(hash).or_default().push(slot);
@@ -721,12 +664,10 @@ impl Store {
         let mut store = Store::new(max_rulesets, max_blocks, grace);
         let mut contents: BTreeMap<u32, RuleSetContent> = BTreeMap::new();
         for (k, v) in &w.tables().policy {
-            let c = contents.entry(k.ruleset).or_default();
-            if k.identity == 0 {
-                c.wildcard.insert(k.prefix, v.verdict);
-            } else {
-                c.specific.insert((k.identity, k.prefix), v.verdict);
-            }
+            contents
+                .entry(k.ruleset)
+                .or_default()
+                .insert_key(k, v.verdict);
         }
         // Blocks referenced by any slot's words.
         let mut used_blocks = BTreeSet::new();

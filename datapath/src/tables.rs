@@ -121,7 +121,7 @@ pub struct MemTables {
     pub policy: HashMap<PolicyKey, PolicyValue, FastHash>,
     /// The policy keys are not copied into [`MemTables::policy`]: the rule set store of the
     /// control plane that writes these tables has every one of them (as each slot's content),
-    /// and decisions read them there ([`Mirror::with_store`]). The agent's datapaths keep no
+    /// and decisions read them there ([`Mirror`]). The agent's datapaths keep no
     /// second copy (72 MiB at 50,000 pods); tests that check every single write keep it.
     pub keys_in_store: bool,
     /// The global state (`ORDNET_STATE`).
@@ -287,16 +287,6 @@ impl MemTables {
             ifaces: self.ifaces.clone(),
         }
     }
-
-    /// This state with a connection-tracking table: the full `DatapathMaps` of the kernel
-    /// program.
-    pub fn with_ct<'a>(&'a self, ct: &'a UserCt) -> Mirror<'a> {
-        Mirror {
-            tables: self,
-            ct,
-            store: None,
-        }
-    }
 }
 
 impl TableWriter for MemTables {
@@ -408,27 +398,18 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// [`MemTables`] plus a connection-tracking table: everything `decide` reads.
+/// [`MemTables`] plus a connection-tracking table and the rule set store: everything `decide`
+/// reads.
 #[derive(Debug, Clone, Copy)]
 pub struct Mirror<'a> {
     /// The map contents.
     pub tables: &'a MemTables,
     /// The connection-tracking table and clock.
     pub ct: &'a UserCt,
-    /// Where the policy keys are when the tables keep no copy of them
-    /// ([`MemTables::keys_in_store`]).
-    pub store: Option<&'a Store>,
-}
-
-impl<'a> Mirror<'a> {
-    /// `tables` and `ct`, with the policy keys read from `store` when the tables keep none.
-    pub fn with_store(tables: &'a MemTables, ct: &'a UserCt, store: &'a Store) -> Mirror<'a> {
-        Mirror {
-            tables,
-            ct,
-            store: Some(store),
-        }
-    }
+    /// The rule set store of the control plane that wrote `tables`: the policy keys are read
+    /// there (each slot's content is exactly its keys in the maps), whether or not the tables
+    /// keep a copy ([`MemTables::keys_in_store`]).
+    pub store: &'a Store,
 }
 
 impl PolicyMaps for Mirror<'_> {
@@ -441,10 +422,7 @@ impl PolicyMaps for Mirror<'_> {
     }
 
     fn policy(&self, key: &PolicyKey) -> Option<PolicyValue> {
-        match self.store {
-            Some(store) if self.tables.keys_in_store => store.policy_value(key),
-            _ => self.tables.policy(key),
-        }
+        self.store.policy_value(key)
     }
 }
 
