@@ -183,3 +183,226 @@ fn the_estimate_equals_the_api_servers_on_the_upstream_crd() {
         include_str!("data/api-server-costs.upstream-cnp.tsv"),
     );
 }
+
+// What else a real API server checks when a CRD is created, that the fake one in our tests does
+// not (it serves the custom resources without ever seeing a CRD). Each check below would have
+// made `kubectl apply -k deploy/` fail.
+
+/// Every schema node of `crd`, with its path.
+fn nodes(crd: &Value) -> Vec<(String, Value)> {
+    fn walk(path: String, node: &Value, out: &mut Vec<(String, Value)>) {
+        out.push((path.clone(), node.clone()));
+        if let Some(props) = node["properties"].as_object() {
+            for (name, prop) in props {
+                walk(format!("{path}.{name}"), prop, out);
+            }
+        }
+        if node["items"].is_object() {
+            walk(format!("{path}[]"), &node["items"], out);
+        }
+        if node["additionalProperties"].is_object() {
+            walk(format!("{path}{{}}"), &node["additionalProperties"], out);
+        }
+        for key in ["allOf", "anyOf", "oneOf"] {
+            for (i, sub) in node[key].as_array().into_iter().flatten().enumerate() {
+                walk(format!("{path}({key}[{i}])"), sub, out);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for version in crd["spec"]["versions"].as_array().into_iter().flatten() {
+        let name = version["name"].as_str().unwrap_or("?");
+        walk(
+            name.to_string(),
+            &version["schema"]["openAPIV3Schema"],
+            &mut out,
+        );
+    }
+    out
+}
+
+fn crd_name(crd: &Value) -> &str {
+    crd["metadata"]["name"].as_str().unwrap_or("?")
+}
+
+/// A CRD in a `*.k8s.io` or `*.kubernetes.io` group is refused without the
+/// `api-approved.kubernetes.io` annotation (a URL, or a text starting with `unapproved`).
+#[test]
+fn protected_groups_carry_the_api_approval_annotation() {
+    for crd in shipped() {
+        let group = crd["spec"]["group"].as_str().expect("group");
+        let protected = ["k8s.io", "kubernetes.io"]
+            .iter()
+            .any(|g| group == *g || group.ends_with(&format!(".{g}")));
+        let note = crd["metadata"]["annotations"]["api-approved.kubernetes.io"].as_str();
+        if protected {
+            let note =
+                note.unwrap_or_else(|| panic!("{}: no api-approved annotation", crd_name(&crd)));
+            assert!(
+                note.starts_with("https://") || note.starts_with("unapproved"),
+                "{}: api-approved annotation {note:?}",
+                crd_name(&crd)
+            );
+        } else {
+            assert!(
+                note.is_none(),
+                "{}: api-approved outside a protected group",
+                crd_name(&crd)
+            );
+        }
+    }
+}
+
+/// The structural-schema rules the API server enforces (apiextensions `NewStructural` and its
+/// validation), and that every `default` is a value of its own schema (it is validated and
+/// pruned at creation).
+#[test]
+fn schemas_are_structural_and_defaults_valid() {
+    let mut problems = Vec::new();
+    for crd in shipped() {
+        for (path, node) in nodes(&crd) {
+            let at = format!("{} {path}", crd_name(&crd));
+            let in_junction = path.ends_with(')');
+            let int_or_string = node["x-kubernetes-int-or-string"] == Value::Bool(true);
+            let preserve = node["x-kubernetes-preserve-unknown-fields"] == Value::Bool(true);
+            if !in_junction && !int_or_string && !preserve && node["type"].as_str().is_none() {
+                problems.push(format!("{at}: no type"));
+            }
+            if node["properties"].is_object() && node["additionalProperties"].is_object() {
+                problems.push(format!(
+                    "{at}: properties and additionalProperties together"
+                ));
+            }
+            if node["type"] == "array" && !node["items"].is_object() {
+                problems.push(format!("{at}: an array without an items schema"));
+            }
+            match node["x-kubernetes-list-type"].as_str() {
+                None | Some("atomic") => {}
+                Some("set") => {
+                    if matches!(node["items"]["type"].as_str(), Some("object" | "array")) {
+                        problems.push(format!("{at}: a set of non-scalars"));
+                    }
+                }
+                Some("map") => {
+                    let keys = node["x-kubernetes-list-map-keys"].as_array();
+                    let required = node["items"]["required"].as_array();
+                    for key in keys.into_iter().flatten() {
+                        let has_default = !node["items"]["properties"][key.as_str().unwrap_or("")]
+                            ["default"]
+                            .is_null();
+                        if !required.is_some_and(|r| r.contains(key)) && !has_default {
+                            problems.push(format!(
+                                "{at}: list-map key {key} neither required nor defaulted"
+                            ));
+                        }
+                    }
+                    if keys.is_none_or(|k| k.is_empty()) {
+                        problems.push(format!("{at}: a list-map without keys"));
+                    }
+                }
+                Some(other) => problems.push(format!("{at}: x-kubernetes-list-type {other:?}")),
+            }
+            if let Some(default) = node.get("default") {
+                let fits = match node["type"].as_str() {
+                    Some("string") => default.is_string(),
+                    Some("integer") => default.is_i64() || default.is_u64(),
+                    Some("number") => default.is_number(),
+                    Some("boolean") => default.is_boolean(),
+                    Some("array") => default.is_array(),
+                    Some("object") => default.is_object(),
+                    _ => true,
+                };
+                let in_enum = node["enum"].as_array().is_none_or(|e| e.contains(default));
+                if !fits || !in_enum {
+                    problems.push(format!(
+                        "{at}: default {default} is not a value of the schema"
+                    ));
+                }
+            }
+            for rule in node["x-kubernetes-validations"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                let text = rule["rule"].as_str().unwrap_or_default();
+                if text.contains('\n') && rule["message"].as_str().is_none_or(str::is_empty) {
+                    problems.push(format!("{at}: a multi-line rule without a message"));
+                }
+                if rule["message"].as_str().is_some_and(|m| m.contains('\n')) {
+                    problems.push(format!("{at}: a message with a line break"));
+                }
+                if let Some(field) = rule["fieldPath"].as_str() {
+                    // `.a.b`: each step a property of the node (the API server's pathValid).
+                    let mut at_node = &node;
+                    for step in field.trim_start_matches('.').split('.') {
+                        at_node = &at_node["properties"][step];
+                    }
+                    if at_node.is_null() {
+                        problems.push(format!("{at}: fieldPath {field} names no field"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// A version whose schema has `status` serves it as a subresource (the agent writes status
+/// through `/status`, which a CRD without the subresource answers with 404), and every printer
+/// column reads a field the schema has, with a type the API server accepts.
+#[test]
+fn status_subresource_and_printer_columns() {
+    let mut problems = Vec::new();
+    for crd in shipped() {
+        for version in crd["spec"]["versions"].as_array().into_iter().flatten() {
+            let at = format!(
+                "{} {}",
+                crd_name(&crd),
+                version["name"].as_str().unwrap_or("?")
+            );
+            let schema = &version["schema"]["openAPIV3Schema"];
+            if schema["properties"]["status"].is_object()
+                && !version["subresources"]["status"].is_object()
+            {
+                problems.push(format!(
+                    "{at}: status in the schema but no status subresource"
+                ));
+            }
+            for column in version["additionalPrinterColumns"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                let path = column["jsonPath"].as_str().unwrap_or_default();
+                if !matches!(
+                    column["type"].as_str(),
+                    Some("integer" | "number" | "string" | "boolean" | "date")
+                ) {
+                    problems.push(format!("{at}: column {path} of type {}", column["type"]));
+                }
+                if path.starts_with(".metadata.") {
+                    continue;
+                }
+                // `.a.b[?(@.type=="X")].c`: follow the names, a filter steps into the items.
+                let mut node = schema;
+                for step in path.trim_start_matches('.').split('.') {
+                    let (name, filter) = match step.split_once('[') {
+                        Some((name, _)) => (name, true),
+                        None => (step, false),
+                    };
+                    if name.is_empty() || name.ends_with(')') || name.starts_with("type==") {
+                        continue;
+                    }
+                    node = &node["properties"][name];
+                    if filter {
+                        node = &node["items"];
+                    }
+                }
+                if node.is_null() {
+                    problems.push(format!("{at}: printer column {path} reads no field"));
+                }
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
