@@ -240,10 +240,15 @@ pub fn run(args: AgentArgs) -> ExitCode {
             tracing::error!(error = %e, "--cni-bin-dir: installing ordnet-cni failed");
             return ExitCode::from(1);
         }
+        // The DaemonSet sets POD_NAMESPACE; an agent run by hand takes the namespace of its
+        // credentials (the service account's, or the kubeconfig context's), which is where
+        // deploy/rbac.yaml lets it hold the Lease.
+        let lease_namespace = std::env::var("POD_NAMESPACE")
+            .unwrap_or_else(|_| client.default_namespace().to_string());
         let config = agent::AgentConfig {
             node,
             debug_addr,
-            namespace: std::env::var("POD_NAMESPACE").unwrap_or_else(|_| "kube-system".into()),
+            namespace: lease_namespace.clone(),
             lease_renew_every: agent::status::RENEW_EVERY,
             watch: agent::WatchConfig {
                 timeout: std::time::Duration::from_secs(args.watch_timeout),
@@ -298,6 +303,7 @@ pub fn run(args: AgentArgs) -> ExitCode {
             debug_api = %format!("http://{}", handle.debug_addr()),
             metrics = %handle.metrics_addr().map_or("none".to_string(), |a| format!("http://{a}/metrics")),
             version = env!("CARGO_PKG_VERSION"),
+            lease_namespace = %lease_namespace,
             "agent started"
         );
         if let Some(dir) = &args.cni_conf_dir {
