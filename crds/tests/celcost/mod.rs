@@ -5,8 +5,8 @@
 //!
 //! The API server refuses a CRD when one rule's estimated cost, multiplied by the largest number
 //! of times the rule can run in one object (the product of `maxItems`/`maxProperties` of every
-//! list and map around it), exceeds [`PER_EXPRESSION_LIMIT`], or when the sum over the rules
-//! exceeds [`CRD_LIMIT`]. `kube-cel`'s own analysis is a coarse heuristic that ignores that
+//! list and map around it), exceeds [`PER_EXPRESSION_LIMIT`], or when the sum over the rules of
+//! one version's schema exceeds [`CRD_LIMIT`]. `kube-cel`'s own analysis is a coarse heuristic that ignores that
 //! multiplication and the sizes the API server assumes (a string's `maxLength` counts 4 bytes per
 //! character): it calls today's refused rule cheap, so it cannot catch this.
 //!
@@ -62,12 +62,18 @@ pub fn crd_rule_costs(crd: &Value) -> Result<Vec<RuleCost>, String> {
     Ok(out)
 }
 
-/// The sum the API server compares with [`CRD_LIMIT`]: rules under 1% of it are not counted.
-pub fn crd_total(costs: &[RuleCost]) -> u64 {
-    costs
-        .iter()
-        .filter(|c| c.total >= CRD_LIMIT / 100)
-        .fold(0u64, |sum, c| sum.saturating_add(c.total))
+/// The sums the API server compares with [`CRD_LIMIT`]: every rule's cost, per version (the
+/// limit applies to each version's `openAPIV3Schema`; a rule under 1% of it still counts, it is
+/// only left out of the error message).
+pub fn version_totals(costs: &[RuleCost]) -> Vec<(String, u64)> {
+    let mut totals: Vec<(String, u64)> = Vec::new();
+    for c in costs {
+        match totals.iter_mut().find(|(v, _)| *v == c.crd) {
+            Some((_, t)) => *t = t.saturating_add(c.total),
+            None => totals.push((c.crd.clone(), c.total)),
+        }
+    }
+    totals
 }
 
 fn walk(
