@@ -1,4 +1,5 @@
-//! The CEL cost budget a real API server applies to a CRD (docs/api.md, "CEL cost budget").
+//! What a real API server checks when our CRDs are created, which the fake API server of the
+//! agent's tests never sees (docs/api.md, "CEL cost budget" and "Validation").
 //!
 //! * Every rule of every CRD we ship (ours as `ordnet crd` generates them, and the upstream
 //!   ClusterNetworkPolicy under `deploy/crds/upstream/`) stays at or below a quarter of the
@@ -8,6 +9,9 @@
 //!   real kube-apiserver v1.36 refused (`tests/data/ordnet.io_crds.refused-by-1.36.yaml`) — the
 //!   estimate of every one of its rules equals the figure the API server computed for it, and the
 //!   four rules it refused come out over budget by its factor, 1.105920×.
+//! * The rest of what creation checks: the `api-approved.kubernetes.io` annotation, the
+//!   structural-schema rules and defaults, rule messages and field paths, the status subresource
+//!   and the printer columns.
 
 mod celcost;
 
