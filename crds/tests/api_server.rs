@@ -17,7 +17,8 @@ mod celcost;
 
 use std::path::Path;
 
-use celcost::{CRD_LIMIT, PER_EXPRESSION_LIMIT, RuleCost, crd_rule_costs, version_totals};
+use celcost::{CRD_LIMIT, PER_EXPRESSION_LIMIT, RuleCost, crd_rule_costs, items, version_totals};
+use serde::Deserialize;
 use serde_json::Value;
 
 fn repo(rel: &str) -> std::path::PathBuf {
@@ -27,9 +28,9 @@ fn repo(rel: &str) -> std::path::PathBuf {
 /// The CRDs of a multi-document YAML file, as JSON.
 fn crds_in(path: &Path) -> Vec<Value> {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    text.split("\n---")
-        .filter(|doc| doc.contains("kind: CustomResourceDefinition"))
-        .map(|doc| yaml_serde::from_str::<Value>(doc).expect("CRD YAML"))
+    yaml_serde::Deserializer::from_str(&text)
+        .map(|doc| Value::deserialize(doc).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        .filter(|doc| doc["kind"] == "CustomResourceDefinition")
         .collect()
 }
 
@@ -148,13 +149,13 @@ fn check_against_api_server(file: &Path, figures: &str) -> Vec<RuleCost> {
         .collect();
     expected.sort();
     got.sort();
+    assert_eq!(expected.len(), got.len(), "rule counts differ");
     let differ: Vec<String> = expected
         .iter()
         .zip(&got)
         .filter(|(e, g)| e != g)
         .map(|(e, g)| format!("API server {e:?}\nestimate   {g:?}"))
         .collect();
-    assert_eq!(expected.len(), got.len(), "rule counts differ");
     assert!(differ.is_empty(), "{}", differ.join("\n"));
     estimates
 }
@@ -209,13 +210,13 @@ fn nodes(crd: &Value) -> Vec<(String, Value)> {
             walk(format!("{path}{{}}"), &node["additionalProperties"], out);
         }
         for key in ["allOf", "anyOf", "oneOf"] {
-            for (i, sub) in node[key].as_array().into_iter().flatten().enumerate() {
+            for (i, sub) in items(&node[key]).enumerate() {
                 walk(format!("{path}({key}[{i}])"), sub, out);
             }
         }
     }
     let mut out = Vec::new();
-    for version in crd["spec"]["versions"].as_array().into_iter().flatten() {
+    for version in items(&crd["spec"]["versions"]) {
         let name = version["name"].as_str().unwrap_or("?");
         walk(
             name.to_string(),
@@ -324,11 +325,7 @@ fn schemas_are_structural_and_defaults_valid() {
                     ));
                 }
             }
-            for rule in node["x-kubernetes-validations"]
-                .as_array()
-                .into_iter()
-                .flatten()
-            {
+            for rule in items(&node["x-kubernetes-validations"]) {
                 let text = rule["rule"].as_str().unwrap_or_default();
                 if text.contains('\n') && rule["message"].as_str().is_none_or(str::is_empty) {
                     problems.push(format!("{at}: a multi-line rule without a message"));
@@ -359,7 +356,7 @@ fn schemas_are_structural_and_defaults_valid() {
 fn status_subresource_and_printer_columns() {
     let mut problems = Vec::new();
     for crd in shipped() {
-        for version in crd["spec"]["versions"].as_array().into_iter().flatten() {
+        for version in items(&crd["spec"]["versions"]) {
             let at = format!(
                 "{} {}",
                 crd_name(&crd),
@@ -373,11 +370,7 @@ fn status_subresource_and_printer_columns() {
                     "{at}: status in the schema but no status subresource"
                 ));
             }
-            for column in version["additionalPrinterColumns"]
-                .as_array()
-                .into_iter()
-                .flatten()
-            {
+            for column in items(&version["additionalPrinterColumns"]) {
                 let path = column["jsonPath"].as_str().unwrap_or_default();
                 if !matches!(
                     column["type"].as_str(),

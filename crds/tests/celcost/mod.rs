@@ -22,6 +22,11 @@ use kube_cel::cel::common::ast::{CallExpr, Expr, IdedExpr, LiteralValue};
 use kube_cel::cel::parser::Parser;
 use serde_json::Value;
 
+/// The elements of a JSON array (none when `v` is not one).
+pub fn items(v: &Value) -> impl Iterator<Item = &Value> {
+    v.as_array().into_iter().flatten()
+}
+
 /// The API server's limit on one rule's estimated cost times its cardinality
 /// (`StaticEstimatedCostLimit`).
 pub const PER_EXPRESSION_LIMIT: u64 = 10_000_000;
@@ -54,7 +59,7 @@ pub struct RuleCost {
 pub fn crd_rule_costs(crd: &Value) -> Result<Vec<RuleCost>, String> {
     let name = crd["metadata"]["name"].as_str().unwrap_or("?");
     let mut out = Vec::new();
-    for version in crd["spec"]["versions"].as_array().into_iter().flatten() {
+    for version in items(&crd["spec"]["versions"]) {
         let schema = &version["schema"]["openAPIV3Schema"];
         let label = format!("{name}/{}", version["name"].as_str().unwrap_or("?"));
         walk(&label, "", schema, Some(1), &mut out)?;
@@ -83,11 +88,7 @@ fn walk(
     cardinality: Option<u64>,
     out: &mut Vec<RuleCost>,
 ) -> Result<(), String> {
-    for rule in node["x-kubernetes-validations"]
-        .as_array()
-        .into_iter()
-        .flatten()
-    {
+    for rule in items(&node["x-kubernetes-validations"]) {
         let text = rule["rule"].as_str().unwrap_or_default();
         let per_call = rule_cost(text, node).map_err(|e| format!("{crd} {path}: `{text}`: {e}"))?;
         // An unbounded cardinality is estimated by the API server from the request size: no
@@ -277,7 +278,7 @@ impl<'a> Estimator<'a> {
                 LiteralValue::Boolean(_) => Est::new(0, Ty::Bool, Some(1)),
                 _ => Est::new(0, Ty::Int, Some(1)),
             }),
-            Expr::Ident(name) => Ok(self.ident(name)),
+            Expr::Ident(name) => self.ident(name),
             Expr::Select(sel) => {
                 let operand = self.cost(&sel.operand)?;
                 let Ty::Node(node) = operand.ty else {
@@ -341,15 +342,17 @@ impl<'a> Estimator<'a> {
         }
     }
 
-    fn ident(&self, name: &str) -> Est<'a> {
+    fn ident(&self, name: &str) -> Result<Est<'a>, String> {
         if let Some((_, ty, size)) = self.locals.iter().rev().find(|(n, ..)| n == name) {
-            return Est::new(1, ty.clone(), *size);
+            return Ok(Est::new(1, ty.clone(), *size));
         }
         match name {
-            "self" => self.node_est(1, self.root),
+            "self" => Ok(self.node_est(1, self.root)),
             // Type names: the API server looks their "path" up from `self`, which yields the
             // size of `self` itself.
-            _ => Est::new(1, Ty::Type, Some(node_size(self.root))),
+            "int" | "uint" | "double" | "bool" | "string" | "bytes" | "list" | "map"
+            | "null_type" | "type" => Ok(Est::new(1, Ty::Type, Some(node_size(self.root)))),
+            other => Err(format!("identifier {other} is not modelled")),
         }
     }
 
@@ -432,7 +435,9 @@ impl<'a> Estimator<'a> {
                 None,
             )),
             "ip" => match &target {
-                Some(t) if matches!(t.ty, Ty::Cidr) => Ok(Est::new(sum + 1, Ty::Ip, None)),
+                Some(t) if matches!(t.ty, Ty::Cidr) => {
+                    Ok(Est::new(sum.saturating_add(1), Ty::Ip, None))
+                }
                 _ => Ok(Est::new(
                     sum.saturating_add(factor(arg(0)?.size(), STRING_TRAVERSAL)),
                     Ty::Ip,
