@@ -1145,6 +1145,27 @@ impl Control {
         Ok(stats)
     }
 
+    /// Writes the clock parameters of `clock` (tick rate and connection-tracking lifetimes; its
+    /// revision is ignored, the current one is kept). Used when adopting maps pinned by an
+    /// earlier process, so that the configured lifetimes apply after a restart (and lifetimes
+    /// an older program version did not know, zero in its pinned state, get their values).
+    pub fn set_clock<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        clock: &State,
+    ) -> Result<WriteStats, ControlError> {
+        let mut stats = WriteStats::default();
+        let state = State {
+            revision: self.state.revision,
+            ..*clock
+        };
+        if state != self.state {
+            self.state = state;
+            stats.write(w, &[Write::State(self.state)])?;
+        }
+        Ok(stats)
+    }
+
     /// The identities set with [`Control::set_identities`]: single addresses (as /32 or /128)
     /// and CIDRs, sorted.
     pub fn identities(&self) -> Vec<(IpNet, u32)> {

@@ -77,13 +77,13 @@ pub use ordnet_datapath_common as common;
 use ordnet_datapath_common::{
     Verdict,
     layout::{
-        BLOCK_WORDS, CELLS_PER_RULESET, CT_LIFETIME_OTHER_SECS, CT_LIFETIME_TCP_SECS,
-        CT_REFRESH_SECS, Ct4Key, CtEntry, CtKey, DEFAULT_CT_ENTRIES, DEFAULT_IFACE_ENTRIES,
-        DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS,
-        DEFAULT_POLICY_ENTRIES, DEFAULT_SVC_ENTRIES, IfaceInfo, IpInfo, IpKey, MAP_BLOCKS,
-        MAP_CELLS, MAP_CT4, MAP_CT6, MAP_IFACE, MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY,
-        MAP_STATE, MAP_SVC, PROGRAM_NAME, PolicyKey, PolicyValue, State, SvcKey, SvcValue,
-        TC_PROGRAM_NAME, pairs,
+        BLOCK_WORDS, CELLS_PER_RULESET, CT_LIFETIME_CLOSE_SECS, CT_LIFETIME_OTHER_SECS,
+        CT_LIFETIME_SYN_SECS, CT_LIFETIME_TCP_SECS, CT_REFRESH_SECS, Ct4Key, CtEntry, CtKey,
+        DEFAULT_CT_ENTRIES, DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES,
+        DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES, DEFAULT_SVC_ENTRIES,
+        IfaceInfo, IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_CT4, MAP_CT6, MAP_IFACE, MAP_IP4,
+        MAP_IP6, MAP_IPCIDR, MAP_POLICY, MAP_STATE, MAP_SVC, PROGRAM_NAME, PolicyKey, PolicyValue,
+        State, SvcKey, SvcValue, TC_PROGRAM_NAME, pairs,
     },
 };
 pub use plane::{ControlPlane, MemDatapath};
@@ -214,8 +214,12 @@ pub struct DatapathConfig {
     pub grace: Duration,
     /// Idle lifetime of a tracked TCP flow.
     pub ct_tcp_lifetime: Duration,
-    /// Idle lifetime of a tracked UDP or SCTP flow.
+    /// Idle lifetime of a tracked UDP, SCTP or ICMP echo flow.
     pub ct_other_lifetime: Duration,
+    /// Idle lifetime of a TCP flow that never got past its SYN (no packet from the responder).
+    pub ct_syn_lifetime: Duration,
+    /// Idle lifetime of a closed TCP flow (an RST, or a FIN each way).
+    pub ct_close_lifetime: Duration,
     /// How often at most a tracked flow's last-seen time is rewritten.
     pub ct_refresh: Duration,
 }
@@ -230,7 +234,8 @@ impl DatapathConfig {
             ct_tcp_ticks: ticks(self.ct_tcp_lifetime),
             ct_other_ticks: ticks(self.ct_other_lifetime),
             ct_refresh_ticks: ticks(self.ct_refresh).max(1),
-            _reserved: 0,
+            ct_syn_ticks: u32::try_from(ticks(self.ct_syn_lifetime)).unwrap_or(u32::MAX),
+            ct_close_ticks: u32::try_from(ticks(self.ct_close_lifetime)).unwrap_or(u32::MAX),
         }
     }
 }
@@ -250,6 +255,8 @@ impl Default for DatapathConfig {
             grace: Duration::from_millis(20),
             ct_tcp_lifetime: Duration::from_secs(CT_LIFETIME_TCP_SECS),
             ct_other_lifetime: Duration::from_secs(CT_LIFETIME_OTHER_SECS),
+            ct_syn_lifetime: Duration::from_secs(CT_LIFETIME_SYN_SECS),
+            ct_close_lifetime: Duration::from_secs(CT_LIFETIME_CLOSE_SECS),
             ct_refresh: Duration::from_secs(CT_REFRESH_SECS),
         }
     }
@@ -548,7 +555,8 @@ impl Datapath {
 
     /// Adopts the maps pinned in `config.pin_dir` by an earlier process: loads a new program
     /// instance on them, swaps it into every pinned link (atomically: `bpf_link_update`),
-    /// and rebuilds the control state from the maps. Nothing is written in the normal case,
+    /// and rebuilds the control state from the maps. Nothing is written in the normal case
+    /// (only connection-tracking lifetimes that differ from the configuration, before the swap),
     /// so traffic sees no change at all.
     pub fn adopt(mut config: DatapathConfig) -> Result<(Datapath, AdoptReport), DatapathError> {
         let dir = config.pin_dir.clone().ok_or(DatapathError::NoPinDir)?;
@@ -563,12 +571,20 @@ impl Datapath {
         let (mut ebpf, mut tables) = Self::load(&config)?;
         Self::check_pins(&ebpf, &tables)?;
         tables.mirror = tables.read_all()?;
-        let (control, repairs) = Control::adopt(
+        let (mut control, repairs) = Control::adopt(
             &mut tables,
             config.max_rulesets,
             config.max_blocks,
             config.grace,
         )?;
+        // The configured lifetimes apply from now on (with the pinned state's measured HZ), and
+        // a state pinned by an older version gets the lifetimes it did not have, before the new
+        // program is swapped in (the old one ignores them).
+        let hz = match control.state().hz {
+            0 => sys::kernel_hz().unwrap_or(sys::FALLBACK_HZ),
+            hz => hz,
+        };
+        control.set_clock(&mut tables, &config.clock_state(hz))?;
         // Swap the new programs into the pinned links (atomically: bpf_link_update).
         let io = |path: &Path| {
             let path = path.to_path_buf();

@@ -27,7 +27,8 @@ use ordnet_datapath::{
         ICMPV6_NEIGHBOR_SOLICITATION, ICMPV6_REDIRECT, ICMPV6_ROUTER_ADVERTISEMENT,
         ICMPV6_ROUTER_SOLICITATION, IPPROTO_AH, IPPROTO_DSTOPTS, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS,
         IPPROTO_ICMPV6, IPPROTO_ROUTING, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, ND_HOP_LIMIT,
-        Parsed, Reason, TCP_ACK, TCP_SYN, craft, craft::L4, layout::PROGRAM_NAME, parse,
+        ParseError, Parsed, Reason, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, craft, craft::L4,
+        layout::PROGRAM_NAME, parse,
     },
     sys,
 };
@@ -1551,6 +1552,189 @@ fn conntrack_entries_expire() {
         "xdp_testrun: conntrack expiry: HZ {}, UDP lifetime {} ticks, refresh {} ticks",
         state.hz, state.ct_other_ticks, state.ct_refresh_ticks
     );
+}
+
+/// ICMP in connection tracking, in the kernel and in userspace: an allowed echo request lets
+/// its reply into ingress-isolated A, an unsolicited reply or request does not; an error about
+/// one of A's tracked flows passes whoever sends it, an error about nothing tracked is judged as
+/// ICMP, a malformed quote is dropped.
+#[test]
+fn conntrack_icmp_echo_and_errors() {
+    if !privileged() {
+        return;
+    }
+    let mut dp = create();
+    world_setup(&mut dp);
+    upsert_isolated_a(&mut dp, &open(Direction::Egress));
+    let ct = UserCt::default();
+    let mut checked = 0;
+    let mut check = |what: &str, f: Vec<u8>, want: XdpAction, reason: Reason| {
+        let kernel = dp.test_run(&f).unwrap().action;
+        let user = dp.decide_with(&f, &ct);
+        assert_eq!(
+            (kernel, XdpAction::from(user.verdict), user.reason),
+            (want, want, reason),
+            "{what}"
+        );
+        checked += 1;
+    };
+    let echo = |id, reply| L4::EchoId { id, reply };
+    for (a, r) in a_and_remote() {
+        let v6 = a.is_ipv6();
+        let router = remote(42, v6);
+        check(
+            "A -> R echo request",
+            frame(a, r, echo(5, false)),
+            PASS,
+            Reason::Allowed,
+        );
+        check(
+            "R -> A echo reply",
+            frame(r, a, echo(5, true)),
+            PASS,
+            Reason::Reply,
+        );
+        check(
+            "A -> R next request",
+            frame(a, r, echo(5, false)),
+            PASS,
+            Reason::Established,
+        );
+        check(
+            "R -> A unsolicited reply",
+            frame(r, a, echo(6, true)),
+            DROP,
+            Reason::IngressDenied,
+        );
+        check(
+            "R -> A request with A's identifier",
+            frame(r, a, echo(5, false)),
+            DROP,
+            Reason::IngressDenied,
+        );
+        // Errors about A's UDP flow and A's TCP connection.
+        let udp = udp_ports(4000, 53);
+        check("A -> R UDP", frame(a, r, udp), PASS, Reason::Allowed);
+        let tcp = tcp_flags(40000, 443, TCP_SYN);
+        check("A -> R SYN", frame(a, r, tcp), PASS, Reason::Allowed);
+        let quoted = |l4| craft::ip_packet(a, r, l4).unwrap();
+        let error =
+            |from, kind, code, q: &[u8]| craft::icmp_error(from, a, kind, code, 1280, q).unwrap();
+        let (unreachable, too_big, port_unreachable) = if v6 { (1, 2, 4) } else { (3, 3, 3) };
+        let (frag_code, port_code) = if v6 { (0, 4) } else { (4, 3) };
+        check(
+            "port unreachable from R about A's UDP flow",
+            error(r, unreachable, port_code, &quoted(udp)),
+            PASS,
+            Reason::Related,
+        );
+        check(
+            "fragmentation needed / packet too big from a router about A's TCP connection",
+            error(router, too_big, frag_code, &quoted(tcp)),
+            PASS,
+            Reason::Related,
+        );
+        let time_exceeded = if v6 { 3 } else { 11 };
+        check(
+            "time exceeded from a router about A's ping",
+            error(router, time_exceeded, 0, &quoted(echo(5, false))),
+            PASS,
+            Reason::Related,
+        );
+        check(
+            "an error about a flow nobody tracks: judged as ICMP",
+            error(
+                router,
+                port_unreachable,
+                port_code,
+                &quoted(udp_ports(4001, 53)),
+            ),
+            DROP,
+            Reason::IngressDenied,
+        );
+        let q = quoted(udp);
+        let header = if v6 { 40 } else { 20 };
+        for cut in [0, header - 1, header + 7] {
+            check(
+                "a quote cut short is malformed",
+                error(router, unreachable, 0, &q[..cut]),
+                DROP,
+                Reason::Malformed(ParseError::BadIcmpQuote),
+            );
+        }
+        check(
+            "the header and 8 bytes are enough",
+            error(router, unreachable, 0, &q[..header + 8]),
+            PASS,
+            Reason::Related,
+        );
+    }
+    println!(
+        "xdp_testrun: ICMP tracking: {checked} packets checked (kernel == userspace == expected)"
+    );
+}
+
+/// TCP state in connection tracking, in the kernel and in userspace: a flow that never got past
+/// its SYN and a closed one (a FIN each way, or an RST) expire after their short lifetimes; an
+/// established one does not.
+#[test]
+fn conntrack_tcp_state_lifetimes() {
+    if !privileged() {
+        return;
+    }
+    let mut dp = Datapath::create(DatapathConfig {
+        ct_syn_lifetime: Duration::from_millis(1000),
+        ct_close_lifetime: Duration::from_millis(1000),
+        ct_refresh: Duration::from_millis(20),
+        ..small_config()
+    })
+    .unwrap();
+    world_setup(&mut dp);
+    upsert_isolated_a(&mut dp, &open(Direction::Egress));
+    let ct = UserCt::default();
+    let run = |f: Vec<u8>| {
+        let kernel = dp.test_run(&f).unwrap().action;
+        let user = dp.decide_with(&f, &ct);
+        assert_eq!(
+            kernel,
+            XdpAction::from(user.verdict),
+            "kernel and userspace: {user:?}"
+        );
+        kernel
+    };
+    for (a, r) in a_and_remote() {
+        let out = |sport, flags| frame(a, r, tcp_flags(sport, 443, flags));
+        let back = |dport, flags| frame(r, a, tcp_flags(443, dport, flags));
+        // 1: only a SYN. 2: answered, then a FIN each way. 3: answered, then an RST.
+        // 4: answered, one FIN (half-closed). 5: answered.
+        for sport in 1..=5 {
+            assert_eq!(run(out(sport, TCP_SYN)), PASS);
+        }
+        for sport in 2..=5 {
+            assert_eq!(run(back(sport, TCP_SYN | TCP_ACK)), PASS);
+        }
+        assert_eq!(run(out(2, TCP_FIN | TCP_ACK)), PASS);
+        assert_eq!(run(back(2, TCP_FIN | TCP_ACK)), PASS);
+        assert_eq!(run(out(2, TCP_ACK)), PASS, "the last ACK");
+        assert_eq!(run(back(3, TCP_RST)), PASS, "the RST itself");
+        assert_eq!(run(out(4, TCP_FIN | TCP_ACK)), PASS);
+    }
+    std::thread::sleep(Duration::from_millis(2300));
+    for (a, r) in a_and_remote() {
+        let back = |dport, flags| frame(r, a, tcp_flags(443, dport, flags));
+        for (sport, want, what) in [
+            (1, DROP, "never past its SYN: expired"),
+            (2, DROP, "closed by FINs: expired"),
+            (3, DROP, "closed by an RST: expired"),
+            (4, PASS, "half-closed: established lifetime"),
+            (5, PASS, "established"),
+        ] {
+            assert_eq!(run(back(sport, TCP_ACK)), want, "{a}: flow {sport}: {what}");
+        }
+        // A new connection on the tuple of a closed flow is judged and tracked afresh.
+        assert_eq!(run(frame(a, r, tcp_flags(3, 443, TCP_SYN))), PASS);
+        assert_eq!(run(back(3, TCP_SYN | TCP_ACK)), PASS);
+    }
 }
 
 // ------------------------------------------------------------------ update safety

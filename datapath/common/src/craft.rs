@@ -7,7 +7,8 @@
 use std::vec::Vec;
 
 use crate::{
-    ETH_P_IP, ETH_P_IPV6, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP,
+    ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_SCTP, IPPROTO_TCP,
+    IPPROTO_UDP,
 };
 
 /// Destination MAC of crafted frames (locally administered).
@@ -56,8 +57,15 @@ pub enum L4 {
         /// Destination port.
         dport: u16,
     },
-    /// An ICMP (IPv4) or ICMPv6 (IPv6) echo request.
+    /// An ICMP (IPv4) or ICMPv6 (IPv6) echo request, identifier 0x1234.
     Echo,
+    /// An ICMP (IPv4) or ICMPv6 (IPv6) echo request or reply with identifier `id`.
+    EchoId {
+        /// The identifier.
+        id: u16,
+        /// A reply (else a request).
+        reply: bool,
+    },
     /// An ICMP (IPv4) or ICMPv6 (IPv6) message of type `kind`, code 0, with 20 bytes of body
     /// (the reserved word and target address of a Neighbor Solicitation/Advertisement).
     Icmp {
@@ -78,8 +86,8 @@ impl L4 {
             Self::Tcp { .. } | Self::TcpFlags { .. } => IPPROTO_TCP,
             Self::Udp { .. } => IPPROTO_UDP,
             Self::Sctp { .. } => IPPROTO_SCTP,
-            Self::Echo | Self::Icmp { .. } if ipv6 => IPPROTO_ICMPV6,
-            Self::Echo | Self::Icmp { .. } => IPPROTO_ICMP,
+            Self::Echo | Self::EchoId { .. } | Self::Icmp { .. } if ipv6 => IPPROTO_ICMPV6,
+            Self::Echo | Self::EchoId { .. } | Self::Icmp { .. } => IPPROTO_ICMP,
             Self::Raw { protocol } => protocol,
         }
     }
@@ -102,6 +110,16 @@ impl L4 {
             Self::Echo => {
                 let kind = if ipv6 { 128 } else { 8 };
                 std::vec![kind, 0, 0, 0, 0x12, 0x34, 0, 1]
+            }
+            Self::EchoId { id, reply } => {
+                let kind = match (ipv6, reply) {
+                    (true, false) => 128,
+                    (true, true) => 129,
+                    (false, false) => 8,
+                    (false, true) => 0,
+                };
+                let [hi, lo] = id.to_be_bytes();
+                std::vec![kind, 0, 0, 0, hi, lo, 0, 1]
             }
             Self::Icmp { kind } => {
                 let mut h = std::vec![0u8; 24];
@@ -367,4 +385,40 @@ pub fn fix_ipv4_checksum(frame: &mut [u8], l3: usize) {
     let end = (l3 + ihl.max(20)).min(frame.len());
     let sum = internet_checksum(&frame[l3..end]);
     frame[l3 + 10..l3 + 12].copy_from_slice(&sum.to_be_bytes());
+}
+
+/// The IP packet (no Ethernet header) of an `ipv4_frame_between`/`ipv6_frame_between` frame:
+/// what an ICMP error quotes.
+pub fn ip_packet(src: std::net::IpAddr, dst: std::net::IpAddr, l4: L4) -> Option<Vec<u8>> {
+    frame_between(src, dst, l4).map(|f| f[ETH_HLEN..].to_vec())
+}
+
+/// An ICMP (IPv4 addresses) or ICMPv6 (IPv6) error of type `kind` and code `code` from `src` to
+/// `dst`, quoting `quoted` (an IP packet, possibly cut short; see [`ip_packet`]); the fifth to
+/// eighth bytes of the ICMP header (unused, or the MTU of "fragmentation needed"/"packet too
+/// big") are `word`. `None` when the two addresses are of different families.
+pub fn icmp_error(
+    src: std::net::IpAddr,
+    dst: std::net::IpAddr,
+    kind: u8,
+    code: u8,
+    word: u32,
+    quoted: &[u8],
+) -> Option<Vec<u8>> {
+    let mut body = std::vec![kind, code, 0, 0];
+    body.extend_from_slice(&word.to_be_bytes());
+    body.extend_from_slice(quoted);
+    match (src, dst) {
+        (std::net::IpAddr::V4(s), std::net::IpAddr::V4(d)) => Some(ethernet(
+            &[],
+            ETH_P_IP,
+            &Ipv4::new(s.octets(), d.octets(), IPPROTO_ICMP).build(&body),
+        )),
+        (std::net::IpAddr::V6(s), std::net::IpAddr::V6(d)) => Some(ethernet(
+            &[],
+            ETH_P_IPV6,
+            &ipv6(s.octets(), d.octets(), IPPROTO_ICMPV6, &body),
+        )),
+        _ => None,
+    }
 }

@@ -383,6 +383,25 @@ pub const CT_INITIATOR_A: u32 = 1;
 /// against policy.
 pub const CT_SERVICE: u32 = 2;
 
+/// [`CtEntry::flags`] (TCP): the responder has sent a packet (the flow got past its SYN).
+pub const CT_REPLIED: u32 = 4;
+/// [`CtEntry::flags`] (TCP): the initiator has sent a FIN.
+pub const CT_FIN_INITIATOR: u32 = 8;
+/// [`CtEntry::flags`] (TCP): the responder has sent a FIN.
+pub const CT_FIN_RESPONDER: u32 = 16;
+/// [`CtEntry::flags`] (TCP): an RST was seen.
+pub const CT_RESET: u32 = 32;
+/// The [`CtEntry::flags`] of a TCP flow's state (the rest says who opened it and how it is
+/// judged).
+pub const CT_TCP_STATE: u32 = CT_REPLIED | CT_FIN_INITIATOR | CT_FIN_RESPONDER | CT_RESET;
+
+/// Whether a TCP flow with these [`CtEntry::flags`] is closed: an RST, or a FIN each way.
+#[inline(always)]
+pub const fn ct_closed(flags: u32) -> bool {
+    flags & CT_RESET != 0
+        || flags & (CT_FIN_INITIATOR | CT_FIN_RESPONDER) == CT_FIN_INITIATOR | CT_FIN_RESPONDER
+}
+
 /// Key of [`MAP_SVC`]: one Service frontend.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -454,18 +473,28 @@ pub struct State {
     pub hz: u64,
     /// Idle lifetime of a tracked TCP flow, in ticks.
     pub ct_tcp_ticks: u64,
-    /// Idle lifetime of a tracked UDP or SCTP flow, in ticks.
+    /// Idle lifetime of a tracked UDP, SCTP or ICMP echo flow, in ticks.
     pub ct_other_ticks: u64,
     /// A flow's `last_seen` is rewritten at most this often (saves a write per packet).
     pub ct_refresh_ticks: u64,
-    /// Unused; zero.
-    pub _reserved: u64,
+    /// Idle lifetime of a TCP flow whose responder has not answered yet (only its SYN was
+    /// seen), in ticks. (The two short lifetimes are 32-bit: they took the place of a reserved
+    /// word, so the value keeps its size and pinned maps stay compatible.)
+    pub ct_syn_ticks: u32,
+    /// Idle lifetime of a closed TCP flow (an RST, or a FIN each way), in ticks.
+    pub ct_close_ticks: u32,
 }
 
 /// Default idle lifetime of a tracked TCP flow (seconds).
 pub const CT_LIFETIME_TCP_SECS: u64 = 6 * 3600;
 /// Default idle lifetime of a tracked UDP or SCTP flow (seconds).
 pub const CT_LIFETIME_OTHER_SECS: u64 = 120;
+/// Default idle lifetime of a TCP flow that never got past its SYN (seconds; the kernel's
+/// `nf_conntrack_tcp_timeout_syn_sent` is 120, Cilium's 60).
+pub const CT_LIFETIME_SYN_SECS: u64 = 60;
+/// Default idle lifetime of a closed TCP flow (seconds; the kernel's
+/// `nf_conntrack_tcp_timeout_close` is 10, Cilium's close timeout 10).
+pub const CT_LIFETIME_CLOSE_SECS: u64 = 10;
 /// Default refresh interval of `last_seen` (seconds).
 pub const CT_REFRESH_SECS: u64 = 1;
 

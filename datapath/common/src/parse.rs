@@ -130,6 +130,49 @@ pub enum Fragment {
     Subsequent,
 }
 
+/// ICMP echo request type (IPv4, RFC 792).
+pub const ICMP_ECHO_REQUEST: u8 = 8;
+/// ICMP echo reply type (IPv4).
+pub const ICMP_ECHO_REPLY: u8 = 0;
+/// ICMP destination unreachable (IPv4; code 4 is "fragmentation needed").
+pub const ICMP_DEST_UNREACHABLE: u8 = 3;
+/// ICMP time exceeded (IPv4).
+pub const ICMP_TIME_EXCEEDED: u8 = 11;
+/// ICMP parameter problem (IPv4).
+pub const ICMP_PARAMETER_PROBLEM: u8 = 12;
+/// ICMPv6 destination unreachable (RFC 4443).
+pub const ICMPV6_DEST_UNREACHABLE: u8 = 1;
+/// ICMPv6 packet too big.
+pub const ICMPV6_PACKET_TOO_BIG: u8 = 2;
+/// ICMPv6 time exceeded.
+pub const ICMPV6_TIME_EXCEEDED: u8 = 3;
+/// ICMPv6 parameter problem.
+pub const ICMPV6_PARAMETER_PROBLEM: u8 = 4;
+/// ICMPv6 echo request.
+pub const ICMPV6_ECHO_REQUEST: u8 = 128;
+/// ICMPv6 echo reply.
+pub const ICMPV6_ECHO_REPLY: u8 = 129;
+
+/// What kind of ICMP/ICMPv6 message a packet is, as far as connection tracking cares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Icmp {
+    /// Not ICMP, a later fragment, or a message connection tracking does not follow.
+    Other,
+    /// An echo request: its identifier is [`IpPacket::sport`] (`dport` 0), so the request and
+    /// its reply share a tracking key like a UDP flow's two directions.
+    EchoRequest,
+    /// An echo reply: its identifier is [`IpPacket::dport`] (`sport` 0).
+    EchoReply,
+    /// An error message (destination unreachable incl. fragmentation needed / packet too big,
+    /// time exceeded, parameter problem) about a packet its destination sent that may belong
+    /// to a tracked flow: the quoted packet has ports (TCP, UDP, SCTP, or an ICMP echo's
+    /// identifier), is not a later fragment, and its source is the error's destination. The
+    /// quoted flow is in [`IpPacket::sport`] (the quoted source port), [`IpPacket::dport`],
+    /// [`IpPacket::quote_protocol`] and [`IpPacket::quote_peer`]. (Errors whose quote cannot
+    /// belong to a tracked flow are [`Icmp::Other`]: judged by policy like any ICMP.)
+    Error,
+}
+
 /// What the parser found in an IP packet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct IpPacket {
@@ -145,8 +188,12 @@ pub struct IpPacket {
     /// header (IPv6) or IP header (IPv4) names.
     pub protocol: u8,
     /// Source port (host byte order); 0 when `protocol` has no ports or for a later fragment.
+    /// An ICMP/ICMPv6 echo request's identifier (see [`Icmp::EchoRequest`]); for an
+    /// [`Icmp::Error`] the quoted packet's source port.
     pub sport: u16,
     /// Destination port (host byte order); 0 when `protocol` has no ports or for a later fragment.
+    /// An ICMP/ICMPv6 echo reply's identifier (see [`Icmp::EchoReply`]); for an
+    /// [`Icmp::Error`] the quoted packet's destination port.
     pub dport: u16,
     /// TCP flags (byte 13 of the TCP header: FIN 0x01, SYN 0x02, RST 0x04, ACK 0x10, ...);
     /// 0 for other protocols and later fragments.
@@ -158,6 +205,13 @@ pub struct IpPacket {
     pub hop_limit: u8,
     /// Fragmentation state.
     pub fragment: Fragment,
+    /// The ICMP/ICMPv6 message kind connection tracking follows ([`Icmp::Other`] otherwise).
+    pub icmp: Icmp,
+    /// For an [`Icmp::Error`]: the quoted packet's protocol (else 0).
+    pub quote_protocol: u8,
+    /// For an [`Icmp::Error`]: the quoted packet's destination, the flow's other end (words as
+    /// in `src`; else zero). (The quote's source is `dst`.)
+    pub quote_peer: [u32; 4],
 }
 
 /// A frame the parser could classify.
@@ -209,6 +263,9 @@ pub enum ParseError {
     BadTcpDataOffset,
     /// UDP length field below 8 or past the end of the IP payload.
     BadUdpLength,
+    /// An ICMP/ICMPv6 error (unfragmented) whose quoted packet is truncated or malformed: its
+    /// IP header (version, length) or the first 8 bytes after it are not there.
+    BadIcmpQuote,
     /// The headers the policy needs do not end within [`MAX_HEADER_BYTES`].
     HeadersTooLong,
 }
@@ -332,7 +389,7 @@ fn parse_ipv4<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, Parse
     let l4 = if fragment == Fragment::Subsequent {
         L4Fields::NONE
     } else {
-        parse_l4(frame, protocol, l3 + ihl, ip_end, fragment)?
+        parse_l4::<F, false>(frame, protocol, l3 + ihl, ip_end, fragment, &dst)?
     };
     Ok(IpPacket {
         ip_version: 4,
@@ -345,6 +402,9 @@ fn parse_ipv4<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, Parse
         icmp6_type: 0,
         hop_limit: h[8],
         fragment,
+        icmp: l4.icmp,
+        quote_protocol: l4.quote_protocol,
+        quote_peer: l4.quote_peer,
     })
 }
 
@@ -431,6 +491,9 @@ fn parse_ipv6<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, Parse
                     icmp6_type: 0,
                     hop_limit: h[7],
                     fragment: Fragment::Subsequent,
+                    icmp: Icmp::Other,
+                    quote_protocol: 0,
+                    quote_peer: [0; 4],
                 });
             }
             if offset_and_m & 1 != 0 {
@@ -443,7 +506,7 @@ fn parse_ipv6<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, Parse
     if is_ipv6_ext_header(next_header) {
         return Err(ParseError::TooManyExtensionHeaders);
     }
-    let l4 = parse_l4(frame, next_header, off, ip_end, fragment)?;
+    let l4 = parse_l4::<F, true>(frame, next_header, off, ip_end, fragment, &dst)?;
     Ok(IpPacket {
         ip_version: 6,
         src,
@@ -455,6 +518,9 @@ fn parse_ipv6<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, Parse
         icmp6_type: l4.icmp6_type,
         hop_limit: h[7],
         fragment,
+        icmp: l4.icmp,
+        quote_protocol: l4.quote_protocol,
+        quote_peer: l4.quote_peer,
     })
 }
 
@@ -465,6 +531,9 @@ struct L4Fields {
     dport: u16,
     tcp_flags: u8,
     icmp6_type: u8,
+    icmp: Icmp,
+    quote_protocol: u8,
+    quote_peer: [u32; 4],
 }
 
 impl L4Fields {
@@ -473,29 +542,69 @@ impl L4Fields {
         dport: 0,
         tcp_flags: 0,
         icmp6_type: 0,
+        icmp: Icmp::Other,
+        quote_protocol: 0,
+        quote_peer: [0; 4],
     };
 }
 
-/// Reads the ports of TCP, UDP and SCTP (and the TCP flags), and the ICMPv6 type; other
-/// protocols have none of these (all 0).
+/// The kind of an ICMP (`V6` false) or ICMPv6 message type.
+#[inline(always)]
+fn icmp_kind<const V6: bool>(kind: u8) -> Icmp {
+    if V6 {
+        match kind {
+            ICMPV6_ECHO_REQUEST => Icmp::EchoRequest,
+            ICMPV6_ECHO_REPLY => Icmp::EchoReply,
+            ICMPV6_DEST_UNREACHABLE
+            | ICMPV6_PACKET_TOO_BIG
+            | ICMPV6_TIME_EXCEEDED
+            | ICMPV6_PARAMETER_PROBLEM => Icmp::Error,
+            _ => Icmp::Other,
+        }
+    } else {
+        match kind {
+            ICMP_ECHO_REQUEST => Icmp::EchoRequest,
+            ICMP_ECHO_REPLY => Icmp::EchoReply,
+            ICMP_DEST_UNREACHABLE | ICMP_TIME_EXCEEDED | ICMP_PARAMETER_PROBLEM => Icmp::Error,
+            _ => Icmp::Other,
+        }
+    }
+}
+
+/// The ports connection tracking keys an echo message by: a request's identifier is its
+/// source port, a reply's its destination port, so a request and its reply share one key (the
+/// reply's source is the request's destination) like the two directions of a UDP flow.
+#[inline(always)]
+fn echo_ports(kind: Icmp, id: u16) -> (u16, u16) {
+    if kind == Icmp::EchoRequest {
+        (id, 0)
+    } else {
+        (0, id)
+    }
+}
+
+/// Reads the ports of TCP, UDP and SCTP (and the TCP flags), and of ICMP/ICMPv6 the type, an
+/// echo's identifier and an error's quoted flow; other protocols have none of these (all 0).
 ///
 /// `l4` is the offset of the upper-layer header, `ip_end` the end of the IP packet according to
-/// its length field (already known to be inside the frame).
+/// its length field (already known to be inside the frame), `dst` the packet's destination.
 #[inline(always)]
-fn parse_l4<F: Frame + ?Sized>(
+fn parse_l4<F: Frame + ?Sized, const V6: bool>(
     frame: &F,
     protocol: u8,
     l4: usize,
     ip_end: usize,
     fragment: Fragment,
+    dst: &[u32; 4],
 ) -> Result<L4Fields, ParseError> {
     let fixed_len = match protocol {
         IPPROTO_TCP => 20,
         IPPROTO_UDP => 8,
         // Common header: ports, verification tag, checksum.
         IPPROTO_SCTP => 12,
-        // Type, code, checksum (RFC 4443 §2.1).
-        IPPROTO_ICMPV6 => 4,
+        // Type, code, checksum (RFC 792, RFC 4443 §2.1).
+        IPPROTO_ICMPV6 if V6 => 4,
+        IPPROTO_ICMP if !V6 => 4,
         _ => return Ok(L4Fields::NONE),
     };
     if l4 + fixed_len > ip_end {
@@ -504,13 +613,42 @@ fn parse_l4<F: Frame + ?Sized>(
     if l4 + fixed_len > MAX_HEADER_BYTES {
         return Err(ParseError::HeadersTooLong);
     }
-    if protocol == IPPROTO_ICMPV6 {
+    if fixed_len == 4 {
         // Type and code (2 bytes: see `Frame::load` on why no 1-byte loads).
         let Some(t) = load::<F, 2>(frame, l4) else {
             return Err(ParseError::TruncatedL4Header);
         };
+        let kind = icmp_kind::<V6>(t[0]);
+        let icmp6_type = if V6 { t[0] } else { 0 };
+        // An error is only followed when it is whole (errors are small; a fragmented one is
+        // judged like any ICMP).
+        if kind == Icmp::Other || (kind == Icmp::Error && fragment != Fragment::No) {
+            return Ok(L4Fields {
+                icmp6_type,
+                ..L4Fields::NONE
+            });
+        }
+        // Echo: identifier and sequence number; error: the unused/MTU word. Both 8 bytes.
+        if l4 + 8 > ip_end {
+            return Err(ParseError::TruncatedL4Header);
+        }
+        let Some(h) = load::<F, 8>(frame, l4) else {
+            return Err(ParseError::TruncatedL4Header);
+        };
+        if kind == Icmp::Error {
+            let mut fields = L4Fields {
+                icmp6_type,
+                ..L4Fields::NONE
+            };
+            parse_quote::<F, V6>(frame, l4 + 8, ip_end, dst, &mut fields)?;
+            return Ok(fields);
+        }
+        let (sport, dport) = echo_ports(kind, be16(h[4], h[5]));
         return Ok(L4Fields {
-            icmp6_type: t[0],
+            sport,
+            dport,
+            icmp6_type,
+            icmp: kind,
             ..L4Fields::NONE
         });
     }
@@ -550,6 +688,89 @@ fn parse_l4<F: Frame + ?Sized>(
         sport,
         dport,
         tcp_flags,
-        icmp6_type: 0,
+        ..L4Fields::NONE
     })
+}
+
+/// The flow an ICMP/ICMPv6 error quotes, at offset `q` (after the 8-byte ICMP header): the
+/// quoted packet's IP header (IPv4 with options, or the 40-byte IPv6 header) and the first 8
+/// bytes after it (RFC 792 requires them; RFC 4443 quotes as much as fits) must lie within the
+/// error (`ip_end`), and the IP version must be the error's own: otherwise the error is
+/// malformed ([`ParseError::BadIcmpQuote`]). A well-formed quote whose packet can belong to a
+/// tracked flow of the error's destination `dst` makes `fields` an [`Icmp::Error`] with the
+/// quoted flow; any other (a later fragment, an IPv6 extension header before the upper layer, a
+/// protocol without ports, an ICMP message other than an echo, a source other than `dst`)
+/// leaves it [`Icmp::Other`]: judged by policy like any ICMP.
+///
+/// Straight-line code: a fixed number of bounded loads, no loop that the compiler keeps.
+#[inline(always)]
+fn parse_quote<F: Frame + ?Sized, const V6: bool>(
+    frame: &F,
+    q: usize,
+    ip_end: usize,
+    dst: &[u32; 4],
+    fields: &mut L4Fields,
+) -> Result<(), ParseError> {
+    let (ip_len, protocol, fragment_offset, src_at, dst_at, words) = if V6 {
+        // Version/class/flow (4), payload length (2), next header, hop limit.
+        let Some(h) = load::<F, 8>(frame, q) else {
+            return Err(ParseError::BadIcmpQuote);
+        };
+        if h[0] >> 4 != 6 {
+            return Err(ParseError::BadIcmpQuote);
+        }
+        (40, h[6], 0, q + 8, q + 24, 4)
+    } else {
+        let Some(h) = load::<F, 20>(frame, q) else {
+            return Err(ParseError::BadIcmpQuote);
+        };
+        let ihl = usize::from(h[0] & 0x0f) * 4;
+        if h[0] >> 4 != 4 || ihl < 20 {
+            return Err(ParseError::BadIcmpQuote);
+        }
+        (ihl, h[9], be16(h[6], h[7]) & 0x1fff, q + 12, q + 16, 1)
+    };
+    let l4 = q + ip_len;
+    if l4 + 8 > ip_end {
+        return Err(ParseError::BadIcmpQuote);
+    }
+    let Some(ports) = load::<F, 8>(frame, l4) else {
+        return Err(ParseError::BadIcmpQuote);
+    };
+    let mut related = fragment_offset == 0;
+    let mut peer = [0u32; 4];
+    for i in 0..4 {
+        if i < words {
+            let (Some(s), Some(d)) = (
+                load_word(frame, src_at + 4 * i),
+                load_word(frame, dst_at + 4 * i),
+            ) else {
+                return Err(ParseError::BadIcmpQuote);
+            };
+            related &= s == dst[i];
+            peer[i] = d;
+        }
+    }
+    let (sport, dport) = match protocol {
+        IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP => {
+            (be16(ports[0], ports[1]), be16(ports[2], ports[3]))
+        }
+        IPPROTO_ICMPV6 | IPPROTO_ICMP if (protocol == IPPROTO_ICMPV6) == V6 => {
+            let kind = icmp_kind::<V6>(ports[0]);
+            related &= kind == Icmp::EchoRequest || kind == Icmp::EchoReply;
+            echo_ports(kind, be16(ports[4], ports[5]))
+        }
+        _ => {
+            related = false;
+            (0, 0)
+        }
+    };
+    if related {
+        fields.icmp = Icmp::Error;
+        fields.sport = sport;
+        fields.dport = dport;
+        fields.quote_protocol = protocol;
+        fields.quote_peer = peer;
+    }
+    Ok(())
 }

@@ -11,13 +11,14 @@ use quickcheck::{QuickCheck, TestResult};
 
 use crate::{
     DatapathMaps, Decision, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6, Fragment,
-    ICMPV6_NEIGHBOR_ADVERTISEMENT, ICMPV6_NEIGHBOR_SOLICITATION, ICMPV6_REDIRECT,
+    Hook, ICMPV6_NEIGHBOR_ADVERTISEMENT, ICMPV6_NEIGHBOR_SOLICITATION, ICMPV6_REDIRECT,
     ICMPV6_ROUTER_ADVERTISEMENT, ICMPV6_ROUTER_SOLICITATION, IPPROTO_AH, IPPROTO_DSTOPTS,
     IPPROTO_ESP, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_NONE,
     IPPROTO_ROUTING, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, IpPacket, MAX_HEADER_BYTES,
-    ParseError, Parsed, Reason, TCP_ACK, TCP_SYN, Verdict, addr_bytes, addr_words, craft,
+    ParseError, Parsed, Reason, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, Verdict, addr_bytes,
+    addr_words, craft,
     craft::L4,
-    decide, ipv4_in_16,
+    ct_key, decide, decide_at, ipv4_in_16,
     layout::*,
     lookup::{Match, PolicyMaps},
     parse,
@@ -79,6 +80,9 @@ fn hand_written_frame_and_checksum() {
             icmp6_type: 0,
             hop_limit: 64,
             fragment: Fragment::No,
+            icmp: crate::Icmp::Other,
+            quote_protocol: 0,
+            quote_peer: [0; 4],
         }))
     );
     // The builder produces the same bytes for the same header fields.
@@ -138,16 +142,29 @@ fn all_l4_protocols_both_versions() {
             (addr_words(craft::V6_SRC), addr_words(craft::V6_DST))
         );
     }
+    // An echo request's identifier (0x1234) is its source port, a reply's its destination port.
     let icmp = ip(&craft::ipv4_frame(L4::Echo));
     assert_eq!(
-        (icmp.protocol, icmp.sport, icmp.dport),
-        (IPPROTO_ICMP, 0, 0)
+        (icmp.protocol, icmp.sport, icmp.dport, icmp.icmp),
+        (IPPROTO_ICMP, 0x1234, 0, crate::Icmp::EchoRequest)
     );
     let icmp6 = ip(&craft::ipv6_frame(L4::Echo));
     assert_eq!(
-        (icmp6.protocol, icmp6.sport, icmp6.dport),
-        (IPPROTO_ICMPV6, 0, 0)
+        (icmp6.protocol, icmp6.sport, icmp6.dport, icmp6.icmp),
+        (IPPROTO_ICMPV6, 0x1234, 0, crate::Icmp::EchoRequest)
     );
+    for v6 in [false, true] {
+        let f = if v6 {
+            craft::ipv6_frame
+        } else {
+            craft::ipv4_frame
+        };
+        let reply = ip(&f(L4::EchoId { id: 7, reply: true }));
+        assert_eq!(
+            (reply.sport, reply.dport, reply.icmp),
+            (0, 7, crate::Icmp::EchoReply)
+        );
+    }
     let gre = ip(&craft::ipv4_frame(L4::Raw { protocol: 47 }));
     assert_eq!((gre.protocol, gre.dport), (47, 0));
     // The ICMPv6 type and the hop limit are read; the ICMPv4 type is not (nothing uses it).
@@ -316,7 +333,31 @@ fn l4_header_validation() {
             );
         }
     }
-    // The ICMPv6 header (type, code, checksum) must be whole; ICMPv4 is not read at all.
+    // The ICMP/ICMPv6 header (type, code, checksum) must be whole, an echo's 8 bytes too.
+    for v6 in [false, true] {
+        let echo = L4::Echo.bytes(v6);
+        for cut in 0..8 {
+            let f = if v6 {
+                craft::ethernet(
+                    &[],
+                    ETH_P_IPV6,
+                    &craft::ipv6(craft::V6_SRC, craft::V6_DST, IPPROTO_ICMPV6, &echo[..cut]),
+                )
+            } else {
+                craft::ethernet(
+                    &[],
+                    ETH_P_IP,
+                    &craft::Ipv4::new(craft::V4_SRC, craft::V4_DST, IPPROTO_ICMP)
+                        .build(&echo[..cut]),
+                )
+            };
+            assert_eq!(
+                p(&f),
+                Err(ParseError::TruncatedL4Header),
+                "echo v6={v6} cut {cut}"
+            );
+        }
+    }
     let na = L4::Icmp { kind: 136 }.bytes(true);
     for cut in 0..4 {
         let v6 = craft::ethernet(
@@ -339,9 +380,13 @@ fn l4_header_validation() {
     let v4 = craft::ethernet(
         &[],
         ETH_P_IP,
-        &craft::Ipv4::new(craft::V4_SRC, craft::V4_DST, IPPROTO_ICMP).build(&[]),
+        &craft::Ipv4::new(craft::V4_SRC, craft::V4_DST, IPPROTO_ICMP).build(&[13, 0, 0, 0]),
     );
-    assert_eq!(ip(&v4).protocol, IPPROTO_ICMP, "empty ICMPv4 still parses");
+    assert_eq!(
+        ip(&v4).protocol,
+        IPPROTO_ICMP,
+        "a 4-byte ICMPv4 timestamp header parses"
+    );
     // TCP data offset.
     let good = craft::ipv4_frame(TCP80);
     for doff in 0..5u8 {
@@ -670,7 +715,8 @@ fn mock() -> Mock {
             ct_tcp_ticks: 3_600_000,
             ct_other_ticks: 60_000,
             ct_refresh_ticks: 1000,
-            _reserved: 0,
+            ct_syn_ticks: 60_000,
+            ct_close_ticks: 10_000,
         },
         ..Mock::default()
     };
@@ -1077,4 +1123,307 @@ fn quickcheck_mutations() {
     QuickCheck::new()
         .tests(20_000)
         .quickcheck(prop as fn(usize, Vec<(u16, u8)>) -> TestResult);
+}
+
+/// An ICMP error from `from` to `to` quoting the packet `quoted_src -> quoted_dst` with `l4`.
+fn icmp_error(from: [u8; 4], to: [u8; 4], kind: u8, quoted: &[u8]) -> Vec<u8> {
+    craft::icmp_error(from.into(), to.into(), kind, 4, 1400, quoted).unwrap()
+}
+
+fn quoted(src: [u8; 4], dst: [u8; 4], l4: L4) -> Vec<u8> {
+    craft::ip_packet(src.into(), dst.into(), l4).unwrap()
+}
+
+const ROUTER: [u8; 4] = [198, 51, 100, 1];
+
+#[test]
+fn decide_icmp_echo_tracking() {
+    let m = mock();
+    let echo = |id, reply| L4::EchoId { id, reply };
+    // A (egress open, ingress isolated) pings REMOTE: the request is allowed and tracked, the
+    // reply with the same identifier passes without a policy lookup.
+    assert_eq!(run(&m, A, REMOTE, echo(7, false)).reason, Reason::Allowed);
+    let reads = m.reads.get();
+    assert_eq!(run(&m, REMOTE, A, echo(7, true)).reason, Reason::Reply);
+    assert_eq!(
+        m.reads.get(),
+        reads,
+        "the reply is decided by tracking alone"
+    );
+    // The next request of the same ping is established.
+    assert_eq!(
+        run(&m, A, REMOTE, echo(7, false)).reason,
+        Reason::Established
+    );
+    // An unsolicited reply (another identifier) is judged by A's ingress: denied.
+    assert_eq!(
+        run(&m, REMOTE, A, echo(8, true)).reason,
+        Reason::IngressDenied
+    );
+    // A request from REMOTE is new ingress, even with the identifier of A's ping.
+    assert_eq!(
+        run(&m, REMOTE, A, echo(7, false)).reason,
+        Reason::IngressDenied
+    );
+    // Identifier 0: A's request and REMOTE's request share a key; the entry only passes
+    // the packets that play their part in A's ping.
+    assert_eq!(run(&m, A, REMOTE, echo(0, false)).reason, Reason::Allowed);
+    assert_eq!(
+        run(&m, REMOTE, A, echo(0, false)).reason,
+        Reason::IngressDenied
+    );
+    assert_eq!(run(&m, REMOTE, A, echo(0, true)).reason, Reason::Reply);
+    // A reply from A (its own ping's direction) is not a reply to anything: judged (A's egress
+    // is open, so it passes as allowed, and it opens nothing).
+    let before = m.ct.borrow().len();
+    assert_eq!(run(&m, A, REMOTE, echo(0, true)).reason, Reason::Allowed);
+    assert_eq!(
+        m.ct.borrow().len(),
+        before,
+        "an echo reply never opens a flow"
+    );
+    // Expired after the UDP/ICMP lifetime.
+    m.now.set(m.now.get() + m.state.ct_other_ticks + 1);
+    assert_eq!(
+        run(&m, REMOTE, A, echo(7, true)).reason,
+        Reason::IngressDenied
+    );
+}
+
+#[test]
+fn decide_icmp_errors_follow_the_quoted_flow() {
+    let m = mock();
+    let udp = L4::Udp {
+        sport: 4000,
+        dport: 53,
+    };
+    // A's UDP flow to REMOTE is allowed by A's egress and tracked.
+    assert_eq!(run(&m, A, REMOTE, udp).reason, Reason::Allowed);
+    let q = quoted(A, REMOTE, udp);
+    // Port unreachable from the peer, fragmentation needed / time exceeded from a router:
+    // about A's tracked flow, so they pass into A although its ingress is isolated.
+    for (from, kind) in [(REMOTE, 3), (ROUTER, 3), (ROUTER, 11), (ROUTER, 12)] {
+        let d = decide(&p(&icmp_error(from, A, kind, &q)), &m);
+        assert_eq!(d.reason, Reason::Related, "from {from:?} type {kind}");
+    }
+    // Quoting only the header and 8 bytes is enough (RFC 792).
+    let d = decide(&p(&icmp_error(ROUTER, A, 3, &q[..28])), &m);
+    assert_eq!(d.reason, Reason::Related);
+    // An error about a flow that is not tracked, or that A did not send, is judged as ICMP.
+    let other = quoted(
+        A,
+        REMOTE,
+        L4::Udp {
+            sport: 4001,
+            dport: 53,
+        },
+    );
+    let d = decide(&p(&icmp_error(ROUTER, A, 3, &other)), &m);
+    assert_eq!(d.reason, Reason::IngressDenied);
+    let not_sent_by_a = quoted(
+        REMOTE,
+        A,
+        L4::Udp {
+            sport: 53,
+            dport: 4000,
+        },
+    );
+    let d = decide(&p(&icmp_error(ROUTER, A, 3, &not_sent_by_a)), &m);
+    assert_eq!(d.reason, Reason::IngressDenied);
+    // An error whose quote is cut inside the IP header or the 8 bytes after it, or is not
+    // IPv4, is malformed: dropped.
+    for cut in [0, 1, 19, 20, 27] {
+        let d = decide(&p(&icmp_error(ROUTER, A, 3, &q[..cut])), &m);
+        assert_eq!(
+            d.reason,
+            Reason::Malformed(ParseError::BadIcmpQuote),
+            "cut at {cut}"
+        );
+    }
+    let mut bad_version = q.clone();
+    bad_version[0] = 0x65;
+    let d = decide(&p(&icmp_error(ROUTER, A, 3, &bad_version)), &m);
+    assert_eq!(d.reason, Reason::Malformed(ParseError::BadIcmpQuote));
+    // Other ICMP types are not errors: no quote is read (a redirect is judged by policy).
+    let d = decide(&p(&icmp_error(ROUTER, A, 5, &q[..4])), &m);
+    assert_eq!(d.reason, Reason::IngressDenied);
+    // Time exceeded about A's ping (traceroute with ICMP).
+    let echo = L4::EchoId {
+        id: 9,
+        reply: false,
+    };
+    assert_eq!(run(&m, A, REMOTE, echo).reason, Reason::Allowed);
+    let d = decide(&p(&icmp_error(ROUTER, A, 11, &quoted(A, REMOTE, echo))), &m);
+    assert_eq!(d.reason, Reason::Related);
+    // Errors never create or refresh state; after the flow expires they are judged again.
+    let before = m.ct.borrow().clone();
+    let _ = decide(&p(&icmp_error(ROUTER, A, 3, &q)), &m);
+    assert_eq!(*m.ct.borrow(), before);
+    m.now.set(m.now.get() + m.state.ct_other_ticks + 1);
+    let d = decide(&p(&icmp_error(ROUTER, A, 3, &q)), &m);
+    assert_eq!(d.reason, Reason::IngressDenied);
+}
+
+#[test]
+fn icmp_error_quotes_parse_in_both_families() {
+    let a6: std::net::IpAddr = "fd00::1".parse().unwrap();
+    let b6: std::net::IpAddr = "fd00::2".parse().unwrap();
+    let r6: std::net::IpAddr = "fd00::99".parse().unwrap();
+    let tcp = L4::TcpFlags {
+        sport: 40000,
+        dport: 443,
+        flags: TCP_ACK,
+    };
+    let q6 = craft::ip_packet(a6, b6, tcp).unwrap();
+    let ptb = craft::icmp_error(r6, a6, 2, 0, 1280, &q6).unwrap();
+    let e = ip(&ptb);
+    assert_eq!(
+        (e.icmp, e.quote_protocol, e.sport, e.dport),
+        (crate::Icmp::Error, IPPROTO_TCP, 40000, 443)
+    );
+    assert_eq!(e.quote_peer, addr_words(craft::V6_DST));
+    // 40 + 8 bytes are required; the IPv6 quote of an IPv4 packet is malformed.
+    assert_eq!(
+        p(&craft::icmp_error(r6, a6, 2, 0, 1280, &q6[..47]).unwrap()),
+        Err(ParseError::BadIcmpQuote)
+    );
+    let q4 = quoted(A, B, tcp);
+    assert_eq!(
+        p(&craft::icmp_error(r6, a6, 1, 0, 0, &q4).unwrap()),
+        Err(ParseError::BadIcmpQuote)
+    );
+    // A quoted extension header is not followed: well formed, not related.
+    let frag = craft::ipv6(
+        craft::V6_SRC,
+        craft::V6_DST,
+        IPPROTO_FRAGMENT,
+        &[
+            craft::ipv6_fragment(IPPROTO_UDP, 0, true, 1),
+            craft::udp(1, 2, &[]),
+        ]
+        .concat(),
+    );
+    let e = ip(&craft::icmp_error(r6, a6, 2, 0, 1280, &frag).unwrap());
+    assert_eq!(e.icmp, crate::Icmp::Other);
+    // An IPv4 quote of a later fragment is not related either; an IPv4 header with options is
+    // skipped by its IHL.
+    let mut later = q4.clone();
+    later[7] = 1;
+    let e = ip(&icmp_error(ROUTER, A, 3, &later));
+    assert_eq!(e.icmp, crate::Icmp::Other);
+    let mut opts = craft::Ipv4::new(A, B, IPPROTO_UDP);
+    opts.options = vec![1, 1, 1, 1];
+    let with_options = opts.build(&craft::udp(7, 8, &[]));
+    let e = ip(&icmp_error(ROUTER, A, 3, &with_options));
+    assert_eq!((e.icmp, e.sport, e.dport), (crate::Icmp::Error, 7, 8));
+    // A fragmented error is judged like any ICMP: its quote is not read.
+    let mut fragmented = icmp_error(ROUTER, A, 3, &q4);
+    craft::set_ipv4_fragment(&mut fragmented, 14, true, 0);
+    let e = ip(&fragmented);
+    assert_eq!(e.icmp, crate::Icmp::Other);
+}
+
+#[test]
+fn decide_tcp_state_shortens_lifetimes() {
+    let m = mock();
+    let syn = |sport| tcp(sport, 443, TCP_SYN);
+    let reply = |dport, flags| tcp(443, dport, flags);
+    let advance = |ticks: u64| m.now.set(m.now.get() + ticks);
+    let syn_ticks = u64::from(m.state.ct_syn_ticks);
+    let close_ticks = u64::from(m.state.ct_close_ticks);
+    // A flow that never got past its SYN expires after the SYN lifetime: the late SYN-ACK into
+    // ingress-isolated A is judged as new and denied.
+    assert_eq!(run(&m, A, REMOTE, syn(2001)).reason, Reason::Allowed);
+    advance(syn_ticks + 1);
+    assert_eq!(
+        run(&m, REMOTE, A, reply(2001, TCP_SYN | TCP_ACK)).reason,
+        Reason::IngressDenied
+    );
+    // Answered, it lives the established lifetime.
+    assert_eq!(run(&m, A, REMOTE, syn(2002)).reason, Reason::Allowed);
+    assert_eq!(
+        run(&m, REMOTE, A, reply(2002, TCP_SYN | TCP_ACK)).reason,
+        Reason::Reply
+    );
+    advance(syn_ticks + 1);
+    assert_eq!(
+        run(&m, REMOTE, A, reply(2002, TCP_ACK)).reason,
+        Reason::Reply
+    );
+    // A FIN each way closes it: the close lifetime.
+    assert_eq!(
+        run(&m, A, REMOTE, tcp(2002, 443, TCP_FIN | TCP_ACK)).reason,
+        Reason::Established
+    );
+    advance(close_ticks + 1);
+    assert_eq!(
+        run(&m, REMOTE, A, reply(2002, TCP_ACK)).reason,
+        Reason::Reply,
+        "one FIN only half-closes"
+    );
+    assert_eq!(
+        run(&m, REMOTE, A, reply(2002, TCP_FIN | TCP_ACK)).reason,
+        Reason::Reply
+    );
+    assert_eq!(
+        run(&m, A, REMOTE, tcp(2002, 443, TCP_ACK)).reason,
+        Reason::Established
+    );
+    advance(close_ticks + 1);
+    assert_eq!(
+        run(&m, REMOTE, A, reply(2002, TCP_ACK)).reason,
+        Reason::IngressDenied,
+        "closed and expired"
+    );
+    // An RST closes it too.
+    assert_eq!(run(&m, A, REMOTE, syn(2003)).reason, Reason::Allowed);
+    assert_eq!(
+        run(&m, REMOTE, A, reply(2003, TCP_SYN | TCP_ACK)).reason,
+        Reason::Reply
+    );
+    assert_eq!(
+        run(&m, REMOTE, A, reply(2003, TCP_RST)).reason,
+        Reason::Reply
+    );
+    advance(close_ticks + 1);
+    assert_eq!(
+        run(&m, REMOTE, A, reply(2003, TCP_ACK)).reason,
+        Reason::IngressDenied
+    );
+    // At TC, a SYN on the tuple of a closed flow is judged as a new connection and starts a
+    // fresh entry; on a fresh one it passes after the lookup.
+    let tc = Hook::Tc {
+        ingress_ifindex: 77,
+    };
+    let at_tc = |l4| {
+        decide_at(
+            &parse(&craft::ipv4_frame_between(A, REMOTE, l4)[..]),
+            &m,
+            tc,
+        )
+    };
+    assert_eq!(run(&m, A, REMOTE, syn(2004)).reason, Reason::Allowed);
+    assert_eq!(at_tc(syn(2004)).reason, Reason::Established);
+    assert_eq!(
+        run(&m, A, REMOTE, tcp(2004, 443, TCP_RST)).reason,
+        Reason::Established
+    );
+    assert_eq!(at_tc(syn(2004)).reason, Reason::Allowed);
+    let (key, _) = ct_key(&ip(&craft::ipv4_frame_between(A, REMOTE, syn(2004))));
+    let flags = m.ct.borrow()[&key].flags;
+    assert_eq!(
+        flags & CT_TCP_STATE,
+        0,
+        "a new connection starts a fresh state"
+    );
+    // A flow first seen after its SYN (a restart, an evicted entry) is established.
+    assert_eq!(
+        run(&m, A, REMOTE, tcp(2005, 443, TCP_ACK)).reason,
+        Reason::Allowed
+    );
+    advance(syn_ticks + 1);
+    assert_eq!(
+        run(&m, REMOTE, A, reply(2005, TCP_ACK)).reason,
+        Reason::Reply
+    );
 }

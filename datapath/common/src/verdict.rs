@@ -32,10 +32,11 @@
 
 use crate::{
     Fragment, ICMPV6_REDIRECT, ICMPV6_ROUTER_SOLICITATION, IPPROTO_ICMPV6, IPPROTO_SCTP,
-    IPPROTO_TCP, IPPROTO_UDP, IpPacket, ND_HOP_LIMIT, ParseError, Parsed,
+    IPPROTO_TCP, IPPROTO_UDP, Icmp, IpPacket, ND_HOP_LIMIT, ParseError, Parsed,
     layout::{
-        CT_INITIATOR_A, CT_SERVICE, CtEntry, CtKey, FAMILY_V4, IFACE_HAS_V4, IFACE_HAS_V6,
-        IfaceInfo, IpInfo, IpKey, PolicyRef, State, SvcKey,
+        CT_FIN_INITIATOR, CT_FIN_RESPONDER, CT_INITIATOR_A, CT_REPLIED, CT_RESET, CT_SERVICE,
+        CtEntry, CtKey, FAMILY_V4, IFACE_HAS_V4, IFACE_HAS_V6, IfaceInfo, IpInfo, IpKey, PolicyRef,
+        State, SvcKey, ct_closed,
     },
     lookup::{PolicyDecision, PolicyMaps, policy_lookup},
 };
@@ -126,6 +127,8 @@ pub enum Reason {
     ServiceFrontend,
     /// A packet of a deferred flow to a Service frontend, either direction (PASS).
     ServiceFlow,
+    /// An ICMP/ICMPv6 error about a tracked flow of its destination, revision current (PASS).
+    Related,
     /// A tracked flow with an older revision whose original direction is still allowed
     /// (PASS, restamped).
     Rechecked,
@@ -248,38 +251,101 @@ fn interface_endpoint<M: DatapathMaps + ?Sized>(
 /// The canonical tracking key of a packet's flow, and whether the packet's source is side `a`.
 #[inline(always)]
 pub fn ct_key(p: &IpPacket) -> (CtKey, bool) {
+    ct_key_of(p.ip_version, p.protocol, &p.src, p.sport, &p.dst, p.dport)
+}
+
+/// The canonical tracking key of the flow of a packet `src:sport -> dst:dport`, and whether
+/// `src` is side `a`.
+#[inline(always)]
+pub fn ct_key_of(
+    family: u8,
+    protocol: u8,
+    src: &[u32; 4],
+    sport: u16,
+    dst: &[u32; 4],
+    dport: u16,
+) -> (CtKey, bool) {
     // Any total order does, as long as kernel and userspace use the same: the raw words.
-    let s = &p.src;
-    let d = &p.dst;
-    let src_is_a = (s[0], s[1], s[2], s[3], p.sport) <= (d[0], d[1], d[2], d[3], p.dport);
+    let (s, d) = (src, dst);
+    let src_is_a = (s[0], s[1], s[2], s[3], sport) <= (d[0], d[1], d[2], d[3], dport);
     let key = if src_is_a {
         CtKey {
-            family: p.ip_version,
-            protocol: p.protocol,
+            family,
+            protocol,
             _pad: 0,
-            port_a: p.sport,
-            port_b: p.dport,
-            addr_a: p.src,
-            addr_b: p.dst,
+            port_a: sport,
+            port_b: dport,
+            addr_a: *src,
+            addr_b: *dst,
         }
     } else {
         CtKey {
-            family: p.ip_version,
-            protocol: p.protocol,
+            family,
+            protocol,
             _pad: 0,
-            port_a: p.dport,
-            port_b: p.sport,
-            addr_a: p.dst,
-            addr_b: p.src,
+            port_a: dport,
+            port_b: sport,
+            addr_a: *dst,
+            addr_b: *src,
         }
     };
     (key, src_is_a)
 }
 
-/// Whether the protocol's flows are tracked.
+/// Whether the protocol's flows are tracked (for ICMP and ICMPv6: echo messages only, see
+/// [`has_flow`]).
 #[inline(always)]
 pub const fn tracked(protocol: u8) -> bool {
-    matches!(protocol, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP)
+    matches!(
+        protocol,
+        IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP | crate::IPPROTO_ICMP | IPPROTO_ICMPV6
+    )
+}
+
+/// Whether a packet belongs to a trackable flow: TCP, UDP, SCTP, or an ICMP/ICMPv6 echo
+/// request or reply (keyed by its identifier). ICMP errors are judged by the flow they quote,
+/// other ICMP per packet.
+#[inline(always)]
+pub fn has_flow(p: &IpPacket) -> bool {
+    matches!(p.protocol, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP)
+        || matches!(p.icmp, Icmp::EchoRequest | Icmp::EchoReply)
+}
+
+/// The idle lifetime, in ticks, of a tracked flow of `protocol` whose entry has `flags`: a TCP
+/// flow's depends on its state (only a SYN seen; established; closed by an RST or a FIN each
+/// way).
+#[inline(always)]
+pub fn ct_lifetime(state: &State, protocol: u8, flags: u32) -> u64 {
+    if protocol != IPPROTO_TCP {
+        state.ct_other_ticks
+    } else if ct_closed(flags) {
+        u64::from(state.ct_close_ticks)
+    } else if flags & CT_REPLIED == 0 {
+        u64::from(state.ct_syn_ticks)
+    } else {
+        state.ct_tcp_ticks
+    }
+}
+
+/// A TCP flow's state after one of its packets: the responder's first packet means the flow got
+/// past its SYN; an RST closes it; a FIN marks its sender's half closed.
+#[inline(always)]
+pub fn ct_tcp_progress(flags: u32, from_initiator: bool, tcp_flags: u8) -> u32 {
+    let mut f = flags;
+    if !from_initiator {
+        f |= CT_REPLIED;
+    }
+    if tcp_flags & TCP_RST != 0 {
+        f |= CT_RESET;
+    }
+    if tcp_flags & TCP_FIN != 0 {
+        f |= if from_initiator {
+            CT_FIN_INITIATOR
+        } else {
+            CT_FIN_RESPONDER
+        };
+    }
+    f
 }
 
 /// Whether a packet is IPv6 Neighbor Discovery, which passes without policy like ARP, its IPv4
@@ -330,6 +396,10 @@ pub fn decide_at<M: DatapathMaps + ?Sized>(
     if neighbor_discovery(p) {
         return Decision::simple(Verdict::Pass, Reason::NeighborDiscovery);
     }
+    // 0. An ICMP error about a tracked flow of its destination passes, whoever sends it.
+    if p.icmp == Icmp::Error && related_flow(p, maps) {
+        return Decision::simple(Verdict::Pass, Reason::Related);
+    }
     // 1. Connection tracking first.
     let mut t = match Track::lookup(p, maps, hook) {
         Ok(t) => t,
@@ -354,16 +424,38 @@ pub fn decide_at<M: DatapathMaps + ?Sized>(
     // of the flow's original direction (one `evaluate` call site keeps the program small).
     let d = evaluate(maps, &ends.flow(p, maps, &t));
     // 4. Tracking.
-    t.record(maps, d)
+    t.record(p, maps, d)
+}
+
+/// Whether an ICMP error is about a live tracked flow, stamped with the current revision (or
+/// deferred to a Service), that its destination sent: the quoted packet (source: the error's
+/// destination, checked by the parser) is looked up like a packet of that flow. An error about
+/// a flow that is not tracked, expired, or awaiting a re-check is judged as ICMP by policy; it
+/// never creates or refreshes state.
+#[inline(always)]
+fn related_flow<M: DatapathMaps + ?Sized>(p: &IpPacket, maps: &M) -> bool {
+    let protocol = p.quote_protocol;
+    let (key, _) = ct_key_of(
+        p.ip_version,
+        protocol,
+        &p.dst,
+        p.sport,
+        &p.quote_peer,
+        p.dport,
+    );
+    let (Some(e), Some(s)) = (maps.ct_lookup(&key), maps.state()) else {
+        return false;
+    };
+    maps.now().saturating_sub(e.last_seen) <= ct_lifetime(s, protocol, e.flags)
+        && (e.revision == s.revision || e.flags & CT_SERVICE != 0)
 }
 
 /// A packet's connection-tracking state (step 1 of [`decide_at`]).
+///
+/// Only what the packet and the state cannot give again is kept: every field lives across the
+/// ipcache and policy lookups, and in the kernel each one more is a register spilled to the
+/// 512-byte stack.
 struct Track {
-    is_tracked: bool,
-    /// A TCP SYN without ACK: a new connection attempt.
-    syn: bool,
-    revision: u64,
-    refresh: u64,
     key: CtKey,
     /// `CT_INITIATOR_A` when the packet's source is side `a` of the key.
     initiator: u32,
@@ -390,21 +482,14 @@ impl Track {
         maps: &M,
         hook: Hook,
     ) -> Result<Track, Decision> {
-        let is_tracked = tracked(p.protocol);
-        let syn = p.protocol == IPPROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+        let is_tracked = has_flow(p);
+        let tcp = p.protocol == IPPROTO_TCP;
+        let syn = tcp && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
         // Without a state (impossible once userspace initialised the map) every entry is
         // expired and the revision 0: flows are checked as new.
-        let (revision, lifetime, refresh) = match maps.state() {
-            Some(s) => (
-                s.revision,
-                if p.protocol == IPPROTO_TCP {
-                    s.ct_tcp_ticks
-                } else {
-                    s.ct_other_ticks
-                },
-                s.ct_refresh_ticks,
-            ),
-            None => (0, 0, 0),
+        let (revision, refresh) = match maps.state() {
+            Some(s) => (s.revision, s.ct_refresh_ticks),
+            None => (0, 0),
         };
         let (key, src_is_a) = ct_key(p);
         let initiator = if src_is_a { CT_INITIATOR_A } else { 0 };
@@ -416,22 +501,45 @@ impl Track {
             if let Some(e) = maps.ct_lookup(&key) {
                 now = maps.now();
                 // An entry from the future (clock reset) counts as fresh.
-                live = now.saturating_sub(e.last_seen) <= lifetime;
+                live = match maps.state() {
+                    Some(s) => {
+                        now.saturating_sub(e.last_seen) <= ct_lifetime(s, p.protocol, e.flags)
+                    }
+                    None => false,
+                };
                 entry = e;
             }
             let deferred = entry.flags & CT_SERVICE != 0;
             let same_direction = entry.flags & CT_INITIATOR_A == initiator;
-            if syn && !(live && same_direction && !deferred && entry.revision == revision) {
-                // Any other entry says nothing about a new connection attempt: judged as new.
+            // A new connection attempt is only covered by a fresh entry of its own direction
+            // that XDP just wrote (TC), and an echo message only by an entry in which it plays
+            // its part (a request from the flow's initiator, a reply towards it): any other
+            // entry says nothing about it and the packet is judged as new.
+            let wrong_role = if syn {
+                !same_direction || deferred || entry.revision != revision || ct_closed(entry.flags)
+            } else {
+                match p.icmp {
+                    Icmp::EchoRequest => !same_direction,
+                    Icmp::EchoReply => same_direction,
+                    _ => false,
+                }
+            };
+            if wrong_role {
                 live = false;
                 entry = CtEntry::default();
             }
             if live && (entry.revision == revision || deferred) {
-                if now.saturating_sub(entry.last_seen) > refresh {
+                let flags = if tcp {
+                    ct_tcp_progress(entry.flags, same_direction, p.tcp_flags)
+                } else {
+                    entry.flags
+                };
+                if flags != entry.flags || now.saturating_sub(entry.last_seen) > refresh {
                     maps.ct_store(
                         &key,
                         &CtEntry {
                             last_seen: now,
+                            flags,
                             ..entry
                         },
                     );
@@ -447,10 +555,6 @@ impl Track {
             }
         }
         Ok(Track {
-            is_tracked,
-            syn,
-            revision,
-            refresh,
             key,
             initiator,
             now,
@@ -468,7 +572,7 @@ impl Track {
         p: &IpPacket,
         maps: &M,
     ) -> Option<Decision> {
-        if !self.is_tracked
+        if !has_flow(p)
             || !maps.service(&SvcKey {
                 family: p.ip_version,
                 protocol: p.protocol,
@@ -491,7 +595,7 @@ impl Track {
         maps.ct_store(
             &self.key,
             &CtEntry {
-                revision: self.revision,
+                revision: revision_of(maps),
                 last_seen: self.now,
                 flags,
                 _pad: 0,
@@ -506,20 +610,32 @@ impl Track {
     }
 
     /// Step 4: a re-check restamps the entry (allowed) or deletes it (denied); an allowed new
-    /// flow is tracked, unless (a repeated SYN) an identical fresh entry exists; a denied packet
-    /// creates no state.
+    /// flow is tracked (an echo reply opens nothing), unless (a repeated SYN) an identical fresh
+    /// entry exists; a denied packet creates no state.
     #[inline(always)]
-    fn record<M: DatapathMaps + ?Sized>(mut self, maps: &M, mut d: Decision) -> Decision {
-        if !self.is_tracked {
+    fn record<M: DatapathMaps + ?Sized>(
+        mut self,
+        p: &IpPacket,
+        maps: &M,
+        mut d: Decision,
+    ) -> Decision {
+        if !has_flow(p) {
             return d;
         }
+        let tcp = p.protocol == IPPROTO_TCP;
         if self.live {
             if d.verdict == Verdict::Pass {
+                let from_initiator = self.by_initiator();
                 maps.ct_store(
                     &self.key,
                     &CtEntry {
-                        revision: self.revision,
+                        revision: revision_of(maps),
                         last_seen: self.now,
+                        flags: if tcp {
+                            ct_tcp_progress(self.entry.flags, from_initiator, p.tcp_flags)
+                        } else {
+                            self.entry.flags
+                        },
                         ..self.entry
                     },
                 );
@@ -530,22 +646,37 @@ impl Track {
             }
             return d;
         }
-        if d.verdict == Verdict::Pass {
+        if d.verdict == Verdict::Pass && p.icmp != Icmp::EchoReply {
+            let syn = tcp && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
             let mut fresh = false;
-            if self.syn
+            if syn
                 && let Some(e) = maps.ct_lookup(&self.key)
+                && let Some(s) = maps.state()
             {
                 self.now = maps.now();
-                fresh = e.revision == self.revision
+                fresh = e.revision == s.revision
                     && e.flags == self.initiator
-                    && self.now.saturating_sub(e.last_seen) <= self.refresh;
+                    && self.now.saturating_sub(e.last_seen) <= s.ct_refresh_ticks;
             }
             if !fresh {
-                self.track_new(maps, self.initiator);
+                // A TCP flow first seen after its SYN (an agent restart, an evicted entry) is
+                // past it; its FIN or RST counts as for any tracked flow.
+                let flags = if tcp && !syn {
+                    ct_tcp_progress(self.initiator | CT_REPLIED, true, p.tcp_flags)
+                } else {
+                    self.initiator
+                };
+                self.track_new(maps, flags);
             }
         }
         d
     }
+}
+
+/// The current policy revision (0 without a state: every entry is then stale).
+#[inline(always)]
+fn revision_of<M: DatapathMaps + ?Sized>(maps: &M) -> u64 {
+    maps.state().map_or(0, |s| s.revision)
 }
 
 /// The two ends of a packet, as the ipcache (and at TC the interface) knows them (step 2 of
