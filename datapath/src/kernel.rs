@@ -425,6 +425,73 @@ impl KernelTables {
         }
         Ok(())
     }
+
+    /// Removes the expired connection-tracking entries at kernel time `now` (jiffies; `state`
+    /// gives the lifetimes) and counts what is left.
+    ///
+    /// The tables are read in batches; each expired entry is looked up again just before it
+    /// is deleted and kept if it changed (a packet that arrived meanwhile found it expired and
+    /// tracked its flow afresh), so a sweep cannot remove a flow that was just allowed.
+    pub fn ct_sweep(
+        &mut self,
+        state: &ordnet_datapath_common::layout::State,
+        now: u64,
+    ) -> Result<CtSweep, WriteError> {
+        use ordnet_datapath_common::ct_lifetime;
+        let read = |map| {
+            move |source| WriteError::Syscall {
+                map,
+                op: "lookup batch",
+                done: 0,
+                total: 0,
+                source,
+            }
+        };
+        let expired = |k: &CtKey, e: &CtEntry| {
+            now.saturating_sub(e.last_seen) > ct_lifetime(state, k.protocol, e.flags)
+        };
+        let mut sweep = CtSweep::default();
+        let capacity = |m: &MapData, map| {
+            m.info()
+                .map(|i| i.max_entries())
+                .map_err(|source| WriteError::Map { map, source })
+        };
+        sweep.capacity = [
+            capacity(self.ct4.map(), MAP_CT4)?,
+            capacity(self.ct6.map(), MAP_CT6)?,
+        ];
+        for (k4, e) in sys::lookup_all::<Ct4Key, CtEntry>(self.ct4.map().fd().as_fd())
+            .map_err(read(MAP_CT4))?
+        {
+            if !expired(&k4.full(), &e) {
+                sweep.live[0] += 1;
+            } else if self.ct4.get(&k4, 0).ok() == Some(e) && self.ct4.remove(&k4).is_ok() {
+                sweep.removed[0] += 1;
+            }
+        }
+        for (k, e) in
+            sys::lookup_all::<CtKey, CtEntry>(self.ct6.map().fd().as_fd()).map_err(read(MAP_CT6))?
+        {
+            if !expired(&k, &e) {
+                sweep.live[1] += 1;
+            } else if self.ct6.get(&k, 0).ok() == Some(e) && self.ct6.remove(&k).is_ok() {
+                sweep.removed[1] += 1;
+            }
+        }
+        Ok(sweep)
+    }
+}
+
+/// What one connection-tracking sweep ([`KernelTables::ct_sweep`]) found, per family (index 0
+/// IPv4, 1 IPv6).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtSweep {
+    /// Live entries (not expired) after the sweep.
+    pub live: [u64; 2],
+    /// Expired entries the sweep removed.
+    pub removed: [u64; 2],
+    /// The tables' capacities.
+    pub capacity: [u32; 2],
 }
 
 impl TableWriter for KernelTables {

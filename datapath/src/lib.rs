@@ -72,18 +72,18 @@ pub use flat::{
     flatten, key_hash, meet, same_verdicts, verdict_code,
 };
 pub use ipnet::IpNet;
-pub use kernel::KernelTables;
+pub use kernel::{CtSweep, KernelTables};
 pub use ordnet_datapath_common as common;
 use ordnet_datapath_common::{
     Verdict,
     layout::{
         BLOCK_WORDS, CELLS_PER_RULESET, CT_LIFETIME_CLOSE_SECS, CT_LIFETIME_OTHER_SECS,
         CT_LIFETIME_SYN_SECS, CT_LIFETIME_TCP_SECS, CT_REFRESH_SECS, Ct4Key, CtEntry, CtKey,
-        DEFAULT_CT_ENTRIES, DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES,
-        DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES, DEFAULT_SVC_ENTRIES,
-        IfaceInfo, IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_CT4, MAP_CT6, MAP_IFACE, MAP_IP4,
-        MAP_IP6, MAP_IPCIDR, MAP_POLICY, MAP_STATE, MAP_SVC, PROGRAM_NAME, PolicyKey, PolicyValue,
-        State, SvcKey, SvcValue, TC_PROGRAM_NAME, pairs,
+        DEFAULT_CT4_ENTRIES, DEFAULT_CT6_ENTRIES, DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES,
+        DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES,
+        DEFAULT_SVC_ENTRIES, IfaceInfo, IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_CT4, MAP_CT6,
+        MAP_IFACE, MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY, MAP_STATE, MAP_SVC, PROGRAM_NAME,
+        PolicyKey, PolicyValue, State, SvcKey, SvcValue, TC_PROGRAM_NAME, pairs,
     },
 };
 pub use plane::{ControlPlane, MemDatapath};
@@ -203,8 +203,11 @@ pub struct DatapathConfig {
     pub ipcache_entries: u32,
     /// CIDR ipcache capacity (prefixes).
     pub cidr_entries: u32,
-    /// Connection-tracking capacity (flows, LRU).
-    pub ct_entries: u32,
+    /// IPv4 connection-tracking capacity (flows, LRU; preallocated). Pinned maps keep the size
+    /// they were created with.
+    pub ct4_entries: u32,
+    /// IPv6 connection-tracking capacity.
+    pub ct6_entries: u32,
     /// Service frontend capacity (address, protocol, port).
     pub svc_entries: u32,
     /// Local endpoint interface capacity.
@@ -249,7 +252,8 @@ impl Default for DatapathConfig {
             policy_entries: DEFAULT_POLICY_ENTRIES,
             ipcache_entries: DEFAULT_IPCACHE_ENTRIES,
             cidr_entries: DEFAULT_IPCIDR_ENTRIES,
-            ct_entries: DEFAULT_CT_ENTRIES,
+            ct4_entries: DEFAULT_CT4_ENTRIES,
+            ct6_entries: DEFAULT_CT6_ENTRIES,
             svc_entries: DEFAULT_SVC_ENTRIES,
             iface_entries: DEFAULT_IFACE_ENTRIES,
             grace: Duration::from_millis(20),
@@ -568,6 +572,8 @@ impl Datapath {
         let blocks = aya::maps::MapInfo::from_pin(dir.join(MAP_BLOCKS))?;
         config.max_rulesets = cells.max_entries() * 2 / CELLS_PER_RULESET;
         config.max_blocks = blocks.max_entries() * 2 / BLOCK_WORDS;
+        config.ct4_entries = aya::maps::MapInfo::from_pin(dir.join(MAP_CT4))?.max_entries();
+        config.ct6_entries = aya::maps::MapInfo::from_pin(dir.join(MAP_CT6))?.max_entries();
         let (mut ebpf, mut tables) = Self::load(&config)?;
         Self::check_pins(&ebpf, &tables)?;
         tables.mirror = tables.read_all()?;
@@ -762,8 +768,8 @@ impl Datapath {
             .map_max_entries(MAP_CELLS, pairs(config.max_rulesets * CELLS_PER_RULESET))
             .map_max_entries(MAP_BLOCKS, pairs(config.max_blocks * BLOCK_WORDS))
             .map_max_entries(MAP_POLICY, config.policy_entries)
-            .map_max_entries(MAP_CT4, config.ct_entries)
-            .map_max_entries(MAP_CT6, config.ct_entries)
+            .map_max_entries(MAP_CT4, config.ct4_entries)
+            .map_max_entries(MAP_CT6, config.ct6_entries)
             .map_max_entries(MAP_SVC, config.svc_entries)
             .map_max_entries(MAP_IFACE, config.iface_entries);
         if let Some(dir) = &config.pin_dir {
@@ -1134,6 +1140,19 @@ impl Datapath {
     /// Forgets every tracked flow.
     pub fn ct_clear(&mut self) -> Result<(), DatapathError> {
         Ok(self.tables.ct_clear()?)
+    }
+
+    /// Removes the connection-tracking entries that have expired (each by its own lifetime,
+    /// `common::ct_lifetime`, on the program's clock: the kernel's jiffies now) and reports
+    /// the tables' fill. Expired entries are ignored by the program anyway; removing them keeps
+    /// them from taking the place of idle live flows when the LRU has to evict.
+    pub fn ct_sweep(&mut self) -> Result<CtSweep, DatapathError> {
+        let now = sys::kernel_jiffies().ok_or_else(|| DatapathError::Io {
+            path: PathBuf::from("/proc/timer_list"),
+            source: std::io::Error::other("the kernel's jiffies cannot be read"),
+        })?;
+        let state = *self.control.state();
+        Ok(self.tables.ct_sweep(&state, now)?)
     }
 
     /// Kernel memory of every map.

@@ -250,6 +250,11 @@ pub fn xdp_link_ifindex(fd: BorrowedFd<'_>) -> io::Result<u32> {
 /// come out longer, never shorter, than configured).
 pub const FALLBACK_HZ: u64 = 1000;
 
+/// The kernel's `jiffies` now (the XDP program's clock), from `/proc/timer_list` (root only).
+pub fn kernel_jiffies() -> Option<u64> {
+    read_jiffies()
+}
+
 fn read_jiffies() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/timer_list").ok()?;
     text.lines()

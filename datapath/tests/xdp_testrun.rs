@@ -66,7 +66,8 @@ fn small_config() -> DatapathConfig {
         policy_entries: 16_384,
         ipcache_entries: 4096,
         cidr_entries: 1024,
-        ct_entries: 4096,
+        ct4_entries: 4096,
+        ct6_entries: 4096,
         ..DatapathConfig::default()
     }
 }
@@ -1674,6 +1675,92 @@ fn conntrack_icmp_echo_and_errors() {
     );
 }
 
+/// Random sequences of TCP packets (any flags, both directions, at XDP and at TC), ICMP echoes
+/// and ICMP errors quoting them, on a few tuples between ingress-isolated A and a remote: the
+/// kernel's verdict and the userspace decision's (verdict and reason, each with its own
+/// tracking table) agree on every packet. The userspace decision itself is checked against a
+/// model of the state machine (`quickcheck_tcp_state_machine_matches_the_model` in
+/// `datapath/common`).
+#[test]
+fn conntrack_state_machine_kernel_equals_userspace() {
+    if !privileged() {
+        return;
+    }
+    let mut dp = create();
+    world_setup(&mut dp);
+    upsert_isolated_a(&mut dp, &open(Direction::Egress));
+    let ct = UserCt::default();
+    let mut rng = Rng::new(0x23);
+    let flags = [
+        TCP_SYN,
+        TCP_SYN | TCP_ACK,
+        TCP_ACK,
+        TCP_FIN | TCP_ACK,
+        TCP_RST,
+        TCP_RST | TCP_ACK,
+        TCP_FIN,
+    ];
+    let mut checked = 0;
+    for (a, r) in a_and_remote() {
+        let v6 = a.is_ipv6();
+        for _ in 0..3000 {
+            let port = rng.pick(&[2000u16, 2001, 2002]);
+            let from_a = rng.chance(2);
+            let l4 = match rng.below(8) {
+                0 => L4::EchoId {
+                    id: port,
+                    reply: rng.chance(2),
+                },
+                1 => {
+                    // An error about one of the tuples, from the remote to A.
+                    let quoted = craft::ip_packet(a, r, tcp_flags(port, 443, TCP_ACK)).unwrap();
+                    let kind = if v6 { 2 } else { 3 };
+                    let f = craft::icmp_error(r, a, kind, 4, 1280, &quoted).unwrap();
+                    let kernel = dp.test_run(&f).unwrap().action;
+                    let user = dp.decide_with(&f, &ct);
+                    assert_eq!(kernel, XdpAction::from(user.verdict), "error: {user:?}");
+                    checked += 1;
+                    continue;
+                }
+                _ => tcp_flags(port, 443, rng.pick(&flags)),
+            };
+            let l4 = match (from_a, l4) {
+                (true, l4) => l4,
+                (false, L4::TcpFlags { flags, .. }) => tcp_flags(443, port, flags),
+                (false, other) => other,
+            };
+            let f = if from_a {
+                frame(a, r, l4)
+            } else {
+                frame(r, a, l4)
+            };
+            let at_tc = rng.chance(3);
+            let (kernel, user) = if at_tc {
+                let (v, _) = dp.test_run_tc(&f, 0x7777, 1).unwrap();
+                let user = dp.decide_at(
+                    &f,
+                    ordnet_datapath::common::Hook::Tc {
+                        ingress_ifindex: 0x7777,
+                    },
+                    &ct,
+                );
+                (XdpAction::from(v), user)
+            } else {
+                (dp.test_run(&f).unwrap().action, dp.decide_with(&f, &ct))
+            };
+            assert_eq!(
+                kernel,
+                XdpAction::from(user.verdict),
+                "{} {l4:?} at {}: userspace {user:?}",
+                if from_a { "A -> R" } else { "R -> A" },
+                if at_tc { "TC" } else { "XDP" }
+            );
+            checked += 1;
+        }
+    }
+    println!("xdp_testrun: conntrack state machine: {checked} packets, kernel == userspace");
+}
+
 /// TCP state in connection tracking, in the kernel and in userspace: a flow that never got past
 /// its SYN and a closed one (a FIN each way, or an RST) expire after their short lifetimes; an
 /// established one does not.
@@ -1720,6 +1807,22 @@ fn conntrack_tcp_state_lifetimes() {
         assert_eq!(run(out(4, TCP_FIN | TCP_ACK)), PASS);
     }
     std::thread::sleep(Duration::from_millis(2300));
+    // A sweep removes exactly the expired entries (flows 1-3 of each family) and keeps the
+    // live ones (4 and 5).
+    let sweep = dp.ct_sweep().unwrap();
+    assert_eq!((sweep.live, sweep.removed), ([2, 2], [3, 3]), "{sweep:?}");
+    assert_eq!(sweep.capacity, [4096, 4096]);
+    assert_eq!(dp.ct_entries().unwrap().len(), 4);
+    let run = |f: Vec<u8>| {
+        let kernel = dp.test_run(&f).unwrap().action;
+        let user = dp.decide_with(&f, &ct);
+        assert_eq!(
+            kernel,
+            XdpAction::from(user.verdict),
+            "kernel and userspace: {user:?}"
+        );
+        kernel
+    };
     for (a, r) in a_and_remote() {
         let back = |dport, flags| frame(r, a, tcp_flags(443, dport, flags));
         for (sport, want, what) in [

@@ -32,9 +32,10 @@ use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
-use ordnet_datapath::{ControlPlane, Datapath as Kernel, DatapathConfig};
+use ordnet_datapath::{ControlPlane, CtSweep, Datapath as Kernel, DatapathConfig};
 use ordnet_engine::{Engine, EngineDelta};
 use ordnet_mapstate::Identity;
 
@@ -96,7 +97,51 @@ pub struct BpfDatapath {
     attaches: u64,
     detaches: u64,
     opened: Opened,
+    conntrack: ConntrackOptions,
+    /// The last connection-tracking sweep: when, and what it found.
+    last_sweep: Option<(Instant, CtSweep)>,
+    /// Expired entries removed by sweeps, per family.
+    ct_removed: [u64; 2],
+    ct_sweep_errors: u64,
 }
+
+/// Connection tracking of the bpf datapath (`ordnet agent --conntrack-*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConntrackOptions {
+    /// Capacity of the IPv4 table (flows); pinned tables keep the size they were created with.
+    pub entries_v4: u32,
+    /// Capacity of the IPv6 table.
+    pub entries_v6: u32,
+    /// Idle lifetime of an established TCP flow.
+    pub tcp: Duration,
+    /// Idle lifetime of a TCP flow that never got past its SYN.
+    pub syn: Duration,
+    /// Idle lifetime of a closed TCP flow (an RST, or a FIN each way).
+    pub close: Duration,
+    /// Idle lifetime of a UDP, SCTP or ICMP echo flow.
+    pub other: Duration,
+}
+
+impl Default for ConntrackOptions {
+    fn default() -> Self {
+        let d = DatapathConfig::default();
+        ConntrackOptions {
+            entries_v4: d.ct4_entries,
+            entries_v6: d.ct6_entries,
+            tcp: d.ct_tcp_lifetime,
+            syn: d.ct_syn_lifetime,
+            close: d.ct_close_lifetime,
+            other: d.ct_other_lifetime,
+        }
+    }
+}
+
+/// How often at most expired connection-tracking entries are swept (at upkeep).
+const CT_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
+
+/// A table this full of live flows is reported (log, `/readyz`): the LRU evicts live flows
+/// when it is completely full.
+const CT_PRESSURE_PERCENT: u64 = 90;
 
 impl BpfDatapath {
     /// Opens the datapath pinned under the pin root `root`, in this layout's directory
@@ -105,7 +150,11 @@ impl BpfDatapath {
     /// which takes their attachments over onto the new programs and removes them. The bpffs is
     /// mounted at `root` if it is not on one. Needs root (CAP_BPF, CAP_NET_ADMIN,
     /// CAP_SYS_ADMIN for the mount).
-    pub fn open(root: &Path, uplink: Option<String>) -> Result<BpfDatapath, AgentError> {
+    pub fn open(
+        root: &Path,
+        uplink: Option<String>,
+        conntrack: ConntrackOptions,
+    ) -> Result<BpfDatapath, AgentError> {
         mount_bpffs(root)?;
         let pin_dir = &ordnet_datapath::layout_dir(root);
         std::fs::create_dir_all(pin_dir).map_err(|source| AgentError::Bpffs {
@@ -116,6 +165,12 @@ impl BpfDatapath {
         let older = older_layouts(root, pin_dir);
         let config = DatapathConfig {
             pin_dir: Some(pin_dir.to_path_buf()),
+            ct4_entries: conntrack.entries_v4,
+            ct6_entries: conntrack.entries_v6,
+            ct_tcp_lifetime: conntrack.tcp,
+            ct_syn_lifetime: conntrack.syn,
+            ct_close_lifetime: conntrack.close,
+            ct_other_lifetime: conntrack.other,
             ..DatapathConfig::default()
         };
         let pinned = ordnet_datapath::MAP_NAMES
@@ -145,6 +200,15 @@ impl BpfDatapath {
         };
         // The rule set store has every policy key; the userspace copy of the maps keeps none.
         dp.keep_keys_in_store();
+        if let Ok(memory) = dp.memory() {
+            for (map, bytes) in memory
+                .maps
+                .iter()
+                .filter(|(m, _)| m.starts_with("ORDNET_CT"))
+            {
+                tracing::info!(map, bytes, "connection-tracking table (kernel memory)");
+            }
+        }
         let ipcache = dp.control().identities().into_iter().collect();
         Ok(BpfDatapath {
             dp,
@@ -161,7 +225,78 @@ impl BpfDatapath {
             attaches: 0,
             detaches: 0,
             opened,
+            conntrack,
+            last_sweep: None,
+            ct_removed: [0; 2],
+            ct_sweep_errors: 0,
         })
+    }
+
+    /// Removes expired connection-tracking entries (at most every [`CT_SWEEP_INTERVAL`]) and
+    /// reports a table whose live flows come near its capacity.
+    fn sweep_conntrack(&mut self) {
+        if self
+            .last_sweep
+            .is_some_and(|(at, _)| at.elapsed() < CT_SWEEP_INTERVAL)
+        {
+            return;
+        }
+        match self.dp.ct_sweep() {
+            Ok(sweep) => {
+                for (i, family) in ["IPv4", "IPv6"].into_iter().enumerate() {
+                    self.ct_removed[i] += sweep.removed[i];
+                    let capacity = u64::from(sweep.capacity[i]);
+                    if capacity > 0 && sweep.live[i] * 100 >= capacity * CT_PRESSURE_PERCENT {
+                        tracing::warn!(
+                            family,
+                            live = sweep.live[i],
+                            capacity,
+                            "the connection-tracking table is nearly full of live flows: when it \
+                             is full the least recently used flows lose their entries (their next \
+                             packet is judged as a new flow); raise --conntrack-entries-v4/v6"
+                        );
+                    }
+                }
+                self.last_sweep = Some((Instant::now(), sweep));
+            }
+            Err(e) => {
+                self.ct_sweep_errors += 1;
+                // Retried at the next interval.
+                self.last_sweep = Some((
+                    Instant::now(),
+                    self.last_sweep.map(|(_, s)| s).unwrap_or_default(),
+                ));
+                tracing::warn!(error = %e, "sweeping the connection-tracking tables");
+            }
+        }
+    }
+
+    /// Lines for `/readyz` about the datapath's state: connection-tracking tables near their
+    /// capacity, or smaller than configured (pinned by an earlier start).
+    pub fn health_notes(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let Some((_, sweep)) = self.last_sweep else {
+            return out;
+        };
+        let wanted = [self.conntrack.entries_v4, self.conntrack.entries_v6];
+        for (i, family) in ["IPv4", "IPv6"].into_iter().enumerate() {
+            let capacity = u64::from(sweep.capacity[i]);
+            if capacity > 0 && sweep.live[i] * 100 >= capacity * CT_PRESSURE_PERCENT {
+                out.push(format!(
+                    "conntrack {family}: {} of {capacity} entries hold live flows (>= {CT_PRESSURE_PERCENT} %): \
+                     when full, the least recently used flows lose their entries",
+                    sweep.live[i]
+                ));
+            }
+            if sweep.capacity[i] < wanted[i] {
+                out.push(format!(
+                    "conntrack {family}: the pinned table holds {capacity} entries, {} are \
+                     configured (the size applies when the pins are created again)",
+                    wanted[i]
+                ));
+            }
+        }
+        out
     }
 
     /// What [`BpfDatapath::open`] found.
@@ -486,7 +621,12 @@ impl Enforcer for BpfDatapath {
         }
         self.refresh_hosts()?;
         self.reconcile_links(engine);
+        self.sweep_conntrack();
         Ok(())
+    }
+
+    fn health(&self) -> Vec<String> {
+        self.health_notes()
     }
 
     fn metrics(&self) -> Vec<super::metrics::Sample> {
@@ -554,6 +694,38 @@ impl Enforcer for BpfDatapath {
                 labels: vec![("kind", kind.to_string())],
                 value: u64::from(n),
             });
+        }
+        out.push(one(
+            "ordnet_conntrack_sweep_errors",
+            "Connection-tracking sweeps that failed.",
+            true,
+            self.ct_sweep_errors,
+        ));
+        if let Some((_, sweep)) = self.last_sweep {
+            for (i, family) in ["ipv4", "ipv6"].into_iter().enumerate() {
+                let labels = vec![("family", family.to_string())];
+                out.push(Sample {
+                    name: "ordnet_conntrack_entries",
+                    help: "Live connection-tracking entries (flows), as of the last sweep.",
+                    counter: false,
+                    labels: labels.clone(),
+                    value: sweep.live[i],
+                });
+                out.push(Sample {
+                    name: "ordnet_conntrack_capacity",
+                    help: "Capacity of the connection-tracking table (flows).",
+                    counter: false,
+                    labels: labels.clone(),
+                    value: u64::from(sweep.capacity[i]),
+                });
+                out.push(Sample {
+                    name: "ordnet_conntrack_expired_removed",
+                    help: "Expired connection-tracking entries removed by sweeps.",
+                    counter: true,
+                    labels,
+                    value: self.ct_removed[i],
+                });
+            }
         }
         out
     }

@@ -65,6 +65,11 @@ pub trait Enforcer: Send {
     fn metrics(&self) -> Vec<super::metrics::Sample> {
         Vec::new()
     }
+    /// Conditions an operator should know about while the agent is ready (`/readyz` lists
+    /// them), e.g. a connection-tracking table near its capacity.
+    fn health(&self) -> Vec<String> {
+        Vec::new()
+    }
     /// Keeps a copy of every programmed key from the next full programming on
     /// ([`Record::with_keys`]; the agent tests compare them with the engine), so that
     /// [`Enforcer::programmed`] lists them.

@@ -221,9 +221,15 @@ fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
         "/healthz" => text(StatusCode::OK, "ok"),
         "/readyz" => {
             let stale = stale_lines(state);
+            let health = state.metrics.health();
             if state.ready() {
-                if stale.is_empty() {
+                if stale.is_empty() && health.is_empty() {
                     text(StatusCode::OK, "ready")
+                } else if stale.is_empty() {
+                    text(
+                        StatusCode::OK,
+                        format!("ready; datapath:\n{}", health.join("\n")),
+                    )
                 } else {
                     // Still ready: the last programmed state is enforced; say how old it may be.
                     text(

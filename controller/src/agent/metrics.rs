@@ -128,6 +128,8 @@ pub struct Metrics {
     sizes: Mutex<Sizes>,
     /// The datapath's own metrics as of the last programming ([`Enforcer::metrics`]).
     datapath: Mutex<Vec<Sample>>,
+    /// The datapath's health notes as of the last programming ([`Enforcer::health`]).
+    health: Mutex<Vec<String>>,
 }
 
 impl Metrics {
@@ -146,6 +148,15 @@ impl Metrics {
         }
         *self.sizes.lock().unwrap_or_else(|e| e.into_inner()) = s;
         *self.datapath.lock().unwrap_or_else(|e| e.into_inner()) = dp.metrics();
+        *self.health.lock().unwrap_or_else(|e| e.into_inner()) = dp.health();
+    }
+
+    /// The datapath's health notes recorded last ([`Enforcer::health`]).
+    pub fn health(&self) -> Vec<String> {
+        self.health
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The sizes recorded last ([`Metrics::set_sizes`]).

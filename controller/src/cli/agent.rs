@@ -74,6 +74,32 @@ pub struct AgentArgs {
     /// network configuration names the same path). `none`: do not serve it.
     #[arg(long, value_name = "PATH", default_value = ordnet_cni::DEFAULT_SOCKET)]
     pub cni_socket: String,
+    /// Capacity of the IPv4 connection-tracking table, in flows (--datapath bpf; 104 bytes
+    /// of kernel memory each, allocated at creation). Tables pinned by an earlier start
+    /// keep their size until the pins are created again.
+    #[arg(long, value_name = "FLOWS", default_value_t = ordnet_datapath::common::layout::DEFAULT_CT4_ENTRIES,
+          value_parser = clap::value_parser!(u32).range(1024..=(1 << 26)))]
+    pub conntrack_entries_v4: u32,
+    /// Capacity of the IPv6 connection-tracking table, in flows (128 bytes each).
+    #[arg(long, value_name = "FLOWS", default_value_t = ordnet_datapath::common::layout::DEFAULT_CT6_ENTRIES,
+          value_parser = clap::value_parser!(u32).range(1024..=(1 << 26)))]
+    pub conntrack_entries_v6: u32,
+    /// Idle lifetime of an established TCP flow, in seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = ordnet_datapath::common::layout::CT_LIFETIME_TCP_SECS,
+          value_parser = clap::value_parser!(u64).range(1..=7 * 86400))]
+    pub conntrack_tcp_timeout: u64,
+    /// Idle lifetime of a TCP flow that never got past its SYN, in seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = ordnet_datapath::common::layout::CT_LIFETIME_SYN_SECS,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub conntrack_syn_timeout: u64,
+    /// Idle lifetime of a closed TCP flow (an RST, or a FIN each way), in seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = ordnet_datapath::common::layout::CT_LIFETIME_CLOSE_SECS,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub conntrack_close_timeout: u64,
+    /// Idle lifetime of a UDP, SCTP or ICMP echo flow, in seconds.
+    #[arg(long, value_name = "SECONDS", default_value_t = ordnet_datapath::common::layout::CT_LIFETIME_OTHER_SECS,
+          value_parser = clap::value_parser!(u64).range(1..=86400))]
+    pub conntrack_other_timeout: u64,
     /// Install the `ordnet-cni` plugin (the binary next to this one) into this CNI bin
     /// directory at start (the host's /opt/cni/bin, mounted).
     #[arg(long, value_name = "DIR")]
@@ -261,7 +287,16 @@ pub fn run(args: AgentArgs) -> ExitCode {
         };
         let (datapath, kind): (Box<dyn agent::Enforcer>, &str) = if args.datapath == DatapathArg::Bpf {
             let pin_dir = agent::bpf::pin_dir_from_env();
-            match agent::bpf::BpfDatapath::open(&pin_dir, args.uplink.clone()) {
+            let secs = std::time::Duration::from_secs;
+            let conntrack = agent::bpf::ConntrackOptions {
+                entries_v4: args.conntrack_entries_v4,
+                entries_v6: args.conntrack_entries_v6,
+                tcp: secs(args.conntrack_tcp_timeout),
+                syn: secs(args.conntrack_syn_timeout),
+                close: secs(args.conntrack_close_timeout),
+                other: secs(args.conntrack_other_timeout),
+            };
+            match agent::bpf::BpfDatapath::open(&pin_dir, args.uplink.clone(), conntrack) {
                 Ok(dp) => {
                     match dp.opened() {
                         agent::bpf::Opened::Created => tracing::info!(

@@ -365,6 +365,10 @@ fn node_port_checks(
 
 /// Everything a running lab holds, released in field order: servers, then the datapath
 /// (detaching XDP), then the namespaces, then the lock.
+/// How often an interactive lab sweeps its connection-tracking tables (as the agent does at
+/// upkeep).
+const CT_SWEEP_EVERY: Duration = Duration::from_secs(10);
+
 struct Running {
     servers: Option<probe::Servers>,
     datapath: Option<Datapath>,
@@ -463,8 +467,36 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
     interrupted()?;
     if !args.probe {
         print_guide(args, plan, lab);
+        // Like the agent, sweep the expired connection-tracking entries now and then, and say
+        // how full the tables are whenever that changes.
+        let mut swept = Instant::now();
+        let mut shown = None;
         while sys::interrupted().is_none() {
             std::thread::sleep(Duration::from_millis(100));
+            if swept.elapsed() < CT_SWEEP_EVERY {
+                continue;
+            }
+            swept = Instant::now();
+            let Some(dp) = lab.datapath.as_mut() else {
+                continue;
+            };
+            match dp.ct_sweep() {
+                Ok(s) if shown != Some(s.live) => {
+                    shown = Some(s.live);
+                    eprintln!(
+                        "ordnet lab: conntrack: IPv4 {} of {} entries live ({} expired removed), \
+                         IPv6 {} of {} ({} removed)",
+                        s.live[0],
+                        s.capacity[0],
+                        s.removed[0],
+                        s.live[1],
+                        s.capacity[1],
+                        s.removed[1]
+                    );
+                }
+                Ok(_) => {}
+                Err(e) => eprintln!("ordnet lab: sweeping the conntrack tables: {e}"),
+            }
         }
         return Ok(ExitCode::SUCCESS);
     }

@@ -487,7 +487,8 @@ impl Track {
         let syn = tcp && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
         // Without a state (impossible once userspace initialised the map) every entry is
         // expired and the revision 0: flows are checked as new.
-        let (revision, refresh) = match maps.state() {
+        let state = maps.state();
+        let (revision, refresh) = match state {
             Some(s) => (s.revision, s.ct_refresh_ticks),
             None => (0, 0),
         };
@@ -501,7 +502,7 @@ impl Track {
             if let Some(e) = maps.ct_lookup(&key) {
                 now = maps.now();
                 // An entry from the future (clock reset) counts as fresh.
-                live = match maps.state() {
+                live = match state {
                     Some(s) => {
                         now.saturating_sub(e.last_seen) <= ct_lifetime(s, p.protocol, e.flags)
                     }

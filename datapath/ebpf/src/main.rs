@@ -25,11 +25,11 @@ use aya_ebpf::{
 use ordnet_datapath_common::{
     DatapathMaps, Hook, Verdict, decide, decide_at,
     layout::{
-        BLOCK_WORDS, CELLS_PER_RULESET, Ct4Key, CtEntry, CtKey, DEFAULT_CT_ENTRIES,
-        DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS,
-        DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES, DEFAULT_SVC_ENTRIES, FAMILY_V4, IfaceInfo,
-        IpInfo, IpKey, PolicyKey, PolicyValue, State, SvcKey, SvcValue, pair_index, pair_word,
-        pairs,
+        BLOCK_WORDS, CELLS_PER_RULESET, Ct4Key, CtEntry, CtKey, DEFAULT_CT4_ENTRIES,
+        DEFAULT_CT6_ENTRIES, DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES,
+        DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES,
+        DEFAULT_SVC_ENTRIES, FAMILY_V4, IfaceInfo, IpInfo, IpKey, PolicyKey, PolicyValue, State,
+        SvcKey, SvcValue, pair_index, pair_word, pairs,
     },
     lookup::PolicyMaps,
     parse,
@@ -64,10 +64,10 @@ static POLICY: HashMap<PolicyKey, PolicyValue> =
     HashMap::with_max_entries(DEFAULT_POLICY_ENTRIES, BPF_F_NO_PREALLOC);
 
 #[map(name = "ORDNET_CT4")]
-static CT4: LruHashMap<Ct4Key, CtEntry> = LruHashMap::with_max_entries(DEFAULT_CT_ENTRIES, 0);
+static CT4: LruHashMap<Ct4Key, CtEntry> = LruHashMap::with_max_entries(DEFAULT_CT4_ENTRIES, 0);
 
 #[map(name = "ORDNET_CT6")]
-static CT6: LruHashMap<CtKey, CtEntry> = LruHashMap::with_max_entries(DEFAULT_CT_ENTRIES, 0);
+static CT6: LruHashMap<CtKey, CtEntry> = LruHashMap::with_max_entries(DEFAULT_CT6_ENTRIES, 0);
 
 #[map(name = "ORDNET_STATE")]
 static STATE: Array<State> = Array::with_max_entries(1, 0);
