@@ -40,6 +40,12 @@ const PODS: [(&str, &str, u8); 3] = [("web", "web", 2), ("db", "db", 3), ("clien
 const FAR: &str = "far";
 const FAR_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 9, 9);
 const LATE_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 7);
+/// A host behind the far pod, which routes to it over a link of MTU [`NARROW_MTU`] (both ends
+/// of the path have 1500): a TCP transfer to it needs path MTU discovery, i.e. the far pod's
+/// "fragmentation needed" must reach the sender.
+const FAR2: &str = "far2";
+const FAR2_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 9, 10);
+const NARROW_MTU: u32 = 1280;
 /// The ClusterIP of Service `shop/db` (backend: the db pod), DNATed in the node namespace by a
 /// kube-proxy-style nftables rule.
 const DB_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
@@ -106,6 +112,7 @@ impl Lab {
         for (name, host, ip) in members {
             lab.plumb(name, &host, ip);
         }
+        lab.narrow_link_behind_far();
         // The management link: the fake API server listens on its side in this namespace.
         let (r, m) = (&lab.root_veth, format!("{p}m"));
         run(&format!(
@@ -138,7 +145,190 @@ impl Lab {
         run(&format!("ip -n {ns} route add default via 10.213.0.1"));
     }
 
-    /// kube-proxy's translation of `DB_VIP:80` to the db pod, as its nftables mode writes it:
+    /// [`FAR2`] behind the far pod, which forwards to it over a veth of MTU [`NARROW_MTU`]
+    /// (far2's own side has 1500, so it announces a 1460-byte MSS).
+    fn narrow_link_behind_far(&mut self) {
+        let ns = format!("onb{}x", std::process::id());
+        let far = self.pods[FAR].0.clone();
+        self.pods.insert(FAR2.to_string(), (ns.clone(), FAR2_IP));
+        run(&format!("ip netns add {ns}"));
+        run(&format!("ip -n {ns} link set lo up"));
+        run(&format!(
+            "ip netns exec {far} sysctl -qw net.ipv4.ip_forward=1"
+        ));
+        run(&format!(
+            "ip -n {far} link add narrow type veth peer name eth0 netns {ns}"
+        ));
+        run(&format!("ip -n {far} link set narrow mtu {NARROW_MTU} up"));
+        run(&format!("ip -n {far} route add {FAR2_IP}/32 dev narrow"));
+        run(&format!("ip -n {ns} addr add {FAR2_IP}/32 dev eth0"));
+        run(&format!("ip -n {ns} link set eth0 up"));
+        run(&format!("ip -n {ns} route add {FAR_IP}/32 dev eth0"));
+        run(&format!("ip -n {ns} route add default via {FAR_IP}"));
+        run(&format!(
+            "ip -n {} route add {FAR2_IP}/32 via {FAR_IP} dev {} onlink",
+            self.node, self.uplink
+        ));
+    }
+
+    /// Whether `from` gets the reply of an ICMP echo request to `to` (a ping socket) within 1 s.
+    fn pings(&self, from: &str, to: Ipv4Addr) -> bool {
+        let (ns, _) = self.pods[from].clone();
+        let out = Command::new("ip")
+            .args(["netns", "exec", &ns, "sysctl", "-qw"])
+            .arg("net.ipv4.ping_group_range=0 2147483647")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "ping_group_range in {ns}");
+        in_netns(&ns, move || {
+            use socket2::{Domain, Protocol, Socket, Type};
+            let s = Socket::new(Domain::IPV4, Type::DGRAM, Some(Protocol::ICMPV4)).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+            // Type 8 (echo request); the kernel sets the identifier and the checksum.
+            let request = [8u8, 0, 0, 0, 0, 0, 0, 1, b'o', b'r', b'd'];
+            s.send_to(&request, &SocketAddr::from((to, 0)).into())
+                .unwrap();
+            let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 256];
+            match s.recv(&mut buf) {
+                // SAFETY: `recv` initialised the first `n` bytes.
+                Ok(n) if n >= 8 => (unsafe { buf[0].assume_init() }) == 0,
+                _ => false,
+            }
+        })
+    }
+
+    /// Whether an echo reply nobody asked for (identifier 0x4242, from a raw socket in `from`)
+    /// reaches a raw ICMP socket in `to` within 700 ms.
+    fn unsolicited_reply_arrives(&self, from: &str, to: &str) -> bool {
+        use socket2::{Domain, Protocol, Socket, Type};
+        let (from_ns, _) = self.pods[from].clone();
+        let (to_ns, to_ip) = self.pods[to].clone();
+        let listener = in_netns(&to_ns, || {
+            let s = Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::ICMPV4)).unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(100)))
+                .unwrap();
+            s
+        });
+        in_netns(&from_ns, move || {
+            let s = Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::ICMPV4)).unwrap();
+            let mut reply = [0u8, 0, 0, 0, 0x42, 0x42, 0, 1, b'o', b'r', b'd', 0];
+            let sum = ordnet_datapath::common::craft::internet_checksum(&reply);
+            reply[2..4].copy_from_slice(&sum.to_be_bytes());
+            s.send_to(&reply, &SocketAddr::from((to_ip, 0)).into())
+                .unwrap();
+        });
+        let deadline = Instant::now() + Duration::from_millis(700);
+        let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 256];
+        while Instant::now() < deadline {
+            let Ok(n) = listener.recv(&mut buf) else {
+                continue;
+            };
+            // SAFETY: `recv` initialised the first `n` bytes.
+            let got: Vec<u8> = buf[..n]
+                .iter()
+                .map(|b| unsafe { b.assume_init() })
+                .collect();
+            let ihl = usize::from(got.first().copied().unwrap_or(0) & 0x0f) * 4;
+            if got.len() >= ihl + 8 && got[ihl] == 0 && got[ihl + 4..ihl + 6] == [0x42, 0x42] {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Whether a UDP datagram from `from` to a closed port of `to` comes back refused (the
+    /// peer's ICMP port unreachable reached the sender) within 2 s, rather than unanswered.
+    fn udp_refused(&self, from: &str, to: Ipv4Addr) -> bool {
+        let (ns, _) = self.pods[from].clone();
+        in_netns(&ns, move || {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.connect(SocketAddr::from((to, 9))).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let _ = s.send(b"ordnet");
+            matches!(s.recv(&mut [0u8; 16]), Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused)
+        })
+    }
+
+    /// Sends `bytes` from `from` to [`FAR2`] over TCP (through the narrow link) and returns what
+    /// far2 counted, or why it failed (a transfer whose path MTU is never learned stalls).
+    fn transfer_to_far2(&self, from: &str, bytes: usize) -> Result<usize, String> {
+        let (far2_ns, _) = self.pods[FAR2].clone();
+        let listener = in_netns(&far2_ns, || TcpListener::bind((FAR2_IP, 5001)).unwrap());
+        let server = std::thread::spawn(move || -> std::io::Result<()> {
+            let (mut s, _) = listener.accept()?;
+            s.set_read_timeout(Some(Duration::from_secs(15)))?;
+            let mut total = 0usize;
+            let mut buf = vec![0u8; 65536];
+            loop {
+                match s.read(&mut buf)? {
+                    0 => break,
+                    n => total += n,
+                }
+            }
+            s.write_all(total.to_string().as_bytes())
+        });
+        let (ns, _) = self.pods[from].clone();
+        let sent = in_netns(&ns, move || -> std::io::Result<String> {
+            let mut s = TcpStream::connect_timeout(
+                &SocketAddr::from((FAR2_IP, 5001)),
+                Duration::from_secs(2),
+            )?;
+            s.set_write_timeout(Some(Duration::from_secs(10)))?;
+            s.set_read_timeout(Some(Duration::from_secs(10)))?;
+            s.write_all(&vec![0x5a; bytes])?;
+            s.shutdown(std::net::Shutdown::Write)?;
+            let mut got = String::new();
+            s.read_to_string(&mut got)?;
+            Ok(got)
+        });
+        let _ = server.join();
+        let got = sent.map_err(|e| format!("{from} -> {FAR2}: {e}"))?;
+        got.parse()
+            .map_err(|_| format!("{from} -> {FAR2}: far2 answered {got:?}"))
+    }
+
+    /// ICMP into db, isolated for ingress (TCP/80 from web only, so no ICMP from anyone):
+    /// replies and errors that belong to db's own flows pass, everything else does not.
+    fn expect_icmp(&self, step: &str) {
+        let (_, db) = self.pods["db"];
+        let retry = |what: &str, check: &dyn Fn() -> bool| {
+            assert!((0..3).any(|_| check()), "{step}: {what} (3 attempts)");
+        };
+        retry("db's ping of far is answered", &|| self.pings("db", FAR_IP));
+        assert!(
+            !self.pings("far", db),
+            "{step}: far's ping of db is answered"
+        );
+        retry(
+            "control: an unsolicited echo reply reaches web (not isolated)",
+            &|| self.unsolicited_reply_arrives("far", "web"),
+        );
+        assert!(
+            !self.unsolicited_reply_arrives("far", "db"),
+            "{step}: an unsolicited echo reply reached db"
+        );
+        retry("db's UDP to a closed port of far is refused", &|| {
+            self.udp_refused("db", FAR_IP)
+        });
+        let bytes = 4 << 20;
+        assert_eq!(
+            self.transfer_to_far2("db", bytes),
+            Ok(bytes),
+            "{step}: a transfer from db through a {NARROW_MTU}-byte link (path MTU discovery)"
+        );
+        // It needed the far pod's "fragmentation needed": db's kernel learned the path MTU.
+        let (db_ns, _) = &self.pods["db"];
+        let route = Command::new("ip")
+            .args(["-n", db_ns, "route", "get", &FAR2_IP.to_string()])
+            .output()
+            .unwrap();
+        let route = String::from_utf8_lossy(&route.stdout);
+        assert!(
+            route.contains(&format!("mtu {NARROW_MTU}")),
+            "{step}: db did not learn the path MTU to {FAR2}: {route}"
+        );
+    }
+
     /// DNAT at prerouting (pod and uplink traffic) and output (the node's own).
     fn kube_proxy(&self) {
         let (_, db) = self.pods["db"];
@@ -344,6 +534,12 @@ impl Agent {
             .args(["--metrics-addr", "none", "--cni-socket", "none"])
             // Upkeep only on netlink events (and hourly): the test sees them work.
             .args(["--upkeep-interval", "3600"])
+            .args([
+                "--conntrack-entries-v4",
+                "2048",
+                "--conntrack-entries-v6",
+                "1024",
+            ])
             .env("ORDNET_PIN_DIR", &lab.pin_dir)
             .env("POD_NAMESPACE", "ordnet-system")
             .stderr(Stdio::piped())
@@ -614,6 +810,8 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
         "initial",
         &[("client", "db"), ("client", "web")],
     );
+    // ICMP into isolated db: its ping answered, its path MTU learned, its UDP refused.
+    lab.expect_icmp("initial");
     let mut links = vec![
         lab.host_iface("client"),
         lab.host_iface("db"),
@@ -753,6 +951,26 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     }
     assert_eq!(agent.metric("ordnet_endpoints"), 2.0);
     assert_eq!(agent.metric("ordnet_datapath_attached_interfaces"), 3.0);
+    // The connection-tracking tables have the configured sizes and are swept at upkeep (the
+    // route and link events of the steps above ran it).
+    let deadline = Instant::now() + LIMIT;
+    while !agent
+        .get("/metrics")
+        .1
+        .contains("ordnet_conntrack_capacity{")
+    {
+        assert!(Instant::now() < deadline, "no conntrack sweep reported");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        agent.metric("ordnet_conntrack_capacity{family=\"ipv4\"}"),
+        2048.0
+    );
+    assert_eq!(
+        agent.metric("ordnet_conntrack_capacity{family=\"ipv6\"}"),
+        1024.0
+    );
+    assert_eq!(agent.metric("ordnet_conntrack_sweep_errors_total"), 0.0);
     agent.terminate();
     let links = lab.pinned_links();
 

@@ -1427,3 +1427,115 @@ fn decide_tcp_state_shortens_lifetimes() {
         Reason::Reply
     );
 }
+
+/// The TCP connection-tracking state machine against a model: random sequences of packets of
+/// one connection between A (ingress isolated, egress open) and REMOTE (which A's ingress
+/// denies on A's port), with the clock advancing between them, decided by `decide` over the
+/// in-memory maps; every verdict must be the model's. (The kernel program is compared with
+/// the same userspace decision on random sequences in `xdp_testrun`.)
+#[test]
+fn quickcheck_tcp_state_machine_matches_the_model() {
+    #[derive(Clone, Copy, Debug, Default)]
+    struct Model {
+        replied: bool,
+        fin_a: bool,
+        fin_r: bool,
+        rst: bool,
+        last: u64,
+    }
+    const FLAGS: [u8; 6] = [
+        TCP_SYN,
+        TCP_SYN | TCP_ACK,
+        TCP_ACK,
+        TCP_FIN | TCP_ACK,
+        TCP_RST,
+        TCP_RST | TCP_ACK,
+    ];
+    const ADVANCE: [u64; 6] = [0, 500, 1_500, 11_000, 61_000, 3_700_000];
+    fn prop(steps: Vec<(bool, u8, u8)>) -> TestResult {
+        let m = mock();
+        let s = m.state;
+        let lifetime = |e: &Model| {
+            if e.rst || (e.fin_a && e.fin_r) {
+                u64::from(s.ct_close_ticks)
+            } else if !e.replied {
+                u64::from(s.ct_syn_ticks)
+            } else {
+                s.ct_tcp_ticks
+            }
+        };
+        let mut model: Option<Model> = None;
+        let mut now = 0u64;
+        for (i, (from_a, f, adv)) in steps.into_iter().enumerate() {
+            let flags = FLAGS[usize::from(f) % FLAGS.len()];
+            now += ADVANCE[usize::from(adv) % ADVANCE.len()];
+            m.now.set(now);
+            let syn = flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+            let (fin, rst) = (flags & TCP_FIN != 0, flags & TCP_RST != 0);
+            let alive = model.filter(|e| now - e.last <= lifetime(e));
+            let want = if from_a {
+                if syn {
+                    let fresh = model.is_some_and(|e| {
+                        !e.replied && !e.fin_a && !e.fin_r && !e.rst && now - e.last <= 1000
+                    });
+                    if !fresh {
+                        model = Some(Model {
+                            last: now,
+                            ..Model::default()
+                        });
+                    }
+                } else if let Some(mut e) = alive {
+                    let before = e;
+                    e.fin_a |= fin;
+                    e.rst |= rst;
+                    let changed = (e.fin_a, e.rst) != (before.fin_a, before.rst);
+                    if changed || now - e.last > 1000 {
+                        e.last = now;
+                    }
+                    model = Some(e);
+                } else {
+                    model = Some(Model {
+                        replied: true,
+                        fin_a: fin,
+                        rst,
+                        last: now,
+                        ..Model::default()
+                    });
+                }
+                Verdict::Pass
+            } else if syn {
+                Verdict::Drop
+            } else if let Some(mut e) = alive {
+                let before = e;
+                e.replied = true;
+                e.fin_r |= fin;
+                e.rst |= rst;
+                let changed =
+                    (e.replied, e.fin_r, e.rst) != (before.replied, before.fin_r, before.rst);
+                if changed || now - e.last > 1000 {
+                    e.last = now;
+                }
+                model = Some(e);
+                Verdict::Pass
+            } else {
+                Verdict::Drop
+            };
+            let got = if from_a {
+                run(&m, A, REMOTE, tcp(2000, 443, flags))
+            } else {
+                run(&m, REMOTE, A, tcp(443, 2000, flags))
+            };
+            if got.verdict != want {
+                return TestResult::error(std::format!(
+                    "step {i}: {} flags {flags:#04x} at {now}: got {got:?}, model {want:?} \
+                     ({model:?})",
+                    if from_a { "A -> R" } else { "R -> A" }
+                ));
+            }
+        }
+        TestResult::passed()
+    }
+    QuickCheck::new()
+        .tests(3_000)
+        .quickcheck(prop as fn(Vec<(bool, u8, u8)>) -> TestResult);
+}
