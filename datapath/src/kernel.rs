@@ -382,15 +382,7 @@ impl KernelTables {
 
     /// Every connection-tracking entry (both families).
     pub fn ct_entries(&self) -> Result<Vec<(CtKey, CtEntry)>, WriteError> {
-        let err = |map| {
-            move |source| WriteError::Syscall {
-                map,
-                op: "lookup batch",
-                done: 0,
-                total: 0,
-                source,
-            }
-        };
+        let err = lookup_batch_failed;
         let mut out: Vec<(CtKey, CtEntry)> =
             sys::lookup_all::<Ct4Key, CtEntry>(self.ct4.map().fd().as_fd())
                 .map_err(err(MAP_CT4))?
@@ -438,15 +430,7 @@ impl KernelTables {
         now: u64,
     ) -> Result<CtSweep, WriteError> {
         use ordnet_datapath_common::ct_lifetime;
-        let read = |map| {
-            move |source| WriteError::Syscall {
-                map,
-                op: "lookup batch",
-                done: 0,
-                total: 0,
-                source,
-            }
-        };
+        let read = lookup_batch_failed;
         let expired = |k: &CtKey, e: &CtEntry| {
             now.saturating_sub(e.last_seen) > ct_lifetime(state, k.protocol, e.flags)
         };
@@ -479,6 +463,17 @@ impl KernelTables {
             }
         }
         Ok(sweep)
+    }
+}
+
+/// The error of a failed `BPF_MAP_LOOKUP_BATCH` over `map`.
+fn lookup_batch_failed(map: &'static str) -> impl Fn(std::io::Error) -> WriteError {
+    move |source| WriteError::Syscall {
+        map,
+        op: "lookup batch",
+        done: 0,
+        total: 0,
+        source,
     }
 }
 

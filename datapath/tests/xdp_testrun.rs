@@ -1301,6 +1301,28 @@ fn upsert_isolated_a(dp: &mut Datapath, egress: &MapState) {
     .unwrap();
 }
 
+/// A datapath of `config` with the world's identities and A isolated for ingress (egress
+/// open): the set-up of the connection-tracking tests.
+fn isolated_a(config: DatapathConfig) -> Datapath {
+    let mut dp = Datapath::create(config).unwrap_or_else(|e| panic!("loading: {e}"));
+    world_setup(&mut dp);
+    upsert_isolated_a(&mut dp, &open(Direction::Egress));
+    dp
+}
+
+/// The kernel's verdict on `f` at XDP and the userspace decision's reason (with its own table
+/// `ct`); their verdicts must agree.
+fn kernel_and_user(dp: &Datapath, ct: &UserCt, f: &[u8]) -> (XdpAction, Reason) {
+    let kernel = dp.test_run(f).unwrap().action;
+    let user = dp.decide_with(f, ct);
+    assert_eq!(
+        kernel,
+        XdpAction::from(user.verdict),
+        "kernel vs userspace: {user:?}"
+    );
+    (kernel, user.reason)
+}
+
 /// A and remote 7, IPv4 then IPv6.
 fn a_and_remote() -> [(IpAddr, IpAddr); 2] {
     [(ip(A4), remote(7, false)), (ip(A6), remote(7, true))]
@@ -1511,14 +1533,11 @@ fn conntrack_entries_expire() {
     if !privileged() {
         return;
     }
-    let mut dp = Datapath::create(DatapathConfig {
+    let dp = isolated_a(DatapathConfig {
         ct_other_lifetime: Duration::from_millis(1500),
         ct_refresh: Duration::from_millis(20),
         ..small_config()
-    })
-    .unwrap();
-    world_setup(&mut dp);
-    upsert_isolated_a(&mut dp, &open(Direction::Egress));
+    });
     let state = dp.tables().state;
     assert!(
         [100, 250, 300, 1000].contains(&state.hz),
@@ -1564,19 +1583,11 @@ fn conntrack_icmp_echo_and_errors() {
     if !privileged() {
         return;
     }
-    let mut dp = create();
-    world_setup(&mut dp);
-    upsert_isolated_a(&mut dp, &open(Direction::Egress));
+    let dp = isolated_a(small_config());
     let ct = UserCt::default();
     let mut checked = 0;
     let mut check = |what: &str, f: Vec<u8>, want: XdpAction, reason: Reason| {
-        let kernel = dp.test_run(&f).unwrap().action;
-        let user = dp.decide_with(&f, &ct);
-        assert_eq!(
-            (kernel, XdpAction::from(user.verdict), user.reason),
-            (want, want, reason),
-            "{what}"
-        );
+        assert_eq!(kernel_and_user(&dp, &ct, &f), (want, reason), "{what}");
         checked += 1;
     };
     let echo = |id, reply| L4::EchoId { id, reply };
@@ -1686,9 +1697,7 @@ fn conntrack_state_machine_kernel_equals_userspace() {
     if !privileged() {
         return;
     }
-    let mut dp = create();
-    world_setup(&mut dp);
-    upsert_isolated_a(&mut dp, &open(Direction::Egress));
+    let dp = isolated_a(small_config());
     let ct = UserCt::default();
     let mut rng = Rng::new(0x23);
     let flags = [
@@ -1716,9 +1725,7 @@ fn conntrack_state_machine_kernel_equals_userspace() {
                     let quoted = craft::ip_packet(a, r, tcp_flags(port, 443, TCP_ACK)).unwrap();
                     let kind = if v6 { 2 } else { 3 };
                     let f = craft::icmp_error(r, a, kind, 4, 1280, &quoted).unwrap();
-                    let kernel = dp.test_run(&f).unwrap().action;
-                    let user = dp.decide_with(&f, &ct);
-                    assert_eq!(kernel, XdpAction::from(user.verdict), "error: {user:?}");
+                    kernel_and_user(&dp, &ct, &f);
                     checked += 1;
                     continue;
                 }
@@ -1769,26 +1776,14 @@ fn conntrack_tcp_state_lifetimes() {
     if !privileged() {
         return;
     }
-    let mut dp = Datapath::create(DatapathConfig {
+    let mut dp = isolated_a(DatapathConfig {
         ct_syn_lifetime: Duration::from_millis(1000),
         ct_close_lifetime: Duration::from_millis(1000),
         ct_refresh: Duration::from_millis(20),
         ..small_config()
-    })
-    .unwrap();
-    world_setup(&mut dp);
-    upsert_isolated_a(&mut dp, &open(Direction::Egress));
+    });
     let ct = UserCt::default();
-    let run = |f: Vec<u8>| {
-        let kernel = dp.test_run(&f).unwrap().action;
-        let user = dp.decide_with(&f, &ct);
-        assert_eq!(
-            kernel,
-            XdpAction::from(user.verdict),
-            "kernel and userspace: {user:?}"
-        );
-        kernel
-    };
+    let run = |f: Vec<u8>| kernel_and_user(&dp, &ct, &f).0;
     for (a, r) in a_and_remote() {
         let out = |sport, flags| frame(a, r, tcp_flags(sport, 443, flags));
         let back = |dport, flags| frame(r, a, tcp_flags(443, dport, flags));
@@ -1813,16 +1808,7 @@ fn conntrack_tcp_state_lifetimes() {
     assert_eq!((sweep.live, sweep.removed), ([2, 2], [3, 3]), "{sweep:?}");
     assert_eq!(sweep.capacity, [4096, 4096]);
     assert_eq!(dp.ct_entries().unwrap().len(), 4);
-    let run = |f: Vec<u8>| {
-        let kernel = dp.test_run(&f).unwrap().action;
-        let user = dp.decide_with(&f, &ct);
-        assert_eq!(
-            kernel,
-            XdpAction::from(user.verdict),
-            "kernel and userspace: {user:?}"
-        );
-        kernel
-    };
+    let run = |f: Vec<u8>| kernel_and_user(&dp, &ct, &f).0;
     for (a, r) in a_and_remote() {
         let back = |dport, flags| frame(r, a, tcp_flags(443, dport, flags));
         for (sport, want, what) in [
