@@ -242,7 +242,15 @@ fn conntrack_under_load() {
         sysctl(ns, "net.ipv4.tcp_max_syn_backlog=65535");
     }
 
-    // 1. Idle connections, then one unasked byte on each.
+    let (open, arrived) = idle_connections(&lab, idle);
+    short_connections(&lab, short);
+    assert_eq!(arrived, open, "idle connections broke");
+    assert_eq!(open as usize, idle, "not every idle connection opened");
+}
+
+/// Phase 1: `idle` connections into the isolated pod, then one unasked byte on each. Returns
+/// (connections open, bytes arrived).
+fn idle_connections(lab: &Lab, idle: usize) -> (u64, u64) {
     let workers = idle.div_ceil(PER_WORKER);
     let share = |i: usize| (idle - i * PER_WORKER).min(PER_WORKER);
     let mut servers: Vec<Worker> = (0..workers)
@@ -305,8 +313,12 @@ fn conntrack_under_load() {
     for w in clients.into_iter().chain(servers) {
         w.finish();
     }
+    (open, arrived)
+}
 
-    // 2. Short connections, closed by FIN or RST.
+/// Phase 2: `short` connections opened and closed at once (half FIN, half RST), then the
+/// table's fill a minute later.
+fn short_connections(lab: &Lab, short: usize) {
     let workers = short.div_ceil(PER_WORKER);
     let share = |i: usize| (short - i * PER_WORKER).min(PER_WORKER);
     let servers: Vec<Worker> = (0..workers)
@@ -349,8 +361,6 @@ fn conntrack_under_load() {
     }
     let live = lab.conntrack_live(Instant::now(), Duration::from_secs(75));
     println!("conntrack load: a minute later: {live:?} live IPv4 entries");
-    assert_eq!(arrived, open, "idle connections broke");
-    assert_eq!(open as usize, idle, "not every idle connection opened");
 }
 
 /// A worker process of [`conntrack_under_load`] (does nothing unless `ORDNET_LOAD_ROLE` is set).

@@ -110,6 +110,19 @@ pub struct AgentArgs {
     pub cni_conf_dir: Option<PathBuf>,
 }
 
+/// The connection-tracking settings of the `--conntrack-*` flags.
+fn conntrack(args: &AgentArgs) -> agent::bpf::ConntrackOptions {
+    let secs = std::time::Duration::from_secs;
+    agent::bpf::ConntrackOptions {
+        entries_v4: args.conntrack_entries_v4,
+        entries_v6: args.conntrack_entries_v6,
+        tcp: secs(args.conntrack_tcp_timeout),
+        syn: secs(args.conntrack_syn_timeout),
+        close: secs(args.conntrack_close_timeout),
+        other: secs(args.conntrack_other_timeout),
+    }
+}
+
 /// `ordnet agent --uninstall`: exit 0 when this node has no ordnet left (any more), 1 when
 /// something could not be removed. The CNI chain first (so no new pod waits for an agent that
 /// is gone), then the programs and pins.
@@ -287,16 +300,7 @@ pub fn run(args: AgentArgs) -> ExitCode {
         };
         let (datapath, kind): (Box<dyn agent::Enforcer>, &str) = if args.datapath == DatapathArg::Bpf {
             let pin_dir = agent::bpf::pin_dir_from_env();
-            let secs = std::time::Duration::from_secs;
-            let conntrack = agent::bpf::ConntrackOptions {
-                entries_v4: args.conntrack_entries_v4,
-                entries_v6: args.conntrack_entries_v6,
-                tcp: secs(args.conntrack_tcp_timeout),
-                syn: secs(args.conntrack_syn_timeout),
-                close: secs(args.conntrack_close_timeout),
-                other: secs(args.conntrack_other_timeout),
-            };
-            match agent::bpf::BpfDatapath::open(&pin_dir, args.uplink.clone(), conntrack) {
+            match agent::bpf::BpfDatapath::open(&pin_dir, args.uplink.clone(), conntrack(&args)) {
                 Ok(dp) => {
                     match dp.opened() {
                         agent::bpf::Opened::Created => tracing::info!(

@@ -49,7 +49,6 @@ pub use parse::{
 pub use verdict::{
     DatapathMaps, Decision, Hook, Reason, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, Verdict, ct_key,
     ct_key_of, ct_lifetime, ct_tcp_progress, decide, decide_at, has_flow, neighbor_discovery,
-    tracked,
 };
 
 #[cfg(test)]

@@ -292,16 +292,6 @@ pub fn ct_key_of(
     (key, src_is_a)
 }
 
-/// Whether the protocol's flows are tracked (for ICMP and ICMPv6: echo messages only, see
-/// [`has_flow`]).
-#[inline(always)]
-pub const fn tracked(protocol: u8) -> bool {
-    matches!(
-        protocol,
-        IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP | crate::IPPROTO_ICMP | IPPROTO_ICMPV6
-    )
-}
-
 /// Whether a packet belongs to a trackable flow: TCP, UDP, SCTP, or an ICMP/ICMPv6 echo
 /// request or reply (keyed by its identifier). ICMP errors are judged by the flow they quote,
 /// other ICMP per packet.
