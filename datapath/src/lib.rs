@@ -77,11 +77,12 @@ pub use ordnet_datapath_common as common;
 use ordnet_datapath_common::{
     Verdict,
     layout::{
-        BLOCK_WORDS, CELLS_PER_RULESET, CT_LIFETIME_CLOSE_SECS, CT_LIFETIME_OTHER_SECS,
-        CT_LIFETIME_SYN_SECS, CT_LIFETIME_TCP_SECS, CT_REFRESH_SECS, Ct4Key, CtEntry, CtKey,
-        DEFAULT_CT4_ENTRIES, DEFAULT_CT6_ENTRIES, DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES,
-        DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES,
-        DEFAULT_SVC_ENTRIES, IfaceInfo, IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_CT4, MAP_CT6,
+        BLOCK_WORDS, CELLS_PER_RULESET, COUNTER_UNTRACKED_ALLOWED, COUNTER_UNTRACKED_DENIED,
+        CT_LIFETIME_CLOSE_SECS, CT_LIFETIME_OTHER_SECS, CT_LIFETIME_SYN_SECS, CT_LIFETIME_TCP_SECS,
+        CT_REFRESH_SECS, Ct4Key, CtEntry, CtKey, DEFAULT_CT4_ENTRIES, DEFAULT_CT6_ENTRIES,
+        DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS,
+        DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES, DEFAULT_SVC_ENTRIES, Handoff, IfaceInfo,
+        IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_COUNTERS, MAP_CT4, MAP_CT6, MAP_HANDOFF,
         MAP_IFACE, MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY, MAP_STATE, MAP_SVC, PROGRAM_NAME,
         PolicyKey, PolicyValue, State, SvcKey, SvcValue, TC_PROGRAM_NAME, pairs,
     },
@@ -403,6 +404,17 @@ pub struct Datapath {
     links: BTreeMap<String, LinkHandle<XdpLinkId>>,
     /// TC (tcx egress) attachments, by interface.
     tc_links: BTreeMap<String, LinkHandle<SchedClassifierLinkId>>,
+}
+
+/// The programs' event counters ([`Datapath::counters`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DatapathCounters {
+    /// TCP packets past the handshake of a flow the tracking table had no live entry for,
+    /// denied by the policy (`COUNTER_UNTRACKED_DENIED`): flows evicted from a full table,
+    /// expired while idle, lost in a restart, or no connection at all (a scan).
+    pub untracked_denied: u64,
+    /// The same packets, allowed and tracked again (`COUNTER_UNTRACKED_ALLOWED`).
+    pub untracked_allowed: u64,
 }
 
 /// An attachment: pinned (survives the process) or owned by the loaded program.
@@ -1137,9 +1149,31 @@ impl Datapath {
         Ok(self.tables.ct_entries()?)
     }
 
-    /// Forgets every tracked flow.
+    /// Forgets every tracked flow: the tables, and the copy of a flow's entry that the XDP
+    /// program hands to the TC hook (`MAP_HANDOFF`, one per CPU), which would otherwise let the
+    /// TC hook pass a packet of a forgotten flow for up to a second.
     pub fn ct_clear(&mut self) -> Result<(), DatapathError> {
-        Ok(self.tables.ct_clear()?)
+        self.tables.ct_clear()?;
+        let map = self
+            .ebpf
+            .map_mut(MAP_HANDOFF)
+            .ok_or(DatapathError::Missing(MAP_HANDOFF))?;
+        let mut handoff = aya::maps::PerCpuArray::<_, Handoff>::try_from(map)?;
+        let cpus = aya::util::nr_cpus().map_err(|(path, source)| DatapathError::Io {
+            path: PathBuf::from(path),
+            source,
+        })?;
+        handoff.set(
+            0,
+            aya::maps::PerCpuValues::try_from(vec![Handoff::default(); cpus]).map_err(
+                |source| DatapathError::Io {
+                    path: PathBuf::from(MAP_HANDOFF),
+                    source,
+                },
+            )?,
+            0,
+        )?;
+        Ok(())
     }
 
     /// Removes the connection-tracking entries that have expired (each by its own lifetime,
@@ -1153,6 +1187,23 @@ impl Datapath {
         })?;
         let state = *self.control.state();
         Ok(self.tables.ct_sweep(&state, now)?)
+    }
+
+    /// The programs' event counters, summed over CPUs, since this program pair was loaded
+    /// (a restart or an adoption loads a new one: they start again from zero).
+    pub fn counters(&self) -> Result<DatapathCounters, DatapathError> {
+        let map = self
+            .ebpf
+            .map(MAP_COUNTERS)
+            .ok_or(DatapathError::Missing(MAP_COUNTERS))?;
+        let counters = aya::maps::PerCpuArray::<_, u64>::try_from(map)?;
+        let sum = |index: u32| -> Result<u64, DatapathError> {
+            Ok(counters.get(&index, 0)?.iter().sum())
+        };
+        Ok(DatapathCounters {
+            untracked_denied: sum(COUNTER_UNTRACKED_DENIED)?,
+            untracked_allowed: sum(COUNTER_UNTRACKED_ALLOWED)?,
+        })
     }
 
     /// Kernel memory of every map.

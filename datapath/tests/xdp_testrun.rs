@@ -2950,3 +2950,41 @@ fn service_flows_never_allowed_by_neither_state() {
     // Both outcomes happened for both kinds of packet, or the test checked nothing.
     assert!(c.iter().all(|n| *n > 0), "{c:?}");
 }
+
+/// The programs' counters: a TCP packet past the handshake that finds no entry is counted by
+/// verdict (the kernel's LRU evictions show as these), a SYN or a packet of a tracked flow is
+/// not.
+#[test]
+fn untracked_tcp_packets_are_counted_in_the_kernel() {
+    if !privileged() {
+        return;
+    }
+    let dp = isolated_a(small_config());
+    let ct = UserCt::default();
+    let counted = |dp: &Datapath| {
+        let c = dp.counters().unwrap();
+        (c.untracked_denied, c.untracked_allowed)
+    };
+    assert_eq!(counted(&dp), (0, 0));
+    for (n, (a, r)) in a_and_remote().into_iter().enumerate() {
+        let n = n as u64;
+        // A's connection out and its reply: tracked, not counted.
+        let out = |flags| frame(a, r, tcp_flags(3000, 443, flags));
+        let back = |flags| frame(r, a, tcp_flags(443, 3000, flags));
+        assert_eq!(kernel_and_user(&dp, &ct, &out(TCP_SYN)).0, PASS);
+        assert_eq!(kernel_and_user(&dp, &ct, &back(TCP_SYN | TCP_ACK)).0, PASS);
+        assert_eq!(counted(&dp), (n, n));
+        // An ACK into isolated A of no flow: denied, counted; A's own stray ACK out: allowed
+        // (A's egress is open), tracked again, counted.
+        let stray = frame(r, a, tcp_flags(444, 3001, TCP_ACK));
+        assert_eq!(kernel_and_user(&dp, &ct, &stray).0, DROP);
+        assert_eq!(counted(&dp), (n + 1, n));
+        let again = frame(a, r, tcp_flags(3002, 443, TCP_ACK));
+        assert_eq!(kernel_and_user(&dp, &ct, &again).0, PASS);
+        assert_eq!(counted(&dp), (n + 1, n + 1));
+        // An RST of no flow is not counted.
+        let rst = frame(r, a, tcp_flags(444, 3003, TCP_RST));
+        assert_eq!(kernel_and_user(&dp, &ct, &rst).0, DROP);
+        assert_eq!(counted(&dp), (n + 1, n + 1));
+    }
+}

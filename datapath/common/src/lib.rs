@@ -26,6 +26,7 @@ extern crate std;
 
 #[cfg(feature = "bench")]
 pub mod alt;
+mod conntrack;
 #[cfg(any(test, feature = "std"))]
 pub mod craft;
 pub mod layout;
@@ -33,6 +34,7 @@ pub mod lookup;
 mod parse;
 mod verdict;
 
+pub use conntrack::{ct_key, ct_key_of, ct_lifetime, ct_tcp_progress, has_flow};
 pub use layout::PROGRAM_NAME;
 pub use parse::{
     ETH_HLEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6, Fragment, Frame,
@@ -47,8 +49,8 @@ pub use parse::{
     Parsed, addr_bytes, addr_words, ipv4_in_16, parse,
 };
 pub use verdict::{
-    DatapathMaps, Decision, Hook, Reason, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, Verdict, ct_key,
-    ct_key_of, ct_lifetime, ct_tcp_progress, decide, decide_at, has_flow, neighbor_discovery,
+    DatapathMaps, Decision, Hook, Reason, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, Verdict, decide,
+    decide_at, neighbor_discovery,
 };
 
 #[cfg(test)]
