@@ -35,7 +35,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
-use ordnet_datapath::{ControlPlane, CtSweep, Datapath as Kernel, DatapathConfig};
+use ordnet_datapath::{
+    ControlPlane, CtSweep, Datapath as Kernel, DatapathConfig, DatapathCounters,
+};
 use ordnet_engine::{Engine, EngineDelta};
 use ordnet_mapstate::Identity;
 
@@ -103,6 +105,8 @@ pub struct BpfDatapath {
     /// Expired entries removed by sweeps, per family.
     ct_removed: [u64; 2],
     ct_sweep_errors: u64,
+    /// The programs' event counters as of the last sweep.
+    counters: DatapathCounters,
 }
 
 /// Connection tracking of the bpf datapath (`ordnet agent --conntrack-*`).
@@ -229,6 +233,7 @@ impl BpfDatapath {
             last_sweep: None,
             ct_removed: [0; 2],
             ct_sweep_errors: 0,
+            counters: DatapathCounters::default(),
         })
     }
 
@@ -241,6 +246,17 @@ impl BpfDatapath {
         {
             return;
         }
+        let before = self.counters;
+        match self.dp.counters() {
+            Ok(c) => self.counters = c,
+            Err(e) => tracing::warn!(error = %e, "reading the datapath's counters"),
+        }
+        // Packets of TCP flows without an entry, denied since the last sweep: with a full table,
+        // the connections whose entries the LRU evicted.
+        let untracked_denied = self
+            .counters
+            .untracked_denied
+            .saturating_sub(before.untracked_denied);
         match self.dp.ct_sweep() {
             Ok(sweep) => {
                 for (i, family) in ["IPv4", "IPv6"].into_iter().enumerate() {
@@ -251,6 +267,7 @@ impl BpfDatapath {
                             family,
                             live = sweep.live[i],
                             capacity,
+                            untracked_denied,
                             "the connection-tracking table is nearly full of live flows: when it \
                              is full the least recently used flows lose their entries (their next \
                              packet is judged as a new flow); raise --conntrack-entries-v4/v6"
@@ -693,6 +710,26 @@ impl Enforcer for BpfDatapath {
                 counter: true,
                 labels: vec![("kind", kind.to_string())],
                 value: u64::from(n),
+            });
+        }
+        // Read whenever the agent records its metrics (after programming and upkeep; a per-CPU
+        // array read); the last sweep's values if that fails.
+        let counters = self.dp.counters().unwrap_or(self.counters);
+        for (verdict, n) in [
+            ("denied", counters.untracked_denied),
+            ("allowed", counters.untracked_allowed),
+        ] {
+            out.push(Sample {
+                name: "ordnet_conntrack_untracked_tcp_packets",
+                help: "TCP packets past the handshake (no SYN, no RST) of a local endpoint's flow \
+                       that the connection-tracking table had no live entry for, by the policy's \
+                       verdict: denied ones are flows evicted from a full table (a broken \
+                       connection towards an isolated side), expired, lost in a restart, or \
+                       scans; allowed ones were tracked again. Counted since the programs were \
+                       loaded.",
+                counter: true,
+                labels: vec![("verdict", verdict.to_string())],
+                value: n,
             });
         }
         out.push(one(
