@@ -223,7 +223,6 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    pin_to_one_cpu();
     let repeat = env("ORDNET_BENCH_REPEAT", 1_000_000) as u32;
     let rounds = env("ORDNET_BENCH_ROUNDS", 5) as usize;
     let sizes: Vec<usize> = std::env::var("ORDNET_BENCH_SIZES")
@@ -394,53 +393,14 @@ fn main() {
             + get("first SYN B->A at TC after DNAT (judged)");
         println!(
             "{n:>8} entries: direct B->A {direct:.1} ns, through a Service {service:.1} ns \
-             (extra {:+.1} ns)",
+             (extra {:+.1} ns); an established packet {:.1} (XDP) + {:.1} (TC) ns",
             service - direct,
-        );
-    }
-    println!(
-        "\nAn established packet's whole path (XDP, then TC on the same CPU: the handoff), and a \
-         new direct connection's first SYN at both hooks, against the floor:"
-    );
-    for n in &sizes {
-        let get = |k: &str| full_ns[&(*n, k)];
-        let xdp = get("established ACK R->A (tracked flow)");
-        let tc = get("TC: established ACK R->A (after XDP: handoff)");
-        let tc_lookup = get("TC: established ACK R->A (no handoff: lookup)");
-        let syn = get("first SYN B->A at XDP (direct)")
-            + get("first SYN B->A at TC (direct: XDP's entry)");
-        let floor = floor_ns[n];
-        println!(
-            "{n:>8} entries: established {xdp:.1} + {tc:.1} = {:.1} ns = {:.2}x the floor \
-             (TC without the handoff {tc_lookup:.1}: {:.2}x); first SYN both hooks {syn:.1} ns = \
-             {:.2}x",
-            xdp + tc,
-            (xdp + tc) / floor,
-            (xdp + tc_lookup) / floor,
-            syn / floor,
+            get("established ACK R->A (tracked flow)"),
+            get("TC: established ACK R->A (tracked flow)"),
         );
     }
 
     apply_times();
-}
-
-/// Keeps the process on the CPU it runs on: a packet's XDP and TC hooks run on one CPU (one
-/// softirq), and the TC hook reads the XDP program's per-CPU handoff; test runs of the two
-/// programs from a process that migrated between them would measure a path no packet takes.
-fn pin_to_one_cpu() {
-    // SAFETY: sched_getcpu has no preconditions; the cpu_set_t is zeroed, then one bit is set
-    // within its size, and sched_setaffinity only reads it.
-    unsafe {
-        let cpu = libc::sched_getcpu();
-        if cpu < 0 {
-            return;
-        }
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu as usize, &mut set);
-        if libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set) != 0 {
-            eprintln!("warning: could not pin the benchmark to CPU {cpu}");
-        }
-    }
 }
 
 /// Distinct packets of the varied measurement.
@@ -706,36 +666,23 @@ fn tc_program(
             }
         }
     };
-    // Packets of known flows (repeated). The established packet at TC is measured after XDP
-    // passed it (the handoff holds its flow: the real path) and after XDP passed a packet of
-    // another flow (the handoff misses: the conntrack lookup).
-    let established = frame64(v4(id), ab, p, 40000, TCP_ACK);
-    let other = frame64(ab, v4(id), 40005, p, TCP_SYN);
-    let handoff: [(&'static str, &[u8]); 2] = [
+    // Packets of known flows (repeated).
+    let repeated: Vec<(&'static str, Vec<u8>, Option<u32>, V)> = vec![
         (
-            "TC: established ACK R->A (after XDP: handoff)",
-            &established,
+            "TC: established ACK R->A (tracked flow)",
+            frame64(v4(id), ab, p, 40000, TCP_ACK),
+            Some(IF_UPLINK),
+            V::Pass,
         ),
-        ("TC: established ACK R->A (no handoff: lookup)", &other),
+        (
+            "TC: SYN B->A after DNAT, denied port",
+            frame64(bb, ab, 40011, 7, TCP_SYN),
+            Some(IF_B),
+            V::Drop,
+        ),
     ];
-    let repeated: Vec<(&'static str, Vec<u8>, Option<u32>, V)> = vec![(
-        "TC: SYN B->A after DNAT, denied port",
-        frame64(bb, ab, 40011, 7, TCP_SYN),
-        Some(IF_B),
-        V::Drop,
-    )];
     let mut samples: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
     for _ in 0..rounds {
-        for (name, before) in handoff {
-            assert_eq!(
-                run(dp, before, None, 1).0,
-                V::Pass,
-                "{n}: XDP before {name}"
-            );
-            let (v, t) = run(dp, &established, Some(IF_UPLINK), repeat);
-            assert_eq!(v, V::Pass, "{n}: {name}");
-            samples.entry(name).or_default().push(t);
-        }
         for (name, f, hook, want) in &repeated {
             let (v, t) = run(dp, f, *hook, repeat);
             assert_eq!(v, *want, "{n}: {name}");

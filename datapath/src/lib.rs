@@ -81,10 +81,10 @@ use ordnet_datapath_common::{
         CT_LIFETIME_CLOSE_SECS, CT_LIFETIME_OTHER_SECS, CT_LIFETIME_SYN_SECS, CT_LIFETIME_TCP_SECS,
         CT_REFRESH_SECS, Ct4Key, CtEntry, CtKey, DEFAULT_CT4_ENTRIES, DEFAULT_CT6_ENTRIES,
         DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS,
-        DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES, DEFAULT_SVC_ENTRIES, Handoff, IfaceInfo,
-        IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_COUNTERS, MAP_CT4, MAP_CT6, MAP_HANDOFF,
-        MAP_IFACE, MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY, MAP_STATE, MAP_SVC, PROGRAM_NAME,
-        PolicyKey, PolicyValue, State, SvcKey, SvcValue, TC_PROGRAM_NAME, pairs,
+        DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES, DEFAULT_SVC_ENTRIES, IfaceInfo, IpInfo,
+        IpKey, MAP_BLOCKS, MAP_CELLS, MAP_COUNTERS, MAP_CT4, MAP_CT6, MAP_IFACE, MAP_IP4, MAP_IP6,
+        MAP_IPCIDR, MAP_POLICY, MAP_STATE, MAP_SVC, PROGRAM_NAME, PolicyKey, PolicyValue, State,
+        SvcKey, SvcValue, TC_PROGRAM_NAME, pairs,
     },
 };
 pub use plane::{ControlPlane, MemDatapath};
@@ -1149,31 +1149,9 @@ impl Datapath {
         Ok(self.tables.ct_entries()?)
     }
 
-    /// Forgets every tracked flow: the tables, and the copy of a flow's entry that the XDP
-    /// program hands to the TC hook (`MAP_HANDOFF`, one per CPU), which would otherwise let the
-    /// TC hook pass a packet of a forgotten flow for up to a second.
+    /// Forgets every tracked flow.
     pub fn ct_clear(&mut self) -> Result<(), DatapathError> {
-        self.tables.ct_clear()?;
-        let map = self
-            .ebpf
-            .map_mut(MAP_HANDOFF)
-            .ok_or(DatapathError::Missing(MAP_HANDOFF))?;
-        let mut handoff = aya::maps::PerCpuArray::<_, Handoff>::try_from(map)?;
-        let cpus = aya::util::nr_cpus().map_err(|(path, source)| DatapathError::Io {
-            path: PathBuf::from(path),
-            source,
-        })?;
-        handoff.set(
-            0,
-            aya::maps::PerCpuValues::try_from(vec![Handoff::default(); cpus]).map_err(
-                |source| DatapathError::Io {
-                    path: PathBuf::from(MAP_HANDOFF),
-                    source,
-                },
-            )?,
-            0,
-        )?;
-        Ok(())
+        Ok(self.tables.ct_clear()?)
     }
 
     /// Removes the connection-tracking entries that have expired (each by its own lifetime,

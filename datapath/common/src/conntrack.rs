@@ -151,10 +151,6 @@ impl Track {
     /// hook a pure SYN was usually just judged by XDP on its way in, which tracked it: an entry
     /// of the same direction with the current stamp (not a deferred one) means the same policy
     /// allowed this very tuple, so it passes after the one lookup too.
-    ///
-    /// At the TC hook the entry comes from the XDP program's handoff when XDP just passed a
-    /// packet of this flow on this CPU (no conntrack lookup: [`handed_off`]); at XDP every entry
-    /// this step passes a packet on is handed off.
     #[inline(always)]
     pub(crate) fn lookup<M: DatapathMaps + ?Sized>(
         p: &IpPacket,
@@ -178,13 +174,8 @@ impl Track {
         let mut entry = CtEntry::default();
         let tc = matches!(hook, Hook::Tc { .. });
         if is_tracked && (!syn || tc) {
-            now = maps.now();
-            let handed = if tc {
-                handed_off(maps, &key, now, refresh)
-            } else {
-                None
-            };
-            if let Some(e) = handed.or_else(|| maps.ct_lookup(&key)) {
+            if let Some(e) = maps.ct_lookup(&key) {
+                now = maps.now();
                 // An entry from the future (clock reset) counts as fresh.
                 live = match state {
                     Some(s) => {
@@ -219,14 +210,15 @@ impl Track {
                 } else {
                     entry.flags
                 };
-                let write = flags != entry.flags || now.saturating_sub(entry.last_seen) > refresh;
-                if write {
-                    entry.last_seen = now;
-                    entry.flags = flags;
-                    maps.ct_store(&key, &entry);
-                }
-                if write || !tc {
-                    maps.set_handoff(&key, &entry, now);
+                if flags != entry.flags || now.saturating_sub(entry.last_seen) > refresh {
+                    maps.ct_store(
+                        &key,
+                        &CtEntry {
+                            last_seen: now,
+                            flags,
+                            ..entry
+                        },
+                    );
                 }
                 let reason = if deferred {
                     Reason::ServiceFlow
@@ -285,12 +277,10 @@ impl Track {
         self.store(maps);
     }
 
-    /// Writes the entry to the table, and the same to the handoff: whatever this CPU last
-    /// wrote for a flow, the handoff holds no older copy of it.
+    /// Writes the entry to the table.
     #[inline(always)]
     fn store<M: DatapathMaps + ?Sized>(&self, maps: &M) {
         maps.ct_store(&self.key, &self.entry);
-        maps.set_handoff(&self.key, &self.entry, self.now);
     }
 
     /// Whether the packet comes from the side that opened the tracked flow (or there is none).
@@ -325,7 +315,6 @@ impl Track {
                 d.reason = Reason::Rechecked;
             } else {
                 maps.ct_delete(&self.key);
-                maps.drop_handoff();
                 d.reason = Reason::RecheckDenied;
             }
             return d;
@@ -350,9 +339,6 @@ impl Track {
                 fresh = e.revision == s.revision
                     && e.flags == self.initiator
                     && self.now.saturating_sub(e.last_seen) <= s.ct_refresh_ticks;
-                if fresh {
-                    maps.set_handoff(&self.key, &e, self.now);
-                }
             }
             if !fresh {
                 // A TCP flow first seen after its SYN (an agent restart, an evicted entry) is
@@ -366,33 +352,6 @@ impl Track {
             }
         }
         d
-    }
-}
-
-/// The tracking entry the XDP program handed off for flow `key` on this CPU, if it did so at
-/// most `window` ticks ago (the refresh interval: the granularity at which the table's own
-/// `last_seen` is kept).
-///
-/// Why the TC hook may trust it instead of the table: the handoff is written only by our XDP
-/// program (a per-CPU map no pod and no other program can reach), only with an entry it has
-/// just read or written in the table for exactly this flow, and it is used only for exactly
-/// that key; the revision, liveness and role checks that follow apply to it as to an entry
-/// read from the table. A packet of another flow, a stale handoff or one from another CPU is a
-/// miss and the table is read. The copy can only be older than the table by what happened in
-/// the window on other CPUs (a FIN, an LRU eviction of a flow XDP just passed): it may pass a
-/// packet of a flow the current revision allowed a moment ago, never one it did not.
-#[inline(always)]
-fn handed_off<M: DatapathMaps + ?Sized>(
-    maps: &M,
-    key: &CtKey,
-    now: u64,
-    window: u64,
-) -> Option<CtEntry> {
-    let h = maps.handoff()?;
-    if h.key == *key && now.wrapping_sub(h.at) <= window {
-        Some(h.entry)
-    } else {
-        None
     }
 }
 

@@ -49,11 +49,6 @@ pub const MAP_SVC: &str = "ORDNET_SVC";
 /// source address was rewritten (kube-proxy's masquerade: hairpin, `masqueradeAll`) to the
 /// endpoint it came from.
 pub const MAP_IFACE: &str = "ORDNET_IFACE";
-/// The XDP-to-TC handoff ([`Handoff`]; a per-CPU array of one element, private to one loaded
-/// program pair and never pinned): the tracking entry of the last flow the XDP program passed on
-/// this CPU, so the TC hook of the same packet, moments later on the same CPU, needs no
-/// conntrack lookup (`docs/datapath.md` §7).
-pub const MAP_HANDOFF: &str = "ORDNET_HANDOFF";
 /// Event counters of the programs (a per-CPU array of `u64`, indexed by `COUNTER_*`; private to
 /// one loaded program pair and never pinned: they count from the program's load).
 pub const MAP_COUNTERS: &str = "ORDNET_COUNTERS";
@@ -484,20 +479,6 @@ pub struct CtEntry {
     pub _pad: u32,
 }
 
-/// Value of [`MAP_HANDOFF`]: a copy of a tracking entry as the XDP program left it in the
-/// conntrack table, with the time it did so.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-pub struct Handoff {
-    /// The flow (canonical key).
-    pub key: CtKey,
-    /// Its entry, as stored (or found unchanged) by the XDP program.
-    pub entry: CtEntry,
-    /// Clock ticks when the XDP program wrote this; the TC hook trusts the copy for at most
-    /// [`State::ct_refresh_ticks`] (the granularity of `last_seen` itself) after it.
-    pub at: u64,
-}
-
 /// Value of [`MAP_STATE`] (one entry, index 0).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -545,7 +526,6 @@ const _: () = {
     assert!(core::mem::size_of::<CtKey>() == 40);
     assert!(core::mem::size_of::<Ct4Key>() == 16);
     assert!(core::mem::size_of::<CtEntry>() == 24);
-    assert!(core::mem::size_of::<Handoff>() == 72);
     assert!(core::mem::size_of::<State>() == 48);
     assert!(core::mem::size_of::<SvcKey>() == 20);
     assert!(core::mem::size_of::<SvcValue>() == 4);
@@ -566,7 +546,6 @@ mod pod {
     unsafe impl aya::Pod for CtKey {}
     unsafe impl aya::Pod for Ct4Key {}
     unsafe impl aya::Pod for CtEntry {}
-    unsafe impl aya::Pod for Handoff {}
     unsafe impl aya::Pod for State {}
     unsafe impl aya::Pod for SvcKey {}
     unsafe impl aya::Pod for SvcValue {}

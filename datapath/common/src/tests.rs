@@ -604,11 +604,6 @@ struct Mock {
     blocks: Vec<u32>,
     policy: HashMap<PolicyKey, PolicyValue>,
     ct: RefCell<HashMap<CtKey, CtEntry>>,
-    /// Conntrack table lookups.
-    ct_reads: Cell<usize>,
-    /// Keeps an XDP-to-TC handoff as the kernel does (else none, as userspace).
-    handoff_on: bool,
-    handoff: RefCell<Option<Handoff>>,
     /// Event counters (`COUNTER_*` -> count).
     counts: RefCell<HashMap<u32, u64>>,
     now: Cell<u64>,
@@ -663,7 +658,6 @@ impl DatapathMaps for Mock {
             .map(|(_, _, info)| info.identity)
     }
     fn ct_lookup(&self, key: &CtKey) -> Option<CtEntry> {
-        self.ct_reads.set(self.ct_reads.get() + 1);
         self.ct.borrow().get(key).copied()
     }
     fn ct_store(&self, key: &CtKey, entry: &CtEntry) {
@@ -672,27 +666,8 @@ impl DatapathMaps for Mock {
     fn ct_delete(&self, key: &CtKey) {
         self.ct.borrow_mut().remove(key);
     }
-    fn handoff(&self) -> Option<&Handoff> {
-        // SAFETY: the reference is used before the next `set_handoff` (one decision at a time;
-        // `decide_at` never holds it across a write), as the kernel's per-CPU value is.
-        unsafe { (*self.handoff.as_ptr()).as_ref() }
-    }
-    fn set_handoff(&self, key: &CtKey, entry: &CtEntry, at: u64) {
-        if self.handoff_on {
-            *self.handoff.borrow_mut() = Some(Handoff {
-                key: *key,
-                entry: *entry,
-                at,
-            });
-        }
-    }
     fn count(&self, counter: u32) {
         *self.counts.borrow_mut().entry(counter).or_default() += 1;
-    }
-    fn drop_handoff(&self) {
-        if let Some(h) = self.handoff.borrow_mut().as_mut() {
-            h.key.family = 0;
-        }
     }
     fn now(&self) -> u64 {
         self.now.get()
@@ -1568,136 +1543,6 @@ fn quickcheck_tcp_state_machine_matches_the_model() {
     QuickCheck::new()
         .tests(3_000)
         .quickcheck(prop as fn(Vec<(bool, u8, u8)>) -> TestResult);
-}
-
-/// At the TC hook, a packet of the flow XDP just passed on this CPU is decided from the
-/// handoff, without a conntrack lookup; another flow's packet, or the same flow once the window
-/// has passed, reads the table.
-#[test]
-fn tc_takes_the_flow_xdp_just_passed_from_the_handoff() {
-    let m = Mock {
-        handoff_on: true,
-        ..mock()
-    };
-    let tc = Hook::Tc {
-        ingress_ifindex: 77,
-    };
-    let at = |src, dst, l4, hook| {
-        decide_at(
-            &parse(&craft::ipv4_frame_between(src, dst, l4)[..]),
-            &m,
-            hook,
-        )
-    };
-    // REMOTE -> A:80 is allowed: XDP judges the SYN and tracks it, TC passes it from the
-    // handoff.
-    assert_eq!(
-        at(REMOTE, A, tcp(1000, 80, TCP_SYN), Hook::Xdp).reason,
-        Reason::Allowed
-    );
-    let reads = m.ct_reads.get();
-    assert_eq!(
-        at(REMOTE, A, tcp(1000, 80, TCP_SYN), tc).reason,
-        Reason::Established
-    );
-    assert_eq!(m.ct_reads.get(), reads, "no table lookup at TC");
-    // The reply, the same: one lookup at XDP, none at TC.
-    assert_eq!(
-        at(A, REMOTE, tcp(80, 1000, TCP_SYN | TCP_ACK), Hook::Xdp).reason,
-        Reason::Reply
-    );
-    assert_eq!(m.ct_reads.get(), reads + 1);
-    assert_eq!(
-        at(A, REMOTE, tcp(80, 1000, TCP_SYN | TCP_ACK), tc).reason,
-        Reason::Reply
-    );
-    assert_eq!(m.ct_reads.get(), reads + 1);
-    // Another flow at TC reads the table.
-    assert_eq!(
-        at(REMOTE, A, tcp(1001, 443, TCP_ACK), tc).reason,
-        Reason::IngressDenied
-    );
-    assert_eq!(m.ct_reads.get(), reads + 2);
-    // After the window the handoff is not trusted: the table decides (same result).
-    m.now.set(m.now.get() + m.state.ct_refresh_ticks + 1);
-    assert_eq!(
-        at(A, REMOTE, tcp(80, 1000, TCP_ACK), tc).reason,
-        Reason::Reply
-    );
-    assert_eq!(m.ct_reads.get(), reads + 3);
-}
-
-/// The handoff never changes a decision: random packets of a few flows at either hook, with
-/// the clock advancing and the revision (policy) changing between them, decided over maps with
-/// a handoff and over maps without one, give the same decisions and leave the same table.
-#[test]
-fn quickcheck_handoff_never_changes_a_decision() {
-    const PACKETS: [([u8; 4], [u8; 4], u16, u16); 6] = [
-        (REMOTE, A, 1000, 80),
-        (A, REMOTE, 80, 1000),
-        (A, REMOTE, 2000, 443),
-        (REMOTE, A, 443, 2000),
-        (B, A, 3000, 80),
-        (A, B, 80, 3000),
-    ];
-    const FLAGS: [u8; 5] = [
-        TCP_SYN,
-        TCP_SYN | TCP_ACK,
-        TCP_ACK,
-        TCP_FIN | TCP_ACK,
-        TCP_RST,
-    ];
-    const ADVANCE: [u64; 5] = [0, 1, 999, 1_001, 61_000];
-    fn prop(steps: Vec<(u8, u8, bool, u8, bool)>) -> TestResult {
-        let with = Mock {
-            handoff_on: true,
-            ..mock()
-        };
-        let mut without = mock();
-        let mut with = with;
-        for (i, (packet, f, tc, adv, bump)) in steps.into_iter().enumerate() {
-            let (src, dst, sport, dport) = PACKETS[usize::from(packet) % PACKETS.len()];
-            let flags = FLAGS[usize::from(f) % FLAGS.len()];
-            let hook = if tc {
-                Hook::Tc {
-                    ingress_ifindex: 77,
-                }
-            } else {
-                Hook::Xdp
-            };
-            let frame = craft::ipv4_frame_between(src, dst, tcp(sport, dport, flags));
-            let a = decide_at(&parse(&frame[..]), &with, hook);
-            let b = decide_at(&parse(&frame[..]), &without, hook);
-            if a != b {
-                return TestResult::error(std::format!(
-                    "step {i}: with handoff {a:?}, without {b:?}"
-                ));
-            }
-            let ticks = ADVANCE[usize::from(adv) % ADVANCE.len()];
-            for m in [&with, &without] {
-                m.now.set(m.now.get() + ticks);
-            }
-            if bump {
-                // A new revision that also flips A's ingress default: re-checks can deny.
-                for m in [&mut with, &mut without] {
-                    m.state.revision += 1;
-                    let a = m.ipcache.get_mut(&key4(A)).unwrap();
-                    a.ingress.default = if a.ingress.default == V_DENY {
-                        V_ALLOW
-                    } else {
-                        V_DENY
-                    };
-                }
-            }
-        }
-        if *with.ct.borrow() != *without.ct.borrow() {
-            return TestResult::error("the tables differ");
-        }
-        TestResult::passed()
-    }
-    QuickCheck::new()
-        .tests(20_000)
-        .quickcheck(prop as fn(Vec<(u8, u8, bool, u8, bool)>) -> TestResult);
 }
 
 /// TCP packets past the handshake that find no live entry are counted, by verdict: the signal

@@ -30,21 +30,21 @@
 //!   the destination when it is a local endpoint, both must allow. An allowed TCP/UDP/SCTP packet
 //!   creates (or refreshes) the tracking entry; a denied one creates nothing.
 //!
-//! Connection tracking (steps 1 and 4, the XDP-to-TC handoff) is in `conntrack.rs`.
+//! Connection tracking (steps 1 and 4) is in `conntrack.rs`.
 
 use crate::{
     Fragment, ICMPV6_REDIRECT, ICMPV6_ROUTER_SOLICITATION, IPPROTO_ICMPV6, Icmp, IpPacket,
     ND_HOP_LIMIT, ParseError, Parsed,
     conntrack::{Track, related_flow},
     layout::{
-        CtEntry, CtKey, FAMILY_V4, Handoff, IFACE_HAS_V4, IFACE_HAS_V6, IfaceInfo, IpInfo, IpKey,
-        PolicyRef, State, SvcKey,
+        CtEntry, CtKey, FAMILY_V4, IFACE_HAS_V4, IFACE_HAS_V6, IfaceInfo, IpInfo, IpKey, PolicyRef,
+        State, SvcKey,
     },
     lookup::{PolicyDecision, PolicyMaps, policy_lookup},
 };
 
 #[allow(unused_imports)]
-use crate::layout::{MAP_COUNTERS, MAP_HANDOFF, MAP_IFACE, MAP_SVC};
+use crate::layout::{MAP_COUNTERS, MAP_IFACE, MAP_SVC};
 
 /// Where a packet is decided.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -95,17 +95,6 @@ pub trait DatapathMaps: PolicyMaps {
     fn ct_store(&self, key: &CtKey, entry: &CtEntry);
     /// Forget a tracking entry (a flow the policy no longer allows).
     fn ct_delete(&self, key: &CtKey);
-    /// This CPU's XDP-to-TC handoff ([`MAP_HANDOFF`]): the entry the XDP program last left in
-    /// the table for a flow it passed. Userspace keeps none (the default): its TC decisions read
-    /// the table, with the same result.
-    fn handoff(&self) -> Option<&Handoff> {
-        None
-    }
-    /// Hands off the entry `entry` of flow `key` as the program just left it in the table, at
-    /// `at`.
-    fn set_handoff(&self, _key: &CtKey, _entry: &CtEntry, _at: u64) {}
-    /// Empties the handoff (its flow's entry was deleted).
-    fn drop_handoff(&self) {}
     /// Adds one to event counter `counter` ([`MAP_COUNTERS`], a `COUNTER_*` index). Userspace
     /// counts nothing (the default).
     fn count(&self, _counter: u32) {}

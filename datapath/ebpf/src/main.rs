@@ -28,8 +28,8 @@ use ordnet_datapath_common::{
         BLOCK_WORDS, CELLS_PER_RULESET, COUNTERS, Ct4Key, CtEntry, CtKey, DEFAULT_CT4_ENTRIES,
         DEFAULT_CT6_ENTRIES, DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES,
         DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES,
-        DEFAULT_SVC_ENTRIES, FAMILY_V4, Handoff, IfaceInfo, IpInfo, IpKey, PolicyKey, PolicyValue,
-        State, SvcKey, SvcValue, pair_index, pair_word, pairs,
+        DEFAULT_SVC_ENTRIES, FAMILY_V4, IfaceInfo, IpInfo, IpKey, PolicyKey, PolicyValue, State,
+        SvcKey, SvcValue, pair_index, pair_word, pairs,
     },
     lookup::PolicyMaps,
     parse,
@@ -79,11 +79,6 @@ static SVC: HashMap<SvcKey, SvcValue> =
 #[map(name = "ORDNET_IFACE")]
 static IFACE: HashMap<u32, IfaceInfo> =
     HashMap::with_max_entries(DEFAULT_IFACE_ENTRIES, BPF_F_NO_PREALLOC);
-
-/// The XDP-to-TC handoff (`MAP_HANDOFF`): one slot per CPU, not pinned (each loaded program
-/// pair has its own; a swap only costs the new TC hook a table lookup until XDP writes again).
-#[map(name = "ORDNET_HANDOFF")]
-static HANDOFF: PerCpuArray<Handoff> = PerCpuArray::with_max_entries(1, 0);
 
 /// Event counters (`MAP_COUNTERS`): per CPU, not pinned.
 #[map(name = "ORDNET_COUNTERS")]
@@ -168,38 +163,11 @@ impl DatapathMaps for KernelMaps {
     }
 
     #[inline(always)]
-    fn handoff(&self) -> Option<&Handoff> {
-        HANDOFF.get(0)
-    }
-
-    #[inline(always)]
-    fn set_handoff(&self, key: &CtKey, entry: &CtEntry, at: u64) {
-        // Written in place: a `Handoff` built on the stack would cost 72 of its 512 bytes. XDP
-        // and TC runs on one CPU never interleave (both run with bottom halves disabled).
-        if let Some(h) = HANDOFF.get_ptr_mut(0) {
-            // SAFETY: the per-CPU slot is valid for the program run and only this CPU uses it.
-            unsafe {
-                (*h).key = *key;
-                (*h).entry = *entry;
-                (*h).at = at;
-            }
-        }
-    }
-
-    #[inline(always)]
     fn count(&self, counter: u32) {
         if let Some(c) = COUNTERS_MAP.get_ptr_mut(counter) {
-            // SAFETY: this CPU's slot, valid for the program run; no other run on this CPU
-            // interleaves (see `set_handoff`).
+            // SAFETY: this CPU's slot, valid for the program run; XDP and TC runs on one CPU
+            // never interleave (both run with bottom halves disabled).
             unsafe { *c += 1 };
-        }
-    }
-
-    #[inline(always)]
-    fn drop_handoff(&self) {
-        if let Some(h) = HANDOFF.get_ptr_mut(0) {
-            // SAFETY: as in `set_handoff`. No flow has family 0: the key matches nothing.
-            unsafe { (*h).key.family = 0 };
         }
     }
 
