@@ -46,6 +46,10 @@ const LATE_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 7);
 const FAR2: &str = "far2";
 const FAR2_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 9, 10);
 const NARROW_MTU: u32 = 1280;
+/// Pods whose links have a jumbo MTU (EKS's 9001, both sides of their veths): native XDP on a
+/// veth whose peer's MTU exceeds a page needs a multi-buffer-aware program.
+const JUMBO: [&str; 2] = ["web", "client"];
+const JUMBO_MTU: u32 = 9001;
 /// IPv6 addresses of db, far and far2 (the node's side of each link is [`GW6`]): path MTU
 /// discovery is checked over IPv6 too (1280 is IPv6's minimum MTU).
 const DB6: Ipv6Addr = Ipv6Addr::new(0xfd13, 0, 0, 0, 0, 0, 0, 3);
@@ -144,6 +148,10 @@ impl Lab {
             "ip -n {n} link add {host} type veth peer name eth0 netns {ns}"
         ));
         run(&format!("ip -n {n} addr add 10.213.0.1/32 dev {host}"));
+        if JUMBO.contains(&name) {
+            run(&format!("ip -n {n} link set {host} mtu {JUMBO_MTU}"));
+            run(&format!("ip -n {ns} link set eth0 mtu {JUMBO_MTU}"));
+        }
         run(&format!("ip -n {n} link set {host} up"));
         run(&format!("ip -n {n} route add {ip}/32 dev {host}"));
         run(&format!("ip -n {ns} addr add {ip}/32 dev eth0"));
@@ -312,11 +320,19 @@ impl Lab {
         })
     }
 
-    /// Sends `bytes` from `from` to [`FAR2`] over TCP (through the narrow link) and returns what
-    /// far2 counted, or why it failed (a transfer whose path MTU is never learned stalls).
-    fn transfer_to_far2(&self, from: &str, to: IpAddr, bytes: usize) -> Result<usize, String> {
-        let (far2_ns, _) = self.pods[FAR2].clone();
-        let listener = in_netns(&far2_ns, move || TcpListener::bind((to, 5001)).unwrap());
+    /// Sends `bytes` from `from` to `to` (at `to_ip`:`port`) over TCP and returns what the
+    /// receiver counted and the sender's maximum segment size at the end, or why it failed (a
+    /// transfer whose path MTU is never learned stalls).
+    fn transfer(
+        &self,
+        from: &str,
+        to: &str,
+        to_ip: IpAddr,
+        port: u16,
+        bytes: usize,
+    ) -> Result<(usize, u32), String> {
+        let (to_ns, _) = self.pods[to].clone();
+        let listener = in_netns(&to_ns, move || TcpListener::bind((to_ip, port)).unwrap());
         let server = std::thread::spawn(move || -> std::io::Result<()> {
             // Not forever: a client that never connects must fail the test, not hang it.
             listener.set_nonblocking(true)?;
@@ -346,21 +362,51 @@ impl Lab {
             s.write_all(total.to_string().as_bytes())
         });
         let (ns, _) = self.pods[from].clone();
-        let sent = in_netns(&ns, move || -> std::io::Result<String> {
-            let mut s =
-                TcpStream::connect_timeout(&SocketAddr::from((to, 5001)), Duration::from_secs(2))?;
+        let sent = in_netns(&ns, move || -> std::io::Result<(String, u32)> {
+            let mut s = TcpStream::connect_timeout(
+                &SocketAddr::from((to_ip, port)),
+                Duration::from_secs(2),
+            )?;
             s.set_write_timeout(Some(Duration::from_secs(10)))?;
             s.set_read_timeout(Some(Duration::from_secs(10)))?;
             s.write_all(&vec![0x5a; bytes])?;
             s.shutdown(std::net::Shutdown::Write)?;
             let mut got = String::new();
             s.read_to_string(&mut got)?;
-            Ok(got)
+            Ok((got, send_mss(&s)))
         });
         let _ = server.join();
-        let got = sent.map_err(|e| format!("{from} -> {FAR2}: {e}"))?;
-        got.parse()
-            .map_err(|_| format!("{from} -> {FAR2}: far2 answered {got:?}"))
+        let (got, mss) = sent.map_err(|e| format!("{from} -> {to}: {e}"))?;
+        let n = got
+            .parse()
+            .map_err(|_| format!("{from} -> {to}: it answered {got:?}"))?;
+        Ok((n, mss))
+    }
+
+    /// A transfer of a few MB between two pods whose links have MTU [`JUMBO_MTU`], where
+    /// policy allows it (web -> client; client is not isolated), goes at full size: segments
+    /// of the link's MTU, no path MTU learned below it.
+    fn expect_jumbo(&self, step: &str) {
+        let (_, client) = self.pods["client"];
+        let bytes = 8 << 20;
+        let (got, mss) = self
+            .transfer("web", "client", client.into(), 5002, bytes)
+            .unwrap_or_else(|e| panic!("{step}: jumbo transfer: {e}"));
+        assert_eq!(got, bytes, "{step}: jumbo transfer");
+        assert!(
+            mss > 8800,
+            "{step}: web sent segments of {mss} bytes to client over MTU {JUMBO_MTU} links"
+        );
+        let (web_ns, _) = &self.pods["web"];
+        let route = Command::new("ip")
+            .args(["-n", web_ns, "route", "get", &client.to_string()])
+            .output()
+            .unwrap();
+        let route = String::from_utf8_lossy(&route.stdout);
+        assert!(
+            !route.contains(" mtu "),
+            "{step}: web learned a smaller path MTU to client: {route}"
+        );
     }
 
     /// ICMP into db, isolated for ingress (TCP/80 from web only, so no ICMP from anyone):
@@ -389,7 +435,7 @@ impl Lab {
         let bytes = 4 << 20;
         for to in [IpAddr::from(FAR2_IP), IpAddr::from(FAR2_6)] {
             assert_eq!(
-                self.transfer_to_far2("db", to, bytes),
+                self.transfer("db", FAR2, to, 5001, bytes).map(|(n, _)| n),
                 Ok(bytes),
                 "{step}: a transfer from db to {to} through a {NARROW_MTU}-byte link (path MTU \
                  discovery)"
@@ -899,6 +945,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     );
     // ICMP into isolated db: its ping answered, its path MTU learned, its UDP refused.
     lab.expect_icmp("initial");
+    lab.expect_jumbo("initial");
     let mut links = vec![
         lab.host_iface("client"),
         lab.host_iface("db"),
@@ -1109,4 +1156,23 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     lab.expect_service("uninstalled", &["client", "far", "web"]);
     drop(api);
     drop(runtime);
+}
+
+/// The sender's current maximum segment size (`TCP_INFO`'s `tcpi_snd_mss`).
+fn send_mss(s: &TcpStream) -> u32 {
+    use std::os::fd::AsRawFd as _;
+    // SAFETY: an all-zero `tcp_info` is valid; getsockopt writes at most `len` bytes into it.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    let rc = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    assert_eq!(rc, 0, "TCP_INFO: {}", std::io::Error::last_os_error());
+    info.tcpi_snd_mss
 }

@@ -1,6 +1,10 @@
 //! The enforcing programs' object as the kernel gets it: no calls into library code.
 //!
-//! A call from the `xdp` or `classifier` section into `.text` is a BPF-to-BPF call: LLVM emits
+//! The XDP program lives in `xdp.frags`: the loader then declares it multi-buffer aware
+//! (`BPF_F_XDP_HAS_FRAGS`), without which the kernel refuses native XDP on a veth whose peer's
+//! MTU exceeds a page (jumbo frames; docs/datapath.md §3).
+//!
+//! A call from the `xdp.frags` or `classifier` section into `.text` is a BPF-to-BPF call: LLVM emits
 //! one for a `memset`/`memcpy` it does not expand inline (e.g. a zero-initialised struct whose
 //! address is taken), which costs a call and a byte loop on every packet that takes the path
 //! (docs/datapath.md §1, note 10). Needs no privileges.
@@ -11,7 +15,7 @@ use ordnet_datapath::EBPF_OBJECT;
 #[test]
 fn the_programs_call_no_library_code() {
     let file = object::File::parse(EBPF_OBJECT).expect("the eBPF object parses");
-    for program in ["xdp", "classifier"] {
+    for program in ["xdp.frags", "classifier"] {
         let section = file
             .section_by_name(program)
             .unwrap_or_else(|| panic!("no {program} section"));

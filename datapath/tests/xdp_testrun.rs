@@ -2988,3 +2988,46 @@ fn untracked_tcp_packets_are_counted_in_the_kernel() {
         assert_eq!(counted(&dp), (n + 1, n + 1));
     }
 }
+
+/// Full-size and jumbo frames (1,500 and 9,000 bytes; the kernel's test run puts what does not
+/// fit a page into fragments, as a veth does for a multi-buffer-aware program, so the IP packet
+/// ends beyond `data_end`) are judged like the same flow's small packets: a new flow out of A and
+/// its replies pass, unasked packets into isolated A are dropped, and an IP length beyond the
+/// frame is still a truncated packet (dropped).
+#[test]
+fn full_size_and_jumbo_frames_are_judged_whole() {
+    if !privileged() {
+        return;
+    }
+    let dp = isolated_a(small_config());
+    let ct = UserCt::default();
+    for (a, r) in a_and_remote() {
+        for size in [1500, 9000] {
+            let big = |f: Vec<u8>| craft::with_payload(&f, size).unwrap();
+            let port = 3000 + size as u16 / 100;
+            let out = big(frame(a, r, tcp_flags(port, 443, TCP_SYN)));
+            let back = big(frame(r, a, tcp_flags(443, port, TCP_SYN | TCP_ACK)));
+            let data = big(frame(r, a, tcp_flags(443, port, TCP_ACK)));
+            let unasked = frame(r, a, tcp_flags(443, port + 1, TCP_SYN));
+            assert_eq!(kernel_and_user(&dp, &ct, &out).0, PASS, "{size} {a} out");
+            assert_eq!(kernel_and_user(&dp, &ct, &back).0, PASS, "{size} {a} reply");
+            assert_eq!(kernel_and_user(&dp, &ct, &data).0, PASS, "{size} {a} data");
+            assert_eq!(kernel_and_user(&dp, &ct, &unasked).0, DROP, "{size} {a} small");
+            assert_eq!(
+                kernel_and_user(&dp, &ct, &big(unasked.clone())).0,
+                DROP,
+                "{size} {a} unasked"
+            );
+            // The IP length says 100 bytes more than the frame has.
+            let mut cut = out.clone();
+            let (at, by) = if a.is_ipv4() { (16, 0) } else { (18, 40) };
+            let len = u16::try_from(size - 14 - by + 100).unwrap();
+            cut[at..at + 2].copy_from_slice(&len.to_be_bytes());
+            if a.is_ipv4() {
+                craft::fix_ipv4_checksum(&mut cut, 14);
+            }
+            let (verdict, reason) = kernel_and_user(&dp, &ct, &cut);
+            assert_eq!(verdict, DROP, "{size} {a} cut: {reason:?}");
+        }
+    }
+}

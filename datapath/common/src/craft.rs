@@ -387,6 +387,33 @@ pub fn fix_ipv4_checksum(frame: &mut [u8], l3: usize) {
     frame[l3 + 10..l3 + 12].copy_from_slice(&sum.to_be_bytes());
 }
 
+/// `frame` (Ethernet without VLAN tags, then IPv4 or IPv6 carrying TCP) grown to `total`
+/// bytes with zero payload after the TCP header, its IP length fields (and the IPv4 header
+/// checksum) updated: a full-size or jumbo segment of the same flow. `None` when `frame` is
+/// not such a frame, is already longer, or `total` exceeds what an IP length field can say.
+pub fn with_payload(frame: &[u8], total: usize) -> Option<Vec<u8>> {
+    let l3 = ETH_HLEN;
+    let ethertype = u16::from_be_bytes([*frame.get(12)?, *frame.get(13)?]);
+    if total < frame.len() {
+        return None;
+    }
+    let mut out = frame.to_vec();
+    out.resize(total, 0);
+    match ethertype {
+        ETH_P_IP if out[l3 + 9] == IPPROTO_TCP => {
+            let len = u16::try_from(total - l3).ok()?;
+            out[l3 + 2..l3 + 4].copy_from_slice(&len.to_be_bytes());
+            fix_ipv4_checksum(&mut out, l3);
+        }
+        ETH_P_IPV6 if out[l3 + 6] == IPPROTO_TCP => {
+            let len = u16::try_from(total - l3 - 40).ok()?;
+            out[l3 + 4..l3 + 6].copy_from_slice(&len.to_be_bytes());
+        }
+        _ => return None,
+    }
+    Some(out)
+}
+
 /// The IP packet (no Ethernet header) of an `ipv4_frame_between`/`ipv6_frame_between` frame:
 /// what an ICMP error quotes.
 pub fn ip_packet(src: std::net::IpAddr, dst: std::net::IpAddr, l4: L4) -> Option<Vec<u8>> {

@@ -9,23 +9,41 @@
 // BPF inline assembly (one 32-bit packet load, see `read_u32`) is behind this gate.
 #![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
 
+use aya_ebpf::bindings::xdp_md;
+use aya_ebpf::helpers::generated::bpf_xdp_get_buff_len;
 use aya_ebpf::programs::{TcContext, XdpContext};
 use ordnet_datapath_common::{Frame, MAX_HEADER_BYTES};
 
 /// The packet of an XDP or TC program (direct packet access between `data` and `data_end`) as a
 /// [`Frame`] for the shared parser.
+///
+/// Headers are read from the first buffer only (`data..data_end`: an XDP multi-buffer packet's
+/// first fragment, a TC packet's linear part); what lies beyond is not read, so headers that end
+/// there make the parser see a truncated packet (dropped). The packet's **length** counts every
+/// buffer: an IP packet longer than its first buffer (a jumbo frame in an XDP multi-buffer
+/// packet, a GRO-merged packet at TC) is whole, not truncated.
 pub struct XdpFrame {
     data: usize,
     data_end: usize,
+    rest: Rest,
+}
+
+/// Where the length of a packet beyond its first buffer comes from.
+enum Rest {
+    /// Asked of the kernel (`bpf_xdp_get_buff_len`), only when the first buffer is too short.
+    Xdp(*mut xdp_md),
+    /// The socket buffer's length (`skb->len`: linear part and fragments).
+    Skb(usize),
 }
 
 impl XdpFrame {
-    /// The XDP packet.
+    /// The XDP packet (single- or multi-buffer).
     #[inline(always)]
     pub fn new(ctx: &XdpContext) -> Self {
         Self {
             data: ctx.data(),
             data_end: ctx.data_end(),
+            rest: Rest::Xdp(ctx.ctx),
         }
     }
 
@@ -35,6 +53,7 @@ impl XdpFrame {
         Self {
             data: ctx.data(),
             data_end: ctx.data_end(),
+            rest: Rest::Skb(ctx.len() as usize),
         }
     }
 }
@@ -77,7 +96,14 @@ impl Frame for XdpFrame {
 
     #[inline(always)]
     fn holds(&self, len: usize) -> bool {
-        self.data + len <= self.data_end
+        if self.data + len <= self.data_end {
+            return true;
+        }
+        match self.rest {
+            // SAFETY: the program's own context pointer, valid for the whole run.
+            Rest::Xdp(ctx) => (unsafe { bpf_xdp_get_buff_len(ctx) }) >= len as u64,
+            Rest::Skb(total) => total >= len,
+        }
     }
 }
 

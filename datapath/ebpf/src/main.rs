@@ -193,7 +193,9 @@ impl DatapathMaps for KernelMaps {
 
 /// The XDP program, on every local endpoint's host-side interface and on the uplink: [`decide`]
 /// (at [`Hook::Xdp`], before netfilter) over the maps above; `XDP_PASS` or `XDP_DROP`.
-#[xdp]
+/// Multi-buffer aware (`xdp.frags`): it attaches natively to veths and drivers whose MTU exceeds
+/// a page (jumbo frames), and judges such packets by the headers in their first buffer.
+#[xdp(frags)]
 pub fn ordnet_xdp(ctx: XdpContext) -> u32 {
     let frame = XdpFrame::new(&ctx);
     match decide(&parse(&frame), &KernelMaps).verdict {
