@@ -961,6 +961,11 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     );
     assert_eq!(agent.metric("ordnet_datapath_attached_interfaces"), 4.0);
     assert_eq!(agent.metric("ordnet_datapath_unattached_endpoints"), 0.0);
+    assert_eq!(
+        agent.metric("ordnet_datapath_generic_xdp_interfaces"),
+        0.0,
+        "native XDP on every veth, the MTU {JUMBO_MTU} ones too"
+    );
     assert_eq!(agent.metric("ordnet_endpoints"), 3.0);
     let (_, dump) = agent.get("/v1/trace?from=shop/client&to=shop/db&port=80");
     assert!(dump.contains("Deny") || dump.contains("deny"), "{dump}");

@@ -13,6 +13,7 @@
 //! | [`flatten`], [`RuleSetContent`] | `flat` | a MapState as the datapath's keys; cell words; the meet of two rule sets |
 //! | [`TableWriter`] | `tables` | element writes: [`KernelTables`] (`kernel`, the BPF maps, batched) and [`MemTables`] (the in-memory copy) |
 //! | [`sys`] | `sys` | the few system calls aya does not wrap (batch map operations, bpffs) |
+//! | [`Datapath::attach_native_or_generic`] | `refusal` | the kernel's reason for a refused XDP attachment (netlink extended acknowledgement) |
 //!
 //! The programs themselves and the decision function are in [`common`] (`ordnet-datapath-common`,
 //! `no_std`), shared by the kernel and userspace. The programming operations are the
@@ -44,6 +45,7 @@ mod control;
 mod flat;
 mod kernel;
 mod plane;
+mod refusal;
 mod store;
 pub mod sys;
 mod tables;
@@ -161,6 +163,19 @@ pub enum DatapathError {
         /// What does not match.
         detail: String,
     },
+    /// The kernel refused to attach the XDP program to an interface.
+    #[error("attaching XDP ({mode}) to {iface}: {cause}{}", kernel_says(.reason))]
+    XdpRefused {
+        /// The interface.
+        iface: String,
+        /// The mode asked for (`native`, `generic`, `kernel's choice`).
+        mode: &'static str,
+        /// The failed call and its errno.
+        cause: String,
+        /// The kernel's own explanation (the netlink extended acknowledgement), when it gives
+        /// one.
+        reason: Option<String>,
+    },
     /// Nothing is attached to this interface (`tc:IFACE` for the TC program).
     #[error("{0} is not attached")]
     NotAttached(String),
@@ -177,6 +192,47 @@ pub enum DatapathError {
     KernelTooOld {
         /// The running kernel's version.
         found: String,
+    },
+}
+
+fn kernel_says(reason: &Option<String>) -> String {
+    reason
+        .as_ref()
+        .map(|r| format!(" (kernel: {r})"))
+        .unwrap_or_default()
+}
+
+/// An interface's index, 0 when it does not exist.
+fn iface_index(iface: &str) -> u32 {
+    std::ffi::CString::new(iface)
+        // SAFETY: a valid C string; if_nametoindex only reads it.
+        .map(|c| unsafe { libc::if_nametoindex(c.as_ptr()) })
+        .unwrap_or(0)
+}
+
+/// An error and its sources, `: `-joined (aya's errors put the errno in a source).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        next = s.source();
+    }
+    out
+}
+
+/// How the XDP program runs on an interface ([`Datapath::attach_native_or_generic`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum XdpAttached {
+    /// In the driver (native XDP): before any socket buffer is built.
+    Native,
+    /// In the kernel's generic (skb) mode, because the driver refused native mode; the refusal
+    /// (with the kernel's reason) is kept for reports. Every packet is judged as in native mode,
+    /// at a higher cost per packet.
+    Generic {
+        /// Why native mode was refused.
+        native_refused: String,
     },
 }
 
@@ -1017,13 +1073,70 @@ impl Datapath {
     /// Attaches the program to an interface (a pod's host-side veth, or the node's uplink).
     /// With a pin directory the link is pinned (`<pin_dir>/links/<iface>`) and survives this
     /// process; without one it is detached when the `Datapath` is dropped.
+    ///
+    /// A refusal is [`DatapathError::XdpRefused`], with the kernel's reason where it gives one.
     pub fn attach(&mut self, iface: &str, mode: XdpMode) -> Result<(), DatapathError> {
         let pin_dir = self.config.pin_dir.clone();
         let program = self.program_mut()?;
-        let id = program.attach(iface, mode)?;
+        let id = match program.attach(iface, mode) {
+            Ok(id) => id,
+            Err(e @ ProgramError::UnknownInterface { .. }) => return Err(e.into()),
+            Err(e) => {
+                let flags = match mode {
+                    XdpMode::Default => 0,
+                    XdpMode::Skb => 2,
+                    XdpMode::Driver => 4,
+                    XdpMode::Hardware => 8,
+                };
+                let reason = program.fd().ok().and_then(|fd| {
+                    use std::os::fd::AsFd as _;
+                    refusal::xdp_refusal(iface_index(iface), fd.as_fd(), flags)
+                });
+                return Err(DatapathError::XdpRefused {
+                    iface: iface.to_string(),
+                    mode: match mode {
+                        XdpMode::Default => "kernel's choice",
+                        XdpMode::Skb => "generic",
+                        XdpMode::Driver => "native",
+                        XdpMode::Hardware => "offloaded",
+                    },
+                    cause: error_chain(&e),
+                    reason,
+                });
+            }
+        };
         let handle = link_handle(pin_dir, XDP_LINKS, iface, id, |id| program.take_link(id))?;
         self.links.insert(iface.to_string(), handle);
         Ok(())
+    }
+
+    /// Attaches the program natively (in the driver) where the driver allows it, else in
+    /// generic mode, and says which: a driver that refuses native XDP (a queue layout it does
+    /// not support, a device without XDP support) must not leave the interface unenforced.
+    /// Fails only when both are refused (the message carries both reasons).
+    pub fn attach_native_or_generic(&mut self, iface: &str) -> Result<XdpAttached, DatapathError> {
+        let native = match self.attach(iface, XdpMode::Driver) {
+            Ok(()) => return Ok(XdpAttached::Native),
+            Err(e @ DatapathError::XdpRefused { .. }) => e,
+            Err(e) => return Err(e),
+        };
+        match self.attach(iface, XdpMode::Skb) {
+            Ok(()) => Ok(XdpAttached::Generic {
+                native_refused: native.to_string(),
+            }),
+            Err(DatapathError::XdpRefused {
+                iface,
+                cause,
+                reason,
+                ..
+            }) => Err(DatapathError::XdpRefused {
+                iface,
+                mode: "native, then generic",
+                cause: format!("{native}; then {cause}"),
+                reason,
+            }),
+            Err(e) => Err(e),
+        }
     }
 
     /// Detaches the program from an interface (and removes the link's pin).

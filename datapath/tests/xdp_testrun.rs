@@ -3012,7 +3012,11 @@ fn full_size_and_jumbo_frames_are_judged_whole() {
             assert_eq!(kernel_and_user(&dp, &ct, &out).0, PASS, "{size} {a} out");
             assert_eq!(kernel_and_user(&dp, &ct, &back).0, PASS, "{size} {a} reply");
             assert_eq!(kernel_and_user(&dp, &ct, &data).0, PASS, "{size} {a} data");
-            assert_eq!(kernel_and_user(&dp, &ct, &unasked).0, DROP, "{size} {a} small");
+            assert_eq!(
+                kernel_and_user(&dp, &ct, &unasked).0,
+                DROP,
+                "{size} {a} small"
+            );
             assert_eq!(
                 kernel_and_user(&dp, &ct, &big(unasked.clone())).0,
                 DROP,
@@ -3030,4 +3034,60 @@ fn full_size_and_jumbo_frames_are_judged_whole() {
             assert_eq!(verdict, DROP, "{size} {a} cut: {reason:?}");
         }
     }
+}
+
+/// A driver that refuses native XDP does not leave the interface unenforced: the refusal names
+/// the kernel's reason, and the program runs in generic mode instead (a VXLAN device has no
+/// native XDP). A jumbo MTU on a veth's peer is no refusal: the program is multi-buffer aware.
+#[test]
+fn refused_native_xdp_falls_back_to_generic_with_the_kernels_reason() {
+    if !privileged() {
+        return;
+    }
+    let host = "ordnet-q0";
+    let made = std::process::Command::new("ip")
+        .args([
+            "link", "add", host, "type", "vxlan", "id", "42", "dstport", "4789",
+        ])
+        .status()
+        .is_ok_and(|s| s.success());
+    let _guard = Veth(host);
+    assert!(made, "ip link add {host} type vxlan");
+    let mut dp = Datapath::create(small_config()).unwrap();
+    let refused = dp
+        .attach(host, aya::programs::XdpMode::Driver)
+        .expect_err("native XDP on a VXLAN device");
+    let text = refused.to_string();
+    assert!(
+        matches!(&refused, ordnet_datapath::DatapathError::XdpRefused { reason: Some(r), .. } if r.contains("native")),
+        "the kernel's reason is named: {text}"
+    );
+    assert!(text.contains(host) && text.contains("native"), "{text}");
+    match dp.attach_native_or_generic(host).unwrap() {
+        ordnet_datapath::XdpAttached::Generic { native_refused } => {
+            assert!(native_refused.contains("kernel: "), "{native_refused}");
+        }
+        other => panic!("expected generic mode, got {other:?}"),
+    }
+    let shown = std::process::Command::new("ip")
+        .args(["-d", "link", "show", host])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    assert!(shown.contains("xdpgeneric"), "{shown}");
+    dp.detach(host).unwrap();
+
+    // Jumbo frames: native on a veth whose peer has MTU 9001.
+    let (host, peer) = ("ordnet-j0", "ordnet-j1");
+    let made = veth_pair(host, peer)
+        && std::process::Command::new("ip")
+            .args(["link", "set", peer, "mtu", "9001"])
+            .status()
+            .is_ok_and(|s| s.success());
+    let _guard = Veth(host);
+    assert!(made, "veth pair with MTU 9001");
+    assert_eq!(
+        dp.attach_native_or_generic(host).unwrap(),
+        ordnet_datapath::XdpAttached::Native
+    );
 }

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 use ordnet_datapath::{
-    ControlPlane, CtSweep, Datapath as Kernel, DatapathConfig, DatapathCounters,
+    ControlPlane, CtSweep, Datapath as Kernel, DatapathConfig, DatapathCounters, XdpAttached,
 };
 use ordnet_engine::{Engine, EngineDelta};
 use ordnet_mapstate::Identity;
@@ -87,6 +87,9 @@ pub struct BpfDatapath {
     ifindex: BTreeMap<String, u32>,
     /// Endpoints (`ns/name`, or `uplink IFACE`) that are not attached, and why.
     unattached: BTreeMap<String, String>,
+    /// Interfaces whose driver refused native XDP, so the program runs in generic mode there
+    /// (enforced, at a higher cost per packet), with the refusal.
+    generic: BTreeMap<String, String>,
     /// A full programming is owed (an earlier one failed).
     needs_full: bool,
     /// The first full programming succeeded: interfaces are managed from then on.
@@ -221,6 +224,7 @@ impl BpfDatapath {
             uplink,
             ifindex: BTreeMap::new(),
             unattached: BTreeMap::new(),
+            generic: BTreeMap::new(),
             needs_full: false,
             synced: false,
             migrate_from: older,
@@ -288,10 +292,19 @@ impl BpfDatapath {
         }
     }
 
-    /// Lines for `/readyz` about the datapath's state: connection-tracking tables near their
-    /// capacity, or smaller than configured (pinned by an earlier start).
+    /// Lines for `/readyz` about the datapath's state: endpoints not enforced (and why),
+    /// interfaces where XDP runs in generic mode, connection-tracking tables near their
+    /// capacity or smaller than configured (pinned by an earlier start).
     pub fn health_notes(&self) -> Vec<String> {
         let mut out = Vec::new();
+        for (who, why) in &self.unattached {
+            out.push(format!("not enforced: {who}: {why}"));
+        }
+        for (iface, why) in &self.generic {
+            out.push(format!(
+                "XDP in generic mode on {iface} (enforced, slower): {why}"
+            ));
+        }
         let Some((_, sweep)) = self.last_sweep else {
             return out;
         };
@@ -432,10 +445,24 @@ impl BpfDatapath {
                 self.detach(iface);
             }
             // Both hooks: XDP (before netfilter) and TC (after kube-proxy's translation).
+            // Natively where the driver allows it, else in generic mode (said, not hidden).
             let attached = self
                 .dp
-                .attach(iface, Default::default())
-                .map_err(|e| format!("attaching XDP to {iface}: {e}"))
+                .attach_native_or_generic(iface)
+                .map_err(|e| e.to_string())
+                .map(|mode| match mode {
+                    XdpAttached::Native => {
+                        self.generic.remove(iface);
+                    }
+                    XdpAttached::Generic { native_refused } => {
+                        tracing::warn!(
+                            interface = %iface,
+                            native_refused = %native_refused,
+                            "XDP runs in generic mode here: enforced, at a higher cost per packet"
+                        );
+                        self.generic.insert(iface.clone(), native_refused);
+                    }
+                })
                 .and_then(|()| {
                     self.dp
                         .attach_tc(iface)
@@ -531,6 +558,7 @@ impl BpfDatapath {
 
     fn detach(&mut self, iface: &str) {
         self.ifindex.remove(iface);
+        self.generic.remove(iface);
         match self.dp.detach(iface) {
             Ok(()) => self.detaches += 1,
             Err(e) => tracing::warn!(interface = %iface, error = %e, "detaching XDP failed"),
@@ -669,6 +697,12 @@ impl Enforcer for BpfDatapath {
                 "Local endpoints (and the uplink) whose interface is not found or not attached yet.",
                 false,
                 self.unattached.len() as u64,
+            ),
+            one(
+                "ordnet_datapath_generic_xdp_interfaces",
+                "Interfaces whose driver refused native XDP: the program runs in generic mode there.",
+                false,
+                self.generic.len() as u64,
             ),
             one(
                 "ordnet_datapath_attach_errors",
