@@ -10,11 +10,13 @@
 //!   `BpfDatapath` (SIGTERM, SIGINT) leaves the pins and the attachments in place.
 //! * **Host addresses**: every address of every interface of the agent's network namespace
 //!   (the node's, since the agent runs with host networking), re-read at every maintenance.
-//! * **Interfaces**: each local endpoint's interface is the one the main routing table routes
-//!   its address to (longest prefix of `/proc/thread-self/net/route` and `ipv6_route`), unless
-//!   that is the uplink, `lo`, or a default route. An endpoint without one is reported (stderr,
-//!   `ordnet_datapath_unattached_endpoints`) and retried at every batch and upkeep (which runs
-//!   on every netlink route, link and address event: `super::follow_netlink`).
+//! * **Interfaces**: each local endpoint's interface is found in the node's network
+//!   ([`super::netview`]: the main table's route to its address, else a route of a table an
+//!   `ip rule` looks up; behind a bridge, the bridge port its MAC address is on), never the
+//!   uplink, `lo`, a default route or a bridge device. An endpoint without one is reported
+//!   (log, `/readyz`, `ordnet_datapath_unattached_endpoints`) and retried at every batch and
+//!   upkeep (which runs on every netlink route, link and address event and on neighbour and
+//!   bridge forwarding events: `super::follow_netlink`).
 //!   Attachments of interfaces no local endpoint (or the uplink) uses are removed; an
 //!   attachment whose interface was re-created (a new index under the same name) is renewed.
 //! * **Both hooks** on each of those interfaces: XDP and TC (tcx egress, after kube-proxy's
@@ -28,7 +30,7 @@
 //!   datapath, whose decisions run over its userspace mirror of the maps (exactly what was
 //!   written to the kernel; `Datapath::verify` compares the two).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::CString;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
@@ -43,6 +45,7 @@ use ordnet_mapstate::Identity;
 
 use super::AgentError;
 use super::datapath::{Enforcer, ProgrammedEndpoint, Programmer};
+use super::netview::{self, NetView, Unfound};
 use crate::program::NodeProgram;
 
 /// Where the pins live unless `$ORDNET_PIN_DIR` says otherwise.
@@ -87,6 +90,12 @@ pub struct BpfDatapath {
     ifindex: BTreeMap<String, u32>,
     /// Endpoints (`ns/name`, or `uplink IFACE`) that are not attached, and why.
     unattached: BTreeMap<String, String>,
+    /// The bridge port each bridged pod address was last found on.
+    bridge_ports: BTreeMap<IpAddr, String>,
+    /// Bridged addresses (bridge ifindex, address) with a managed neighbour entry of ours.
+    resolving: BTreeSet<(u32, IpAddr)>,
+    /// Ports of bridges with a pod still being looked for: their attachments are kept.
+    held: BTreeSet<String>,
     /// Interfaces whose driver refused native XDP, so the program runs in generic mode there
     /// (enforced, at a higher cost per packet), with the refusal.
     generic: BTreeMap<String, String>,
@@ -224,6 +233,9 @@ impl BpfDatapath {
             uplink,
             ifindex: BTreeMap::new(),
             unattached: BTreeMap::new(),
+            bridge_ports: BTreeMap::new(),
+            resolving: BTreeSet::new(),
+            held: BTreeSet::new(),
             generic: BTreeMap::new(),
             needs_full: false,
             synced: false,
@@ -408,7 +420,11 @@ impl BpfDatapath {
         let (wanted, mut unattached) = self.wanted_interfaces(engine);
         // Attachments nobody needs go (pods that went away).
         let attached: Vec<String> = self.dp.attached().map(str::to_string).collect();
-        for iface in attached.iter().filter(|i| !wanted.contains_key(*i)) {
+        let unneeded: Vec<&String> = attached
+            .iter()
+            .filter(|i| !wanted.contains_key(*i) && !self.held.contains(*i))
+            .collect();
+        for iface in unneeded {
             self.detach(iface);
         }
         for (iface, owners) in &wanted {
@@ -496,9 +512,14 @@ impl BpfDatapath {
     }
 
     /// The interfaces the programs must be attached to, with who needs each (`ns/name`, or
-    /// `uplink IFACE`), and the endpoints that have no usable interface, with why.
+    /// `uplink IFACE`), and the endpoints that have no usable interface, with why
+    /// ([`netview`](super::netview) finds them). Addresses behind a bridge whose port is not
+    /// known yet get a managed neighbour entry (the kernel resolves them; the bridge learns
+    /// the port; the neighbour event wakes the upkeep), removed once the port is found or the
+    /// endpoint is gone; a port found earlier stays the endpoint's while it is still a port of
+    /// that bridge (a silent pod's forwarding entry ages out).
     fn wanted_interfaces(
-        &self,
+        &mut self,
         engine: &Engine,
     ) -> (BTreeMap<String, Vec<String>>, BTreeMap<String, String>) {
         let mut unattached = BTreeMap::new();
@@ -510,50 +531,86 @@ impl BpfDatapath {
                 .or_default()
                 .push(format!("uplink {u}"));
         }
-        match Routes::read() {
-            Ok(routes) => {
+        let view = match NetView::read() {
+            Ok(view) => view,
+            Err(e) => {
                 for ep in engine.endpoints() {
-                    let name = ep.id();
-                    for ip in &ep.ips {
-                        match routes.lookup(*ip) {
-                            Some(r) if r.prefix_len == 0 => {
-                                unattached.insert(
-                                    name.clone(),
-                                    format!(
-                                        "{ip}: only the default route ({}) leads there, no pod interface",
-                                        r.iface
-                                    ),
-                                );
+                    unattached.insert(ep.id(), format!("reading the node's network: {e}"));
+                }
+                return (wanted, unattached);
+            }
+        };
+        let mut resolving = BTreeSet::new();
+        let mut ports = BTreeMap::new();
+        for ep in engine.endpoints() {
+            let name = ep.id();
+            for ip in &ep.ips {
+                let found = match view.pod_interface(*ip, self.uplink.as_deref()) {
+                    Ok(iface) => {
+                        if view
+                            .links
+                            .values()
+                            .any(|l| l.name == iface && l.master.is_some())
+                        {
+                            ports.insert(*ip, iface.clone());
+                        }
+                        Ok(iface)
+                    }
+                    Err(Unfound::Unresolved { bridge, why }) => {
+                        let earlier = self.bridge_ports.get(ip).filter(|port| {
+                            view.links
+                                .values()
+                                .any(|l| &l.name == *port && l.master == Some(bridge))
+                        });
+                        match earlier {
+                            Some(port) => {
+                                ports.insert(*ip, port.clone());
+                                Ok(port.clone())
                             }
-                            Some(r)
-                                if r.iface == "lo" || Some(&r.iface) == self.uplink.as_ref() =>
-                            {
-                                unattached.insert(
-                                    name.clone(),
-                                    format!(
-                                        "{ip} is routed to {}, not to a pod interface",
-                                        r.iface
-                                    ),
-                                );
-                            }
-                            Some(r) => wanted
-                                .entry(r.iface.clone())
-                                .or_default()
-                                .push(name.clone()),
                             None => {
-                                unattached.insert(name.clone(), format!("no route to {ip}"));
+                                resolving.insert((bridge, *ip));
+                                Err(why)
                             }
                         }
                     }
-                }
-            }
-            Err(e) => {
-                for ep in engine.endpoints() {
-                    unattached.insert(ep.id(), format!("reading the routing table: {e}"));
+                    Err(Unfound::No(why)) => Err(why),
+                };
+                match found {
+                    Ok(iface) => wanted.entry(iface).or_default().push(name.clone()),
+                    Err(why) => {
+                        unattached.insert(name.clone(), why);
+                    }
                 }
             }
         }
+        self.bridge_ports = ports;
+        // Until every pod of a bridge is found again (after a restart, or a silent pod's
+        // forwarding entry aged out), that bridge's ports keep their attachments: detaching
+        // one would leave its pod unenforced while it is being looked for.
+        let unresolved: BTreeSet<u32> = resolving.iter().map(|(bridge, _)| *bridge).collect();
+        self.held = view
+            .links
+            .values()
+            .filter(|l| l.master.is_some_and(|m| unresolved.contains(&m)))
+            .map(|l| l.name.clone())
+            .collect();
+        self.resolve_neighbours(resolving);
         (wanted, unattached)
+    }
+
+    /// Keeps a managed neighbour entry for exactly the bridged addresses in `wanted`.
+    fn resolve_neighbours(&mut self, wanted: BTreeSet<(u32, IpAddr)>) {
+        for &(bridge, ip) in self.resolving.difference(&wanted) {
+            if let Err(e) = netview::remove_neighbour(bridge, ip) {
+                tracing::debug!(%ip, error = %e, "removing a managed neighbour entry");
+            }
+        }
+        for &(bridge, ip) in wanted.difference(&self.resolving) {
+            if let Err(e) = netview::add_managed_neighbour(bridge, ip) {
+                tracing::warn!(%ip, error = %e, "asking the kernel to resolve a bridged pod");
+            }
+        }
+        self.resolving = wanted;
     }
 
     fn detach(&mut self, iface: &str) {
@@ -937,181 +994,14 @@ fn host_addresses() -> std::io::Result<Vec<IpAddr>> {
     Ok(out)
 }
 
-/// One route of the main table.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Route {
-    net: IpNet,
-    prefix_len: u8,
-    metric: u32,
-    iface: String,
-}
-
-/// The main routing table of this thread's network namespace (IPv4 and IPv6), for longest
-/// prefix lookups.
-#[derive(Debug, Default)]
-struct Routes(Vec<Route>);
-
-const RTF_UP: u32 = 0x1;
-const RTF_REJECT: u32 = 0x200;
-
-impl Routes {
-    fn read() -> std::io::Result<Routes> {
-        let read = |name: &str| {
-            std::fs::read_to_string(format!("/proc/thread-self/net/{name}"))
-                .or_else(|_| std::fs::read_to_string(format!("/proc/net/{name}")))
-        };
-        let mut routes = parse_ipv4_routes(&read("route")?);
-        // No IPv6 in this namespace: no IPv6 routes.
-        if let Ok(text) = read("ipv6_route") {
-            routes.extend(parse_ipv6_routes(&text));
-        }
-        Ok(Routes(routes))
-    }
-
-    /// The longest-prefix route to `ip` (the lowest metric among equally long ones).
-    fn lookup(&self, ip: IpAddr) -> Option<&Route> {
-        self.0
-            .iter()
-            .filter(|r| r.net.contains(&ip))
-            .min_by_key(|r| (std::cmp::Reverse(r.prefix_len), r.metric))
-    }
-}
-
-/// `/proc/net/route`: `Iface Destination Gateway Flags RefCnt Use Metric Mask ...`, addresses
-/// as the hex of the in-memory (network order) 32-bit word.
-fn parse_ipv4_routes(text: &str) -> Vec<Route> {
-    let mut out = Vec::new();
-    for line in text.lines().skip(1) {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        if f.len() < 8 {
-            continue;
-        }
-        let word = |s: &str| u32::from_str_radix(s, 16).ok();
-        let (Some(dest), Some(flags), Ok(metric), Some(mask)) =
-            (word(f[1]), word(f[3]), f[6].parse::<u32>(), word(f[7]))
-        else {
-            continue;
-        };
-        if flags & RTF_UP == 0 || flags & RTF_REJECT != 0 || f[0] == "*" {
-            continue;
-        }
-        let len = u32::from_be_bytes(mask.to_ne_bytes()).leading_ones() as u8;
-        let Ok(net) = IpNet::new(IpAddr::V4(Ipv4Addr::from(dest.to_ne_bytes())), len) else {
-            continue;
-        };
-        out.push(Route {
-            net: net.trunc(),
-            prefix_len: len,
-            metric,
-            iface: f[0].to_string(),
-        });
-    }
-    out
-}
-
-/// `/proc/net/ipv6_route`: `dest plen src plen nexthop metric refcnt use flags iface`.
-fn parse_ipv6_routes(text: &str) -> Vec<Route> {
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        if f.len() < 10 {
-            continue;
-        }
-        let (Ok(dest), Ok(len), Ok(metric), Ok(flags)) = (
-            u128::from_str_radix(f[0], 16),
-            u8::from_str_radix(f[1], 16),
-            u32::from_str_radix(f[5], 16),
-            u32::from_str_radix(f[8], 16),
-        ) else {
-            continue;
-        };
-        if flags & RTF_UP == 0 || flags & RTF_REJECT != 0 {
-            continue;
-        }
-        let Ok(net) = IpNet::new(IpAddr::V6(Ipv6Addr::from(dest)), len) else {
-            continue;
-        };
-        out.push(Route {
-            net: net.trunc(),
-            prefix_len: len,
-            metric,
-            iface: f[9].to_string(),
-        });
-    }
-    out
-}
-
-/// The interfaces `routes` lead to (for tests).
-#[cfg(test)]
-fn ifaces(routes: &Routes) -> std::collections::BTreeSet<String> {
-    routes.0.iter().map(|r| r.iface.clone()).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn ipv4_routes_parse_and_longest_prefix_wins() {
-        // 10.213.0.2/32 dev a; 10.213.0.0/24 dev br; default via 10.0.0.1 dev eth0;
-        // a route that is down; a reject route.
-        let word = |ip: [u8; 4]| format!("{:08X}", u32::from_ne_bytes(ip));
-        let text = format!(
-            "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n\
-             eth0\t{}\t{}\t0003\t0\t0\t0\t{}\t0\t0\t0\n\
-             br\t{}\t{}\t0001\t0\t0\t0\t{}\t0\t0\t0\n\
-             a\t{}\t{}\t0005\t0\t0\t0\t{}\t0\t0\t0\n\
-             down\t{}\t{}\t0000\t0\t0\t0\t{}\t0\t0\t0\n\
-             *\t{}\t{}\t0201\t0\t0\t0\t{}\t0\t0\t0\n",
-            word([0, 0, 0, 0]),
-            word([10, 0, 0, 1]),
-            word([0, 0, 0, 0]),
-            word([10, 213, 0, 0]),
-            word([0, 0, 0, 0]),
-            word([255, 255, 255, 0]),
-            word([10, 213, 0, 2]),
-            word([0, 0, 0, 0]),
-            word([255, 255, 255, 255]),
-            word([10, 213, 0, 3]),
-            word([0, 0, 0, 0]),
-            word([255, 255, 255, 255]),
-            word([10, 213, 0, 4]),
-            word([0, 0, 0, 0]),
-            word([255, 255, 255, 255]),
-        );
-        let routes = Routes(parse_ipv4_routes(&text));
-        assert_eq!(ifaces(&routes).len(), 3, "{routes:?}");
-        let at = |ip: &str| routes.lookup(ip.parse().unwrap()).map(|r| r.iface.clone());
-        assert_eq!(at("10.213.0.2").as_deref(), Some("a"));
-        assert_eq!(at("10.213.0.3").as_deref(), Some("br"));
-        assert_eq!(at("10.213.0.4").as_deref(), Some("br"));
-        assert_eq!(at("192.0.2.1").as_deref(), Some("eth0"));
-        assert_eq!(
-            routes
-                .lookup("192.0.2.1".parse().unwrap())
-                .unwrap()
-                .prefix_len,
-            0
-        );
-    }
-
-    #[test]
-    fn ipv6_routes_parse() {
-        let text = "fd000000000000000000000000000005 80 00000000000000000000000000000000 00 00000000000000000000000000000000 00000400 00000001 00000000 00000001     veth1\n\
-                    fd000000000000000000000000000000 40 00000000000000000000000000000000 00 00000000000000000000000000000000 00000100 00000001 00000000 00000001     eth0\n\
-                    00000000000000000000000000000000 00 00000000000000000000000000000000 00 00000000000000000000000000000000 ffffffff 00000001 00000000 00200200       lo\n";
-        let routes = Routes(parse_ipv6_routes(text));
-        let at = |ip: &str| routes.lookup(ip.parse().unwrap()).map(|r| r.iface.clone());
-        assert_eq!(at("fd00::5").as_deref(), Some("veth1"));
-        assert_eq!(at("fd00::6").as_deref(), Some("eth0"));
-        assert_eq!(at("2001:db8::1"), None);
-    }
-
-    #[test]
-    fn this_namespace_has_addresses_and_routes() {
+    fn this_namespace_has_addresses_and_interfaces() {
         let hosts = host_addresses().unwrap();
         assert!(hosts.contains(&"127.0.0.1".parse().unwrap()), "{hosts:?}");
-        Routes::read().unwrap();
         assert_eq!(ifindex_of("no-such-iface0"), 0);
         assert_ne!(ifindex_of("lo"), 0);
     }

@@ -46,6 +46,7 @@ pub mod datapath;
 pub mod debug;
 mod error;
 pub mod metrics;
+mod netview;
 pub mod status;
 mod watchers;
 
@@ -369,7 +370,8 @@ pub async fn start(
 }
 
 /// How often the datapath's upkeep runs ([`Enforcer::maintain`]) at least: it also runs at
-/// once on every route, link or address change of the node (netlink, [`follow_netlink`]).
+/// once on every route, link or address change of the node and on the neighbour events that
+/// find bridged pods (netlink, [`follow_netlink`]).
 pub const MAINTAIN_EVERY: Duration = Duration::from_secs(10);
 
 /// Runs [`Enforcer::maintain`] once the initial sync is done: on every netlink event (after 5 ms,
@@ -407,13 +409,15 @@ fn follow_netlink(events: Arc<tokio::sync::Notify>) -> std::io::Result<JoinHandl
     use futures::StreamExt as _;
     use rtnetlink::constants::{
         RTMGRP_IPV4_IFADDR, RTMGRP_IPV4_ROUTE, RTMGRP_IPV6_IFADDR, RTMGRP_IPV6_ROUTE, RTMGRP_LINK,
+        RTMGRP_NEIGH,
     };
     let (mut connection, _, mut messages) = rtnetlink::new_connection()?;
     let groups = RTMGRP_LINK
         | RTMGRP_IPV4_IFADDR
         | RTMGRP_IPV4_ROUTE
         | RTMGRP_IPV6_IFADDR
-        | RTMGRP_IPV6_ROUTE;
+        | RTMGRP_IPV6_ROUTE
+        | RTMGRP_NEIGH;
     use netlink_sys::AsyncSocket as _;
     connection
         .socket_mut()
@@ -421,12 +425,33 @@ fn follow_netlink(events: Arc<tokio::sync::Notify>) -> std::io::Result<JoinHandl
         .bind(&netlink_sys::SocketAddr::new(0, groups))?;
     Ok(tokio::spawn(async move {
         let connection = tokio::spawn(connection);
-        while messages.next().await.is_some() {
-            events.notify_one();
+        while let Some((message, _)) = messages.next().await {
+            if wakes_upkeep(&message.payload) {
+                events.notify_one();
+            }
         }
         connection.abort();
         tracing::error!("the netlink event stream ended; upkeep runs on its interval only");
     }))
+}
+
+/// Whether a netlink event may change where a pod's traffic passes: every link, address and
+/// route event; of the neighbour events (frequent on a busy node: every state change of every
+/// neighbour) only a bridge learning or forgetting an address and a neighbour becoming
+/// reachable (how a bridged pod's port is found: `netview`).
+fn wakes_upkeep(
+    payload: &netlink_packet_core::NetlinkPayload<netlink_packet_route::RouteNetlinkMessage>,
+) -> bool {
+    use netlink_packet_core::NetlinkPayload;
+    use netlink_packet_route::{AddressFamily, RouteNetlinkMessage, neighbour::NeighbourState};
+    match payload {
+        NetlinkPayload::InnerMessage(
+            RouteNetlinkMessage::NewNeighbour(n) | RouteNetlinkMessage::DelNeighbour(n),
+        ) => {
+            n.header.family == AddressFamily::Bridge || n.header.state == NeighbourState::Reachable
+        }
+        _ => true,
+    }
 }
 
 /// The kube client for `--kubeconfig PATH`, or the default (in-cluster, then the usual
