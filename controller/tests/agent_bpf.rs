@@ -62,6 +62,12 @@ const PR_IP: Ipv4Addr = Ipv4Addr::new(10, 217, 0, 5);
 const PR_TABLE: u32 = 100;
 /// The Service of the shapes test: b2 behind it.
 const B2_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
+/// The overlay device between the shapes test's two nodes, and a pod of the second node.
+const OVERLAY: &str = "flannel.1";
+const REMOTE: &str = "r1";
+const REMOTE_IP: Ipv4Addr = Ipv4Addr::new(10, 216, 1, 2);
+/// A Service whose backend is [`REMOTE`] (reached through the overlay).
+const R1_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 21);
 /// IPv6 addresses of db, far and far2 (the node's side of each link is [`GW6`]): path MTU
 /// discovery is checked over IPv6 too (1280 is IPv6's minimum MTU).
 const DB6: Ipv6Addr = Ipv6Addr::new(0xfd13, 0, 0, 0, 0, 0, 0, 3);
@@ -176,10 +182,7 @@ impl Lab {
         let (p, n) = (lab.prefix.clone(), lab.node.clone());
         let outside = format!("{p}o");
         run(&format!("ip netns add {outside}"));
-        lab.pods.insert(
-            "outside".into(),
-            (outside.clone(), Ipv4Addr::new(10, 218, 0, 2)),
-        );
+        run(&format!("ip -n {outside} link set lo up"));
         let u = lab.uplink.clone();
         run(&format!(
             "ip -n {n} link add {u} type veth peer name eth0 netns {outside}"
@@ -189,6 +192,7 @@ impl Lab {
         run(&format!("ip -n {outside} addr add 10.218.0.2/30 dev eth0"));
         run(&format!("ip -n {outside} link set eth0 up"));
         run(&format!("ip -n {n} route add default via 10.218.0.2"));
+        lab.overlay_to(&outside);
         let _ = std::fs::remove_dir_all(lab.ipam_dir());
         for name in BRIDGED {
             lab.bridged(name);
@@ -199,7 +203,54 @@ impl Lab {
             .chain([&ROUTED_BY_RULE])
             .map(|p| p.to_string())
             .collect();
+        lab.remotes = vec![REMOTE.to_string()];
         lab
+    }
+
+    /// A flannel-style VXLAN overlay (VNI 1, UDP 8472) to `other`, a second node: each node's
+    /// `flannel.1` has its pod network's `.0` address, and the other's pod network is routed
+    /// via that address on-link. [`REMOTE`] is a pod address of the second node (on its
+    /// `flannel.1`: the test serves it there).
+    fn overlay_to(&mut self, other: &str) {
+        let n = self.node.clone();
+        for (ns, local, remote, own, theirs) in [
+            (&n, "10.218.0.1", "10.218.0.2", "10.216.0.0", "10.216.1.0"),
+            (
+                &other.to_string(),
+                "10.218.0.2",
+                "10.218.0.1",
+                "10.216.1.0",
+                "10.216.0.0",
+            ),
+        ] {
+            let dev = if ns == &n {
+                self.uplink.clone()
+            } else {
+                "eth0".into()
+            };
+            run(&format!(
+                "ip -n {ns} link add {OVERLAY} type vxlan id 1 local {local} remote {remote} \
+                 dstport 8472 dev {dev}"
+            ));
+            run(&format!("ip -n {ns} addr add {own}/32 dev {OVERLAY}"));
+            run(&format!("ip -n {ns} link set {OVERLAY} up"));
+            run(&format!(
+                "ip -n {ns} route add {theirs}/24 via {theirs} dev {OVERLAY} onlink"
+            ));
+        }
+        // The second node's pod speaks from its own address, to every pod network of this
+        // node (the bridge's and the rule-routed pod's) through the overlay.
+        run(&format!(
+            "ip -n {other} addr add {REMOTE_IP}/32 dev {OVERLAY}"
+        ));
+        for net in ["10.216.0.0/24", "10.217.0.0/24"] {
+            run(&format!(
+                "ip -n {other} route replace {net} via 10.216.0.0 dev {OVERLAY} onlink \
+                 src {REMOTE_IP}"
+            ));
+        }
+        self.pods
+            .insert(REMOTE.to_string(), (other.to_string(), REMOTE_IP));
     }
 
     /// Where host-local keeps the shapes test's address leases.
@@ -1379,7 +1430,10 @@ fn send_mss(s: &TcpStream) -> u32 {
 /// (switched, never routed) and through a Service whose backend is on the bridge; the pod whose
 /// route is only in a table an `ip rule` chooses is found there. The node's neighbour cache is
 /// flushed before each start, so the agent has to have the kernel resolve the bridged pods
-/// (managed neighbour entries) to learn their ports.
+/// (managed neighbour entries) to learn their ports. A flannel-style VXLAN device to a second
+/// node is attached without being named (generic XDP: VXLAN has no native mode): a pod of the
+/// other node is judged by the local pods' ingress, and a local pod's egress to a Service whose
+/// backend is on the other node is judged after the DNAT, at the overlay device.
 #[test]
 fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
     if !root_or_skip("agent_bpf shapes") {
@@ -1408,6 +1462,8 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
     for name in &lab.locals {
         api.create(pod(name, name, NODE, lab.pods[name].1)).unwrap();
     }
+    api.create(pod(REMOTE, REMOTE, "node-2", REMOTE_IP))
+        .unwrap();
     let ingress_from = |to: &str, from: &[&str], ports: Value| {
         json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": {"namespace": "shop", "name": format!("{to}-ingress")},
@@ -1424,18 +1480,44 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
     .unwrap();
     api.create(ingress_from("pr", &["b2"], Value::Null))
         .unwrap();
-    let denied = [("b1", "b2"), ("b1", "pr"), ("b3", "pr")];
+    api.create(
+        json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"namespace": "shop", "name": "b3-egress"},
+        "spec": {"podSelector": {"matchLabels": {"app": "b3"}},
+            "policyTypes": ["Egress"],
+            "egress": [{"to": [{"podSelector": {"matchLabels": {"app": "b2"}}},
+                               {"podSelector": {"matchLabels": {"app": "pr"}}}]}]}}),
+    )
+    .unwrap();
+    let denied = [
+        ("b1", "b2"),
+        ("b1", "pr"),
+        ("b3", "pr"),
+        ("b3", "b1"),
+        (REMOTE, "b2"),
+        (REMOTE, "pr"),
+    ];
     // kube-proxy's DNAT of a Service to b2; b3's connections through it come back over the
     // bridge, un-translated by br_netfilter (bridge-nf-call-iptables, 1 by default).
     let (_, b2) = lab.pods["b2"];
     lab.nft(&format!(
         "table ip kube-proxy {{\n\
          chain nat-prerouting {{ type nat hook prerouting priority dstnat; \
-         ip daddr {B2_VIP} tcp dport {PORT} dnat to {b2}:{PORT}; }}\n\
+         ip daddr {B2_VIP} tcp dport {PORT} dnat to {b2}:{PORT}; \
+         ip daddr {R1_VIP} tcp dport {PORT} dnat to {REMOTE_IP}:{PORT}; }}\n\
          }}\n"
     ));
+    for (name, vip) in [("b2", B2_VIP), (REMOTE, R1_VIP)] {
+        api.create(json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": "shop", "name": name},
+            "spec": {"selector": {"app": name}, "clusterIP": vip.to_string(),
+                "clusterIPs": [vip.to_string()],
+                "ports": [{"protocol": "TCP", "port": PORT, "targetPort": PORT}]}}))
+            .unwrap();
+    }
     let sources = ["b1", "b3", "pr"];
     lab.expect_reach("no agent", &sources, B2_VIP, "b2", &sources);
+    lab.expect_reach("no agent", &["b1", "b3"], R1_VIP, REMOTE, &["b1", "b3"]);
 
     let mut links: Vec<String> = lab
         .locals
@@ -1450,6 +1532,11 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
         .chain([lab.uplink.clone()])
         .collect();
     links.sort();
+    // The overlay gets the TC hook only (no XDP: the kernel refuses XDP on a VXLAN device and
+    // on its underlay at once).
+    let mut tc_links = links.clone();
+    tc_links.push(OVERLAY.to_string());
+    tc_links.sort();
     let lab = Arc::new(lab);
     for step in ["start", "restart"] {
         run(&format!("ip -n {} neigh flush dev {BRIDGE}", lab.node));
@@ -1479,20 +1566,32 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
         };
         lab.expect(step, &denied);
         lab.expect_reach(step, &sources, B2_VIP, "b2", &["b3", "pr"]);
+        // b3's egress to the other node's pod, behind a Service: judged after the DNAT.
+        lab.expect_reach(step, &["b1", "b3"], R1_VIP, REMOTE, &["b1"]);
         assert_eq!(
             agent.metric("ordnet_datapath_unattached_endpoints"),
             0.0,
             "{step}: {}",
             agent.get("/readyz").1
         );
-        assert_eq!(agent.metric("ordnet_datapath_generic_xdp_interfaces"), 0.0);
         assert_eq!(
             lab.pinned_links(),
             links,
-            "{step}: the bridge ports, the rule-routed pod's veth and the uplink; never {BRIDGE}"
+            "{step}: XDP on the bridge ports, the rule-routed pod's veth and the uplink; never \
+             {BRIDGE}"
+        );
+        assert_eq!(
+            lab.pinned("tc-links"),
+            tc_links,
+            "{step}: TC there and on {OVERLAY}"
         );
         let (_, readyz) = agent.get("/readyz");
         assert!(!readyz.contains("not enforced"), "{step}: {readyz}");
+        assert_eq!(
+            agent.metric("ordnet_datapath_generic_xdp_interfaces"),
+            0.0,
+            "{step}: {readyz}"
+        );
         // Jumbo frames between two pods of the bridge, where policy allows (b2 -> b1).
         let (_, b1) = lab.pods["b1"];
         let (got, mss) = lab

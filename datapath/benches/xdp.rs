@@ -169,6 +169,13 @@ fn frame64(src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16, flags: u8) -> Vec
     f
 }
 
+/// `frame` grown to `len` bytes of the same flow (IP length and checksum updated).
+fn sized(frame: Vec<u8>, len: usize) -> Vec<u8> {
+    let mut f = frame;
+    f.truncate(54);
+    craft::with_payload(&f, len).expect("an IPv4 TCP frame")
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -401,6 +408,7 @@ fn main() {
     }
 
     apply_times();
+    attach_times();
 }
 
 /// Distinct packets of the varied measurement.
@@ -593,6 +601,16 @@ fn full_program(
             frame64(v4(id), [10, 0, 0, 2], p, 40000, TCP_ACK),
             XdpAction::Pass,
         ),
+        (
+            "established R->A, 1500-byte frame",
+            sized(frame64(v4(id), [10, 0, 0, 2], p, 40000, TCP_ACK), 1500),
+            XdpAction::Pass,
+        ),
+        (
+            "established R->A, 9000-byte frame (multi-buffer)",
+            sized(frame64(v4(id), [10, 0, 0, 2], p, 40000, TCP_ACK), 9000),
+            XdpAction::Pass,
+        ),
     ];
     // Userspace follows the same packet sequence with its own tracking table (the SYN A->R
     // creates the flow the last packet belongs to).
@@ -734,6 +752,50 @@ fn tc_program(
     }
     for (name, v) in samples {
         full_ns.insert((n, name), median(v));
+    }
+}
+
+/// Time to attach both programs to a pod's interface (the XDP link natively, with the generic
+/// fallback the agent uses, then the tcx link), on fresh veth pairs of MTU 1500 and 9001.
+fn attach_times() {
+    const PAIRS: usize = 32;
+    println!("\nAttaching to a pod's interface (wall clock, {PAIRS} fresh veth pairs each):");
+    let mut dp = Datapath::create(DatapathConfig::default()).unwrap();
+    for mtu in [1500, 9001] {
+        let names: Vec<String> = (0..PAIRS).map(|i| format!("obench{i}")).collect();
+        let ip = |args: &[&str]| {
+            std::process::Command::new("ip")
+                .args(args)
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        for n in &names {
+            let peer = format!("{n}p");
+            let mtu = mtu.to_string();
+            assert!(ip(&[
+                "link", "add", n, "type", "veth", "peer", "name", &peer
+            ]));
+            assert!(ip(&["link", "set", &peer, "mtu", &mtu, "up"]));
+            assert!(ip(&["link", "set", n, "mtu", &mtu, "up"]));
+        }
+        let mut took = Vec::new();
+        for n in &names {
+            let t = Instant::now();
+            let mode = dp.attach_native_or_generic(n).unwrap();
+            dp.attach_tc(n).unwrap();
+            took.push(t.elapsed().as_secs_f64() * 1e6);
+            assert_eq!(mode, ordnet_datapath::XdpAttached::Native, "{n}");
+        }
+        for n in &names {
+            dp.detach(n).unwrap();
+            dp.detach_tc(n).unwrap();
+            ip(&["link", "del", n]);
+        }
+        let max = took.iter().copied().fold(0.0, f64::max);
+        println!(
+            "  MTU {mtu}: XDP (native) + TC per interface: median {:.0} us, max {max:.0} us",
+            median(took)
+        );
     }
 }
 

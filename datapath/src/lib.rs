@@ -363,9 +363,21 @@ impl From<Verdict> for XdpAction {
 }
 
 /// Pins a link as `dir/name` (creating `dir`).
-fn pin_link(fd: FdLink, dir: &Path, name: &str) -> Result<PinnedLink, DatapathError> {
+/// The pin file name of interface `iface`'s link: bpffs refuses names with a `.` (`flannel.1`,
+/// VLAN devices like `eth0.100`), so each `.` is written as `:`, which no interface name can
+/// contain.
+pub fn link_pin_name(iface: &str) -> String {
+    iface.replace('.', ":")
+}
+
+/// The interface a link pin file name stands for ([`link_pin_name`] undone).
+pub fn link_pin_iface(pin: &str) -> String {
+    pin.replace(':', ".")
+}
+
+fn pin_link(fd: FdLink, dir: &Path, iface: &str) -> Result<PinnedLink, DatapathError> {
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-    let path = dir.join(name);
+    let path = dir.join(link_pin_name(iface));
     fd.pin(&path).map_err(|e| DatapathError::Io {
         path: path.clone(),
         source: std::io::Error::other(e),
@@ -578,7 +590,7 @@ fn adopt_links<Id>(
     for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
         let entry = entry.map_err(io_err(dir))?;
         let path = entry.path();
-        let name = entry.file_name().to_string_lossy().into_owned();
+        let name = link_pin_iface(&entry.file_name().to_string_lossy());
         let pinned = PinnedLink::from_pin(&path).map_err(io(&path))?;
         adopt(FdLink::from(pinned), &path)?;
         // The pin keeps the link (and the new program) attached; re-open it as our handle.
@@ -748,7 +760,7 @@ impl Datapath {
             for path in entries {
                 let name = path
                     .file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
+                    .map(|n| link_pin_iface(&n.to_string_lossy()))
                     .unwrap_or_default();
                 let ours = if xdp {
                     self.links.contains_key(&name)
@@ -817,7 +829,7 @@ impl Datapath {
             if links.exists() {
                 for e in std::fs::read_dir(&links).map_err(io_err(&links))? {
                     let e = e.map_err(io_err(&links))?;
-                    out.push(e.file_name().to_string_lossy().into_owned());
+                    out.push(link_pin_iface(&e.file_name().to_string_lossy()));
                 }
                 out.sort();
                 std::fs::remove_dir_all(&links).map_err(io_err(&links))?;
@@ -1153,13 +1165,27 @@ impl Datapath {
     /// pinned. A new interface with the same name is a different index: the caller must detach
     /// and attach again.
     pub fn link_ifindex(&self, iface: &str) -> Result<Option<u32>, DatapathError> {
-        let Some(LinkHandle::Pinned(_)) = self.links.get(iface) else {
-            return Ok(None);
+        self.pinned_link_ifindex(iface, XDP_LINKS)
+    }
+
+    /// [`Datapath::link_ifindex`] of the TC link.
+    pub fn tc_link_ifindex(&self, iface: &str) -> Result<Option<u32>, DatapathError> {
+        self.pinned_link_ifindex(iface, TC_LINKS)
+    }
+
+    fn pinned_link_ifindex(&self, iface: &str, sub: &str) -> Result<Option<u32>, DatapathError> {
+        let pinned = if sub == XDP_LINKS {
+            matches!(self.links.get(iface), Some(LinkHandle::Pinned(_)))
+        } else {
+            matches!(self.tc_links.get(iface), Some(LinkHandle::Pinned(_)))
         };
+        if !pinned {
+            return Ok(None);
+        }
         let Some(dir) = &self.config.pin_dir else {
             return Ok(None);
         };
-        let path = dir.join(XDP_LINKS).join(iface);
+        let path = dir.join(sub).join(link_pin_name(iface));
         let fd = sys::obj_get(&path).map_err(io_err(&path))?;
         use std::os::fd::AsFd as _;
         let index = sys::xdp_link_ifindex(fd.as_fd()).map_err(io_err(&path))?;

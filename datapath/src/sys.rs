@@ -211,8 +211,9 @@ pub fn obj_get(path: &Path) -> io::Result<std::os::fd::OwnedFd> {
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(r as i32) })
 }
 
-/// The interface index an XDP bpf_link is attached to (`BPF_OBJ_GET_INFO_BY_FD`, `xdp.ifindex`);
-/// 0 when the link is defunct (its interface was deleted).
+/// The interface index an XDP or tcx bpf_link is attached to (`BPF_OBJ_GET_INFO_BY_FD`,
+/// `xdp.ifindex` / `tcx.ifindex`: both first in the same union); 0 when the link is defunct
+/// (its interface was deleted).
 pub fn xdp_link_ifindex(fd: BorrowedFd<'_>) -> io::Result<u32> {
     use std::os::fd::AsRawFd as _;
     #[repr(C)]

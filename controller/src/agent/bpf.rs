@@ -85,7 +85,9 @@ pub struct BpfDatapath {
     programmer: Programmer,
     /// The identities the datapath holds (answers `ipcache()`).
     ipcache: BTreeMap<IpNet, Identity>,
-    uplink: Option<String>,
+    /// `--uplink` names and patterns (the interfaces are found at every upkeep:
+    /// [`NetView::uplinks`]).
+    uplinks: Vec<String>,
     /// Interface index of every attachment, as last verified.
     ifindex: BTreeMap<String, u32>,
     /// Endpoints (`ns/name`, or `uplink IFACE`) that are not attached, and why.
@@ -96,6 +98,10 @@ pub struct BpfDatapath {
     resolving: BTreeSet<(u32, IpAddr)>,
     /// Ports of bridges with a pod still being looked for: their attachments are kept.
     held: BTreeSet<String>,
+    /// The uplinks of the last look at the node's network.
+    uplinks_found: BTreeSet<String>,
+    /// Tunnel devices among them: the TC hook only ([`BpfDatapath::attach_tc_only`]).
+    tc_only: BTreeSet<String>,
     /// Interfaces whose driver refused native XDP, so the program runs in generic mode there
     /// (enforced, at a higher cost per packet), with the refusal.
     generic: BTreeMap<String, String>,
@@ -168,7 +174,7 @@ impl BpfDatapath {
     /// CAP_SYS_ADMIN for the mount).
     pub fn open(
         root: &Path,
-        uplink: Option<String>,
+        uplinks: Vec<String>,
         conntrack: ConntrackOptions,
     ) -> Result<BpfDatapath, AgentError> {
         mount_bpffs(root)?;
@@ -230,12 +236,14 @@ impl BpfDatapath {
             dp,
             programmer: Programmer::default(),
             ipcache,
-            uplink,
+            uplinks,
             ifindex: BTreeMap::new(),
             unattached: BTreeMap::new(),
             bridge_ports: BTreeMap::new(),
             resolving: BTreeSet::new(),
             held: BTreeSet::new(),
+            uplinks_found: BTreeSet::new(),
+            tc_only: BTreeSet::new(),
             generic: BTreeMap::new(),
             needs_full: false,
             synced: false,
@@ -311,6 +319,13 @@ impl BpfDatapath {
         let mut out = Vec::new();
         for (who, why) in &self.unattached {
             out.push(format!("not enforced: {who}: {why}"));
+        }
+        if self.synced && self.uplinks_found.is_empty() {
+            out.push(
+                "no uplink (--uplink, or a VXLAN/Geneve device): a pod's egress through a \
+                 Service to a backend on another node is not judged on this node"
+                    .to_string(),
+            );
         }
         for (iface, why) in &self.generic {
             out.push(format!(
@@ -419,7 +434,12 @@ impl BpfDatapath {
     fn reconcile_links(&mut self, engine: &Engine) {
         let (wanted, mut unattached) = self.wanted_interfaces(engine);
         // Attachments nobody needs go (pods that went away).
-        let attached: Vec<String> = self.dp.attached().map(str::to_string).collect();
+        let attached: BTreeSet<String> = self
+            .dp
+            .attached()
+            .chain(self.dp.tc_attached())
+            .map(str::to_string)
+            .collect();
         let unneeded: Vec<&String> = attached
             .iter()
             .filter(|i| !wanted.contains_key(*i) && !self.held.contains(*i))
@@ -436,6 +456,14 @@ impl BpfDatapath {
                 }
                 for o in owners {
                     unattached.insert(o.clone(), format!("interface {iface} does not exist"));
+                }
+                continue;
+            }
+            if self.tc_only.contains(iface) {
+                if let Err(e) = self.attach_tc_only(iface, current) {
+                    for o in owners {
+                        unattached.insert(o.clone(), e.clone());
+                    }
                 }
                 continue;
             }
@@ -525,27 +553,42 @@ impl BpfDatapath {
         let mut unattached = BTreeMap::new();
         // Interface → who needs it.
         let mut wanted: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        if let Some(u) = &self.uplink {
-            wanted
-                .entry(u.clone())
-                .or_default()
-                .push(format!("uplink {u}"));
-        }
         let view = match NetView::read() {
             Ok(view) => view,
             Err(e) => {
+                // Keep the uplinks named literally; nothing is known of the rest.
+                for u in self.uplinks.iter().filter(|u| !u.contains(['*', '?'])) {
+                    wanted
+                        .entry(u.clone())
+                        .or_default()
+                        .push(format!("uplink {u}"));
+                }
                 for ep in engine.endpoints() {
                     unattached.insert(ep.id(), format!("reading the node's network: {e}"));
                 }
                 return (wanted, unattached);
             }
         };
+        let uplinks = view.uplinks(&self.uplinks);
+        self.uplinks_found = uplinks.clone();
+        self.tc_only = view
+            .links
+            .values()
+            .filter(|l| l.tunnel)
+            .map(|l| l.name.clone())
+            .collect();
+        for u in &uplinks {
+            wanted
+                .entry(u.clone())
+                .or_default()
+                .push(format!("uplink {u}"));
+        }
         let mut resolving = BTreeSet::new();
         let mut ports = BTreeMap::new();
         for ep in engine.endpoints() {
             let name = ep.id();
             for ip in &ep.ips {
-                let found = match view.pod_interface(*ip, self.uplink.as_deref()) {
+                let found = match view.pod_interface(*ip, &uplinks) {
                     Ok(iface) => {
                         if view
                             .links
@@ -613,12 +656,51 @@ impl BpfDatapath {
         self.resolving = wanted;
     }
 
+    /// An Ethernet tunnel device (VXLAN, Geneve) gets the TC hook only: it judges a local
+    /// pod's egress to a backend on another node after kube-proxy's translation, which leaves
+    /// through the tunnel. No XDP: the kernel refuses XDP on a device whose upper device has a
+    /// program and vice versa (a VXLAN device is an upper device of its underlay, typically the
+    /// uplink: `Cannot attach when an upper device already has a program`), and packets from
+    /// other nodes are judged again at the receiving pod's interface anyway. A re-created
+    /// device (new index) gets a new link.
+    fn attach_tc_only(&mut self, iface: &str, current: u32) -> Result<(), String> {
+        let on = self.dp.tc_attached().any(|a| a == iface);
+        let known = match self.ifindex.get(iface) {
+            Some(i) => Some(*i),
+            None => self.dp.tc_link_ifindex(iface).ok().flatten(),
+        };
+        if on && known == Some(current) {
+            self.ifindex.insert(iface.to_string(), current);
+            return Ok(());
+        }
+        if on {
+            self.detach(iface);
+        }
+        if self.dp.attached().any(|a| a == iface) {
+            // An XDP link from before it counted as a tunnel.
+            self.detach(iface);
+        }
+        match self.dp.attach_tc(iface) {
+            Ok(()) => {
+                self.attaches += 1;
+                self.ifindex.insert(iface.to_string(), current);
+                Ok(())
+            }
+            Err(e) => {
+                self.attach_errors += 1;
+                Err(format!("attaching TC to {iface}: {e}"))
+            }
+        }
+    }
+
     fn detach(&mut self, iface: &str) {
         self.ifindex.remove(iface);
         self.generic.remove(iface);
-        match self.dp.detach(iface) {
-            Ok(()) => self.detaches += 1,
-            Err(e) => tracing::warn!(interface = %iface, error = %e, "detaching XDP failed"),
+        if self.dp.attached().any(|a| a == iface) {
+            match self.dp.detach(iface) {
+                Ok(()) => self.detaches += 1,
+                Err(e) => tracing::warn!(interface = %iface, error = %e, "detaching XDP failed"),
+            }
         }
         if self.dp.tc_attached().any(|a| a == iface)
             && let Err(e) = self.dp.detach_tc(iface)

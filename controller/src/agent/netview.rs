@@ -48,6 +48,9 @@ pub(crate) struct Link {
     pub name: String,
     /// A bridge device.
     pub bridge: bool,
+    /// An Ethernet tunnel (VXLAN, Geneve): it delivers other nodes' pods' packets, and sends
+    /// this node's to them.
+    pub tunnel: bool,
     /// The bridge (or other master) this interface is a port of.
     pub master: Option<u32>,
 }
@@ -149,6 +152,7 @@ impl NetView {
         let mut link = Link {
             name: String::new(),
             bridge: false,
+            tunnel: false,
             master: None,
         };
         for a in &l.attributes {
@@ -156,9 +160,15 @@ impl NetView {
                 LinkAttribute::IfName(n) => link.name = n.clone(),
                 LinkAttribute::Controller(m) => link.master = Some(*m),
                 LinkAttribute::LinkInfo(infos) => {
-                    link.bridge = infos
-                        .iter()
-                        .any(|i| matches!(i, LinkInfo::Kind(InfoKind::Bridge)));
+                    for i in infos {
+                        match i {
+                            LinkInfo::Kind(InfoKind::Bridge) => link.bridge = true,
+                            LinkInfo::Kind(InfoKind::Vxlan | InfoKind::Geneve) => {
+                                link.tunnel = true
+                            }
+                            _ => {}
+                        }
+                    }
                 }
                 _ => {}
             }
@@ -264,16 +274,30 @@ impl NetView {
             .min_by_key(|r| (std::cmp::Reverse(r.net.prefix_len()), r.metric))
     }
 
+    /// The uplinks: interfaces whose name matches one of `patterns` ([`glob_match`]), and
+    /// every Ethernet tunnel device; a pattern without wildcards is named even when no such
+    /// interface exists (it is then reported as missing).
+    pub fn uplinks(&self, patterns: &[String]) -> BTreeSet<String> {
+        let mut out: BTreeSet<String> = self
+            .links
+            .values()
+            .filter(|l| l.tunnel || patterns.iter().any(|p| glob_match(p, &l.name)))
+            .map(|l| l.name.clone())
+            .collect();
+        out.extend(patterns.iter().filter(|p| !p.contains(['*', '?'])).cloned());
+        out
+    }
+
     /// The host-side interface of the local pod at `ip` (module docs for the order), given the
-    /// uplink's name.
-    pub fn pod_interface(&self, ip: IpAddr, uplink: Option<&str>) -> Result<String, Unfound> {
+    /// uplinks' names.
+    pub fn pod_interface(&self, ip: IpAddr, uplinks: &BTreeSet<String>) -> Result<String, Unfound> {
         let usable = |r: &Route| -> Result<u32, String> {
             let name = self.name(r.oif).unwrap_or("?");
             if r.net.prefix_len() == 0 {
                 Err(format!(
                     "{ip}: only the default route ({name}) leads there, no pod interface"
                 ))
-            } else if name == "lo" || Some(name) == uplink {
+            } else if name == "lo" || uplinks.contains(name) {
                 Err(format!("{ip} is routed to {name}, not to a pod interface"))
             } else {
                 Ok(r.oif)
@@ -339,6 +363,31 @@ impl NetView {
             }),
         }
     }
+}
+
+/// Whether `name` matches the glob `pattern`: `*` any run of characters, `?` one character,
+/// everything else itself (interface names: no classes or escapes needed).
+pub(crate) fn glob_match(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    // The classic two-pointer match with one backtrack point (the last `*`).
+    let (mut i, mut j, mut star, mut mark) = (0, 0, None, 0);
+    while j < n.len() {
+        if i < p.len() && (p[i] == '?' || p[i] == n[j]) {
+            i += 1;
+            j += 1;
+        } else if i < p.len() && p[i] == '*' {
+            star = Some(i);
+            mark = j;
+            i += 1;
+        } else if let Some(s) = star {
+            i = s + 1;
+            mark += 1;
+            j = mark;
+        } else {
+            return false;
+        }
+    }
+    p[i..].iter().all(|c| *c == '*')
 }
 
 fn mac_text(mac: &[u8]) -> String {
@@ -463,6 +512,7 @@ mod tests {
         let link = |name: &str, bridge: bool, master: Option<u32>| Link {
             name: name.into(),
             bridge,
+            tunnel: name.starts_with("flannel"),
             master,
         };
         v.links.insert(1, link("lo", false, None));
@@ -471,6 +521,7 @@ mod tests {
         v.links.insert(4, link("cni0", true, None));
         v.links.insert(5, link("veth5", false, Some(4)));
         v.links.insert(6, link("eni7", false, None));
+        v.links.insert(7, link("flannel.1", false, None));
         let route = |net: &str, table, metric, oif| Route {
             net: net.parse().unwrap(),
             table,
@@ -502,7 +553,8 @@ mod tests {
     #[test]
     fn routed_policy_routed_and_bridged_pods_are_found() {
         let v = view();
-        let at = |ip: &str| v.pod_interface(ip.parse().unwrap(), Some("eth0"));
+        let uplinks = v.uplinks(&["eth0".to_string()]);
+        let at = |ip: &str| v.pod_interface(ip.parse().unwrap(), &uplinks);
         // Main table, per-pod route.
         assert_eq!(at("10.1.0.3"), Ok("cali1".into()));
         // A table a rule looks up (100), not one nobody looks up (101).
@@ -517,7 +569,7 @@ mod tests {
         // The uplink is no pod interface.
         assert!(matches!(at("10.4.0.1"), Err(Unfound::No(w)) if w.contains("routed to eth0")));
         assert!(matches!(
-            v.pod_interface("fd00::1".parse().unwrap(), None),
+            v.pod_interface("fd00::1".parse().unwrap(), &uplinks),
             Err(Unfound::No(w)) if w.contains("no route")
         ));
     }
@@ -527,9 +579,45 @@ mod tests {
         let mut v = view();
         v.forwarding[0].bridge = 9;
         assert!(matches!(
-            v.pod_interface("10.2.0.5".parse().unwrap(), None),
+            v.pod_interface("10.2.0.5".parse().unwrap(), &BTreeSet::new()),
             Err(Unfound::Unresolved { .. })
         ));
+    }
+
+    #[test]
+    fn uplinks_by_name_pattern_and_tunnel_kind() {
+        let v = view();
+        let names = |p: &[&str]| {
+            v.uplinks(&p.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+                .into_iter()
+                .collect::<Vec<_>>()
+        };
+        // The VXLAN device always; a literal name even when missing; patterns match.
+        assert_eq!(names(&[]), ["flannel.1"]);
+        assert_eq!(names(&["eth0", "bond9"]), ["bond9", "eth0", "flannel.1"]);
+        assert_eq!(names(&["e*"]), ["eni7", "eth0", "flannel.1"]);
+        assert_eq!(names(&["eth?"]), ["eth0", "flannel.1"]);
+    }
+
+    #[test]
+    fn globs() {
+        for (p, n, want) in [
+            ("eth0", "eth0", true),
+            ("eth0", "eth01", false),
+            ("eth*", "eth", true),
+            ("eth*", "eth12", true),
+            ("*", "", true),
+            ("", "", true),
+            ("", "a", false),
+            ("e?h*1", "eth1", true),
+            ("e?h*1", "eth12", false),
+            ("*ab*ab", "xabyabab", true),
+            ("*ab*ab", "xabyaba", false),
+            ("a*b*c", "abbbc", true),
+            ("vxlan.?", "vxlan.12", false),
+        ] {
+            assert_eq!(glob_match(p, n), want, "{p} ~ {n}");
+        }
     }
 
     /// This namespace (the test's) reads without error and has a loopback.

@@ -41,10 +41,12 @@ pub struct AgentArgs {
     pub kubeconfig: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "bpf")]
     pub datapath: DatapathArg,
-    /// The node's uplink interface (traffic from other nodes): the programs are attached there
-    /// too (--datapath bpf only).
-    #[arg(long, value_name = "IFACE", value_parser = NonEmptyStringValueParser::new())]
-    pub uplink: Option<String>,
+    /// An interface that carries traffic from other nodes (--datapath bpf only): the programs
+    /// are attached there too. Repeatable; a glob pattern (`*`, `?`) names every interface it
+    /// matches, now or later (`--uplink 'eth*' --uplink bond0`). VXLAN and Geneve devices (the
+    /// overlays of flannel and others) are attached without being named.
+    #[arg(long, value_name = "IFACE|PATTERN", value_parser = NonEmptyStringValueParser::new())]
+    pub uplink: Vec<String>,
     /// Address of the debug API (health, metrics, matrix/trace/dump), as IP:PORT.
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9090")]
     pub debug_addr: SocketAddr,
@@ -216,6 +218,21 @@ fn init_logging(args: &AgentArgs) {
             )
             .exit(),
     };
+    // netlink-packet-route warns about every attribute a newer kernel made longer than it
+    // knows (IFLA_INET6_CONF on every link, at every look at the node's interfaces): errors
+    // only, unless the filter names it.
+    let names_netlink = std::env::var("RUST_LOG")
+        .unwrap_or_else(|_| args.log_level.clone())
+        .contains("netlink_packet_route");
+    let filter = if names_netlink {
+        filter
+    } else {
+        filter.add_directive(
+            "netlink_packet_route=error"
+                .parse()
+                .expect("a valid directive"),
+        )
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -228,7 +245,7 @@ fn init_logging(args: &AgentArgs) {
 /// Runs `ordnet agent` until SIGTERM/SIGINT (exit 0) or a fatal error (exit 1); usage errors
 /// exit 2.
 pub fn run(args: AgentArgs) -> ExitCode {
-    if args.uplink.is_some() && args.datapath != DatapathArg::Bpf {
+    if !args.uplink.is_empty() && args.datapath != DatapathArg::Bpf {
         Cli::command()
             .error(
                 clap::error::ErrorKind::ArgumentConflict,

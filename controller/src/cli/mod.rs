@@ -182,6 +182,23 @@ pub struct LabArgs {
     pub family: u8,
     #[arg(short = 'o', long = "output", value_enum, default_value = "table")]
     pub output: TableOrJson,
+    /// How the pods are wired to the node, as a CNI would: `ptp` (routed veths, per-pod routes
+    /// in the main table), `bridge` (every pod a port of one bridge, traffic between pods
+    /// switched, as the `bridge` plugin and flannel do), `policy-routing` (per-pod routes in a
+    /// table an `ip rule` looks up).
+    #[arg(long, value_enum, default_value = "ptp")]
+    pub cni: CniShape,
+    /// The MTU of every link of the lab (68..=65535; 9001 is EKS's).
+    #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(68..=65535))]
+    pub mtu: u32,
+}
+
+/// How `ordnet lab` wires its pods ([`LabArgs::cni`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CniShape {
+    Ptp,
+    Bridge,
+    PolicyRouting,
 }
 
 /// Runs one parsed command line and returns the process exit code.

@@ -414,7 +414,7 @@ fn run_checked(args: &LabArgs) -> Result<ExitCode, Fail> {
     let mut lab = Running {
         servers: None,
         datapath: None,
-        topo: Topology::new(&run_id),
+        topo: Topology::new(&run_id, args.cni, args.mtu),
         _lock: lock,
     };
     let outcome = drive(args, &plan, &mut lab);

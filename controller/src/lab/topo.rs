@@ -19,6 +19,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use super::error::LabError;
 use super::sys::{self, Netns};
+use crate::cli::CniShape;
 
 /// Every namespace of a lab is named `ordlab-<run id>-...`: a crashed lab's leftovers are
 /// recognised by this prefix.
@@ -65,8 +66,16 @@ pub struct Topology {
     pub node: String,
     pub world: String,
     pub members: Vec<Member>,
+    /// How the pods are wired (`--cni`) and the links' MTU (`--mtu`).
+    pub shape: CniShape,
+    pub mtu: u32,
     created: Vec<String>,
 }
+
+/// The bridge of `--cni bridge` (in the node namespace), and the table of
+/// `--cni policy-routing`.
+pub const BRIDGE: &str = "cni0";
+const POD_TABLE: u32 = 100;
 
 /// Why an address cannot be given to a lab namespace, if it cannot.
 pub fn unusable(ip: IpAddr) -> Option<&'static str> {
@@ -122,10 +131,18 @@ fn pod_netns(run_id: &str, index: usize, label: &str) -> String {
 }
 
 /// The lines that give a leaf namespace (pod or external) its addresses and its default routes
-/// through the gateway whose MAC is `gw_mac`.
-fn leaf_config(ips: &[IpAddr], gw_mac: &str) -> String {
+/// through the gateway whose MAC is `gw_mac`, and on-link routes to `neighbours` (address, MAC:
+/// the other pods of a bridge, reached switched, not routed).
+fn leaf_config(ips: &[IpAddr], gw_mac: &str, neighbours: &[(IpAddr, String)]) -> String {
     let mut b = String::new();
     b.push_str("link set lo up\nlink set eth0 up\n");
+    for (ip, mac) in neighbours {
+        let _ = writeln!(
+            b,
+            "neigh add {ip} lladdr {mac} dev eth0 nud permanent\nroute add {} dev eth0",
+            host_prefix(*ip)
+        );
+    }
     for ip in ips {
         let nodad = if ip.is_ipv6() { " nodad" } else { "" };
         let _ = writeln!(b, "addr add {} dev eth0{nodad}", host_prefix(*ip));
@@ -142,12 +159,14 @@ fn leaf_config(ips: &[IpAddr], gw_mac: &str) -> String {
 
 impl Topology {
     /// An empty lab for run `run_id` (nothing created yet).
-    pub fn new(run_id: &str) -> Topology {
+    pub fn new(run_id: &str, shape: CniShape, mtu: u32) -> Topology {
         Topology {
             run_id: run_id.to_string(),
             node: format!("{PREFIX}{run_id}-node"),
             world: format!("{PREFIX}{run_id}-world"),
             members: Vec::new(),
+            shape,
+            mtu,
             created: Vec::new(),
         }
     }
@@ -225,9 +244,10 @@ impl Topology {
         let (node, world) = (&self.node, &self.world);
         let _ = writeln!(
             links,
-            "link add {UPLINK} address {} netns {node} type veth peer name node address {} netns {world}",
+            "link add {UPLINK} address {} mtu {mtu} netns {node} type veth peer name node address {} mtu {mtu} netns {world}",
             mac(2, 0),
-            mac(2, 1)
+            mac(2, 1),
+            mtu = self.mtu
         );
         let mut ext_index = 0;
         let mut pod_index = 0;
@@ -235,21 +255,23 @@ impl Topology {
             if m.external {
                 let _ = writeln!(
                     links,
-                    "link add {} address {} netns {world} type veth peer name eth0 address {} netns {}",
+                    "link add {} address {} mtu {mtu} netns {world} type veth peer name eth0 address {} mtu {mtu} netns {}",
                     m.host_if,
                     mac(3, ext_index),
                     mac(4, ext_index),
-                    m.netns
+                    m.netns,
+                    mtu = self.mtu
                 );
                 ext_index += 1;
             } else {
                 let _ = writeln!(
                     links,
-                    "link add {} address {} netns {node} type veth peer name eth0 address {} netns {}",
+                    "link add {} address {} mtu {mtu} netns {node} type veth peer name eth0 address {} mtu {mtu} netns {}",
                     m.host_if,
                     mac(0, pod_index),
                     mac(1, pod_index),
-                    m.netns
+                    m.netns,
+                    mtu = self.mtu
                 );
                 pod_index += 1;
             }
@@ -263,6 +285,14 @@ impl Topology {
     fn configure_routers(&self) -> Result<(), LabError> {
         let mut node_cfg = String::from("link set lo up\n");
         let mut world_cfg = String::from("link set lo up\n");
+        if self.shape == CniShape::Bridge {
+            let _ = writeln!(
+                node_cfg,
+                "link add {BRIDGE} address {} mtu {} type bridge\nlink set {BRIDGE} up",
+                mac(5, 0),
+                self.mtu
+            );
+        }
         let (mut pi, mut ei) = (0, 0);
         for m in &self.members {
             let (cfg, leaf_mac) = if m.external {
@@ -273,16 +303,32 @@ impl Topology {
                 (&mut node_cfg, mac(1, pi - 1))
             };
             let _ = writeln!(cfg, "link set {} up", m.host_if);
+            // Where the node reaches the member: its veth, or (bridge) the bridge it is a port
+            // of; its routes in the main table, or (policy routing) in the rule's table.
+            let (dev, table) = match (m.external, self.shape) {
+                (false, CniShape::Bridge) => {
+                    let _ = writeln!(
+                        cfg,
+                        "link set {} master {BRIDGE}\nlink set {} type bridge_slave hairpin on",
+                        m.host_if, m.host_if
+                    );
+                    (BRIDGE, String::new())
+                }
+                (false, CniShape::PolicyRouting) => {
+                    (m.host_if.as_str(), format!(" table {POD_TABLE}"))
+                }
+                _ => (m.host_if.as_str(), String::new()),
+            };
             for ip in &m.ips {
                 let _ = writeln!(
                     cfg,
                     "neigh add {ip} lladdr {leaf_mac} dev {dev} nud permanent\n\
-                     route add {} dev {dev}",
+                     route add {} dev {dev}{table}",
                     host_prefix(*ip),
-                    dev = m.host_if
                 );
             }
         }
+
         for addr in NODE_ADDRESSES {
             let nodad = if addr.is_ipv6() { " nodad" } else { "" };
             let _ = writeln!(
@@ -311,30 +357,62 @@ impl Topology {
         );
         sys::ip(&["-n", &self.node, "-batch", "-"], Some(&node_cfg))?;
         sys::ip(&["-n", &self.world, "-batch", "-"], Some(&world_cfg))?;
+        if self.shape == CniShape::PolicyRouting {
+            // Every destination looks in the pods' table first, then (no match) in main.
+            let table = POD_TABLE.to_string();
+            for family in ["-4", "-6"] {
+                sys::ip(
+                    &[
+                        "-n", &self.node, family, "rule", "add", "pref", "100", "lookup", &table,
+                    ],
+                    None,
+                )?;
+            }
+        }
         Ok(())
     }
 
     /// Each member's namespace: its addresses and routes via its gateway.
     fn configure_leaves(&self) -> Result<(), LabError> {
+        let bridged = self.shape == CniShape::Bridge;
+        // On a bridge, every pod reaches the others directly (their addresses and MACs).
+        let pods: Vec<(IpAddr, String)> = self
+            .members
+            .iter()
+            .filter(|m| !m.external)
+            .enumerate()
+            .flat_map(|(i, m)| m.ips.iter().map(move |ip| (*ip, mac(1, i))))
+            .collect();
         let (mut pi, mut ei) = (0, 0);
         for m in &self.members {
             let gw_mac = if m.external {
                 ei += 1;
                 mac(3, ei - 1)
+            } else if bridged {
+                pi += 1;
+                mac(5, 0)
             } else {
                 pi += 1;
                 mac(0, pi - 1)
             };
+            let neighbours: Vec<(IpAddr, String)> = if bridged && !m.external {
+                pods.iter()
+                    .filter(|(ip, _)| !m.ips.contains(ip))
+                    .cloned()
+                    .collect()
+            } else {
+                Vec::new()
+            };
             sys::ip(
                 &["-n", &m.netns, "-batch", "-"],
-                Some(&leaf_config(&m.ips, &gw_mac)),
+                Some(&leaf_config(&m.ips, &gw_mac, &neighbours)),
             )?;
         }
         Ok(())
     }
 
     /// The interfaces of the node namespace the XDP program is attached to: every pod's
-    /// host-side veth and the uplink.
+    /// host-side veth (with `--cni bridge`, its bridge port; never the bridge) and the uplink.
     pub fn xdp_interfaces(&self) -> Vec<String> {
         let mut v: Vec<String> = self
             .members

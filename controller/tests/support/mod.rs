@@ -274,7 +274,7 @@ pub fn pinned_links(pin_root: &Path, sub: &str) -> Vec<String> {
     let mut v: Vec<String> = std::fs::read_dir(dir)
         .map(|d| {
             d.filter_map(|e| e.ok())
-                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .map(|e| ordnet_datapath::link_pin_iface(&e.file_name().to_string_lossy()))
                 .collect()
         })
         .unwrap_or_default();
