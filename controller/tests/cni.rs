@@ -537,6 +537,25 @@ fn cni_chain_enforces_from_the_first_packet_and_fails_closed() {
     assert!(node.connects("good", srv));
     assert!(!node.connects("bad", open));
 
+    // The interface ptp's result names is the pod's, whatever the node's routes say: without
+    // srv's host route (a route event: the agent looks again) srv keeps its attachment.
+    let srv_iface = host_iface(&results["srv"]);
+    run(&format!(
+        "ip -n {} route del {srv}/32 dev {srv_iface}",
+        node.ns
+    ));
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        node.links().contains(&srv_iface),
+        "srv lost its link when its route went: {:?}",
+        node.links()
+    );
+    run(&format!(
+        "ip -n {} route add {srv}/32 dev {srv_iface}",
+        node.ns
+    ));
+    assert!(node.connects("good", srv));
+
     // DEL, and the pod deleted: no attachment, no pin, no endpoint left.
     let bad_iface = host_iface(&results["bad"]);
     node.del("bad", &results["bad"]);

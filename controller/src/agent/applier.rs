@@ -380,6 +380,15 @@ impl Applier {
     /// request is answered after the batch it is part of is programmed.
     fn cni(&mut self, op: CniOp, reply: tokio::sync::oneshot::Sender<CniReply>) {
         if let Some(key) = op.pod_key() {
+            let endpoint = format!("{}/{}", key.1, key.2);
+            match &op {
+                CniOp::Add(a) => self
+                    .state
+                    .datapath()
+                    .cni_interfaces(&endpoint, Some(&a.host_interfaces)),
+                CniOp::Del(_) => self.state.datapath().cni_interfaces(&endpoint, None),
+                CniOp::Check(_) => {}
+            }
             match &op {
                 // A pod not seen yet: the answer says so and the CNI server asks again.
                 CniOp::Add(a) => {

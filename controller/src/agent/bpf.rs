@@ -92,6 +92,9 @@ pub struct BpfDatapath {
     ifindex: BTreeMap<String, u32>,
     /// Endpoints (`ns/name`, or `uplink IFACE`) that are not attached, and why.
     unattached: BTreeMap<String, String>,
+    /// The host-side interfaces the chained CNI plugin named, per endpoint (`ns/name`), and
+    /// whether the engine has had the endpoint since.
+    cni_hints: BTreeMap<String, (Vec<String>, bool)>,
     /// The bridge port each bridged pod address was last found on.
     bridge_ports: BTreeMap<IpAddr, String>,
     /// Bridged addresses (bridge ifindex, address) with a managed neighbour entry of ours.
@@ -239,6 +242,7 @@ impl BpfDatapath {
             uplinks,
             ifindex: BTreeMap::new(),
             unattached: BTreeMap::new(),
+            cni_hints: BTreeMap::new(),
             bridge_ports: BTreeMap::new(),
             resolving: BTreeSet::new(),
             held: BTreeSet::new(),
@@ -585,8 +589,22 @@ impl BpfDatapath {
         }
         let mut resolving = BTreeSet::new();
         let mut ports = BTreeMap::new();
+        // The names of a pod that was an endpoint and is none any more (deleted while no DEL
+        // reached us) go; a pod the engine has not made an endpoint yet keeps them (its ADD
+        // arrives before the batch that programs it).
+        let endpoints: BTreeSet<String> = engine.endpoints().iter().map(|e| e.id()).collect();
+        self.cni_hints.retain(|name, (_, seen)| {
+            *seen |= endpoints.contains(name);
+            !*seen || endpoints.contains(name)
+        });
         for ep in engine.endpoints() {
             let name = ep.id();
+            // The interface the chained CNI plugin named, when it is one here.
+            let named = self.cni_hints.get(&name).map(|(n, _)| n.as_slice());
+            if let Some(iface) = named.and_then(|n| view.cni_interface(n, &uplinks)) {
+                wanted.entry(iface).or_default().push(name.clone());
+                continue;
+            }
             for ip in &ep.ips {
                 let found = match view.pod_interface(*ip, &uplinks) {
                     Ok(iface) => {
@@ -811,6 +829,18 @@ impl Enforcer for BpfDatapath {
 
     fn health(&self) -> Vec<String> {
         self.health_notes()
+    }
+
+    fn cni_interfaces(&mut self, endpoint: &str, interfaces: Option<&[String]>) {
+        match interfaces {
+            Some(named) => {
+                self.cni_hints
+                    .insert(endpoint.to_string(), (named.to_vec(), false));
+            }
+            None => {
+                self.cni_hints.remove(endpoint);
+            }
+        }
     }
 
     fn metrics(&self) -> Vec<super::metrics::Sample> {

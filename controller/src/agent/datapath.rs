@@ -70,6 +70,10 @@ pub trait Enforcer: Send {
     fn health(&self) -> Vec<String> {
         Vec::new()
     }
+    /// The host-side interfaces the chained CNI plugin's `prevResult` names for the local
+    /// endpoint `ns/name` (`None`: forget them, the pod's sandbox is gone). A datapath that
+    /// attaches to interfaces takes them before looking for the pod's interface itself.
+    fn cni_interfaces(&mut self, _endpoint: &str, _interfaces: Option<&[String]>) {}
     /// Keeps a copy of every programmed key from the next full programming on
     /// ([`Record::with_keys`]; the agent tests compare them with the engine), so that
     /// [`Enforcer::programmed`] lists them.

@@ -188,6 +188,11 @@ impl AgentState {
 
     /// The engine slot for writing and the datapath, locked in the one order used everywhere
     /// (engine, then datapath), so no two paths can deadlock.
+    /// The datapath alone (the engine untouched).
+    fn datapath(&self) -> MutexGuard<'_, Box<dyn Enforcer>> {
+        self.datapath.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn lock_for_update(
         &self,
     ) -> (

@@ -3,7 +3,8 @@
 //! entries), read with one netlink dump each, and the host-side interface of a pod address
 //! found in it (`--datapath bpf`; docs/agent.md, "Finding a pod's interface").
 //!
-//! The order, for each address of a local endpoint:
+//! The order, for each address of a local endpoint: the interface the chained CNI plugin named
+//! for the pod ([`NetView::cni_interface`]), if it did; then
 //! 1. the **main table**'s longest-prefix route (lowest metric on ties), if it is a route to a
 //!    pod interface: not only the default route, not `lo`, not the uplink (routed CNIs: Calico,
 //!    Cilium in routing mode, the `ptp` plugin);
@@ -286,6 +287,21 @@ impl NetView {
             .collect();
         out.extend(patterns.iter().filter(|p| !p.contains(['*', '?'])).cloned());
         out
+    }
+
+    /// The first of the host-side interfaces a CNI plugin named for a pod (its `prevResult`)
+    /// that is a pod interface here: it exists and is no bridge (the `bridge` plugin names the
+    /// bridge and the pod's port), no tunnel, no uplink, not `lo`.
+    pub fn cni_interface(&self, named: &[String], uplinks: &BTreeSet<String>) -> Option<String> {
+        named
+            .iter()
+            .find(|n| {
+                self.links
+                    .values()
+                    .any(|l| &l.name == *n && !l.bridge && !l.tunnel && l.name != "lo")
+                    && !uplinks.contains(*n)
+            })
+            .cloned()
     }
 
     /// The host-side interface of the local pod at `ip` (module docs for the order), given the
@@ -597,6 +613,24 @@ mod tests {
         assert_eq!(names(&["eth0", "bond9"]), ["bond9", "eth0", "flannel.1"]);
         assert_eq!(names(&["e*"]), ["eni7", "eth0", "flannel.1"]);
         assert_eq!(names(&["eth?"]), ["eth0", "flannel.1"]);
+    }
+
+    #[test]
+    fn the_cni_plugins_interface_comes_first_unless_it_is_a_bridge_or_uplink() {
+        let v = view();
+        let uplinks = v.uplinks(&["eth0".to_string()]);
+        let named = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        // The bridge plugin names the bridge and the port.
+        assert_eq!(
+            v.cni_interface(&named(&["cni0", "veth5"]), &uplinks),
+            Some("veth5".into())
+        );
+        assert_eq!(
+            v.cni_interface(&named(&["cali1"]), &uplinks),
+            Some("cali1".into())
+        );
+        assert_eq!(v.cni_interface(&named(&["eth0", "gone9"]), &uplinks), None);
+        assert_eq!(v.cni_interface(&named(&["flannel.1"]), &uplinks), None);
     }
 
     #[test]
