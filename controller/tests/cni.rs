@@ -461,7 +461,8 @@ fn cni_chain_enforces_from_the_first_packet_and_fails_closed() {
     let agent = Agent::start(&node, &kubeconfig);
 
     // The main CNI rewrites its conflist (as many do when they restart): the agent puts
-    // ordnet-cni back.
+    // ordnet-cni back (on the inotify event: its periodic check, every 30 s, would come after
+    // this wait's limit).
     std::fs::write(
         node.conf_dir.join("10-ptp.conflist"),
         node.main_conflist().to_string(),

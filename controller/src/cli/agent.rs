@@ -189,8 +189,21 @@ fn install_cni_binary(dir: &std::path::Path) -> Result<(), String> {
     Ok(())
 }
 
-/// How often the CNI chain is checked (`--cni-conf-dir`).
-const CNI_RECHAIN_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+/// The CNI chain (`--cni-conf-dir`) is checked on every change of the directory (inotify), and
+/// at least this often (a safety net for lost events; the only check when inotify is
+/// unavailable).
+const CNI_RECHAIN_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// A stream of the changes of `dir`'s files (written, created, moved in, deleted).
+fn watch_conf_dir(dir: &std::path::Path) -> std::io::Result<inotify::EventStream<[u8; 4096]>> {
+    use inotify::{Inotify, WatchMask};
+    let inotify = Inotify::init()?;
+    inotify.watches().add(
+        dir,
+        WatchMask::CLOSE_WRITE | WatchMask::CREATE | WatchMask::MOVED_TO | WatchMask::DELETE,
+    )?;
+    inotify.into_event_stream([0u8; 4096])
+}
 
 /// `--metrics-addr`: an address, or `none`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -373,11 +386,31 @@ pub fn run(args: AgentArgs) -> ExitCode {
                 }
             }
             // A main CNI that rewrites its conflist (many do when they restart) drops the
-            // entry: it is checked every CNI_RECHAIN_EVERY and put back.
+            // entry: it is checked on every change of the directory and put back (our own
+            // write is one more change, after which nothing is written).
             let dir = dir.clone();
             tokio::spawn(async move {
+                use futures::StreamExt as _;
+                let mut changes = watch_conf_dir(&dir)
+                    .inspect_err(|e| {
+                        tracing::warn!(
+                            dir = %dir.display(),
+                            error = %e,
+                            "--cni-conf-dir: cannot watch it; checking the chain every {} s",
+                            CNI_RECHAIN_EVERY.as_secs()
+                        )
+                    })
+                    .ok();
                 loop {
-                    tokio::time::sleep(CNI_RECHAIN_EVERY).await;
+                    match changes.as_mut() {
+                        Some(stream) => {
+                            tokio::select! {
+                                _ = stream.next() => {}
+                                _ = tokio::time::sleep(CNI_RECHAIN_EVERY) => {}
+                            }
+                        }
+                        None => tokio::time::sleep(CNI_RECHAIN_EVERY).await,
+                    }
                     match ordnet_cni::install::chain(&dir, &socket) {
                         Ok(Some(path)) => tracing::warn!(
                             conflist = %path.display(),
