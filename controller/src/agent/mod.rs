@@ -442,8 +442,8 @@ fn follow_netlink(events: Arc<tokio::sync::Notify>) -> std::io::Result<JoinHandl
 
 /// Whether a netlink event may change where a pod's traffic passes: every link, address and
 /// route event; of the neighbour events (frequent on a busy node: every state change of every
-/// neighbour) only a bridge learning or forgetting an address and a neighbour becoming
-/// reachable (how a bridged pod's port is found: `netview`).
+/// neighbour) only a bridge learning or forgetting an address and one of the agent's own
+/// managed entries becoming reachable (how a bridged pod's port is found: `netview`).
 fn wakes_upkeep(
     payload: &netlink_packet_core::NetlinkPayload<netlink_packet_route::RouteNetlinkMessage>,
 ) -> bool {
@@ -453,7 +453,8 @@ fn wakes_upkeep(
         NetlinkPayload::InnerMessage(
             RouteNetlinkMessage::NewNeighbour(n) | RouteNetlinkMessage::DelNeighbour(n),
         ) => {
-            n.header.family == AddressFamily::Bridge || n.header.state == NeighbourState::Reachable
+            n.header.family == AddressFamily::Bridge
+                || (n.header.state == NeighbourState::Reachable && netview::is_managed(n))
         }
         _ => true,
     }

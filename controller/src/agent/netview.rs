@@ -427,6 +427,20 @@ pub(crate) fn add_managed_neighbour(ifindex: u32, ip: IpAddr) -> io::Result<()> 
     )
 }
 
+/// Whether a neighbour message is about a *managed* entry (only [`add_managed_neighbour`] makes
+/// them here): its resolution is what the agent waits for when it looks for a bridged pod.
+pub(crate) fn is_managed(n: &NeighbourMessage) -> bool {
+    use netlink_packet_core::Nla as _;
+    n.attributes.iter().any(|a| match a {
+        NeighbourAttribute::Other(nla) if nla.kind() == NDA_FLAGS_EXT && nla.value_len() == 4 => {
+            let mut v = [0u8; 4];
+            nla.emit_value(&mut v);
+            u32::from_ne_bytes(v) & NTF_EXT_MANAGED != 0
+        }
+        _ => false,
+    })
+}
+
 /// Removes the neighbour entry for `ip` on `ifindex` (one [`add_managed_neighbour`] made).
 pub(crate) fn remove_neighbour(ifindex: u32, ip: IpAddr) -> io::Result<()> {
     Netlink::open()?.request(RouteNetlinkMessage::DelNeighbour(neighbour(ifindex, ip)), 0)
@@ -631,6 +645,16 @@ mod tests {
         );
         assert_eq!(v.cni_interface(&named(&["eth0", "gone9"]), &uplinks), None);
         assert_eq!(v.cni_interface(&named(&["flannel.1"]), &uplinks), None);
+    }
+
+    #[test]
+    fn managed_entries_are_recognised() {
+        let mut n = neighbour(4, "10.2.0.5".parse().unwrap());
+        assert!(!is_managed(&n));
+        n.attributes.push(NeighbourAttribute::Other(
+            netlink_packet_core::DefaultNla::new(NDA_FLAGS_EXT, 1u32.to_ne_bytes().to_vec()),
+        ));
+        assert!(is_managed(&n));
     }
 
     #[test]
