@@ -253,6 +253,20 @@ impl Lab {
             .insert(REMOTE.to_string(), (other.to_string(), REMOTE_IP));
     }
 
+    /// The fake API server on the management link (served by `runtime`), a kubeconfig for it,
+    /// and the namespace `shop`.
+    fn api(&self, runtime: &tokio::runtime::Runtime) -> (FakeApi, PathBuf) {
+        let api = runtime
+            .block_on(FakeApi::start_on(SocketAddr::from((self.api_ip, 0))))
+            .unwrap();
+        let kubeconfig = self.bpffs.with_extension("kubeconfig");
+        std::fs::write(&kubeconfig, api.kubeconfig_yaml()).unwrap();
+        api.create(json!({"apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": "shop", "labels": {"name": "shop"}}}))
+            .unwrap();
+        (api, kubeconfig)
+    }
+
     /// Where host-local keeps the shapes test's address leases.
     fn ipam_dir(&self) -> PathBuf {
         self.bpffs.with_extension("ipam")
@@ -1136,15 +1150,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     lab.expect("no agent", &[]);
 
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let api = runtime
-        .block_on(FakeApi::start_on(SocketAddr::from((lab.api_ip, 0))))
-        .unwrap();
-    let kubeconfig = lab.bpffs.with_extension("kubeconfig");
-    std::fs::write(&kubeconfig, api.kubeconfig_yaml()).unwrap();
-
-    api.create(json!({"apiVersion": "v1", "kind": "Namespace",
-        "metadata": {"name": "shop", "labels": {"name": "shop"}}}))
-        .unwrap();
+    let (api, kubeconfig) = lab.api(&runtime);
     for (name, app, last) in PODS {
         api.create(pod(name, app, NODE, Ipv4Addr::new(10, 213, 0, last)))
             .unwrap();
@@ -1451,14 +1457,7 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
     lab.serve();
     lab.expect("no agent", &[]);
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let api = runtime
-        .block_on(FakeApi::start_on(SocketAddr::from((lab.api_ip, 0))))
-        .unwrap();
-    let kubeconfig = lab.bpffs.with_extension("kubeconfig");
-    std::fs::write(&kubeconfig, api.kubeconfig_yaml()).unwrap();
-    api.create(json!({"apiVersion": "v1", "kind": "Namespace",
-        "metadata": {"name": "shop", "labels": {"name": "shop"}}}))
-        .unwrap();
+    let (api, kubeconfig) = lab.api(&runtime);
     for name in &lab.locals {
         api.create(pod(name, name, NODE, lab.pods[name].1)).unwrap();
     }

@@ -763,6 +763,66 @@ impl BpfDatapath {
     }
 }
 
+impl BpfDatapath {
+    /// The connection-tracking part of [`Enforcer::metrics`].
+    fn conntrack_metrics(&self, out: &mut Vec<super::metrics::Sample>) {
+        use super::metrics::Sample;
+        // Read whenever the agent records its metrics (after programming and upkeep; a per-CPU
+        // array read); the last sweep's values if that fails.
+        let counters = self.dp.counters().unwrap_or(self.counters);
+        for (verdict, n) in [
+            ("denied", counters.untracked_denied),
+            ("allowed", counters.untracked_allowed),
+        ] {
+            out.push(Sample {
+                name: "ordnet_conntrack_untracked_tcp_packets",
+                help: "TCP packets past the handshake (no SYN, no RST) of a local endpoint's flow \
+                       that the connection-tracking table had no live entry for, by the policy's \
+                       verdict: denied ones are flows evicted from a full table (a broken \
+                       connection towards an isolated side), expired, lost in a restart, or \
+                       scans; allowed ones were tracked again. Counted since the programs were \
+                       loaded.",
+                counter: true,
+                labels: vec![("verdict", verdict.to_string())],
+                value: n,
+            });
+        }
+        out.push(Sample {
+            name: "ordnet_conntrack_sweep_errors",
+            help: "Connection-tracking sweeps that failed.",
+            counter: true,
+            labels: Vec::new(),
+            value: self.ct_sweep_errors,
+        });
+        if let Some((_, sweep)) = self.last_sweep {
+            for (i, family) in ["ipv4", "ipv6"].into_iter().enumerate() {
+                let labels = vec![("family", family.to_string())];
+                out.push(Sample {
+                    name: "ordnet_conntrack_entries",
+                    help: "Live connection-tracking entries (flows), as of the last sweep.",
+                    counter: false,
+                    labels: labels.clone(),
+                    value: sweep.live[i],
+                });
+                out.push(Sample {
+                    name: "ordnet_conntrack_capacity",
+                    help: "Capacity of the connection-tracking table (flows).",
+                    counter: false,
+                    labels: labels.clone(),
+                    value: u64::from(sweep.capacity[i]),
+                });
+                out.push(Sample {
+                    name: "ordnet_conntrack_expired_removed",
+                    help: "Expired connection-tracking entries removed by sweeps.",
+                    counter: true,
+                    labels,
+                    value: self.ct_removed[i],
+                });
+            }
+        }
+    }
+}
+
 impl Enforcer for BpfDatapath {
     fn program_full(&mut self, engine: &Engine) -> Result<(), AgentError> {
         self.full(engine)
@@ -915,58 +975,7 @@ impl Enforcer for BpfDatapath {
                 value: u64::from(n),
             });
         }
-        // Read whenever the agent records its metrics (after programming and upkeep; a per-CPU
-        // array read); the last sweep's values if that fails.
-        let counters = self.dp.counters().unwrap_or(self.counters);
-        for (verdict, n) in [
-            ("denied", counters.untracked_denied),
-            ("allowed", counters.untracked_allowed),
-        ] {
-            out.push(Sample {
-                name: "ordnet_conntrack_untracked_tcp_packets",
-                help: "TCP packets past the handshake (no SYN, no RST) of a local endpoint's flow \
-                       that the connection-tracking table had no live entry for, by the policy's \
-                       verdict: denied ones are flows evicted from a full table (a broken \
-                       connection towards an isolated side), expired, lost in a restart, or \
-                       scans; allowed ones were tracked again. Counted since the programs were \
-                       loaded.",
-                counter: true,
-                labels: vec![("verdict", verdict.to_string())],
-                value: n,
-            });
-        }
-        out.push(one(
-            "ordnet_conntrack_sweep_errors",
-            "Connection-tracking sweeps that failed.",
-            true,
-            self.ct_sweep_errors,
-        ));
-        if let Some((_, sweep)) = self.last_sweep {
-            for (i, family) in ["ipv4", "ipv6"].into_iter().enumerate() {
-                let labels = vec![("family", family.to_string())];
-                out.push(Sample {
-                    name: "ordnet_conntrack_entries",
-                    help: "Live connection-tracking entries (flows), as of the last sweep.",
-                    counter: false,
-                    labels: labels.clone(),
-                    value: sweep.live[i],
-                });
-                out.push(Sample {
-                    name: "ordnet_conntrack_capacity",
-                    help: "Capacity of the connection-tracking table (flows).",
-                    counter: false,
-                    labels: labels.clone(),
-                    value: u64::from(sweep.capacity[i]),
-                });
-                out.push(Sample {
-                    name: "ordnet_conntrack_expired_removed",
-                    help: "Expired connection-tracking entries removed by sweeps.",
-                    counter: true,
-                    labels,
-                    value: self.ct_removed[i],
-                });
-            }
-        }
+        self.conntrack_metrics(&mut out);
         out
     }
 }
