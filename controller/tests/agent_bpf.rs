@@ -66,6 +66,9 @@ const B2_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
 const OVERLAY: &str = "flannel.1";
 const REMOTE: &str = "r1";
 const REMOTE_IP: Ipv4Addr = Ipv4Addr::new(10, 216, 1, 2);
+/// An address outside the cluster behind the shapes test's second uplink.
+const EXT2: &str = "ext2";
+const EXT2_IP: Ipv4Addr = Ipv4Addr::new(10, 219, 1, 2);
 /// A Service whose backend is [`REMOTE`] (reached through the overlay).
 const R1_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 21);
 /// IPv6 addresses of db, far and far2 (the node's side of each link is [`GW6`]): path MTU
@@ -92,6 +95,8 @@ struct Lab {
     /// The node's side of the management link (the debug API listens there).
     mgmt_ip: Ipv4Addr,
     uplink: String,
+    /// The agent's `--uplink` (a name or a pattern).
+    uplink_flag: String,
     /// A private bpffs mount (the agent mounts it, it is unmounted on drop).
     bpffs: PathBuf,
     pin_dir: PathBuf,
@@ -150,6 +155,7 @@ impl Lab {
             api_ip,
             mgmt_ip,
             uplink: format!("{p}u"),
+            uplink_flag: format!("{p}u"),
             pin_dir: bpffs.join("ordnet"),
             bpffs,
             stop: Arc::new(AtomicBool::new(false)),
@@ -193,6 +199,7 @@ impl Lab {
         run(&format!("ip -n {outside} link set eth0 up"));
         run(&format!("ip -n {n} route add default via 10.218.0.2"));
         lab.overlay_to(&outside);
+        lab.second_uplink();
         let _ = std::fs::remove_dir_all(lab.ipam_dir());
         for name in BRIDGED {
             lab.bridged(name);
@@ -203,7 +210,7 @@ impl Lab {
             .chain([&ROUTED_BY_RULE])
             .map(|p| p.to_string())
             .collect();
-        lab.remotes = vec![REMOTE.to_string()];
+        lab.remotes = vec![REMOTE.to_string(), EXT2.to_string()];
         lab
     }
 
@@ -265,6 +272,30 @@ impl Lab {
             "metadata": {"name": "shop", "labels": {"name": "shop"}}}))
             .unwrap();
         (api, kubeconfig)
+    }
+
+    /// A second uplink, `<uplink>2`, to one more namespace owning [`EXT2_IP`] (an address
+    /// outside the cluster reached through it); the agent is given `--uplink <uplink>*`, a
+    /// pattern matching both.
+    fn second_uplink(&mut self) {
+        let (n, u2) = (self.node.clone(), format!("{}2", self.uplink));
+        let ns = format!("{}e", self.prefix);
+        run(&format!("ip netns add {ns}"));
+        run(&format!("ip -n {ns} link set lo up"));
+        run(&format!(
+            "ip -n {n} link add {u2} type veth peer name eth0 netns {ns}"
+        ));
+        run(&format!("ip -n {n} addr add 10.219.0.1/30 dev {u2}"));
+        run(&format!("ip -n {n} link set {u2} up"));
+        run(&format!("ip -n {ns} addr add 10.219.0.2/30 dev eth0"));
+        run(&format!("ip -n {ns} addr add {EXT2_IP}/32 dev eth0"));
+        run(&format!("ip -n {ns} link set eth0 up"));
+        run(&format!(
+            "ip -n {ns} route add default via 10.219.0.1 src {EXT2_IP}"
+        ));
+        run(&format!("ip -n {n} route add {EXT2_IP}/32 via 10.219.0.2"));
+        self.pods.insert(EXT2.to_string(), (ns, EXT2_IP));
+        self.uplink_flag = format!("{}*", self.uplink);
     }
 
     /// Where host-local keeps the shapes test's address leases.
@@ -908,7 +939,7 @@ impl Agent {
             .arg(format!("--net=/var/run/netns/{}", lab.node))
             .arg(env!("CARGO_BIN_EXE_ordnet"))
             .args(["agent", "--node", NODE, "--datapath", "bpf", "--uplink"])
-            .arg(&lab.uplink)
+            .arg(&lab.uplink_flag)
             .arg("--kubeconfig")
             .arg(kubeconfig)
             .arg("--debug-addr")
@@ -1439,7 +1470,8 @@ fn send_mss(s: &TcpStream) -> u32 {
 /// (managed neighbour entries) to learn their ports. A flannel-style VXLAN device to a second
 /// node is attached without being named (generic XDP: VXLAN has no native mode): a pod of the
 /// other node is judged by the local pods' ingress, and a local pod's egress to a Service whose
-/// backend is on the other node is judged after the DNAT, at the overlay device.
+/// backend is on the other node is judged after the DNAT, at the overlay device. Two uplinks,
+/// both matched by one `--uplink` pattern, each with traffic from outside behind it.
 #[test]
 fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
     if !root_or_skip("agent_bpf shapes") {
@@ -1495,6 +1527,8 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
         ("b3", "b1"),
         (REMOTE, "b2"),
         (REMOTE, "pr"),
+        (EXT2, "b2"),
+        (EXT2, "pr"),
     ];
     // kube-proxy's DNAT of a Service to b2; b3's connections through it come back over the
     // bridge, un-translated by br_netfilter (bridge-nf-call-iptables, 1 by default).
@@ -1528,7 +1562,7 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
                 bridge_port(&lab, name)
             }
         })
-        .chain([lab.uplink.clone()])
+        .chain([lab.uplink.clone(), format!("{}2", lab.uplink)])
         .collect();
     links.sort();
     // The overlay gets the TC hook only (no XDP: the kernel refuses XDP on a VXLAN device and
@@ -1576,8 +1610,8 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
         assert_eq!(
             lab.pinned_links(),
             links,
-            "{step}: XDP on the bridge ports, the rule-routed pod's veth and the uplink; never \
-             {BRIDGE}"
+            "{step}: XDP on the bridge ports, the rule-routed pod's veth and both uplinks (one \
+             --uplink pattern); never {BRIDGE}"
         );
         assert_eq!(
             lab.pinned("tc-links"),
