@@ -90,6 +90,8 @@ struct Lab {
     /// Pods of this node (the matrix's rows and columns) and of other nodes (rows only).
     locals: Vec<String>,
     remotes: Vec<String>,
+    /// More namespaces to delete (other nodes).
+    others: Vec<String>,
     root_veth: String,
     api_ip: Ipv4Addr,
     /// The node's side of the management link (the debug API listens there).
@@ -151,6 +153,7 @@ impl Lab {
             pods: BTreeMap::new(),
             locals: Vec::new(),
             remotes: Vec::new(),
+            others: Vec::new(),
             root_veth: format!("{p}r"),
             api_ip,
             mgmt_ip,
@@ -245,19 +248,47 @@ impl Lab {
                 "ip -n {ns} route add {theirs}/24 via {theirs} dev {OVERLAY} onlink"
             ));
         }
-        // The second node's pod speaks from its own address, to every pod network of this
-        // node (the bridge's and the rule-routed pod's) through the overlay.
+        // The second node reaches the rule-routed pod's network through the overlay too.
         run(&format!(
-            "ip -n {other} addr add {REMOTE_IP}/32 dev {OVERLAY}"
+            "ip -n {other} route add 10.217.0.0/24 via 10.216.0.0 dev {OVERLAY} onlink"
         ));
-        for net in ["10.216.0.0/24", "10.217.0.0/24"] {
-            run(&format!(
-                "ip -n {other} route replace {net} via 10.216.0.0 dev {OVERLAY} onlink \
-                 src {REMOTE_IP}"
-            ));
-        }
-        self.pods
-            .insert(REMOTE.to_string(), (other.to_string(), REMOTE_IP));
+        // [`REMOTE`]: a routed pod of the second node.
+        let (ns, host) = (format!("{}r", self.prefix), format!("{}rh", self.prefix));
+        run(&format!("ip netns add {ns}"));
+        run(&format!("ip -n {ns} link set lo up"));
+        run(&format!(
+            "ip netns exec {other} sysctl -qw net.ipv4.ip_forward=1"
+        ));
+        run(&format!(
+            "ip -n {other} link add {host} type veth peer name eth0 netns {ns}"
+        ));
+        run(&format!("ip -n {other} addr add 10.216.1.1/32 dev {host}"));
+        run(&format!("ip -n {other} link set {host} up"));
+        run(&format!(
+            "ip -n {other} route add {REMOTE_IP}/32 dev {host}"
+        ));
+        run(&format!("ip -n {ns} addr add {REMOTE_IP}/32 dev eth0"));
+        run(&format!("ip -n {ns} link set eth0 up"));
+        run(&format!("ip -n {ns} route add 10.216.1.1/32 dev eth0"));
+        run(&format!("ip -n {ns} route add default via 10.216.1.1"));
+        self.pods.insert(REMOTE.to_string(), (ns, REMOTE_IP));
+        self.others.push(other.to_string());
+        // Node 2's management link: it reaches the fake API server at [`Lab::api_ip`] in the
+        // test's namespace (which owns that address) over its own pair.
+        let (root, m) = (format!("{}s", self.prefix), format!("{}m2", self.prefix));
+        let (a2, m2) = node2_mgmt(self.api_ip);
+        let _ = Command::new("ip").args(["link", "del", &root]).output();
+        run(&format!(
+            "ip link add {root} type veth peer name {m} netns {other}"
+        ));
+        run(&format!("ip addr add {a2}/30 dev {root}"));
+        run(&format!("ip link set {root} up"));
+        run(&format!("ip -n {other} addr add {m2}/30 dev {m}"));
+        run(&format!("ip -n {other} link set {m} up"));
+        run(&format!(
+            "ip -n {other} route add {}/32 via {a2}",
+            self.api_ip
+        ));
     }
 
     /// The fake API server on the management link (served by `runtime`), a kubeconfig for it,
@@ -752,6 +783,27 @@ impl Lab {
         })
     }
 
+    /// Waits until exactly `allowed` of the bridged pods connect to [`REMOTE`] (on the other
+    /// node).
+    fn expect_to_remote(&self, step: &str, allowed: &[&str]) {
+        let deadline = Instant::now() + LIMIT;
+        loop {
+            let got: Vec<&str> = BRIDGED
+                .iter()
+                .copied()
+                .filter(|f| self.connects(f, REMOTE))
+                .collect();
+            if got == allowed {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{step}: to {REMOTE} on node 2 from {got:?}, want {allowed:?}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
     /// Waits until exactly `allowed` of `sources` reach `vip` (answered by `want`).
     fn expect_reach(
         &self,
@@ -917,7 +969,7 @@ impl Drop for Lab {
         let _ = Command::new("ip")
             .args(["link", "del", &self.root_veth])
             .output();
-        for (ns, _) in self.pods.values() {
+        for ns in self.pods.values().map(|(ns, _)| ns).chain(&self.others) {
             let _ = Command::new("ip").args(["netns", "del", ns]).output();
         }
         let _ = Command::new("ip")
@@ -933,17 +985,45 @@ struct Agent {
     lines: mpsc::Receiver<String>,
 }
 
+/// Where an agent runs: its node's namespace and name, `--uplink`, the address of its debug API,
+/// its pin root.
+struct Spot<'a> {
+    netns: &'a str,
+    node: &'a str,
+    uplink: &'a str,
+    debug_ip: Ipv4Addr,
+    pin_dir: &'a Path,
+}
+
 impl Agent {
     fn start(lab: &Lab, kubeconfig: &Path) -> Agent {
+        let spot = Spot {
+            netns: &lab.node,
+            node: NODE,
+            uplink: &lab.uplink_flag,
+            debug_ip: lab.mgmt_ip,
+            pin_dir: &lab.pin_dir,
+        };
+        Agent::start_at(&spot, kubeconfig)
+    }
+
+    fn start_at(spot: &Spot, kubeconfig: &Path) -> Agent {
         let mut child = Command::new("nsenter")
-            .arg(format!("--net=/var/run/netns/{}", lab.node))
+            .arg(format!("--net=/var/run/netns/{}", spot.netns))
             .arg(env!("CARGO_BIN_EXE_ordnet"))
-            .args(["agent", "--node", NODE, "--datapath", "bpf", "--uplink"])
-            .arg(&lab.uplink_flag)
+            .args([
+                "agent",
+                "--node",
+                spot.node,
+                "--datapath",
+                "bpf",
+                "--uplink",
+            ])
+            .arg(spot.uplink)
             .arg("--kubeconfig")
             .arg(kubeconfig)
             .arg("--debug-addr")
-            .arg(format!("{}:0", lab.mgmt_ip))
+            .arg(format!("{}:0", spot.debug_ip))
             .args(["--metrics-addr", "none", "--cni-socket", "none"])
             // Upkeep only on netlink events (and hourly): the test sees them work.
             .args(["--upkeep-interval", "3600"])
@@ -953,7 +1033,7 @@ impl Agent {
                 "--conntrack-entries-v6",
                 "1024",
             ])
-            .env("ORDNET_PIN_DIR", &lab.pin_dir)
+            .env("ORDNET_PIN_DIR", spot.pin_dir)
             .env("POD_NAMESPACE", "ordnet-system")
             .stderr(Stdio::piped())
             .spawn()
@@ -1511,6 +1591,10 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
     .unwrap();
     api.create(ingress_from("pr", &["b2"], Value::Null))
         .unwrap();
+    // Node 2's pod takes b1 and b3 only: node 2's agent must drop b2 (b3 is dropped by its own
+    // egress policy, on node 1).
+    api.create(ingress_from(REMOTE, &["b1", "b3"], Value::Null))
+        .unwrap();
     api.create(
         json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": {"namespace": "shop", "name": "b3-egress"},
@@ -1551,6 +1635,25 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
     let sources = ["b1", "b3", "pr"];
     lab.expect_reach("no agent", &sources, B2_VIP, "b2", &sources);
     lab.expect_reach("no agent", &["b1", "b3"], R1_VIP, REMOTE, &["b1", "b3"]);
+    lab.expect_to_remote("no agent", &["b1", "b2", "b3"]);
+
+    // Node 2's own agent: its pod r1, its underlay as uplink, the overlay found by itself.
+    let node2 = lab.others[0].clone();
+    let (_, m2) = node2_mgmt(lab.api_ip);
+    let node2_pins = lab.bpffs.join("node2");
+    let agent2 = Agent::start_at(
+        &Spot {
+            netns: &node2,
+            node: "node-2",
+            uplink: "eth0",
+            debug_ip: m2,
+            pin_dir: &node2_pins,
+        },
+        &kubeconfig,
+    );
+    agent2.wait_ready();
+    // Only node 2 enforces yet: r1's ingress drops b2.
+    lab.expect_to_remote("node 2's agent", &["b1", "b3"]);
 
     let mut links: Vec<String> = lab
         .locals
@@ -1601,6 +1704,8 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
         lab.expect_reach(step, &sources, B2_VIP, "b2", &["b3", "pr"]);
         // b3's egress to the other node's pod, behind a Service: judged after the DNAT.
         lab.expect_reach(step, &["b1", "b3"], R1_VIP, REMOTE, &["b1"]);
+        // To the other node's pod directly: b2 dropped by node 2, b3 by node 1.
+        lab.expect_to_remote(step, &["b1"]);
         assert_eq!(
             agent.metric("ordnet_datapath_unattached_endpoints"),
             0.0,
@@ -1637,6 +1742,26 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
         );
         agent.terminate();
     }
+    assert_eq!(
+        agent2.metric("ordnet_datapath_unattached_endpoints"),
+        0.0,
+        "node 2: {}",
+        agent2.get("/readyz").1
+    );
+    agent2.terminate();
+}
+
+/// The second node's management pair (this namespace's side, the node's side): the /30 after
+/// the first node's.
+fn node2_mgmt(api_ip: Ipv4Addr) -> (Ipv4Addr, Ipv4Addr) {
+    let first = u32::from(api_ip) - 1;
+    // The /30 before it when the first is the last of its /16.
+    let base = if first & 0xffff == 0xfffc {
+        first - 4
+    } else {
+        first + 4
+    };
+    (Ipv4Addr::from(base + 1), Ipv4Addr::from(base + 2))
 }
 
 /// The bridge port of a bridged pod: the veth in the node namespace whose peer is the pod's
