@@ -326,6 +326,9 @@ impl Lab {
         ));
         run(&format!("ip -n {n} route add {EXT2_IP}/32 via 10.219.0.2"));
         self.pods.insert(EXT2.to_string(), (ns, EXT2_IP));
+        // A third "uplink" whose driver has no native XDP (ifb): generic mode, reported.
+        run(&format!("ip -n {n} link add {}3 type ifb", self.uplink));
+        run(&format!("ip -n {n} link set {}3 up", self.uplink));
         self.uplink_flag = format!("{}*", self.uplink);
     }
 
@@ -1665,7 +1668,13 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
                 bridge_port(&lab, name)
             }
         })
-        .chain([lab.uplink.clone(), format!("{}2", lab.uplink)])
+        .chain([1, 2, 3].map(|i| {
+            format!(
+                "{}{}",
+                lab.uplink,
+                if i == 1 { String::new() } else { i.to_string() }
+            )
+        }))
         .collect();
     links.sort();
     // The overlay gets the TC hook only (no XDP: the kernel refuses XDP on a VXLAN device and
@@ -1725,9 +1734,15 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
         );
         let (_, readyz) = agent.get("/readyz");
         assert!(!readyz.contains("not enforced"), "{step}: {readyz}");
+        // The ifb uplink runs XDP in generic mode; after the restart the agent finds that in
+        // the kernel's report of the adopted link.
         assert_eq!(
             agent.metric("ordnet_datapath_generic_xdp_interfaces"),
-            0.0,
+            1.0,
+            "{step}: {readyz}"
+        );
+        assert!(
+            readyz.contains(&format!("XDP in generic mode on {}3", lab.uplink)),
             "{step}: {readyz}"
         );
         // Jumbo frames between two pods of the bridge, where policy allows (b2 -> b1).

@@ -573,6 +573,17 @@ impl BpfDatapath {
                 return (wanted, unattached);
             }
         };
+        // Generic-mode XDP as the kernel reports it: also links an earlier agent attached.
+        for l in view.links.values() {
+            let ours = self.dp.attached().any(|a| a == l.name);
+            if ours && l.xdp_generic {
+                self.generic.entry(l.name.clone()).or_insert_with(|| {
+                    "found in generic mode (attached by an earlier agent)".to_string()
+                });
+            } else if ours {
+                self.generic.remove(&l.name);
+            }
+        }
         let uplinks = view.uplinks(&self.uplinks);
         self.uplinks_found = uplinks.clone();
         self.tc_only = view

@@ -25,7 +25,9 @@ use netlink_packet_core::{
     NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_REPLACE, NLM_F_REQUEST, NetlinkHeader,
     NetlinkMessage, NetlinkPayload,
 };
-use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkInfo, LinkMessage};
+use netlink_packet_route::link::{
+    InfoKind, LinkAttribute, LinkInfo, LinkMessage, LinkXdp, XdpAttached,
+};
 use netlink_packet_route::neighbour::{
     NeighbourAddress, NeighbourAttribute, NeighbourMessage, NeighbourState,
 };
@@ -54,6 +56,8 @@ pub(crate) struct Link {
     pub tunnel: bool,
     /// The bridge (or other master) this interface is a port of.
     pub master: Option<u32>,
+    /// An XDP program runs on it in generic (skb) mode.
+    pub xdp_generic: bool,
 }
 
 /// One unicast route with an output interface.
@@ -155,11 +159,17 @@ impl NetView {
             bridge: false,
             tunnel: false,
             master: None,
+            xdp_generic: false,
         };
         for a in &l.attributes {
             match a {
                 LinkAttribute::IfName(n) => link.name = n.clone(),
                 LinkAttribute::Controller(m) => link.master = Some(*m),
+                LinkAttribute::Xdp(xdp) => {
+                    link.xdp_generic = xdp
+                        .iter()
+                        .any(|x| matches!(x, LinkXdp::Attached(XdpAttached::SocketBuffer)));
+                }
                 LinkAttribute::LinkInfo(infos) => {
                     for i in infos {
                         match i {
@@ -544,6 +554,7 @@ mod tests {
             bridge,
             tunnel: name.starts_with("flannel"),
             master,
+            xdp_generic: false,
         };
         v.links.insert(1, link("lo", false, None));
         v.links.insert(2, link("eth0", false, None));
