@@ -119,7 +119,9 @@ fn check(dir: &str, name: &str, only: &[(&str, u16)]) -> Vec<serde_json::Value> 
     check_with(dir, name, only, &[])
 }
 
-/// [`check`] with more `ordnet lab` arguments (`--cni`, `--mtu`).
+/// [`check`] with more `ordnet lab` arguments (`--cni`, `--mtu`), and those of
+/// `$ORDNET_LAB_ARGS` (whitespace-separated: e.g. `--cni bridge --mtu 9001` runs every lab test
+/// in that shape, by hand).
 fn check_with(
     dir: &str,
     name: &str,
@@ -158,6 +160,11 @@ fn check_with(
             args.push(x.clone());
         }
         args.extend(extra.iter().map(|a| a.to_string()));
+        if extra.is_empty()
+            && let Ok(more) = std::env::var("ORDNET_LAB_ARGS")
+        {
+            args.extend(more.split_whitespace().map(str::to_string));
+        }
         let started = Instant::now();
         let out = run(&args);
         let stderr = String::from_utf8_lossy(&out.stderr);
