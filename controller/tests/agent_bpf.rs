@@ -1573,40 +1573,7 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
     lab.expect("no agent", &[]);
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let (api, kubeconfig) = lab.api(&runtime);
-    for name in &lab.locals {
-        api.create(pod(name, name, NODE, lab.pods[name].1)).unwrap();
-    }
-    api.create(pod(REMOTE, REMOTE, "node-2", REMOTE_IP))
-        .unwrap();
-    let ingress_from = |to: &str, from: &[&str], ports: Value| {
-        json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-            "metadata": {"namespace": "shop", "name": format!("{to}-ingress")},
-            "spec": {"podSelector": {"matchLabels": {"app": to}},
-                "policyTypes": ["Ingress"],
-                "ingress": [{"from": from.iter().map(|f| json!({"podSelector": {"matchLabels": {"app": f}}})).collect::<Vec<_>>(),
-                    "ports": ports}]}})
-    };
-    api.create(ingress_from(
-        "b2",
-        &["pr", "b3"],
-        json!([{"protocol": "TCP", "port": PORT}]),
-    ))
-    .unwrap();
-    api.create(ingress_from("pr", &["b2"], Value::Null))
-        .unwrap();
-    // Node 2's pod takes b1 and b3 only: node 2's agent must drop b2 (b3 is dropped by its own
-    // egress policy, on node 1).
-    api.create(ingress_from(REMOTE, &["b1", "b3"], Value::Null))
-        .unwrap();
-    api.create(
-        json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": {"namespace": "shop", "name": "b3-egress"},
-        "spec": {"podSelector": {"matchLabels": {"app": "b3"}},
-            "policyTypes": ["Egress"],
-            "egress": [{"to": [{"podSelector": {"matchLabels": {"app": "b2"}}},
-                               {"podSelector": {"matchLabels": {"app": "pr"}}}]}]}}),
-    )
-    .unwrap();
+    shapes_objects(&lab, &api);
     let denied = [
         ("b1", "b2"),
         ("b1", "pr"),
@@ -1617,24 +1584,6 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
         (EXT2, "b2"),
         (EXT2, "pr"),
     ];
-    // kube-proxy's DNAT of a Service to b2; b3's connections through it come back over the
-    // bridge, un-translated by br_netfilter (bridge-nf-call-iptables, 1 by default).
-    let (_, b2) = lab.pods["b2"];
-    lab.nft(&format!(
-        "table ip kube-proxy {{\n\
-         chain nat-prerouting {{ type nat hook prerouting priority dstnat; \
-         ip daddr {B2_VIP} tcp dport {PORT} dnat to {b2}:{PORT}; \
-         ip daddr {R1_VIP} tcp dport {PORT} dnat to {REMOTE_IP}:{PORT}; }}\n\
-         }}\n"
-    ));
-    for (name, vip) in [("b2", B2_VIP), (REMOTE, R1_VIP)] {
-        api.create(json!({"apiVersion": "v1", "kind": "Service",
-            "metadata": {"namespace": "shop", "name": name},
-            "spec": {"selector": {"app": name}, "clusterIP": vip.to_string(),
-                "clusterIPs": [vip.to_string()],
-                "ports": [{"protocol": "TCP", "port": PORT, "targetPort": PORT}]}}))
-            .unwrap();
-    }
     let sources = ["b1", "b3", "pr"];
     lab.expect_reach("no agent", &sources, B2_VIP, "b2", &sources);
     lab.expect_reach("no agent", &["b1", "b3"], R1_VIP, REMOTE, &["b1", "b3"]);
@@ -1709,52 +1658,7 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
             );
             agent
         };
-        lab.expect(step, &denied);
-        lab.expect_reach(step, &sources, B2_VIP, "b2", &["b3", "pr"]);
-        // b3's egress to the other node's pod, behind a Service: judged after the DNAT.
-        lab.expect_reach(step, &["b1", "b3"], R1_VIP, REMOTE, &["b1"]);
-        // To the other node's pod directly: b2 dropped by node 2, b3 by node 1.
-        lab.expect_to_remote(step, &["b1"]);
-        assert_eq!(
-            agent.metric("ordnet_datapath_unattached_endpoints"),
-            0.0,
-            "{step}: {}",
-            agent.get("/readyz").1
-        );
-        assert_eq!(
-            lab.pinned_links(),
-            links,
-            "{step}: XDP on the bridge ports, the rule-routed pod's veth and both uplinks (one \
-             --uplink pattern); never {BRIDGE}"
-        );
-        assert_eq!(
-            lab.pinned("tc-links"),
-            tc_links,
-            "{step}: TC there and on {OVERLAY}"
-        );
-        let (_, readyz) = agent.get("/readyz");
-        assert!(!readyz.contains("not enforced"), "{step}: {readyz}");
-        // The ifb uplink runs XDP in generic mode; after the restart the agent finds that in
-        // the kernel's report of the adopted link.
-        assert_eq!(
-            agent.metric("ordnet_datapath_generic_xdp_interfaces"),
-            1.0,
-            "{step}: {readyz}"
-        );
-        assert!(
-            readyz.contains(&format!("XDP in generic mode on {}3", lab.uplink)),
-            "{step}: {readyz}"
-        );
-        // Jumbo frames between two pods of the bridge, where policy allows (b2 -> b1).
-        let (_, b1) = lab.pods["b1"];
-        let (got, mss) = lab
-            .transfer("b2", "b1", b1.into(), 5002, 8 << 20)
-            .unwrap_or_else(|e| panic!("{step}: jumbo transfer over the bridge: {e}"));
-        assert_eq!(got, 8 << 20);
-        assert!(
-            mss > 8800,
-            "{step}: segments of {mss} bytes over MTU {JUMBO_MTU}"
-        );
+        expect_shapes(&lab, &agent, step, &denied, &links, &tc_links);
         agent.terminate();
     }
     assert_eq!(
@@ -1764,6 +1668,119 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
         agent2.get("/readyz").1
     );
     agent2.terminate();
+}
+
+/// The shapes test's pods, policies and Services (and kube-proxy's DNAT for them).
+fn shapes_objects(lab: &Lab, api: &FakeApi) {
+    for name in &lab.locals {
+        api.create(pod(name, name, NODE, lab.pods[name].1)).unwrap();
+    }
+    api.create(pod(REMOTE, REMOTE, "node-2", REMOTE_IP))
+        .unwrap();
+    let ingress_from = |to: &str, from: &[&str], ports: Value| {
+        json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"namespace": "shop", "name": format!("{to}-ingress")},
+            "spec": {"podSelector": {"matchLabels": {"app": to}},
+                "policyTypes": ["Ingress"],
+                "ingress": [{"from": from.iter().map(|f| json!({"podSelector": {"matchLabels": {"app": f}}})).collect::<Vec<_>>(),
+                    "ports": ports}]}})
+    };
+    api.create(ingress_from(
+        "b2",
+        &["pr", "b3"],
+        json!([{"protocol": "TCP", "port": PORT}]),
+    ))
+    .unwrap();
+    api.create(ingress_from("pr", &["b2"], Value::Null))
+        .unwrap();
+    // Node 2's pod takes b1 and b3 only: node 2's agent must drop b2 (b3 is dropped by its own
+    // egress policy, on node 1).
+    api.create(ingress_from(REMOTE, &["b1", "b3"], Value::Null))
+        .unwrap();
+    api.create(
+        json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"namespace": "shop", "name": "b3-egress"},
+        "spec": {"podSelector": {"matchLabels": {"app": "b3"}},
+            "policyTypes": ["Egress"],
+            "egress": [{"to": [{"podSelector": {"matchLabels": {"app": "b2"}}},
+                               {"podSelector": {"matchLabels": {"app": "pr"}}}]}]}}),
+    )
+    .unwrap();
+    // kube-proxy's DNAT of a Service to b2; b3's connections through it come back over the
+    // bridge, un-translated by br_netfilter (bridge-nf-call-iptables, 1 by default).
+    let (_, b2) = lab.pods["b2"];
+    lab.nft(&format!(
+        "table ip kube-proxy {{\n\
+         chain nat-prerouting {{ type nat hook prerouting priority dstnat; \
+         ip daddr {B2_VIP} tcp dport {PORT} dnat to {b2}:{PORT}; \
+         ip daddr {R1_VIP} tcp dport {PORT} dnat to {REMOTE_IP}:{PORT}; }}\n\
+         }}\n"
+    ));
+    for (name, vip) in [("b2", B2_VIP), (REMOTE, R1_VIP)] {
+        api.create(json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": "shop", "name": name},
+            "spec": {"selector": {"app": name}, "clusterIP": vip.to_string(),
+                "clusterIPs": [vip.to_string()],
+                "ports": [{"protocol": "TCP", "port": PORT, "targetPort": PORT}]}}))
+            .unwrap();
+    }
+}
+
+/// What the shapes test checks with the agent running (after `lab.expect(step, denied)`).
+fn expect_shapes(
+    lab: &Lab,
+    agent: &Agent,
+    step: &str,
+    denied: &[(&str, &str)],
+    links: &[String],
+    tc_links: &[String],
+) {
+    lab.expect(step, denied);
+    lab.expect_reach(step, &["b1", "b3", "pr"], B2_VIP, "b2", &["b3", "pr"]);
+    // b3's egress to the other node's pod, behind a Service: judged after the DNAT.
+    lab.expect_reach(step, &["b1", "b3"], R1_VIP, REMOTE, &["b1"]);
+    // To the other node's pod directly: b2 dropped by node 2, b3 by node 1.
+    lab.expect_to_remote(step, &["b1"]);
+    assert_eq!(
+        agent.metric("ordnet_datapath_unattached_endpoints"),
+        0.0,
+        "{step}: {}",
+        agent.get("/readyz").1
+    );
+    assert_eq!(
+        lab.pinned_links(),
+        links,
+        "{step}: XDP on the bridge ports, the rule-routed pod's veth and both uplinks (one \
+         --uplink pattern); never {BRIDGE}"
+    );
+    assert_eq!(
+        lab.pinned("tc-links"),
+        tc_links,
+        "{step}: TC there and on {OVERLAY}"
+    );
+    let (_, readyz) = agent.get("/readyz");
+    assert!(!readyz.contains("not enforced"), "{step}: {readyz}");
+    // The ifb uplink runs XDP in generic mode; after the restart the agent finds that in
+    // the kernel's report of the adopted link.
+    assert_eq!(
+        agent.metric("ordnet_datapath_generic_xdp_interfaces"),
+        1.0,
+        "{step}: {readyz}"
+    );
+    assert!(
+        readyz.contains(&format!("XDP in generic mode on {}3", lab.uplink)),
+        "{step}: {readyz}"
+    );
+    // Jumbo frames between two pods of the bridge, where policy allows (b2 -> b1).
+    let (_, b1) = lab.pods["b1"];
+    let (got, mss) = lab
+        .transfer("b2", "b1", b1.into(), 5002, 8 << 20)
+        .unwrap_or_else(|e| panic!("{step}: jumbo transfer over the bridge: {e}"));
+    assert_eq!(got, 8 << 20);
+    assert!(
+        mss > 8800,
+        "{step}: segments of {mss} bytes over MTU {JUMBO_MTU}"
+    );
 }
 
 /// The second node's management pair (this namespace's side, the node's side): the /30 after

@@ -194,6 +194,42 @@ fn install_cni_binary(dir: &std::path::Path) -> Result<(), String> {
 /// unavailable).
 const CNI_RECHAIN_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
+/// Keeps `ordnet-cni` in the first conflist of `dir`: a main CNI that rewrites its conflist
+/// (many do when they restart) drops the entry; it is checked on every change of the directory
+/// and put back (our own write is one more change, after which nothing is written).
+async fn keep_chained(dir: std::path::PathBuf, socket: std::path::PathBuf) {
+    use futures::StreamExt as _;
+    let mut changes = watch_conf_dir(&dir)
+        .inspect_err(|e| {
+            tracing::warn!(
+                dir = %dir.display(),
+                error = %e,
+                "--cni-conf-dir: cannot watch it; checking the chain every {} s",
+                CNI_RECHAIN_EVERY.as_secs()
+            )
+        })
+        .ok();
+    loop {
+        match changes.as_mut() {
+            Some(stream) => {
+                tokio::select! {
+                    _ = stream.next() => {}
+                    _ = tokio::time::sleep(CNI_RECHAIN_EVERY) => {}
+                }
+            }
+            None => tokio::time::sleep(CNI_RECHAIN_EVERY).await,
+        }
+        match ordnet_cni::install::chain(&dir, &socket) {
+            Ok(Some(path)) => tracing::warn!(
+                conflist = %path.display(),
+                "the conflist had lost ordnet-cni (rewritten by the main CNI?): chained again"
+            ),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(error = %e, "--cni-conf-dir: checking the chain failed"),
+        }
+    }
+}
+
 /// A stream of the changes of `dir`'s files (written, created, moved in, deleted).
 fn watch_conf_dir(dir: &std::path::Path) -> std::io::Result<inotify::EventStream<[u8; 4096]>> {
     use inotify::{Inotify, WatchMask};
@@ -385,42 +421,7 @@ pub fn run(args: AgentArgs) -> ExitCode {
                     return ExitCode::from(1);
                 }
             }
-            // A main CNI that rewrites its conflist (many do when they restart) drops the
-            // entry: it is checked on every change of the directory and put back (our own
-            // write is one more change, after which nothing is written).
-            let dir = dir.clone();
-            tokio::spawn(async move {
-                use futures::StreamExt as _;
-                let mut changes = watch_conf_dir(&dir)
-                    .inspect_err(|e| {
-                        tracing::warn!(
-                            dir = %dir.display(),
-                            error = %e,
-                            "--cni-conf-dir: cannot watch it; checking the chain every {} s",
-                            CNI_RECHAIN_EVERY.as_secs()
-                        )
-                    })
-                    .ok();
-                loop {
-                    match changes.as_mut() {
-                        Some(stream) => {
-                            tokio::select! {
-                                _ = stream.next() => {}
-                                _ = tokio::time::sleep(CNI_RECHAIN_EVERY) => {}
-                            }
-                        }
-                        None => tokio::time::sleep(CNI_RECHAIN_EVERY).await,
-                    }
-                    match ordnet_cni::install::chain(&dir, &socket) {
-                        Ok(Some(path)) => tracing::warn!(
-                            conflist = %path.display(),
-                            "the conflist had lost ordnet-cni (rewritten by the main CNI?): chained again"
-                        ),
-                        Ok(None) => {}
-                        Err(e) => tracing::warn!(error = %e, "--cni-conf-dir: checking the chain failed"),
-                    }
-                }
-            });
+            tokio::spawn(keep_chained(dir.clone(), socket));
         }
         let mut term =
             match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
