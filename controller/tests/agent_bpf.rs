@@ -254,23 +254,11 @@ impl Lab {
         ));
         // [`REMOTE`]: a routed pod of the second node.
         let (ns, host) = (format!("{}r", self.prefix), format!("{}rh", self.prefix));
-        run(&format!("ip netns add {ns}"));
-        run(&format!("ip -n {ns} link set lo up"));
         run(&format!(
             "ip netns exec {other} sysctl -qw net.ipv4.ip_forward=1"
         ));
-        run(&format!(
-            "ip -n {other} link add {host} type veth peer name eth0 netns {ns}"
-        ));
-        run(&format!("ip -n {other} addr add 10.216.1.1/32 dev {host}"));
-        run(&format!("ip -n {other} link set {host} up"));
-        run(&format!(
-            "ip -n {other} route add {REMOTE_IP}/32 dev {host}"
-        ));
-        run(&format!("ip -n {ns} addr add {REMOTE_IP}/32 dev eth0"));
-        run(&format!("ip -n {ns} link set eth0 up"));
-        run(&format!("ip -n {ns} route add 10.216.1.1/32 dev eth0"));
-        run(&format!("ip -n {ns} route add default via 10.216.1.1"));
+        let gw = Ipv4Addr::new(10, 216, 1, 1);
+        routed_pod(other, &ns, &host, REMOTE_IP, gw, "", None);
         self.pods.insert(REMOTE.to_string(), (ns, REMOTE_IP));
         self.others.push(other.to_string());
         // Node 2's management link: it reaches the fake API server at [`Lab::api_ip`] in the
@@ -398,48 +386,30 @@ impl Lab {
     fn routed_by_rule(&mut self) {
         let (p, n) = (self.prefix.clone(), self.node.clone());
         let (ns, host) = (format!("{p}q"), format!("{p}p"));
-        run(&format!("ip netns add {ns}"));
-        run(&format!("ip -n {ns} link set lo up"));
-        run(&format!(
-            "ip -n {n} link add {host} type veth peer name eth0 netns {ns}"
-        ));
-        run(&format!("ip -n {n} addr add 10.217.0.1/32 dev {host}"));
-        run(&format!("ip -n {n} link set {host} up"));
-        run(&format!(
-            "ip -n {n} route add {PR_IP}/32 dev {host} table {PR_TABLE}"
-        ));
+        let gw = Ipv4Addr::new(10, 217, 0, 1);
+        routed_pod(
+            &n,
+            &ns,
+            &host,
+            PR_IP,
+            gw,
+            &format!(" table {PR_TABLE}"),
+            None,
+        );
         run(&format!(
             "ip -n {n} rule add to {PR_IP}/32 lookup {PR_TABLE} priority 100"
         ));
-        run(&format!("ip -n {ns} addr add {PR_IP}/32 dev eth0"));
-        run(&format!("ip -n {ns} link set eth0 up"));
-        run(&format!("ip -n {ns} route add 10.217.0.1/32 dev eth0"));
-        run(&format!("ip -n {ns} route add default via 10.217.0.1"));
         self.pods.insert(ROUTED_BY_RULE.to_string(), (ns, PR_IP));
     }
 
     /// A pod's namespace behind its host-side veth `host`: a /32 route on the node, a gateway
     /// route in the pod.
     fn plumb(&mut self, name: &str, host: &str, ip: Ipv4Addr) {
-        let (n, p) = (self.node.clone(), self.prefix.clone());
-        let ns = format!("{p}{}", &name[..1]);
+        let ns = format!("{}{}", self.prefix, &name[..1]);
         self.pods.insert(name.to_string(), (ns.clone(), ip));
-        run(&format!("ip netns add {ns}"));
-        run(&format!("ip -n {ns} link set lo up"));
-        run(&format!(
-            "ip -n {n} link add {host} type veth peer name eth0 netns {ns}"
-        ));
-        run(&format!("ip -n {n} addr add 10.213.0.1/32 dev {host}"));
-        if JUMBO.contains(&name) {
-            run(&format!("ip -n {n} link set {host} mtu {JUMBO_MTU}"));
-            run(&format!("ip -n {ns} link set eth0 mtu {JUMBO_MTU}"));
-        }
-        run(&format!("ip -n {n} link set {host} up"));
-        run(&format!("ip -n {n} route add {ip}/32 dev {host}"));
-        run(&format!("ip -n {ns} addr add {ip}/32 dev eth0"));
-        run(&format!("ip -n {ns} link set eth0 up"));
-        run(&format!("ip -n {ns} route add 10.213.0.1/32 dev eth0"));
-        run(&format!("ip -n {ns} route add default via 10.213.0.1"));
+        let gw = Ipv4Addr::new(10, 213, 0, 1);
+        let mtu = JUMBO.contains(&name).then_some(JUMBO_MTU);
+        routed_pod(&self.node, &ns, host, ip, gw, "", mtu);
     }
 
     /// [`FAR2`] behind the far pod, which forwards to it over a veth of MTU [`NARROW_MTU`]
@@ -1781,6 +1751,39 @@ fn expect_shapes(
         mss > 8800,
         "{step}: segments of {mss} bytes over MTU {JUMBO_MTU}"
     );
+}
+
+/// A routed pod: namespace `ns` with `ip` on its `eth0`, the other end `host` in namespace
+/// `node` with the gateway address `gw`, a /32 route to the pod on the node (`route_extra`:
+/// more words for that route, e.g. a table), and in the pod a route to the gateway and the
+/// default route through it; `mtu` on both ends when given.
+fn routed_pod(
+    node: &str,
+    ns: &str,
+    host: &str,
+    ip: Ipv4Addr,
+    gw: Ipv4Addr,
+    route_extra: &str,
+    mtu: Option<u32>,
+) {
+    run(&format!("ip netns add {ns}"));
+    run(&format!("ip -n {ns} link set lo up"));
+    run(&format!(
+        "ip -n {node} link add {host} type veth peer name eth0 netns {ns}"
+    ));
+    run(&format!("ip -n {node} addr add {gw}/32 dev {host}"));
+    if let Some(mtu) = mtu {
+        run(&format!("ip -n {node} link set {host} mtu {mtu}"));
+        run(&format!("ip -n {ns} link set eth0 mtu {mtu}"));
+    }
+    run(&format!("ip -n {node} link set {host} up"));
+    run(&format!(
+        "ip -n {node} route add {ip}/32 dev {host}{route_extra}"
+    ));
+    run(&format!("ip -n {ns} addr add {ip}/32 dev eth0"));
+    run(&format!("ip -n {ns} link set eth0 up"));
+    run(&format!("ip -n {ns} route add {gw}/32 dev eth0"));
+    run(&format!("ip -n {ns} route add default via {gw}"));
 }
 
 /// The second node's management pair (this namespace's side, the node's side): the /30 after
