@@ -6,7 +6,8 @@
 //! does not have. So after a refused link, the same attachment is asked once more over
 //! `rtnetlink` (`RTM_SETLINK` with `IFLA_XDP`, `XDP_FLAGS_UPDATE_IF_NOEXIST` so it never replaces
 //! anything) with extended acks on, and the kernel's message is read from the answer. The driver
-//! runs the same checks on both paths. Should the second try succeed (the refusal was specific
+//! runs the same checks on both paths. The acknowledgement is parsed here: netlink-packet-core's
+//! `ErrorMessage` keeps the error code and drops the extended-ack attributes. Should the second try succeed (the refusal was specific
 //! to links), its attachment is removed at once and no reason is returned.
 
 use std::io;

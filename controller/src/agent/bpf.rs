@@ -560,7 +560,15 @@ impl BpfDatapath {
         let view = match NetView::read() {
             Ok(view) => view,
             Err(e) => {
-                // Keep the uplinks named literally; nothing is known of the rest.
+                // Nothing is known of the node's network: every attachment stays (detaching
+                // would leave its pods unenforced), every endpoint is reported, and the next
+                // upkeep looks again.
+                self.held = self
+                    .dp
+                    .attached()
+                    .chain(self.dp.tc_attached())
+                    .map(str::to_string)
+                    .collect();
                 for u in self.uplinks.iter().filter(|u| !u.contains(['*', '?'])) {
                     wanted
                         .entry(u.clone())
@@ -573,17 +581,7 @@ impl BpfDatapath {
                 return (wanted, unattached);
             }
         };
-        // Generic-mode XDP as the kernel reports it: also links an earlier agent attached.
-        for l in view.links.values() {
-            let ours = self.dp.attached().any(|a| a == l.name);
-            if ours && l.xdp_generic {
-                self.generic.entry(l.name.clone()).or_insert_with(|| {
-                    "found in generic mode (attached by an earlier agent)".to_string()
-                });
-            } else if ours {
-                self.generic.remove(&l.name);
-            }
-        }
+        self.note_generic_modes(&view);
         let uplinks = view.uplinks(&self.uplinks);
         self.uplinks_found = uplinks.clone();
         self.tc_only = view
@@ -619,20 +617,15 @@ impl BpfDatapath {
             for ip in &ep.ips {
                 let found = match view.pod_interface(*ip, &uplinks) {
                     Ok(iface) => {
-                        if view
-                            .links
-                            .values()
-                            .any(|l| l.name == iface && l.master.is_some())
-                        {
+                        if view.link_named(&iface).is_some_and(|l| l.master.is_some()) {
                             ports.insert(*ip, iface.clone());
                         }
                         Ok(iface)
                     }
                     Err(Unfound::Unresolved { bridge, why }) => {
                         let earlier = self.bridge_ports.get(ip).filter(|port| {
-                            view.links
-                                .values()
-                                .any(|l| &l.name == *port && l.master == Some(bridge))
+                            view.link_named(port)
+                                .is_some_and(|l| l.master == Some(bridge))
                         });
                         match earlier {
                             Some(port) => {
@@ -668,6 +661,21 @@ impl BpfDatapath {
             .collect();
         self.resolve_neighbours(resolving);
         (wanted, unattached)
+    }
+
+    /// Generic-mode XDP as the kernel reports it (`IFLA_XDP_ATTACHED`), so links an earlier
+    /// agent attached are counted too.
+    fn note_generic_modes(&mut self, view: &NetView) {
+        for l in view.links.values() {
+            let ours = self.dp.attached().any(|a| a == l.name);
+            if ours && l.xdp_generic {
+                self.generic.entry(l.name.clone()).or_insert_with(|| {
+                    "found in generic mode (attached by an earlier agent)".to_string()
+                });
+            } else if ours {
+                self.generic.remove(&l.name);
+            }
+        }
     }
 
     /// Keeps a managed neighbour entry for exactly the bridged addresses in `wanted`.

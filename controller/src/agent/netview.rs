@@ -272,6 +272,11 @@ impl NetView {
         }
     }
 
+    /// The interface called `name`.
+    pub fn link_named(&self, name: &str) -> Option<&Link> {
+        self.links.values().find(|l| l.name == name)
+    }
+
     /// The name of interface `ifindex`.
     pub fn name(&self, ifindex: u32) -> Option<&str> {
         self.links.get(&ifindex).map(|l| l.name.as_str())
@@ -306,9 +311,8 @@ impl NetView {
         named
             .iter()
             .find(|n| {
-                self.links
-                    .values()
-                    .any(|l| &l.name == *n && !l.bridge && !l.tunnel && l.name != "lo")
+                self.link_named(n)
+                    .is_some_and(|l| !l.bridge && !l.tunnel && l.name != "lo")
                     && !uplinks.contains(*n)
             })
             .cloned()
