@@ -122,6 +122,8 @@ pub struct ProgramStats {
     pub endpoints_readdressed: u64,
     /// Endpoints whose change set did not fit and that got a full update instead.
     pub fallbacks: u64,
+    /// Times an endpoint got a deny-all policy because its own did not fit the tables.
+    pub denied: u64,
     /// Every write to the datapath, summed.
     pub writes: WriteStats,
 }
@@ -208,6 +210,9 @@ pub struct NodeProgram {
     /// `ns/name` → the host-side interface index of the endpoint (for the TC hook's
     /// attribution of rewritten source addresses).
     interfaces: BTreeMap<String, u32>,
+    /// Endpoints (`ns/name`) whose rule sets did not fit the datapath's tables: they hold a
+    /// deny-all policy in both directions, with why.
+    denied: BTreeMap<String, String>,
     stats: ProgramStats,
 }
 
@@ -230,7 +235,45 @@ impl NodeProgram {
             service_frontends: BTreeSet::new(),
             node_ports: BTreeSet::new(),
             interfaces: BTreeMap::new(),
+            denied: BTreeMap::new(),
             stats: ProgramStats::default(),
+        }
+    }
+
+    /// Endpoints (`ns/name`) whose rule sets do not fit the datapath's tables, with why: each
+    /// holds a deny-all policy in both directions (its traffic fails closed) until
+    /// [`NodeProgram::retry_denied`] (or any change of its policy) finds room.
+    pub fn denied(&self) -> &BTreeMap<String, String> {
+        &self.denied
+    }
+
+    /// Programs the denied endpoints ([`NodeProgram::denied`]) with their own policies again;
+    /// those that still do not fit stay denied.
+    pub fn retry_denied<D: ControlPlane + ?Sized>(
+        &mut self,
+        engine: &Engine,
+        dp: &mut D,
+    ) -> Result<(), ProgramError> {
+        if self.denied.is_empty() {
+            return Ok(());
+        }
+        let names: BTreeSet<String> = self.denied.keys().cloned().collect();
+        self.full_update(engine, &names, dp)
+    }
+
+    /// Records the outcome of an update of the endpoints `ids`: those in `denied` are denied,
+    /// the others are not.
+    fn note_denied(&mut self, ids: &[u32], denied: Vec<(u32, ControlError)>) {
+        for id in ids {
+            if let Some(name) = self.names.get(id) {
+                self.denied.remove(name);
+            }
+        }
+        for (id, why) in denied {
+            if let Some(name) = self.names.get(&id) {
+                self.stats.denied += 1;
+                self.denied.insert(name.clone(), why.to_string());
+            }
         }
     }
 
@@ -425,6 +468,7 @@ impl NodeProgram {
     }
 
     fn forget(&mut self, name: &str) -> Option<u32> {
+        self.denied.remove(name);
         let id = self.ids.remove(name)?;
         self.names.remove(&id);
         self.addrs.retain(|_, n| n != name);
@@ -517,11 +561,13 @@ impl NodeProgram {
                 )
             })
             .collect();
-        let s = dp
-            .update_endpoints(&batch)
+        let (s, denied) = dp
+            .update_endpoints_or_deny(&batch)
             .map_err(|source| self.endpoint_error(source))?;
         add_stats(&mut self.stats.writes, s);
         self.stats.endpoints_added += batch_ids.len() as u64;
+        self.denied.clear();
+        self.note_denied(&batch_ids, denied);
 
         // 3. Identities the engine no longer has.
         let removals: Vec<(IpNet, Option<u32>)> = have
@@ -731,10 +777,12 @@ impl NodeProgram {
                 self.addrs.insert(*ip, name.clone());
             }
         }
-        let s = dp
-            .update_endpoints(&batch)
+        let (s, denied) = dp
+            .update_endpoints_or_deny(&batch)
             .map_err(|source| self.endpoint_error(source))?;
         add_stats(&mut self.stats.writes, s);
+        let ids: Vec<u32> = eps.iter().map(|(id, _)| *id).collect();
+        self.note_denied(&ids, denied);
         Ok(())
     }
 
@@ -762,6 +810,15 @@ impl NodeProgram {
             match dp.apply_changes(&batch) {
                 Ok(s) => {
                     add_stats(&mut self.stats.writes, s);
+                    return Ok(());
+                }
+                // The changes do not fit the tables (nothing was written): these endpoints get
+                // their whole policies, or a deny-all one where those do not fit either.
+                Err(DatapathError::Control(e)) if e.is_capacity() => {
+                    let e = DatapathError::Control(e);
+                    for it in &items {
+                        self.note_fallback(&it.1, &e, full);
+                    }
                     return Ok(());
                 }
                 Err(e) => {
@@ -900,7 +957,7 @@ impl NodeProgram {
         &mut self,
         delta: &EngineDelta,
         dp: &D,
-        full: &BTreeSet<String>,
+        full: &mut BTreeSet<String>,
     ) -> Vec<Split> {
         let mut splits: Vec<Split> = Vec::new();
         for u in &delta.updates {
@@ -908,6 +965,11 @@ impl NodeProgram {
                 continue;
             };
             if full.contains(&u.endpoint) {
+                continue;
+            }
+            if self.denied.contains_key(&u.endpoint) {
+                // It holds a deny-all policy, not the one this change is relative to.
+                full.insert(u.endpoint.clone());
                 continue;
             }
             let Some(state) = dp.endpoints().get(&id) else {

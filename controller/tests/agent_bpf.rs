@@ -966,16 +966,24 @@ struct Spot<'a> {
     uplink: &'a str,
     debug_ip: Ipv4Addr,
     pin_dir: &'a Path,
+    /// More arguments.
+    extra: &'a [&'a str],
 }
 
 impl Agent {
     fn start(lab: &Lab, kubeconfig: &Path) -> Agent {
+        Agent::start_with(lab, kubeconfig, &[])
+    }
+
+    /// [`Agent::start`] with more arguments.
+    fn start_with(lab: &Lab, kubeconfig: &Path, extra: &[&str]) -> Agent {
         let spot = Spot {
             netns: &lab.node,
             node: NODE,
             uplink: &lab.uplink_flag,
             debug_ip: lab.mgmt_ip,
             pin_dir: &lab.pin_dir,
+            extra,
         };
         Agent::start_at(&spot, kubeconfig)
     }
@@ -1006,6 +1014,7 @@ impl Agent {
                 "--conntrack-entries-v6",
                 "1024",
             ])
+            .args(spot.extra)
             .env("ORDNET_PIN_DIR", spot.pin_dir)
             .env("POD_NAMESPACE", "ordnet-system")
             .stderr(Stdio::piped())
@@ -1475,7 +1484,69 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     assert_eq!(lab.pinned_links(), links);
     assert_eq!(agent.metric("ordnet_datapath_attaches_total"), 0.0);
     agent.terminate();
-    let lab = Arc::into_inner(lab).expect("the probes are done");
+    let mut lab = Arc::into_inner(lab).expect("the probes are done");
+    lab.locals.retain(|p| p != "client");
+
+    // 8b. A policy map too small for db's rule set (two keys; the map holds one): started with
+    // it, the agent replaces the pinned maps by smaller ones (the migration of step 8) and db
+    // gets a deny-all policy in both directions, reported; web is enforced as before. Started
+    // again with the default size, db is enforced by its own rules.
+    let mut p = api
+        .get(
+            "networking.k8s.io/v1",
+            "NetworkPolicy",
+            "shop",
+            "db-ingress",
+        )
+        .unwrap();
+    p["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app"] = json!("web");
+    p["spec"]["ingress"][0]["ports"] = json!([
+        {"protocol": "TCP", "port": PORT}, {"protocol": "TCP", "port": PORT + 1}]);
+    api.update(p).unwrap();
+    let agent = Agent::start_with(&lab, &kubeconfig, &["--policy-map-entries", "1"]);
+    agent.wait_ready();
+    lab.expect(
+        "db does not fit",
+        &[("web", "db"), ("far", "db"), ("db", "web")],
+    );
+    assert_eq!(
+        lab.pinned_links(),
+        links,
+        "the attachments were moved, not made anew"
+    );
+    assert_eq!(agent.metric("ordnet_datapath_attaches_total"), 0.0);
+    assert_eq!(agent.metric("ordnet_datapath_denied_endpoints"), 1.0);
+    assert_eq!(
+        agent.metric("ordnet_datapath_map_capacity{map=\"ORDNET_POLICY\"}"),
+        1.0
+    );
+    let (code, ready) = agent.get("/readyz");
+    assert_eq!(code, 200, "{ready}");
+    assert!(
+        ready.contains("denied in both directions (its policy does not fit the maps): shop/db"),
+        "{ready}"
+    );
+    let (code, why) = agent.get(&format!("/v1/trace?from=shop/web&to=shop/db&port={PORT}"));
+    assert_eq!(code, 409, "{why}");
+    assert!(
+        why.contains("DENY: shop/db is denied in both directions"),
+        "{why}"
+    );
+    let aside = |lab: &Lab| {
+        std::fs::read_dir(&lab.pin_dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().contains("-resized-"))
+            .count()
+    };
+    assert_eq!(aside(&lab), 0, "the pins of the old size are still there");
+    agent.terminate();
+    let agent = Agent::start_ready(&lab, &kubeconfig);
+    lab.expect("db fits again", &[]);
+    assert_eq!(agent.metric("ordnet_datapath_denied_endpoints"), 0.0);
+    assert_eq!(aside(&lab), 0, "the pins of the old size are still there");
+    assert_eq!(lab.pinned_links(), links);
+    agent.terminate();
 
     // 9. Uninstall: every program detached, every pin removed; nothing is enforced any more.
     let out = Command::new("nsenter")
@@ -1570,6 +1641,7 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
             uplink: "eth0",
             debug_ip: m2,
             pin_dir: &node2_pins,
+            extra: &[],
         },
         &kubeconfig,
     );

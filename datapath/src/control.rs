@@ -22,7 +22,7 @@ use crate::{
         ContentDiff, FlattenError, RuleSetContent, flatten, meet, meet_steps, same_verdicts,
         verdict_code,
     },
-    store::{Store, StoreError, WriteStats},
+    store::{Store, StoreError, WriteStats, added_keys},
     tables::{TableWriter, Write, WriteError},
 };
 
@@ -150,17 +150,18 @@ pub enum ControlError {
     Write(#[from] WriteError),
 }
 
-/// Number of keys `diff` adds to `content` (upserts of keys it does not have).
-fn added(content: &RuleSetContent, diff: &ContentDiff) -> usize {
-    diff.specific_upserts
-        .iter()
-        .filter(|(k, _)| !content.specific.contains_key(k))
-        .count()
-        + diff
-            .wildcard_upserts
-            .iter()
-            .filter(|(p, _)| !content.wildcard.contains_key(p))
-            .count()
+impl ControlError {
+    /// Whether the error says the policy tables are full (policy keys, rule set slots, cell
+    /// blocks): the endpoint's rule sets do not fit, a smaller policy (deny-all) does.
+    pub fn is_capacity(&self) -> bool {
+        match self {
+            ControlError::Store(StoreError::Write(w)) | ControlError::Write(w) => {
+                w.is_policy_capacity()
+            }
+            ControlError::Store(e) => e.is_capacity(),
+            _ => false,
+        }
+    }
 }
 
 /// Whether `diff` fits `content`: removals of existing keys with their verdicts, and upserts
@@ -246,6 +247,24 @@ fn is_host_prefix(net: &IpNet) -> bool {
     net.prefix_len() == net.max_prefix_len()
 }
 
+/// How full one map is ([`Control::fill`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MapFill {
+    /// The map's name (`ORDNET_POLICY`, ...).
+    pub map: &'static str,
+    /// Entries it holds.
+    pub entries: u64,
+    /// Entries it can hold.
+    pub capacity: u64,
+}
+
+impl MapFill {
+    /// `entries` in percent of `capacity`.
+    pub fn percent(&self) -> u64 {
+        (self.entries * 100).checked_div(self.capacity).unwrap_or(0)
+    }
+}
+
 /// Endpoints, ipcache and rule sets.
 #[derive(Debug)]
 pub struct Control {
@@ -256,6 +275,8 @@ pub struct Control {
     remote: HashMap<IpKey, u32>,
     hosts: BTreeSet<IpKey>,
     cidr: BTreeMap<(IpKey, u32), u32>,
+    /// Capacities of the exact ipcache (per family) and the CIDR ipcache.
+    ip_capacity: (u32, u32),
     /// Service frontends.
     services: BTreeSet<SvcKey>,
     /// Host-side interfaces of local endpoints.
@@ -311,10 +332,77 @@ impl Control {
             remote: HashMap::new(),
             hosts: BTreeSet::new(),
             cidr: BTreeMap::new(),
+            ip_capacity: (u32::MAX, u32::MAX),
             services: BTreeSet::new(),
             ifaces: BTreeMap::new(),
             state,
         }
+    }
+
+    /// Sets the capacities the fill report ([`Control::fill`]) compares with: the exact
+    /// ipcache's (per family) and the CIDR ipcache's.
+    pub fn set_ip_capacities(&mut self, ipcache: u32, cidr: u32) {
+        self.ip_capacity = (ipcache, cidr);
+    }
+
+    /// How full the maps that grow with the cluster are: the policy keys, rule set slots and
+    /// cell blocks (of the rule set store) and the ipcache (per family, and CIDRs).
+    pub fn fill(&self) -> Vec<MapFill> {
+        use ordnet_datapath_common::layout::{
+            FAMILY_V4, MAP_BLOCKS, MAP_CELLS, MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY,
+        };
+        let mut ip = [0u64; 2];
+        let family = |k: &IpKey| usize::from(k.family != u32::from(FAMILY_V4));
+        for k in self.ip_owner.keys() {
+            ip[family(k)] += 1;
+        }
+        for k in self
+            .remote
+            .keys()
+            .filter(|k| !self.ip_owner.contains_key(*k))
+        {
+            ip[family(k)] += 1;
+        }
+        for k in self
+            .hosts
+            .iter()
+            .filter(|k| !self.ip_owner.contains_key(*k) && !self.remote.contains_key(*k))
+        {
+            ip[family(k)] += 1;
+        }
+        let cap = |n: usize| n as u64;
+        vec![
+            MapFill {
+                map: MAP_POLICY,
+                entries: self.store.policy_keys_held() as u64,
+                capacity: cap(self.store.policy_capacity()),
+            },
+            MapFill {
+                map: MAP_CELLS,
+                entries: self.store.slots_in_use().len() as u64 + 1,
+                capacity: u64::from(self.store.max_rulesets()),
+            },
+            MapFill {
+                map: MAP_BLOCKS,
+                entries: u64::from(self.store.blocks_in_use()),
+                capacity: u64::from(self.store.max_blocks()),
+            },
+            MapFill {
+                map: MAP_IP4,
+                entries: ip[0],
+                capacity: u64::from(self.ip_capacity.0),
+            },
+            MapFill {
+                map: MAP_IP6,
+                entries: ip[1],
+                capacity: u64::from(self.ip_capacity.0),
+            },
+            MapFill {
+                map: MAP_IPCIDR,
+                entries: self.cidr.len() as u64,
+                capacity: u64::from(self.ip_capacity.1),
+            },
+        ]
     }
 
     /// The policy revision last written (tracked flows older than it are re-checked).
@@ -330,6 +418,11 @@ impl Control {
     /// The local endpoints, by id.
     pub fn endpoints(&self) -> &BTreeMap<u32, EndpointState> {
         &self.endpoints
+    }
+
+    /// The rule set store, writable (its capacities).
+    pub(crate) fn store_mut(&mut self) -> &mut Store {
+        &mut self.store
     }
 
     /// The rule set store (slots, blocks, sharing).
@@ -440,7 +533,90 @@ impl Control {
     ) -> Result<WriteStats, ControlError> {
         let mut stats = WriteStats::default();
         self.store.reclaim(w, &mut stats)?;
-        // 1. Validate and flatten; nothing is written before this succeeds.
+        let planned = self.plan(batch)?;
+        // Both sides of some flow change (an egress and an ingress rule set or default): the
+        // meet of old and new goes first, so that no mix of old and new records the datapath
+        // may see allows what neither state allows.
+        if let Some(meet) = self.meet_plan(&planned) {
+            self.write_planned(w, &meet, &mut stats)?;
+        }
+        self.write_planned(w, &planned, &mut stats)?;
+        Ok(stats)
+    }
+
+    /// [`Control::update_endpoints`], except that an endpoint whose rule sets do not fit the
+    /// tables (policy keys, rule set slots, cell blocks: [`ControlError::is_capacity`]) gets a
+    /// **deny-all policy in both directions** instead of its own, so that it is never left
+    /// unenforced, and the others get theirs. Returns the statistics and the endpoints denied,
+    /// with why.
+    ///
+    /// When the whole batch does not fit, it is written one endpoint at a time, which is safe
+    /// as long as no flow has two changing sides (each step then changes one side of any
+    /// flow); when some flow has two (an egress and another endpoint's ingress), every
+    /// changing endpoint first goes to deny-all (which allows less than any state), so that
+    /// every later mix allows at most what the new state allows.
+    pub fn update_endpoints_or_deny<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        batch: &[(u32, EndpointSpec<'_>)],
+    ) -> Result<(WriteStats, Vec<(u32, ControlError)>), ControlError> {
+        let mut stats = WriteStats::default();
+        self.store.reclaim(w, &mut stats)?;
+        let planned = self.plan(batch)?;
+        let meet = self.meet_plan(&planned);
+        let two_sides = meet.is_some();
+        let whole = match &meet {
+            Some(meet) => self
+                .write_planned(w, meet, &mut stats)
+                .and_then(|()| self.write_planned(w, &planned, &mut stats)),
+            None => self.write_planned(w, &planned, &mut stats),
+        };
+        match whole {
+            Ok(()) => return Ok((stats, Vec::new())),
+            Err(e) if e.is_capacity() => {}
+            Err(e) => return Err(e),
+        }
+        let deny_all = |p: &Planned| Planned {
+            id: p.id,
+            ips: p.ips.clone(),
+            identities: p.identities.clone(),
+            dirs: [
+                (RuleSetContent::default(), V_DENY),
+                (RuleSetContent::default(), V_DENY),
+            ],
+        };
+        if two_sides {
+            let changing: Vec<Planned> = planned
+                .iter()
+                .filter(|p| {
+                    self.endpoints.get(&p.id).is_some_and(|o| {
+                        (0..2).any(|d| {
+                            let r = o.policy(Direction::ALL[d]);
+                            self.store.content(r.ruleset) != Some(&p.dirs[d].0)
+                                || r.default != p.dirs[d].1
+                        })
+                    })
+                })
+                .map(deny_all)
+                .collect();
+            self.write_planned(w, &changing, &mut stats)?;
+        }
+        let mut denied = Vec::new();
+        for p in &planned {
+            match self.write_planned(w, std::slice::from_ref(p), &mut stats) {
+                Ok(()) => {}
+                Err(e) if e.is_capacity() => {
+                    self.write_planned(w, &[deny_all(p)], &mut stats)?;
+                    denied.push((p.id, e));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok((stats, denied))
+    }
+
+    /// Step 1 of an update: validates and flattens the batch; nothing is written.
+    fn plan(&self, batch: &[(u32, EndpointSpec<'_>)]) -> Result<Vec<Planned>, ControlError> {
         let batch_ids: BTreeSet<u32> = batch.iter().map(|(id, _)| *id).collect();
         let mut new_owner: HashMap<IpKey, u32> = HashMap::new();
         let mut planned = Vec::with_capacity(batch.len());
@@ -467,15 +643,7 @@ impl Control {
                 ],
             });
         }
-
-        // Both sides of some flow change (an egress and an ingress rule set or default): the
-        // meet of old and new goes first, so that no mix of old and new records the datapath
-        // may see allows what neither state allows.
-        if let Some(meet) = self.meet_plan(&planned) {
-            self.write_planned(w, meet, &mut stats)?;
-        }
-        self.write_planned(w, planned, &mut stats)?;
-        Ok(stats)
+        Ok(planned)
     }
 
     /// For a batch that changes both sides of some flow — one endpoint's egress and another
@@ -528,7 +696,7 @@ impl Control {
     fn write_planned<W: TableWriter + ?Sized>(
         &mut self,
         w: &mut W,
-        planned: Vec<Planned>,
+        planned: &[Planned],
         stats: &mut WriteStats,
     ) -> Result<(), ControlError> {
         let old: Vec<Option<EndpointState>> = planned
@@ -536,23 +704,26 @@ impl Control {
             .map(|p| self.endpoints.get(&p.id).cloned())
             .collect();
         // 2. Which rule sets change in place.
-        let in_place = self.in_place_changes(&planned, &old);
+        let in_place = self.in_place_changes(planned, &old);
         let is_in_place = |i: usize, d: usize| {
             old[i]
                 .as_ref()
                 .is_some_and(|o| in_place.contains_key(&o.policy(Direction::ALL[d]).ruleset))
         };
+        // Room for every key the plan adds, before anything is written.
+        let needed = self.room_needed(planned, &in_place, &is_in_place);
+        self.store.ensure_room(w, needed, stats)?;
         // 3. Install new contents (invisible until a record points at them).
-        let targets = self.install_targets(w, &planned, &old, &in_place, &is_in_place, stats)?;
+        let targets = self.install_targets(w, planned, &old, &in_place, &is_in_place, stats)?;
         // 4. Defaults that tighten on a rule set changed in place go first (a default is the
         // weakest wildcard key: deny upserts first, allow upserts last).
-        self.tighten_in_place_defaults(w, &planned, &old, &is_in_place, stats)?;
+        self.tighten_in_place_defaults(w, planned, &old, &is_in_place, stats)?;
         // 5. In-place changes.
         for (slot, content) in in_place {
             self.store.update_in_place(w, slot, content, stats)?;
         }
         // 6. Switch: the final records (one atomic write per address).
-        self.switch_records(w, &planned, &old, &targets, stats)?;
+        self.switch_records(w, planned, &old, &targets, stats)?;
         // 7. Release what is no longer used (cleared after the grace period).
         for (i, o) in old.iter().enumerate() {
             if let Some(o) = o {
@@ -566,6 +737,50 @@ impl Control {
         }
         self.bump(w, stats)?;
         Ok(())
+    }
+
+    /// Policy keys a plan adds: the new keys of rule sets changed in place, and every key of
+    /// each distinct content installed beside (one no slot holds yet).
+    fn room_needed(
+        &self,
+        planned: &[Planned],
+        in_place: &BTreeMap<u32, RuleSetContent>,
+        is_in_place: &dyn Fn(usize, usize) -> bool,
+    ) -> usize {
+        let mut needed = 0;
+        for (&slot, new) in in_place {
+            if let Some(current) = self.store.content(slot) {
+                needed += new
+                    .specific
+                    .keys()
+                    .filter(|k| !current.specific.contains_key(k))
+                    .count()
+                    + new
+                        .wildcard
+                        .keys()
+                        .filter(|p| !current.wildcard.contains_key(p))
+                        .count();
+            }
+        }
+        let mut counted: HashMap<u64, Vec<&RuleSetContent>> = HashMap::new();
+        for (i, p) in planned.iter().enumerate() {
+            for d in 0..2 {
+                let content = &p.dirs[d].0;
+                if is_in_place(i, d)
+                    || content.is_empty()
+                    || in_place.values().any(|c| c == content)
+                    || self.store.find(content).is_some()
+                {
+                    continue;
+                }
+                let same = counted.entry(content.content_hash()).or_default();
+                if !same.contains(&content) {
+                    same.push(content);
+                    needed += content.len();
+                }
+            }
+        }
+        needed
     }
 
     /// The rule sets that change in place: every user of the slot is in this batch and all of
@@ -880,6 +1095,11 @@ impl Control {
             }
         }
 
+        // Room for every key the changes add (in place, and the distinct fresh copies), before
+        // anything is written.
+        let needed = self.room_for_items(&items, &in_place);
+        self.store.ensure_room(w, needed, stats)?;
+
         // 3. The other changed rule sets: an identical one, or a fresh copy. A rule set changed
         // in place is no candidate: its current content is about to change.
         let mut targets: Vec<u32> = items.iter().map(|it| it.2.ruleset).collect();
@@ -962,6 +1182,36 @@ impl Control {
         Ok(())
     }
 
+    /// Policy keys [`Control::apply_items`] adds: the new keys of the rule sets changed in place
+    /// and every key of each distinct copy it installs.
+    fn room_for_items(&self, items: &[ChangeItem], in_place: &BTreeMap<u32, usize>) -> usize {
+        let empty = RuleSetContent::default();
+        let mut needed: usize = in_place
+            .iter()
+            .map(|(&slot, &i)| added_keys(self.store.content(slot).unwrap_or(&empty), &items[i].3))
+            .sum();
+        let mut copies: HashMap<u64, Vec<RuleSetContent>> = HashMap::new();
+        for it in items {
+            let slot = it.2.ruleset;
+            if it.3.is_empty()
+                || in_place.contains_key(&slot)
+                || self.existing_after(slot, &it.3, in_place).is_some()
+            {
+                continue;
+            }
+            let current = self.store.content(slot).unwrap_or(&empty);
+            let hash = current.hash_after(self.store.hash(slot).unwrap_or(0), &it.3);
+            let mut after = current.clone();
+            after.apply(&it.3);
+            let same = copies.entry(hash).or_default();
+            if !same.contains(&after) {
+                needed += after.len();
+                same.push(after);
+            }
+        }
+        needed
+    }
+
     /// A slot other than `slot` (and not in `exclude`) whose content equals `slot`'s content
     /// with `diff` applied (0 for the empty content). The full comparison only runs on a hash
     /// match.
@@ -974,7 +1224,7 @@ impl Control {
         let empty = RuleSetContent::default();
         let content = self.store.content(slot).unwrap_or(&empty);
         let removed = diff.specific_removes.len() + diff.wildcard_removes.len();
-        if content.len() + added(content, diff) == removed {
+        if content.len() + added_keys(content, diff) == removed {
             return Some(0);
         }
         let hash = content.hash_after(self.store.hash(slot).unwrap_or(0), diff);
@@ -1315,6 +1565,7 @@ impl Control {
             remote,
             hosts,
             cidr,
+            ip_capacity: (u32::MAX, u32::MAX),
             services: w.tables().services.clone(),
             ifaces: w.tables().ifaces.clone(),
             state: w.tables().state,

@@ -67,7 +67,8 @@ use aya::{
     },
 };
 pub use control::{
-    Control, ControlError, EndpointAddresses, EndpointSpec, EndpointState, ip_key, key_ip, net_key,
+    Control, ControlError, EndpointAddresses, EndpointSpec, EndpointState, MapFill, ip_key, key_ip,
+    net_key,
 };
 pub use flat::{
     CellInputs, CellWords, ContentDiff, FlatRuleSet, FlattenError, RuleSetContent, cell_words,
@@ -623,7 +624,8 @@ impl Datapath {
         let mut dp = Datapath {
             ebpf,
             control: Control::new(
-                Store::new(config.max_rulesets, config.max_blocks, config.grace),
+                Store::new(config.max_rulesets, config.max_blocks, config.grace)
+                    .with_policy_capacity(config.policy_entries),
                 config.clock_state(hz),
             ),
             tables,
@@ -631,6 +633,8 @@ impl Datapath {
             links: BTreeMap::new(),
             tc_links: BTreeMap::new(),
         };
+        dp.control
+            .set_ip_capacities(dp.config.ipcache_entries, dp.config.cidr_entries);
         // Revision 1: connection-tracking entries start stamped with a real revision.
         dp.control.set_hosts(&mut dp.tables, &[])?;
         dp.pin_program()?;
@@ -654,6 +658,9 @@ impl Datapath {
         config.max_blocks = blocks.max_entries() * 2 / BLOCK_WORDS;
         config.ct4_entries = aya::maps::MapInfo::from_pin(dir.join(MAP_CT4))?.max_entries();
         config.ct6_entries = aya::maps::MapInfo::from_pin(dir.join(MAP_CT6))?.max_entries();
+        config.policy_entries = aya::maps::MapInfo::from_pin(dir.join(MAP_POLICY))?.max_entries();
+        config.ipcache_entries = aya::maps::MapInfo::from_pin(dir.join(MAP_IP4))?.max_entries();
+        config.cidr_entries = aya::maps::MapInfo::from_pin(dir.join(MAP_IPCIDR))?.max_entries();
         let (mut ebpf, mut tables) = Self::load(&config)?;
         Self::check_pins(&ebpf, &tables)?;
         tables.mirror = tables.read_all()?;
@@ -663,6 +670,10 @@ impl Datapath {
             config.max_blocks,
             config.grace,
         )?;
+        control
+            .store_mut()
+            .set_policy_capacity(config.policy_entries);
+        control.set_ip_capacities(config.ipcache_entries, config.cidr_entries);
         // The configured lifetimes apply from now on (with the pinned state's measured HZ), and
         // a state pinned by an older version gets the lifetimes it did not have, before the new
         // program is swapped in (the old one ignores them).
@@ -719,6 +730,29 @@ impl Datapath {
         };
         dp.pin_program()?;
         Ok((dp, report))
+    }
+
+    /// The sizes of the maps pinned in `dir` (the capacities of [`DatapathConfig`]; the other
+    /// fields are the defaults), `None` if they cannot all be read.
+    pub fn pinned_sizes(dir: &Path) -> Option<DatapathConfig> {
+        let size = |m: &str| {
+            aya::maps::MapInfo::from_pin(dir.join(m))
+                .ok()
+                .map(|i| i.max_entries())
+        };
+        Some(DatapathConfig {
+            pin_dir: Some(dir.to_path_buf()),
+            max_rulesets: size(MAP_CELLS)? * 2 / CELLS_PER_RULESET,
+            max_blocks: size(MAP_BLOCKS)? * 2 / BLOCK_WORDS,
+            policy_entries: size(MAP_POLICY)?,
+            ipcache_entries: size(MAP_IP4)?,
+            cidr_entries: size(MAP_IPCIDR)?,
+            ct4_entries: size(MAP_CT4)?,
+            ct6_entries: size(MAP_CT6)?,
+            svc_entries: size(MAP_SVC)?,
+            iface_entries: size(MAP_IFACE)?,
+            ..DatapathConfig::default()
+        })
     }
 
     /// [`Datapath::adopt`] if `config.pin_dir` holds pinned maps, else [`Datapath::create`].

@@ -19,7 +19,7 @@ use ordnet_datapath_common::{
 use ordnet_mapstate::{ChangeSet, Direction, Verdict};
 
 use crate::{
-    DatapathConfig, DatapathError,
+    ControlError, DatapathConfig, DatapathError,
     control::{Control, EndpointAddresses, EndpointSpec, EndpointState, ip_key, key_ip},
     flat::RuleSetContent,
     store::{SlotInfo, Store, WriteStats},
@@ -160,6 +160,17 @@ pub trait ControlPlane {
         Ok(c.update_endpoints(w, batch)?)
     }
 
+    /// [`ControlPlane::update_endpoints`], except that an endpoint whose rule sets do not fit
+    /// the tables gets a deny-all policy in both directions instead of being left as it was
+    /// (see [`Control::update_endpoints_or_deny`]); returns the endpoints denied, with why.
+    fn update_endpoints_or_deny(
+        &mut self,
+        batch: &[(u32, EndpointSpec<'_>)],
+    ) -> Result<(WriteStats, Vec<(u32, ControlError)>), DatapathError> {
+        let (c, w) = self.parts();
+        Ok(c.update_endpoints_or_deny(w, batch)?)
+    }
+
     /// Applies MapState change sets (as `MapState::apply` returns them) to endpoints, with the
     /// new isolation defaults. In the common case (every endpoint that uses a rule set gets the
     /// same changes) the cost is the size of the changes, not of the MapState. A change set
@@ -268,7 +279,8 @@ impl MemDatapath {
         use ordnet_datapath_common::layout::{BLOCK_WORDS, CELLS_PER_RULESET};
         let mut dp = MemDatapath {
             control: Control::new(
-                Store::new(config.max_rulesets, config.max_blocks, config.grace),
+                Store::new(config.max_rulesets, config.max_blocks, config.grace)
+                    .with_policy_capacity(config.policy_entries),
                 config.clock_state(sys::FALLBACK_HZ),
             ),
             tables: MemTables::new(
@@ -276,6 +288,8 @@ impl MemDatapath {
                 config.max_blocks * BLOCK_WORDS,
             ),
         };
+        dp.control
+            .set_ip_capacities(config.ipcache_entries, config.cidr_entries);
         // Revision 1, as a kernel datapath starts.
         dp.control
             .set_hosts(&mut dp.tables, &[])
@@ -574,6 +588,124 @@ mod tests {
             )])
             .is_err()
         );
+    }
+
+    /// An ingress MapState that denies by default and allows each of `peers` on TCP `port`
+    /// (one policy key each).
+    fn allow_many(peers: std::ops::RangeInclusive<u32>, port: u16) -> MapState {
+        let mut ms = MapState::new(Direction::Ingress, Verdict::Deny);
+        ms.apply(
+            peers
+                .enumerate()
+                .map(|(i, p)| entry(i as u64 + 1, p, L4Match::port(Protocol::Tcp, port))),
+        )
+        .unwrap();
+        ms
+    }
+
+    /// A policy map too small for an endpoint's rule set: the endpoint is denied both ways and
+    /// reported, the others are enforced as before, and an operation that does not fit writes
+    /// nothing.
+    #[test]
+    fn an_endpoint_whose_rule_set_does_not_fit_is_denied_both_ways() {
+        let mut dp = MemDatapath::new(&DatapathConfig {
+            max_rulesets: 8,
+            max_blocks: 16,
+            policy_entries: 4,
+            grace: Duration::ZERO,
+            ..DatapathConfig::default()
+        });
+        for (net, id) in [("10.0.1.7/32", 7), ("10.0.1.8/32", 8), ("10.0.1.20/32", 20)] {
+            dp.set_identity(net.parse().unwrap(), id).unwrap();
+        }
+        let open_out = MapState::new(Direction::Egress, Verdict::Allow);
+        let spec = |ips, ingress| EndpointSpec {
+            ips,
+            identity: 20,
+            identities: &[],
+            ingress,
+            egress: &open_out,
+        };
+        let big = &allow_many(7..=12, 80); // 6 keys: more than the map holds
+        let small_in = &allow_from(7, 80);
+        let (a, b) = (&[ip("10.0.0.1")][..], &[ip("10.0.0.2")][..]);
+
+        // All or nothing: the batch does not fit, and nothing is written.
+        let before = dp.tables().canonical();
+        let e = dp
+            .update_endpoints(&[(1, spec(a, big)), (2, spec(b, small_in))])
+            .unwrap_err();
+        assert!(
+            matches!(&e, DatapathError::Control(c) if c.is_capacity()),
+            "{e}"
+        );
+        assert_eq!(dp.tables().canonical(), before, "nothing half-written");
+
+        // Or deny what does not fit: endpoint 1 denied both ways, endpoint 2 enforced.
+        let (_, denied) = dp
+            .update_endpoints_or_deny(&[(1, spec(a, big)), (2, spec(b, small_in))])
+            .unwrap();
+        assert_eq!(denied.len(), 1);
+        assert_eq!(denied[0].0, 1);
+        assert!(
+            denied[0].1.to_string().contains("policy map is full"),
+            "{}",
+            denied[0].1
+        );
+        let verdict = |dp: &MemDatapath, src, dst, port| {
+            let d = dp.decide(&tcp(src, dst, port));
+            (d.verdict, d.reason)
+        };
+        assert_eq!(
+            verdict(&dp, "10.0.1.7", "10.0.0.1", 80),
+            (Xdp::Drop, Reason::IngressDenied)
+        );
+        assert_eq!(
+            verdict(&dp, "10.0.0.1", "10.0.1.8", 443),
+            (Xdp::Drop, Reason::EgressDenied)
+        );
+        assert_eq!(
+            verdict(&dp, "10.0.1.7", "10.0.0.2", 80),
+            (Xdp::Pass, Reason::Allowed)
+        );
+        assert_eq!(
+            verdict(&dp, "10.0.1.8", "10.0.0.2", 80),
+            (Xdp::Drop, Reason::IngressDenied)
+        );
+        assert_eq!(
+            verdict(&dp, "10.0.0.2", "10.0.1.8", 443),
+            (Xdp::Pass, Reason::Allowed)
+        );
+        assert_eq!(dp.control().store().policy_keys_held(), 1);
+
+        // A change set that does not fit: refused before any write.
+        let mut grown = small_in.clone();
+        let cs = grown
+            .apply((8..=12).map(|p| entry(u64::from(p), p, L4Match::Any)))
+            .unwrap();
+        let before = dp.tables().canonical();
+        let e = dp
+            .apply_changes(&[(2, Direction::Ingress, &cs, Verdict::Deny)])
+            .unwrap_err();
+        assert!(
+            matches!(&e, DatapathError::Control(c) if c.is_capacity()),
+            "{e}"
+        );
+        assert_eq!(dp.tables().canonical(), before, "nothing half-written");
+
+        // Once it fits (a smaller policy), endpoint 1 is enforced by its own rules again.
+        let fits = &allow_many(7..=9, 80);
+        let (_, denied) = dp.update_endpoints_or_deny(&[(1, spec(a, fits))]).unwrap();
+        assert!(denied.is_empty());
+        assert_eq!(
+            verdict(&dp, "10.0.1.8", "10.0.0.1", 80),
+            (Xdp::Pass, Reason::Allowed)
+        );
+        assert_eq!(
+            verdict(&dp, "10.0.0.1", "10.0.1.8", 443),
+            (Xdp::Pass, Reason::Allowed)
+        );
+        assert_eq!(dp.control().store().policy_keys_held(), 4);
     }
 
     #[test]

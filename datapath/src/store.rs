@@ -101,6 +101,31 @@ pub enum StoreError {
     /// Every refined cell block is in use (the number of blocks).
     #[error("no free cell block (all {0} in use); raise max_blocks")]
     NoBlock(u32),
+    /// The policy map has no room for the keys an operation adds (checked before anything is
+    /// written).
+    #[error(
+        "the policy map is full: {needed} more keys do not fit beside the {held} it holds \
+         (capacity {capacity}); raise its size"
+    )]
+    PolicyFull {
+        /// Keys the operation adds.
+        needed: usize,
+        /// Keys the map holds (rule sets in use and released ones not yet cleared).
+        held: usize,
+        /// The map's capacity.
+        capacity: usize,
+    },
+}
+
+impl StoreError {
+    /// Whether the error says a table is full (rule set slots, cell blocks, policy keys): the
+    /// operation wrote nothing, and a smaller one may still fit.
+    pub fn is_capacity(&self) -> bool {
+        match self {
+            StoreError::NoSlot(_) | StoreError::NoBlock(_) | StoreError::PolicyFull { .. } => true,
+            StoreError::Write(w) => w.is_capacity(),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -127,6 +152,20 @@ fn slot_content<W: TableWriter + ?Sized>(
     Ok(c)
 }
 
+/// Number of keys `diff` adds to `content` (upserts of keys it does not have): the policy map
+/// holds them all before any removal of the diff is written.
+pub(crate) fn added_keys(content: &RuleSetContent, diff: &ContentDiff) -> usize {
+    diff.specific_upserts
+        .iter()
+        .filter(|(k, _)| !content.specific.contains_key(k))
+        .count()
+        + diff
+            .wildcard_upserts
+            .iter()
+            .filter(|(p, _)| !content.wildcard.contains_key(p))
+            .count()
+}
+
 /// Summary of one slot, for inspection.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SlotInfo {
@@ -143,6 +182,8 @@ pub struct SlotInfo {
 pub struct Store {
     max_rulesets: u32,
     max_blocks: u32,
+    /// Capacity of the policy map (keys of all slots, also released ones not yet cleared).
+    policy_capacity: usize,
     grace: Duration,
     slots: Vec<Option<RuleSet>>,
     free_slots: VecDeque<u32>,
@@ -176,6 +217,7 @@ impl Store {
         Store {
             max_rulesets,
             max_blocks,
+            policy_capacity: usize::MAX,
             grace,
             slots,
             free_slots: (1..max_rulesets).collect(),
@@ -183,6 +225,78 @@ impl Store {
             free_blocks: (0..max_blocks).collect(),
             retired_blocks: VecDeque::new(),
             by_hash: HashMap::new(),
+        }
+    }
+
+    /// The same store for a policy map of `capacity` keys: an operation that would add more
+    /// keys than fit fails with [`StoreError::PolicyFull`] before writing anything.
+    pub fn with_policy_capacity(mut self, capacity: u32) -> Store {
+        self.policy_capacity = capacity as usize;
+        self
+    }
+
+    /// Sets the capacity of the policy map (see [`Store::with_policy_capacity`]).
+    pub fn set_policy_capacity(&mut self, capacity: u32) {
+        self.policy_capacity = capacity as usize;
+    }
+
+    /// Capacity of the policy map (`usize::MAX`: not bounded).
+    pub fn policy_capacity(&self) -> usize {
+        self.policy_capacity
+    }
+
+    /// Capacity in rule set slots (slot 0, the empty rule set, included).
+    pub fn max_rulesets(&self) -> u32 {
+        self.max_rulesets
+    }
+
+    /// Capacity in refined cell blocks.
+    pub fn max_blocks(&self) -> u32 {
+        self.max_blocks
+    }
+
+    /// Policy keys the map holds: those of every slot in use and of released slots not yet
+    /// cleared.
+    pub fn policy_keys_held(&self) -> usize {
+        self.slots.iter().flatten().map(|r| r.content.len()).sum()
+    }
+
+    /// Makes room for `needed` more policy keys: waits out the grace period of released slots
+    /// (their keys are cleared) while that helps; [`StoreError::PolicyFull`] when it does not
+    /// (nothing else written).
+    pub fn ensure_room<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        needed: usize,
+        stats: &mut WriteStats,
+    ) -> Result<(), StoreError> {
+        loop {
+            let held = self.policy_keys_held();
+            if held.saturating_add(needed) <= self.policy_capacity {
+                return Ok(());
+            }
+            let releasable: usize = self
+                .retired_slots
+                .iter()
+                .filter_map(|(s, _)| self.slots[*s as usize].as_ref())
+                .map(|r| r.content.len())
+                .sum();
+            let Some(&(_, t)) = self.retired_slots.front() else {
+                return Err(StoreError::PolicyFull {
+                    needed,
+                    held,
+                    capacity: self.policy_capacity,
+                });
+            };
+            if (held - releasable).saturating_add(needed) > self.policy_capacity {
+                return Err(StoreError::PolicyFull {
+                    needed,
+                    held,
+                    capacity: self.policy_capacity,
+                });
+            }
+            thread::sleep(self.grace.saturating_sub(t.elapsed()));
+            self.reclaim(w, stats)?;
         }
     }
 
@@ -461,18 +575,38 @@ impl Store {
         content: RuleSetContent,
         stats: &mut WriteStats,
     ) -> Result<u32, StoreError> {
+        self.ensure_room(w, content.len(), stats)?;
         let slot = self.alloc_slot(w, stats)?;
         let inputs = content.cell_inputs();
         let mut phase = Phase::default();
         let all: BTreeSet<u32> = (0..CELLS_PER_RULESET).collect();
-        self.realize(w, slot, &inputs, &all, &mut phase)?;
+        let taken = |phase: &Phase| -> Vec<u32> {
+            phase
+                .cells
+                .iter()
+                .filter_map(|op| match op {
+                    Write::Cell(_, word) if word & CELL_REFINED != 0 => Some(word & !CELL_REFINED),
+                    _ => None,
+                })
+                .collect()
+        };
+        if let Err(e) = self.realize(w, slot, &inputs, &all, &mut phase) {
+            // Blocks taken for this slot go back; nothing was written.
+            self.free_blocks.extend(taken(&phase));
+            self.free_slots.push_front(slot);
+            return Err(e);
+        }
+        let blocks = taken(&phase);
         phase.policy.reserve(content.len());
         phase.policy.extend(
             content
                 .policy_keys(slot)
                 .map(|(k, v)| Write::PolicyUpsert(k, PolicyValue::new(v))),
         );
-        self.run_phase(w, stats, phase)?;
+        if let Err(e) = self.run_phase(w, stats, phase) {
+            self.discard_partial_install(w, slot, &blocks);
+            return Err(e);
+        }
         let hash = content_hash(&content);
         self.by_hash.entry(hash).or_default().push(slot);
         self.slots[slot as usize] = Some(RuleSet {
@@ -483,6 +617,33 @@ impl Store {
         });
         stats.rulesets_installed += 1;
         Ok(slot)
+    }
+
+    /// After an install that failed part-way: the slot holds what was written (nobody
+    /// references it) and is released, so its keys and words are cleared after the grace
+    /// period like any released slot's. Nothing leaks, and the held keys stay counted until
+    /// then. `blocks` were taken for it: those no written word points to are free again.
+    fn discard_partial_install<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &W,
+        slot: u32,
+        blocks: &[u32],
+    ) {
+        let base = (slot * CELLS_PER_RULESET) as usize;
+        let words = &w.tables().cells[base..base + CELLS_PER_RULESET as usize];
+        for b in blocks {
+            if !words.contains(&(CELL_REFINED | b)) {
+                self.free_blocks.push_back(*b);
+            }
+        }
+        let content = slot_content(w, slot).unwrap_or_default();
+        self.slots[slot as usize] = Some(RuleSet {
+            content,
+            inputs: CellInputs::default(),
+            hash: 0,
+            refs: 0,
+        });
+        self.retired_slots.push_back((slot, Instant::now()));
     }
 
     /// Changes the keys of `slot` to `new` in place, writing only what differs, in the safe
@@ -514,6 +675,11 @@ impl Store {
         if diff.is_empty() {
             return Ok(());
         }
+        let grows = {
+            let current = self.content(slot).expect("update of a slot in use");
+            added_keys(current, diff)
+        };
+        self.ensure_room(w, grows, stats)?;
         let mut rs = self.slots[slot as usize]
             .take()
             .expect("update of a slot in use");

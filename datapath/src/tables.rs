@@ -89,6 +89,32 @@ pub enum WriteError {
     Full(&'static str, u32),
 }
 
+impl WriteError {
+    /// Whether a map had no room (the kernel's `E2BIG` for a full hash map, `ENOSPC`, or an
+    /// allocation that failed with `ENOMEM`).
+    pub fn is_capacity(&self) -> bool {
+        match self {
+            WriteError::Full(..) => true,
+            WriteError::Syscall { source, .. } => matches!(
+                source.raw_os_error(),
+                Some(libc::E2BIG | libc::ENOSPC | libc::ENOMEM)
+            ),
+            WriteError::Map { .. } => false,
+        }
+    }
+
+    /// [`WriteError::is_capacity`] of the policy map (the one a deny-all policy needs no room
+    /// in).
+    pub fn is_policy_capacity(&self) -> bool {
+        let map = match self {
+            WriteError::Syscall { map, .. }
+            | WriteError::Map { map, .. }
+            | WriteError::Full(map, _) => map,
+        };
+        *map == ordnet_datapath_common::layout::MAP_POLICY && self.is_capacity()
+    }
+}
+
 /// Batched writes to the datapath maps. Each call is one batch; elements are applied in order.
 pub trait TableWriter {
     /// Applies `writes`, in order, as one batch.

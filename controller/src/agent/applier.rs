@@ -112,7 +112,7 @@ pub(crate) struct Applier {
     /// The wanted status of every ordered policy (for the status writer).
     wanted: watch::Sender<BTreeMap<ObjKey, status::WantedStatus>>,
     /// Problems to publish as Events.
-    events: mpsc::UnboundedSender<status::ProblemEvent>,
+    events: mpsc::UnboundedSender<status::AgentEvent>,
     /// Change number: one more for every view change (see `AgentState::applied`).
     seq: u64,
     /// The latest version of every pod scheduled to this node (not terminated): what a CNI ADD
@@ -130,7 +130,7 @@ impl Applier {
         state: Arc<AgentState>,
         node: String,
         wanted: watch::Sender<BTreeMap<ObjKey, status::WantedStatus>>,
-        events: mpsc::UnboundedSender<status::ProblemEvent>,
+        events: mpsc::UnboundedSender<status::AgentEvent>,
     ) -> Applier {
         Applier {
             state,
@@ -318,11 +318,13 @@ impl Applier {
             }
         }
         if !problems.is_empty() || enforcement != Enforcement::Full {
-            let _ = self.events.send(status::ProblemEvent {
-                object: object.clone(),
-                errors: problems.clone(),
-                enforcement: enforcement.clone(),
-            });
+            let _ = self.events.send(status::AgentEvent::Problem(Box::new(
+                status::ProblemEvent {
+                    object: object.clone(),
+                    errors: problems.clone(),
+                    enforcement: enforcement.clone(),
+                },
+            )));
         }
         if let Some(w) = status::wanted(&object, &problems, &enforcement, self.seq) {
             self.wanted.send_modify(|m| {
@@ -552,7 +554,7 @@ impl Applier {
             self.state.metrics.datapath_errors.inc();
             tracing::error!(error = %e, "programming the datapath failed");
         }
-        self.state.metrics.set_sizes(&engine, dp.as_ref());
+        self.state.after_programming(&engine, dp.as_ref());
         *slot = Some(engine);
         self.state
             .metrics
@@ -621,7 +623,7 @@ impl Applier {
                 tracing::error!(error = %e, "programming the datapath failed");
             }
         }
-        self.state.metrics.set_sizes(engine, dp.as_ref());
+        self.state.after_programming(engine, dp.as_ref());
         self.state.metrics.object_changes.add(changes as u64);
         self.state
             .metrics

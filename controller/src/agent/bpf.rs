@@ -130,6 +130,44 @@ pub struct BpfDatapath {
     counters: DatapathCounters,
 }
 
+/// Capacities of the maps that grow with the cluster (`ordnet agent --policy-map-entries`,
+/// `--ipcache-entries`, `--max-rulesets`). Maps pinned with other sizes are replaced at start
+/// by new ones of these sizes, without a moment unenforced: the old pins keep enforcing until
+/// the new maps hold the whole state, then each attachment moves to the new programs in place
+/// (the layout migration, [`Kernel::take_over_links`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapSizes {
+    /// Policy keys (all rule sets of the node).
+    pub policy_entries: u32,
+    /// Addresses per family (endpoints, pods of the cluster, nodes).
+    pub ipcache_entries: u32,
+    /// Rule set slots (distinct policies of the node's endpoints, and replacements).
+    pub max_rulesets: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        let d = DatapathConfig::default();
+        MapSizes {
+            policy_entries: d.policy_entries,
+            ipcache_entries: d.ipcache_entries,
+            max_rulesets: d.max_rulesets,
+        }
+    }
+}
+
+impl MapSizes {
+    /// The sizes of the maps pinned in `dir` (`None` if they cannot be read).
+    fn pinned(dir: &Path) -> Option<MapSizes> {
+        let c = Kernel::pinned_sizes(dir)?;
+        Some(MapSizes {
+            policy_entries: c.policy_entries,
+            ipcache_entries: c.ipcache_entries,
+            max_rulesets: c.max_rulesets,
+        })
+    }
+}
+
 /// Connection tracking of the bpf datapath (`ordnet agent --conntrack-*`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConntrackOptions {
@@ -179,9 +217,11 @@ impl BpfDatapath {
         root: &Path,
         uplinks: Vec<String>,
         conntrack: ConntrackOptions,
+        sizes: MapSizes,
     ) -> Result<BpfDatapath, AgentError> {
         mount_bpffs(root)?;
         let pin_dir = &ordnet_datapath::layout_dir(root);
+        resize_aside(pin_dir, sizes)?;
         std::fs::create_dir_all(pin_dir).map_err(|source| AgentError::Bpffs {
             what: "creating the layout's pin directory",
             path: pin_dir.clone(),
@@ -190,6 +230,9 @@ impl BpfDatapath {
         let older = older_layouts(root, pin_dir);
         let config = DatapathConfig {
             pin_dir: Some(pin_dir.to_path_buf()),
+            policy_entries: sizes.policy_entries,
+            ipcache_entries: sizes.ipcache_entries,
+            max_rulesets: sizes.max_rulesets,
             ct4_entries: conntrack.entries_v4,
             ct6_entries: conntrack.entries_v6,
             ct_tcp_lifetime: conntrack.tcp,
@@ -324,6 +367,10 @@ impl BpfDatapath {
         for (who, why) in &self.unattached {
             out.push(format!("not enforced: {who}: {why}"));
         }
+        out.extend(super::datapath::capacity_notes(
+            &self.programmer.program,
+            self.dp.control(),
+        ));
         if self.synced && self.uplinks_found.is_empty() {
             out.push(
                 "no uplink (--uplink, or a VXLAN/Geneve device): a pod's egress through a \
@@ -901,9 +948,14 @@ impl Enforcer for BpfDatapath {
             return Ok(());
         }
         self.refresh_hosts()?;
+        self.programmer.retry_denied(engine, &mut self.dp)?;
         self.reconcile_links(engine);
         self.sweep_conntrack();
         Ok(())
+    }
+
+    fn denied(&self) -> &BTreeMap<String, String> {
+        self.programmer.program.denied()
     }
 
     fn health(&self) -> Vec<String> {
@@ -933,7 +985,9 @@ impl Enforcer for BpfDatapath {
             labels: Vec::new(),
             value,
         };
-        let mut out = vec![
+        let mut out =
+            super::datapath::capacity_samples(&self.programmer.program, self.dp.control());
+        out.extend([
             one(
                 "ordnet_datapath_attached_interfaces",
                 "Interfaces the XDP program is attached to.",
@@ -976,7 +1030,7 @@ impl Enforcer for BpfDatapath {
                 true,
                 stats.fallbacks,
             ),
-        ];
+        ]);
         for (kind, n) in [
             ("ruleset_installed", w.rulesets_installed),
             ("ruleset_updated", w.rulesets_updated),
@@ -1038,13 +1092,49 @@ pub fn uninstall(root: &Path) -> Result<ordnet_datapath::RemovedPins, AgentError
     Ok(removed)
 }
 
-/// `ROOT/vN`: a layout's pin directory.
+/// `ROOT/vN`: a layout's pin directory; `ROOT/vN-resized-T`: one set aside to be replaced by
+/// maps of other sizes ([`resize_aside`]).
 fn is_layout_dir(p: &Path) -> bool {
     p.is_dir()
         && p.file_name()
             .and_then(|n| n.to_str())
             .and_then(|n| n.strip_prefix('v'))
+            .map(|v| v.split_once("-resized-").map_or(v, |(n, _)| n))
             .is_some_and(|v| v.parse::<u32>().is_ok())
+}
+
+/// When the maps pinned in `pin_dir` have other sizes than `sizes`: renames the directory to
+/// `vN-resized-T` (a bpffs rename: the pins, links included, stay valid and keep enforcing),
+/// so that new maps are created in `pin_dir` and the set-aside directory is taken over like an
+/// older layout's after the first full programming.
+fn resize_aside(pin_dir: &Path, sizes: MapSizes) -> Result<(), AgentError> {
+    let Some(pinned) = MapSizes::pinned(pin_dir) else {
+        return Ok(());
+    };
+    if pinned == sizes {
+        return Ok(());
+    }
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let name = format!(
+        "{}-resized-{stamp}",
+        pin_dir
+            .file_name()
+            .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+    );
+    let aside = pin_dir.with_file_name(name);
+    tracing::info!(
+        pinned = ?pinned,
+        wanted = ?sizes,
+        aside = %aside.display(),
+        "the pinned maps have other sizes: new maps are created and take over once programmed"
+    );
+    std::fs::rename(pin_dir, &aside).map_err(|source| AgentError::Bpffs {
+        what: "setting the pins of other sizes aside",
+        path: pin_dir.to_path_buf(),
+        source,
+    })
 }
 
 /// The pins of other layouts under `root`: other `ROOT/vN` directories with pins, and pins

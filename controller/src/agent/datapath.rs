@@ -9,8 +9,10 @@
 //! ([`Enforcer::plane`]).
 
 use super::AgentError;
+use super::metrics::Sample;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 use ordnet_datapath::{ControlPlane, MemDatapath};
@@ -74,6 +76,9 @@ pub trait Enforcer: Send {
     /// endpoint `ns/name` (`None`: forget them, the pod's sandbox is gone). A datapath that
     /// attaches to interfaces takes them before looking for the pod's interface itself.
     fn cni_interfaces(&mut self, _endpoint: &str, _interfaces: Option<&[String]>) {}
+    /// Local endpoints (`ns/name`) whose rule sets do not fit the datapath's maps, with why:
+    /// each holds a deny-all policy in both directions ([`NodeProgram::denied`]).
+    fn denied(&self) -> &BTreeMap<String, String>;
     /// Keeps a copy of every programmed key from the next full programming on
     /// ([`Record::with_keys`]; the agent tests compare them with the engine), so that
     /// [`Enforcer::programmed`] lists them.
@@ -296,7 +301,17 @@ pub struct Programmer {
     pub program: NodeProgram,
     /// What was written successfully.
     pub record: Record,
+    /// The last retry of the denied endpoints: when, and the policy keys the maps held then.
+    last_retry: Option<(Instant, usize)>,
 }
+
+/// How often at most the endpoints denied for lack of room are retried while the policy map
+/// holds no fewer keys than at the last try (any change of their policies, and any freed
+/// keys, retry them at once).
+pub const DENIED_RETRY_EVERY: Duration = Duration::from_secs(30);
+
+/// A map this full is reported (`/readyz`, log): the next policies may not fit.
+pub const MAP_PRESSURE_PERCENT: u64 = 90;
 
 impl Programmer {
     /// Programs `dp` from scratch (converging what it holds to `engine`).
@@ -308,6 +323,30 @@ impl Programmer {
         self.program.program_full(engine, dp)?;
         self.record.program_full(engine);
         Ok(())
+    }
+
+    /// Programs the endpoints denied for lack of room ([`NodeProgram::denied`]) with their own
+    /// policies again, when the policy map holds fewer keys than at the last try or
+    /// [`DENIED_RETRY_EVERY`] has passed; those that still do not fit stay denied.
+    pub fn retry_denied<D: ControlPlane + ?Sized>(
+        &mut self,
+        engine: &Engine,
+        dp: &mut D,
+    ) -> Result<(), AgentError> {
+        if self.program.denied().is_empty() {
+            self.last_retry = None;
+            return Ok(());
+        }
+        let held = dp.control().store().policy_keys_held();
+        if self
+            .last_retry
+            .is_some_and(|(at, before)| held >= before && at.elapsed() < DENIED_RETRY_EVERY)
+        {
+            return Ok(());
+        }
+        let result = self.program.retry_denied(engine, dp);
+        self.last_retry = Some((Instant::now(), dp.control().store().policy_keys_held()));
+        Ok(result?)
     }
 
     /// Writes the deltas of one batch to `dp`. On an error `dp` needs a full programming.
@@ -396,8 +435,83 @@ impl Enforcer for NoneDatapath {
         if self.needs_full {
             return self.program_full(engine);
         }
-        Ok(())
+        self.programmer.retry_denied(engine, &mut self.dp)
     }
+
+    fn denied(&self) -> &BTreeMap<String, String> {
+        self.programmer.program.denied()
+    }
+
+    fn metrics(&self) -> Vec<Sample> {
+        capacity_samples(&self.programmer.program, self.dp.control())
+    }
+
+    fn health(&self) -> Vec<String> {
+        capacity_notes(&self.programmer.program, self.dp.control())
+    }
+}
+
+/// The metrics both datapaths report about room in their maps: each map's entries and
+/// capacity, and the endpoints denied because their rule sets did not fit.
+pub fn capacity_samples(program: &NodeProgram, control: &ordnet_datapath::Control) -> Vec<Sample> {
+    let mut out = vec![
+        Sample {
+            name: "ordnet_datapath_denied_endpoints",
+            help: "Local endpoints whose rule sets do not fit the maps: they hold a deny-all \
+                   policy in both directions (fail closed).",
+            counter: false,
+            labels: Vec::new(),
+            value: program.denied().len() as u64,
+        },
+        Sample {
+            name: "ordnet_datapath_endpoint_denials",
+            help: "Times an endpoint got a deny-all policy because its own did not fit the maps.",
+            counter: true,
+            labels: Vec::new(),
+            value: program.stats().denied,
+        },
+    ];
+    for f in control.fill() {
+        out.push(Sample {
+            name: "ordnet_datapath_map_entries",
+            help: "Entries a datapath map holds (policy keys, rule sets, cell blocks, ipcache).",
+            counter: false,
+            labels: vec![("map", f.map.to_string())],
+            value: f.entries,
+        });
+        out.push(Sample {
+            name: "ordnet_datapath_map_capacity",
+            help: "Entries a datapath map can hold.",
+            counter: false,
+            labels: vec![("map", f.map.to_string())],
+            value: f.capacity,
+        });
+    }
+    out
+}
+
+/// The `/readyz` lines both datapaths report about room in their maps: every endpoint denied
+/// for lack of room (and why), and every map at [`MAP_PRESSURE_PERCENT`] or more.
+pub fn capacity_notes(program: &NodeProgram, control: &ordnet_datapath::Control) -> Vec<String> {
+    let mut out: Vec<String> = program
+        .denied()
+        .iter()
+        .map(|(who, why)| {
+            format!("denied in both directions (its policy does not fit the maps): {who}: {why}")
+        })
+        .collect();
+    for f in control.fill() {
+        if f.percent() >= MAP_PRESSURE_PERCENT {
+            out.push(format!(
+                "{}: {} of {} entries ({} %): policies that need more fail closed",
+                f.map,
+                f.entries,
+                f.capacity,
+                f.percent()
+            ));
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -166,9 +166,12 @@ enum Failure {
     Bad(String),
     /// The datapath and the engine disagree (a bug): 500 with the message.
     Internal(String),
+    /// An end of the flow is denied in both directions because its policy does not fit the
+    /// datapath's maps: 409 with the message (the answer to "why was it dropped").
+    Denied(String),
 }
 
-use Failure::{Bad, Internal};
+use Failure::{Bad, Denied, Internal};
 
 fn protocol(q: &BTreeMap<String, Vec<String>>) -> Result<Protocol, Failure> {
     match one(q, "protocol")
@@ -262,7 +265,7 @@ fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
         path @ ("/v1/matrix" | "/v1/trace" | "/v1/dump") => {
             let answer = state.with_programmed(|engine, dp| match path {
                 "/v1/matrix" => matrix(engine, dp.plane(), &q),
-                "/v1/trace" => trace(engine, dp.plane(), &q),
+                "/v1/trace" => trace(engine, dp.plane(), dp.denied(), &q),
                 _ => dump(engine, &q),
             });
             match answer {
@@ -279,6 +282,7 @@ fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
                 }
                 Some(Err(Bad(m))) => text(StatusCode::BAD_REQUEST, m),
                 Some(Err(Internal(m))) => text(StatusCode::INTERNAL_SERVER_ERROR, m),
+                Some(Err(Denied(m))) => text(StatusCode::CONFLICT, m),
             }
         }
         _ => text(StatusCode::NOT_FOUND, "not found"),
@@ -343,9 +347,28 @@ fn local_end(engine: &Engine, end: &FlowEnd, text: &str) -> Result<(), Failure> 
     }
 }
 
+/// The endpoint (`ns/name`) a flow end stands for, if it is a local endpoint that holds a
+/// deny-all policy because its own does not fit the maps: the message that says so.
+fn denied_end(engine: &Engine, end: &FlowEnd, denied: &BTreeMap<String, String>) -> Option<String> {
+    let name = match end {
+        FlowEnd::Pod { namespace, name } => format!("{namespace}/{name}"),
+        FlowEnd::Ip(ip) => engine
+            .endpoints()
+            .iter()
+            .find(|ep| ep.ips.contains(ip))?
+            .id(),
+    };
+    let why = denied.get(&name)?;
+    Some(format!(
+        "DENY: {name} is denied in both directions (fail closed) because its policy does not fit \
+         this node's datapath maps: {why}\n"
+    ))
+}
+
 fn trace(
     engine: &Engine,
     plane: &dyn ControlPlane,
+    denied: &BTreeMap<String, String>,
     q: &BTreeMap<String, Vec<String>>,
 ) -> Result<String, Failure> {
     let format = output(q, render::trace::Format::parse, "text or json")?;
@@ -360,6 +383,9 @@ fn trace(
     let to = engine.resolve(to_s).map_err(|e| Bad(format!("to: {e}")))?;
     local_end(engine, &from, "from")?;
     local_end(engine, &to, "to")?;
+    if let Some(m) = denied_end(engine, &from, denied).or_else(|| denied_end(engine, &to, denied)) {
+        return Err(Denied(m));
+    }
     // Like `ordnet trace`: the family of an address end, else IPv4 (or `family=`).
     let family = offline::trace_family(&from, &to, family)
         .map_err(|(a, b)| Bad(format!("from {a} and to {b} are not of the same IP family")))?;
@@ -455,7 +481,7 @@ mod tests {
         ]);
         let before = matrix(&engine, dp.plane(), &mq).unwrap_or_else(|_| panic!());
         assert_eq!(cell(&before, "qa/tester", "prod/api"), "deny");
-        let t = trace(&engine, dp.plane(), &tq).unwrap_or_else(|_| panic!());
+        let t = trace(&engine, dp.plane(), &BTreeMap::new(), &tq).unwrap_or_else(|_| panic!());
         assert_eq!(
             serde_json::from_str::<Value>(&t).unwrap()["verdict"],
             "deny",
@@ -473,12 +499,12 @@ mod tests {
             cell(&before, "qa/tester", "prod/artifacts")
         );
         // The engine still explains a deny: trace reports the disagreement as an internal error.
-        match trace(&engine, dp.plane(), &tq) {
+        match trace(&engine, dp.plane(), &BTreeMap::new(), &tq) {
             Err(Internal(m)) => assert!(
                 m.contains("INTERNAL ERROR") && m.contains("verdict: datapath allow"),
                 "{m}"
             ),
-            Err(Bad(m)) => panic!("bad request: {m}"),
+            Err(Bad(m) | Denied(m)) => panic!("not the disagreement: {m}"),
             Ok(t) => panic!("no disagreement reported: {t}"),
         }
     }

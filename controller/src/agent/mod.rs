@@ -44,6 +44,7 @@ pub mod client;
 mod cni;
 pub mod datapath;
 pub mod debug;
+mod denied;
 mod error;
 pub mod metrics;
 mod netview;
@@ -159,9 +160,21 @@ pub struct AgentState {
     /// applied; the status writer uses it to tell which object versions a shadowed-rule report
     /// describes (`status.rs`).
     applied: AtomicU64,
+    /// The endpoints denied for lack of room, as last reported.
+    denied: Mutex<denied::DeniedReport>,
 }
 
 impl AgentState {
+    /// After every programming of the datapath (initial, a batch of changes, upkeep): records
+    /// the sizes and metrics, and reports changes of the endpoints denied for lack of room.
+    fn after_programming(&self, engine: &Engine, dp: &dyn Enforcer) {
+        self.metrics.set_sizes(engine, dp);
+        self.denied
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .observe(engine, dp.denied());
+    }
+
     /// Whether the initial sync is done and the datapath programmed.
     pub fn ready(&self) -> bool {
         self.engine
@@ -307,9 +320,12 @@ pub async fn start(
         watch: Arc::new(WatchHealth::default()),
         leader: Arc::new(AtomicBool::new(false)),
         applied: AtomicU64::new(0),
+        denied: Mutex::new(denied::DeniedReport::default()),
     });
     let (wanted_tx, wanted_rx) = watch::channel(BTreeMap::new());
     let (events_tx, events_rx) = mpsc::unbounded_channel();
+    *state.denied.lock().unwrap_or_else(|e| e.into_inner()) =
+        denied::DeniedReport::new(events_tx.clone());
     let (debug_addr, debug_task) = debug::serve(config.debug_addr, state.clone()).await?;
     let mut metrics_addr = None;
     let mut metrics_task = None;
@@ -401,7 +417,7 @@ async fn maintain_loop(state: Arc<AgentState>, events: Arc<tokio::sync::Notify>,
                 state.metrics.datapath_errors.inc();
                 tracing::error!(error = %e, "datapath upkeep failed");
             }
-            state.metrics.set_sizes(engine, dp.as_ref());
+            state.after_programming(engine, dp.as_ref());
         })
         .await;
     }

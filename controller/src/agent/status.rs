@@ -857,6 +857,66 @@ async fn write_status(
     Ok(())
 }
 
+/// What the event publisher publishes.
+#[derive(Debug)]
+pub enum AgentEvent {
+    /// An object with problems (boxed: it carries the object).
+    Problem(Box<ProblemEvent>),
+    /// An endpoint denied because its policy does not fit the datapath's maps.
+    Denied(DeniedEvent),
+}
+
+/// An object an Event is about, by kind and name.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct EventTarget {
+    /// The kind (`Pod`, `NetworkPolicy`, ...).
+    pub kind: String,
+    /// The namespace, for a namespaced kind.
+    pub namespace: Option<String>,
+    /// The name.
+    pub name: String,
+}
+
+impl std::fmt::Display for EventTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.namespace {
+            Some(ns) => write!(f, "{} {ns}/{}", self.kind, self.name),
+            None => write!(f, "{} {}", self.kind, self.name),
+        }
+    }
+}
+
+impl EventTarget {
+    /// The reference an Event names (the API version of the kind).
+    fn reference(&self) -> ObjectReference {
+        let api_version = match self.kind.as_str() {
+            "Pod" => "v1",
+            "NetworkPolicy" => "networking.k8s.io/v1",
+            k if k == ordnet_crds::KIND_CLUSTER_NETWORK_POLICY => ordnet_crds::CNP_API_VERSIONS[0],
+            _ => ordnet_crds::API_VERSION,
+        };
+        ObjectReference {
+            api_version: Some(api_version.into()),
+            kind: Some(self.kind.clone()),
+            namespace: self.namespace.clone(),
+            name: Some(self.name.clone()),
+            ..ObjectReference::default()
+        }
+    }
+}
+
+/// An endpoint denied in both directions because its policy does not fit the datapath's maps:
+/// published on the pod and on every policy that isolates it.
+#[derive(Debug)]
+pub struct DeniedEvent {
+    /// The pod.
+    pub pod: EventTarget,
+    /// The policies that isolate it.
+    pub policies: Vec<EventTarget>,
+    /// Why it does not fit.
+    pub why: String,
+}
+
 /// A problem to publish as an Event.
 #[derive(Debug)]
 pub struct ProblemEvent {
@@ -871,11 +931,7 @@ pub struct ProblemEvent {
 /// Publishes a Warning Event per problem (action `Validate`): reason `InvalidObject` for an
 /// object that is not enforced (or enforced as written despite validation errors), reason
 /// [`EVENT_RULES_FAILED_CLOSED`] for a policy with rules that fail closed.
-pub async fn event_loop(
-    client: Client,
-    node: String,
-    mut rx: mpsc::UnboundedReceiver<ProblemEvent>,
-) {
+pub async fn event_loop(client: Client, node: String, mut rx: mpsc::UnboundedReceiver<AgentEvent>) {
     let recorder = Recorder::new(
         client,
         Reporter {
@@ -883,7 +939,14 @@ pub async fn event_loop(
             instance: Some(node),
         },
     );
-    while let Some(p) = rx.recv().await {
+    while let Some(e) = rx.recv().await {
+        let p = match e {
+            AgentEvent::Problem(p) => *p,
+            AgentEvent::Denied(d) => {
+                publish_denied(&recorder, &d).await;
+                continue;
+            }
+        };
         let reference = match &p.object {
             Object::Namespace(o) => o.object_ref(&()),
             Object::Pod(o) => o.object_ref(&()),
@@ -928,6 +991,45 @@ pub async fn event_loop(
             secondary: None,
         };
         if let Err(e) = recorder.publish(&event, &reference).await {
+            tracing::warn!(error = %e, "publishing an event failed");
+        }
+    }
+}
+
+/// Publishes the Events of an endpoint denied for lack of room: on the pod, and on each policy
+/// that isolates it.
+async fn publish_denied(recorder: &Recorder, d: &DeniedEvent) {
+    let policies = d
+        .policies
+        .iter()
+        .map(EventTarget::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    let pod_note = format!(
+        "all traffic of this pod is denied in both directions (fail closed): its policy does not \
+         fit this node's datapath maps ({}); isolated by: {policies}",
+        d.why
+    );
+    let policy_note = format!(
+        "pod {} is denied in both directions (fail closed): its policy does not fit the \
+         datapath maps of its node ({})",
+        d.pod
+            .namespace
+            .as_deref()
+            .map_or(d.pod.name.clone(), |ns| format!("{ns}/{}", d.pod.name)),
+        d.why
+    );
+    let targets = std::iter::once((&d.pod, pod_note))
+        .chain(d.policies.iter().map(|p| (p, policy_note.clone())));
+    for (target, note) in targets {
+        let event = Event {
+            type_: EventType::Warning,
+            reason: super::denied::EVENT_POLICY_DOES_NOT_FIT.into(),
+            note: Some(truncate(&note, 1000)),
+            action: "Program".into(),
+            secondary: None,
+        };
+        if let Err(e) = recorder.publish(&event, &target.reference()).await {
             tracing::warn!(error = %e, "publishing an event failed");
         }
     }

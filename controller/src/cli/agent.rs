@@ -76,6 +76,23 @@ pub struct AgentArgs {
     /// network configuration names the same path). `none`: do not serve it.
     #[arg(long, value_name = "PATH", default_value = ordnet_cni::DEFAULT_SOCKET)]
     pub cni_socket: String,
+    /// Capacity of the policy map, in keys (--datapath bpf; all rule sets of the node's
+    /// endpoints). An endpoint whose rules do not fit gets a deny-all policy in both
+    /// directions (and is reported) until they do. Maps pinned with another size are replaced
+    /// at start without a moment unenforced.
+    #[arg(long, value_name = "KEYS", default_value_t = ordnet_datapath::common::layout::DEFAULT_POLICY_ENTRIES,
+          value_parser = clap::value_parser!(u32).range(1..=(1 << 26)))]
+    pub policy_map_entries: u32,
+    /// Capacity of the ipcache, in addresses per family (--datapath bpf; every pod and node
+    /// address of the cluster).
+    #[arg(long, value_name = "ADDRESSES", default_value_t = ordnet_datapath::common::layout::DEFAULT_IPCACHE_ENTRIES,
+          value_parser = clap::value_parser!(u32).range(16..=(1 << 26)))]
+    pub ipcache_entries: u32,
+    /// Rule set slots (--datapath bpf; distinct policies of the node's endpoints, plus the
+    /// ones being replaced; 1.5 KiB of kernel memory each).
+    #[arg(long, value_name = "SLOTS", default_value_t = ordnet_datapath::common::layout::DEFAULT_MAX_RULESETS,
+          value_parser = clap::value_parser!(u32).range(2..=(1 << 16)))]
+    pub max_rulesets: u32,
     /// Capacity of the IPv4 connection-tracking table, in flows (--datapath bpf; 104 bytes
     /// of kernel memory each, allocated at creation). Tables pinned by an earlier start
     /// keep their size until the pins are created again.
@@ -110,6 +127,15 @@ pub struct AgentArgs {
     /// directory, the host's /etc/cni/net.d, mounted) once the agent serves its socket.
     #[arg(long, value_name = "DIR")]
     pub cni_conf_dir: Option<PathBuf>,
+}
+
+/// The map sizes of `--policy-map-entries`, `--ipcache-entries`, `--max-rulesets`.
+fn map_sizes(args: &AgentArgs) -> agent::bpf::MapSizes {
+    agent::bpf::MapSizes {
+        policy_entries: args.policy_map_entries,
+        ipcache_entries: args.ipcache_entries,
+        max_rulesets: args.max_rulesets,
+    }
 }
 
 /// The connection-tracking settings of the `--conntrack-*` flags.
@@ -366,7 +392,12 @@ pub fn run(args: AgentArgs) -> ExitCode {
         };
         let (datapath, kind): (Box<dyn agent::Enforcer>, &str) = if args.datapath == DatapathArg::Bpf {
             let pin_dir = agent::bpf::pin_dir_from_env();
-            match agent::bpf::BpfDatapath::open(&pin_dir, args.uplink.clone(), conntrack(&args)) {
+            match agent::bpf::BpfDatapath::open(
+                &pin_dir,
+                args.uplink.clone(),
+                conntrack(&args),
+                map_sizes(&args),
+            ) {
                 Ok(dp) => {
                     match dp.opened() {
                         agent::bpf::Opened::Created => tracing::info!(
