@@ -1503,7 +1503,8 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     p["spec"]["ingress"][0]["ports"] = json!([
         {"protocol": "TCP", "port": PORT}, {"protocol": "TCP", "port": PORT + 1}]);
     api.update(p).unwrap();
-    let agent = Agent::start_with(&lab, &kubeconfig, &["--policy-map-entries", "1"]);
+    let tiny = ["--policy-map-entries", "1", "--policy-map-max-entries", "1"];
+    let agent = Agent::start_with(&lab, &kubeconfig, &tiny);
     agent.wait_ready();
     lab.expect(
         "db does not fit",
@@ -1546,6 +1547,34 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     assert_eq!(agent.metric("ordnet_datapath_denied_endpoints"), 0.0);
     assert_eq!(aside(&lab), 0, "the pins of the old size are still there");
     assert_eq!(lab.pinned_links(), links);
+    agent.terminate();
+
+    // 8c. The same small map allowed to grow: db does not fit at first, the policy map doubles
+    // (new maps take the attachments over) and db is enforced by its own rules, with no
+    // restart and no new attachment.
+    let agent = Agent::start_with(
+        &lab,
+        &kubeconfig,
+        &["--policy-map-entries", "1", "--policy-map-max-entries", "4"],
+    );
+    agent.wait_ready();
+    lab.expect("the policy map grew", &[]);
+    assert_eq!(
+        agent.metric("ordnet_datapath_map_capacity{map=\"ORDNET_POLICY\"}"),
+        2.0
+    );
+    assert_eq!(
+        agent.metric("ordnet_datapath_policy_map_growths_total"),
+        1.0
+    );
+    assert_eq!(agent.metric("ordnet_datapath_denied_endpoints"), 0.0);
+    assert_eq!(agent.metric("ordnet_datapath_attaches_total"), 0.0);
+    assert_eq!(lab.pinned_links(), links);
+    assert_eq!(
+        aside(&lab),
+        0,
+        "the pins of the smaller map are still there"
+    );
     agent.terminate();
 
     // 9. Uninstall: every program detached, every pin removed; nothing is enforced any more.

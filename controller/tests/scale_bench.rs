@@ -626,3 +626,148 @@ async fn engine_changes() {
         }
     }
 }
+
+/// What one node's datapath holds, and what it would hold with node-local identity classes
+/// (issue 25): for a sample of nodes per shape (`ORDNET_FILL_NODES`, default 3: the first, the
+/// middle and the last), the engine of that node programmed onto an in-memory datapath whose
+/// policy map is not bounded (so every key the node needs is counted, none denied), then:
+///
+/// * rule sets and policy keys as written today (identity keys + `*` bookkeeping keys), and
+///   their fill of the default maps;
+/// * identity classes, three definitions: **per node** (identities whose keys are equal in
+///   every rule set of the node share a class; the ipcache holds one class per address),
+///   **per direction** (the same over the ingress rule sets and over the egress ones: two
+///   classes per address), **per rule set** (the lower bound: identities with equal keys in
+///   one rule set; the ipcache cannot hold it); for each, the classes and the keys written.
+#[test]
+#[ignore = "benchmark: run in release with --ignored --nocapture"]
+fn datapath_fill() {
+    use ordnet::agent::datapath::Programmer;
+    use ordnet_datapath::common::layout::{DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES};
+    use ordnet_datapath::{ControlPlane as _, DatapathConfig, MemDatapath};
+    use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+    let text = std::env::var("ORDNET_SCALE").unwrap_or_else(|_| "10000:1000,50000:5000".into());
+    let samples: usize = std::env::var("ORDNET_FILL_NODES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    for s in text.split(',') {
+        let (p, q) = s.split_once(':').expect("PODS:POLICIES");
+        let shape = Shape {
+            pods: p.parse().unwrap(),
+            policies: q.parse().unwrap(),
+        };
+        let nodes = shape.nodes();
+        let picked: BTreeSet<usize> = (0..samples)
+            .map(|k| {
+                if samples == 1 {
+                    0
+                } else {
+                    k * (nodes - 1) / (samples - 1)
+                }
+            })
+            .collect();
+        let objects: Vec<ordnet_engine::Object> = shape
+            .objects()
+            .into_iter()
+            .map(|v| typed(v).slimmed())
+            .collect();
+        println!(
+            "{} pods, {} policies, {nodes} nodes; nodes sampled: {picked:?}",
+            shape.pods, shape.policies
+        );
+        for node in picked {
+            let mut initial = Initial::default();
+            for o in &objects {
+                push(&mut initial, o.clone());
+            }
+            let started = Instant::now();
+            let engine = initial.build(scale::node_name(node));
+            let mut dp = MemDatapath::new(&DatapathConfig {
+                policy_entries: u32::MAX,
+                max_rulesets: 4096,
+                ..DatapathConfig::default()
+            })
+            .keep_keys_in_store();
+            let mut programmer = Programmer::default();
+            programmer.program_full(&engine, &mut dp).unwrap();
+            let took = started.elapsed();
+            let control = dp.control();
+            let store = control.store();
+            // Which directions use each slot.
+            let mut dirs: BTreeMap<u32, [bool; 2]> = BTreeMap::new();
+            for st in control.endpoints().values() {
+                dirs.entry(st.ingress.ruleset).or_default()[0] = true;
+                dirs.entry(st.egress.ruleset).or_default()[1] = true;
+            }
+            dirs.remove(&0);
+            let (mut keys, mut wildcard) = (0usize, 0usize);
+            // Per identity: its (slot, prefix, verdict) keys, for the signatures.
+            let mut sig: HashMap<u32, Vec<(u32, u32, u8)>> = HashMap::new();
+            for &slot in dirs.keys() {
+                let c = store.content(slot).unwrap();
+                keys += c.specific.len();
+                wildcard += c.wildcard.len();
+                for (&(id, prefix), &v) in &c.specific {
+                    sig.entry(id).or_default().push((slot, prefix, v));
+                }
+            }
+            // Classes over the slots `within`: identities with equal keys there share one; the
+            // keys written are one per (slot, class, prefix).
+            let classes_over = |within: &dyn Fn(u32) -> bool| -> (usize, usize) {
+                let mut classes: HashMap<Vec<(u32, u32, u8)>, usize> = HashMap::new();
+                for keys in sig.values() {
+                    let mine: Vec<(u32, u32, u8)> =
+                        keys.iter().copied().filter(|k| within(k.0)).collect();
+                    if !mine.is_empty() {
+                        *classes.entry(mine).or_default() += 1;
+                    }
+                }
+                let written = classes.keys().map(Vec::len).sum();
+                (classes.len(), written)
+            };
+            let per_node = classes_over(&|_| true);
+            let ingress = classes_over(&|s| dirs[&s][0]);
+            let egress = classes_over(&|s| dirs[&s][1]);
+            let mut per_ruleset = (0usize, 0usize);
+            for &slot in dirs.keys() {
+                let c = classes_over(&|s| s == slot);
+                per_ruleset = (per_ruleset.0 + c.0, per_ruleset.1 + c.1);
+            }
+            let fill = |n: usize| 100.0 * n as f64 / f64::from(DEFAULT_POLICY_ENTRIES);
+            println!(
+                "  node {node}: {} endpoints, {} rule sets ({:.0} % of {DEFAULT_MAX_RULESETS} slots), {} identities with keys; built and programmed in {:.2} s",
+                control.endpoints().len(),
+                dirs.len(),
+                100.0 * dirs.len() as f64 / f64::from(DEFAULT_MAX_RULESETS),
+                sig.len(),
+                took.as_secs_f64()
+            );
+            println!(
+                "    policy keys today (identities): {} = {keys} identity + {wildcard} `*`: {:.1} % of the default map ({DEFAULT_POLICY_ENTRIES})",
+                keys + wildcard,
+                fill(keys + wildcard)
+            );
+            for (name, (classes, written)) in [
+                ("per node", per_node),
+                (
+                    "per direction",
+                    (ingress.0 + egress.0, ingress.1 + egress.1),
+                ),
+                ("per rule set (bound)", per_ruleset),
+            ] {
+                println!(
+                    "    classes {name:<21} {classes:>7} classes, {:>8} keys ({:>5.1} % of the map, {:>5.1}× fewer)",
+                    written + wildcard,
+                    fill(written + wildcard),
+                    (keys + wildcard) as f64 / (written + wildcard).max(1) as f64
+                );
+            }
+            println!(
+                "      (per direction: ingress {} classes / {} keys, egress {} / {})",
+                ingress.0, ingress.1, egress.0, egress.1
+            );
+        }
+    }
+}

@@ -706,6 +706,55 @@ mod tests {
             (Xdp::Pass, Reason::Allowed)
         );
         assert_eq!(dp.control().store().policy_keys_held(), 4);
+
+        // Both sides of a flow change in one batch (1's egress, 2's ingress) and 2's new
+        // ingress does not fit: the changing endpoints go to deny-all first, then each to its
+        // new state; 2 stays denied, 1 gets its new egress.
+        let closed_out = {
+            let mut ms = MapState::new(Direction::Egress, Verdict::Deny);
+            ms.apply([entry(1, 8, L4Match::port(Protocol::Tcp, 443))])
+                .unwrap();
+            ms
+        };
+        let too_big = &allow_many(7..=11, 80);
+        let (_, denied) = dp
+            .update_endpoints_or_deny(&[
+                (
+                    1,
+                    EndpointSpec {
+                        egress: &closed_out,
+                        ..spec(a, fits)
+                    },
+                ),
+                (2, spec(b, too_big)),
+            ])
+            .unwrap();
+        assert_eq!(denied.iter().map(|d| d.0).collect::<Vec<_>>(), [2]);
+        assert_eq!(
+            verdict(&dp, "10.0.0.1", "10.0.1.8", 443),
+            (Xdp::Pass, Reason::Allowed)
+        );
+        assert_eq!(
+            verdict(&dp, "10.0.0.1", "10.0.1.7", 443),
+            (Xdp::Drop, Reason::EgressDenied)
+        );
+        assert_eq!(
+            verdict(&dp, "10.0.1.8", "10.0.0.1", 80),
+            (Xdp::Pass, Reason::Allowed)
+        );
+        assert_eq!(
+            verdict(&dp, "10.0.1.7", "10.0.0.2", 80),
+            (Xdp::Drop, Reason::IngressDenied)
+        );
+        assert_eq!(
+            verdict(&dp, "10.0.0.2", "10.0.1.8", 443),
+            (Xdp::Drop, Reason::EgressDenied)
+        );
+        assert_eq!(
+            dp.control().store().policy_keys_held(),
+            4,
+            "3 + 1 keys, no leftovers"
+        );
     }
 
     #[test]

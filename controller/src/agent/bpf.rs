@@ -44,7 +44,7 @@ use ordnet_engine::{Engine, EngineDelta};
 use ordnet_mapstate::Identity;
 
 use super::AgentError;
-use super::datapath::{Enforcer, ProgrammedEndpoint, Programmer};
+use super::datapath::{Enforcer, MAP_PRESSURE_PERCENT, ProgrammedEndpoint, Programmer};
 use super::netview::{self, NetView, Unfound};
 use crate::program::NodeProgram;
 
@@ -121,6 +121,15 @@ pub struct BpfDatapath {
     detaches: u64,
     opened: Opened,
     conntrack: ConntrackOptions,
+    /// The pin root (the layouts' directories are in it).
+    root: PathBuf,
+    /// The maps' sizes now (the policy map's grows up to `sizes.policy_entries_max`).
+    sizes: MapSizes,
+    /// Times the policy map grew.
+    grown: u64,
+    /// The last look at the policy map's fill: `denied or full` then (a growth is tried
+    /// once per change of it).
+    pressure: bool,
     /// The last connection-tracking sweep: when, and what it found.
     last_sweep: Option<(Instant, CtSweep)>,
     /// Expired entries removed by sweeps, per family.
@@ -139,6 +148,9 @@ pub struct BpfDatapath {
 pub struct MapSizes {
     /// Policy keys (all rule sets of the node).
     pub policy_entries: u32,
+    /// What the policy map may grow to (doubling) while endpoints are denied for lack of room
+    /// or it is [`MAP_PRESSURE_PERCENT`] full; `policy_entries` or less: it does not grow.
+    pub policy_entries_max: u32,
     /// Addresses per family (endpoints, pods of the cluster, nodes).
     pub ipcache_entries: u32,
     /// Rule set slots (distinct policies of the node's endpoints, and replacements).
@@ -150,11 +162,17 @@ impl Default for MapSizes {
         let d = DatapathConfig::default();
         MapSizes {
             policy_entries: d.policy_entries,
+            policy_entries_max: DEFAULT_POLICY_ENTRIES_MAX,
             ipcache_entries: d.ipcache_entries,
             max_rulesets: d.max_rulesets,
         }
     }
 }
+
+/// What the policy map may grow to by default: 4× its default size (a no-prealloc hash map
+/// costs its bucket array, 16 bytes per entry of capacity, plus its elements).
+pub const DEFAULT_POLICY_ENTRIES_MAX: u32 =
+    4 * ordnet_datapath::common::layout::DEFAULT_POLICY_ENTRIES;
 
 impl MapSizes {
     /// The sizes of the maps pinned in `dir` (`None` if they cannot be read).
@@ -162,9 +180,54 @@ impl MapSizes {
         let c = Kernel::pinned_sizes(dir)?;
         Some(MapSizes {
             policy_entries: c.policy_entries,
+            policy_entries_max: 0,
             ipcache_entries: c.ipcache_entries,
             max_rulesets: c.max_rulesets,
         })
+    }
+
+    /// The sizes to run with when `pinned` are the pinned maps' (`None`: no pins): these, but a
+    /// policy map grown at run time beyond `policy_entries` (within `policy_entries_max`)
+    /// keeps its size.
+    fn effective(self, pinned: Option<MapSizes>) -> MapSizes {
+        match pinned {
+            Some(p)
+                if p.policy_entries > self.policy_entries
+                    && p.policy_entries <= self.policy_entries_max =>
+            {
+                MapSizes {
+                    policy_entries: p.policy_entries,
+                    ..self
+                }
+            }
+            _ => self,
+        }
+    }
+
+    /// Whether maps of sizes `pinned` serve for these.
+    fn served_by(&self, pinned: &MapSizes) -> bool {
+        (
+            pinned.policy_entries,
+            pinned.ipcache_entries,
+            pinned.max_rulesets,
+        ) == (self.policy_entries, self.ipcache_entries, self.max_rulesets)
+    }
+}
+
+/// The datapath configuration of the agent's maps and connection tracking.
+fn config_of(pin_dir: &Path, sizes: MapSizes, conntrack: ConntrackOptions) -> DatapathConfig {
+    DatapathConfig {
+        pin_dir: Some(pin_dir.to_path_buf()),
+        policy_entries: sizes.policy_entries,
+        ipcache_entries: sizes.ipcache_entries,
+        max_rulesets: sizes.max_rulesets,
+        ct4_entries: conntrack.entries_v4,
+        ct6_entries: conntrack.entries_v6,
+        ct_tcp_lifetime: conntrack.tcp,
+        ct_syn_lifetime: conntrack.syn,
+        ct_close_lifetime: conntrack.close,
+        ct_other_lifetime: conntrack.other,
+        ..DatapathConfig::default()
     }
 }
 
@@ -221,26 +284,15 @@ impl BpfDatapath {
     ) -> Result<BpfDatapath, AgentError> {
         mount_bpffs(root)?;
         let pin_dir = &ordnet_datapath::layout_dir(root);
-        resize_aside(pin_dir, sizes)?;
+        let sizes = sizes.effective(MapSizes::pinned(pin_dir));
+        resize_aside(pin_dir, &sizes)?;
         std::fs::create_dir_all(pin_dir).map_err(|source| AgentError::Bpffs {
             what: "creating the layout's pin directory",
             path: pin_dir.clone(),
             source,
         })?;
         let older = older_layouts(root, pin_dir);
-        let config = DatapathConfig {
-            pin_dir: Some(pin_dir.to_path_buf()),
-            policy_entries: sizes.policy_entries,
-            ipcache_entries: sizes.ipcache_entries,
-            max_rulesets: sizes.max_rulesets,
-            ct4_entries: conntrack.entries_v4,
-            ct6_entries: conntrack.entries_v6,
-            ct_tcp_lifetime: conntrack.tcp,
-            ct_syn_lifetime: conntrack.syn,
-            ct_close_lifetime: conntrack.close,
-            ct_other_lifetime: conntrack.other,
-            ..DatapathConfig::default()
-        };
+        let config = config_of(pin_dir, sizes, conntrack);
         let pinned = ordnet_datapath::MAP_NAMES
             .iter()
             .all(|m| pin_dir.join(m).exists());
@@ -301,6 +353,10 @@ impl BpfDatapath {
             detaches: 0,
             opened,
             conntrack,
+            root: root.to_path_buf(),
+            sizes,
+            grown: 0,
+            pressure: false,
             last_sweep: None,
             ct_removed: [0; 2],
             ct_sweep_errors: 0,
@@ -448,6 +504,87 @@ impl BpfDatapath {
         self.ipcache = self.dp.control().identities().into_iter().collect();
         self.reconcile_links(engine);
         Ok(())
+    }
+
+    /// [`BpfDatapath::full`], then growth of the policy map if it needs to.
+    fn full_and_grow(&mut self, engine: &Engine) -> Result<(), AgentError> {
+        self.full(engine)?;
+        self.grow_if_needed(engine)
+    }
+
+    /// Grows the policy map while endpoints are denied for lack of room or it is
+    /// [`MAP_PRESSURE_PERCENT`] full, doubling it up to `policy_entries_max`: new maps of the
+    /// new size are created beside the current ones (whose pins are set aside and keep
+    /// enforcing), programmed in full, and take every attachment over in place (the layout
+    /// migration): no moment unenforced. Connection tracking starts empty in the new maps
+    /// (established flows are judged again). Tried once per change of the pressure.
+    fn grow_if_needed(&mut self, engine: &Engine) -> Result<(), AgentError> {
+        loop {
+            let fill = self
+                .dp
+                .control()
+                .fill()
+                .into_iter()
+                .find(|f| f.map == ordnet_datapath::common::layout::MAP_POLICY);
+            let full = fill.is_some_and(|f| f.percent() >= MAP_PRESSURE_PERCENT);
+            let denied = !self.programmer.program.denied().is_empty();
+            let pressure = full || denied;
+            let changed = pressure != self.pressure;
+            self.pressure = pressure;
+            let room = self.sizes.policy_entries < self.sizes.policy_entries_max;
+            if !pressure || !room || (!changed && !denied) {
+                return Ok(());
+            }
+            self.grow(engine)?;
+        }
+    }
+
+    /// One growth step of [`BpfDatapath::grow_if_needed`].
+    fn grow(&mut self, engine: &Engine) -> Result<(), AgentError> {
+        let sizes = MapSizes {
+            policy_entries: self
+                .sizes
+                .policy_entries
+                .saturating_mul(2)
+                .min(self.sizes.policy_entries_max),
+            ..self.sizes
+        };
+        let pin_dir = ordnet_datapath::layout_dir(&self.root);
+        tracing::warn!(
+            from = self.sizes.policy_entries,
+            to = sizes.policy_entries,
+            denied = self.programmer.program.denied().len(),
+            "the policy map is too small: growing it (new maps take the attachments over once programmed)"
+        );
+        let Some(aside) = resize_aside(&pin_dir, &sizes)? else {
+            return Ok(());
+        };
+        let created =
+            Kernel::create(config_of(&pin_dir, sizes, self.conntrack)).map_err(|source| {
+                AgentError::Open {
+                    what: "creating grown maps",
+                    pin_dir: pin_dir.clone(),
+                    source: Box::new(source),
+                }
+            });
+        let mut dp = match created {
+            Ok(dp) => dp,
+            Err(e) => {
+                // Back as it was: the current maps keep enforcing.
+                let _ = Kernel::remove_pins(&pin_dir);
+                let _ = std::fs::remove_dir(&pin_dir);
+                let _ = std::fs::rename(&aside, &pin_dir);
+                return Err(e);
+            }
+        };
+        dp.keep_keys_in_store();
+        // The current maps stay pinned (set aside) and enforcing until the takeover.
+        drop(std::mem::replace(&mut self.dp, dp));
+        self.programmer = Programmer::default();
+        self.migrate_from.push(aside);
+        self.sizes = sizes;
+        self.grown += 1;
+        self.full(engine)
     }
 
     /// Once the new maps hold the whole state: the attachments of an older layout's pins move
@@ -891,12 +1028,12 @@ impl BpfDatapath {
 
 impl Enforcer for BpfDatapath {
     fn program_full(&mut self, engine: &Engine) -> Result<(), AgentError> {
-        self.full(engine)
+        self.full_and_grow(engine)
     }
 
     fn apply(&mut self, engine: &Engine, deltas: &[EngineDelta]) -> Result<(), AgentError> {
         if self.needs_full {
-            return self.full(engine);
+            return self.full_and_grow(engine);
         }
         if let Err(e) = self.programmer.apply(engine, deltas, &mut self.dp) {
             self.needs_full = true;
@@ -911,7 +1048,7 @@ impl Enforcer for BpfDatapath {
         if endpoints_moved || !self.unattached.is_empty() {
             self.reconcile_links(engine);
         }
-        Ok(())
+        self.grow_if_needed(engine)
     }
 
     fn programmed(&self) -> &BTreeMap<String, ProgrammedEndpoint> {
@@ -942,13 +1079,14 @@ impl Enforcer for BpfDatapath {
 
     fn maintain(&mut self, engine: &Engine) -> Result<(), AgentError> {
         if self.needs_full {
-            return self.full(engine);
+            return self.full_and_grow(engine);
         }
         if !self.synced {
             return Ok(());
         }
         self.refresh_hosts()?;
         self.programmer.retry_denied(engine, &mut self.dp)?;
+        self.grow_if_needed(engine)?;
         self.reconcile_links(engine);
         self.sweep_conntrack();
         Ok(())
@@ -1023,6 +1161,12 @@ impl Enforcer for BpfDatapath {
                 "XDP attachments removed.",
                 true,
                 self.detaches,
+            ),
+            one(
+                "ordnet_datapath_policy_map_growths",
+                "Times the policy map grew (new maps took the attachments over).",
+                true,
+                self.grown,
             ),
             one(
                 "ordnet_datapath_fallbacks",
@@ -1107,12 +1251,12 @@ fn is_layout_dir(p: &Path) -> bool {
 /// `vN-resized-T` (a bpffs rename: the pins, links included, stay valid and keep enforcing),
 /// so that new maps are created in `pin_dir` and the set-aside directory is taken over like an
 /// older layout's after the first full programming.
-fn resize_aside(pin_dir: &Path, sizes: MapSizes) -> Result<(), AgentError> {
+fn resize_aside(pin_dir: &Path, sizes: &MapSizes) -> Result<Option<PathBuf>, AgentError> {
     let Some(pinned) = MapSizes::pinned(pin_dir) else {
-        return Ok(());
+        return Ok(None);
     };
-    if pinned == sizes {
-        return Ok(());
+    if sizes.served_by(&pinned) {
+        return Ok(None);
     }
     let stamp = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -1134,7 +1278,8 @@ fn resize_aside(pin_dir: &Path, sizes: MapSizes) -> Result<(), AgentError> {
         what: "setting the pins of other sizes aside",
         path: pin_dir.to_path_buf(),
         source,
-    })
+    })?;
+    Ok(Some(aside))
 }
 
 /// The pins of other layouts under `root`: other `ROOT/vN` directories with pins, and pins

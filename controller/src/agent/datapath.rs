@@ -366,7 +366,8 @@ impl Programmer {
 
 /// `--datapath none`: programs an in-memory datapath (the kernel's tables without a kernel, and
 /// no host addresses: it does not know the node's) and touches no kernel state. Its tables keep
-/// no second copy of the policy keys (the rule set store has them).
+/// no second copy of the policy keys (the rule set store has them), and its policy map is not
+/// bounded: every key the node's endpoints need is held and counted (`ordnet_datapath_map_*`).
 #[derive(Debug)]
 pub struct NoneDatapath {
     programmer: Programmer,
@@ -379,7 +380,12 @@ impl Default for NoneDatapath {
     fn default() -> Self {
         NoneDatapath {
             programmer: Programmer::default(),
-            dp: MemDatapath::default().keep_keys_in_store(),
+            // No kernel map bounds it: every key the node needs is held (and counted).
+            dp: MemDatapath::new(&ordnet_datapath::DatapathConfig {
+                policy_entries: u32::MAX,
+                ..ordnet_datapath::DatapathConfig::default()
+            })
+            .keep_keys_in_store(),
             needs_full: false,
         }
     }

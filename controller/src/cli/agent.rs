@@ -83,6 +83,13 @@ pub struct AgentArgs {
     #[arg(long, value_name = "KEYS", default_value_t = ordnet_datapath::common::layout::DEFAULT_POLICY_ENTRIES,
           value_parser = clap::value_parser!(u32).range(1..=(1 << 26)))]
     pub policy_map_entries: u32,
+    /// What the policy map may grow to, in keys (--datapath bpf): while an endpoint is denied
+    /// for lack of room or the map is 90 % full, it doubles up to this (new maps are
+    /// programmed and take the attachments over; nothing is unenforced meanwhile). At most
+    /// --policy-map-entries: it does not grow.
+    #[arg(long, value_name = "KEYS", default_value_t = agent::bpf::DEFAULT_POLICY_ENTRIES_MAX,
+          value_parser = clap::value_parser!(u32).range(1..=(1 << 26)))]
+    pub policy_map_max_entries: u32,
     /// Capacity of the ipcache, in addresses per family (--datapath bpf; every pod and node
     /// address of the cluster).
     #[arg(long, value_name = "ADDRESSES", default_value_t = ordnet_datapath::common::layout::DEFAULT_IPCACHE_ENTRIES,
@@ -133,6 +140,7 @@ pub struct AgentArgs {
 fn map_sizes(args: &AgentArgs) -> agent::bpf::MapSizes {
     agent::bpf::MapSizes {
         policy_entries: args.policy_map_entries,
+        policy_entries_max: args.policy_map_max_entries,
         ipcache_entries: args.ipcache_entries,
         max_rulesets: args.max_rulesets,
     }
