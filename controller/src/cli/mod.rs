@@ -37,7 +37,7 @@ pub enum Command {
     /// Build the pods as network namespaces, enforce with XDP and probe real connections (root).
     Lab(LabArgs),
     /// Run the node agent: watch the cluster, program this node's datapath, write status.
-    Agent(agent::AgentArgs),
+    Agent(Box<agent::AgentArgs>),
 }
 
 /// `ordnet crd` arguments.
@@ -210,6 +210,6 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Validate(args) => validate::run(&args),
         Command::Crd(a) => crd::run(a.upstream),
         Command::Lab(args) => crate::lab::run(&args),
-        Command::Agent(args) => agent::run(args),
+        Command::Agent(args) => agent::run(*args),
     }
 }
