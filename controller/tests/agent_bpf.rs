@@ -1541,6 +1541,26 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
             .count()
     };
     assert_eq!(aside(&lab), 0, "the pins of the old size are still there");
+    // Warning Events on the pod and on the policy that isolates it.
+    for (kind, name) in [("Pod", "db"), ("NetworkPolicy", "db-ingress")] {
+        let deadline = Instant::now() + LIMIT;
+        while !api.events().iter().any(|e| {
+            e["reason"] == "PolicyDoesNotFit"
+                && e["type"] == "Warning"
+                && e["regarding"]["kind"] == kind
+                && e["regarding"]["name"] == name
+                && e["note"]
+                    .as_str()
+                    .is_some_and(|n| n.contains("denied in both directions"))
+        }) {
+            assert!(
+                Instant::now() < deadline,
+                "no event on {kind} {name}: {:#?}",
+                api.events()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
     agent.terminate();
     let agent = Agent::start_ready(&lab, &kubeconfig);
     lab.expect("db fits again", &[]);
