@@ -1569,23 +1569,49 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     assert_eq!(lab.pinned_links(), links);
     agent.terminate();
 
-    // 8c. The same small map allowed to grow: db does not fit at first, the policy map doubles
-    // (new maps take the attachments over) and db is enforced by its own rules, with no
-    // restart and no new attachment.
+    // 8c. The same small map allowed to grow (to 8): sized for the node's keys before the first
+    // programming (2 keys, a quarter of headroom: 2), then doubled while 90 % full (4); a policy
+    // that needs 6 keys does not fit 4: db is denied for a moment and the map doubles again (8),
+    // with no restart and no new attachment.
     let agent = Agent::start_with(
         &lab,
         &kubeconfig,
-        &["--policy-map-entries", "1", "--policy-map-max-entries", "4"],
+        &["--policy-map-entries", "1", "--policy-map-max-entries", "8"],
     );
     agent.wait_ready();
     lab.expect("the policy map grew", &[]);
-    assert_eq!(
-        agent.metric("ordnet_datapath_map_capacity{map=\"ORDNET_POLICY\"}"),
-        2.0
-    );
+    let capacity = "ordnet_datapath_map_capacity{map=\"ORDNET_POLICY\"}";
+    assert_eq!(agent.metric(capacity), 4.0);
     assert_eq!(
         agent.metric("ordnet_datapath_policy_map_growths_total"),
-        1.0
+        2.0
+    );
+    let mut p = api
+        .get(
+            "networking.k8s.io/v1",
+            "NetworkPolicy",
+            "shop",
+            "db-ingress",
+        )
+        .unwrap();
+    p["spec"]["ingress"][0]["ports"] = json!(
+        (0..6)
+            .map(|i| json!({"protocol": "TCP", "port": PORT + 10 * i}))
+            .collect::<Vec<_>>()
+    );
+    api.update(p).unwrap();
+    let deadline = Instant::now() + LIMIT;
+    while agent.metric(capacity) < 8.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the policy map did not grow to 8"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    lab.expect("grown for six keys", &[]);
+    assert_eq!(
+        agent.metric("ordnet_datapath_policy_map_growths_total"),
+        3.0
     );
     assert_eq!(agent.metric("ordnet_datapath_denied_endpoints"), 0.0);
     assert_eq!(agent.metric("ordnet_datapath_attaches_total"), 0.0);
@@ -1593,7 +1619,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     assert_eq!(
         aside(&lab),
         0,
-        "the pins of the smaller map are still there"
+        "the pins of the smaller maps are still there"
     );
     agent.terminate();
 

@@ -768,6 +768,75 @@ fn datapath_fill() {
                 "      (per direction: ingress {} classes / {} keys, egress {} / {})",
                 ingress.0, ingress.1, egress.0, egress.1
             );
+            // Several class ids per address and direction, each for a group of the rule sets
+            // (greedy: each rule set, largest first, joins the group it adds fewest keys to).
+            let slot_keys: BTreeMap<u32, Vec<(u32, u32, u8)>> = dirs
+                .keys()
+                .map(|&slot| {
+                    let c = store.content(slot).unwrap();
+                    (
+                        slot,
+                        c.specific.iter().map(|(&(i, p), &v)| (i, p, v)).collect(),
+                    )
+                })
+                .collect();
+            for groups in [2usize, 4, 8] {
+                let mut total = (0usize, 0usize);
+                for d in 0..2 {
+                    let mut slots: Vec<u32> =
+                        dirs.iter().filter(|(_, u)| u[d]).map(|(s, _)| *s).collect();
+                    slots.sort_by_key(|s| std::cmp::Reverse(slot_keys[s].len()));
+                    let mut members: Vec<Vec<u32>> = vec![Vec::new(); groups];
+                    for &slot in &slots {
+                        let best = (0..groups)
+                            .min_by_key(|&g| {
+                                let mut with = members[g].clone();
+                                with.push(slot);
+                                group_keys(&with, &slot_keys).1
+                                    - group_keys(&members[g], &slot_keys).1
+                            })
+                            .unwrap();
+                        members[best].push(slot);
+                    }
+                    for m in &members {
+                        let (c, k) = group_keys(m, &slot_keys);
+                        total = (total.0 + c, total.1 + k);
+                    }
+                }
+                println!(
+                    "    classes per direction, {groups} groups {:>7} classes, {:>8} keys ({:>5.1} % of the map, {:>5.1}× fewer)",
+                    total.0,
+                    total.1 + wildcard,
+                    fill(total.1 + wildcard),
+                    (keys + wildcard) as f64 / (total.1 + wildcard).max(1) as f64
+                );
+            }
         }
     }
+}
+
+/// Classes over the rule sets `slots` (identities with equal keys in all of them share one) and
+/// the keys they write there: `(classes, keys)`.
+fn group_keys(
+    slots: &[u32],
+    keys: &std::collections::BTreeMap<u32, Vec<(u32, u32, u8)>>,
+) -> (usize, usize) {
+    use std::collections::{HashMap, HashSet};
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    let h = BuildHasherDefault::<DefaultHasher>::default();
+    let mut sig: HashMap<u32, u64> = HashMap::new();
+    for slot in slots {
+        for &(i, p, v) in &keys[slot] {
+            let e = sig.entry(i).or_insert(0);
+            *e = e.wrapping_add(h.hash_one((slot, p, v)));
+        }
+    }
+    let classes: HashSet<u64> = sig.values().copied().collect();
+    let mut written = 0;
+    for slot in slots {
+        let distinct: HashSet<(u64, u32)> =
+            keys[slot].iter().map(|&(i, p, _)| (sig[&i], p)).collect();
+        written += distinct.len();
+    }
+    (classes.len(), written)
 }

@@ -214,6 +214,22 @@ impl MapSizes {
     }
 }
 
+/// The policy keys the engine's local endpoints need (every distinct MapState's keys: the
+/// datapath writes a MapState's keys as they are, and equal MapStates share one rule set).
+fn estimated_policy_keys(engine: &Engine) -> usize {
+    let mut seen = std::collections::HashSet::new();
+    let mut keys = 0;
+    for ep in engine.endpoints() {
+        for dir in ordnet_mapstate::Direction::ALL {
+            let ms = &engine.policy(ep, dir).mapstate;
+            if seen.insert(std::ptr::from_ref(ms) as usize) {
+                keys += ms.len();
+            }
+        }
+    }
+    keys
+}
+
 /// The datapath configuration of the agent's maps and connection tracking.
 fn config_of(pin_dir: &Path, sizes: MapSizes, conntrack: ConntrackOptions) -> DatapathConfig {
     DatapathConfig {
@@ -506,9 +522,27 @@ impl BpfDatapath {
         Ok(())
     }
 
-    /// [`BpfDatapath::full`], then growth of the policy map if it needs to.
+    /// [`BpfDatapath::full`] into a policy map large enough for the engine's keys (with a
+    /// quarter of headroom, within `policy_entries_max`: the map is grown first if it is not),
+    /// then growth of the policy map if it still needs to.
     fn full_and_grow(&mut self, engine: &Engine) -> Result<(), AgentError> {
-        self.full(engine)?;
+        let needed = estimated_policy_keys(engine);
+        let target = u32::try_from(needed.saturating_mul(5) / 4)
+            .unwrap_or(u32::MAX)
+            .checked_next_power_of_two()
+            .unwrap_or(u32::MAX)
+            .min(self.sizes.policy_entries_max);
+        if target > self.sizes.policy_entries {
+            tracing::info!(
+                keys = needed,
+                from = self.sizes.policy_entries,
+                to = target,
+                "sizing the policy map for this node's policies"
+            );
+            self.grow_to(engine, target)?;
+        } else {
+            self.full(engine)?;
+        }
         self.grow_if_needed(engine)
     }
 
@@ -539,23 +573,30 @@ impl BpfDatapath {
         }
     }
 
-    /// One growth step of [`BpfDatapath::grow_if_needed`].
+    /// One growth step of [`BpfDatapath::grow_if_needed`]: twice the size.
     fn grow(&mut self, engine: &Engine) -> Result<(), AgentError> {
-        let sizes = MapSizes {
-            policy_entries: self
-                .sizes
-                .policy_entries
-                .saturating_mul(2)
-                .min(self.sizes.policy_entries_max),
-            ..self.sizes
-        };
-        let pin_dir = ordnet_datapath::layout_dir(&self.root);
+        let to = self
+            .sizes
+            .policy_entries
+            .saturating_mul(2)
+            .min(self.sizes.policy_entries_max);
         tracing::warn!(
             from = self.sizes.policy_entries,
-            to = sizes.policy_entries,
+            to,
             denied = self.programmer.program.denied().len(),
             "the policy map is too small: growing it (new maps take the attachments over once programmed)"
         );
+        self.grow_to(engine, to)
+    }
+
+    /// Replaces the maps by ones whose policy map holds `policy_entries` keys (see
+    /// [`BpfDatapath::grow_if_needed`]) and programs them in full.
+    fn grow_to(&mut self, engine: &Engine, policy_entries: u32) -> Result<(), AgentError> {
+        let sizes = MapSizes {
+            policy_entries,
+            ..self.sizes
+        };
+        let pin_dir = ordnet_datapath::layout_dir(&self.root);
         let Some(aside) = resize_aside(&pin_dir, &sizes)? else {
             return Ok(());
         };
