@@ -1223,6 +1223,17 @@ fn pod(name: &str, app: &str, node: &str, ip: Ipv4Addr) -> Value {
         "status": {"podIP": ip.to_string(), "podIPs": ips}})
 }
 
+/// The NetworkPolicy `shop/db-ingress` as the API server holds it.
+fn db_ingress(api: &FakeApi) -> Value {
+    api.get(
+        "networking.k8s.io/v1",
+        "NetworkPolicy",
+        "shop",
+        "db-ingress",
+    )
+    .unwrap()
+}
+
 fn db_policy(from_app: &str) -> Value {
     json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": {"namespace": "shop", "name": "db-ingress"},
@@ -1312,14 +1323,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     assert!(dump.contains("Deny") || dump.contains("deny"), "{dump}");
 
     // 2. A policy change reaches the kernel.
-    let mut p = api
-        .get(
-            "networking.k8s.io/v1",
-            "NetworkPolicy",
-            "shop",
-            "db-ingress",
-        )
-        .unwrap();
+    let mut p = db_ingress(&api);
     p["spec"] = db_policy("client")["spec"].clone();
     api.update(p).unwrap();
     lab.expect(
@@ -1487,141 +1491,8 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     let mut lab = Arc::into_inner(lab).expect("the probes are done");
     lab.locals.retain(|p| p != "client");
 
-    // 8b. A policy map too small for db's rule set (two keys; the map holds one): started with
-    // it, the agent replaces the pinned maps by smaller ones (the migration of step 8) and db
-    // gets a deny-all policy in both directions, reported; web is enforced as before. Started
-    // again with the default size, db is enforced by its own rules.
-    let mut p = api
-        .get(
-            "networking.k8s.io/v1",
-            "NetworkPolicy",
-            "shop",
-            "db-ingress",
-        )
-        .unwrap();
-    p["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app"] = json!("web");
-    p["spec"]["ingress"][0]["ports"] = json!([
-        {"protocol": "TCP", "port": PORT}, {"protocol": "TCP", "port": PORT + 1}]);
-    api.update(p).unwrap();
-    let tiny = ["--policy-map-entries", "1", "--policy-map-max-entries", "1"];
-    let agent = Agent::start_with(&lab, &kubeconfig, &tiny);
-    agent.wait_ready();
-    lab.expect(
-        "db does not fit",
-        &[("web", "db"), ("far", "db"), ("db", "web")],
-    );
-    assert_eq!(
-        lab.pinned_links(),
-        links,
-        "the attachments were moved, not made anew"
-    );
-    assert_eq!(agent.metric("ordnet_datapath_attaches_total"), 0.0);
-    assert_eq!(agent.metric("ordnet_datapath_denied_endpoints"), 1.0);
-    assert_eq!(
-        agent.metric("ordnet_datapath_map_capacity{map=\"ORDNET_POLICY\"}"),
-        1.0
-    );
-    let (code, ready) = agent.get("/readyz");
-    assert_eq!(code, 200, "{ready}");
-    assert!(
-        ready.contains("denied in both directions (its policy does not fit the maps): shop/db"),
-        "{ready}"
-    );
-    let (code, why) = agent.get(&format!("/v1/trace?from=shop/web&to=shop/db&port={PORT}"));
-    assert_eq!(code, 409, "{why}");
-    assert!(
-        why.contains("DENY: shop/db is denied in both directions"),
-        "{why}"
-    );
-    let aside = |lab: &Lab| {
-        std::fs::read_dir(&lab.pin_dir)
-            .unwrap()
-            .filter_map(|e| e.ok())
-            .filter(|e| e.file_name().to_string_lossy().contains("-resized-"))
-            .count()
-    };
-    assert_eq!(aside(&lab), 0, "the pins of the old size are still there");
-    // Warning Events on the pod and on the policy that isolates it.
-    for (kind, name) in [("Pod", "db"), ("NetworkPolicy", "db-ingress")] {
-        let deadline = Instant::now() + LIMIT;
-        while !api.events().iter().any(|e| {
-            e["reason"] == "PolicyDoesNotFit"
-                && e["type"] == "Warning"
-                && e["regarding"]["kind"] == kind
-                && e["regarding"]["name"] == name
-                && e["note"]
-                    .as_str()
-                    .is_some_and(|n| n.contains("denied in both directions"))
-        }) {
-            assert!(
-                Instant::now() < deadline,
-                "no event on {kind} {name}: {:#?}",
-                api.events()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-    agent.terminate();
-    let agent = Agent::start_ready(&lab, &kubeconfig);
-    lab.expect("db fits again", &[]);
-    assert_eq!(agent.metric("ordnet_datapath_denied_endpoints"), 0.0);
-    assert_eq!(aside(&lab), 0, "the pins of the old size are still there");
-    assert_eq!(lab.pinned_links(), links);
-    agent.terminate();
-
-    // 8c. The same small map allowed to grow (to 8): sized for the node's keys before the first
-    // programming (2 keys, a quarter of headroom: 2), then doubled while 90 % full (4); a policy
-    // that needs 6 keys does not fit 4: db is denied for a moment and the map doubles again (8),
-    // with no restart and no new attachment.
-    let agent = Agent::start_with(
-        &lab,
-        &kubeconfig,
-        &["--policy-map-entries", "1", "--policy-map-max-entries", "8"],
-    );
-    agent.wait_ready();
-    lab.expect("the policy map grew", &[]);
-    let capacity = "ordnet_datapath_map_capacity{map=\"ORDNET_POLICY\"}";
-    assert_eq!(agent.metric(capacity), 4.0);
-    assert_eq!(
-        agent.metric("ordnet_datapath_policy_map_growths_total"),
-        2.0
-    );
-    let mut p = api
-        .get(
-            "networking.k8s.io/v1",
-            "NetworkPolicy",
-            "shop",
-            "db-ingress",
-        )
-        .unwrap();
-    p["spec"]["ingress"][0]["ports"] = json!(
-        (0..6)
-            .map(|i| json!({"protocol": "TCP", "port": PORT + 10 * i}))
-            .collect::<Vec<_>>()
-    );
-    api.update(p).unwrap();
-    let deadline = Instant::now() + LIMIT;
-    while agent.metric(capacity) < 8.0 {
-        assert!(
-            Instant::now() < deadline,
-            "the policy map did not grow to 8"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    lab.expect("grown for six keys", &[]);
-    assert_eq!(
-        agent.metric("ordnet_datapath_policy_map_growths_total"),
-        3.0
-    );
-    assert_eq!(agent.metric("ordnet_datapath_denied_endpoints"), 0.0);
-    assert_eq!(agent.metric("ordnet_datapath_attaches_total"), 0.0);
-    assert_eq!(lab.pinned_links(), links);
-    assert_eq!(
-        aside(&lab),
-        0,
-        "the pins of the smaller maps are still there"
-    );
-    agent.terminate();
+    // 8b, 8c. Policy maps too small, and growing.
+    map_capacity_steps(&lab, &api, &kubeconfig, &links);
 
     // 9. Uninstall: every program detached, every pin removed; nothing is enforced any more.
     let out = Command::new("nsenter")
@@ -1972,4 +1843,132 @@ fn bridge_port(lab: &Lab, pod: &str) -> String {
         .and_then(|l| l.split(": ").nth(1))
         .map(|n| n.split('@').next().unwrap().to_string())
         .unwrap_or_else(|| panic!("{pod}: no interface {peer} in the node namespace"))
+}
+
+/// Steps 8b and 8c of [`bpf_agent_enforces_with_real_connections_and_survives_restart`]: the
+/// agent with a policy map too small for db's rule set (denied both ways, reported), with the
+/// default size again, and with a map allowed to grow. `links` are the pinned attachments (they
+/// never change). Ends with no agent running.
+fn map_capacity_steps(lab: &Lab, api: &FakeApi, kubeconfig: &Path, links: &[String]) {
+    // 8b. A policy map too small for db's rule set (two keys; the map holds one): started with
+    // it, the agent replaces the pinned maps by smaller ones (the migration of step 8) and db
+    // gets a deny-all policy in both directions, reported; web is enforced as before. Started
+    // again with the default size, db is enforced by its own rules.
+    let mut p = db_ingress(api);
+    p["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]["app"] = json!("web");
+    p["spec"]["ingress"][0]["ports"] = json!([
+        {"protocol": "TCP", "port": PORT}, {"protocol": "TCP", "port": PORT + 1}]);
+    api.update(p).unwrap();
+    let tiny = ["--policy-map-entries", "1", "--policy-map-max-entries", "1"];
+    let agent = Agent::start_with(lab, kubeconfig, &tiny);
+    agent.wait_ready();
+    lab.expect(
+        "db does not fit",
+        &[("web", "db"), ("far", "db"), ("db", "web")],
+    );
+    assert_eq!(
+        lab.pinned_links(),
+        links,
+        "the attachments were moved, not made anew"
+    );
+    assert_eq!(agent.metric("ordnet_datapath_attaches_total"), 0.0);
+    assert_eq!(agent.metric("ordnet_datapath_denied_endpoints"), 1.0);
+    assert_eq!(
+        agent.metric("ordnet_datapath_map_capacity{map=\"ORDNET_POLICY\"}"),
+        1.0
+    );
+    let (code, ready) = agent.get("/readyz");
+    assert_eq!(code, 200, "{ready}");
+    assert!(
+        ready.contains("denied in both directions (its policy does not fit the maps): shop/db"),
+        "{ready}"
+    );
+    let (code, why) = agent.get(&format!("/v1/trace?from=shop/web&to=shop/db&port={PORT}"));
+    assert_eq!(code, 409, "{why}");
+    assert!(
+        why.contains("DENY: shop/db is denied in both directions"),
+        "{why}"
+    );
+    let aside = |lab: &Lab| {
+        std::fs::read_dir(&lab.pin_dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().contains("-resized-"))
+            .count()
+    };
+    assert_eq!(aside(lab), 0, "the pins of the old size are still there");
+    // Warning Events on the pod and on the policy that isolates it.
+    for (kind, name) in [("Pod", "db"), ("NetworkPolicy", "db-ingress")] {
+        let deadline = Instant::now() + LIMIT;
+        while !api.events().iter().any(|e| {
+            e["reason"] == "PolicyDoesNotFit"
+                && e["type"] == "Warning"
+                && e["regarding"]["kind"] == kind
+                && e["regarding"]["name"] == name
+                && e["note"]
+                    .as_str()
+                    .is_some_and(|n| n.contains("denied in both directions"))
+        }) {
+            assert!(
+                Instant::now() < deadline,
+                "no event on {kind} {name}: {:#?}",
+                api.events()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    agent.terminate();
+    let agent = Agent::start_ready(lab, kubeconfig);
+    lab.expect("db fits again", &[]);
+    assert_eq!(agent.metric("ordnet_datapath_denied_endpoints"), 0.0);
+    assert_eq!(aside(lab), 0, "the pins of the old size are still there");
+    assert_eq!(lab.pinned_links(), links);
+    agent.terminate();
+
+    // 8c. The same small map allowed to grow (to 8): sized for the node's keys before the first
+    // programming (2 keys, a quarter of headroom: 2), then doubled while 90 % full (4); a policy
+    // that needs 6 keys does not fit 4: db is denied for a moment and the map doubles again (8),
+    // with no restart and no new attachment.
+    let agent = Agent::start_with(
+        lab,
+        kubeconfig,
+        &["--policy-map-entries", "1", "--policy-map-max-entries", "8"],
+    );
+    agent.wait_ready();
+    lab.expect("the policy map grew", &[]);
+    let capacity = "ordnet_datapath_map_capacity{map=\"ORDNET_POLICY\"}";
+    assert_eq!(agent.metric(capacity), 4.0);
+    assert_eq!(
+        agent.metric("ordnet_datapath_policy_map_growths_total"),
+        2.0
+    );
+    let mut p = db_ingress(api);
+    p["spec"]["ingress"][0]["ports"] = json!(
+        (0..6)
+            .map(|i| json!({"protocol": "TCP", "port": PORT + 10 * i}))
+            .collect::<Vec<_>>()
+    );
+    api.update(p).unwrap();
+    let deadline = Instant::now() + LIMIT;
+    while agent.metric(capacity) < 8.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the policy map did not grow to 8"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    lab.expect("grown for six keys", &[]);
+    assert_eq!(
+        agent.metric("ordnet_datapath_policy_map_growths_total"),
+        3.0
+    );
+    assert_eq!(agent.metric("ordnet_datapath_denied_endpoints"), 0.0);
+    assert_eq!(agent.metric("ordnet_datapath_attaches_total"), 0.0);
+    assert_eq!(lab.pinned_links(), links);
+    assert_eq!(
+        aside(lab),
+        0,
+        "the pins of the smaller maps are still there"
+    );
+    agent.terminate();
 }

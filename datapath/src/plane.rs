@@ -652,29 +652,26 @@ mod tests {
             "{}",
             denied[0].1
         );
-        let verdict = |dp: &MemDatapath, src, dst, port| {
-            let d = dp.decide(&tcp(src, dst, port));
-            (d.verdict, d.reason)
+        // Each (source, destination, TCP port) decided as expected.
+        let expect = |dp: &MemDatapath, want: &[(&str, &str, u16, Xdp, Reason)]| {
+            for &(src, dst, port, verdict, reason) in want {
+                let d = dp.decide(&tcp(src, dst, port));
+                assert_eq!(
+                    (d.verdict, d.reason),
+                    (verdict, reason),
+                    "{src} -> {dst}:{port}"
+                );
+            }
         };
-        assert_eq!(
-            verdict(&dp, "10.0.1.7", "10.0.0.1", 80),
-            (Xdp::Drop, Reason::IngressDenied)
-        );
-        assert_eq!(
-            verdict(&dp, "10.0.0.1", "10.0.1.8", 443),
-            (Xdp::Drop, Reason::EgressDenied)
-        );
-        assert_eq!(
-            verdict(&dp, "10.0.1.7", "10.0.0.2", 80),
-            (Xdp::Pass, Reason::Allowed)
-        );
-        assert_eq!(
-            verdict(&dp, "10.0.1.8", "10.0.0.2", 80),
-            (Xdp::Drop, Reason::IngressDenied)
-        );
-        assert_eq!(
-            verdict(&dp, "10.0.0.2", "10.0.1.8", 443),
-            (Xdp::Pass, Reason::Allowed)
+        expect(
+            &dp,
+            &[
+                ("10.0.1.7", "10.0.0.1", 80, Xdp::Drop, Reason::IngressDenied),
+                ("10.0.0.1", "10.0.1.8", 443, Xdp::Drop, Reason::EgressDenied),
+                ("10.0.1.7", "10.0.0.2", 80, Xdp::Pass, Reason::Allowed),
+                ("10.0.1.8", "10.0.0.2", 80, Xdp::Drop, Reason::IngressDenied),
+                ("10.0.0.2", "10.0.1.8", 443, Xdp::Pass, Reason::Allowed),
+            ],
         );
         assert_eq!(dp.control().store().policy_keys_held(), 1);
 
@@ -697,13 +694,12 @@ mod tests {
         let fits = &allow_many(7..=9, 80);
         let (_, denied) = dp.update_endpoints_or_deny(&[(1, spec(a, fits))]).unwrap();
         assert!(denied.is_empty());
-        assert_eq!(
-            verdict(&dp, "10.0.1.8", "10.0.0.1", 80),
-            (Xdp::Pass, Reason::Allowed)
-        );
-        assert_eq!(
-            verdict(&dp, "10.0.0.1", "10.0.1.8", 443),
-            (Xdp::Pass, Reason::Allowed)
+        expect(
+            &dp,
+            &[
+                ("10.0.1.8", "10.0.0.1", 80, Xdp::Pass, Reason::Allowed),
+                ("10.0.0.1", "10.0.1.8", 443, Xdp::Pass, Reason::Allowed),
+            ],
         );
         assert_eq!(dp.control().store().policy_keys_held(), 4);
 
@@ -730,25 +726,15 @@ mod tests {
             ])
             .unwrap();
         assert_eq!(denied.iter().map(|d| d.0).collect::<Vec<_>>(), [2]);
-        assert_eq!(
-            verdict(&dp, "10.0.0.1", "10.0.1.8", 443),
-            (Xdp::Pass, Reason::Allowed)
-        );
-        assert_eq!(
-            verdict(&dp, "10.0.0.1", "10.0.1.7", 443),
-            (Xdp::Drop, Reason::EgressDenied)
-        );
-        assert_eq!(
-            verdict(&dp, "10.0.1.8", "10.0.0.1", 80),
-            (Xdp::Pass, Reason::Allowed)
-        );
-        assert_eq!(
-            verdict(&dp, "10.0.1.7", "10.0.0.2", 80),
-            (Xdp::Drop, Reason::IngressDenied)
-        );
-        assert_eq!(
-            verdict(&dp, "10.0.0.2", "10.0.1.8", 443),
-            (Xdp::Drop, Reason::EgressDenied)
+        expect(
+            &dp,
+            &[
+                ("10.0.0.1", "10.0.1.8", 443, Xdp::Pass, Reason::Allowed),
+                ("10.0.0.1", "10.0.1.7", 443, Xdp::Drop, Reason::EgressDenied),
+                ("10.0.1.8", "10.0.0.1", 80, Xdp::Pass, Reason::Allowed),
+                ("10.0.1.7", "10.0.0.2", 80, Xdp::Drop, Reason::IngressDenied),
+                ("10.0.0.2", "10.0.1.8", 443, Xdp::Drop, Reason::EgressDenied),
+            ],
         );
         assert_eq!(
             dp.control().store().policy_keys_held(),
