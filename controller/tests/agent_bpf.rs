@@ -71,6 +71,14 @@ const EXT2: &str = "ext2";
 const EXT2_IP: Ipv4Addr = Ipv4Addr::new(10, 219, 1, 2);
 /// A Service whose backend is [`REMOTE`] (reached through the overlay).
 const R1_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 21);
+/// A layer-3 tunnel between the shapes test's two nodes (packets without an Ethernet header, as
+/// on IPIP, GRE and WireGuard devices — which this kernel does not have; a TUN device on each
+/// node, the test relaying packets between them as a userspace VPN does), a pod of the second
+/// node reached only through it, and a Service whose backend it is.
+const TUNNEL: &str = "tun-n2";
+const REMOTE_TUN: &str = "r2";
+const REMOTE_TUN_IP: Ipv4Addr = Ipv4Addr::new(10, 216, 2, 2);
+const R2_VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 22);
 /// IPv6 addresses of db, far and far2 (the node's side of each link is [`GW6`]): path MTU
 /// discovery is checked over IPv6 too (1280 is IPv6's minimum MTU).
 const DB6: Ipv6Addr = Ipv6Addr::new(0xfd13, 0, 0, 0, 0, 0, 0, 3);
@@ -202,6 +210,7 @@ impl Lab {
         run(&format!("ip -n {outside} link set eth0 up"));
         run(&format!("ip -n {n} route add default via 10.218.0.2"));
         lab.overlay_to(&outside);
+        lab.tunnel_to(&outside);
         lab.second_uplink();
         let _ = std::fs::remove_dir_all(lab.ipam_dir());
         for name in BRIDGED {
@@ -277,6 +286,41 @@ impl Lab {
             "ip -n {other} route add {}/32 via {a2}",
             self.api_ip
         ));
+    }
+
+    /// A layer-3 tunnel ([`TUNNEL`]) to `other`: a TUN device on each node, the test relaying
+    /// packets between them; [`REMOTE_TUN`], a routed pod of `other`, is reached through it
+    /// both ways (its replies are routed back by source).
+    fn tunnel_to(&mut self, other: &str) {
+        let n = self.node.clone();
+        let mut ends = Vec::new();
+        for ns in [n.as_str(), other] {
+            run(&format!("ip -n {ns} tuntap add mode tun name {TUNNEL}"));
+            let ns_owned = ns.to_string();
+            ends.push(in_netns(&ns_owned, || open_tun(TUNNEL)));
+            run(&format!("ip -n {ns} link set {TUNNEL} up"));
+            run(&format!(
+                "ip netns exec {ns} sysctl -qw net.ipv4.conf.all.rp_filter=0 \
+                 net.ipv4.conf.{TUNNEL}.rp_filter=0"
+            ));
+        }
+        let (a, b) = (ends.remove(0), ends.remove(0));
+        relay(a.try_clone().unwrap(), b.try_clone().unwrap());
+        relay(b, a);
+        run(&format!("ip -n {n} route add 10.216.2.0/24 dev {TUNNEL}"));
+        run(&format!(
+            "ip -n {other} rule add from 10.216.2.0/24 table 220"
+        ));
+        for net in ["10.216.0.0/24", "10.217.0.0/24"] {
+            run(&format!(
+                "ip -n {other} route add {net} dev {TUNNEL} table 220"
+            ));
+        }
+        let (ns, host) = (format!("{}t", self.prefix), format!("{}th", self.prefix));
+        let gw = Ipv4Addr::new(10, 216, 2, 1);
+        routed_pod(other, &ns, &host, REMOTE_TUN_IP, gw, "", None);
+        self.pods
+            .insert(REMOTE_TUN.to_string(), (ns, REMOTE_TUN_IP));
     }
 
     /// The fake API server on the management link (served by `runtime`), a kubeconfig for it,
@@ -1512,6 +1556,50 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     drop(runtime);
 }
 
+/// Opens the TUN device `name` of this thread's network namespace (`IFF_TUN | IFF_NO_PI`:
+/// bare IP packets).
+fn open_tun(name: &str) -> std::fs::File {
+    use std::os::fd::AsRawFd as _;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")
+        .unwrap();
+    #[repr(C)]
+    struct IfReq {
+        name: [u8; 16],
+        flags: libc::c_short,
+        pad: [u8; 22],
+    }
+    let mut req = IfReq {
+        name: [0; 16],
+        flags: (libc::IFF_TUN | libc::IFF_NO_PI) as libc::c_short,
+        pad: [0; 22],
+    };
+    req.name[..name.len()].copy_from_slice(name.as_bytes());
+    // SAFETY: TUNSETIFF reads and writes an `ifreq`, which `IfReq` lays out.
+    let rc = unsafe { libc::ioctl(file.as_raw_fd(), libc::TUNSETIFF, &mut req) };
+    assert_eq!(
+        rc,
+        0,
+        "TUNSETIFF {name}: {}",
+        std::io::Error::last_os_error()
+    );
+    file
+}
+
+/// Copies every packet read from `from` to `to` (a thread; it ends when a device goes).
+fn relay(mut from: std::fs::File, mut to: std::fs::File) {
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 65536];
+        while let Ok(n) = from.read(&mut buf) {
+            if n == 0 || to.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+    });
+}
+
 /// The sender's current maximum segment size (`TCP_INFO`'s `tcpi_snd_mss`).
 fn send_mss(s: &TcpStream) -> u32 {
     use std::os::fd::AsRawFd as _;
@@ -1574,6 +1662,7 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
     let sources = ["b1", "b3", "pr"];
     lab.expect_reach("no agent", &sources, B2_VIP, "b2", &sources);
     lab.expect_reach("no agent", &["b1", "b3"], R1_VIP, REMOTE, &["b1", "b3"]);
+    lab.expect_reach("no agent", &["b1", "b3"], R2_VIP, REMOTE_TUN, &["b1", "b3"]);
     lab.expect_to_remote("no agent", &["b1", "b2", "b3"]);
 
     // Node 2's own agent: its pod r1, its underlay as uplink, the overlay found by itself.
@@ -1665,6 +1754,8 @@ fn shapes_objects(lab: &Lab, api: &FakeApi) {
     }
     api.create(pod(REMOTE, REMOTE, "node-2", REMOTE_IP))
         .unwrap();
+    api.create(pod(REMOTE_TUN, REMOTE_TUN, "node-2", REMOTE_TUN_IP))
+        .unwrap();
     let ingress_from = |to: &str, from: &[&str], ports: Value| {
         json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": {"namespace": "shop", "name": format!("{to}-ingress")},
@@ -1685,6 +1776,8 @@ fn shapes_objects(lab: &Lab, api: &FakeApi) {
     // egress policy, on node 1).
     api.create(ingress_from(REMOTE, &["b1", "b3"], Value::Null))
         .unwrap();
+    api.create(ingress_from(REMOTE_TUN, &["b1", "b3"], Value::Null))
+        .unwrap();
     api.create(
         json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": {"namespace": "shop", "name": "b3-egress"},
@@ -1701,10 +1794,11 @@ fn shapes_objects(lab: &Lab, api: &FakeApi) {
         "table ip kube-proxy {{\n\
          chain nat-prerouting {{ type nat hook prerouting priority dstnat; \
          ip daddr {B2_VIP} tcp dport {PORT} dnat to {b2}:{PORT}; \
-         ip daddr {R1_VIP} tcp dport {PORT} dnat to {REMOTE_IP}:{PORT}; }}\n\
+         ip daddr {R1_VIP} tcp dport {PORT} dnat to {REMOTE_IP}:{PORT}; \
+         ip daddr {R2_VIP} tcp dport {PORT} dnat to {REMOTE_TUN_IP}:{PORT}; }}\n\
          }}\n"
     ));
-    for (name, vip) in [("b2", B2_VIP), (REMOTE, R1_VIP)] {
+    for (name, vip) in [("b2", B2_VIP), (REMOTE, R1_VIP), (REMOTE_TUN, R2_VIP)] {
         api.create(json!({"apiVersion": "v1", "kind": "Service",
             "metadata": {"namespace": "shop", "name": name},
             "spec": {"selector": {"app": name}, "clusterIP": vip.to_string(),
@@ -1727,6 +1821,9 @@ fn expect_shapes(
     lab.expect_reach(step, &["b1", "b3", "pr"], B2_VIP, "b2", &["b3", "pr"]);
     // b3's egress to the other node's pod, behind a Service: judged after the DNAT.
     lab.expect_reach(step, &["b1", "b3"], R1_VIP, REMOTE, &["b1"]);
+    // The same through the layer-3 tunnel: judged by the layer-3 TC program on it (node 2 lets b3
+    // in: only node 1's egress judgment drops it).
+    lab.expect_reach(step, &["b1", "b3"], R2_VIP, REMOTE_TUN, &["b1"]);
     // To the other node's pod directly: b2 dropped by node 2, b3 by node 1.
     lab.expect_to_remote(step, &["b1"]);
     assert_eq!(
@@ -1745,6 +1842,11 @@ fn expect_shapes(
         lab.pinned("tc-links"),
         tc_links,
         "{step}: TC there and on {OVERLAY}"
+    );
+    assert_eq!(
+        lab.pinned("tc-l3-links"),
+        [TUNNEL],
+        "{step}: the layer-3 TC program on the tunnel"
     );
     let (_, readyz) = agent.get("/readyz");
     assert!(!readyz.contains("not enforced"), "{step}: {readyz}");

@@ -51,7 +51,7 @@ pub mod sys;
 mod tables;
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -87,7 +87,7 @@ use ordnet_datapath_common::{
         DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES, DEFAULT_SVC_ENTRIES, IfaceInfo, IpInfo,
         IpKey, MAP_BLOCKS, MAP_CELLS, MAP_COUNTERS, MAP_CT4, MAP_CT6, MAP_IFACE, MAP_IP4, MAP_IP6,
         MAP_IPCIDR, MAP_POLICY, MAP_STATE, MAP_SVC, PROGRAM_NAME, PolicyKey, PolicyValue, State,
-        SvcKey, SvcValue, TC_PROGRAM_NAME, pairs,
+        SvcKey, SvcValue, TC_L3_PROGRAM_NAME, TC_PROGRAM_NAME, pairs,
     },
 };
 pub use plane::{ControlPlane, MemDatapath};
@@ -473,6 +473,9 @@ pub struct Datapath {
     links: BTreeMap<String, LinkHandle<XdpLinkId>>,
     /// TC (tcx egress) attachments, by interface.
     tc_links: BTreeMap<String, LinkHandle<SchedClassifierLinkId>>,
+    /// The interfaces among them that are layer-3 devices (the program `ordnet_tc_l3`, links
+    /// pinned under `tc-l3-links/`).
+    tc_l3: BTreeSet<String>,
 }
 
 /// The programs' event counters ([`Datapath::counters`]).
@@ -520,6 +523,17 @@ pub struct RemovedPins {
 const XDP_LINKS: &str = "links";
 /// The pin directory of the TC links (one pin per interface).
 const TC_LINKS: &str = "tc-links";
+/// The pin directory of the TC links of layer-3 devices (the program `ordnet_tc_l3`).
+const TC_L3_LINKS: &str = "tc-l3-links";
+
+/// The TC program and the pin directory of its links, for a layer-3 device or not.
+fn tc_kind(l3: bool) -> (&'static str, &'static str) {
+    if l3 {
+        (TC_L3_PROGRAM_NAME, TC_L3_LINKS)
+    } else {
+        (TC_PROGRAM_NAME, TC_LINKS)
+    }
+}
 
 /// The handle of a new attachment: pinned as `<pin_dir>/<links_dir>/<iface>` (it then survives
 /// the process), or owned by the program when there is no pin directory.
@@ -632,6 +646,7 @@ impl Datapath {
             config,
             links: BTreeMap::new(),
             tc_links: BTreeMap::new(),
+            tc_l3: BTreeSet::new(),
         };
         dp.control
             .set_ip_capacities(dp.config.ipcache_entries, dp.config.cidr_entries);
@@ -700,16 +715,25 @@ impl Datapath {
             drop(FdLink::try_from(program.take_link(id)?).map_err(io(path))?);
             Ok(())
         })?;
-        let tc_links = adopt_links(&dir.join(TC_LINKS), |fd, path| {
-            let program: &mut SchedClassifier = ebpf
-                .program_mut(TC_PROGRAM_NAME)
-                .ok_or(DatapathError::Missing(TC_PROGRAM_NAME))?
-                .try_into()?;
-            let id =
-                program.attach_to_link(SchedClassifierLink::try_from(fd).map_err(io(path))?)?;
-            drop(FdLink::try_from(program.take_link(id)?).map_err(io(path))?);
-            Ok(())
-        })?;
+        let mut tc_links = BTreeMap::new();
+        let mut tc_l3 = BTreeSet::new();
+        for l3 in [false, true] {
+            let (name, sub) = tc_kind(l3);
+            let adopted = adopt_links(&dir.join(sub), |fd, path| {
+                let program: &mut SchedClassifier = ebpf
+                    .program_mut(name)
+                    .ok_or(DatapathError::Missing(name))?
+                    .try_into()?;
+                let id =
+                    program.attach_to_link(SchedClassifierLink::try_from(fd).map_err(io(path))?)?;
+                drop(FdLink::try_from(program.take_link(id)?).map_err(io(path))?);
+                Ok(())
+            })?;
+            if l3 {
+                tc_l3.extend(adopted.keys().cloned());
+            }
+            tc_links.extend(adopted);
+        }
         let report = AdoptReport {
             endpoints: control.endpoints().len(),
             rulesets: control.store().slots_in_use().len(),
@@ -727,6 +751,7 @@ impl Datapath {
             config,
             links,
             tc_links,
+            tc_l3,
         };
         dp.pin_program()?;
         Ok((dp, report))
@@ -781,7 +806,11 @@ impl Datapath {
             }
         };
         let mut moved = Vec::new();
-        for (sub, xdp) in [(XDP_LINKS, true), (TC_LINKS, false)] {
+        for (sub, xdp, l3) in [
+            (XDP_LINKS, true, false),
+            (TC_LINKS, false, false),
+            (TC_L3_LINKS, false, true),
+        ] {
             let old = old_dir.join(sub);
             if !old.exists() {
                 continue;
@@ -819,16 +848,19 @@ impl Datapath {
                     } else {
                         let program: &mut SchedClassifier = self
                             .ebpf
-                            .program_mut(TC_PROGRAM_NAME)
-                            .ok_or(DatapathError::Missing(TC_PROGRAM_NAME))?
+                            .program_mut(tc_kind(l3).0)
+                            .ok_or(DatapathError::Missing(tc_kind(l3).0))?
                             .try_into()?;
                         let id = program.attach_to_link(
                             SchedClassifierLink::try_from(fd).map_err(io(&path))?,
                         )?;
-                        let handle = link_handle(Some(dir.clone()), TC_LINKS, &name, id, |id| {
+                        let handle = link_handle(Some(dir.clone()), sub, &name, id, |id| {
                             program.take_link(id)
                         })?;
                         self.tc_links.insert(name.clone(), handle);
+                        if l3 {
+                            self.tc_l3.insert(name.clone());
+                        }
                         moved.push(format!("tc:{name}"));
                     }
                 }
@@ -844,10 +876,11 @@ impl Datapath {
     /// a running agent). Says what it removed.
     pub fn remove_pins(dir: &Path) -> Result<RemovedPins, DatapathError> {
         let mut removed = RemovedPins::default();
-        for name in MAP_NAMES
-            .iter()
-            .copied()
-            .chain([PROGRAM_NAME, TC_PROGRAM_NAME])
+        for name in
+            MAP_NAMES
+                .iter()
+                .copied()
+                .chain([PROGRAM_NAME, TC_PROGRAM_NAME, TC_L3_PROGRAM_NAME])
         {
             let p = dir.join(name);
             if p.exists() {
@@ -855,10 +888,12 @@ impl Datapath {
                 removed.objects += 1;
             }
         }
-        for (sub, out) in [
-            (XDP_LINKS, &mut removed.xdp_links),
-            (TC_LINKS, &mut removed.tc_links),
-        ] {
+        for (sub, xdp) in [(XDP_LINKS, true), (TC_LINKS, false), (TC_L3_LINKS, false)] {
+            let out = if xdp {
+                &mut removed.xdp_links
+            } else {
+                &mut removed.tc_links
+            };
             let links = dir.join(sub);
             if links.exists() {
                 for e in std::fs::read_dir(&links).map_err(io_err(&links))? {
@@ -898,11 +933,13 @@ impl Datapath {
             .ok_or(DatapathError::Missing(PROGRAM_NAME))?
             .try_into()?;
         program.load()?;
-        let tc: &mut SchedClassifier = ebpf
-            .program_mut(TC_PROGRAM_NAME)
-            .ok_or(DatapathError::Missing(TC_PROGRAM_NAME))?
-            .try_into()?;
-        tc.load()?;
+        for name in [TC_PROGRAM_NAME, TC_L3_PROGRAM_NAME] {
+            let tc: &mut SchedClassifier = ebpf
+                .program_mut(name)
+                .ok_or(DatapathError::Missing(name))?
+                .try_into()?;
+            tc.load()?;
+        }
         let cells: Array<MapData, u64> = take(&mut ebpf, MAP_CELLS)?;
         let blocks: Array<MapData, u64> = take(&mut ebpf, MAP_BLOCKS)?;
         let (cell_words, block_words) = (cells.len() * 2, blocks.len() * 2);
@@ -1017,7 +1054,7 @@ impl Datapath {
         let Some(dir) = self.config.pin_dir.clone() else {
             return Ok(());
         };
-        for name in [PROGRAM_NAME, TC_PROGRAM_NAME] {
+        for name in [PROGRAM_NAME, TC_PROGRAM_NAME, TC_L3_PROGRAM_NAME] {
             let path = dir.join(name);
             if path.exists() {
                 std::fs::remove_file(&path).map_err(io_err(&path))?;
@@ -1025,7 +1062,7 @@ impl Datapath {
             let pinned = if name == PROGRAM_NAME {
                 self.program_mut()?.pin(&path)
             } else {
-                self.tc_program_mut()?.pin(&path)
+                self.classifier_mut(name)?.pin(&path)
             };
             pinned.map_err(|e| DatapathError::Io {
                 path: path.clone(),
@@ -1066,11 +1103,14 @@ impl Datapath {
             .try_into()?)
     }
 
-    fn tc_program_mut(&mut self) -> Result<&mut SchedClassifier, DatapathError> {
+    fn classifier_mut(
+        &mut self,
+        name: &'static str,
+    ) -> Result<&mut SchedClassifier, DatapathError> {
         Ok(self
             .ebpf
-            .program_mut(TC_PROGRAM_NAME)
-            .ok_or(DatapathError::Missing(TC_PROGRAM_NAME))?
+            .program_mut(name)
+            .ok_or(DatapathError::Missing(name))?
             .try_into()?)
     }
 
@@ -1078,23 +1118,45 @@ impl Datapath {
     /// endpoint's host-side interface (packets delivered to the pod) or the uplink (packets
     /// leaving the node). Pinned as `<pin_dir>/tc-links/<iface>` like [`Datapath::attach`].
     pub fn attach_tc(&mut self, iface: &str) -> Result<(), DatapathError> {
+        self.attach_tc_program(iface, false)
+    }
+
+    /// [`Datapath::attach_tc`] for a layer-3 device (IPIP, GRE, SIT, ip6tnl, WireGuard: packets
+    /// without an Ethernet header): the program `ordnet_tc_l3`, pinned under `tc-l3-links/`.
+    pub fn attach_tc_l3(&mut self, iface: &str) -> Result<(), DatapathError> {
+        self.attach_tc_program(iface, true)
+    }
+
+    fn attach_tc_program(&mut self, iface: &str, l3: bool) -> Result<(), DatapathError> {
         let pin_dir = self.config.pin_dir.clone();
-        let program = self.tc_program_mut()?;
+        let (name, sub) = tc_kind(l3);
+        let program = self.classifier_mut(name)?;
         let id = program.attach_with_options(
             iface,
             TcAttachType::Egress,
             TcAttachOptions::TcxOrder(LinkOrder::default()),
         )?;
-        let handle = link_handle(pin_dir, TC_LINKS, iface, id, |id| program.take_link(id))?;
+        let handle = link_handle(pin_dir, sub, iface, id, |id| program.take_link(id))?;
         self.tc_links.insert(iface.to_string(), handle);
+        if l3 {
+            self.tc_l3.insert(iface.to_string());
+        } else {
+            self.tc_l3.remove(iface);
+        }
         Ok(())
+    }
+
+    /// Whether the TC attachment of `iface` is the layer-3 program's.
+    pub fn tc_is_l3(&self, iface: &str) -> bool {
+        self.tc_l3.contains(iface)
     }
 
     /// Detaches the TC program from an interface (and removes the link's pin).
     pub fn detach_tc(&mut self, iface: &str) -> Result<(), DatapathError> {
+        let l3 = self.tc_l3.remove(iface);
         match self.tc_links.remove(iface) {
             Some(LinkHandle::Pinned(pinned)) => unpin(pinned, iface),
-            Some(LinkHandle::Owned(id)) => Ok(self.tc_program_mut()?.detach(id)?),
+            Some(LinkHandle::Owned(id)) => Ok(self.classifier_mut(tc_kind(l3).0)?.detach(id)?),
             None => Err(DatapathError::NotAttached(format!("tc:{iface}"))),
         }
     }
@@ -1204,7 +1266,7 @@ impl Datapath {
 
     /// [`Datapath::link_ifindex`] of the TC link.
     pub fn tc_link_ifindex(&self, iface: &str) -> Result<Option<u32>, DatapathError> {
-        self.pinned_link_ifindex(iface, TC_LINKS)
+        self.pinned_link_ifindex(iface, tc_kind(self.tc_l3.contains(iface)).1)
     }
 
     fn pinned_link_ifindex(&self, iface: &str, sub: &str) -> Result<Option<u32>, DatapathError> {

@@ -103,8 +103,9 @@ pub struct BpfDatapath {
     held: BTreeSet<String>,
     /// The uplinks of the last look at the node's network.
     uplinks_found: BTreeSet<String>,
-    /// Tunnel devices among them: the TC hook only ([`BpfDatapath::attach_tc_only`]).
-    tc_only: BTreeSet<String>,
+    /// Tunnel devices among them: the TC hook only ([`BpfDatapath::attach_tc_only`]), and
+    /// whether each is a layer-3 device (no Ethernet header: the layer-3 TC program).
+    tc_only: BTreeMap<String, bool>,
     /// Interfaces whose driver refused native XDP, so the program runs in generic mode there
     /// (enforced, at a higher cost per packet), with the refusal.
     generic: BTreeMap<String, String>,
@@ -358,7 +359,7 @@ impl BpfDatapath {
             resolving: BTreeSet::new(),
             held: BTreeSet::new(),
             uplinks_found: BTreeSet::new(),
-            tc_only: BTreeSet::new(),
+            tc_only: BTreeMap::new(),
             generic: BTreeMap::new(),
             needs_full: false,
             synced: false,
@@ -688,7 +689,7 @@ impl BpfDatapath {
                 }
                 continue;
             }
-            if self.tc_only.contains(iface) {
+            if self.tc_only.contains_key(iface) {
                 if let Err(e) = self.attach_tc_only(iface, current) {
                     for o in owners {
                         unattached.insert(o.clone(), e.clone());
@@ -813,7 +814,7 @@ impl BpfDatapath {
             .links
             .values()
             .filter(|l| l.tunnel)
-            .map(|l| l.name.clone())
+            .map(|l| (l.name.clone(), l.l3))
             .collect();
         for u in &uplinks {
             wanted
@@ -918,7 +919,9 @@ impl BpfDatapath {
         self.resolving = wanted;
     }
 
-    /// An Ethernet tunnel device (VXLAN, Geneve) gets the TC hook only: it judges a local
+    /// A tunnel device (VXLAN, Geneve, GRETAP; IPIP, SIT, GRE, ip6gre, ip6tnl, WireGuard with
+    /// the layer-3 TC program, their packets having no Ethernet header) gets the TC hook only:
+    /// it judges a local
     /// pod's egress to a backend on another node after kube-proxy's translation, which leaves
     /// through the tunnel. No XDP: the kernel refuses XDP on a device whose upper device has a
     /// program and vice versa (a VXLAN device is an upper device of its underlay, typically the
@@ -926,7 +929,9 @@ impl BpfDatapath {
     /// other nodes are judged again at the receiving pod's interface anyway. A re-created
     /// device (new index) gets a new link.
     fn attach_tc_only(&mut self, iface: &str, current: u32) -> Result<(), String> {
-        let on = self.dp.tc_attached().any(|a| a == iface);
+        let l3 = self.tc_only.get(iface).copied().unwrap_or(false);
+        // Attached, and with the program of its kind.
+        let on = self.dp.tc_attached().any(|a| a == iface) && self.dp.tc_is_l3(iface) == l3;
         let known = match self.ifindex.get(iface) {
             Some(i) => Some(*i),
             None => self.dp.tc_link_ifindex(iface).ok().flatten(),
@@ -935,14 +940,19 @@ impl BpfDatapath {
             self.ifindex.insert(iface.to_string(), current);
             return Ok(());
         }
-        if on {
+        if self.dp.tc_attached().any(|a| a == iface) {
             self.detach(iface);
         }
         if self.dp.attached().any(|a| a == iface) {
             // An XDP link from before it counted as a tunnel.
             self.detach(iface);
         }
-        match self.dp.attach_tc(iface) {
+        let attached = if l3 {
+            self.dp.attach_tc_l3(iface)
+        } else {
+            self.dp.attach_tc(iface)
+        };
+        match attached {
             Ok(()) => {
                 self.attaches += 1;
                 self.ifindex.insert(iface.to_string(), current);

@@ -26,7 +26,7 @@ use netlink_packet_core::{
     NetlinkMessage, NetlinkPayload,
 };
 use netlink_packet_route::link::{
-    InfoKind, LinkAttribute, LinkInfo, LinkMessage, LinkXdp, XdpAttached,
+    InfoKind, LinkAttribute, LinkInfo, LinkLayerType, LinkMessage, LinkXdp, XdpAttached,
 };
 use netlink_packet_route::neighbour::{
     NeighbourAddress, NeighbourAttribute, NeighbourMessage, NeighbourState,
@@ -51,9 +51,12 @@ pub(crate) struct Link {
     pub name: String,
     /// A bridge device.
     pub bridge: bool,
-    /// An Ethernet tunnel (VXLAN, Geneve): it delivers other nodes' pods' packets, and sends
-    /// this node's to them.
+    /// A tunnel (VXLAN, Geneve, GRETAP; or a layer-3 one, [`Link::l3`]): it delivers other
+    /// nodes' pods' packets, and sends this node's to them.
     pub tunnel: bool,
+    /// A layer-3 tunnel (IPIP, SIT, GRE, ip6gre, ip6tnl, WireGuard): its packets have no
+    /// Ethernet header.
+    pub l3: bool,
     /// The bridge (or other master) this interface is a port of.
     pub master: Option<u32>,
     /// An XDP program runs on it in generic (skb) mode.
@@ -154,10 +157,23 @@ impl NetView {
     }
 
     fn add_link(&mut self, l: &LinkMessage) {
+        // A layer-3 tunnel: one of these kinds, with a link type without Ethernet header (a
+        // TUN device is layer 3, a TAP device — a VM's interface — is not).
+        let mut l3_kind = false;
+        let l3_type = matches!(
+            l.header.link_layer_type,
+            LinkLayerType::None
+                | LinkLayerType::Tunnel
+                | LinkLayerType::Tunnel6
+                | LinkLayerType::Sit
+                | LinkLayerType::Ipgre
+                | LinkLayerType::Ip6gre
+        );
         let mut link = Link {
             name: String::new(),
             bridge: false,
             tunnel: false,
+            l3: false,
             master: None,
             xdp_generic: false,
         };
@@ -174,8 +190,22 @@ impl NetView {
                     for i in infos {
                         match i {
                             LinkInfo::Kind(InfoKind::Bridge) => link.bridge = true,
-                            LinkInfo::Kind(InfoKind::Vxlan | InfoKind::Geneve) => {
-                                link.tunnel = true
+                            LinkInfo::Kind(
+                                InfoKind::Vxlan
+                                | InfoKind::Geneve
+                                | InfoKind::GreTap
+                                | InfoKind::GreTap6,
+                            ) => link.tunnel = true,
+                            LinkInfo::Kind(
+                                InfoKind::IpTun
+                                | InfoKind::SitTun
+                                | InfoKind::GreTun
+                                | InfoKind::GreTun6
+                                | InfoKind::Wireguard
+                                | InfoKind::Tun,
+                            ) => l3_kind = true,
+                            LinkInfo::Kind(InfoKind::Other(kind)) if kind == "ip6tnl" => {
+                                l3_kind = true
                             }
                             _ => {}
                         }
@@ -183,6 +213,10 @@ impl NetView {
                 }
                 _ => {}
             }
+        }
+        if l3_kind && l3_type {
+            link.tunnel = true;
+            link.l3 = true;
         }
         self.links.insert(l.header.index, link);
     }
@@ -291,7 +325,7 @@ impl NetView {
     }
 
     /// The uplinks: interfaces whose name matches one of `patterns` ([`glob_match`]), and
-    /// every Ethernet tunnel device; a pattern without wildcards is named even when no such
+    /// every tunnel device; a pattern without wildcards is named even when no such
     /// interface exists (it is then reported as missing).
     pub fn uplinks(&self, patterns: &[String]) -> BTreeSet<String> {
         let mut out: BTreeSet<String> = self
@@ -556,7 +590,8 @@ mod tests {
         let link = |name: &str, bridge: bool, master: Option<u32>| Link {
             name: name.into(),
             bridge,
-            tunnel: name.starts_with("flannel"),
+            tunnel: name.starts_with("flannel") || name.starts_with("tunl"),
+            l3: name.starts_with("tunl"),
             master,
             xdp_generic: false,
         };
@@ -642,6 +677,52 @@ mod tests {
         assert_eq!(names(&["eth0", "bond9"]), ["bond9", "eth0", "flannel.1"]);
         assert_eq!(names(&["e*"]), ["eni7", "eth0", "flannel.1"]);
         assert_eq!(names(&["eth?"]), ["eth0", "flannel.1"]);
+    }
+
+    /// Which links are tunnels, and which of them layer-3 ones: by kind and link type, as the
+    /// kernel reports them (a TAP device, e.g. a VM's interface, is Ethernet: no tunnel).
+    #[test]
+    fn tunnels_by_kind_and_link_type() {
+        let link = |index: u32, kind: InfoKind, ty: LinkLayerType| {
+            let mut m = LinkMessage::default();
+            m.header.index = index;
+            m.header.link_layer_type = ty;
+            m.attributes = vec![
+                LinkAttribute::IfName(format!("{kind}{index}")),
+                LinkAttribute::LinkInfo(vec![LinkInfo::Kind(kind)]),
+            ];
+            m
+        };
+        let mut v = NetView::default();
+        for m in [
+            link(1, InfoKind::Vxlan, LinkLayerType::Ether),
+            link(2, InfoKind::IpTun, LinkLayerType::Tunnel),
+            link(3, InfoKind::Wireguard, LinkLayerType::None),
+            link(4, InfoKind::Tun, LinkLayerType::None),
+            link(5, InfoKind::Tun, LinkLayerType::Ether),
+            link(6, InfoKind::GreTap, LinkLayerType::Ether),
+            link(7, InfoKind::Other("ip6tnl".into()), LinkLayerType::Tunnel6),
+            link(8, InfoKind::Veth, LinkLayerType::Ether),
+            link(9, InfoKind::IpTun, LinkLayerType::Ether),
+        ] {
+            v.add_link(&m);
+        }
+        let got: Vec<(u32, bool, bool)> =
+            v.links.iter().map(|(i, l)| (*i, l.tunnel, l.l3)).collect();
+        assert_eq!(
+            got,
+            [
+                (1, true, false),
+                (2, true, true),
+                (3, true, true),
+                (4, true, true),
+                (5, false, false),
+                (6, true, false),
+                (7, true, true),
+                (8, false, false),
+                (9, false, false),
+            ]
+        );
     }
 
     #[test]

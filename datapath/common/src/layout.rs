@@ -21,6 +21,8 @@ pub const PROGRAM_NAME: &str = "ordnet_xdp";
 /// Name of the TC (tcx egress) program in the eBPF object: the post-translation hook, on every
 /// local endpoint's host-side interface and on the uplink (`docs/datapath.md` §14).
 pub const TC_PROGRAM_NAME: &str = "ordnet_tc";
+/// The TC program of layer-3 devices (tunnels without an Ethernet header).
+pub const TC_L3_PROGRAM_NAME: &str = "ordnet_tc_l3";
 
 /// ipcache, exact part, IPv4: one address (every /32: pods, nodes, local endpoints). Keyed by
 /// the address word alone: a 4-byte key hashes and compares much faster than an [`IpKey`].

@@ -46,7 +46,7 @@ pub use parse::{
     IPPROTO_FRAGMENT, IPPROTO_HIP, IPPROTO_HOPOPTS, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_MH,
     IPPROTO_NONE, IPPROTO_ROUTING, IPPROTO_SCTP, IPPROTO_SHIM6, IPPROTO_TCP, IPPROTO_UDP, Icmp,
     IpPacket, MAX_HEADER_BYTES, MAX_IPV6_EXT_HEADERS, MAX_VLAN_TAGS, ND_HOP_LIMIT, ParseError,
-    Parsed, addr_bytes, addr_words, ipv4_in_16, parse,
+    Parsed, addr_bytes, addr_words, ipv4_in_16, parse, parse_l3,
 };
 pub use verdict::{
     DatapathMaps, Decision, Hook, Reason, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, Verdict, decide,

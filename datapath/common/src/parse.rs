@@ -350,6 +350,19 @@ pub fn parse<F: Frame + ?Sized>(frame: &F) -> Result<Parsed, ParseError> {
     }
 }
 
+/// Parses a packet that starts at its IP header (a layer-3 device: IPIP, GRE, SIT, ip6tnl,
+/// WireGuard, where no Ethernet header precedes it); `protocol` is its EtherType as the
+/// kernel has it (`skb->protocol`, host order). Anything else than IPv4 and IPv6 is
+/// [`Parsed::NotIp`].
+#[inline(always)]
+pub fn parse_l3<F: Frame + ?Sized>(frame: &F, protocol: u16) -> Result<Parsed, ParseError> {
+    match protocol {
+        ETH_P_IP => parse_ipv4(frame, 0).map(Parsed::Ip),
+        ETH_P_IPV6 => parse_ipv6(frame, 0).map(Parsed::Ip),
+        other => Ok(Parsed::NotIp { ethertype: other }),
+    }
+}
+
 #[inline(always)]
 fn parse_ipv4<F: Frame + ?Sized>(frame: &F, l3: usize) -> Result<IpPacket, ParseError> {
     let Some(h) = load::<F, 20>(frame, l3) else {

@@ -10,8 +10,8 @@ use std::{
 use quickcheck::{QuickCheck, TestResult};
 
 use crate::{
-    DatapathMaps, Decision, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6, Fragment,
-    Hook, ICMPV6_NEIGHBOR_ADVERTISEMENT, ICMPV6_NEIGHBOR_SOLICITATION, ICMPV6_REDIRECT,
+    DatapathMaps, Decision, ETH_HLEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6,
+    Fragment, Hook, ICMPV6_NEIGHBOR_ADVERTISEMENT, ICMPV6_NEIGHBOR_SOLICITATION, ICMPV6_REDIRECT,
     ICMPV6_ROUTER_ADVERTISEMENT, ICMPV6_ROUTER_SOLICITATION, IPPROTO_AH, IPPROTO_DSTOPTS,
     IPPROTO_ESP, IPPROTO_FRAGMENT, IPPROTO_HOPOPTS, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_NONE,
     IPPROTO_ROUTING, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, IpPacket, MAX_HEADER_BYTES,
@@ -21,7 +21,7 @@ use crate::{
     ct_key, decide, decide_at, ipv4_in_16,
     layout::*,
     lookup::{Match, PolicyMaps},
-    parse,
+    parse, parse_l3,
 };
 
 fn p(frame: &[u8]) -> Result<Parsed, ParseError> {
@@ -1591,4 +1591,31 @@ fn untracked_tcp_packets_are_counted_by_verdict() {
         ),
         (1, 1)
     );
+}
+
+/// A packet of a layer-3 device (no Ethernet header) parses exactly as the same packet behind
+/// an Ethernet header does, in both families; the device's protocol decides the family, and a
+/// header of the other family, or a protocol that is neither, is not taken for one.
+#[test]
+fn layer3_packets_parse_like_their_ethernet_frames() {
+    let l4 = L4::Tcp {
+        sport: 40000,
+        dport: 443,
+    };
+    let v4 = craft::ipv4_frame_between([10, 0, 0, 1], [10, 0, 0, 2], l4);
+    let v6 = craft::ipv6_frame_between([0xfd; 16], [0xfe; 16], l4);
+    for (frame, protocol) in [(&v4, ETH_P_IP), (&v6, ETH_P_IPV6)] {
+        let bare = &frame[ETH_HLEN..];
+        assert_eq!(parse_l3(bare, protocol), parse(&frame[..]));
+        assert!(matches!(parse_l3(bare, protocol), Ok(Parsed::Ip(_))));
+    }
+    assert_eq!(
+        parse_l3(&v4[ETH_HLEN..], ETH_P_IPV6),
+        Err(ParseError::BadIpVersion)
+    );
+    assert_eq!(
+        parse_l3(&v4[ETH_HLEN..], 0x8847),
+        Ok(Parsed::NotIp { ethertype: 0x8847 })
+    );
+    assert!(parse_l3(&v4[ETH_HLEN..ETH_HLEN + 10], ETH_P_IP).is_err());
 }

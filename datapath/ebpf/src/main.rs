@@ -32,7 +32,7 @@ use ordnet_datapath_common::{
         SvcKey, SvcValue, pair_index, pair_word, pairs,
     },
     lookup::PolicyMaps,
-    parse,
+    parse, parse_l3,
 };
 use ordnet_datapath_ebpf::XdpFrame;
 
@@ -219,8 +219,21 @@ const TC_DROP: i32 = 2;
 /// judged with its backend as the destination (`docs/datapath.md` §14).
 #[classifier]
 pub fn ordnet_tc(ctx: TcContext) -> i32 {
+    tc_judge(&ctx, false)
+}
+
+/// [`ordnet_tc`] for a layer-3 device (an IPIP, GRE, SIT, ip6tnl or WireGuard tunnel between
+/// nodes): its packets start at the IP header, whose protocol is `skb->protocol`.
+#[classifier]
+pub fn ordnet_tc_l3(ctx: TcContext) -> i32 {
+    tc_judge(&ctx, true)
+}
+
+#[inline(always)]
+fn tc_judge(ctx: &TcContext, l3: bool) -> i32 {
     // SAFETY: `skb` is the program's context pointer, valid for the whole run.
-    let ingress_ifindex = unsafe { (*ctx.skb.skb).ingress_ifindex };
+    let (ingress_ifindex, protocol) =
+        unsafe { ((*ctx.skb.skb).ingress_ifindex, (*ctx.skb.skb).protocol) };
     if ingress_ifindex == 0 {
         return TC_PASS;
     }
@@ -231,8 +244,14 @@ pub fn ordnet_tc(ctx: TcContext) -> i32 {
     if ((ctx.data_end() - ctx.data()) as u32) < want {
         let _ = ctx.pull_data(want);
     }
-    let frame = XdpFrame::tc(&ctx);
-    match decide_at(&parse(&frame), &KernelMaps, Hook::Tc { ingress_ifindex }).verdict {
+    let frame = XdpFrame::tc(ctx);
+    let parsed = if l3 {
+        // `protocol` is the EtherType in network order in the low 16 bits.
+        parse_l3(&frame, u16::from_be(protocol as u16))
+    } else {
+        parse(&frame)
+    };
+    match decide_at(&parsed, &KernelMaps, Hook::Tc { ingress_ifindex }).verdict {
         Verdict::Pass => TC_PASS,
         Verdict::Drop => TC_DROP,
     }
