@@ -1985,12 +1985,18 @@ fn map_capacity_steps(lab: &Lab, api: &FakeApi, kubeconfig: &Path, links: &[Stri
         ready.contains("denied in both directions (its policy does not fit the maps): shop/db"),
         "{ready}"
     );
-    let (code, why) = agent.get(&format!("/v1/trace?from=shop/web&to=shop/db&port={PORT}"));
-    assert_eq!(code, 409, "{why}");
+    let (code, why) = agent.get(&format!(
+        "/v1/trace?from=shop/web&to=shop/db&port={PORT}&output=text"
+    ));
+    assert_eq!(code, 200, "{why}");
+    assert!(why.starts_with("verdict: DENY"), "{why}");
     assert!(
-        why.contains("DENY: shop/db is denied in both directions"),
+        why.contains("shop/db is denied in both directions"),
         "{why}"
     );
+    let (code, why) = agent.get("/v1/dump?pod=shop/db");
+    assert_eq!(code, 409, "{why}");
+    assert!(why.contains("do not fit"), "{why}");
     let aside = |lab: &Lab| {
         std::fs::read_dir(&lab.pin_dir)
             .unwrap()

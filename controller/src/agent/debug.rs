@@ -166,8 +166,9 @@ enum Failure {
     Bad(String),
     /// The datapath and the engine disagree (a bug): 500 with the message.
     Internal(String),
-    /// An end of the flow is denied in both directions because its policy does not fit the
-    /// datapath's maps: 409 with the message (the answer to "why was it dropped").
+    /// The pod asked for is denied in both directions because its policy does not fit the
+    /// datapath's maps, so what is asked for (its MapStates) is not what the datapath holds:
+    /// 409 with the message.
     Denied(String),
 }
 
@@ -266,7 +267,7 @@ fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
             let answer = state.with_programmed(|engine, dp| match path {
                 "/v1/matrix" => matrix(engine, dp.plane(), &q),
                 "/v1/trace" => trace(engine, dp.plane(), dp.denied(), &q),
-                _ => dump(engine, &q),
+                _ => dump(engine, dp.denied(), &q),
             });
             match answer {
                 None => text(
@@ -348,8 +349,12 @@ fn local_end(engine: &Engine, end: &FlowEnd, text: &str) -> Result<(), Failure> 
 }
 
 /// The endpoint (`ns/name`) a flow end stands for, if it is a local endpoint that holds a
-/// deny-all policy because its own does not fit the maps: the message that says so.
-fn denied_end(engine: &Engine, end: &FlowEnd, denied: &BTreeMap<String, String>) -> Option<String> {
+/// deny-all policy because its own does not fit the maps, and why.
+fn denied_end<'a>(
+    engine: &Engine,
+    end: &FlowEnd,
+    denied: &'a BTreeMap<String, String>,
+) -> Option<(String, &'a str)> {
     let name = match end {
         FlowEnd::Pod { namespace, name } => format!("{namespace}/{name}"),
         FlowEnd::Ip(ip) => engine
@@ -359,10 +364,28 @@ fn denied_end(engine: &Engine, end: &FlowEnd, denied: &BTreeMap<String, String>)
             .id(),
     };
     let why = denied.get(&name)?;
-    Some(format!(
-        "DENY: {name} is denied in both directions (fail closed) because its policy does not fit \
-         this node's datapath maps: {why}\n"
-    ))
+    Some((name, why))
+}
+
+/// The trace of a flow with an end denied for lack of room: its verdict is deny, by the
+/// deny-all policy the endpoint holds instead of its own.
+fn denied_trace(format: render::trace::Format, name: &str, why: &str) -> String {
+    match format {
+        render::trace::Format::Text => format!(
+            "verdict: DENY\n  {name} is denied in both directions (fail closed): its policy does \
+             not fit this node's datapath maps: {why}\n"
+        ),
+        render::trace::Format::Json => {
+            serde_json::json!({
+                "verdict": "deny",
+                "deniedEndpoint": name,
+                "reason": "the endpoint's policy does not fit the datapath's maps: it is denied in both directions",
+                "detail": why,
+            })
+            .to_string()
+                + "\n"
+        }
+    }
 }
 
 fn trace(
@@ -383,8 +406,10 @@ fn trace(
     let to = engine.resolve(to_s).map_err(|e| Bad(format!("to: {e}")))?;
     local_end(engine, &from, "from")?;
     local_end(engine, &to, "to")?;
-    if let Some(m) = denied_end(engine, &from, denied).or_else(|| denied_end(engine, &to, denied)) {
-        return Err(Denied(m));
+    if let Some((name, why)) =
+        denied_end(engine, &from, denied).or_else(|| denied_end(engine, &to, denied))
+    {
+        return Ok(denied_trace(format, &name, why));
     }
     // Like `ordnet trace`: the family of an address end, else IPv4 (or `family=`).
     let family = offline::trace_family(&from, &to, family)
@@ -409,7 +434,11 @@ fn trace(
     ))
 }
 
-fn dump(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, Failure> {
+fn dump(
+    engine: &Engine,
+    denied: &BTreeMap<String, String>,
+    q: &BTreeMap<String, Vec<String>>,
+) -> Result<String, Failure> {
     let format = output(q, render::dump::Format::parse, "tree, json or dot")?;
     let pod = one(q, "pod").ok_or_else(|| Bad("pod: required (NAMESPACE/NAME)".into()))?;
     let (ns, name) = pod
@@ -431,6 +460,17 @@ fn dump(engine: &Engine, q: &BTreeMap<String, Vec<String>>) -> Result<String, Fa
             Ok(_) => format!("pod: {pod} is not an endpoint of this node"),
         })
     })?;
+    // Its MapStates are not what the datapath holds: say what it does instead.
+    if let Some(why) = denied.get(pod) {
+        let keys: usize = dirs
+            .iter()
+            .map(|d| engine.policy(ep, *d).mapstate.len())
+            .sum();
+        return Err(Denied(format!(
+            "{pod} is denied in both directions (fail closed): its MapStates ({keys} keys) do not \
+             fit this node's datapath maps: {why}\n"
+        )));
+    }
     Ok(render::dump::render(engine, ep, &dirs, format, style(q)))
 }
 
