@@ -1095,45 +1095,80 @@ impl Control {
             }
         }
 
-        // Room for every key the changes add (in place, and the distinct fresh copies), before
-        // anything is written.
-        let needed = self.room_for_items(&items, &in_place);
-        self.store.ensure_room(w, needed, stats)?;
-
         // 3. The other changed rule sets: an identical one, or a fresh copy. A rule set changed
-        // in place is no candidate: its current content is about to change.
-        let mut targets: Vec<u32> = items.iter().map(|it| it.2.ruleset).collect();
-        for (i, it) in items.iter().enumerate() {
+        // in place is no candidate: its current content is about to change. Decided first, so
+        // that the room for every key the changes add (in place, and the distinct copies) is
+        // checked before anything is written.
+        enum Target {
+            Keep,
+            Share(u32),
+            Copy(RuleSetContent),
+        }
+        let empty = RuleSetContent::default();
+        let mut needed: usize = in_place
+            .iter()
+            .map(|(&slot, &i)| added_keys(self.store.content(slot).unwrap_or(&empty), &items[i].3))
+            .sum();
+        let mut counted: HashMap<u64, Vec<usize>> = HashMap::new();
+        let mut plan: Vec<Target> = Vec::with_capacity(items.len());
+        for it in &items {
             let slot = it.2.ruleset;
             if it.3.is_empty() || in_place.contains_key(&slot) {
+                plan.push(Target::Keep);
                 continue;
             }
-            let target = match self.existing_after(slot, &it.3, &in_place) {
-                Some(t) => {
+            if let Some(t) = self.existing_after(slot, &it.3, &in_place) {
+                plan.push(Target::Share(t));
+                continue;
+            }
+            let current = self.store.content(slot).unwrap_or(&empty);
+            let hash = current.hash_after(self.store.hash(slot).unwrap_or(0), &it.3);
+            let mut after = current.clone();
+            after.apply(&it.3);
+            let same = counted.entry(hash).or_default();
+            if !same
+                .iter()
+                .any(|&j| matches!(&plan[j], Target::Copy(c) if *c == after))
+            {
+                needed += after.len();
+                same.push(plan.len());
+            }
+            plan.push(Target::Copy(after));
+        }
+        self.store.ensure_room(w, needed, stats)?;
+        let mut targets: Vec<u32> = items.iter().map(|it| it.2.ruleset).collect();
+        for (i, target) in plan.into_iter().enumerate() {
+            let t = match target {
+                Target::Keep => continue,
+                Target::Share(t) => {
                     self.store.add_ref(t);
                     t
                 }
-                None => {
-                    let mut content = self.store.content(slot).cloned().unwrap_or_default();
-                    content.apply(&it.3);
-                    if content.is_empty() {
-                        0
-                    } else {
-                        match self.store.install(w, content, stats) {
-                            Ok(s) => s,
-                            Err(e) => {
-                                for (j, t) in targets.iter().enumerate().take(i) {
-                                    if *t != items[j].2.ruleset {
-                                        self.store.release(*t, stats);
-                                    }
-                                }
-                                return Err(e.into());
-                            }
-                        }
+                // A copy an earlier item of the batch installed already is shared (never a
+                // rule set about to change in place).
+                Target::Copy(content) => match self
+                    .store
+                    .find(&content)
+                    .filter(|t| !in_place.contains_key(t))
+                {
+                    Some(t) => {
+                        self.store.add_ref(t);
+                        t
                     }
-                }
+                    None => match self.store.install(w, content, stats) {
+                        Ok(s) => s,
+                        Err(e) => {
+                            for (j, t) in targets.iter().enumerate().take(i) {
+                                if *t != items[j].2.ruleset {
+                                    self.store.release(*t, stats);
+                                }
+                            }
+                            return Err(e.into());
+                        }
+                    },
+                },
             };
-            targets[i] = target;
+            targets[i] = t;
         }
 
         // 4. Tightening defaults of in-place rule sets first.
@@ -1180,36 +1215,6 @@ impl Control {
         }
         self.bump(w, stats)?;
         Ok(())
-    }
-
-    /// Policy keys [`Control::apply_items`] adds: the new keys of the rule sets changed in place
-    /// and every key of each distinct copy it installs.
-    fn room_for_items(&self, items: &[ChangeItem], in_place: &BTreeMap<u32, usize>) -> usize {
-        let empty = RuleSetContent::default();
-        let mut needed: usize = in_place
-            .iter()
-            .map(|(&slot, &i)| added_keys(self.store.content(slot).unwrap_or(&empty), &items[i].3))
-            .sum();
-        let mut copies: HashMap<u64, Vec<RuleSetContent>> = HashMap::new();
-        for it in items {
-            let slot = it.2.ruleset;
-            if it.3.is_empty()
-                || in_place.contains_key(&slot)
-                || self.existing_after(slot, &it.3, in_place).is_some()
-            {
-                continue;
-            }
-            let current = self.store.content(slot).unwrap_or(&empty);
-            let hash = current.hash_after(self.store.hash(slot).unwrap_or(0), &it.3);
-            let mut after = current.clone();
-            after.apply(&it.3);
-            let same = copies.entry(hash).or_default();
-            if !same.contains(&after) {
-                needed += after.len();
-                same.push(after);
-            }
-        }
-        needed
     }
 
     /// A slot other than `slot` (and not in `exclude`) whose content equals `slot`'s content
