@@ -1997,13 +1997,6 @@ fn map_capacity_steps(lab: &Lab, api: &FakeApi, kubeconfig: &Path, links: &[Stri
     let (code, why) = agent.get("/v1/dump?pod=shop/db");
     assert_eq!(code, 409, "{why}");
     assert!(why.contains("do not fit"), "{why}");
-    let aside = |lab: &Lab| {
-        std::fs::read_dir(&lab.pin_dir)
-            .unwrap()
-            .filter_map(|e| e.ok())
-            .filter(|e| e.file_name().to_string_lossy().contains("-resized-"))
-            .count()
-    };
     assert_eq!(aside(lab), 0, "the pins of the old size are still there");
     // Warning Events on the pod and on the policy that isolates it.
     for (kind, name) in [("Pod", "db"), ("NetworkPolicy", "db-ingress")] {
@@ -2033,6 +2026,20 @@ fn map_capacity_steps(lab: &Lab, api: &FakeApi, kubeconfig: &Path, links: &[Stri
     assert_eq!(lab.pinned_links(), links);
     agent.terminate();
 
+    map_growth_step(lab, api, kubeconfig, links);
+}
+
+/// Pin directories set aside for maps of other sizes (`vN-resized-T`) still in the pin root.
+fn aside(lab: &Lab) -> usize {
+    std::fs::read_dir(&lab.pin_dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains("-resized-"))
+        .count()
+}
+
+/// Step 8c (see [`map_capacity_steps`]).
+fn map_growth_step(lab: &Lab, api: &FakeApi, kubeconfig: &Path, links: &[String]) {
     // 8c. The same small map allowed to grow (to 8): sized for the node's keys before the first
     // programming (2 keys, a quarter of headroom: 2), then doubled while 90 % full (4); a policy
     // that needs 6 keys does not fit 4: db is denied for a moment and the map doubles again (8),

@@ -643,9 +643,8 @@ async fn engine_changes() {
 #[ignore = "benchmark: run in release with --ignored --nocapture"]
 fn datapath_fill() {
     use ordnet::agent::datapath::Programmer;
-    use ordnet_datapath::common::layout::{DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES};
     use ordnet_datapath::{ControlPlane as _, DatapathConfig, MemDatapath};
-    use std::collections::{BTreeMap, BTreeSet, HashMap};
+    use std::collections::BTreeSet;
 
     let text = std::env::var("ORDNET_SCALE").unwrap_or_else(|_| "10000:1000,50000:5000".into());
     let samples: usize = std::env::var("ORDNET_FILL_NODES")
@@ -693,126 +692,35 @@ fn datapath_fill() {
             let mut programmer = Programmer::default();
             programmer.program_full(&engine, &mut dp).unwrap();
             let took = started.elapsed();
-            let control = dp.control();
-            let store = control.store();
-            // Which directions use each slot.
-            let mut dirs: BTreeMap<u32, [bool; 2]> = BTreeMap::new();
-            for st in control.endpoints().values() {
-                dirs.entry(st.ingress.ruleset).or_default()[0] = true;
-                dirs.entry(st.egress.ruleset).or_default()[1] = true;
-            }
-            dirs.remove(&0);
-            let (mut keys, mut wildcard) = (0usize, 0usize);
-            // Per identity: its (slot, prefix, verdict) keys, for the signatures.
-            let mut sig: HashMap<u32, Vec<(u32, u32, u8)>> = HashMap::new();
-            for &slot in dirs.keys() {
-                let c = store.content(slot).unwrap();
-                keys += c.specific.len();
-                wildcard += c.wildcard.len();
-                for (&(id, prefix), &v) in &c.specific {
-                    sig.entry(id).or_default().push((slot, prefix, v));
-                }
-            }
-            // Classes over the slots `within`: identities with equal keys there share one; the
-            // keys written are one per (slot, class, prefix).
-            let classes_over = |within: &dyn Fn(u32) -> bool| -> (usize, usize) {
-                let mut classes: HashMap<Vec<(u32, u32, u8)>, usize> = HashMap::new();
-                for keys in sig.values() {
-                    let mine: Vec<(u32, u32, u8)> =
-                        keys.iter().copied().filter(|k| within(k.0)).collect();
-                    if !mine.is_empty() {
-                        *classes.entry(mine).or_default() += 1;
-                    }
-                }
-                let written = classes.keys().map(Vec::len).sum();
-                (classes.len(), written)
-            };
-            let per_node = classes_over(&|_| true);
-            let ingress = classes_over(&|s| dirs[&s][0]);
-            let egress = classes_over(&|s| dirs[&s][1]);
-            let mut per_ruleset = (0usize, 0usize);
-            for &slot in dirs.keys() {
-                let c = classes_over(&|s| s == slot);
-                per_ruleset = (per_ruleset.0 + c.0, per_ruleset.1 + c.1);
-            }
-            let fill = |n: usize| 100.0 * n as f64 / f64::from(DEFAULT_POLICY_ENTRIES);
-            println!(
-                "  node {node}: {} endpoints, {} rule sets ({:.0} % of {DEFAULT_MAX_RULESETS} slots), {} identities with keys; built and programmed in {:.2} s",
-                control.endpoints().len(),
-                dirs.len(),
-                100.0 * dirs.len() as f64 / f64::from(DEFAULT_MAX_RULESETS),
-                sig.len(),
-                took.as_secs_f64()
-            );
-            println!(
-                "    policy keys today (identities): {} = {keys} identity + {wildcard} `*`: {:.1} % of the default map ({DEFAULT_POLICY_ENTRIES})",
-                keys + wildcard,
-                fill(keys + wildcard)
-            );
-            for (name, (classes, written)) in [
-                ("per node", per_node),
-                (
-                    "per direction",
-                    (ingress.0 + egress.0, ingress.1 + egress.1),
-                ),
-                ("per rule set (bound)", per_ruleset),
-            ] {
-                println!(
-                    "    classes {name:<21} {classes:>7} classes, {:>8} keys ({:>5.1} % of the map, {:>5.1}× fewer)",
-                    written + wildcard,
-                    fill(written + wildcard),
-                    (keys + wildcard) as f64 / (written + wildcard).max(1) as f64
-                );
-            }
-            println!(
-                "      (per direction: ingress {} classes / {} keys, egress {} / {})",
-                ingress.0, ingress.1, egress.0, egress.1
-            );
-            // Several class ids per address and direction, each for a group of the rule sets
-            // (greedy: each rule set, largest first, joins the group it adds fewest keys to).
-            let slot_keys: BTreeMap<u32, Vec<(u32, u32, u8)>> = dirs
-                .keys()
-                .map(|&slot| {
-                    let c = store.content(slot).unwrap();
-                    (
-                        slot,
-                        c.specific.iter().map(|(&(i, p), &v)| (i, p, v)).collect(),
-                    )
-                })
-                .collect();
-            for groups in [2usize, 4, 8] {
-                let mut total = (0usize, 0usize);
-                for d in 0..2 {
-                    let mut slots: Vec<u32> =
-                        dirs.iter().filter(|(_, u)| u[d]).map(|(s, _)| *s).collect();
-                    slots.sort_by_key(|s| std::cmp::Reverse(slot_keys[s].len()));
-                    let mut members: Vec<Vec<u32>> = vec![Vec::new(); groups];
-                    for &slot in &slots {
-                        let best = (0..groups)
-                            .min_by_key(|&g| {
-                                let mut with = members[g].clone();
-                                with.push(slot);
-                                group_keys(&with, &slot_keys).1
-                                    - group_keys(&members[g], &slot_keys).1
-                            })
-                            .unwrap();
-                        members[best].push(slot);
-                    }
-                    for m in &members {
-                        let (c, k) = group_keys(m, &slot_keys);
-                        total = (total.0 + c, total.1 + k);
-                    }
-                }
-                println!(
-                    "    classes per direction, {groups} groups {:>7} classes, {:>8} keys ({:>5.1} % of the map, {:>5.1}× fewer)",
-                    total.0,
-                    total.1 + wildcard,
-                    fill(total.1 + wildcard),
-                    (keys + wildcard) as f64 / (total.1 + wildcard).max(1) as f64
-                );
-            }
+            print_node_fill(node, dp.control(), took);
         }
     }
+}
+
+/// Classes of `slots` (one direction's rule sets) split into `groups` groups, each rule set,
+/// largest first, joining the group it adds fewest keys to (greedy): `(classes, keys)` summed
+/// over the groups.
+fn grouped_classes(
+    mut slots: Vec<u32>,
+    groups: usize,
+    keys: &std::collections::BTreeMap<u32, Vec<(u32, u32, u8)>>,
+) -> (usize, usize) {
+    slots.sort_by_key(|s| std::cmp::Reverse(keys[s].len()));
+    let mut members: Vec<Vec<u32>> = vec![Vec::new(); groups];
+    for &slot in &slots {
+        let best = (0..groups)
+            .min_by_key(|&g| {
+                let mut with = members[g].clone();
+                with.push(slot);
+                group_keys(&with, keys).1 - group_keys(&members[g], keys).1
+            })
+            .unwrap();
+        members[best].push(slot);
+    }
+    members.iter().fold((0, 0), |(c, k), m| {
+        let (mc, mk) = group_keys(m, keys);
+        (c + mc, k + mk)
+    })
 }
 
 /// Classes over the rule sets `slots` (identities with equal keys in all of them share one) and
@@ -839,4 +747,111 @@ fn group_keys(
         written += distinct.len();
     }
     (classes.len(), written)
+}
+
+/// The rule sets, policy keys and class counts of one node's programmed datapath (see
+/// [`datapath_fill`]).
+fn print_node_fill(node: usize, control: &ordnet_datapath::Control, took: Duration) {
+    use ordnet_datapath::common::layout::{DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES};
+    use std::collections::{BTreeMap, HashMap};
+    let store = control.store();
+    // Which directions use each slot.
+    let mut dirs: BTreeMap<u32, [bool; 2]> = BTreeMap::new();
+    for st in control.endpoints().values() {
+        dirs.entry(st.ingress.ruleset).or_default()[0] = true;
+        dirs.entry(st.egress.ruleset).or_default()[1] = true;
+    }
+    dirs.remove(&0);
+    let (mut keys, mut wildcard) = (0usize, 0usize);
+    // Per identity: its (slot, prefix, verdict) keys, for the signatures.
+    let mut sig: HashMap<u32, Vec<(u32, u32, u8)>> = HashMap::new();
+    for &slot in dirs.keys() {
+        let c = store.content(slot).unwrap();
+        keys += c.specific.len();
+        wildcard += c.wildcard.len();
+        for (&(id, prefix), &v) in &c.specific {
+            sig.entry(id).or_default().push((slot, prefix, v));
+        }
+    }
+    // Classes over the slots `within`: identities with equal keys there share one; the
+    // keys written are one per (slot, class, prefix).
+    let classes_over = |within: &dyn Fn(u32) -> bool| -> (usize, usize) {
+        let mut classes: HashMap<Vec<(u32, u32, u8)>, usize> = HashMap::new();
+        for keys in sig.values() {
+            let mine: Vec<(u32, u32, u8)> = keys.iter().copied().filter(|k| within(k.0)).collect();
+            if !mine.is_empty() {
+                *classes.entry(mine).or_default() += 1;
+            }
+        }
+        let written = classes.keys().map(Vec::len).sum();
+        (classes.len(), written)
+    };
+    let per_node = classes_over(&|_| true);
+    let ingress = classes_over(&|s| dirs[&s][0]);
+    let egress = classes_over(&|s| dirs[&s][1]);
+    let mut per_ruleset = (0usize, 0usize);
+    for &slot in dirs.keys() {
+        let c = classes_over(&|s| s == slot);
+        per_ruleset = (per_ruleset.0 + c.0, per_ruleset.1 + c.1);
+    }
+    let fill = |n: usize| 100.0 * n as f64 / f64::from(DEFAULT_POLICY_ENTRIES);
+    println!(
+        "  node {node}: {} endpoints, {} rule sets ({:.0} % of {DEFAULT_MAX_RULESETS} slots), {} identities with keys; built and programmed in {:.2} s",
+        control.endpoints().len(),
+        dirs.len(),
+        100.0 * dirs.len() as f64 / f64::from(DEFAULT_MAX_RULESETS),
+        sig.len(),
+        took.as_secs_f64()
+    );
+    println!(
+        "    policy keys today (identities): {} = {keys} identity + {wildcard} `*`: {:.1} % of the default map ({DEFAULT_POLICY_ENTRIES})",
+        keys + wildcard,
+        fill(keys + wildcard)
+    );
+    for (name, (classes, written)) in [
+        ("per node", per_node),
+        (
+            "per direction",
+            (ingress.0 + egress.0, ingress.1 + egress.1),
+        ),
+        ("per rule set (bound)", per_ruleset),
+    ] {
+        println!(
+            "    classes {name:<21} {classes:>7} classes, {:>8} keys ({:>5.1} % of the map, {:>5.1}× fewer)",
+            written + wildcard,
+            fill(written + wildcard),
+            (keys + wildcard) as f64 / (written + wildcard).max(1) as f64
+        );
+    }
+    println!(
+        "      (per direction: ingress {} classes / {} keys, egress {} / {})",
+        ingress.0, ingress.1, egress.0, egress.1
+    );
+    // Several class ids per address and direction, each for a group of the rule sets
+    // (greedy: each rule set, largest first, joins the group it adds fewest keys to).
+    let slot_keys: BTreeMap<u32, Vec<(u32, u32, u8)>> = dirs
+        .keys()
+        .map(|&slot| {
+            let c = store.content(slot).unwrap();
+            (
+                slot,
+                c.specific.iter().map(|(&(i, p), &v)| (i, p, v)).collect(),
+            )
+        })
+        .collect();
+    for groups in [2usize, 4, 8] {
+        let mut total = (0usize, 0usize);
+        for d in 0..2 {
+            let slots: Vec<u32> = dirs.iter().filter(|(_, u)| u[d]).map(|(s, _)| *s).collect();
+            let (c, k) = grouped_classes(slots, groups, &slot_keys);
+            total = (total.0 + c, total.1 + k);
+        }
+        println!(
+            "    classes per direction, {groups} groups {:>7} classes, {:>8} keys ({:>5.1} % of the map, {:>5.1}× fewer)",
+            total.0,
+            total.1 + wildcard,
+            fill(total.1 + wildcard),
+            (keys + wildcard) as f64 / (total.1 + wildcard).max(1) as f64
+        );
+    }
 }

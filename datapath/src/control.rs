@@ -293,6 +293,16 @@ struct Planned {
     dirs: [(RuleSetContent, u8); 2],
 }
 
+/// Where a changed rule set of [`Control::apply_items`] goes.
+enum Target {
+    /// It stays (no key change, or changed in place).
+    Keep,
+    /// To an existing rule set with the new content (slot 0: the empty one).
+    Share(u32),
+    /// To a fresh copy with this content.
+    Copy(RuleSetContent),
+}
+
 /// One endpoint side's change: (endpoint, direction, its current policy, key changes, new
 /// default).
 type ChangeItem = (u32, Direction, PolicyRef, ContentDiff, u8);
@@ -1099,42 +1109,7 @@ impl Control {
         // in place is no candidate: its current content is about to change. Decided first, so
         // that the room for every key the changes add (in place, and the distinct copies) is
         // checked before anything is written.
-        enum Target {
-            Keep,
-            Share(u32),
-            Copy(RuleSetContent),
-        }
-        let empty = RuleSetContent::default();
-        let mut needed: usize = in_place
-            .iter()
-            .map(|(&slot, &i)| added_keys(self.store.content(slot).unwrap_or(&empty), &items[i].3))
-            .sum();
-        let mut counted: HashMap<u64, Vec<usize>> = HashMap::new();
-        let mut plan: Vec<Target> = Vec::with_capacity(items.len());
-        for it in &items {
-            let slot = it.2.ruleset;
-            if it.3.is_empty() || in_place.contains_key(&slot) {
-                plan.push(Target::Keep);
-                continue;
-            }
-            if let Some(t) = self.existing_after(slot, &it.3, &in_place) {
-                plan.push(Target::Share(t));
-                continue;
-            }
-            let current = self.store.content(slot).unwrap_or(&empty);
-            let hash = current.hash_after(self.store.hash(slot).unwrap_or(0), &it.3);
-            let mut after = current.clone();
-            after.apply(&it.3);
-            let same = counted.entry(hash).or_default();
-            if !same
-                .iter()
-                .any(|&j| matches!(&plan[j], Target::Copy(c) if *c == after))
-            {
-                needed += after.len();
-                same.push(plan.len());
-            }
-            plan.push(Target::Copy(after));
-        }
+        let (plan, needed) = self.plan_targets(&items, &in_place);
         self.store.ensure_room(w, needed, stats)?;
         let mut targets: Vec<u32> = items.iter().map(|it| it.2.ruleset).collect();
         for (i, target) in plan.into_iter().enumerate() {
@@ -1215,6 +1190,49 @@ impl Control {
         }
         self.bump(w, stats)?;
         Ok(())
+    }
+
+    /// Step 3's decision for each item of [`Control::apply_items`] — keep its rule set (no
+    /// change, or changed in place), share an existing one, or install a copy — and the policy
+    /// keys the changes add: the new keys of the rule sets changed in place and every key of
+    /// each distinct copy.
+    fn plan_targets(
+        &self,
+        items: &[ChangeItem],
+        in_place: &BTreeMap<u32, usize>,
+    ) -> (Vec<Target>, usize) {
+        let empty = RuleSetContent::default();
+        let mut needed: usize = in_place
+            .iter()
+            .map(|(&slot, &i)| added_keys(self.store.content(slot).unwrap_or(&empty), &items[i].3))
+            .sum();
+        let mut counted: HashMap<u64, Vec<usize>> = HashMap::new();
+        let mut plan: Vec<Target> = Vec::with_capacity(items.len());
+        for it in items {
+            let slot = it.2.ruleset;
+            if it.3.is_empty() || in_place.contains_key(&slot) {
+                plan.push(Target::Keep);
+                continue;
+            }
+            if let Some(t) = self.existing_after(slot, &it.3, in_place) {
+                plan.push(Target::Share(t));
+                continue;
+            }
+            let current = self.store.content(slot).unwrap_or(&empty);
+            let hash = current.hash_after(self.store.hash(slot).unwrap_or(0), &it.3);
+            let mut after = current.clone();
+            after.apply(&it.3);
+            let same = counted.entry(hash).or_default();
+            if !same
+                .iter()
+                .any(|&j| matches!(&plan[j], Target::Copy(c) if *c == after))
+            {
+                needed += after.len();
+                same.push(plan.len());
+            }
+            plan.push(Target::Copy(after));
+        }
+        (plan, needed)
     }
 
     /// A slot other than `slot` (and not in `exclude`) whose content equals `slot`'s content

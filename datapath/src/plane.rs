@@ -603,11 +603,9 @@ mod tests {
         ms
     }
 
-    /// A policy map too small for an endpoint's rule set: the endpoint is denied both ways and
-    /// reported, the others are enforced as before, and an operation that does not fit writes
-    /// nothing.
-    #[test]
-    fn an_endpoint_whose_rule_set_does_not_fit_is_denied_both_ways() {
+    /// A datapath whose policy map holds 4 keys, with the identities 7, 8 and 20 of
+    /// `10.0.1.7`, `.8` and `.20`.
+    fn with_tiny_policy_map() -> MemDatapath {
         let mut dp = MemDatapath::new(&DatapathConfig {
             max_rulesets: 8,
             max_blocks: 16,
@@ -618,6 +616,27 @@ mod tests {
         for (net, id) in [("10.0.1.7/32", 7), ("10.0.1.8/32", 8), ("10.0.1.20/32", 20)] {
             dp.set_identity(net.parse().unwrap(), id).unwrap();
         }
+        dp
+    }
+
+    /// Each (source, destination, TCP port) decided as expected.
+    fn expect(dp: &MemDatapath, want: &[(&str, &str, u16, Xdp, Reason)]) {
+        for &(src, dst, port, verdict, reason) in want {
+            let d = dp.decide(&tcp(src, dst, port));
+            assert_eq!(
+                (d.verdict, d.reason),
+                (verdict, reason),
+                "{src} -> {dst}:{port}"
+            );
+        }
+    }
+
+    /// A policy map too small for an endpoint's rule set: the endpoint is denied both ways and
+    /// reported, the others are enforced as before, and an operation that does not fit writes
+    /// nothing.
+    #[test]
+    fn an_endpoint_whose_rule_set_does_not_fit_is_denied_both_ways() {
+        let mut dp = with_tiny_policy_map();
         let open_out = MapState::new(Direction::Egress, Verdict::Allow);
         let spec = |ips, ingress| EndpointSpec {
             ips,
@@ -652,17 +671,6 @@ mod tests {
             "{}",
             denied[0].1
         );
-        // Each (source, destination, TCP port) decided as expected.
-        let expect = |dp: &MemDatapath, want: &[(&str, &str, u16, Xdp, Reason)]| {
-            for &(src, dst, port, verdict, reason) in want {
-                let d = dp.decide(&tcp(src, dst, port));
-                assert_eq!(
-                    (d.verdict, d.reason),
-                    (verdict, reason),
-                    "{src} -> {dst}:{port}"
-                );
-            }
-        };
         expect(
             &dp,
             &[
