@@ -23,7 +23,7 @@ use crate::{
         verdict_code,
     },
     store::{Store, StoreError, WriteStats, added_keys},
-    tables::{TableWriter, Write, WriteError},
+    tables::{MemTables, TableWriter, Write, WriteError},
 };
 
 /// A local endpoint (pod) as the caller describes it.
@@ -356,30 +356,18 @@ impl Control {
     }
 
     /// How full the maps that grow with the cluster are: the policy keys, rule set slots and
-    /// cell blocks (of the rule set store) and the ipcache (per family, and CIDRs).
-    pub fn fill(&self) -> Vec<MapFill> {
+    /// cell blocks (of the rule set store) and the ipcache (per family, and CIDRs), whose
+    /// records `tables` holds (one pass over them: no lookup per address).
+    pub fn fill(&self, tables: &MemTables) -> Vec<MapFill> {
         use ordnet_datapath_common::layout::{
             FAMILY_V4, MAP_BLOCKS, MAP_CELLS, MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY,
         };
-        let mut ip = [0u64; 2];
-        let family = |k: &IpKey| usize::from(k.family != u32::from(FAMILY_V4));
-        for k in self.ip_owner.keys() {
-            ip[family(k)] += 1;
-        }
-        for k in self
-            .remote
+        let v4 = tables
+            .ipcache
             .keys()
-            .filter(|k| !self.ip_owner.contains_key(*k))
-        {
-            ip[family(k)] += 1;
-        }
-        for k in self
-            .hosts
-            .iter()
-            .filter(|k| !self.ip_owner.contains_key(*k) && !self.remote.contains_key(*k))
-        {
-            ip[family(k)] += 1;
-        }
+            .filter(|k| k.family == u32::from(FAMILY_V4))
+            .count() as u64;
+        let ip = [v4, tables.ipcache.len() as u64 - v4];
         let cap = |n: usize| n as u64;
         vec![
             MapFill {
@@ -409,7 +397,7 @@ impl Control {
             },
             MapFill {
                 map: MAP_IPCIDR,
-                entries: self.cidr.len() as u64,
+                entries: tables.cidr.len() as u64,
                 capacity: u64::from(self.ip_capacity.1),
             },
         ]

@@ -128,6 +128,8 @@ pub struct BpfDatapath {
     sizes: MapSizes,
     /// Times the policy map grew.
     grown: u64,
+    /// When a growth of the policy map last failed (tried again after [`GROW_RETRY_AFTER`]).
+    grow_failed: Option<Instant>,
     /// The last look at the policy map's fill: `denied or full` then (a growth is tried
     /// once per change of it).
     pressure: bool,
@@ -282,6 +284,9 @@ impl Default for ConntrackOptions {
 /// How often at most expired connection-tracking entries are swept (at upkeep).
 const CT_SWEEP_INTERVAL: Duration = Duration::from_secs(10);
 
+/// How long after a failed growth of the policy map the next is tried.
+const GROW_RETRY_AFTER: Duration = Duration::from_secs(60);
+
 /// A table this full of live flows is reported (log, `/readyz`): the LRU evicts live flows
 /// when it is completely full.
 const CT_PRESSURE_PERCENT: u64 = 90;
@@ -373,6 +378,7 @@ impl BpfDatapath {
             root: root.to_path_buf(),
             sizes,
             grown: 0,
+            grow_failed: None,
             pressure: false,
             last_sweep: None,
             ct_removed: [0; 2],
@@ -442,7 +448,7 @@ impl BpfDatapath {
         }
         out.extend(super::datapath::capacity_notes(
             &self.programmer.program,
-            self.dp.control(),
+            &self.dp,
         ));
         if self.synced && self.uplinks_found.is_empty() {
             out.push(
@@ -540,7 +546,11 @@ impl BpfDatapath {
                 to = target,
                 "sizing the policy map for this node's policies"
             );
-            self.grow_to(engine, target)?;
+            if let Err(e) = self.grow_to(engine, target) {
+                // The current maps then: what does not fit is denied, and reported.
+                tracing::error!(error = %e, "growing the policy map failed; programming the current maps");
+                self.full(engine)?;
+            }
         } else {
             self.full(engine)?;
         }
@@ -555,22 +565,29 @@ impl BpfDatapath {
     /// (established flows are judged again). Tried once per change of the pressure.
     fn grow_if_needed(&mut self, engine: &Engine) -> Result<(), AgentError> {
         loop {
-            let fill = self
-                .dp
-                .control()
-                .fill()
-                .into_iter()
-                .find(|f| f.map == ordnet_datapath::common::layout::MAP_POLICY);
-            let full = fill.is_some_and(|f| f.percent() >= MAP_PRESSURE_PERCENT);
+            let store = self.dp.control().store();
+            let (held, capacity) = (store.policy_keys_held(), store.policy_capacity());
+            let full =
+                held.saturating_mul(100) >= capacity.saturating_mul(MAP_PRESSURE_PERCENT as usize);
             let denied = !self.programmer.program.denied().is_empty();
             let pressure = full || denied;
             let changed = pressure != self.pressure;
             self.pressure = pressure;
             let room = self.sizes.policy_entries < self.sizes.policy_entries_max;
-            if !pressure || !room || (!changed && !denied) {
+            let backoff = self
+                .grow_failed
+                .is_some_and(|at| at.elapsed() < GROW_RETRY_AFTER);
+            if !pressure || !room || (!changed && !denied) || backoff {
                 return Ok(());
             }
-            self.grow(engine)?;
+            if let Err(e) = self.grow(engine) {
+                // Tried again after GROW_RETRY_AFTER; the maps in use keep enforcing, denied
+                // endpoints stay denied (and reported).
+                tracing::error!(error = %e, "growing the policy map failed");
+                self.grow_failed = Some(Instant::now());
+                return Ok(());
+            }
+            self.grow_failed = None;
         }
     }
 
@@ -622,7 +639,11 @@ impl BpfDatapath {
         dp.keep_keys_in_store();
         // The current maps stay pinned (set aside) and enforcing until the takeover.
         drop(std::mem::replace(&mut self.dp, dp));
+        let keys = self.programmer.record.keeps_keys();
         self.programmer = Programmer::default();
+        if keys {
+            self.programmer.record.keep_keys();
+        }
         self.migrate_from.push(aside);
         self.sizes = sizes;
         self.grown += 1;
@@ -1174,8 +1195,7 @@ impl Enforcer for BpfDatapath {
             labels: Vec::new(),
             value,
         };
-        let mut out =
-            super::datapath::capacity_samples(&self.programmer.program, self.dp.control());
+        let mut out = super::datapath::capacity_samples(&self.programmer.program, &self.dp);
         out.extend([
             one(
                 "ordnet_datapath_attached_interfaces",

@@ -449,17 +449,17 @@ impl Enforcer for NoneDatapath {
     }
 
     fn metrics(&self) -> Vec<Sample> {
-        capacity_samples(&self.programmer.program, self.dp.control())
+        capacity_samples(&self.programmer.program, &self.dp)
     }
 
     fn health(&self) -> Vec<String> {
-        capacity_notes(&self.programmer.program, self.dp.control())
+        capacity_notes(&self.programmer.program, &self.dp)
     }
 }
 
 /// The metrics both datapaths report about room in their maps: each map's entries and
 /// capacity, and the endpoints denied because their rule sets did not fit.
-pub fn capacity_samples(program: &NodeProgram, control: &ordnet_datapath::Control) -> Vec<Sample> {
+pub fn capacity_samples(program: &NodeProgram, plane: &dyn ControlPlane) -> Vec<Sample> {
     let mut out = vec![
         Sample {
             name: "ordnet_datapath_denied_endpoints",
@@ -477,7 +477,7 @@ pub fn capacity_samples(program: &NodeProgram, control: &ordnet_datapath::Contro
             value: program.stats().denied,
         },
     ];
-    for f in control.fill() {
+    for f in plane.control().fill(plane.tables()) {
         out.push(Sample {
             name: "ordnet_datapath_map_entries",
             help: "Entries a datapath map holds (policy keys, rule sets, cell blocks, ipcache).",
@@ -498,7 +498,7 @@ pub fn capacity_samples(program: &NodeProgram, control: &ordnet_datapath::Contro
 
 /// The `/readyz` lines both datapaths report about room in their maps: every endpoint denied
 /// for lack of room (and why), and every map at [`MAP_PRESSURE_PERCENT`] or more.
-pub fn capacity_notes(program: &NodeProgram, control: &ordnet_datapath::Control) -> Vec<String> {
+pub fn capacity_notes(program: &NodeProgram, plane: &dyn ControlPlane) -> Vec<String> {
     let mut out: Vec<String> = program
         .denied()
         .iter()
@@ -506,7 +506,7 @@ pub fn capacity_notes(program: &NodeProgram, control: &ordnet_datapath::Control)
             format!("denied in both directions (its policy does not fit the maps): {who}: {why}")
         })
         .collect();
-    for f in control.fill() {
+    for f in plane.control().fill(plane.tables()) {
         if f.percent() >= MAP_PRESSURE_PERCENT {
             out.push(format!(
                 "{}: {} of {} entries ({} %): policies that need more fail closed",
