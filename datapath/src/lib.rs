@@ -667,15 +667,7 @@ impl Datapath {
             return Err(DatapathError::NotPinned(dir));
         }
         // The pinned maps keep their sizes: take them from the kernel.
-        let cells = aya::maps::MapInfo::from_pin(dir.join(MAP_CELLS))?;
-        let blocks = aya::maps::MapInfo::from_pin(dir.join(MAP_BLOCKS))?;
-        config.max_rulesets = cells.max_entries() * 2 / CELLS_PER_RULESET;
-        config.max_blocks = blocks.max_entries() * 2 / BLOCK_WORDS;
-        config.ct4_entries = aya::maps::MapInfo::from_pin(dir.join(MAP_CT4))?.max_entries();
-        config.ct6_entries = aya::maps::MapInfo::from_pin(dir.join(MAP_CT6))?.max_entries();
-        config.policy_entries = aya::maps::MapInfo::from_pin(dir.join(MAP_POLICY))?.max_entries();
-        config.ipcache_entries = aya::maps::MapInfo::from_pin(dir.join(MAP_IP4))?.max_entries();
-        config.cidr_entries = aya::maps::MapInfo::from_pin(dir.join(MAP_IPCIDR))?.max_entries();
+        config = Self::with_pinned_sizes(&dir, config)?;
         let (mut ebpf, mut tables) = Self::load(&config)?;
         Self::check_pins(&ebpf, &tables)?;
         tables.mirror = tables.read_all()?;
@@ -760,13 +752,23 @@ impl Datapath {
     /// The sizes of the maps pinned in `dir` (the capacities of [`DatapathConfig`]; the other
     /// fields are the defaults), `None` if they cannot all be read.
     pub fn pinned_sizes(dir: &Path) -> Option<DatapathConfig> {
-        let size = |m: &str| {
-            aya::maps::MapInfo::from_pin(dir.join(m))
-                .ok()
-                .map(|i| i.max_entries())
-        };
-        Some(DatapathConfig {
+        let config = DatapathConfig {
             pin_dir: Some(dir.to_path_buf()),
+            ..DatapathConfig::default()
+        };
+        Self::with_pinned_sizes(dir, config).ok()
+    }
+
+    /// `config` with the capacities of the maps pinned in `dir` (pinned maps keep the size
+    /// they were created with).
+    fn with_pinned_sizes(
+        dir: &Path,
+        config: DatapathConfig,
+    ) -> Result<DatapathConfig, DatapathError> {
+        let size = |m: &str| -> Result<u32, DatapathError> {
+            Ok(aya::maps::MapInfo::from_pin(dir.join(m))?.max_entries())
+        };
+        Ok(DatapathConfig {
             max_rulesets: size(MAP_CELLS)? * 2 / CELLS_PER_RULESET,
             max_blocks: size(MAP_BLOCKS)? * 2 / BLOCK_WORDS,
             policy_entries: size(MAP_POLICY)?,
@@ -776,7 +778,7 @@ impl Datapath {
             ct6_entries: size(MAP_CT6)?,
             svc_entries: size(MAP_SVC)?,
             iface_entries: size(MAP_IFACE)?,
-            ..DatapathConfig::default()
+            ..config
         })
     }
 
