@@ -205,8 +205,9 @@ pub enum TraceError {
 /// `ordnet trace`: `Engine::flow` explains the flow, and its verdict is replaced by the
 /// datapath's, checked against the explanation: the overall verdict and the verdict of each
 /// side the datapath looked up must be the explanation's. A flow from or to one of the node's
-/// own addresses (which the datapath never filters, `Reason::Host`; only an agent's datapath
-/// knows any) is an input error: no policy explains it.
+/// own addresses to a pod (which the datapath never filters, `Reason::Host`; only an agent's
+/// datapath knows any) is an input error: no policy explains it. A flow from a pod to a node
+/// address is judged like any other (the pod's egress).
 pub fn trace(
     engine: &Engine,
     plane: &dyn ControlPlane,
@@ -233,8 +234,8 @@ pub fn trace(
     })?;
     if d.reason == Reason::Host {
         return Err(TraceError::Input(format!(
-            "{from} ({src}) -> {to} ({dst}): one end is an address of this node, whose traffic \
-             with its pods is never filtered"
+            "{from} ({src}) -> {to} ({dst}): the source is an address of this node, whose \
+             traffic to its pods is never filtered"
         )));
     }
     let verdict = verdict_of(&d);

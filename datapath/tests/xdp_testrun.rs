@@ -1027,8 +1027,10 @@ fn world_expect_at(w: &World, frame: &[u8], tc: Option<u32>) -> XdpAction {
     if ls.is_none() && ld.is_none() {
         return PASS;
     }
+    // A node source at XDP (spoofed: the node's own packets never pass it) is not judged; a
+    // packet to the node is judged by the sender's egress like any other.
     let host = |a: IpAddr| a == ip(HOST4) || a == ip(HOST6);
-    if (tc.is_none() && host(src)) || host(dst) {
+    if tc.is_none() && host(src) {
         return PASS;
     }
     // A pod with itself: exempt at XDP; at TC it is a hairpin through a Service, judged.
@@ -1766,6 +1768,143 @@ fn conntrack_state_machine_kernel_equals_userspace() {
         }
     }
     println!("xdp_testrun: conntrack state machine: {checked} packets, kernel == userspace");
+}
+
+/// The node's own packet `f` at TC (`ingress_ifindex` 0) in the kernel and in userspace: both
+/// pass it; the userspace reason.
+fn node_tc(dp: &Datapath, ct: &UserCt, f: &[u8]) -> Reason {
+    let (v, _) = dp.test_run_tc(f, 0, 1).unwrap();
+    let user = dp.decide_at(
+        f,
+        ordnet_datapath::common::Hook::Tc { ingress_ifindex: 0 },
+        ct,
+    );
+    assert_eq!(
+        XdpAction::from(v),
+        XdpAction::from(user.verdict),
+        "{user:?}"
+    );
+    assert_eq!(XdpAction::from(v), PASS, "the node's own packet");
+    user.reason
+}
+
+/// Flows the node opens to a pod are tracked at TC (the node's own packets, `ingress_ifindex`
+/// 0): A, isolated both ways, answers the node's connections, pings and UDP, while its own new
+/// traffic to the node is denied by its egress policy. Then random packets between A and the
+/// node (the node's at TC, A's at XDP, policy changes in between): kernel == userspace.
+#[test]
+fn node_opened_flows_kernel_equals_userspace() {
+    if !privileged() {
+        return;
+    }
+    let mut dp = isolated_a(small_config());
+    upsert_isolated_a(&mut dp, &MapState::new(Direction::Egress, Verdict::Deny));
+    let ct = UserCt::default();
+    for (a, n) in [(ip(A4), ip(HOST4)), (ip(A6), ip(HOST6))] {
+        assert_eq!(
+            kernel_and_user(&dp, &ct, &frame(a, n, tcp_flags(2000, 22, TCP_SYN))),
+            (DROP, Reason::EgressDenied),
+            "A's own connection to its node"
+        );
+        assert_eq!(
+            node_tc(&dp, &ct, &frame(n, a, tcp_flags(3000, 80, TCP_SYN))),
+            Reason::Host
+        );
+        assert_eq!(
+            kernel_and_user(
+                &dp,
+                &ct,
+                &frame(a, n, tcp_flags(80, 3000, TCP_SYN | TCP_ACK))
+            ),
+            (PASS, Reason::Reply),
+            "A answers the node"
+        );
+        assert_eq!(
+            node_tc(&dp, &ct, &frame(n, a, udp_ports(53, 5353))),
+            Reason::Host
+        );
+        assert_eq!(
+            kernel_and_user(&dp, &ct, &frame(a, n, udp_ports(5353, 53))),
+            (PASS, Reason::Reply)
+        );
+        assert_eq!(
+            node_tc(
+                &dp,
+                &ct,
+                &frame(
+                    n,
+                    a,
+                    L4::EchoId {
+                        id: 7,
+                        reply: false
+                    }
+                )
+            ),
+            Reason::Host
+        );
+        assert_eq!(
+            kernel_and_user(&dp, &ct, &frame(a, n, L4::EchoId { id: 7, reply: true })),
+            (PASS, Reason::Reply),
+            "A answers the node's ping"
+        );
+        assert_eq!(
+            kernel_and_user(&dp, &ct, &frame(a, n, L4::EchoId { id: 8, reply: true })).0,
+            DROP,
+            "an echo reply nobody asked for"
+        );
+    }
+    let mut rng = Rng::new(0x28);
+    let flags = [
+        TCP_SYN,
+        TCP_SYN | TCP_ACK,
+        TCP_ACK,
+        TCP_FIN | TCP_ACK,
+        TCP_RST,
+    ];
+    let (mut passed, mut dropped) = (0, 0);
+    for (a, n) in [(ip(A4), ip(HOST4)), (ip(A6), ip(HOST6))] {
+        for i in 0..1500 {
+            if i % 200 == 199 {
+                // A policy change (a new revision): stale entries are re-checked or restamped.
+                let egress = if rng.chance(2) {
+                    open(Direction::Egress)
+                } else {
+                    MapState::new(Direction::Egress, Verdict::Deny)
+                };
+                upsert_isolated_a(&mut dp, &egress);
+            }
+            let port = rng.pick(&[3000u16, 3001]);
+            let l4 = match rng.below(4) {
+                0 => L4::EchoId {
+                    id: port,
+                    reply: rng.chance(2),
+                },
+                1 => udp_ports(port, 80),
+                _ => tcp_flags(port, 80, rng.pick(&flags)),
+            };
+            if rng.chance(2) {
+                node_tc(&dp, &ct, &frame(n, a, l4));
+                continue;
+            }
+            let l4 = match l4 {
+                L4::TcpFlags { flags, .. } => tcp_flags(80, port, flags),
+                L4::Udp { .. } => udp_ports(80, port),
+                other => other,
+            };
+            match kernel_and_user(&dp, &ct, &frame(a, n, l4)).0 {
+                PASS => passed += 1,
+                _ => dropped += 1,
+            }
+        }
+    }
+    assert!(
+        passed > 100 && dropped > 100,
+        "{passed} passed, {dropped} dropped"
+    );
+    println!(
+        "xdp_testrun: node-opened flows: A's packets to the node {passed} passed, {dropped} \
+         dropped, kernel == userspace"
+    );
 }
 
 /// TCP state in connection tracking, in the kernel and in userspace: a flow that never got past
@@ -2606,12 +2745,15 @@ fn service_flows_are_judged_after_translation() {
             PASS,
             Reason::Allowed,
         );
-        // The node's own connection to C (no TC judgement: ingress_ifindex 0 is passed by the
-        // program before deciding; the userspace function is not called for it).
-        let (k, _) = dp
-            .test_run_tc(&frame(host, c, syn(50002, 80)), 0, 1)
-            .unwrap();
-        assert_eq!(XdpAction::from(k), PASS, "the node's own packet");
+        // The node's own connection to C (ingress_ifindex 0): passes, tracked.
+        step(
+            &dp,
+            "the node -> C at TC",
+            Some(0),
+            frame(host, c, syn(50002, 80)),
+            PASS,
+            Reason::Host,
+        );
         // Without the frontend, the XDP hook judges the untranslated packet (A may not send to
         // the VIP's "world" identity): fail closed.
         dp.set_service_frontends(&[(vip_c, 6, 80), (vip_a, 6, 80)])

@@ -4,10 +4,11 @@
 //! (recording the verdict) of [`crate::decide_at`]. `docs/datapath.md` §7.
 
 use crate::{
-    IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, Icmp, IpPacket,
+    Fragment, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, Icmp, IpPacket,
     layout::{
         COUNTER_UNTRACKED_ALLOWED, COUNTER_UNTRACKED_DENIED, CT_FIN_INITIATOR, CT_FIN_RESPONDER,
-        CT_INITIATOR_A, CT_REPLIED, CT_RESET, CT_SERVICE, CtEntry, CtKey, State, SvcKey, ct_closed,
+        CT_INITIATOR_A, CT_REPLIED, CT_RESET, CT_SERVICE, CtEntry, CtKey, IpKey, State, SvcKey,
+        ct_closed,
     },
     verdict::{DatapathMaps, Decision, Hook, Reason, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, Verdict},
 };
@@ -123,6 +124,23 @@ pub(crate) fn related_flow<M: DatapathMaps + ?Sized>(p: &IpPacket, maps: &M) -> 
     };
     maps.now().saturating_sub(e.last_seen) <= ct_lifetime(s, protocol, e.flags)
         && (e.revision == s.revision || e.flags & CT_SERVICE != 0)
+}
+
+/// Whether the node's own packet (locally generated, seen at the TC hook of the interface it
+/// leaves by) belongs to a flow to track: a trackable flow to a local endpoint. Such a packet
+/// always passes (traffic from a pod's own node to the pod is always allowed, SEMANTICS.md
+/// §2); its flow is tracked with the node as the initiator, so that the endpoint's replies
+/// pass its egress policy — and only they: the endpoint's own new traffic to the node is
+/// judged like any egress. Costs one ipcache lookup for a packet to anything else (the node's
+/// traffic out of the uplink), and the conntrack lookup of [`Track`] for a flow to a local
+/// endpoint.
+#[inline(always)]
+pub(crate) fn node_flow<M: DatapathMaps + ?Sized>(p: &IpPacket, maps: &M) -> bool {
+    p.fragment != Fragment::Subsequent
+        && has_flow(p)
+        && maps
+            .ipcache(&IpKey::new(p.ip_version, p.dst))
+            .is_some_and(|i| i.is_endpoint())
 }
 
 /// A packet's connection-tracking state (step 1 of [`decide_at`]).

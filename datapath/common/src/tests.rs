@@ -687,6 +687,7 @@ const B: [u8; 4] = [10, 0, 0, 2];
 const REMOTE: [u8; 4] = [10, 9, 0, 7];
 const WORLD: [u8; 4] = [192, 0, 2, 1];
 const NODE: [u8; 4] = [10, 0, 0, 254];
+const C: [u8; 4] = [10, 0, 0, 3];
 
 fn key4(a: [u8; 4]) -> IpKey {
     IpKey::new(FAMILY_V4, addr_words(ipv4_in_16(a)))
@@ -816,14 +817,199 @@ fn decide_without_lookups() {
 #[test]
 fn decide_exemptions() {
     let m = mock();
-    // A is ingress-isolated, but its node and itself may always talk to it.
+    // A is ingress-isolated, but itself may always talk to it; a packet from a node address at
+    // XDP (spoofed: the node's own never pass that hook) is not judged either.
     assert_eq!(run(&m, NODE, A, tcp(1, 9, TCP_SYN)).reason, Reason::Host);
-    assert_eq!(run(&m, A, NODE, tcp(9, 1, TCP_SYN)).reason, Reason::Host);
     assert_eq!(
         run(&m, A, A, tcp(1, 9, TCP_SYN)).reason,
         Reason::SameEndpoint
     );
     assert!(m.ct.borrow().is_empty(), "exempt traffic is not tracked");
+}
+
+/// The node's own packets: TC with no interface they came in on.
+const NODE_HOOK: Hook = Hook::Tc { ingress_ifindex: 0 };
+
+/// The node's own packet to `dst`.
+fn from_node(m: &Mock, dst: [u8; 4], l4: L4) -> Decision {
+    decide_at(
+        &parse(&craft::ipv4_frame_between(NODE, dst, l4)[..]),
+        m,
+        NODE_HOOK,
+    )
+}
+
+/// C, isolated both ways (rule set 0 with default deny), with NODE (identity 9) as its node.
+fn mock_with_isolated_c() -> Mock {
+    let mut m = mock();
+    m.ipcache.insert(
+        key4(C),
+        endpoint(3, 10, PolicyRef::new(0, V_DENY), PolicyRef::new(0, V_DENY)),
+    );
+    m.ipcache.get_mut(&key4(NODE)).unwrap().identity = 9;
+    m
+}
+
+/// The node's own packets (TC, `ingress_ifindex` 0) always pass, and the flows they open to a
+/// local endpoint are tracked: the endpoint's replies pass its egress policy, its own new
+/// traffic to the node does not. A stale entry of the node's flow is restamped (allowed under
+/// any policy); a stale entry of the endpoint's flow is left to the endpoint's next packet.
+#[test]
+fn node_opened_flows_are_tracked_at_tc() {
+    let mut m = mock_with_isolated_c();
+    // C's egress denies everything, its node too (identity 9, no rule).
+    assert_eq!(
+        run(&m, C, NODE, tcp(2000, 22, TCP_SYN)).reason,
+        Reason::EgressDenied
+    );
+    assert!(m.ct.borrow().is_empty());
+    // The node connects to C: tracked, C's answers pass.
+    assert_eq!(
+        from_node(&m, C, tcp(3000, 80, TCP_SYN)).reason,
+        Reason::Host
+    );
+    assert_eq!(m.ct.borrow().len(), 1, "the node's flow is tracked");
+    assert_eq!(
+        run(&m, C, NODE, tcp(80, 3000, TCP_SYN | TCP_ACK)).reason,
+        Reason::Reply
+    );
+    assert_eq!(
+        from_node(&m, C, tcp(3000, 80, TCP_ACK)).reason,
+        Reason::Established
+    );
+    // After a policy change the node's flow is still allowed (restamped by C's next packet).
+    m.state.revision = 2;
+    assert_eq!(
+        run(&m, C, NODE, tcp(80, 3000, TCP_ACK)).reason,
+        Reason::Rechecked
+    );
+    assert_eq!(
+        run(&m, C, NODE, tcp(80, 3000, TCP_ACK)).reason,
+        Reason::Reply
+    );
+    // ... or by the node's next packet.
+    assert_eq!(
+        from_node(&m, C, tcp(3001, 80, TCP_SYN)).reason,
+        Reason::Host
+    );
+    m.state.revision = 3;
+    assert_eq!(
+        from_node(&m, C, tcp(3001, 80, TCP_ACK)).reason,
+        Reason::Rechecked
+    );
+    assert_eq!(
+        run(&m, C, NODE, tcp(80, 3001, TCP_ACK)).reason,
+        Reason::Reply
+    );
+    // UDP and ping: only the replies pass.
+    assert_eq!(
+        from_node(
+            &m,
+            C,
+            L4::Udp {
+                sport: 53,
+                dport: 5353
+            }
+        )
+        .reason,
+        Reason::Host
+    );
+    assert_eq!(
+        run(
+            &m,
+            C,
+            NODE,
+            L4::Udp {
+                sport: 5353,
+                dport: 53
+            }
+        )
+        .reason,
+        Reason::Reply
+    );
+    assert_eq!(
+        run(
+            &m,
+            C,
+            NODE,
+            L4::Udp {
+                sport: 5354,
+                dport: 53
+            }
+        )
+        .reason,
+        Reason::EgressDenied
+    );
+    assert_eq!(
+        from_node(
+            &m,
+            C,
+            L4::EchoId {
+                id: 7,
+                reply: false
+            }
+        )
+        .reason,
+        Reason::Host
+    );
+    assert_eq!(
+        run(&m, C, NODE, L4::EchoId { id: 7, reply: true }).reason,
+        Reason::Reply
+    );
+    assert_eq!(
+        run(&m, C, NODE, L4::EchoId { id: 8, reply: true }).reason,
+        Reason::EgressDenied,
+        "an echo reply nobody asked for"
+    );
+    let entries = m.ct.borrow().len();
+    assert_eq!(
+        from_node(&m, C, L4::EchoId { id: 9, reply: true }).reason,
+        Reason::Host
+    );
+    assert_eq!(
+        m.ct.borrow().len(),
+        entries,
+        "the node's echo reply opens nothing"
+    );
+    // The node's packet to anything but a local endpoint: one ipcache read, nothing tracked.
+    let reads = m.reads.get();
+    assert_eq!(
+        from_node(&m, REMOTE, tcp(3002, 80, TCP_SYN)).reason,
+        Reason::Host
+    );
+    assert_eq!(m.reads.get(), reads + 1);
+    assert_eq!(m.ct.borrow().len(), entries);
+    // A (egress open) connects to its node: judged, tracked; the node's answer refreshes the
+    // entry; after a policy change the node's answer leaves the stale entry to A's next
+    // packet, which re-checks A's egress.
+    assert_eq!(
+        run(&m, A, NODE, tcp(4000, 22, TCP_SYN)).reason,
+        Reason::Allowed
+    );
+    assert_eq!(
+        from_node(&m, A, tcp(22, 4000, TCP_SYN | TCP_ACK)).reason,
+        Reason::Reply
+    );
+    m.state.revision = 4;
+    assert_eq!(
+        from_node(&m, A, tcp(22, 4000, TCP_ACK)).reason,
+        Reason::Host
+    );
+    let (key, _) = ct_key(&ip(&craft::ipv4_frame_between(
+        A,
+        NODE,
+        tcp(4000, 22, TCP_ACK),
+    )));
+    assert_eq!(m.ct.borrow()[&key].revision, 3, "not restamped by the node");
+    assert_eq!(
+        run(&m, A, NODE, tcp(4000, 22, TCP_ACK)).reason,
+        Reason::Rechecked
+    );
+    // Malformed or fragmented, the node's packets pass untouched.
+    assert_eq!(
+        decide_at(&Err(ParseError::TruncatedEthernet), &m, NODE_HOOK).verdict,
+        Verdict::Pass
+    );
 }
 
 /// IPv6 Neighbor Discovery passes without lookups, like ARP, for a pod isolated both ways;

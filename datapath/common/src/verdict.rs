@@ -5,8 +5,13 @@
 //! Rules (`docs/datapath.md` §3, §5):
 //! * not IP -> PASS; malformed (possibly) IP -> DROP; later fragment -> PASS without lookups;
 //! * IPv6 Neighbor Discovery ([`neighbor_discovery`]) -> PASS without lookups;
+//! * [`Hook::Tc`] with `ingress_ifindex` 0, the node's own packet -> PASS, and a flow it opens
+//!   to a local endpoint is tracked (so the endpoint's replies pass, `conntrack::node_packet`);
 //! * neither address is a local endpoint -> PASS (not ours to judge);
-//! * either address belongs to this node -> PASS (traffic between a pod and its own node);
+//! * the source belongs to this node (at XDP: its packets never pass this hook, so only a
+//!   spoofed one, which the kernel's source validation drops) -> PASS; a packet *to* the node
+//!   is judged by the sender's egress like any other (the node address's identity), except the
+//!   replies of the node's own flows (tracked at TC);
 //! * source and destination are the same local endpoint -> PASS;
 //! * TCP/UDP/SCTP: a tracked flow (either direction) stamped with the current policy revision
 //!   passes (this is checked first: one lookup); a stale one is re-checked in its original
@@ -35,7 +40,7 @@
 use crate::{
     Fragment, ICMPV6_REDIRECT, ICMPV6_ROUTER_SOLICITATION, IPPROTO_ICMPV6, Icmp, IpPacket,
     ND_HOP_LIMIT, ParseError, Parsed,
-    conntrack::{Track, related_flow},
+    conntrack::{Track, node_flow, related_flow},
     layout::{
         CtEntry, CtKey, FAMILY_V4, IFACE_HAS_V4, IFACE_HAS_V6, IfaceInfo, IpInfo, IpKey, PolicyRef,
         State, SvcKey,
@@ -54,7 +59,8 @@ pub enum Hook {
     Xdp,
     /// TC (tcx) egress of the interface the packet leaves by: after netfilter, so Service
     /// translation and source NAT are done. `ingress_ifindex` is the interface the packet came
-    /// in on; the node's own packets (index 0) never reach the decision.
+    /// in on; index 0 is the node's own packet, which always passes (its flows to local
+    /// endpoints are tracked).
     Tc {
         /// `skb->ingress_ifindex`: the interface the packet came in on (0: the node's own).
         ingress_ifindex: u32,
@@ -119,7 +125,7 @@ pub enum Reason {
     NeighborDiscovery,
     /// Neither address is a local endpoint (PASS).
     NotLocal,
-    /// One address belongs to this node (PASS).
+    /// The node's own packet (at TC), or a packet from a node address (PASS).
     Host,
     /// Source and destination are the same local endpoint (PASS).
     SameEndpoint,
@@ -290,44 +296,67 @@ pub fn decide_at<M: DatapathMaps + ?Sized>(
     maps: &M,
     hook: Hook,
 ) -> Decision {
+    // The node's own packet (TC, no interface it came in on) always passes; a flow it opens to
+    // a local endpoint is tracked (`conntrack::node_flow`). It shares steps 1 and 4 with every
+    // other packet: one copy of the tracking code keeps the TC program within its stack.
+    let node = matches!(hook, Hook::Tc { ingress_ifindex: 0 });
+    let host = Decision::simple(Verdict::Pass, Reason::Host);
     let p = match parsed {
+        Ok(Parsed::Ip(p)) => p,
+        _ if node => return host,
         Err(e) => return Decision::simple(Verdict::Drop, Reason::Malformed(*e)),
         Ok(Parsed::NotIp { .. }) => return Decision::simple(Verdict::Pass, Reason::NotIp),
-        Ok(Parsed::Ip(p)) => p,
     };
-    if p.fragment == Fragment::Subsequent {
-        return Decision::simple(Verdict::Pass, Reason::LaterFragment);
-    }
-    if neighbor_discovery(p) {
-        return Decision::simple(Verdict::Pass, Reason::NeighborDiscovery);
-    }
-    // 0. An ICMP error about a tracked flow of its destination passes, whoever sends it.
-    if p.icmp == Icmp::Error && related_flow(p, maps) {
-        return Decision::simple(Verdict::Pass, Reason::Related);
+    if node {
+        if !node_flow(p, maps) {
+            return host;
+        }
+    } else {
+        if p.fragment == Fragment::Subsequent {
+            return Decision::simple(Verdict::Pass, Reason::LaterFragment);
+        }
+        if neighbor_discovery(p) {
+            return Decision::simple(Verdict::Pass, Reason::NeighborDiscovery);
+        }
+        // 0. An ICMP error about a tracked flow of its destination passes, whoever sends it.
+        if p.icmp == Icmp::Error && related_flow(p, maps) {
+            return Decision::simple(Verdict::Pass, Reason::Related);
+        }
     }
     // 1. Connection tracking first.
     let mut t = match Track::lookup(p, maps, hook) {
         Ok(t) => t,
         Err(d) => return d,
     };
-    // 1b. A new flow to a Service frontend (XDP only).
-    let ingress_ifindex = match hook {
-        Hook::Xdp => {
-            if let Some(d) = t.defer_service(p, maps) {
-                return d;
-            }
-            0
+    let d = if node {
+        // A stale entry of the endpoint's own flow (the node answering) is left to the
+        // endpoint's next packet, which re-checks the endpoint's direction; a new flow of the
+        // node's is tracked and a stale one restamped (allowed under any policy) below.
+        if t.live && !t.by_initiator() {
+            return host;
         }
-        Hook::Tc { ingress_ifindex } => ingress_ifindex,
+        host
+    } else {
+        // 1b. A new flow to a Service frontend (XDP only).
+        let ingress_ifindex = match hook {
+            Hook::Xdp => {
+                if let Some(d) = t.defer_service(p, maps) {
+                    return d;
+                }
+                0
+            }
+            Hook::Tc { ingress_ifindex } => ingress_ifindex,
+        };
+        // 2. Who the two ends are.
+        let ends = match Ends::resolve(p, maps, ingress_ifindex) {
+            Ok(e) => e,
+            Err(d) => return d,
+        };
+        // 3. The policy: of the packet's own direction, or, for a live entry with an older
+        // stamp, of the flow's original direction (one `evaluate` call site keeps the program
+        // small).
+        evaluate(maps, &ends.flow(p, maps, &t))
     };
-    // 2. Who the two ends are.
-    let ends = match Ends::resolve(p, maps, ingress_ifindex) {
-        Ok(e) => e,
-        Err(d) => return d,
-    };
-    // 3. The policy: of the packet's own direction, or, for a live entry with an older stamp,
-    // of the flow's original direction (one `evaluate` call site keeps the program small).
-    let d = evaluate(maps, &ends.flow(p, maps, &t));
     // 4. Tracking.
     t.record(p, maps, d)
 }
@@ -344,9 +373,10 @@ struct Ends<'m> {
 impl<'m> Ends<'m> {
     /// At the TC hook a packet that came in on a local endpoint's interface is that
     /// endpoint's, whatever its source address says (source NAT). The exemptions end the
-    /// decision here (`Err`): neither end local, traffic between a pod and its node (at TC a
-    /// node source on a forwarded packet was rewritten: it is judged), a pod with itself (at
-    /// XDP only: at TC it is a hairpin through a Service, judged).
+    /// decision here (`Err`): neither end local, a node source at XDP (at TC a node source on a
+    /// forwarded packet was rewritten: it is judged), a pod with itself (at XDP only: at TC it
+    /// is a hairpin through a Service, judged). A packet to a node address is not exempt: the
+    /// sender's egress decides, with the address's identity (a node's, else its CIDR's).
     #[inline(always)]
     fn resolve<M: DatapathMaps + ?Sized>(
         p: &IpPacket,
@@ -368,8 +398,7 @@ impl<'m> Ends<'m> {
         if !src_local && !dst_local {
             return Err(Decision::simple(Verdict::Pass, Reason::NotLocal));
         }
-        let src_host = !attributed && ingress_ifindex == 0 && src.is_some_and(|i| i.is_host());
-        if src_host || dst.is_some_and(|i| i.is_host()) {
+        if !attributed && ingress_ifindex == 0 && src.is_some_and(|i| i.is_host()) {
             return Err(Decision::simple(Verdict::Pass, Reason::Host));
         }
         // A pod with itself is exempt at XDP. At TC a packet whose two ends are one endpoint is
@@ -390,8 +419,9 @@ impl<'m> Ends<'m> {
 
     /// The flow to judge: the packet's own direction, or for a reply on a live entry with an
     /// older stamp the flow's original direction (the initiator's egress, the responder's
-    /// ingress, the original destination port). A side's identity is only needed to check the
-    /// other side's policy.
+    /// ingress, the original destination port; a flow the node opened is allowed whatever the
+    /// responder's ingress says). A side's identity is only needed to check the other side's
+    /// policy.
     #[inline(always)]
     fn flow<M: DatapathMaps + ?Sized>(&self, p: &IpPacket, maps: &M, t: &Track) -> Flow {
         let (src, dst, src_local, dst_local) = (self.src, self.dst, self.src_local, self.dst_local);
@@ -415,7 +445,7 @@ impl<'m> Ends<'m> {
                 from_local: dst_local,
                 from: policy(dst, true),
                 from_id: dst_id,
-                to_local: src_local,
+                to_local: src_local && !dst.is_some_and(|i| i.is_host()),
                 to: policy(src, false),
                 to_id: src_id,
                 protocol: p.protocol,

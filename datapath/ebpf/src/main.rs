@@ -214,9 +214,11 @@ const TC_PASS: i32 = 0;
 const TC_DROP: i32 = 2;
 
 /// The post-translation hook: tcx egress of every local endpoint's host-side interface and of
-/// the uplink. Packets the node itself sends (`ingress_ifindex` 0) pass; every forwarded
-/// packet is decided at [`Hook::Tc`]: after kube-proxy's translation, so a Service flow is
-/// judged with its backend as the destination (`docs/datapath.md` §14).
+/// the uplink. Packets the node itself sends (`ingress_ifindex` 0) pass, and their flows to
+/// local endpoints are tracked (so only the replies of those are exempt from the endpoint's
+/// egress policy); every forwarded packet is decided at [`Hook::Tc`]: after kube-proxy's
+/// translation, so a Service flow is judged with its backend as the destination
+/// (`docs/datapath.md` §14).
 #[classifier]
 pub fn ordnet_tc(ctx: TcContext) -> i32 {
     tc_judge(&ctx, false)
@@ -234,11 +236,9 @@ fn tc_judge(ctx: &TcContext, l3: bool) -> i32 {
     // SAFETY: `skb` is the program's context pointer, valid for the whole run.
     let (ingress_ifindex, protocol) =
         unsafe { ((*ctx.skb.skb).ingress_ifindex, (*ctx.skb.skb).protocol) };
-    if ingress_ifindex == 0 {
-        return TC_PASS;
-    }
-    // Forwarded packets have their headers in the linear part in practice; make sure of it (a
-    // failure leaves the packet as it is, and the parser then sees a truncated one: dropped).
+    // Packets have their headers in the linear part in practice; make sure of it (a failure
+    // leaves the packet as it is, and the parser then sees a truncated one: dropped if
+    // forwarded; the node's own packets always pass).
     let len = ctx.len();
     let want = if len < TC_LINEAR { len } else { TC_LINEAR };
     if ((ctx.data_end() - ctx.data()) as u32) < want {
