@@ -36,6 +36,16 @@ const PORT: u16 = 80;
 const LIMIT: Duration = Duration::from_secs(20);
 /// The local pods: name, app label, last byte of the address.
 const PODS: [(&str, &str, u8); 3] = [("web", "web", 2), ("db", "db", 3), ("client", "client", 4)];
+/// The connection-tracking tables of the tests' agents (unless a test sizes them).
+const SMALL_CT: [&str; 4] = [
+    "--conntrack-entries-v4",
+    "2048",
+    "--conntrack-entries-v6",
+    "1024",
+];
+/// The node's address on every pod link (the pods' gateway), and a port the node serves there.
+const POD_GW: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 1);
+const NODE_PORT: u16 = 8081;
 /// A pod of another node (app `web`), behind the node's uplink.
 const FAR: &str = "far";
 const FAR_IP: Ipv4Addr = Ipv4Addr::new(10, 213, 9, 9);
@@ -451,7 +461,7 @@ impl Lab {
     fn plumb(&mut self, name: &str, host: &str, ip: Ipv4Addr) {
         let ns = format!("{}{}", self.prefix, &name[..1]);
         self.pods.insert(name.to_string(), (ns.clone(), ip));
-        let gw = Ipv4Addr::new(10, 213, 0, 1);
+        let gw = POD_GW;
         let mtu = JUMBO.contains(&name).then_some(JUMBO_MTU);
         routed_pod(&self.node, &ns, host, ip, gw, "", mtu);
     }
@@ -541,26 +551,82 @@ impl Lab {
     /// Whether `from` gets the reply of an ICMP echo request to `to` (a ping socket) within 1 s.
     fn pings(&self, from: &str, to: Ipv4Addr) -> bool {
         let (ns, _) = self.pods[from].clone();
-        let out = Command::new("ip")
-            .args(["netns", "exec", &ns, "sysctl", "-qw"])
-            .arg("net.ipv4.ping_group_range=0 2147483647")
-            .output()
+        ping_from(&ns, to)
+    }
+
+    /// Traffic between client (isolated for egress: pods only) and its node: the node's
+    /// connections and pings reach client and are answered (the node's own flows are tracked
+    /// at TC: only their replies are exempt from client's egress policy); client's own
+    /// connection to the node is denied by its egress policy; web's (not isolated) connects.
+    fn expect_node(&self, step: &str) {
+        let retry = |what: &str, check: &dyn Fn() -> bool| {
+            assert!((0..3).any(|_| check()), "{step}: {what} (3 attempts)");
+        };
+        retry("the node connects to client", &|| {
+            self.node_connects("client")
+        });
+        retry("the node's ping of client is answered", &|| {
+            ping_from(&self.node, self.pods["client"].1)
+        });
+        retry("control: web connects to its node", &|| {
+            self.connects_to_node("web")
+        });
+        assert!(
+            !self.connects_to_node("client"),
+            "{step}: client (egress to pods only) connected to its node"
+        );
+    }
+
+    /// A TCP connection from `from` to a server in `to` on `port` (this test's own listener),
+    /// accepted and idle: [`Held::pushed`] later sends from the server's side unasked.
+    fn hold(&self, from: &str, to: &str, port: u16) -> Held {
+        let (from_ns, _) = self.pods[from].clone();
+        let (to_ns, to_ip) = self.pods[to].clone();
+        let listener = in_netns(&to_ns, move || {
+            TcpListener::bind(SocketAddrV4::new(to_ip, port)).unwrap()
+        });
+        let client = in_netns(&from_ns, move || {
+            TcpStream::connect_timeout(&SocketAddr::from((to_ip, port)), Duration::from_secs(2))
+                .unwrap()
+        });
+        let (server, _) = listener.accept().unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_millis(1500)))
             .unwrap();
-        assert!(out.status.success(), "ping_group_range in {ns}");
+        Held { client, server }
+    }
+
+    /// Whether the node connects to `to`'s port 80 (and reads its name) within 700 ms.
+    fn node_connects(&self, to: &str) -> bool {
+        let (_, ip) = self.pods[to];
+        let want = to.to_string();
+        in_netns(&self.node, move || {
+            let Ok(mut s) = TcpStream::connect_timeout(
+                &SocketAddr::from((ip, PORT)),
+                Duration::from_millis(700),
+            ) else {
+                return false;
+            };
+            let _ = s.set_read_timeout(Some(Duration::from_millis(700)));
+            let mut got = String::new();
+            let _ = s.read_to_string(&mut got);
+            got == want
+        })
+    }
+
+    /// Whether `from` connects to the node's [`NODE_PORT`] (on the pods' gateway address) and
+    /// reads "node" within 700 ms.
+    fn connects_to_node(&self, from: &str) -> bool {
+        let (ns, _) = self.pods[from].clone();
         in_netns(&ns, move || {
-            use socket2::{Domain, Protocol, Socket, Type};
-            let s = Socket::new(Domain::IPV4, Type::DGRAM, Some(Protocol::ICMPV4)).unwrap();
-            s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
-            // Type 8 (echo request); the kernel sets the identifier and the checksum.
-            let request = [8u8, 0, 0, 0, 0, 0, 0, 1, b'o', b'r', b'd'];
-            s.send_to(&request, &SocketAddr::from((to, 0)).into())
-                .unwrap();
-            let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 256];
-            match s.recv(&mut buf) {
-                // SAFETY: `recv` initialised the first `n` bytes.
-                Ok(n) if n >= 8 => (unsafe { buf[0].assume_init() }) == 0,
-                _ => false,
-            }
+            let addr = SocketAddr::from((POD_GW, NODE_PORT));
+            let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(700)) else {
+                return false;
+            };
+            let _ = s.set_read_timeout(Some(Duration::from_millis(700)));
+            let mut got = String::new();
+            let _ = s.read_to_string(&mut got);
+            got == "node"
         })
     }
 
@@ -872,8 +938,25 @@ impl Lab {
         format!("{}{}", self.prefix, &pod[..1])
     }
 
-    /// A TCP server on port 80 in every pod: it answers each connection with the pod's name.
+    /// A TCP server on port 80 in every pod: it answers each connection with the pod's name;
+    /// and one on the node's [`NODE_PORT`] (every address) answering "node".
     fn serve(&self) {
+        let listener = in_netns(&self.node, || {
+            TcpListener::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, NODE_PORT)).unwrap()
+        });
+        listener.set_nonblocking(true).unwrap();
+        let stop = self.stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                match listener.accept() {
+                    Ok((mut s, _)) => {
+                        let _ = s.set_nonblocking(false);
+                        let _ = s.write_all(b"node");
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        });
         for (name, (ns, ip)) in &self.pods {
             let ip = *ip;
             let listener = in_netns(ns, move || {
@@ -995,6 +1078,24 @@ impl Drop for Lab {
     }
 }
 
+/// An idle TCP connection ([`Lab::hold`]).
+struct Held {
+    client: TcpStream,
+    server: TcpStream,
+}
+
+impl Held {
+    /// Whether a byte the server sends unasked reaches the client within 1.5 s (its tracking
+    /// entry is there: the client's side may be isolated for ingress).
+    fn pushed(&mut self) -> bool {
+        if self.server.write_all(b"p").is_err() {
+            return false;
+        }
+        let mut b = [0u8; 1];
+        matches!(self.client.read(&mut b), Ok(1))
+    }
+}
+
 /// The agent binary in the node namespace.
 struct Agent {
     child: Child,
@@ -1021,13 +1122,18 @@ impl Agent {
 
     /// [`Agent::start`] with more arguments.
     fn start_with(lab: &Lab, kubeconfig: &Path, extra: &[&str]) -> Agent {
+        // Small connection-tracking tables unless `extra` sizes them.
+        let mut args: Vec<&str> = extra.to_vec();
+        if !extra.contains(&"--conntrack-entries-v4") {
+            args.extend(SMALL_CT);
+        }
         let spot = Spot {
             netns: &lab.node,
             node: NODE,
             uplink: &lab.uplink_flag,
             debug_ip: lab.mgmt_ip,
             pin_dir: &lab.pin_dir,
-            extra,
+            extra: &args,
         };
         Agent::start_at(&spot, kubeconfig)
     }
@@ -1052,12 +1158,6 @@ impl Agent {
             .args(["--metrics-addr", "none", "--cni-socket", "none"])
             // Upkeep only on netlink events (and hourly): the test sees them work.
             .args(["--upkeep-interval", "3600"])
-            .args([
-                "--conntrack-entries-v4",
-                "2048",
-                "--conntrack-entries-v6",
-                "1024",
-            ])
             .args(spot.extra)
             .env("ORDNET_PIN_DIR", spot.pin_dir)
             .env("POD_NAMESPACE", "ordnet-system")
@@ -1306,6 +1406,15 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     // A pod of another node: only the ipcache.
     api.create(pod(FAR, "web", "node-2", FAR_IP)).unwrap();
     api.create(db_policy("web")).unwrap();
+    // client's egress: pods of its namespace only (so not its node).
+    api.create(
+        json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"namespace": "shop", "name": "client-egress"},
+        "spec": {"podSelector": {"matchLabels": {"app": "client"}},
+            "policyTypes": ["Egress"],
+            "egress": [{"to": [{"podSelector": {}}]}]}}),
+    )
+    .unwrap();
     api.create(json!({"apiVersion": "v1", "kind": "Service",
         "metadata": {"namespace": "shop", "name": "db"},
         "spec": {"selector": {"app": "db"}, "clusterIP": DB_VIP.to_string(),
@@ -1341,6 +1450,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     );
     // ICMP into isolated db: its ping answered, its path MTU learned, its UDP refused.
     lab.expect_icmp("initial");
+    lab.expect_node("initial");
     lab.expect_jumbo("initial");
     let mut links = vec![
         lab.host_iface("client"),
@@ -1412,6 +1522,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
         &[("web", "db"), ("far", "db"), ("client", "web")],
     );
     lab.expect_service("restarted", &["client"]);
+    lab.expect_node("restarted");
     assert_eq!(lab.pinned_links(), links);
     // A TCP packet past the handshake with no tracking entry, into isolated db (far may reach
     // it on TCP/80 only): denied and counted, as the packets of an evicted flow would be (the
@@ -1676,7 +1787,7 @@ fn bpf_agent_enforces_bridged_and_policy_routed_pods() {
             uplink: "eth0",
             debug_ip: m2,
             pin_dir: &node2_pins,
-            extra: &[],
+            extra: &SMALL_CT,
         },
         &kubeconfig,
     );
@@ -2051,6 +2162,10 @@ fn map_growth_step(lab: &Lab, api: &FakeApi, kubeconfig: &Path, links: &[String]
     );
     agent.wait_ready();
     lab.expect("the policy map grew", &[]);
+    // A connection db (isolated for ingress) opened to far, idle: far's unasked bytes reach db
+    // only through its tracking entry, which must come along to every new set of maps.
+    let mut held = lab.hold("db", FAR, 7001);
+    assert!(held.pushed(), "far's push on db's connection (control)");
     let capacity = "ordnet_datapath_map_capacity{map=\"ORDNET_POLICY\"}";
     assert_eq!(agent.metric(capacity), 4.0);
     assert_eq!(
@@ -2085,5 +2200,69 @@ fn map_growth_step(lab: &Lab, api: &FakeApi, kubeconfig: &Path, links: &[String]
         0,
         "the pins of the smaller maps are still there"
     );
+    assert!(
+        held.pushed(),
+        "db's connection to far broke when the policy map grew (tracking entry not carried)"
+    );
     agent.terminate();
+
+    // 8d. Larger connection-tracking tables than the pinned ones: replaced at start, the
+    // tracked flows carried over (db's connection lives on), nothing re-attached.
+    let agent = Agent::start_with(
+        lab,
+        kubeconfig,
+        &[
+            "--policy-map-entries",
+            "1",
+            "--policy-map-max-entries",
+            "8",
+            "--conntrack-entries-v4",
+            "4096",
+            "--conntrack-entries-v6",
+            "1024",
+        ],
+    );
+    agent.wait_ready();
+    let deadline = Instant::now() + LIMIT;
+    while aside(lab) != 0 {
+        assert!(Instant::now() < deadline, "the smaller tables' pins stayed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pinned =
+        ordnet_datapath::Datapath::pinned_sizes(&ordnet_datapath::layout_dir(&lab.pin_dir))
+            .expect("the pinned maps' sizes");
+    assert_eq!((pinned.ct4_entries, pinned.ct6_entries), (4096, 1024));
+    assert_eq!(agent.metric("ordnet_datapath_attaches_total"), 0.0);
+    assert_eq!(lab.pinned_links(), links);
+    assert!(
+        held.pushed(),
+        "db's connection to far broke when the conntrack table grew"
+    );
+    agent.terminate();
+}
+
+/// Whether namespace `ns` gets the reply of an ICMP echo request to `to` (a ping socket)
+/// within 1 s.
+fn ping_from(ns: &str, to: Ipv4Addr) -> bool {
+    let out = Command::new("ip")
+        .args(["netns", "exec", ns, "sysctl", "-qw"])
+        .arg("net.ipv4.ping_group_range=0 2147483647")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "ping_group_range in {ns}");
+    in_netns(ns, move || {
+        use socket2::{Domain, Protocol, Socket, Type};
+        let s = Socket::new(Domain::IPV4, Type::DGRAM, Some(Protocol::ICMPV4)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        // Type 8 (echo request); the kernel sets the identifier and the checksum.
+        let request = [8u8, 0, 0, 0, 0, 0, 0, 1, b'o', b'r', b'd'];
+        s.send_to(&request, &SocketAddr::from((to, 0)).into())
+            .unwrap();
+        let mut buf = [std::mem::MaybeUninit::<u8>::uninit(); 256];
+        match s.recv(&mut buf) {
+            // SAFETY: `recv` initialised the first `n` bytes.
+            Ok(n) if n >= 8 => (unsafe { buf[0].assume_init() }) == 0,
+            _ => false,
+        }
+    })
 }

@@ -6,9 +6,9 @@ use std::os::fd::AsFd as _;
 
 use aya::maps::{Array, HashMap, IterableMap, MapData, lpm_trie::Key, lpm_trie::LpmTrie};
 use ordnet_datapath_common::layout::{
-    Ct4Key, CtEntry, CtKey, FAMILY_V4, IfaceInfo, IpInfo, IpKey, MAP_CT4, MAP_CT6, MAP_IFACE,
-    MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY, MAP_STATE, MAP_SVC, PolicyKey, PolicyValue,
-    SVC_FRONTEND, SvcKey, SvcValue,
+    CT_SERVICE, Ct4Key, CtEntry, CtKey, FAMILY_V4, IfaceInfo, IpInfo, IpKey, MAP_CT4, MAP_CT6,
+    MAP_IFACE, MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY, MAP_STATE, MAP_SVC, PolicyKey,
+    PolicyValue, SVC_FRONTEND, SvcKey, SvcValue,
 };
 
 use crate::{
@@ -416,6 +416,60 @@ impl KernelTables {
             }
         }
         Ok(())
+    }
+
+    /// Copies the connection-tracking entries of the tables pinned in `dir` (another
+    /// datapath's: maps set aside to grow, or an older layout's) into these, so that the flows
+    /// they track survive the switch to these maps' programs (without it, a connection into a
+    /// pod isolated for ingress breaks at its peer's next packet). An entry these tables
+    /// already hold wins (the new programs judged a packet of it since). Every copied entry is
+    /// made stale (revision 0, never current: the first write of a datapath makes it 1), so
+    /// its flow's next packet re-checks the flow under these maps' policy, which may differ; a
+    /// Service-deferred entry passes regardless, as it did. Tables with another key or entry
+    /// layout, or missing, are skipped. Returns the entries copied per family; a full table
+    /// evicts (LRU) as the program's inserts do.
+    pub fn ct_carry_from(&mut self, dir: &std::path::Path) -> Result<[u64; 2], WriteError> {
+        let open = |map: &'static str, key_size: usize| -> Option<std::os::fd::OwnedFd> {
+            let path = dir.join(map);
+            let info = aya::maps::MapInfo::from_pin(&path).ok()?;
+            let fits = info.key_size() as usize == key_size
+                && info.value_size() as usize == std::mem::size_of::<CtEntry>();
+            fits.then(|| sys::obj_get(&path).ok()).flatten()
+        };
+        let stale = |e: CtEntry| {
+            if e.flags & CT_SERVICE != 0 {
+                e
+            } else {
+                CtEntry { revision: 0, ..e }
+            }
+        };
+        let outcome = |map, r: Result<(), aya::maps::MapError>| match r {
+            Ok(()) => Ok(1),
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::EEXIST) =>
+            {
+                Ok(0)
+            }
+            Err(source) => Err(WriteError::Map { map, source }),
+        };
+        // BPF_NOEXIST: an entry the new programs wrote stays.
+        const NOEXIST: u64 = 1;
+        let mut copied = [0u64; 2];
+        if let Some(fd) = open(MAP_CT4, std::mem::size_of::<Ct4Key>()) {
+            for (k, e) in sys::lookup_all::<Ct4Key, CtEntry>(fd.as_fd())
+                .map_err(lookup_batch_failed(MAP_CT4))?
+            {
+                copied[0] += outcome(MAP_CT4, self.ct4.insert(k, stale(e), NOEXIST))?;
+            }
+        }
+        if let Some(fd) = open(MAP_CT6, std::mem::size_of::<CtKey>()) {
+            for (k, e) in sys::lookup_all::<CtKey, CtEntry>(fd.as_fd())
+                .map_err(lookup_batch_failed(MAP_CT6))?
+            {
+                copied[1] += outcome(MAP_CT6, self.ct6.insert(k, stale(e), NOEXIST))?;
+            }
+        }
+        Ok(copied)
     }
 
     /// Removes the expired connection-tracking entries at kernel time `now` (jiffies; `state`

@@ -1404,6 +1404,15 @@ impl Datapath {
         Ok(self.tables.ct_sweep(&state, now)?)
     }
 
+    /// Copies the connection-tracking entries of the maps pinned in `old_dir` (another
+    /// datapath's, e.g. maps set aside to grow or an older layout's) into this datapath's, made
+    /// stale so each flow is re-checked under this datapath's policy at its next packet
+    /// ([`KernelTables::ct_carry_from`]). Called before and after [`Datapath::take_over_links`]
+    /// so that tracked flows survive the switch of programs. The entries copied per family.
+    pub fn ct_carry_from(&mut self, old_dir: &Path) -> Result<[u64; 2], DatapathError> {
+        Ok(self.tables.ct_carry_from(old_dir)?)
+    }
+
     /// The programs' event counters, summed over CPUs, since this program pair was loaded
     /// (a restart or an adoption loads a new one: they start again from zero).
     pub fn counters(&self) -> Result<DatapathCounters, DatapathError> {

@@ -158,6 +158,10 @@ pub struct MapSizes {
     pub ipcache_entries: u32,
     /// Rule set slots (distinct policies of the node's endpoints, and replacements).
     pub max_rulesets: u32,
+    /// Connection-tracking flows, IPv4 and IPv6. Pinned tables smaller than this are replaced
+    /// at start (their entries carried over); larger ones are kept (never shrunk under live
+    /// flows).
+    pub ct_entries: [u32; 2],
 }
 
 impl Default for MapSizes {
@@ -168,6 +172,7 @@ impl Default for MapSizes {
             policy_entries_max: DEFAULT_POLICY_ENTRIES_MAX,
             ipcache_entries: d.ipcache_entries,
             max_rulesets: d.max_rulesets,
+            ct_entries: [d.ct4_entries, d.ct6_entries],
         }
     }
 }
@@ -186,25 +191,25 @@ impl MapSizes {
             policy_entries_max: 0,
             ipcache_entries: c.ipcache_entries,
             max_rulesets: c.max_rulesets,
+            ct_entries: [c.ct4_entries, c.ct6_entries],
         })
     }
 
     /// The sizes to run with when `pinned` are the pinned maps' (`None`: no pins): these, but a
     /// policy map grown at run time beyond `policy_entries` (within `policy_entries_max`)
-    /// keeps its size.
+    /// keeps its size, and so does a connection-tracking table larger than configured.
     fn effective(self, pinned: Option<MapSizes>) -> MapSizes {
-        match pinned {
-            Some(p)
-                if p.policy_entries > self.policy_entries
-                    && p.policy_entries <= self.policy_entries_max =>
-            {
-                MapSizes {
-                    policy_entries: p.policy_entries,
-                    ..self
-                }
-            }
-            _ => self,
+        let Some(p) = pinned else {
+            return self;
+        };
+        let mut out = self;
+        if p.policy_entries > self.policy_entries && p.policy_entries <= self.policy_entries_max {
+            out.policy_entries = p.policy_entries;
         }
+        for i in 0..2 {
+            out.ct_entries[i] = self.ct_entries[i].max(p.ct_entries[i]);
+        }
+        out
     }
 
     /// Whether maps of sizes `pinned` serve for these.
@@ -213,7 +218,13 @@ impl MapSizes {
             pinned.policy_entries,
             pinned.ipcache_entries,
             pinned.max_rulesets,
-        ) == (self.policy_entries, self.ipcache_entries, self.max_rulesets)
+            pinned.ct_entries,
+        ) == (
+            self.policy_entries,
+            self.ipcache_entries,
+            self.max_rulesets,
+            self.ct_entries,
+        )
     }
 }
 
@@ -240,8 +251,8 @@ fn config_of(pin_dir: &Path, sizes: MapSizes, conntrack: ConntrackOptions) -> Da
         policy_entries: sizes.policy_entries,
         ipcache_entries: sizes.ipcache_entries,
         max_rulesets: sizes.max_rulesets,
-        ct4_entries: conntrack.entries_v4,
-        ct6_entries: conntrack.entries_v6,
+        ct4_entries: sizes.ct_entries[0],
+        ct6_entries: sizes.ct_entries[1],
         ct_tcp_lifetime: conntrack.tcp,
         ct_syn_lifetime: conntrack.syn,
         ct_close_lifetime: conntrack.close,
@@ -253,10 +264,6 @@ fn config_of(pin_dir: &Path, sizes: MapSizes, conntrack: ConntrackOptions) -> Da
 /// Connection tracking of the bpf datapath (`ordnet agent --conntrack-*`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConntrackOptions {
-    /// Capacity of the IPv4 table (flows); pinned tables keep the size they were created with.
-    pub entries_v4: u32,
-    /// Capacity of the IPv6 table.
-    pub entries_v6: u32,
     /// Idle lifetime of an established TCP flow.
     pub tcp: Duration,
     /// Idle lifetime of a TCP flow that never got past its SYN.
@@ -271,8 +278,6 @@ impl Default for ConntrackOptions {
     fn default() -> Self {
         let d = DatapathConfig::default();
         ConntrackOptions {
-            entries_v4: d.ct4_entries,
-            entries_v6: d.ct6_entries,
             tcp: d.ct_tcp_lifetime,
             syn: d.ct_syn_lifetime,
             close: d.ct_close_lifetime,
@@ -387,6 +392,19 @@ impl BpfDatapath {
         })
     }
 
+    /// Copies the tracked flows of the tables pinned in `old` into the current ones (see
+    /// [`BpfDatapath::take_over_older_layouts`]); a failure is logged (those flows are judged
+    /// as new at their next packet) and counted as none.
+    fn carry_conntrack(&mut self, old: &Path) -> [u64; 2] {
+        match self.dp.ct_carry_from(old) {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(from = %old.display(), error = %e, "carrying tracked flows over failed: their next packets are judged as new flows");
+                [0, 0]
+            }
+        }
+    }
+
     /// Removes expired connection-tracking entries (at most every [`CT_SWEEP_INTERVAL`]) and
     /// reports a table whose live flows come near its capacity.
     fn sweep_conntrack(&mut self) {
@@ -440,7 +458,7 @@ impl BpfDatapath {
 
     /// Lines for `/readyz` about the datapath's state: endpoints not enforced (and why),
     /// interfaces where XDP runs in generic mode, connection-tracking tables near their
-    /// capacity or smaller than configured (pinned by an earlier start).
+    /// capacity.
     pub fn health_notes(&self) -> Vec<String> {
         let mut out = Vec::new();
         for (who, why) in &self.unattached {
@@ -465,7 +483,6 @@ impl BpfDatapath {
         let Some((_, sweep)) = self.last_sweep else {
             return out;
         };
-        let wanted = [self.conntrack.entries_v4, self.conntrack.entries_v6];
         for (i, family) in ["IPv4", "IPv6"].into_iter().enumerate() {
             let capacity = u64::from(sweep.capacity[i]);
             if capacity > 0 && sweep.live[i] * 100 >= capacity * CT_PRESSURE_PERCENT {
@@ -473,13 +490,6 @@ impl BpfDatapath {
                     "conntrack {family}: {} of {capacity} entries hold live flows (>= {CT_PRESSURE_PERCENT} %): \
                      when full, the least recently used flows lose their entries",
                     sweep.live[i]
-                ));
-            }
-            if sweep.capacity[i] < wanted[i] {
-                out.push(format!(
-                    "conntrack {family}: the pinned table holds {capacity} entries, {} are \
-                     configured (the size applies when the pins are created again)",
-                    wanted[i]
                 ));
             }
         }
@@ -652,10 +662,22 @@ impl BpfDatapath {
 
     /// Once the new maps hold the whole state: the attachments of an older layout's pins move
     /// onto the new programs (in place, per interface: no moment without a program), then the
-    /// older pins go. (Connection tracking starts empty: established flows are judged again.)
+    /// older pins go. The tracked flows come along: the old tables' entries are copied before
+    /// the programs switch and once more after (what the old programs tracked meanwhile), each
+    /// made stale so that its flow is re-checked under the new maps at its next packet.
     fn take_over_older_layouts(&mut self) {
         for old in std::mem::take(&mut self.migrate_from) {
-            match self.dp.take_over_links(&old) {
+            let mut carried = self.carry_conntrack(&old);
+            let moved = self.dp.take_over_links(&old);
+            let again = self.carry_conntrack(&old);
+            carried = [carried[0] + again[0], carried[1] + again[1]];
+            tracing::info!(
+                from = %old.display(),
+                ipv4 = carried[0],
+                ipv6 = carried[1],
+                "carried tracked flows over to the new maps"
+            );
+            match moved {
                 Ok(moved) => tracing::info!(
                     from = %old.display(),
                     interfaces = %moved.join(","),

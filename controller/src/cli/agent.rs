@@ -101,8 +101,8 @@ pub struct AgentArgs {
           value_parser = clap::value_parser!(u32).range(2..=(1 << 16)))]
     pub max_rulesets: u32,
     /// Capacity of the IPv4 connection-tracking table, in flows (--datapath bpf; 104 bytes
-    /// of kernel memory each, allocated at creation). Tables pinned by an earlier start
-    /// keep their size until the pins are created again.
+    /// of kernel memory each, allocated at creation). A smaller table pinned by an earlier
+    /// start is replaced at start, its tracked flows carried over; a larger one is kept.
     #[arg(long, value_name = "FLOWS", default_value_t = ordnet_datapath::common::layout::DEFAULT_CT4_ENTRIES,
           value_parser = clap::value_parser!(u32).range(1024..=(1 << 26)))]
     pub conntrack_entries_v4: u32,
@@ -136,13 +136,15 @@ pub struct AgentArgs {
     pub cni_conf_dir: Option<PathBuf>,
 }
 
-/// The map sizes of `--policy-map-entries`, `--ipcache-entries`, `--max-rulesets`.
+/// The map sizes of `--policy-map-entries`, `--ipcache-entries`, `--max-rulesets`,
+/// `--conntrack-entries-v4/-v6`.
 fn map_sizes(args: &AgentArgs) -> agent::bpf::MapSizes {
     agent::bpf::MapSizes {
         policy_entries: args.policy_map_entries,
         policy_entries_max: args.policy_map_max_entries,
         ipcache_entries: args.ipcache_entries,
         max_rulesets: args.max_rulesets,
+        ct_entries: [args.conntrack_entries_v4, args.conntrack_entries_v6],
     }
 }
 
@@ -150,8 +152,6 @@ fn map_sizes(args: &AgentArgs) -> agent::bpf::MapSizes {
 fn conntrack(args: &AgentArgs) -> agent::bpf::ConntrackOptions {
     let secs = std::time::Duration::from_secs;
     agent::bpf::ConntrackOptions {
-        entries_v4: args.conntrack_entries_v4,
-        entries_v6: args.conntrack_entries_v6,
         tcp: secs(args.conntrack_tcp_timeout),
         syn: secs(args.conntrack_syn_timeout),
         close: secs(args.conntrack_close_timeout),
