@@ -6,7 +6,7 @@
 //! * not IP -> PASS; malformed (possibly) IP -> DROP; later fragment -> PASS without lookups;
 //! * IPv6 Neighbor Discovery ([`neighbor_discovery`]) -> PASS without lookups;
 //! * [`Hook::Tc`] with `ingress_ifindex` 0, the node's own packet -> PASS, and a flow it opens
-//!   to a local endpoint is tracked (so the endpoint's replies pass, `conntrack::node_packet`);
+//!   to a local endpoint is tracked (so the endpoint's replies pass, `conntrack::node_flow`);
 //! * neither address is a local endpoint -> PASS (not ours to judge);
 //! * the source belongs to this node (at XDP: its packets never pass this hook, so only a
 //!   spoofed one, which the kernel's source validation drops) -> PASS; a packet *to* the node
