@@ -29,7 +29,7 @@ mod support;
 
 use ordnet_testsuite::fakeapi::FakeApi;
 use serde_json::{Value, json};
-use support::{in_netns, root_or_skip, run};
+use support::{in_netns, root_or_skip, run, serve_greeting};
 
 const NODE: &str = "node-1";
 const PORT: u16 = 80;
@@ -944,38 +944,13 @@ impl Lab {
         let listener = in_netns(&self.node, || {
             TcpListener::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, NODE_PORT)).unwrap()
         });
-        listener.set_nonblocking(true).unwrap();
-        let stop = self.stop.clone();
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::SeqCst) {
-                match listener.accept() {
-                    Ok((mut s, _)) => {
-                        let _ = s.set_nonblocking(false);
-                        let _ = s.write_all(b"node");
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
-                }
-            }
-        });
+        serve_greeting(listener, self.stop.clone(), b"node".to_vec());
         for (name, (ns, ip)) in &self.pods {
             let ip = *ip;
             let listener = in_netns(ns, move || {
                 TcpListener::bind(SocketAddrV4::new(ip, PORT)).unwrap()
             });
-            listener.set_nonblocking(true).unwrap();
-            let stop = self.stop.clone();
-            let name = name.clone();
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::SeqCst) {
-                    match listener.accept() {
-                        Ok((mut s, _)) => {
-                            let _ = s.set_nonblocking(false);
-                            let _ = s.write_all(name.as_bytes());
-                        }
-                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
-                    }
-                }
-            });
+            serve_greeting(listener, self.stop.clone(), name.as_bytes().to_vec());
         }
     }
 

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use ordnet_testsuite::fakeapi::FakeApi;
 use serde_json::{Value, json};
-use support::{in_netns, root_or_skip, run};
+use support::{in_netns, root_or_skip, run, serve_greeting};
 
 const NODE: &str = "node-1";
 const PORT: u16 = 8080;
@@ -261,19 +261,7 @@ impl Node {
         let listener = in_netns(ns, move || {
             TcpListener::bind(SocketAddr::from((ip, PORT))).unwrap()
         });
-        listener.set_nonblocking(true).unwrap();
-        let stop = self.stop.clone();
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::SeqCst) {
-                match listener.accept() {
-                    Ok((mut s, _)) => {
-                        let _ = s.set_nonblocking(false);
-                        let _ = s.write_all(b"hi");
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
-                }
-            }
-        });
+        serve_greeting(listener, self.stop.clone(), b"hi".to_vec());
     }
 
     /// Whether a TCP connection from pod `from` to `to:PORT` is answered within 500 ms.

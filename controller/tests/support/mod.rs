@@ -281,3 +281,26 @@ pub fn pinned_links(pin_root: &Path, sub: &str) -> Vec<String> {
     v.sort();
     v
 }
+
+/// Serves `listener` on a thread until `stop` is set: every accepted connection gets
+/// `greeting` and is closed.
+#[allow(dead_code)]
+pub fn serve_greeting(
+    listener: std::net::TcpListener,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    greeting: Vec<u8>,
+) {
+    use std::io::Write as _;
+    listener.set_nonblocking(true).unwrap();
+    std::thread::spawn(move || {
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            match listener.accept() {
+                Ok((mut s, _)) => {
+                    let _ = s.set_nonblocking(false);
+                    let _ = s.write_all(&greeting);
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    });
+}

@@ -901,7 +901,16 @@ fn node_opened_flows_are_tracked_at_tc() {
         run(&m, C, NODE, tcp(80, 3001, TCP_ACK)).reason,
         Reason::Reply
     );
-    // UDP and ping: only the replies pass.
+}
+
+/// The node's UDP flows and pings to an egress-isolated endpoint: only the replies pass, an
+/// echo reply opens nothing; the node's packets to anything else cost one ipcache read; an
+/// endpoint's own flow to the node is judged and its stale entry is not restamped by the
+/// node's answer.
+#[test]
+fn node_opened_udp_echo_and_endpoint_flows() {
+    let mut m = mock_with_isolated_c();
+    m.state.revision = 3;
     assert_eq!(
         from_node(
             &m,
