@@ -1597,6 +1597,19 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
             > stray_before,
         "the stray ACK into db was not counted as an untracked TCP packet denied"
     );
+    // The probes' established packets between pods crossed both hooks: the TC hook passed
+    // them on XDP's tag (veth keeps XDP metadata), without a second lookup.
+    assert!(
+        agent.metric("ordnet_datapath_handed_off_packets_total") > 0.0,
+        "no packet was handed off from XDP to TC: {}",
+        agent
+            .get("/metrics")
+            .1
+            .lines()
+            .filter(|l| l.contains("handed") || l.contains("untracked") || l.contains("xdp"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
     agent.terminate();
     let links = lab.pinned_links();
 

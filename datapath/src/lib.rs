@@ -80,14 +80,15 @@ pub use ordnet_datapath_common as common;
 use ordnet_datapath_common::{
     Verdict,
     layout::{
-        BLOCK_WORDS, CELLS_PER_RULESET, COUNTER_UNTRACKED_ALLOWED, COUNTER_UNTRACKED_DENIED,
-        CT_LIFETIME_CLOSE_SECS, CT_LIFETIME_OTHER_SECS, CT_LIFETIME_SYN_SECS, CT_LIFETIME_TCP_SECS,
-        CT_REFRESH_SECS, Ct4Key, CtEntry, CtKey, DEFAULT_CT4_ENTRIES, DEFAULT_CT6_ENTRIES,
-        DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS,
-        DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES, DEFAULT_SVC_ENTRIES, IfaceInfo, IpInfo,
-        IpKey, MAP_BLOCKS, MAP_CELLS, MAP_COUNTERS, MAP_CT4, MAP_CT6, MAP_IFACE, MAP_IP4, MAP_IP6,
-        MAP_IPCIDR, MAP_POLICY, MAP_STATE, MAP_SVC, PROGRAM_NAME, PolicyKey, PolicyValue, State,
-        SvcKey, SvcValue, TC_L3_PROGRAM_NAME, TC_PROGRAM_NAME, pairs,
+        BLOCK_WORDS, CELLS_PER_RULESET, COUNTER_HANDED_OFF, COUNTER_UNTRACKED_ALLOWED,
+        COUNTER_UNTRACKED_DENIED, CT_LIFETIME_CLOSE_SECS, CT_LIFETIME_OTHER_SECS,
+        CT_LIFETIME_SYN_SECS, CT_LIFETIME_TCP_SECS, CT_REFRESH_SECS, Ct4Key, CtEntry, CtKey,
+        DEFAULT_CT4_ENTRIES, DEFAULT_CT6_ENTRIES, DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES,
+        DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES,
+        DEFAULT_SVC_ENTRIES, IfaceInfo, IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_COUNTERS,
+        MAP_CT4, MAP_CT6, MAP_IFACE, MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY, MAP_STATE, MAP_SVC,
+        PROGRAM_NAME, PolicyKey, PolicyValue, State, SvcKey, SvcValue, TC_L3_PROGRAM_NAME,
+        TC_PROGRAM_NAME, pairs,
     },
 };
 pub use plane::{ControlPlane, MemDatapath};
@@ -385,7 +386,9 @@ fn pin_link(fd: FdLink, dir: &Path, iface: &str) -> Result<PinnedLink, DatapathE
     })
 }
 
-/// Runs the TC program on a frame `repeat` times, as come in on `ingress_ifindex`.
+/// Runs the TC program on a frame `repeat` times, as come in on `ingress_ifindex`. (Without
+/// metadata: the kernel's test run of a socket buffer program cannot give it any, so the
+/// handoff of `common::handoff` is tested with real packets.)
 pub fn test_run_tc_program(
     program: &SchedClassifier,
     frame: &[u8],
@@ -417,6 +420,9 @@ pub struct TestRunOutcome {
     pub action: XdpAction,
     /// Kernel-measured average duration of one run (total / repeat).
     pub avg_duration: Duration,
+    /// The handoff tag the program left in the packet's metadata ([`common::handoff`]), if
+    /// any (of the last run).
+    pub handoff: Option<u64>,
 }
 
 /// Runs an XDP program on a frame `repeat` times (`BPF_PROG_TEST_RUN`).
@@ -425,14 +431,22 @@ pub fn test_run_program(
     frame: &[u8],
     repeat: u32,
 ) -> Result<TestRunOutcome, ProgramError> {
+    // The output starts with the metadata the program left (the kernel copies from
+    // `data_meta`): the handoff's worth more than the frame means a tag (its first 8 bytes).
+    let meta = common::handoff::HANDOFF_META;
+    let mut out = vec![0u8; frame.len() + 256];
     let result = program.test_run(TestRunOptions {
         data_in: Some(frame),
+        data_out: Some(&mut out),
         repeat,
         ..TestRunOptions::default()
     })?;
+    let handoff = (result.data_size_out as usize == frame.len() + meta)
+        .then(|| u64::from_ne_bytes(out[..8].try_into().expect("8 bytes")));
     Ok(TestRunOutcome {
         action: XdpAction::from(result.return_value),
         avg_duration: result.duration,
+        handoff,
     })
 }
 
@@ -469,6 +483,9 @@ pub struct Datapath {
     tables: KernelTables,
     control: Control,
     config: DatapathConfig,
+    /// The key of the XDP-to-TC handoff tags this load of the programs uses
+    /// ([`common::handoff`]).
+    handoff_key: u64,
     /// XDP attachments, by interface.
     links: BTreeMap<String, LinkHandle<XdpLinkId>>,
     /// TC (tcx egress) attachments, by interface.
@@ -487,6 +504,9 @@ pub struct DatapathCounters {
     pub untracked_denied: u64,
     /// The same packets, allowed and tracked again (`COUNTER_UNTRACKED_ALLOWED`).
     pub untracked_allowed: u64,
+    /// Packets the TC hook passed on the XDP program's tag, without a lookup
+    /// (`COUNTER_HANDED_OFF`, [`common::handoff`]).
+    pub handed_off: u64,
 }
 
 /// An attachment: pinned (survives the process) or owned by the loaded program.
@@ -500,6 +520,31 @@ enum LinkHandle<Id> {
 /// layout ([`layout_dir`]), so a newer agent finds an older layout's pins beside its own and
 /// takes their attachments over ([`Datapath::take_over_links`]) instead of adopting them.
 pub const LAYOUT_VERSION: u32 = 1;
+
+/// The programs' global holding the handoff key (`ORDNET_HANDOFF_KEY` in the eBPF crate).
+const HANDOFF_KEY_GLOBAL: &str = "ORDNET_HANDOFF_KEY";
+
+/// A fresh random key for the handoff tags ([`common::handoff`]), never 0 (0 turns the
+/// handoff off). From the kernel's random source: a pod must not be able to guess it.
+fn random_handoff_key() -> Result<u64, DatapathError> {
+    let mut b = [0u8; 8];
+    loop {
+        // SAFETY: `b` is a valid, writable buffer of its length.
+        let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+        if n == b.len() as isize {
+            let key = u64::from_ne_bytes(b);
+            if key != 0 {
+                return Ok(key);
+            }
+        } else if n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted
+        {
+            return Err(DatapathError::Io {
+                path: PathBuf::from("getrandom"),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+    }
+}
 
 /// The pin directory of this layout under a pin root: `ROOT/vN`.
 pub fn layout_dir(root: &Path) -> PathBuf {
@@ -632,7 +677,7 @@ impl Datapath {
         {
             return Err(DatapathError::AlreadyPinned(dir.clone()));
         }
-        let (ebpf, tables) = Self::load(&config)?;
+        let (ebpf, tables, handoff_key) = Self::load(&config)?;
         // The program's clock is jiffies: lifetimes are written in ticks of the kernel's HZ.
         let hz = sys::kernel_hz().unwrap_or(sys::FALLBACK_HZ);
         let mut dp = Datapath {
@@ -644,6 +689,7 @@ impl Datapath {
             ),
             tables,
             config,
+            handoff_key,
             links: BTreeMap::new(),
             tc_links: BTreeMap::new(),
             tc_l3: BTreeSet::new(),
@@ -668,7 +714,7 @@ impl Datapath {
         }
         // The pinned maps keep their sizes: take them from the kernel.
         config = Self::with_pinned_sizes(&dir, config)?;
-        let (mut ebpf, mut tables) = Self::load(&config)?;
+        let (mut ebpf, mut tables, handoff_key) = Self::load(&config)?;
         Self::check_pins(&ebpf, &tables)?;
         tables.mirror = tables.read_all()?;
         let (mut control, repairs) = Control::adopt(
@@ -741,6 +787,7 @@ impl Datapath {
             tables,
             control,
             config,
+            handoff_key,
             links,
             tc_links,
             tc_l3,
@@ -909,10 +956,12 @@ impl Datapath {
         Ok(removed)
     }
 
-    fn load(config: &DatapathConfig) -> Result<(Ebpf, KernelTables), DatapathError> {
+    fn load(config: &DatapathConfig) -> Result<(Ebpf, KernelTables, u64), DatapathError> {
         check_kernel()?;
+        let handoff_key = random_handoff_key()?;
         let mut loader = EbpfLoader::new();
         loader
+            .override_global(HANDOFF_KEY_GLOBAL, &handoff_key, true)
             .map_max_entries(MAP_IP4, config.ipcache_entries)
             .map_max_entries(MAP_IP6, config.ipcache_entries)
             .map_max_entries(MAP_IPCIDR, config.cidr_entries)
@@ -974,7 +1023,7 @@ impl Datapath {
             iface: take::<HashMap<MapData, u32, IfaceInfo>>(&mut ebpf, MAP_IFACE)?,
             mirror,
         };
-        Ok((ebpf, tables))
+        Ok((ebpf, tables, handoff_key))
     }
 
     /// Pinned maps are opened by path without any check: make sure they are ours.
@@ -1303,6 +1352,12 @@ impl Datapath {
         self.test_run_repeat(frame, 1)
     }
 
+    /// The key of the XDP-to-TC handoff tags of this load of the programs
+    /// ([`common::handoff::tag`]).
+    pub fn handoff_key(&self) -> u64 {
+        self.handoff_key
+    }
+
     /// Runs the program `repeat` times on `frame`; `avg_duration` is the kernel's per-run
     /// average (program + test harness reset).
     pub fn test_run_repeat(
@@ -1427,6 +1482,7 @@ impl Datapath {
         Ok(DatapathCounters {
             untracked_denied: sum(COUNTER_UNTRACKED_DENIED)?,
             untracked_allowed: sum(COUNTER_UNTRACKED_ALLOWED)?,
+            handed_off: sum(COUNTER_HANDED_OFF)?,
         })
     }
 

@@ -245,7 +245,14 @@ pub trait ControlPlane {
     /// The TC program's decision function run in userspace: a forwarded packet that came in on
     /// interface `ingress_ifindex`, seen after netfilter (Service translation, source NAT).
     fn decide_tc(&self, frame: &[u8], ingress_ifindex: u32) -> Decision {
-        self.decide_at(frame, Hook::Tc { ingress_ifindex }, &UserCt::default())
+        self.decide_at(
+            frame,
+            Hook::Tc {
+                ingress_ifindex,
+                handoff: 0,
+            },
+            &UserCt::default(),
+        )
     }
 
     /// The decision at `hook` with a caller-owned connection-tracking table.

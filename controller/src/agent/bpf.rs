@@ -1085,6 +1085,16 @@ impl BpfDatapath {
             });
         }
         out.push(Sample {
+            name: "ordnet_datapath_handed_off_packets",
+            help: "Packets the TC hook passed on the tag the XDP program left in their metadata \
+                   (a tracked flow's packet XDP had just passed, unchanged since), without a \
+                   second connection-tracking lookup. Stays 0 where a driver drops XDP metadata. \
+                   Counted since the programs were loaded.",
+            counter: true,
+            labels: vec![],
+            value: counters.handed_off,
+        });
+        out.push(Sample {
             name: "ordnet_conntrack_sweep_errors",
             help: "Connection-tracking sweeps that failed.",
             counter: true,

@@ -63,8 +63,12 @@ pub const COUNTER_UNTRACKED_DENIED: u32 = 0;
 /// [`MAP_COUNTERS`]: the same packets, allowed by the policy: the flow is tracked again (an
 /// eviction the connection survived).
 pub const COUNTER_UNTRACKED_ALLOWED: u32 = 1;
+/// [`MAP_COUNTERS`]: packets the TC hook passed on the tag the XDP program left in their
+/// metadata, without a conntrack lookup (`handoff`). Stays 0 where a driver does not keep XDP
+/// metadata (the TC hook then looks every packet up itself).
+pub const COUNTER_HANDED_OFF: u32 = 2;
 /// The number of counters in [`MAP_COUNTERS`].
-pub const COUNTERS: u32 = 2;
+pub const COUNTERS: u32 = 3;
 
 /// Default capacities (userspace can override them at load time).
 pub const DEFAULT_IPCACHE_ENTRIES: u32 = 65_536;

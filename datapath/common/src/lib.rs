@@ -13,6 +13,8 @@
 //!   in-memory copy or the live maps. Host tools and tests that call these functions therefore
 //!   compute exactly the verdict the kernel computes: there is no second implementation that
 //!   could drift.
+//! * [`handoff`]: the tag XDP leaves in a tracked packet's metadata so that the TC hook of the
+//!   same packet passes it without a second conntrack lookup.
 //! * `alt` (feature `bench`): the alternative policy layouts the benchmark compares (not used
 //!   for enforcement).
 //! * [`craft`] (feature `std`): builders for well-formed and deliberately broken frames.
@@ -29,6 +31,7 @@ pub mod alt;
 mod conntrack;
 #[cfg(any(test, feature = "std"))]
 pub mod craft;
+pub mod handoff;
 pub mod layout;
 pub mod lookup;
 mod parse;

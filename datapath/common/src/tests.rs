@@ -18,7 +18,7 @@ use crate::{
     ParseError, Parsed, Reason, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, Verdict, addr_bytes,
     addr_words, craft,
     craft::L4,
-    ct_key, decide, decide_at, ipv4_in_16,
+    ct_key, decide, decide_at, handoff, ipv4_in_16,
     layout::*,
     lookup::{Match, PolicyMaps},
     parse, parse_l3,
@@ -610,6 +610,8 @@ struct Mock {
     reads: Cell<usize>,
     services: std::collections::HashSet<SvcKey>,
     ifaces: HashMap<u32, IfaceInfo>,
+    /// The handoff key (0: none).
+    handoff_key: u64,
 }
 
 impl Mock {
@@ -679,6 +681,9 @@ impl DatapathMaps for Mock {
     fn interface(&self, ifindex: u32) -> Option<IfaceInfo> {
         self.read();
         self.ifaces.get(&ifindex).copied()
+    }
+    fn handoff_key(&self) -> u64 {
+        self.handoff_key
     }
 }
 
@@ -828,7 +833,10 @@ fn decide_exemptions() {
 }
 
 /// The node's own packets: TC with no interface they came in on.
-const NODE_HOOK: Hook = Hook::Tc { ingress_ifindex: 0 };
+const NODE_HOOK: Hook = Hook::Tc {
+    ingress_ifindex: 0,
+    handoff: 0,
+};
 
 /// The node's own packet to `dst`.
 fn from_node(m: &Mock, dst: [u8; 4], l4: L4) -> Decision {
@@ -1594,6 +1602,7 @@ fn decide_tcp_state_shortens_lifetimes() {
     // fresh entry; on a fresh one it passes after the lookup.
     let tc = Hook::Tc {
         ingress_ifindex: 77,
+        handoff: 0,
     };
     let at_tc = |l4| {
         decide_at(
@@ -1813,4 +1822,187 @@ fn layer3_packets_parse_like_their_ethernet_frames() {
         Ok(Parsed::NotIp { ethertype: 0x8847 })
     );
     assert!(parse_l3(&v4[ETH_HLEN..ETH_HLEN + 10], ETH_P_IP).is_err());
+}
+
+/// The XDP-to-TC handoff: XDP tags the packets it passes as a tracked flow's; the TC hook
+/// passes a packet whose tag matches without a lookup, and only then.
+#[test]
+fn handoff_tags_tracked_packets_and_nothing_else() {
+    let mut m = mock();
+    m.handoff_key = 0x5eed_1234_abcd_0042;
+    let syn = |sport| tcp(sport, 443, TCP_SYN);
+    let back = |dport, flags| tcp(443, dport, flags);
+    let hook = |handoff| Hook::Tc {
+        ingress_ifindex: 77,
+        handoff,
+    };
+    let xdp = |m: &Mock, src, dst, l4| {
+        let parsed = parse(&craft::ipv4_frame_between(src, dst, l4)[..]);
+        let d = decide(&parsed, m);
+        let Ok(Parsed::Ip(p)) = parsed else {
+            unreachable!()
+        };
+        (d, handoff::after_xdp(&p, &d, m))
+    };
+    let tc = |m: &Mock, src, dst, l4, handoff| {
+        decide_at(
+            &parse(&craft::ipv4_frame_between(src, dst, l4)[..]),
+            m,
+            hook(handoff),
+        )
+    };
+    // A new flow is not tagged (the TC hook finds XDP's entry itself); its replies and later
+    // packets are.
+    let (d, tag) = xdp(&m, A, REMOTE, syn(3000));
+    assert_eq!((d.reason, tag), (Reason::Allowed, None));
+    let (d, reply) = xdp(&m, REMOTE, A, back(3000, TCP_SYN | TCP_ACK));
+    assert_eq!(d.reason, Reason::Reply);
+    let reply = reply.expect("a reply is tagged");
+    let (d, est) = xdp(&m, A, REMOTE, tcp(3000, 443, TCP_ACK));
+    assert_eq!(d.reason, Reason::Established);
+    let est = est.expect("an established packet is tagged");
+    assert_ne!(reply, est, "the tag is the packet's");
+    // The tag passes its own packet at TC without a read, even with the entry gone.
+    m.ct.borrow_mut().clear();
+    let reads = m.reads.get();
+    assert_eq!(
+        tc(&m, REMOTE, A, back(3000, TCP_ACK), reply).reason,
+        Reason::HandedOff
+    );
+    assert_eq!(m.reads.get(), reads, "no lookup");
+    // Not another packet's tag, not a translated packet, not a forged tag, not after a policy
+    // change: those are judged (here: no entry any more, A's ingress is isolated).
+    for (what, src, dst, sport, t) in [
+        ("another packet's tag", REMOTE, A, 443, est),
+        ("another port", REMOTE, A, 444, reply),
+        ("another source (SNAT)", WORLD, A, 443, reply),
+        ("a forged tag", REMOTE, A, 443, reply ^ 1),
+    ] {
+        assert_eq!(
+            tc(&m, src, dst, tcp(sport, 3000, TCP_ACK), t).reason,
+            Reason::IngressDenied,
+            "{what}"
+        );
+    }
+    m.state.revision += 1;
+    assert_eq!(
+        tc(&m, REMOTE, A, back(3000, TCP_ACK), reply).reason,
+        Reason::IngressDenied,
+        "a tag of an older revision"
+    );
+    // The node's own packets never use it; without a key nothing is tagged or honoured.
+    assert_eq!(
+        decide_at(
+            &parse(&craft::ipv4_frame_between(REMOTE, A, back(3000, TCP_ACK))[..]),
+            &m,
+            Hook::Tc {
+                ingress_ifindex: 0,
+                handoff: reply,
+            },
+        )
+        .reason,
+        Reason::Host
+    );
+    let key = m.handoff_key;
+    m.handoff_key = 0;
+    let (d, none) = xdp(&m, A, REMOTE, syn(3001));
+    assert_eq!(d.reason, Reason::Allowed);
+    let (d, none2) = xdp(&m, REMOTE, A, back(3001, TCP_ACK));
+    assert_eq!((d.reason, none, none2), (Reason::Reply, None, None));
+    m.handoff_key = key;
+    let (_, Some(t)) = xdp(&m, REMOTE, A, back(3001, TCP_ACK)) else {
+        panic!("tagged again with the key");
+    };
+    m.handoff_key = 0;
+    assert_eq!(
+        tc(&m, REMOTE, A, back(3001, TCP_ACK), t).reason,
+        Reason::Reply,
+        "without a key a tag is not honoured (the entry is looked up)"
+    );
+}
+
+/// The handoff changes nothing: for random packets between local endpoints, a remote pod and
+/// the world, with random policy changes (also between XDP and TC) and clock steps, the TC hook's decision of a
+/// packet with the tag XDP left is the decision it makes without it (verdict and tracking
+/// table alike), and a random tag is ignored.
+#[test]
+fn quickcheck_handoff_changes_no_decision() {
+    const ENDS: [[u8; 4]; 5] = [A, B, REMOTE, WORLD, C];
+    const FLAGS: [u8; 5] = [
+        TCP_SYN,
+        TCP_SYN | TCP_ACK,
+        TCP_ACK,
+        TCP_FIN | TCP_ACK,
+        TCP_RST,
+    ];
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static TAGGED: AtomicUsize = AtomicUsize::new(0);
+    fn prop(steps: Vec<(u8, u8, u8, u8, u16, u64)>) -> TestResult {
+        let mut m = mock_with_isolated_c();
+        m.handoff_key = 0x0123_4567_89ab_cdef;
+        let mut last: Option<([u8; 4], [u8; 4], u16, u16)> = None;
+        for (i, (from, to, kind, f, port, random)) in steps.into_iter().enumerate() {
+            // A third of the packets continue the previous packet's flow, a third answer it.
+            let (src, dst, sport, dport) = match (last, port % 3) {
+                (Some(l), 0) => l,
+                (Some((s, d, sp, dp)), 1) => (d, s, dp, sp),
+                _ => (
+                    ENDS[usize::from(from) % ENDS.len()],
+                    ENDS[usize::from(to) % ENDS.len()],
+                    2000 + port % 2,
+                    [443, 80, 22][usize::from(f) % 3],
+                ),
+            };
+            last = Some((src, dst, sport, dport));
+            let l4 = match kind % 4 {
+                0 | 1 => tcp(sport, dport, FLAGS[usize::from(f) % FLAGS.len()]),
+                2 => L4::Udp { sport, dport },
+                _ => L4::EchoId {
+                    id: sport,
+                    reply: f % 2 == 0,
+                },
+            };
+            let frame = craft::ipv4_frame_between(src, dst, l4);
+            let parsed = parse(&frame[..]);
+            m.now.set(m.now.get() + random % 5_000);
+            let d = decide(&parsed, &m);
+            let tag = match &parsed {
+                Ok(Parsed::Ip(p)) => handoff::after_xdp(p, &d, &m),
+                _ => None,
+            };
+            if tag.is_some() {
+                TAGGED.fetch_add(1, Ordering::Relaxed);
+            }
+            // A policy change may land between the two hooks (the clock does not move: they
+            // are microseconds apart).
+            if random % 7 == 0 {
+                m.state.revision += 1;
+            }
+            let before = m.ct.borrow().clone();
+            let hook = |handoff| Hook::Tc {
+                ingress_ifindex: 77,
+                handoff,
+            };
+            let plain = decide_at(&parsed, &m, hook(0));
+            let after_plain = core::mem::replace(&mut *m.ct.borrow_mut(), before.clone());
+            for t in [tag.unwrap_or(0), random | 1] {
+                let with = decide_at(&parsed, &m, hook(t));
+                if with.verdict != plain.verdict || *m.ct.borrow() != after_plain {
+                    return TestResult::error(std::format!(
+                        "step {i}: {src:?} -> {dst:?} {l4:?}: with tag {t:#x} {with:?}, \
+                         without {plain:?}"
+                    ));
+                }
+                *m.ct.borrow_mut() = before.clone();
+            }
+            *m.ct.borrow_mut() = after_plain;
+        }
+        TestResult::passed()
+    }
+    QuickCheck::new()
+        .tests(1_000)
+        .quickcheck(prop as fn(Vec<(u8, u8, u8, u8, u16, u64)>) -> TestResult);
+    let tagged = TAGGED.load(Ordering::Relaxed);
+    std::println!("{tagged} tagged packets");
+    assert!(tagged > 1_000, "the property saw tagged packets ({tagged})");
 }

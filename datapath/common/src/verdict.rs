@@ -13,6 +13,8 @@
 //!   is judged by the sender's egress like any other (the node address's identity), except the
 //!   replies of the node's own flows (tracked at TC);
 //! * source and destination are the same local endpoint -> PASS;
+//! * [`Hook::Tc`]: a packet XDP passed as a tracked flow's and tagged (`handoff`), with the
+//!   same addresses, ports and policy revision -> PASS without lookups;
 //! * TCP/UDP/SCTP: a tracked flow (either direction) stamped with the current policy revision
 //!   passes (this is checked first: one lookup); a stale one is re-checked in its original
 //!   direction (allowed: restamped and passed; denied: entry deleted, packet dropped). A TCP
@@ -41,9 +43,10 @@ use crate::{
     Fragment, ICMPV6_REDIRECT, ICMPV6_ROUTER_SOLICITATION, IPPROTO_ICMPV6, Icmp, IpPacket,
     ND_HOP_LIMIT, ParseError, Parsed,
     conntrack::{Track, node_flow, related_flow},
+    handoff::handed_off,
     layout::{
-        CtEntry, CtKey, FAMILY_V4, IFACE_HAS_V4, IFACE_HAS_V6, IfaceInfo, IpInfo, IpKey, PolicyRef,
-        State, SvcKey,
+        COUNTER_HANDED_OFF, CtEntry, CtKey, FAMILY_V4, IFACE_HAS_V4, IFACE_HAS_V6, IfaceInfo,
+        IpInfo, IpKey, PolicyRef, State, SvcKey,
     },
     lookup::{PolicyDecision, PolicyMaps, policy_lookup},
 };
@@ -64,6 +67,8 @@ pub enum Hook {
     Tc {
         /// `skb->ingress_ifindex`: the interface the packet came in on (0: the node's own).
         ingress_ifindex: u32,
+        /// The tag XDP left in the packet's metadata (`handoff`), 0 for none.
+        handoff: u64,
     },
 }
 
@@ -110,6 +115,11 @@ pub trait DatapathMaps: PolicyMaps {
     fn service(&self, key: &SvcKey) -> bool;
     /// The local endpoint behind an interface ([`MAP_IFACE`]).
     fn interface(&self, ifindex: u32) -> Option<IfaceInfo>;
+    /// The key of the XDP-to-TC handoff tags (`handoff`): drawn at random when the programs
+    /// are loaded; 0 (the default) means no handoff.
+    fn handoff_key(&self) -> u64 {
+        0
+    }
 }
 
 /// Why a packet got its verdict.
@@ -133,6 +143,10 @@ pub enum Reason {
     Established,
     /// A packet of a tracked flow towards its initiator, revision current (PASS).
     Reply,
+    /// At TC: XDP passed this very packet (same addresses, ports, revision) as
+    /// [`Reason::Established`] or [`Reason::Reply`] and said so in its metadata (PASS, no
+    /// lookup; `handoff`).
+    HandedOff,
     /// A new flow to a Service frontend, deferred to the TC program (XDP only; PASS, tracked
     /// as deferred).
     ServiceFrontend,
@@ -299,7 +313,13 @@ pub fn decide_at<M: DatapathMaps + ?Sized>(
     // The node's own packet (TC, no interface it came in on) always passes; a flow it opens to
     // a local endpoint is tracked (`conntrack::node_flow`). It shares steps 1 and 4 with every
     // other packet: one copy of the tracking code keeps the TC program within its stack.
-    let node = matches!(hook, Hook::Tc { ingress_ifindex: 0 });
+    let node = matches!(
+        hook,
+        Hook::Tc {
+            ingress_ifindex: 0,
+            ..
+        }
+    );
     let host = Decision::simple(Verdict::Pass, Reason::Host);
     let p = match parsed {
         Ok(Parsed::Ip(p)) => p,
@@ -312,6 +332,13 @@ pub fn decide_at<M: DatapathMaps + ?Sized>(
             return host;
         }
     } else {
+        // 0. At TC, a packet XDP passed as a tracked flow's, unchanged since (`handoff`).
+        if let Hook::Tc { handoff, .. } = hook
+            && handed_off(p, maps, handoff)
+        {
+            maps.count(COUNTER_HANDED_OFF);
+            return Decision::simple(Verdict::Pass, Reason::HandedOff);
+        }
         if p.fragment == Fragment::Subsequent {
             return Decision::simple(Verdict::Pass, Reason::LaterFragment);
         }
@@ -345,7 +372,9 @@ pub fn decide_at<M: DatapathMaps + ?Sized>(
                 }
                 0
             }
-            Hook::Tc { ingress_ifindex } => ingress_ifindex,
+            Hook::Tc {
+                ingress_ifindex, ..
+            } => ingress_ifindex,
         };
         // 2. Who the two ends are.
         let ends = match Ends::resolve(p, maps, ingress_ifindex) {

@@ -129,6 +129,54 @@ fn read_u32(addr: usize) -> u32 {
     v as u32
 }
 
+/// One 64-bit load from packet metadata (one instruction, see [`read_u32`]); the caller has
+/// checked `addr..addr + 8` against the packet's bounds.
+#[cfg(target_arch = "bpf")]
+#[inline(always)]
+pub fn read_u64(addr: usize) -> u64 {
+    let v: u64;
+    // SAFETY: the caller checked the 8 bytes lie inside the packet's metadata.
+    unsafe {
+        core::arch::asm!(
+            "{0} = *(u64 *)({1} + 0)",
+            lateout(reg) v,
+            in(reg) addr,
+            options(pure, readonly, nostack, preserves_flags)
+        );
+    }
+    v
+}
+
+/// One 64-bit store into packet metadata (one instruction, see [`read_u32`]); the caller has
+/// checked `addr..addr + 8` against the packet's bounds.
+#[cfg(target_arch = "bpf")]
+#[inline(always)]
+pub fn write_u64(addr: usize, v: u64) {
+    // SAFETY: the caller checked the 8 bytes lie inside the packet's metadata.
+    unsafe {
+        core::arch::asm!(
+            "*(u64 *)({0} + 0) = {1}",
+            in(reg) addr,
+            in(reg) v,
+            options(nostack, preserves_flags)
+        );
+    }
+}
+
+/// Host build (never executed: the host binary does nothing).
+#[cfg(not(target_arch = "bpf"))]
+pub fn read_u64(addr: usize) -> u64 {
+    // SAFETY: see the BPF version; on the host this code is only compiled, never run.
+    unsafe { (addr as *const u64).read_unaligned() }
+}
+
+/// Host build (never executed: the host binary does nothing).
+#[cfg(not(target_arch = "bpf"))]
+pub fn write_u64(addr: usize, v: u64) {
+    // SAFETY: see the BPF version; on the host this code is only compiled, never run.
+    unsafe { (addr as *mut u64).write_unaligned(v) }
+}
+
 /// Host build of the crate (never executed: the host binary does nothing).
 #[cfg(not(target_arch = "bpf"))]
 #[inline(always)]

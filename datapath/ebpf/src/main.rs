@@ -16,14 +16,16 @@
 #![cfg_attr(target_arch = "bpf", no_main)]
 
 use aya_ebpf::{
+    Global,
     bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC, xdp_action},
-    helpers::bpf_jiffies64,
+    helpers::{bpf_jiffies64, generated::bpf_xdp_adjust_meta},
     macros::{classifier, map, xdp},
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
     programs::{TcContext, XdpContext},
 };
 use ordnet_datapath_common::{
-    DatapathMaps, Hook, Verdict, decide, decide_at,
+    DatapathMaps, Hook, Parsed, Verdict, decide, decide_at,
+    handoff::{self, HANDOFF_META},
     layout::{
         BLOCK_WORDS, CELLS_PER_RULESET, COUNTERS, Ct4Key, CtEntry, CtKey, DEFAULT_CT4_ENTRIES,
         DEFAULT_CT6_ENTRIES, DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES,
@@ -34,7 +36,7 @@ use ordnet_datapath_common::{
     lookup::PolicyMaps,
     parse, parse_l3,
 };
-use ordnet_datapath_ebpf::XdpFrame;
+use ordnet_datapath_ebpf::{XdpFrame, read_u64, write_u64};
 
 #[map(name = "ORDNET_IP4")]
 static IP4: HashMap<u32, IpInfo> =
@@ -83,6 +85,12 @@ static IFACE: HashMap<u32, IfaceInfo> =
 /// Event counters (`MAP_COUNTERS`): per CPU, not pinned.
 #[map(name = "ORDNET_COUNTERS")]
 static COUNTERS_MAP: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTERS, 0);
+
+/// The key of the XDP-to-TC handoff tags (`ordnet_datapath_common::handoff`): drawn at random
+/// by the loader each time the programs are loaded (`EbpfLoader::override_global`); read-only
+/// data, so the verifier sees a constant and no map holds it. 0: no handoff.
+#[unsafe(no_mangle)]
+static ORDNET_HANDOFF_KEY: Global<u64> = Global::new(0);
 
 /// The program's maps as the shared decision code sees them.
 struct KernelMaps;
@@ -189,6 +197,11 @@ impl DatapathMaps for KernelMaps {
         // SAFETY: the value is copied out immediately.
         unsafe { IFACE.get(ifindex) }.copied()
     }
+
+    #[inline(always)]
+    fn handoff_key(&self) -> u64 {
+        ORDNET_HANDOFF_KEY.load()
+    }
 }
 
 /// The XDP program, on every local endpoint's host-side interface and on the uplink: [`decide`]
@@ -198,10 +211,37 @@ impl DatapathMaps for KernelMaps {
 #[xdp(frags)]
 pub fn ordnet_xdp(ctx: XdpContext) -> u32 {
     let frame = XdpFrame::new(&ctx);
-    match decide(&parse(&frame), &KernelMaps).verdict {
-        Verdict::Pass => xdp_action::XDP_PASS,
-        Verdict::Drop => xdp_action::XDP_DROP,
+    let parsed = parse(&frame);
+    let d = decide(&parsed, &KernelMaps);
+    if d.verdict == Verdict::Drop {
+        return xdp_action::XDP_DROP;
     }
+    if let Ok(Parsed::Ip(p)) = &parsed
+        && let Some(tag) = handoff::after_xdp(p, &d, &KernelMaps)
+    {
+        hand_off(&ctx, tag);
+    }
+    xdp_action::XDP_PASS
+}
+
+/// Writes the handoff tag into the packet's metadata, followed by zeros (a driver without
+/// metadata support refuses the room: the TC hook then looks the flow up itself).
+#[inline(always)]
+fn hand_off(ctx: &XdpContext, tag: u64) {
+    // SAFETY: the program's own context; the helper only moves `data_meta` within the headroom.
+    if unsafe { bpf_xdp_adjust_meta(ctx.ctx, -(HANDOFF_META as i32)) } != 0 {
+        return;
+    }
+    // The pointers moved: read them again for the verifier's range check.
+    let (meta, data) = (ctx.metadata(), ctx.data());
+    if meta + HANDOFF_META > data {
+        return;
+    }
+    // `meta..meta + 32` is the metadata area, checked against `data` just above.
+    write_u64(meta, tag);
+    write_u64(meta + 8, 0);
+    write_u64(meta + 16, 0);
+    write_u64(meta + 24, 0);
 }
 
 /// Bytes the TC program needs in the linear part of the packet for the parser (Ethernet, VLAN
@@ -244,6 +284,11 @@ fn tc_judge(ctx: &TcContext, l3: bool) -> i32 {
     if ((ctx.data_end() - ctx.data()) as u32) < want {
         let _ = ctx.pull_data(want);
     }
+    let handoff = if ingress_ifindex == 0 {
+        0
+    } else {
+        handed_tag(ctx)
+    };
     let frame = XdpFrame::tc(ctx);
     let parsed = if l3 {
         // `protocol` is the EtherType in network order in the low 16 bits.
@@ -251,10 +296,27 @@ fn tc_judge(ctx: &TcContext, l3: bool) -> i32 {
     } else {
         parse(&frame)
     };
-    match decide_at(&parsed, &KernelMaps, Hook::Tc { ingress_ifindex }).verdict {
+    let hook = Hook::Tc {
+        ingress_ifindex,
+        handoff,
+    };
+    match decide_at(&parsed, &KernelMaps, hook).verdict {
         Verdict::Pass => TC_PASS,
         Verdict::Drop => TC_DROP,
     }
+}
+
+/// The handoff tag XDP may have left in the packet's metadata (0 for none: less metadata than
+/// the handoff's).
+#[inline(always)]
+fn handed_tag(ctx: &TcContext) -> u64 {
+    // SAFETY: `skb` is the program's context pointer, valid for the whole run.
+    let (meta, data) = unsafe { ((*ctx.skb.skb).data_meta as usize, ctx.data()) };
+    if meta + HANDOFF_META > data {
+        return 0;
+    }
+    // `meta..meta + 32` lies in the metadata area, checked against `data` just above.
+    read_u64(meta)
 }
 
 /// The object's license string; the kernel reads it from the `license` section. It matches the
