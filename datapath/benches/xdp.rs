@@ -407,8 +407,105 @@ fn main() {
         );
     }
 
+    real_path(&floor_ns);
     apply_times();
     attach_times();
+}
+
+/// The whole path with real packets: one UDP flow from pod A to pod B on routed veths, both
+/// programs attached to both host sides, `ORDNET_BENCH_PACKETS` (default 200 000) 64-byte
+/// frames; the kernel's own run-time statistics (`bpf_stats`) per program run: XDP at A's veth
+/// (an established packet: one conntrack lookup, and the tag) and TC at B's (with the handoff:
+/// the tag checked, no lookup; without: the lookup). Three alternating runs each, medians.
+fn real_path(floor_ns: &BTreeMap<usize, f64>) {
+    let packets = env("ORDNET_BENCH_PACKETS", 200_000) as usize;
+    let mut runs: BTreeMap<bool, Vec<(f64, f64)>> = BTreeMap::new();
+    for round in 0..6 {
+        let handoff = round % 2 == 1;
+        let r = ordnet_datapath::pods::in_own_netns(move || one_flow(handoff, packets));
+        runs.entry(handoff).or_default().push(r);
+    }
+    let floor = floor_ns.values().copied().fold(f64::INFINITY, f64::min);
+    println!(
+        "\nWhole path with real packets (one UDP flow A->B on veths, {packets} 64-byte frames, \
+         kernel run time per program run, median of 3 alternating runs; the smallest test-run \
+         floor above: {floor:.1} ns):"
+    );
+    for (handoff, v) in runs {
+        let xdp = median(v.iter().map(|r| r.0).collect());
+        let tc = median(v.iter().map(|r| r.1).collect());
+        println!(
+            "{:>30}: XDP {xdp:.1} + TC {tc:.1} = {:.1} ns",
+            if handoff {
+                "with the handoff"
+            } else {
+                "without (TC looks it up)"
+            },
+            xdp + tc
+        );
+    }
+}
+
+/// One run of [`real_path`] in the current (fresh) network namespace: per-run nanoseconds of
+/// the XDP and the TC program over the flow's packets.
+fn one_flow(handoff: bool, packets: usize) -> (f64, f64) {
+    use ordnet_datapath::pods::TwoPods;
+    use std::net::{SocketAddr, UdpSocket};
+    let pods = TwoPods::new("hb");
+    let mut dp = Datapath::create(DatapathConfig {
+        handoff,
+        ct4_entries: 4096,
+        ct6_entries: 4096,
+        ..DatapathConfig::default()
+    })
+    .unwrap();
+    let deny_in = MapState::new(Direction::Ingress, Verdict::Deny);
+    let open_in = MapState::new(Direction::Ingress, Verdict::Allow);
+    let open_out = MapState::new(Direction::Egress, Verdict::Allow);
+    let ips = TwoPods::ADDRS.map(|a| [IpAddr::from(a)]);
+    let spec = |i: usize, ingress| EndpointSpec {
+        ips: &ips[i],
+        identity: 2 + i as u32,
+        identities: &[],
+        ingress,
+        egress: &open_out,
+    };
+    dp.update_endpoints(&[(1, spec(0, &deny_in)), (2, spec(1, &open_in))])
+        .unwrap();
+    for (i, host) in TwoPods::HOSTS.iter().enumerate() {
+        dp.set_interface(TwoPods::ifindex(i), i as u32 + 1, Some(&ips[i]))
+            .unwrap();
+        dp.attach_native_or_generic(host).unwrap();
+        dp.attach_tc(host).unwrap();
+    }
+    let b = SocketAddr::from((TwoPods::ADDRS[1], 9000));
+    let sink = pods.in_pod(1, move || UdpSocket::bind(b).unwrap());
+    let stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).unwrap();
+    let read = |dp: &Datapath| {
+        let x = dp.program().unwrap().info().unwrap();
+        let t = dp.tc_program().unwrap().info().unwrap();
+        [(x.run_time(), x.run_count()), (t.run_time(), t.run_count())]
+    };
+    let before = read(&dp);
+    pods.in_pod(0, move || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.connect(b).unwrap();
+        // 14 + 20 + 8 + 22 = a 64-byte frame.
+        let payload = [0u8; 22];
+        for _ in 0..packets {
+            let _ = s.send(&payload);
+        }
+    });
+    let after = read(&dp);
+    drop(stats);
+    drop(sink);
+    let per = |k: usize| {
+        let (t0, c0) = before[k];
+        let (t1, c1) = after[k];
+        assert!(c1 - c0 >= packets as u64 * 9 / 10, "runs: {}", c1 - c0);
+        (t1 - t0).as_nanos() as f64 / (c1 - c0) as f64
+    };
+    (per(0), per(1))
 }
 
 /// Distinct packets of the varied measurement.

@@ -45,6 +45,8 @@ mod control;
 mod flat;
 mod kernel;
 mod plane;
+#[cfg(feature = "bench")]
+pub mod pods;
 mod refusal;
 mod store;
 pub mod sys;
@@ -284,6 +286,11 @@ pub struct DatapathConfig {
     pub ct_close_lifetime: Duration,
     /// How often at most a tracked flow's last-seen time is rewritten.
     pub ct_refresh: Duration,
+    /// The XDP-to-TC handoff ([`common::handoff`]): on (the default), the TC hook passes a
+    /// packet XDP has just passed as a tracked flow's without its own lookup; off, it looks
+    /// every packet up (the benchmark's comparison, and a way out should a driver's metadata
+    /// ever misbehave).
+    pub handoff: bool,
 }
 
 impl DatapathConfig {
@@ -321,6 +328,7 @@ impl Default for DatapathConfig {
             ct_syn_lifetime: Duration::from_secs(CT_LIFETIME_SYN_SECS),
             ct_close_lifetime: Duration::from_secs(CT_LIFETIME_CLOSE_SECS),
             ct_refresh: Duration::from_secs(CT_REFRESH_SECS),
+            handoff: true,
         }
     }
 }
@@ -958,7 +966,11 @@ impl Datapath {
 
     fn load(config: &DatapathConfig) -> Result<(Ebpf, KernelTables, u64), DatapathError> {
         check_kernel()?;
-        let handoff_key = random_handoff_key()?;
+        let handoff_key = if config.handoff {
+            random_handoff_key()?
+        } else {
+            0
+        };
         let mut loader = EbpfLoader::new();
         loader
             .override_global(HANDOFF_KEY_GLOBAL, &handoff_key, true)

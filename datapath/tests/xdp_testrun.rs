@@ -11,7 +11,7 @@ mod common;
 
 use std::{
     io::{Read as _, Write as _},
-    net::{IpAddr, TcpListener, TcpStream},
+    net::{IpAddr, SocketAddr, TcpListener, TcpStream},
     path::PathBuf,
     sync::{
         Arc, Mutex,
@@ -31,6 +31,7 @@ use ordnet_datapath::{
         ParseError, Parsed, Reason, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, craft, craft::L4, handoff,
         layout::PROGRAM_NAME, parse,
     },
+    pods::{self, TwoPods},
     sys,
 };
 use ordnet_mapstate::{
@@ -3329,141 +3330,66 @@ fn refused_native_xdp_falls_back_to_generic_with_the_kernels_reason() {
     );
 }
 
-/// Runs `f` in network namespace `/run/netns/NAME` (on a thread of its own: sockets it makes
-/// stay in that namespace).
-fn in_netns<T: Send + 'static>(name: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let path = format!("/run/netns/{name}");
-    std::thread::spawn(move || {
-        use std::os::fd::AsRawFd as _;
-        let ns = std::fs::File::open(&path).unwrap();
-        // SAFETY: a valid namespace file descriptor; only this thread moves.
-        assert_eq!(
-            unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) },
-            0
-        );
-        f()
-    })
-    .join()
-    .unwrap()
-}
-
-/// Runs a shell command (for the real-packet test), panicking with its output on failure.
-fn sh(cmd: &str) {
-    let out = std::process::Command::new("sh")
-        .args(["-c", cmd])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// The XDP-to-TC handoff with real packets: two pods on routed veths (native XDP and the TC
-/// hook on both host sides) ping and talk UDP to each other, A isolated for ingress with only
-/// B's flows allowed out of B; every reply and established packet crosses XDP (its sender's
-/// veth) and TC (its receiver's veth), and the TC hook passes them on XDP's tag: the counter
-/// rises, and the verdicts are the policy's (A reaches B, B's new flows do not reach A).
-/// Runs in a network namespace of its own (a thread that unshares it).
+/// hook on both host sides), A isolated for ingress, B's egress closed. A connects to B: every
+/// answer and established packet crosses XDP (its sender's veth) and TC (its receiver's veth),
+/// and the TC hook passes it on XDP's tag (the counter rises); B's connections to A fail
+/// (nothing of them handed off). The same after a restart (adopted links, new programs, a new
+/// key). In a network namespace of its own.
 #[test]
 fn handoff_with_real_packets() {
     if !privileged() {
         return;
     }
-    std::thread::spawn(|| {
-        // SAFETY: plain syscall; only this thread (and the commands it starts) move.
-        assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
-        let id = std::process::id();
-        let (pa, pb) = (format!("ho-a-{id}"), format!("ho-b-{id}"));
-        sh("ip link set lo up && sysctl -qw net.ipv4.ip_forward=1");
-        for (ns, host, addr) in [(&pa, "hoa", "10.88.0.1"), (&pb, "hob", "10.88.0.2")] {
-            sh(&format!(
-                "ip netns add {ns} && ip -n {ns} link set lo up && \
-                 ip link add {host} type veth peer name eth0 netns {ns} && \
-                 ip addr add 169.254.1.1/32 dev {host} && ip link set {host} up && \
-                 ip route add {addr}/32 dev {host} && \
-                 ip -n {ns} addr add {addr}/32 dev eth0 && ip -n {ns} link set eth0 up && \
-                 ip -n {ns} route add 169.254.1.1/32 dev eth0 && \
-                 ip -n {ns} route add default via 169.254.1.1"
-            ));
-        }
-        let cleanup = || {
-            for ns in [&pa, &pb] {
-                let _ = std::process::Command::new("ip")
-                    .args(["netns", "del", ns])
-                    .output();
-            }
+    pods::in_own_netns(|| {
+        let pods = TwoPods::new("ho");
+        let fs = Bpffs::named("-handoff");
+        let config = DatapathConfig {
+            pin_dir: Some(fs.0.join("ordnet")),
+            ..small_config()
         };
-        let result = std::panic::catch_unwind(|| {
-            let fs = Bpffs::named("-handoff");
-            let config = DatapathConfig {
-                pin_dir: Some(fs.0.join("ordnet")),
-                ..small_config()
-            };
-            let mut dp = Datapath::create(config.clone()).unwrap();
-            let (a, b) = (ip("10.88.0.1"), ip("10.88.0.2"));
-            let deny_in = MapState::new(Direction::Ingress, Verdict::Deny);
-            let open_in = open(Direction::Ingress);
-            let open_out = open(Direction::Egress);
-            let deny_out = MapState::new(Direction::Egress, Verdict::Deny);
-            dp.update_endpoints(&[
-                (
-                    1,
-                    EndpointSpec {
-                        ips: &[a],
-                        identity: 2,
-                        identities: &[],
-                        ingress: &deny_in,
-                        egress: &open_out,
-                    },
-                ),
-                (
-                    2,
-                    EndpointSpec {
-                        ips: &[b],
-                        identity: 4,
-                        identities: &[],
-                        ingress: &open_in,
-                        egress: &deny_out,
-                    },
-                ),
-            ])
-            .unwrap();
-            for (host, endpoint, addr) in [("hoa", 1, a), ("hob", 2, b)] {
-                let name = std::ffi::CString::new(host).unwrap();
-                // SAFETY: a valid C string; if_nametoindex only reads it.
-                let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-                dp.set_interface(ifindex, endpoint, Some(&[addr])).unwrap();
-                dp.attach_native_or_generic(host).unwrap();
-                dp.attach_tc(host).unwrap();
-            }
-            handoff_traffic(&dp, &pa, &pb);
-            // A restart: the adopted links run programs loaded with a new key, both hooks.
-            let key = dp.handoff_key();
-            drop(dp);
-            let (dp, _) = Datapath::adopt(config).unwrap();
-            assert_ne!(dp.handoff_key(), key);
-            handoff_traffic(&dp, &pa, &pb);
-            drop(dp);
-        });
-        cleanup();
-        if let Err(e) = result {
-            std::panic::resume_unwind(e);
+        let mut dp = Datapath::create(config.clone()).unwrap();
+        let [a, b] = TwoPods::ADDRS.map(IpAddr::from);
+        let deny_in = MapState::new(Direction::Ingress, Verdict::Deny);
+        let deny_out = MapState::new(Direction::Egress, Verdict::Deny);
+        let (open_in, open_out) = (open(Direction::Ingress), open(Direction::Egress));
+        let ips = [[a], [b]];
+        let spec = [(2, &deny_in, &open_out), (4, &open_in, &deny_out)];
+        let endpoints: Vec<(u32, EndpointSpec)> = (0..2)
+            .map(|i| {
+                let (identity, ingress, egress) = spec[i];
+                let ep = EndpointSpec {
+                    ips: &ips[i],
+                    identity,
+                    identities: &[],
+                    ingress,
+                    egress,
+                };
+                (i as u32 + 1, ep)
+            })
+            .collect();
+        dp.update_endpoints(&endpoints).unwrap();
+        for (i, host) in TwoPods::HOSTS.iter().enumerate() {
+            dp.set_interface(TwoPods::ifindex(i), i as u32 + 1, Some(&ips[i]))
+                .unwrap();
+            dp.attach_native_or_generic(host).unwrap();
+            dp.attach_tc(host).unwrap();
         }
-    })
-    .join()
-    .unwrap();
+        handoff_traffic(&dp, &pods);
+        let key = dp.handoff_key();
+        drop(dp);
+        let (dp, _) = Datapath::adopt(config).unwrap();
+        assert_ne!(dp.handoff_key(), key);
+        handoff_traffic(&dp, &pods);
+    });
 }
 
-/// [`handoff_with_real_packets`]' traffic: A connects to B three times (each connection's SYN
-/// is judged; B's answers are tagged at B's veth and handed off at A's, A's later packets the
-/// other way), B fails to connect to isolated A, and the handoff counter moves accordingly.
-fn handoff_traffic(dp: &Datapath, pa: &str, pb: &str) {
+/// [`handoff_with_real_packets`]' traffic: A connects to B three times, B fails to connect to
+/// isolated A, and the handoff counter moves accordingly.
+fn handoff_traffic(dp: &Datapath, pods: &TwoPods) {
     let before = dp.counters().unwrap().handed_off;
-    // A connects to B three times: each connection's SYN is judged, B's answers are
-    // tagged at B's veth and handed off at A's, A's later packets the other way.
-    let listener = in_netns(pb, || TcpListener::bind("10.88.0.2:7000").unwrap());
+    let b = SocketAddr::from((TwoPods::ADDRS[1], 7000));
+    let listener = pods.in_pod(1, move || TcpListener::bind(b).unwrap());
     let server = std::thread::spawn(move || {
         for _ in 0..3 {
             let (mut c, _) = listener.accept().unwrap();
@@ -3471,12 +3397,8 @@ fn handoff_traffic(dp: &Datapath, pa: &str, pb: &str) {
         }
     });
     for _ in 0..3 {
-        let got = in_netns(pa, || {
-            let mut c = TcpStream::connect_timeout(
-                &"10.88.0.2:7000".parse().unwrap(),
-                Duration::from_secs(2),
-            )
-            .expect("A -> B");
+        let got = pods.in_pod(0, move || {
+            let mut c = TcpStream::connect_timeout(&b, Duration::from_secs(2)).expect("A -> B");
             c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
             let mut s = String::new();
             c.read_to_string(&mut s).unwrap();
@@ -3493,15 +3415,11 @@ fn handoff_traffic(dp: &Datapath, pa: &str, pb: &str) {
         handed >= before + 3 * 5,
         "TCP answers and established packets handed off: {before} -> {handed}"
     );
-    // B cannot connect to A (its egress denies it, A's ingress too): nothing of it is
-    // handed off.
-    let _l = in_netns(pa, || TcpListener::bind("10.88.0.1:7000").unwrap());
-    let reached = in_netns(pb, || {
-        TcpStream::connect_timeout(
-            &"10.88.0.1:7000".parse().unwrap(),
-            Duration::from_millis(700),
-        )
-        .is_ok()
+    // B cannot connect to A (its egress denies it, A's ingress too).
+    let a = SocketAddr::from((TwoPods::ADDRS[0], 7000));
+    let _l = pods.in_pod(0, move || TcpListener::bind(a).unwrap());
+    let reached = pods.in_pod(1, move || {
+        TcpStream::connect_timeout(&a, Duration::from_millis(700)).is_ok()
     });
     assert!(!reached, "B reached isolated A");
     assert_eq!(dp.counters().unwrap().handed_off, handed);

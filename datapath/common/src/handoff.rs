@@ -52,7 +52,9 @@ fn mix(h: u64, v: u64) -> u64 {
     x ^ (x >> 29)
 }
 
-/// The tag of packet `p` judged at policy revision `revision`, under `key`; never 0.
+/// The tag of packet `p` judged at policy revision `revision`, under `key`; never 0. Three
+/// rounds for IPv4 (both addresses in one word, the ports, protocol and family in another, and
+/// a closing keyed round), six for IPv6: both hooks compute it for every tagged packet.
 #[inline(always)]
 pub fn tag(key: u64, p: &IpPacket, revision: u64) -> u64 {
     let word = |w: [u32; 4], i: usize| u64::from(w[i]) | (u64::from(w[i + 1]) << 32);
@@ -60,12 +62,16 @@ pub fn tag(key: u64, p: &IpPacket, revision: u64) -> u64 {
         | (u64::from(p.dport) << 16)
         | (u64::from(p.protocol) << 8)
         | u64::from(p.ip_version);
-    let mut h = mix(key, word(p.src, 0));
-    h = mix(h, word(p.src, 2));
-    h = mix(h, word(p.dst, 0));
-    h = mix(h, word(p.dst, 2));
+    let mut h = key ^ revision;
+    if p.ip_version == 4 {
+        h = mix(h, u64::from(p.src[0]) | (u64::from(p.dst[0]) << 32));
+    } else {
+        h = mix(h, word(p.src, 0));
+        h = mix(h, word(p.src, 2));
+        h = mix(h, word(p.dst, 0));
+        h = mix(h, word(p.dst, 2));
+    }
     h = mix(h, ports);
-    h = mix(h, revision);
     h = mix(h, key);
     if h == 0 { 1 } else { h }
 }
