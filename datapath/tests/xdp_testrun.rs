@@ -1536,8 +1536,6 @@ fn conntrack_replies_and_policy_changes() {
     println!("xdp_testrun: conntrack: {checked} packets checked (kernel == userspace == expected)");
 }
 
-/// Idle tracked flows expire on the program's clock (jiffies, lifetimes in ticks of the
-/// calibrated HZ), and a refreshed flow does not.
 /// The XDP-to-TC handoff in the kernel: the XDP program tags exactly the packets userspace says
 /// it should (a tracked flow's, passed by its entry), with the tag userspace computes, which
 /// changes with the revision. (The TC side needs metadata on a socket buffer, which the
@@ -1548,9 +1546,7 @@ fn handoff_tags_kernel_equals_userspace() {
     if !privileged() {
         return;
     }
-    let mut dp = create();
-    world_setup(&mut dp);
-    upsert_isolated_a(&mut dp, &open(Direction::Egress));
+    let mut dp = isolated_a(small_config());
     let ct = UserCt::default();
     let expected = |dp: &Datapath, f: &[u8]| {
         let Ok(Parsed::Ip(p)) = parse(f) else {
@@ -1614,6 +1610,8 @@ fn handoff_tags_kernel_equals_userspace() {
     }
 }
 
+/// Idle tracked flows expire on the program's clock (jiffies, lifetimes in ticks of the
+/// calibrated HZ), and a refreshed flow does not.
 #[test]
 fn conntrack_entries_expire() {
     if !privileged() {
