@@ -462,22 +462,11 @@ fn one_flow(handoff: bool, packets: usize) -> (f64, f64) {
     let deny_in = MapState::new(Direction::Ingress, Verdict::Deny);
     let open_in = MapState::new(Direction::Ingress, Verdict::Allow);
     let open_out = MapState::new(Direction::Egress, Verdict::Allow);
-    let ips = TwoPods::ADDRS.map(|a| [IpAddr::from(a)]);
-    let spec = |i: usize, ingress| EndpointSpec {
-        ips: &ips[i],
-        identity: 2 + i as u32,
-        identities: &[],
-        ingress,
-        egress: &open_out,
-    };
-    dp.update_endpoints(&[(1, spec(0, &deny_in)), (2, spec(1, &open_in))])
-        .unwrap();
-    for (i, host) in TwoPods::HOSTS.iter().enumerate() {
-        dp.set_interface(TwoPods::ifindex(i), i as u32 + 1, Some(&ips[i]))
-            .unwrap();
-        dp.attach_native_or_generic(host).unwrap();
-        dp.attach_tc(host).unwrap();
-    }
+    pods.enforce(
+        &mut dp,
+        [(2, &deny_in, &open_out), (3, &open_in, &open_out)],
+    )
+    .unwrap();
     let b = SocketAddr::from((TwoPods::ADDRS[1], 9000));
     let sink = pods.in_pod(1, move || UdpSocket::bind(b).unwrap());
     let stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).unwrap();

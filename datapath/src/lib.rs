@@ -152,6 +152,9 @@ pub enum DatapathError {
         #[source]
         source: std::io::Error,
     },
+    /// The kernel's random source could not give the handoff key (`common::handoff`).
+    #[error("drawing the handoff key from the kernel's random source (getrandom): {0}")]
+    Random(std::io::Error),
     /// [`Datapath::create`] found maps already pinned in the pin directory.
     #[error("pins already exist in {0}: adopt them (Datapath::adopt/open) or remove them")]
     AlreadyPinned(PathBuf),
@@ -546,10 +549,7 @@ fn random_handoff_key() -> Result<u64, DatapathError> {
             }
         } else if n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted
         {
-            return Err(DatapathError::Io {
-                path: PathBuf::from("getrandom"),
-                source: std::io::Error::last_os_error(),
-            });
+            return Err(DatapathError::Random(std::io::Error::last_os_error()));
         }
     }
 }

@@ -6,7 +6,14 @@
 //! namespace (`ip netns`) behind a veth whose host side (`hosts()[i]`) is in the node, with a
 //! /32 route to the pod and a gateway route in the pod, like a routed CNI (`ptp`).
 
-use std::{net::Ipv4Addr, process::Command};
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    process::Command,
+};
+
+use ordnet_mapstate::MapState;
+
+use crate::{ControlPlane as _, Datapath, DatapathError, EndpointSpec};
 
 /// Runs `f` on a thread of its own in a new network namespace (the node): interfaces, links
 /// and sockets it makes stay there, and vanish with it.
@@ -74,6 +81,37 @@ impl TwoPods {
         let name = std::ffi::CString::new(Self::HOSTS[i]).expect("no NUL");
         // SAFETY: a valid C string; if_nametoindex only reads it.
         unsafe { libc::if_nametoindex(name.as_ptr()) }
+    }
+
+    /// Makes pod `i` endpoint `i + 1` with identity `identity` and `[ingress, egress]`
+    /// policies (`policies[i]`), records both host-side interfaces, and attaches both programs
+    /// to them (XDP natively where the driver allows it).
+    pub fn enforce(
+        &self,
+        dp: &mut Datapath,
+        policies: [(u32, &MapState, &MapState); 2],
+    ) -> Result<(), DatapathError> {
+        let ips = Self::ADDRS.map(|a| [IpAddr::from(a)]);
+        let endpoints: Vec<(u32, EndpointSpec)> = (0..2)
+            .map(|i| {
+                let (identity, ingress, egress) = policies[i];
+                let spec = EndpointSpec {
+                    ips: &ips[i],
+                    identity,
+                    identities: &[],
+                    ingress,
+                    egress,
+                };
+                (i as u32 + 1, spec)
+            })
+            .collect();
+        dp.update_endpoints(&endpoints)?;
+        for (i, host) in Self::HOSTS.iter().enumerate() {
+            dp.set_interface(Self::ifindex(i), i as u32 + 1, Some(&ips[i]))?;
+            dp.attach_native_or_generic(host)?;
+            dp.attach_tc(host)?;
+        }
+        Ok(())
     }
 
     /// Runs `f` in pod `i`'s namespace (on a thread of its own: sockets it makes stay there).

@@ -3347,32 +3347,14 @@ fn handoff_with_real_packets() {
             ..small_config()
         };
         let mut dp = Datapath::create(config.clone()).unwrap();
-        let [a, b] = TwoPods::ADDRS.map(IpAddr::from);
         let deny_in = MapState::new(Direction::Ingress, Verdict::Deny);
         let deny_out = MapState::new(Direction::Egress, Verdict::Deny);
         let (open_in, open_out) = (open(Direction::Ingress), open(Direction::Egress));
-        let ips = [[a], [b]];
-        let spec = [(2, &deny_in, &open_out), (4, &open_in, &deny_out)];
-        let endpoints: Vec<(u32, EndpointSpec)> = (0..2)
-            .map(|i| {
-                let (identity, ingress, egress) = spec[i];
-                let ep = EndpointSpec {
-                    ips: &ips[i],
-                    identity,
-                    identities: &[],
-                    ingress,
-                    egress,
-                };
-                (i as u32 + 1, ep)
-            })
-            .collect();
-        dp.update_endpoints(&endpoints).unwrap();
-        for (i, host) in TwoPods::HOSTS.iter().enumerate() {
-            dp.set_interface(TwoPods::ifindex(i), i as u32 + 1, Some(&ips[i]))
-                .unwrap();
-            dp.attach_native_or_generic(host).unwrap();
-            dp.attach_tc(host).unwrap();
-        }
+        pods.enforce(
+            &mut dp,
+            [(2, &deny_in, &open_out), (4, &open_in, &deny_out)],
+        )
+        .unwrap();
         handoff_traffic(&dp, &pods);
         let key = dp.handoff_key();
         drop(dp);

@@ -284,7 +284,9 @@ fn tc_judge(ctx: &TcContext, l3: bool) -> i32 {
     if ((ctx.data_end() - ctx.data()) as u32) < want {
         let _ = ctx.pull_data(want);
     }
-    let handoff = if ingress_ifindex == 0 {
+    // The node's own packets never use the handoff; on a layer-3 device the frame starts at
+    // the IP header, 14 bytes past where XDP wrote the tag's metadata, so no tag can match.
+    let handoff = if ingress_ifindex == 0 || l3 {
         0
     } else {
         handed_tag(ctx)
