@@ -12,6 +12,7 @@
 //! | [`Store`] | `store` | rule set slots and cell blocks, reference counts, deferred reuse |
 //! | [`flatten`], [`RuleSetContent`] | `flat` | a MapState as the datapath's keys; cell words; the meet of two rule sets |
 //! | [`TableWriter`] | `tables` | element writes: [`KernelTables`] (`kernel`, the BPF maps, batched) and [`MemTables`] (the in-memory copy) |
+//! | [`EventReader`], [`Observed`] | `events` | the programs' verdict events: the ring buffer reader, the decoded event |
 //! | [`sys`] | `sys` | the few system calls aya does not wrap (batch map operations, bpffs) |
 //! | [`Datapath::attach_native_or_generic`] | `refusal` | the kernel's reason for a refused XDP attachment (netlink extended acknowledgement) |
 //!
@@ -42,6 +43,7 @@
 #[cfg(feature = "bench")]
 pub mod bench;
 mod control;
+mod events;
 mod flat;
 mod kernel;
 mod plane;
@@ -72,6 +74,7 @@ pub use control::{
     Control, ControlError, EndpointAddresses, EndpointSpec, EndpointState, MapFill, ip_key, key_ip,
     net_key,
 };
+pub use events::{DecidedBy, EventReader, Observed};
 pub use flat::{
     CellInputs, CellWords, ContentDiff, FlatRuleSet, FlattenError, RuleSetContent, cell_words,
     flatten, key_hash, meet, same_verdicts, verdict_code,
@@ -82,15 +85,16 @@ pub use ordnet_datapath_common as common;
 use ordnet_datapath_common::{
     Verdict,
     layout::{
-        BLOCK_WORDS, CELLS_PER_RULESET, COUNTER_HANDED_OFF, COUNTER_UNTRACKED_ALLOWED,
+        BLOCK_WORDS, CELLS_PER_RULESET, COUNTER_EVENTS, COUNTER_EVENTS_LOST,
+        COUNTER_EVENTS_SUPPRESSED, COUNTER_HANDED_OFF, COUNTER_UNTRACKED_ALLOWED,
         COUNTER_UNTRACKED_DENIED, CT_LIFETIME_CLOSE_SECS, CT_LIFETIME_OTHER_SECS,
         CT_LIFETIME_SYN_SECS, CT_LIFETIME_TCP_SECS, CT_REFRESH_SECS, Ct4Key, CtEntry, CtKey,
         DEFAULT_CT4_ENTRIES, DEFAULT_CT6_ENTRIES, DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES,
         DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES,
         DEFAULT_SVC_ENTRIES, IfaceInfo, IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_COUNTERS,
-        MAP_CT4, MAP_CT6, MAP_IFACE, MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY, MAP_STATE, MAP_SVC,
-        PROGRAM_NAME, PolicyKey, PolicyValue, State, SvcKey, SvcValue, TC_L3_PROGRAM_NAME,
-        TC_PROGRAM_NAME, pairs,
+        MAP_CT4, MAP_CT6, MAP_EVENTS, MAP_IFACE, MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY,
+        MAP_STATE, MAP_SVC, PROGRAM_NAME, PolicyKey, PolicyValue, State, SvcKey, SvcValue,
+        TC_L3_PROGRAM_NAME, TC_PROGRAM_NAME, pairs,
     },
 };
 pub use plane::{ControlPlane, MemDatapath};
@@ -294,6 +298,10 @@ pub struct DatapathConfig {
     /// every packet up (the benchmark's comparison, and a way out should a driver's metadata
     /// ever misbehave).
     pub handoff: bool,
+    /// Verdict events ([`common::event`]) per second the node's programs may emit at most
+    /// (shared equally by the CPUs); 0 turns them off. Default
+    /// [`DEFAULT_EVENTS_PER_SEC`](common::event::DEFAULT_EVENTS_PER_SEC).
+    pub events_per_sec: u64,
 }
 
 impl DatapathConfig {
@@ -332,6 +340,7 @@ impl Default for DatapathConfig {
             ct_close_lifetime: Duration::from_secs(CT_LIFETIME_CLOSE_SECS),
             ct_refresh: Duration::from_secs(CT_REFRESH_SECS),
             handoff: true,
+            events_per_sec: common::event::DEFAULT_EVENTS_PER_SEC,
         }
     }
 }
@@ -518,6 +527,12 @@ pub struct DatapathCounters {
     /// Packets the TC hook passed on the XDP program's tag, without a lookup
     /// (`COUNTER_HANDED_OFF`, [`common::handoff`]).
     pub handed_off: u64,
+    /// Verdict events written into the ring buffer (`COUNTER_EVENTS`).
+    pub events: u64,
+    /// Verdict events the rate limit refused (`COUNTER_EVENTS_SUPPRESSED`).
+    pub events_suppressed: u64,
+    /// Verdict events the full ring buffer had no room for (`COUNTER_EVENTS_LOST`).
+    pub events_lost: u64,
 }
 
 /// An attachment: pinned (survives the process) or owned by the loaded program.
@@ -534,6 +549,10 @@ pub const LAYOUT_VERSION: u32 = 1;
 
 /// The programs' global holding the handoff key (`ORDNET_HANDOFF_KEY` in the eBPF crate).
 const HANDOFF_KEY_GLOBAL: &str = "ORDNET_HANDOFF_KEY";
+
+/// The programs' global holding the per-CPU interval between verdict events
+/// (`ORDNET_EVENT_INTERVAL` in the eBPF crate; 0: no events).
+const EVENT_INTERVAL_GLOBAL: &str = "ORDNET_EVENT_INTERVAL";
 
 /// A fresh random key for the handoff tags ([`common::handoff`]), never 0 (0 turns the
 /// handoff off). From the kernel's random source: a pod must not be able to guess it.
@@ -971,9 +990,12 @@ impl Datapath {
         } else {
             0
         };
+        let cpus = aya::util::nr_cpus().map_or(1, |n| n as u64);
+        let event_interval = common::event::interval_ns(config.events_per_sec, cpus);
         let mut loader = EbpfLoader::new();
         loader
             .override_global(HANDOFF_KEY_GLOBAL, &handoff_key, true)
+            .override_global(EVENT_INTERVAL_GLOBAL, &event_interval, true)
             .map_max_entries(MAP_IP4, config.ipcache_entries)
             .map_max_entries(MAP_IP6, config.ipcache_entries)
             .map_max_entries(MAP_IPCIDR, config.cidr_entries)
@@ -1495,7 +1517,19 @@ impl Datapath {
             untracked_denied: sum(COUNTER_UNTRACKED_DENIED)?,
             untracked_allowed: sum(COUNTER_UNTRACKED_ALLOWED)?,
             handed_off: sum(COUNTER_HANDED_OFF)?,
+            events: sum(COUNTER_EVENTS)?,
+            events_suppressed: sum(COUNTER_EVENTS_SUPPRESSED)?,
+            events_lost: sum(COUNTER_EVENTS_LOST)?,
         })
+    }
+
+    /// The reader of the programs' verdict events ([`common::event`]): the ring buffer of this
+    /// load of the programs, handed out once (`None` after that).
+    pub fn events(&mut self) -> Result<Option<EventReader>, DatapathError> {
+        let Some(map) = self.ebpf.take_map(MAP_EVENTS) else {
+            return Ok(None);
+        };
+        Ok(Some(EventReader::new(aya::maps::RingBuf::try_from(map)?)))
     }
 
     /// Kernel memory of every map.

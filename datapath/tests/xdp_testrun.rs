@@ -3225,6 +3225,169 @@ fn untracked_tcp_packets_are_counted_in_the_kernel() {
     }
 }
 
+/// Verdict events (`common::event`), through the test run: a new flow's first packet is one
+/// event naming what decided each direction (the identity's key with its prefix, the
+/// wildcard, the default); its later packets and its replies emit nothing; the denied packets
+/// of one flow are one event at once, then counted in the flow's record and reported by its
+/// next event after a second, all of them; the rate limit refuses events and counts them.
+#[test]
+fn verdict_events_name_what_decided() {
+    if !privileged() {
+        return;
+    }
+    use ordnet_datapath::{DecidedBy, Observed};
+    // A's egress: TCP/443 to identity 7 allowed (its own key), TCP/80 to anyone denied (the
+    // wildcard), everything else denied by the default.
+    let egress = ms(
+        Direction::Egress,
+        Verdict::Deny,
+        &[
+            (
+                Selector::ids([7]),
+                L4Match::port(Protocol::Tcp, 443),
+                Verdict::Allow,
+            ),
+            (
+                Selector::Any,
+                L4Match::port(Protocol::Tcp, 80),
+                Verdict::Deny,
+            ),
+        ],
+    );
+    let mut dp = Datapath::create(small_config()).unwrap();
+    world_setup(&mut dp);
+    upsert_isolated_a(&mut dp, &egress);
+    let mut reader = dp.events().unwrap().expect("the ring buffer");
+    assert!(dp.events().unwrap().is_none(), "handed out once");
+    let mut drain = || {
+        let mut raw = Vec::new();
+        reader.drain(&mut raw);
+        raw.iter().map(Observed::of).collect::<Vec<_>>()
+    };
+    let revision = dp.revision();
+    let key443 = DecidedBy::Key {
+        protocol: 6,
+        port: 443,
+        length: 24,
+    };
+    for (a, r) in a_and_remote() {
+        // A new flow out, its reply and its next packet: one event.
+        for f in [
+            frame(a, r, tcp_flags(3000, 443, TCP_SYN)),
+            frame(r, a, tcp_flags(443, 3000, TCP_SYN | TCP_ACK)),
+            frame(a, r, tcp_flags(3000, 443, TCP_ACK)),
+        ] {
+            assert_eq!(dp.test_run(&f).unwrap().action, PASS);
+        }
+        let got = drain();
+        assert_eq!(got.len(), 1, "{got:#?}");
+        let e = &got[0];
+        assert!(
+            e.allowed && e.reason == "allowed" && e.hook == "xdp",
+            "{e:?}"
+        );
+        assert_eq!(
+            (e.src, e.sport, e.dst, e.dport, e.protocol),
+            (a, 3000, r, 443, 6)
+        );
+        assert_eq!(e.egress, (key443, true));
+        assert_eq!(
+            e.ingress,
+            (DecidedBy::None, false),
+            "the remote end is not judged"
+        );
+        assert_eq!((e.packets, e.revision), (1, revision));
+        // A's flows the wildcard and the default deny.
+        assert_eq!(
+            dp.test_run(&frame(a, r, tcp_flags(3001, 80, TCP_SYN)))
+                .unwrap()
+                .action,
+            DROP
+        );
+        assert_eq!(
+            dp.test_run(&frame(a, r, tcp_flags(3002, 22, TCP_SYN)))
+                .unwrap()
+                .action,
+            DROP
+        );
+        let got = drain();
+        assert_eq!(got.len(), 2, "{got:#?}");
+        assert_eq!(
+            (got[0].reason, got[0].egress),
+            ("egress-denied", (DecidedBy::Wildcard, false))
+        );
+        assert_eq!(
+            (got[1].reason, got[1].egress),
+            ("egress-denied", (DecidedBy::Default, false))
+        );
+        // Ten unasked packets of one flow into isolated A: one event now.
+        let unasked = frame(r, a, udp_ports(53, 4000));
+        for _ in 0..10 {
+            assert_eq!(dp.test_run(&unasked).unwrap().action, DROP);
+        }
+        let got = drain();
+        assert_eq!(got.len(), 1, "{got:#?}");
+        assert_eq!(got[0].reason, "ingress-denied");
+        assert_eq!(got[0].ingress, (DecidedBy::Default, false));
+        assert_eq!(got[0].egress, (DecidedBy::None, false));
+        assert_eq!(got[0].packets, 1);
+        // A second later the flow's next denied packet reports the nine before it and itself.
+        std::thread::sleep(Duration::from_millis(1_050));
+        assert_eq!(dp.test_run(&unasked).unwrap().action, DROP);
+        let got = drain();
+        assert_eq!(got.len(), 1, "{got:#?}");
+        assert_eq!(got[0].packets, 10);
+        assert!(
+            got[0].first_ns < got[0].time_ns - 1_000_000_000,
+            "{:?}",
+            got[0]
+        );
+    }
+    let c = dp.counters().unwrap();
+    assert_eq!((c.events, c.events_suppressed, c.events_lost), (10, 0, 0));
+    eprintln!("events: 10 emitted, with what decided each direction");
+
+    // The rate limit: 1 event per second (each CPU's burst is 256), 600 new flows.
+    let config = DatapathConfig {
+        events_per_sec: 1,
+        ..small_config()
+    };
+    let mut dp = isolated_a(config);
+    let mut reader = dp.events().unwrap().unwrap();
+    let (a, r) = a_and_remote()[0];
+    for port in 0..600u16 {
+        let f = frame(a, r, tcp_flags(10_000 + port, 443, TCP_SYN));
+        assert_eq!(dp.test_run(&f).unwrap().action, PASS);
+    }
+    let mut raw = Vec::new();
+    reader.drain(&mut raw);
+    let c = dp.counters().unwrap();
+    eprintln!(
+        "rate limit 1/s: {} emitted, {} suppressed of 600 new flows",
+        c.events, c.events_suppressed
+    );
+    assert_eq!(c.events, raw.len() as u64);
+    assert_eq!(c.events + c.events_suppressed, 600);
+    assert!(c.events_suppressed > 0 && c.events >= 256, "{c:?}");
+
+    // Off: no event, nothing counted.
+    let mut dp = isolated_a(DatapathConfig {
+        events_per_sec: 0,
+        ..small_config()
+    });
+    let mut reader = dp.events().unwrap().unwrap();
+    assert_eq!(
+        dp.test_run(&frame(a, r, tcp_flags(3000, 443, TCP_SYN)))
+            .unwrap()
+            .action,
+        PASS
+    );
+    let mut raw = Vec::new();
+    assert_eq!(reader.drain(&mut raw), 0);
+    let c = dp.counters().unwrap();
+    assert_eq!((c.events, c.events_suppressed), (0, 0));
+}
+
 /// Full-size and jumbo frames (1,500 and 9,000 bytes; the kernel's test run puts what does not
 /// fit a page into fragments, as a veth does for a multi-buffer-aware program, so the IP packet
 /// ends beyond `data_end`) are judged like the same flow's small packets: a new flow out of A and

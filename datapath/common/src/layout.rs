@@ -55,6 +55,19 @@ pub const MAP_IFACE: &str = "ORDNET_IFACE";
 /// one loaded program pair and never pinned: they count from the program's load).
 pub const MAP_COUNTERS: &str = "ORDNET_COUNTERS";
 
+/// Verdict events (`event::FlowEvent`): a BPF ring buffer, private to one loaded program pair.
+pub const MAP_EVENTS: &str = "ORDNET_EVENTS";
+/// Denied flows' unreported packets (`event::DenyRecord`), keyed by `event::flow_key`: an LRU
+/// hash private to one loaded program pair.
+pub const MAP_DENIED: &str = "ORDNET_DENIED";
+/// The per-CPU token bucket of the verdict events (`event::Bucket`, one element).
+pub const MAP_EVENT_BUCKET: &str = "ORDNET_EVENT_BUCKET";
+/// Default size of [`MAP_EVENTS`] in bytes (a power of two): 11,915 events of 88 bytes (plus
+/// the ring's 8-byte record headers), over two seconds of the default rate.
+pub const DEFAULT_EVENT_RING_BYTES: u32 = 1 << 20;
+/// Default capacity of [`MAP_DENIED`]: denied flows whose packets are being aggregated.
+pub const DEFAULT_DENIED_ENTRIES: u32 = 16_384;
+
 /// [`MAP_COUNTERS`]: TCP packets past the handshake (neither SYN nor RST) of a flow with a local
 /// endpoint that the tracking table had no live entry for, which the policy then denied: a flow
 /// whose entry was evicted from a full table (its connection is now broken towards an isolated
@@ -67,8 +80,15 @@ pub const COUNTER_UNTRACKED_ALLOWED: u32 = 1;
 /// metadata, without a conntrack lookup (`handoff`). Stays 0 where a driver does not keep XDP
 /// metadata (the TC hook then looks every packet up itself).
 pub const COUNTER_HANDED_OFF: u32 = 2;
+/// [`MAP_COUNTERS`]: verdict events written into [`MAP_EVENTS`] (`event`).
+pub const COUNTER_EVENTS: u32 = 3;
+/// [`MAP_COUNTERS`]: verdict events the rate limit refused (for a denied flow its packets are
+/// reported by the flow's next event).
+pub const COUNTER_EVENTS_SUPPRESSED: u32 = 4;
+/// [`MAP_COUNTERS`]: verdict events the ring buffer had no room for (userspace did not keep up).
+pub const COUNTER_EVENTS_LOST: u32 = 5;
 /// The number of counters in [`MAP_COUNTERS`].
-pub const COUNTERS: u32 = 3;
+pub const COUNTERS: u32 = 6;
 
 /// Default capacities (userspace can override them at load time).
 pub const DEFAULT_IPCACHE_ENTRIES: u32 = 65_536;

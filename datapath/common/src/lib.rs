@@ -15,6 +15,8 @@
 //!   could drift.
 //! * [`handoff`]: the tag XDP leaves in a tracked packet's metadata so that the TC hook of the
 //!   same packet passes it without a second conntrack lookup.
+//! * [`event`]: the verdict events the programs emit for new flows and denied packets (with
+//!   what decided each direction), their per-flow aggregation and rate limit.
 //! * `alt` (feature `bench`): the alternative policy layouts the benchmark compares (not used
 //!   for enforcement).
 //! * [`craft`] (feature `std`): builders for well-formed and deliberately broken frames.
@@ -31,6 +33,7 @@ pub mod alt;
 mod conntrack;
 #[cfg(any(test, feature = "std"))]
 pub mod craft;
+pub mod event;
 pub mod handoff;
 pub mod layout;
 pub mod lookup;

@@ -19,6 +19,7 @@
 //! of probes is the number of distinct key lengths covering the cell (at most 18, in practice
 //! 0-2), independent of how many keys, identities or endpoints there are.
 
+use crate::event::{BY_ALLOWED, BY_DEFAULT, BY_INVALID, BY_KEY, BY_WILDCARD};
 use crate::layout::{
     BLOCK_WORDS, CELL_HINT_SHIFT, CELL_MASK_BITS, CELL_REFINED, CELL_WILD_SHIFT, CELLS_PER_RULESET,
     OTHER_SLOT_CELL, PolicyKey, PolicyRef, PolicyValue, V_ALLOW, WILD_ALLOW, WILD_NONE, bit_length,
@@ -59,6 +60,12 @@ pub struct PolicyDecision {
     pub allow: bool,
     /// What decided.
     pub by: Match,
+    /// The same as a verdict event's code (`event::BY_*`, with `event::BY_ALLOWED` when it
+    /// allows): a constant where each outcome is decided, so the event code stores it without
+    /// branching on [`Match`].
+    pub code: u8,
+    /// The matched key's prefix ([`prefix_bits`] form) when an identity's key decided, else 0.
+    pub prefix: u32,
 }
 
 /// Upper bound of hash probes per lookup: one per possible key length (0 and 8..=24).
@@ -119,6 +126,8 @@ pub fn policy_lookup<M: PolicyMaps + ?Sized>(
         return PolicyDecision {
             allow: false,
             by: Match::Invalid,
+            code: BY_INVALID,
+            prefix: 0,
         };
     };
     let mut mask = word & CELL_MASK_BITS;
@@ -134,9 +143,12 @@ pub fn policy_lookup<M: PolicyMaps + ?Sized>(
                 prefix,
             };
             if let Some(v) = maps.policy(&key) {
+                let allow = v.verdict == V_ALLOW;
                 return PolicyDecision {
-                    allow: v.verdict == V_ALLOW,
+                    allow,
                     by: Match::Specific { prefix },
+                    code: BY_KEY | if allow { BY_ALLOWED } else { 0 },
+                    prefix,
                 };
             }
             if mask == 0 {
@@ -148,17 +160,26 @@ pub fn policy_lookup<M: PolicyMaps + ?Sized>(
         }
     }
     match (word >> CELL_WILD_SHIFT) & 3 {
-        WILD_NONE => PolicyDecision {
-            allow: policy.default == V_ALLOW,
-            by: Match::Default,
-        },
+        WILD_NONE => {
+            let allow = policy.default == V_ALLOW;
+            PolicyDecision {
+                allow,
+                by: Match::Default,
+                code: BY_DEFAULT | if allow { BY_ALLOWED } else { 0 },
+                prefix: 0,
+            }
+        }
         WILD_ALLOW => PolicyDecision {
             allow: true,
             by: Match::Wildcard,
+            code: BY_WILDCARD | BY_ALLOWED,
+            prefix: 0,
         },
         _ => PolicyDecision {
             allow: false,
             by: Match::Wildcard,
+            code: BY_WILDCARD,
+            prefix: 0,
         },
     }
 }

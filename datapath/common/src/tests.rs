@@ -1059,6 +1059,8 @@ fn decide_neighbor_discovery() {
                     reason: Reason::NeighborDiscovery,
                     egress: None,
                     ingress: None,
+                    codes: 0,
+                    prefixes: 0,
                 },
                 "type {kind}"
             );

@@ -122,50 +122,62 @@ pub trait DatapathMaps: PolicyMaps {
     }
 }
 
-/// Why a packet got its verdict.
+/// Why a packet got its verdict. The discriminants are stable: the event code of a reason
+/// ([`Reason::code`], `event::FlowEvent::reason`); those that emit verdict events are 1..=5.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
 pub enum Reason {
     /// Not IPv4/IPv6 (PASS).
-    NotIp,
+    NotIp = 6,
     /// Truncated or invalid headers (DROP).
-    Malformed(ParseError),
+    Malformed(ParseError) = 7,
     /// A non-first IP fragment (PASS, no lookups).
-    LaterFragment,
+    LaterFragment = 8,
     /// An IPv6 Neighbor Discovery message (PASS, no lookups): see [`neighbor_discovery`].
-    NeighborDiscovery,
+    NeighborDiscovery = 9,
     /// Neither address is a local endpoint (PASS).
-    NotLocal,
+    NotLocal = 10,
     /// The node's own packet (at TC), or a packet from a node address (PASS).
-    Host,
+    Host = 11,
     /// Source and destination are the same local endpoint (PASS).
-    SameEndpoint,
+    SameEndpoint = 12,
     /// A packet of a tracked flow from its initiator, revision current (PASS).
-    Established,
+    Established = 13,
     /// A packet of a tracked flow towards its initiator, revision current (PASS).
-    Reply,
+    Reply = 14,
     /// At TC: XDP passed this very packet (same addresses, ports, revision) as
     /// [`Reason::Established`] or [`Reason::Reply`] and said so in its metadata (PASS, no
     /// lookup; `handoff`).
-    HandedOff,
+    HandedOff = 15,
     /// A new flow to a Service frontend, deferred to the TC program (XDP only; PASS, tracked
     /// as deferred).
-    ServiceFrontend,
+    ServiceFrontend = 16,
     /// A packet of a deferred flow to a Service frontend, either direction (PASS).
-    ServiceFlow,
+    ServiceFlow = 17,
     /// An ICMP/ICMPv6 error about a tracked flow of its destination, revision current (PASS).
-    Related,
+    Related = 18,
     /// A tracked flow with an older revision whose original direction is still allowed
     /// (PASS, restamped).
-    Rechecked,
+    Rechecked = 2,
     /// A tracked flow with an older revision that the policy no longer allows (DROP, entry
     /// deleted).
-    RecheckDenied,
+    RecheckDenied = 5,
     /// Allowed by policy (PASS; a TCP/UDP/SCTP flow is now tracked).
-    Allowed,
+    Allowed = 1,
     /// Denied by the source endpoint's egress policy (DROP).
-    EgressDenied,
+    EgressDenied = 3,
     /// Denied by the destination endpoint's ingress policy (DROP).
-    IngressDenied,
+    IngressDenied = 4,
+}
+
+impl Reason {
+    /// The reason's code (its discriminant), read without a branch: the verifier then does not
+    /// tell the decision's paths apart by their reason where the event code only stores it.
+    #[inline(always)]
+    pub fn code(&self) -> u8 {
+        // SAFETY: `Reason` is `repr(u8)`: its first byte is the discriminant.
+        unsafe { *(self as *const Reason).cast::<u8>() }
+    }
 }
 
 /// The verdict of one packet and how it came about.
@@ -179,6 +191,13 @@ pub struct Decision {
     pub egress: Option<PolicyDecision>,
     /// The ingress lookup of the (original-direction) destination, when it was made.
     pub ingress: Option<PolicyDecision>,
+    /// What decided the lookups, for the verdict event: the egress lookup's
+    /// [`PolicyDecision::code`] in bits 0..8, the ingress one's in bits 8..16 (0: not made).
+    /// Plain integers set where the lookups are made, so the event code reads them without
+    /// branching on the `Option`s above.
+    pub codes: u32,
+    /// The lookups' [`PolicyDecision::prefix`]: egress in the low half, ingress in the high.
+    pub prefixes: u64,
 }
 
 impl Decision {
@@ -189,6 +208,8 @@ impl Decision {
             reason,
             egress: None,
             ingress: None,
+            codes: 0,
+            prefixes: 0,
         }
     }
 }
@@ -218,6 +239,8 @@ fn evaluate<M: DatapathMaps + ?Sized>(maps: &M, flow: &Flow) -> Decision {
     if flow.from_local {
         let e = policy_lookup(maps, flow.from, flow.to_id, flow.protocol, flow.dport);
         d.egress = Some(e);
+        d.codes = u32::from(e.code);
+        d.prefixes = u64::from(e.prefix);
         if !e.allow {
             d.verdict = Verdict::Drop;
             d.reason = Reason::EgressDenied;
@@ -227,6 +250,8 @@ fn evaluate<M: DatapathMaps + ?Sized>(maps: &M, flow: &Flow) -> Decision {
     if flow.to_local {
         let i = policy_lookup(maps, flow.to, flow.from_id, flow.protocol, flow.dport);
         d.ingress = Some(i);
+        d.codes |= u32::from(i.code) << 8;
+        d.prefixes |= u64::from(i.prefix) << 32;
         if !i.allow {
             d.verdict = Verdict::Drop;
             d.reason = Reason::IngressDenied;

@@ -18,20 +18,26 @@
 use aya_ebpf::{
     Global,
     bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC, xdp_action},
-    helpers::{bpf_jiffies64, generated::bpf_xdp_adjust_meta},
+    helpers::{bpf_jiffies64, bpf_ktime_get_ns, generated::bpf_xdp_adjust_meta},
     macros::{classifier, map, xdp},
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf, lpm_trie::Key},
     programs::{TcContext, XdpContext},
 };
 use ordnet_datapath_common::{
-    DatapathMaps, Hook, Parsed, Verdict, decide, decide_at,
+    DatapathMaps, Hook, IpPacket, Parsed, Verdict, decide, decide_at,
+    event::{
+        self, Aggregate, DenyRecord, EVENT_BURST, EventCpu, FlowEvent, HOOK_TC, HOOK_XDP, Summary,
+        Wanted,
+    },
     handoff::{self, HANDOFF_META},
     layout::{
-        BLOCK_WORDS, CELLS_PER_RULESET, COUNTERS, Ct4Key, CtEntry, CtKey, DEFAULT_CT4_ENTRIES,
-        DEFAULT_CT6_ENTRIES, DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES,
-        DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES,
-        DEFAULT_SVC_ENTRIES, FAMILY_V4, IfaceInfo, IpInfo, IpKey, PolicyKey, PolicyValue, State,
-        SvcKey, SvcValue, pair_index, pair_word, pairs,
+        BLOCK_WORDS, CELLS_PER_RULESET, COUNTER_EVENTS, COUNTER_EVENTS_LOST,
+        COUNTER_EVENTS_SUPPRESSED, COUNTERS, Ct4Key, CtEntry, CtKey, DEFAULT_CT4_ENTRIES,
+        DEFAULT_CT6_ENTRIES, DEFAULT_DENIED_ENTRIES, DEFAULT_EVENT_RING_BYTES,
+        DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS,
+        DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES, DEFAULT_SVC_ENTRIES, FAMILY_V4, IfaceInfo,
+        IpInfo, IpKey, PolicyKey, PolicyValue, State, SvcKey, SvcValue, pair_index, pair_word,
+        pairs,
     },
     lookup::PolicyMaps,
     parse, parse_l3,
@@ -91,6 +97,24 @@ static COUNTERS_MAP: PerCpuArray<u64> = PerCpuArray::with_max_entries(COUNTERS, 
 /// data, so the verifier sees a constant and no map holds it. 0: no handoff.
 #[unsafe(no_mangle)]
 static ORDNET_HANDOFF_KEY: Global<u64> = Global::new(0);
+
+/// Verdict events (`ordnet_datapath_common::event`): private to one loaded program pair.
+#[map(name = "ORDNET_EVENTS")]
+static EVENTS: RingBuf = RingBuf::with_byte_size(DEFAULT_EVENT_RING_BYTES, 0);
+
+/// Denied flows' unreported packets (`event::DenyRecord`).
+#[map(name = "ORDNET_DENIED")]
+static DENIED: LruHashMap<u64, DenyRecord> =
+    LruHashMap::with_max_entries(DEFAULT_DENIED_ENTRIES, 0);
+
+/// The events' token bucket and scratch record, one per CPU.
+#[map(name = "ORDNET_EVENT_BUCKET")]
+static EVENT_BUCKET: PerCpuArray<EventCpu> = PerCpuArray::with_max_entries(1, 0);
+
+/// Nanoseconds between two events of one CPU (`event::interval_ns`), set by the loader; 0:
+/// no events.
+#[unsafe(no_mangle)]
+static ORDNET_EVENT_INTERVAL: Global<u64> = Global::new(0);
 
 /// The program's maps as the shared decision code sees them.
 struct KernelMaps;
@@ -213,6 +237,9 @@ pub fn ordnet_xdp(ctx: XdpContext) -> u32 {
     let frame = XdpFrame::new(&ctx);
     let parsed = parse(&frame);
     let d = decide(&parsed, &KernelMaps);
+    if let Ok(Parsed::Ip(p)) = &parsed {
+        observe(p, Summary::of(&d), HOOK_XDP, ctx.ingress_ifindex() as u32);
+    }
     if d.verdict == Verdict::Drop {
         return xdp_action::XDP_DROP;
     }
@@ -222,6 +249,108 @@ pub fn ordnet_xdp(ctx: XdpContext) -> u32 {
         hand_off(&ctx, tag);
     }
     xdp_action::XDP_PASS
+}
+
+/// Emits the verdict event a decision calls for (`event`): a new flow's at once, a denied
+/// flow's aggregated in its record; both within the rate limit, every refusal counted.
+#[inline(always)]
+fn observe(p: &IpPacket, sum: Summary, hook: u8, ifindex: u32) {
+    let interval = ORDNET_EVENT_INTERVAL.load();
+    let wanted = sum.wanted();
+    if interval == 0 || wanted == Wanted::None {
+        return;
+    }
+    let Some(cpu) = EVENT_BUCKET.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: a helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if wanted == Wanted::NewFlow {
+        emit(
+            p,
+            sum,
+            hook,
+            ifindex,
+            now,
+            Aggregate::one(now),
+            interval,
+            cpu,
+        );
+        return;
+    }
+    let key = event::flow_key(p, hook);
+    match DENIED.get_ptr_mut(&key) {
+        // SAFETY: the map value stays valid for the program run; a concurrent update of the
+        // same flow on another CPU can only lose a count.
+        Some(r) => {
+            if let Some(agg) = unsafe { (*r).count(now) }
+                && emit(p, sum, hook, ifindex, now, agg, interval, cpu)
+            {
+                // SAFETY: as above.
+                unsafe { (*r).reported(now) };
+            }
+        }
+        None => {
+            let emitted = emit(
+                p,
+                sum,
+                hook,
+                ifindex,
+                now,
+                Aggregate::one(now),
+                interval,
+                cpu,
+            );
+            // SAFETY: this CPU's element (see `emit`); the record is built in it and copied
+            // by the insert.
+            unsafe {
+                (*cpu).scratch = DenyRecord::first(now, emitted);
+                let _ = DENIED.insert(&key, &(*cpu).scratch, 0);
+            }
+        }
+    }
+}
+
+/// Writes one event into the ring buffer if the rate limit (this CPU's bucket in `cpu`) and
+/// the buffer allow; whether it did.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn emit(
+    p: &IpPacket,
+    sum: Summary,
+    hook: u8,
+    ifindex: u32,
+    now: u64,
+    agg: Aggregate,
+    interval: u64,
+    cpu: *mut EventCpu,
+) -> bool {
+    // SAFETY: this CPU's element, valid for the program run; runs on one CPU never interleave.
+    if !unsafe { (*cpu).bucket.take(now, interval, EVENT_BURST) } {
+        KernelMaps.count(COUNTER_EVENTS_SUPPRESSED);
+        return false;
+    }
+    let Some(mut entry) = EVENTS.reserve::<FlowEvent>(0) else {
+        KernelMaps.count(COUNTER_EVENTS_LOST);
+        return false;
+    };
+    let revision = KernelMaps.state().map_or(0, |s| s.revision);
+    // SAFETY: the reserved record, sized and aligned for a `FlowEvent`.
+    unsafe {
+        event::write(
+            entry.as_mut_ptr(),
+            p,
+            sum,
+            hook,
+            ifindex,
+            revision,
+            now,
+            agg,
+        )
+    };
+    entry.submit(0);
+    KernelMaps.count(COUNTER_EVENTS);
+    true
 }
 
 /// Writes the handoff tag into the packet's metadata, followed by zeros (a driver without
@@ -302,7 +431,11 @@ fn tc_judge(ctx: &TcContext, l3: bool) -> i32 {
         ingress_ifindex,
         handoff,
     };
-    match decide_at(&parsed, &KernelMaps, hook).verdict {
+    let d = decide_at(&parsed, &KernelMaps, hook);
+    if let Ok(Parsed::Ip(p)) = &parsed {
+        observe(p, Summary::of(&d), HOOK_TC, ingress_ifindex);
+    }
+    match d.verdict {
         Verdict::Pass => TC_PASS,
         Verdict::Drop => TC_DROP,
     }
