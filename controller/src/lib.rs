@@ -5,12 +5,14 @@
 //! |---|---|
 //! | [`agent`] | the node agent: watchers, apply loop, enforcers (bpf, none), status, debug API |
 //! | [`program`] | [`program::NodeProgram`]: the one path from an engine to any datapath |
+//! | [`observe`] | the datapath's verdict events attributed to rules, filtered, rendered (`ordnet observe`) |
 //! | [`offline`] | the offline verdicts: every pod a local endpoint of an in-memory datapath |
 //! | [`render`] | matrix, trace, dump and trie rendering for the CLI and the debug API |
 //!
 //! The binary (`src/main.rs`) adds the command line (`src/cli/`) and `ordnet lab` (`src/lab/`).
 
 pub mod agent;
+pub mod observe;
 pub mod offline;
 pub mod program;
 pub mod render;

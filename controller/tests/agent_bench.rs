@@ -131,6 +131,7 @@ async fn bench_2000_pods_1000_policies() {
             metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
             follow_netlink: false,
             maintain_every: agent::MAINTAIN_EVERY,
+            observe_journal: agent::observe::DEFAULT_JOURNAL,
         },
         api.client(),
         Box::new(NoneDatapath::default()),

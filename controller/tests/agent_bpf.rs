@@ -1290,6 +1290,51 @@ fn agent_matrix_agrees(lab: &Lab, agent: &Agent, step: &str, denied: &[(&str, &s
     }
 }
 
+/// The agent's verdict events (`/v1/observe`) for the probes of `pairs` (local pods, TCP
+/// `PORT`, allowed or not): each pair's flows are there, with the verdict the probe saw, and
+/// each judged side names exactly what `/v1/trace` names for that flow (the key and its rules,
+/// or the default and the policies that isolate), attributed at the revision the kernel
+/// judged with.
+fn agent_observe_agrees(agent: &Agent, step: &str, pairs: &[(&str, &str, bool)]) {
+    for (from, to, allowed) in pairs {
+        let (src, dst) = (format!("shop/{from}"), format!("shop/{to}"));
+        let verdict = if *allowed { "allow" } else { "deny" };
+        let mut found = None;
+        for _ in 0..100 {
+            let (code, page) = agent.get(&format!(
+                "/v1/observe?last=1000&output=json&pod={src}&verdict={verdict}&port={PORT}&protocol=TCP"
+            ));
+            assert_eq!(code, 200, "{step}: {page}");
+            let page: Value = serde_json::from_str(&page).unwrap();
+            found = page["records"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .rev()
+                .find(|r| r["srcPod"] == src && r["dstPod"] == dst)
+                .cloned();
+            if found.is_some() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let r = found.unwrap_or_else(|| panic!("{step}: no {verdict} event {src} -> {dst}"));
+        assert_eq!(r["event"]["allowed"], *allowed, "{step}: {r:#}");
+        assert_eq!(r["attribution"], "exact", "{step}: {src} -> {dst}: {r:#}");
+        let (code, t) = agent.get(&format!(
+            "/v1/trace?from={src}&to={dst}&port={PORT}&output=json"
+        ));
+        assert_eq!(code, 200, "{step}: {t}");
+        let t: Value = serde_json::from_str(&t).unwrap();
+        for side in ["egress", "ingress"] {
+            assert_eq!(
+                r[side], t[side],
+                "{step}: {src} -> {dst}: the event's {side} vs trace's"
+            );
+        }
+    }
+}
+
 /// Runs `during` while every pair of `pairs` is probed again and again (from 300 ms before to
 /// 500 ms after it): each probe must see the given verdict.
 fn probe_through<T>(
@@ -1423,6 +1468,15 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
         "initial",
         &[("client", "db"), ("client", "web")],
     );
+    agent_observe_agrees(
+        &agent,
+        "initial",
+        &[
+            ("client", "db", false),
+            ("client", "web", false),
+            ("web", "db", true),
+        ],
+    );
     // ICMP into isolated db: its ping answered, its path MTU learned, its UDP refused.
     lab.expect_icmp("initial");
     lab.expect_node("initial");
@@ -1466,6 +1520,13 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
         "db takes client",
         &[("web", "db"), ("far", "db"), ("client", "web")],
     );
+    agent_observe_agrees(
+        &agent,
+        "db takes client",
+        &[("web", "db", false), ("client", "db", true)],
+    );
+    let emitted = agent.metric("ordnet_datapath_verdict_events_total{outcome=\"emitted\"}");
+    assert!(emitted > 0.0, "verdict events counted: {emitted}");
 
     // 3. SIGTERM: pins and attachments stay, enforcement continues.
     agent.terminate();

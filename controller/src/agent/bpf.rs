@@ -1094,6 +1094,23 @@ impl BpfDatapath {
             labels: vec![],
             value: counters.handed_off,
         });
+        for (outcome, n) in [
+            ("emitted", counters.events),
+            ("suppressed", counters.events_suppressed),
+            ("lost", counters.events_lost),
+        ] {
+            out.push(Sample {
+                name: "ordnet_datapath_verdict_events",
+                help: "Verdict events of the programs (new flows and denied packets, \
+                       docs/observe.md), by outcome: emitted into the ring buffer, suppressed \
+                       by the rate limit (a denied flow's packets are reported by its next \
+                       event), lost to a full ring buffer (the agent did not keep up). Counted \
+                       since the programs were loaded.",
+                counter: true,
+                labels: vec![("outcome", outcome.to_string())],
+                value: n,
+            });
+        }
         out.push(Sample {
             name: "ordnet_conntrack_sweep_errors",
             help: "Connection-tracking sweeps that failed.",
@@ -1169,6 +1186,13 @@ impl Enforcer for BpfDatapath {
 
     fn plane(&self) -> &dyn ControlPlane {
         &self.dp
+    }
+
+    fn take_events(&mut self) -> Option<ordnet_datapath::EventReader> {
+        self.dp.events().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "the datapath's verdict events cannot be read");
+            None
+        })
     }
 
     fn endpoint_ready(&self, endpoint: &str) -> Result<(), String> {

@@ -41,6 +41,14 @@ pub fn encode(value: &str) -> String {
 /// `GET path_and_query` from the agent at `addr` (`HOST:PORT`, or `http://HOST:PORT`); the body
 /// of a 200 answer.
 pub fn get(addr: &str, path_and_query: &str) -> Result<String, AgentError> {
+    get_with_headers(addr, path_and_query).map(|(_, body)| body)
+}
+
+/// [`get`], with the answer's header lines (`name: value`, names lowercased).
+pub fn get_with_headers(
+    addr: &str,
+    path_and_query: &str,
+) -> Result<(Vec<(String, String)>, String), AgentError> {
     let addr = addr.trim_start_matches("http://").trim_end_matches('/');
     let unreachable = |e: std::io::Error| AgentError::Unreachable(format!("agent {addr}: {e}"));
     let target = addr
@@ -79,7 +87,13 @@ pub fn get(addr: &str, path_and_query: &str) -> Result<String, AgentError> {
         body.to_string()
     };
     if code == 200 {
-        Ok(body)
+        let headers = head
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+            .collect();
+        Ok((headers, body))
     } else {
         Err(AgentError::Status(code, body))
     }

@@ -72,6 +72,12 @@ pub trait Enforcer: Send {
     fn health(&self) -> Vec<String> {
         Vec::new()
     }
+    /// The reader of the datapath's verdict events (`ordnet_datapath::EventReader`) of its
+    /// current programs, once per load of them (`None` when there is no new one: the same
+    /// programs, or a datapath without events).
+    fn take_events(&mut self) -> Option<ordnet_datapath::EventReader> {
+        None
+    }
     /// The host-side interfaces the chained CNI plugin's `prevResult` names for the local
     /// endpoint `ns/name` (`None`: forget them, the pod's sandbox is gone). A datapath that
     /// attaches to interfaces takes them before looking for the pod's interface itself.

@@ -11,7 +11,12 @@
 //! * `GET /v1/trace?from=SRC&to=DST&protocol=TCP&port=80&family=4&output=text|json`:
 //!   `ordnet trace` (every pod end must be an endpoint of this node: only its MapStates are
 //!   programmed here); 500 if the datapath and the engine's explanation disagree (a bug);
-//! * `GET /v1/dump?pod=NS/NAME&direction=ingress|egress&output=tree|json|dot`: `ordnet dump`.
+//! * `GET /v1/dump?pod=NS/NAME&direction=ingress|egress&output=tree|json|dot`: `ordnet dump`;
+//! * `GET /v1/observe?last=N&since=SEQ&pod=NS/NAME&namespace=NS&verdict=allow|deny&direction=
+//!   ingress|egress&policy=NAME&protocol=P&port=N&output=text|json`: the last `N` (default 20)
+//!   verdict events after sequence number `SEQ` that pass the filters, attributed to their
+//!   rules (`ordnet observe`); the header `X-Ordnet-Last` (and `last` in JSON) is the highest
+//!   sequence number so far, to ask `since=` it next.
 //!
 //! `output` defaults to `json`; `color=1` asks for ANSI colours (the client decides, from its
 //! own terminal); `width` is the table width (`$COLUMNS` of the client, default 160). The
@@ -260,6 +265,11 @@ fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
             }
         }
         "/metrics" => metrics(state),
+        "/v1/observe" => match observe(state, &q) {
+            Ok(r) => r,
+            Err(Bad(m)) => text(StatusCode::BAD_REQUEST, m),
+            Err(Internal(m) | Denied(m)) => text(StatusCode::INTERNAL_SERVER_ERROR, m),
+        },
         "/v1/problems" => json(
             serde_json::to_string_pretty(&state.problems()).expect("problems serialize") + "\n",
         ),
@@ -288,6 +298,80 @@ fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
         }
         _ => text(StatusCode::NOT_FOUND, "not found"),
     }
+}
+
+/// `/v1/observe`: the journal's records that pass the query's filters.
+fn observe(
+    state: &AgentState,
+    q: &BTreeMap<String, Vec<String>>,
+) -> Result<Response<Full<Bytes>>, Failure> {
+    use crate::observe::{Filter, Page, protocol_name};
+    let number = |k: &str| -> Result<Option<u64>, Failure> {
+        one(q, k)
+            .map(|v| {
+                v.parse::<u64>()
+                    .map_err(|_| Bad(format!("{k}: not a number: {v}")))
+            })
+            .transpose()
+    };
+    let format = output(q, render::trace::Format::parse, "text or json")?;
+    let protocol = match one(q, "protocol") {
+        None => None,
+        Some(p) => Some(
+            (0..=255u8)
+                .find(|n| protocol_name(*n).eq_ignore_ascii_case(p))
+                .ok_or_else(|| Bad(format!("protocol: unknown: {p}")))?,
+        ),
+    };
+    let filter = Filter {
+        pod: one(q, "pod").map(str::to_string),
+        namespace: one(q, "namespace").map(str::to_string),
+        allowed: match one(q, "verdict") {
+            None => None,
+            Some("allow") => Some(true),
+            Some("deny") => Some(false),
+            Some(v) => return Err(Bad(format!("verdict: allow or deny, not {v}"))),
+        },
+        direction: match one(q, "direction") {
+            None => None,
+            Some("ingress") => Some(Direction::Ingress),
+            Some("egress") => Some(Direction::Egress),
+            Some(v) => return Err(Bad(format!("direction: ingress or egress, not {v}"))),
+        },
+        policy: one(q, "policy").map(str::to_string),
+        protocol,
+        port: number("port")?
+            .map(|p| u16::try_from(p).map_err(|_| Bad(format!("port: out of range: {p}"))))
+            .transpose()?,
+    };
+    let since = number("since")?.unwrap_or(0);
+    let last = number("last")?.unwrap_or(20) as usize;
+    let (records, last_seq) = {
+        let journal = state.journal.lock().unwrap_or_else(|e| e.into_inner());
+        (journal.select(since, &filter, last), journal.next_seq() - 1)
+    };
+    let body = match format {
+        render::trace::Format::Json => {
+            serde_json::to_string_pretty(&Page {
+                records,
+                last: last_seq,
+            })
+            .expect("records serialize")
+                + "\n"
+        }
+        render::trace::Format::Text => records
+            .iter()
+            .map(|r| crate::observe::text(r, style(q)))
+            .collect(),
+    };
+    let content = match format {
+        render::trace::Format::Json => "application/json",
+        render::trace::Format::Text => "text/plain; charset=utf-8",
+    };
+    let mut r = respond(StatusCode::OK, content, body);
+    r.headers_mut()
+        .insert("x-ordnet-last", hyper::header::HeaderValue::from(last_seq));
+    Ok(r)
 }
 
 fn matrix(

@@ -125,6 +125,9 @@ pub struct Metrics {
     /// `ordnet_change_latency_seconds`: from a batch's first watch event to the datapath
     /// updated.
     pub change_latency_seconds: Histogram,
+    /// `ordnet_observed_events_total{attribution}`: verdict events attributed (exact, current,
+    /// changed: `crate::observe::Attribution`).
+    pub observed_events: [Counter; 3],
     sizes: Mutex<Sizes>,
     /// The datapath's own metrics as of the last programming ([`Enforcer::metrics`]).
     datapath: Mutex<Vec<Sample>>,
@@ -133,6 +136,17 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    /// Counts one attributed verdict event.
+    pub fn observed(&self, a: crate::observe::Attribution) {
+        use crate::observe::Attribution;
+        let i = match a {
+            Attribution::Exact => 0,
+            Attribution::Current => 1,
+            Attribution::Changed => 2,
+        };
+        self.observed_events[i].inc();
+    }
+
     /// Records the sizes of `engine` and `dp`, and the datapath's own metrics.
     pub fn set_sizes(&self, engine: &Engine, dp: &dyn Enforcer) {
         let mut s = Sizes {
@@ -282,6 +296,24 @@ impl Metrics {
                 vec![(vec![], Value::Histogram(h.data()))],
             );
         }
+        f.family(
+            "ordnet_observed_events",
+            "Verdict events of the datapath attributed to rules (docs/observe.md), by how the \
+             attribution relates to the judgement: exact (same revision, same lookup result), \
+             current (an older revision that today's state decides the same way), changed \
+             (today's state decides differently: the policy changed since).",
+            MetricType::Counter,
+            ["exact", "current", "changed"]
+                .into_iter()
+                .zip(&self.observed_events)
+                .map(|(a, c)| {
+                    (
+                        vec![("attribution", a.to_string())],
+                        Value::Counter(c.get()),
+                    )
+                })
+                .collect(),
+        );
         watch_metrics(&mut f, watch);
         let datapath = self
             .datapath

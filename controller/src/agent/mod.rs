@@ -24,6 +24,7 @@
 //!
 //! The apply loop is `applier`; the datapath it programs is an [`Enforcer`] ([`bpf`] or the
 //! in-memory [`NoneDatapath`]); [`status`] writes policy status under a Lease and emits Events;
+//! [`observe`] reads the datapath's verdict events and attributes them to rules;
 //! the debug API ([`debug`]) serves health, metrics and the matrix/trace/dump answers from the
 //! programmed state. The command line is the binary's (`src/cli/agent.rs`).
 
@@ -48,6 +49,7 @@ mod denied;
 mod error;
 pub mod metrics;
 mod netview;
+pub mod observe;
 pub mod status;
 mod watchers;
 
@@ -79,6 +81,8 @@ pub struct AgentConfig {
     pub follow_netlink: bool,
     /// The upkeep's interval otherwise ([`MAINTAIN_EVERY`]).
     pub maintain_every: Duration,
+    /// How many attributed verdict events the debug API keeps ([`observe::DEFAULT_JOURNAL`]).
+    pub observe_journal: usize,
 }
 
 /// Burst coalescing (see `Applier::coalesce`): a batch closes once no watch event arrived for
@@ -162,6 +166,8 @@ pub struct AgentState {
     applied: AtomicU64,
     /// The endpoints denied for lack of room, as last reported.
     denied: Mutex<denied::DeniedReport>,
+    /// The last verdict events, attributed (`observe`; the debug API's `/v1/observe`).
+    pub journal: Mutex<crate::observe::Journal>,
 }
 
 impl AgentState {
@@ -321,6 +327,7 @@ pub async fn start(
         leader: Arc::new(AtomicBool::new(false)),
         applied: AtomicU64::new(0),
         denied: Mutex::new(denied::DeniedReport::default()),
+        journal: Mutex::new(crate::observe::Journal::new(config.observe_journal)),
     });
     let (wanted_tx, wanted_rx) = watch::channel(BTreeMap::new());
     let (events_tx, events_rx) = mpsc::unbounded_channel();
@@ -370,6 +377,7 @@ pub async fn start(
     if config.follow_netlink {
         tasks.push(follow_netlink(events.clone())?);
     }
+    tasks.push(tokio::spawn(observe::observe_loop(state.clone())));
     tasks.push(tokio::spawn(maintain_loop(
         state.clone(),
         events,

@@ -34,7 +34,7 @@ pub struct AgentArgs {
     /// of --cni-conf-dir and out of --cni-bin-dir (when given), detach the XDP and TC programs
     /// from every interface and remove every pin ($ORDNET_PIN_DIR, default
     /// /sys/fs/bpf/ordnet). Run it after the agent's DaemonSet is gone (deploy/uninstall/).
-    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket", "metrics_addr", "upkeep_interval"])]
+    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket", "metrics_addr", "upkeep_interval", "observe_buffer"])]
     pub uninstall: bool,
     /// Kubeconfig to use (default: in-cluster config, then the usual kubeconfig lookup).
     #[arg(long, value_name = "PATH")]
@@ -60,6 +60,11 @@ pub struct AgentArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = 10,
           value_parser = clap::value_parser!(u64).range(1..=86400))]
     pub upkeep_interval: u64,
+    /// How many verdict events (new flows and denials, attributed to their rules) the agent
+    /// keeps for `ordnet observe --agent` (the oldest go first).
+    #[arg(long, value_name = "EVENTS", default_value_t = ordnet::agent::observe::DEFAULT_JOURNAL as u64,
+          value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    pub observe_buffer: u64,
     /// The log format (to stderr).
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -397,6 +402,7 @@ pub fn run(args: AgentArgs) -> ExitCode {
             metrics_addr: args.metrics_addr.0,
             follow_netlink: args.datapath == DatapathArg::Bpf,
             maintain_every: std::time::Duration::from_secs(args.upkeep_interval),
+            observe_journal: args.observe_buffer as usize,
         };
         let (datapath, kind): (Box<dyn agent::Enforcer>, &str) = if args.datapath == DatapathArg::Bpf {
             let pin_dir = agent::bpf::pin_dir_from_env();

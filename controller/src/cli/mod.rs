@@ -11,6 +11,7 @@ mod crd;
 mod dump;
 pub(crate) mod load;
 mod matrix;
+mod observe;
 mod trace;
 mod validate;
 
@@ -30,6 +31,9 @@ pub enum Command {
     Trace(TraceArgs),
     /// Show one endpoint's MapState trie (tree, json or Graphviz dot).
     Dump(DumpArgs),
+    /// Show what a node's datapath decided on live traffic: new flows and denied packets, with
+    /// the rule behind each verdict (from a running agent).
+    Observe(ObserveArgs),
     /// Check every policy in the manifests and report all problems.
     Validate(ValidateArgs),
     /// Print the CustomResourceDefinitions of the ordnet kinds.
@@ -136,6 +140,50 @@ pub struct TraceArgs {
     pub output: TextOrJson,
 }
 
+/// `ordnet observe` arguments.
+#[derive(Debug, Args)]
+pub struct ObserveArgs {
+    /// The agent's debug API (`HOST:PORT`): the node whose datapath's verdicts are shown.
+    #[arg(long, value_name = "ADDR")]
+    pub agent: String,
+    /// Show the last N events that pass the filters.
+    #[arg(short = 'n', long, value_name = "N", default_value_t = 20)]
+    pub last: u64,
+    /// Keep following: print new events as they arrive (every half second) until interrupted.
+    #[arg(short = 'f', long)]
+    pub follow: bool,
+    /// Only events with this pod (`namespace/name`) at either end.
+    #[arg(long, value_name = "NS/NAME")]
+    pub pod: Option<String>,
+    /// Only events with a pod of this namespace at either end.
+    #[arg(long, value_name = "NS")]
+    pub namespace: Option<String>,
+    /// Only allowed or only denied events.
+    #[arg(long, value_enum)]
+    pub verdict: Option<VerdictArg>,
+    /// Only events whose lookup in this direction was made.
+    #[arg(long, value_enum)]
+    pub direction: Option<DirectionArg>,
+    /// Only events decided by a rule of this policy (`name` or `namespace/name`), or by the
+    /// default of an endpoint it isolates.
+    #[arg(long, value_name = "NAME")]
+    pub policy: Option<String>,
+    /// Only this IP protocol (TCP, UDP, SCTP, ICMP, ICMPv6, or a number).
+    #[arg(long, value_name = "PROTOCOL")]
+    pub protocol: Option<String>,
+    /// Only this destination port.
+    #[arg(long)]
+    pub port: Option<u16>,
+    #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
+    pub output: TextOrJson,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum VerdictArg {
+    Allow,
+    Deny,
+}
+
 #[derive(Debug, Args)]
 pub struct DumpArgs {
     #[command(flatten)]
@@ -207,6 +255,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Matrix(args) => matrix::run(&args),
         Command::Trace(args) => trace::run(&args),
         Command::Dump(args) => dump::run(&args),
+        Command::Observe(args) => observe::run(&args),
         Command::Validate(args) => validate::run(&args),
         Command::Crd(a) => crd::run(a.upstream),
         Command::Lab(args) => crate::lab::run(&args),

@@ -191,7 +191,7 @@ fn side_text(
 }
 
 /// The rows that say what decided a side: the key and its rules, or the default and why.
-fn decision_rows(s: &SideTrace, row: &mut impl FnMut(&str, String)) {
+pub(crate) fn decision_rows(s: &SideTrace, row: &mut impl FnMut(&str, String)) {
     match &s.decision {
         SideDecision::Matched { key, entry } => {
             let mut k = format!(

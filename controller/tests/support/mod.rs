@@ -206,6 +206,7 @@ pub async fn start_agent_with(
             metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
             follow_netlink: false,
             maintain_every: agent::MAINTAIN_EVERY,
+            observe_journal: agent::observe::DEFAULT_JOURNAL,
         },
         api.client(),
         Box::new(dp),

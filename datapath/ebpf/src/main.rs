@@ -279,7 +279,7 @@ fn observe(p: &IpPacket, sum: Summary, hook: u8, ifindex: u32) {
         return;
     }
     let key = event::flow_key(p, hook);
-    match DENIED.get_ptr_mut(&key) {
+    match DENIED.get_ptr_mut(key) {
         // SAFETY: the map value stays valid for the program run; a concurrent update of the
         // same flow on another CPU can only lose a count.
         Some(r) => {
@@ -305,7 +305,9 @@ fn observe(p: &IpPacket, sum: Summary, hook: u8, ifindex: u32) {
             // by the insert.
             unsafe {
                 (*cpu).scratch = DenyRecord::first(now, emitted);
-                let _ = DENIED.insert(&key, &(*cpu).scratch, 0);
+                // By reference on purpose: by value, the record would be copied to the stack.
+                #[allow(clippy::needless_borrows_for_generic_args)]
+                let _ = DENIED.insert(key, &(*cpu).scratch, 0);
             }
         }
     }

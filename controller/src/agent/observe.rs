@@ -1,0 +1,101 @@
+//! The agent's verdict events (`docs/observe.md`): reads the datapath's event ring buffer as
+//! events arrive, attributes each batch to the rules that decided (`crate::observe`) under the
+//! same locks programming takes (so the engine is the one the tables were written from), and
+//! keeps the last ones, numbered, for the debug API's `/v1/observe` (`ordnet observe`).
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use ordnet_datapath::common::event::FlowEvent;
+use ordnet_datapath::{EventReader, Observed, monotonic_ns};
+use tokio::io::unix::AsyncFd;
+
+use super::AgentState;
+use crate::observe::{Endpoints, attribute};
+
+/// How many attributed events the agent keeps by default (`--observe-buffer`).
+pub const DEFAULT_JOURNAL: usize = 10_000;
+
+/// How often the loop asks the datapath whether its programs were loaded again (a new ring
+/// buffer), and looks at its ring buffer even without a wake-up.
+const RECHECK: Duration = Duration::from_secs(1);
+
+/// Reads, attributes and records the datapath's verdict events for as long as the agent runs.
+pub async fn observe_loop(state: Arc<AgentState>) {
+    let mut reader: Option<AsyncFd<EventReader>> = None;
+    let mut raw: Vec<FlowEvent> = Vec::new();
+    loop {
+        // A new load of the programs (start, growth) has a new ring buffer.
+        let fresh = state.datapath().take_events();
+        if let Some(r) = fresh {
+            // SAFETY: the reader owns the ring buffer's file descriptor and always returns that
+            // one; the `AsyncFd` owns the reader, so the descriptor stays open while registered.
+            let registered =
+                unsafe { AsyncFd::register_with_interest(r, tokio::io::Interest::READABLE) };
+            match registered {
+                Ok(fd) => {
+                    // What the old ring still holds comes first.
+                    if let Some(old) = reader.as_mut() {
+                        old.get_mut().drain(&mut raw);
+                    }
+                    reader = Some(fd);
+                }
+                Err(e) => {
+                    let (_, e) = e.into_parts();
+                    tracing::warn!(error = %e, "cannot poll the verdict events");
+                }
+            }
+        }
+        let Some(fd) = reader.as_mut() else {
+            tokio::time::sleep(RECHECK).await;
+            continue;
+        };
+        if raw.is_empty() {
+            tokio::select! {
+                guard = fd.readable_mut() => {
+                    if let Ok(mut g) = guard {
+                        g.clear_ready();
+                    }
+                }
+                _ = tokio::time::sleep(RECHECK) => {}
+            }
+        }
+        fd.get_mut().drain(&mut raw);
+        if raw.is_empty() {
+            continue;
+        }
+        let batch = std::mem::take(&mut raw);
+        let state2 = state.clone();
+        let _ = tokio::task::spawn_blocking(move || record(&state2, &batch)).await;
+    }
+}
+
+/// Attributes a batch of raw events and appends them to the journal.
+pub fn record(state: &AgentState, batch: &[FlowEvent]) {
+    let (now_mono, now_wall) = (monotonic_ns(), wall_ms());
+    let wall = |t: u64| now_wall.saturating_sub(now_mono.saturating_sub(t) / 1_000_000);
+    let records = state.with_programmed(|engine, dp| {
+        let endpoints = Endpoints::of(engine);
+        let revision = dp.plane().revision();
+        batch
+            .iter()
+            .map(|e| {
+                let o = Observed::of(e);
+                attribute(engine, &endpoints, revision, 0, wall(o.time_ns), &o)
+            })
+            .collect::<Vec<_>>()
+    });
+    // Numbered once attributed: the journal's lock is never held across programming's.
+    let mut journal = state.journal.lock().unwrap_or_else(|e| e.into_inner());
+    for mut r in records.into_iter().flatten() {
+        state.metrics.observed(r.attribution);
+        r.seq = journal.next_seq();
+        journal.push(r);
+    }
+}
+
+fn wall_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}

@@ -1,0 +1,473 @@
+//! Verdict events named (`ordnet observe`, `docs/observe.md`): a datapath event
+//! ([`Observed`]: the 5-tuple, the verdict, and what decided each direction in the kernel:
+//! the peer identity's key with its prefix, the wildcard, the default) attributed to the rules
+//! behind it through the engine's MapStates, the same lookups `ordnet trace` explains, and
+//! checked against what the kernel says decided; then filtered and rendered.
+//!
+//! The kernel names the MapState key that decided (or the default); the MapState says which
+//! rules that key comes from. The attribution is made with the engine that the datapath was
+//! programmed from (the agent resolves a batch of events under the lock that programming holds),
+//! and says how it relates to the revision the kernel judged with ([`Attribution`]).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fmt::Write as _;
+use std::net::IpAddr;
+
+use ordnet_datapath::{DecidedBy, Observed};
+use ordnet_engine::{Endpoint, Engine, SideDecision, SideTrace};
+use ordnet_mapstate::{Decision, Direction, Peer, Verdict};
+use serde::Serialize;
+
+use crate::render::{self, Cell, Style};
+
+/// How an event's attribution relates to the state the kernel judged it with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Attribution {
+    /// Judged with the revision the attribution was made with, and the MapState lookups
+    /// decide as the kernel said (the same key, or the default, with the same verdict).
+    Exact,
+    /// Judged with an older revision; the current MapStates decide the same way (the same
+    /// key or default and verdict), so the rules named are the current ones of that key.
+    Current,
+    /// The current MapStates decide differently from what the kernel said (the policy or the
+    /// endpoints changed since the packet was judged): the rules named are today's lookup,
+    /// not the judgement's.
+    Changed,
+}
+
+/// One verdict event with the rules that decided it.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FlowRecord {
+    /// Sequence number in the agent's record (increasing by one per event).
+    pub seq: u64,
+    /// Wall-clock time of the event, milliseconds since the Unix epoch.
+    pub time_ms: u64,
+    /// The event as the kernel wrote it.
+    pub event: Observed,
+    /// Protocol name (`TCP`, `UDP`, `SCTP`, `ICMP`, `ICMPv6`, or the number).
+    pub protocol: String,
+    /// The source's local endpoint (`ns/name`), if it is one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub src_pod: Option<String>,
+    /// The destination's local endpoint, if it is one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dst_pod: Option<String>,
+    /// The sender's egress lookup, when the kernel judged it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub egress: Option<SideTrace>,
+    /// The receiver's ingress lookup, when the kernel judged it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ingress: Option<SideTrace>,
+    /// How the attribution relates to the judgement.
+    pub attribution: Attribution,
+    /// The policy revision the attribution was made with.
+    pub attributed_revision: u64,
+}
+
+/// The protocol's name.
+pub fn protocol_name(p: u8) -> String {
+    match p {
+        1 => "ICMP".into(),
+        6 => "TCP".into(),
+        17 => "UDP".into(),
+        58 => "ICMPv6".into(),
+        132 => "SCTP".into(),
+        n => n.to_string(),
+    }
+}
+
+/// The local endpoints by address (built once per batch of events).
+pub struct Endpoints<'e>(BTreeMap<IpAddr, &'e Endpoint>);
+
+impl<'e> Endpoints<'e> {
+    /// The engine's local endpoints by each of their addresses.
+    pub fn of(engine: &'e Engine) -> Endpoints<'e> {
+        Endpoints(
+            engine
+                .endpoints()
+                .iter()
+                .flat_map(|ep| ep.ips.iter().map(move |ip| (*ip, ep)))
+                .collect(),
+        )
+    }
+
+    fn get(&self, ip: IpAddr) -> Option<&'e Endpoint> {
+        self.0.get(&ip).copied()
+    }
+}
+
+/// One side's lookup in the engine's MapState of `ep` (the lookup `trace` explains).
+fn side(
+    engine: &Engine,
+    ep: &Endpoint,
+    dir: Direction,
+    peer: IpAddr,
+    peer_pod: Option<&Endpoint>,
+    protocol: u8,
+    port: u16,
+) -> SideTrace {
+    let policy = engine.policy(ep, dir);
+    let peer_identity = engine.identity_of(peer);
+    let (verdict, decision) = match policy.mapstate.lookup(Some(peer_identity), protocol, port) {
+        Decision::Matched { key, entry } => (
+            entry.verdict,
+            SideDecision::Matched {
+                key,
+                entry: entry.clone(),
+            },
+        ),
+        Decision::Default(v) => (
+            v,
+            SideDecision::Default {
+                isolated: policy.isolated,
+                isolated_by: policy.isolated_by.clone(),
+            },
+        ),
+    };
+    SideTrace {
+        endpoint: ep.id(),
+        direction: dir,
+        peer: peer_pod.map_or_else(|| peer.to_string(), |p| p.id()),
+        peer_address: peer,
+        peer_identity,
+        verdict,
+        decision,
+    }
+}
+
+/// Whether the engine's lookup `s` decided as the kernel said (`by`, `allowed`).
+fn agrees(s: &SideTrace, by: DecidedBy, allowed: bool) -> bool {
+    let kind = match (&s.decision, by) {
+        (SideDecision::Matched { key, .. }, DecidedBy::Key { .. }) => {
+            let DecidedBy::Key {
+                protocol,
+                port,
+                length,
+            } = by
+            else {
+                unreachable!()
+            };
+            let bits = key.prefix.raw() | u32::from(key.prefix.len());
+            matches!(key.peer, Peer::Id(_))
+                && bits
+                    == ordnet_datapath::common::layout::prefix_bits(
+                        protocol,
+                        port,
+                        u32::from(length),
+                    )
+        }
+        (SideDecision::Matched { key, .. }, DecidedBy::Wildcard) => key.peer == Peer::Any,
+        (SideDecision::Default { .. }, DecidedBy::Default) => true,
+        _ => false,
+    };
+    kind && (s.verdict == Verdict::Allow) == allowed
+}
+
+/// Attributes event `e` (sequence number `seq`, wall-clock `time_ms`) with `engine`, whose
+/// state is the datapath's at policy revision `revision`.
+pub fn attribute(
+    engine: &Engine,
+    endpoints: &Endpoints<'_>,
+    revision: u64,
+    seq: u64,
+    time_ms: u64,
+    e: &Observed,
+) -> FlowRecord {
+    let (src_ep, dst_ep) = (endpoints.get(e.src), endpoints.get(e.dst));
+    // The flow judged: the packet's direction, or for a reply re-checked after a change, its
+    // flow's original one (the reply's source is the flow's destination).
+    let judge = |reversed: bool| {
+        let (from, from_ep, to, to_ep, port) = if reversed {
+            (e.dst, dst_ep, e.src, src_ep, e.sport)
+        } else {
+            (e.src, src_ep, e.dst, dst_ep, e.dport)
+        };
+        let egress = (e.egress.0 != DecidedBy::None)
+            .then_some(from_ep)
+            .flatten()
+            .map(|ep| side(engine, ep, Direction::Egress, to, to_ep, e.protocol, port));
+        let ingress = (e.ingress.0 != DecidedBy::None)
+            .then_some(to_ep)
+            .flatten()
+            .map(|ep| {
+                side(
+                    engine,
+                    ep,
+                    Direction::Ingress,
+                    from,
+                    from_ep,
+                    e.protocol,
+                    port,
+                )
+            });
+        let ok = |s: &Option<SideTrace>, (by, allowed): (DecidedBy, bool)| match s {
+            Some(s) => agrees(s, by, allowed),
+            None => by == DecidedBy::None,
+        };
+        let agree = ok(&egress, e.egress) && ok(&ingress, e.ingress);
+        (egress, ingress, agree)
+    };
+    let (mut egress, mut ingress, mut agree) = judge(false);
+    if !agree && e.rechecked() {
+        let reversed = judge(true);
+        if reversed.2 {
+            (egress, ingress, agree) = reversed;
+        }
+    }
+    let attribution = match (agree, e.revision == revision) {
+        (true, true) => Attribution::Exact,
+        (true, false) => Attribution::Current,
+        (false, _) => Attribution::Changed,
+    };
+    FlowRecord {
+        seq,
+        time_ms,
+        event: e.clone(),
+        protocol: protocol_name(e.protocol),
+        src_pod: src_ep.map(|p| p.id()),
+        dst_pod: dst_ep.map(|p| p.id()),
+        egress,
+        ingress,
+        attribution,
+        attributed_revision: revision,
+    }
+}
+
+/// What `ordnet observe` shows (every field unset = everything).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Filter {
+    /// A pod (`ns/name`) at either end.
+    pub pod: Option<String>,
+    /// A namespace of either end's pod.
+    pub namespace: Option<String>,
+    /// Only allowed (`Some(true)`) or denied (`Some(false)`) events.
+    pub allowed: Option<bool>,
+    /// Only events whose lookup of this direction was made.
+    pub direction: Option<Direction>,
+    /// A policy (`name` or `ns/name`) among the rules named or the isolating policies.
+    pub policy: Option<String>,
+    /// IP protocol number.
+    pub protocol: Option<u8>,
+    /// Destination port.
+    pub port: Option<u16>,
+}
+
+impl Filter {
+    /// Whether record `r` passes the filter.
+    pub fn matches(&self, r: &FlowRecord) -> bool {
+        let pods = [r.src_pod.as_deref(), r.dst_pod.as_deref()];
+        if let Some(p) = &self.pod
+            && !pods.contains(&Some(p.as_str()))
+        {
+            return false;
+        }
+        if let Some(ns) = &self.namespace
+            && !pods
+                .iter()
+                .flatten()
+                .any(|p| p.split_once('/').is_some_and(|(n, _)| n == ns))
+        {
+            return false;
+        }
+        if self.allowed.is_some_and(|a| a != r.event.allowed) {
+            return false;
+        }
+        match self.direction {
+            Some(Direction::Egress) if r.egress.is_none() => return false,
+            Some(Direction::Ingress) if r.ingress.is_none() => return false,
+            _ => {}
+        }
+        if self.protocol.is_some_and(|p| p != r.event.protocol)
+            || self.port.is_some_and(|p| p != r.event.dport)
+        {
+            return false;
+        }
+        if let Some(policy) = &self.policy {
+            let named = |o: &ordnet_mapstate::Origin| {
+                o.name == *policy
+                    || o.namespace
+                        .as_ref()
+                        .is_some_and(|ns| format!("{ns}/{}", o.name) == *policy)
+            };
+            let hit = [&r.egress, &r.ingress]
+                .into_iter()
+                .flatten()
+                .any(|s| match &s.decision {
+                    SideDecision::Matched { entry, .. } => entry.origins.iter().any(|o| named(o)),
+                    SideDecision::Default { isolated_by, .. } => {
+                        isolated_by.iter().any(|o| named(o))
+                    }
+                });
+            if !hit {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+/// The agent's bounded record of the last events, numbered.
+#[derive(Debug)]
+pub struct Journal {
+    records: VecDeque<FlowRecord>,
+    capacity: usize,
+    next: u64,
+    /// Events dropped from the front to keep the record bounded.
+    pub evicted: u64,
+}
+
+impl Journal {
+    /// A record of at most `capacity` events.
+    pub fn new(capacity: usize) -> Journal {
+        Journal {
+            records: VecDeque::with_capacity(capacity.min(4096)),
+            capacity: capacity.max(1),
+            next: 1,
+            evicted: 0,
+        }
+    }
+
+    /// The sequence number the next event gets.
+    pub fn next_seq(&self) -> u64 {
+        self.next
+    }
+
+    /// Appends a record (its `seq` must be [`Journal::next_seq`]).
+    pub fn push(&mut self, r: FlowRecord) {
+        debug_assert_eq!(r.seq, self.next);
+        self.next = r.seq + 1;
+        if self.records.len() == self.capacity {
+            self.records.pop_front();
+            self.evicted += 1;
+        }
+        self.records.push_back(r);
+    }
+
+    /// The records after sequence number `since` that pass `filter`, the last `last` of them.
+    pub fn select(&self, since: u64, filter: &Filter, last: usize) -> Vec<FlowRecord> {
+        let mut out: Vec<FlowRecord> = self
+            .records
+            .iter()
+            .filter(|r| r.seq > since && filter.matches(r))
+            .cloned()
+            .collect();
+        if out.len() > last {
+            out.drain(..out.len() - last);
+        }
+        out
+    }
+
+    /// Events held.
+    pub fn len(&self) -> usize {
+        self.records.len()
+    }
+
+    /// Whether none is held.
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty()
+    }
+}
+
+/// The answer of the agent's `/v1/observe` (JSON): the records and the sequence number to ask
+/// `since` next.
+#[derive(Debug, Clone, Serialize)]
+pub struct Page<R> {
+    /// The records, oldest first.
+    pub records: Vec<R>,
+    /// The highest sequence number handed out so far (ask `since=` it for what follows).
+    pub last: u64,
+}
+
+/// A time of day in UTC, `HH:MM:SS.mmm`.
+fn clock(time_ms: u64) -> String {
+    let s = time_ms / 1000;
+    format!(
+        "{:02}:{:02}:{:02}.{:03}",
+        (s / 3600) % 24,
+        (s / 60) % 60,
+        s % 60,
+        time_ms % 1000
+    )
+}
+
+/// One record as text: a line for the flow and the verdict, then for each side judged the
+/// rows `ordnet trace` prints for what decided it (the key and its rules, or the default and
+/// what isolates the endpoint).
+pub fn text(r: &FlowRecord, style: Style) -> String {
+    let e = &r.event;
+    let end = |ip: IpAddr, port: u16, pod: &Option<String>| {
+        let at = if matches!(e.protocol, 6 | 17 | 132) {
+            match ip {
+                IpAddr::V6(_) => format!("[{ip}]:{port}"),
+                IpAddr::V4(_) => format!("{ip}:{port}"),
+            }
+        } else {
+            ip.to_string()
+        };
+        match pod {
+            Some(p) => format!("{p} ({at})"),
+            None => at,
+        }
+    };
+    let verdict = if e.allowed {
+        Verdict::Allow
+    } else {
+        Verdict::Deny
+    };
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        "{} {} {} {} -> {} {} at {}, revision {}",
+        clock(r.time_ms),
+        style.verdict(verdict, &verdict.as_str().to_uppercase()),
+        r.protocol,
+        end(e.src, e.sport, &r.src_pod),
+        end(e.dst, e.dport, &r.dst_pod),
+        e.reason,
+        e.hook,
+        e.revision
+    );
+    if e.packets > 1 {
+        let _ = write!(
+            out,
+            ", {} packets over {:.1} s",
+            e.packets,
+            e.time_ns.saturating_sub(e.first_ns) as f64 / 1e9
+        );
+    }
+    match r.attribution {
+        Attribution::Exact => {}
+        Attribution::Current => {
+            let _ = write!(
+                out,
+                " (attributed with revision {}: decided the same way)",
+                r.attributed_revision
+            );
+        }
+        Attribution::Changed => {
+            let _ = write!(
+                out,
+                " (the state changed since: revision {} decides differently; the rules shown are its)",
+                r.attributed_revision
+            );
+        }
+    }
+    out.push('\n');
+    for s in [&r.egress, &r.ingress].into_iter().flatten() {
+        let _ = writeln!(
+            out,
+            "  {} of {}: {}",
+            s.direction.as_str(),
+            s.endpoint,
+            style.verdict(s.verdict, s.verdict.as_str())
+        );
+        let mut rows: Vec<Vec<Cell>> = Vec::new();
+        render::trace::decision_rows(s, &mut |k: &str, v: String| {
+            rows.push(vec![Cell::plain(format!("    {k}")), Cell::plain(v)]);
+        });
+        out.push_str(&render::table(&rows, &[], 2));
+    }
+    out
+}
