@@ -132,6 +132,7 @@ async fn bench_2000_pods_1000_policies() {
             follow_netlink: false,
             maintain_every: agent::MAINTAIN_EVERY,
             observe_journal: agent::observe::DEFAULT_JOURNAL,
+            flow_log: None,
         },
         api.client(),
         Box::new(NoneDatapath::default()),

@@ -1457,8 +1457,16 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     )
     .unwrap();
 
-    // 1. Start: fresh pins, every pod's veth and the uplink attached.
-    let agent = Agent::start_ready(&lab, &kubeconfig);
+    // 1. Start: fresh pins, every pod's veth and the uplink attached; a flow log.
+    let flow_log =
+        std::env::temp_dir().join(format!("ordnet-flowlog-{}.jsonl", std::process::id()));
+    let _ = std::fs::remove_file(&flow_log);
+    let agent = Agent::start_with(
+        &lab,
+        &kubeconfig,
+        &["--flow-log", flow_log.to_str().unwrap()],
+    );
+    agent.wait_ready();
     lab.expect("initial", &[("client", "db"), ("client", "web")]);
     // Through the Service, db's ingress decides (judged after the DNAT, at TC).
     lab.expect_service("initial", &["far", "web"]);

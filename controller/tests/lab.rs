@@ -131,6 +131,10 @@ fn check_with(
     let sc = load(dir, name);
     let file = manifest(&sc);
     let family = sc.family.unwrap_or(4);
+    let engine = {
+        let outcome = ordnet_crds::load_and_validate(&[PathBuf::from(file.path())]);
+        ordnet_engine::Engine::build(&outcome.objects)
+    };
     let ext = sc.external_names();
     let mut endpoints = sc.pods(family);
     endpoints.extend(ext.iter().cloned());
@@ -154,6 +158,7 @@ fn check_with(
             family.to_string(),
             "-o".into(),
             "json".into(),
+            "--observe".into(),
         ];
         for x in &ext {
             args.push("--external".into());
@@ -225,13 +230,111 @@ fn check_with(
             node_ports.push(n.clone());
         }
         assert_eq!(results.len(), want_pairs, "{what}: number of pairs");
+        let events = events_name_the_rules(&what, &engine, family, &e.protocol, e.port, results);
         println!(
-            "{what}: {want_pairs} pairs as expected in {} ms",
+            "{what}: {want_pairs} pairs as expected in {} ms; {events} verdict events name the \
+             rules trace names",
             started.elapsed().as_millis()
         );
     }
     assert!(probed > 0, "{name}: nothing probed (selection {only:?})");
     node_ports
+}
+
+/// `--observe`: every probed flow between two different ends has its verdict events, denied
+/// ones for a denied flow and an allowed one for an allowed flow, and each event names, for each
+/// side the kernel judged, the rules (or the default and the policies isolating the endpoint)
+/// that `ordnet trace` names for that flow (`Engine::flow`, for a Service's backend
+/// `Engine::flow_to_backend`). Returns the number of events checked.
+fn events_name_the_rules(
+    what: &str,
+    engine: &ordnet_engine::Engine,
+    family: u8,
+    protocol: &str,
+    port: u16,
+    results: &[serde_json::Value],
+) -> usize {
+    use ordnet_engine::{FlowEnd, IpFamily};
+    let fam = if family == 6 {
+        IpFamily::V6
+    } else {
+        IpFamily::V4
+    };
+    let proto = match protocol {
+        "UDP" => ordnet_mapstate::Protocol::Udp,
+        "SCTP" => ordnet_mapstate::Protocol::Sctp,
+        _ => ordnet_mapstate::Protocol::Tcp,
+    };
+    // What a side says decided: its verdict, and the rules of the key or the isolating
+    // policies of the default (identity numbers aside: the lab's engine has the externals).
+    let rules = |side: &serde_json::Value| {
+        (
+            side["verdict"].clone(),
+            side["decision"]["kind"].clone(),
+            side["decision"]["entry"]["origins"].clone(),
+            side["decision"]["isolatedBy"].clone(),
+        )
+    };
+    let mut checked = 0;
+    let mut flows = Vec::new();
+    for r in results {
+        if r["backends"].is_array() {
+            for b in r["backends"].as_array().unwrap() {
+                // A pod through a Service to itself is masqueraded: its events are the
+                // node address's, not matched to the probe.
+                let hairpin = b["to"] == r["from"];
+                flows.push((r["from"].clone(), b.clone(), true, !hairpin));
+            }
+        } else {
+            flows.push((r["from"].clone(), r.clone(), false, r["from"] != r["to"]));
+        }
+    }
+    for (from, r, backend, required) in flows {
+        let to = &r["to"];
+        let events = r["events"].as_array().cloned().unwrap_or_default();
+        let allowed = r["verdict"] == "allow";
+        if required {
+            assert!(
+                !events.is_empty(),
+                "{what}: {from} -> {to} ({}): no verdict event",
+                r["verdict"]
+            );
+            assert!(
+                events.iter().any(|e| e["event"]["allowed"] == allowed),
+                "{what}: {from} -> {to}: no event with the probe's verdict: {events:#?}"
+            );
+        }
+        for e in &events {
+            let src: std::net::IpAddr = e["event"]["src"].as_str().unwrap().parse().unwrap();
+            let dst: std::net::IpAddr = e["event"]["dst"].as_str().unwrap().parse().unwrap();
+            let (a, b) = (FlowEnd::Ip(src), FlowEnd::Ip(dst));
+            let t = if backend {
+                engine.flow_to_backend(
+                    &a,
+                    &b,
+                    fam,
+                    proto,
+                    e["event"]["dport"].as_u64().unwrap() as u16,
+                )
+            } else {
+                engine.flow(&a, &b, fam, proto, port)
+            };
+            let t = serde_json::to_value(&t).unwrap();
+            assert_eq!(e["attribution"], "exact", "{what}: {from} -> {to}: {e:#}");
+            for side in ["egress", "ingress"] {
+                if e[side].is_null() {
+                    continue;
+                }
+                assert_eq!(
+                    rules(&e[side]),
+                    rules(&t[side]),
+                    "{what}: {from} -> {to}: the event's {side} vs trace's:\n{e:#}\n{t:#}"
+                );
+            }
+            checked += 1;
+        }
+    }
+    checked
 }
 
 #[test]

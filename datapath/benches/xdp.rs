@@ -407,6 +407,12 @@ fn main() {
         );
     }
 
+    let at = sizes
+        .iter()
+        .copied()
+        .find(|n| *n >= 1000)
+        .unwrap_or(sizes[0]);
+    events_overhead(at, &ruleset(at, Shape::Mixed).0, repeat, rounds);
     real_path(&floor_ns);
     apply_times();
     attach_times();
@@ -614,23 +620,24 @@ fn layouts(
 }
 
 /// Measures the full program with `ms` as a local endpoint's egress and ingress rule set.
-fn full_program(
+/// The full program's datapath (`config` with the rule set's sizes) and its frames: A
+/// (10.0.0.2) has the rule set as egress and ingress; R is a remote pod of the measured
+/// identity; B a local pod of that identity with open policies. Also the identity and the
+/// allowed port.
+#[allow(clippy::type_complexity)]
+fn full_setup(
     n: usize,
     ms: &MapState,
-    repeat: u32,
-    rounds: usize,
-    full_ns: &mut BTreeMap<(usize, &'static str), f64>,
-) {
+    config: DatapathConfig,
+) -> (Datapath, Vec<(&'static str, Vec<u8>, XdpAction)>, u32, u16) {
     let config = DatapathConfig {
         policy_entries: ((2 * ms.len()) as u32 + 1024).next_power_of_two(),
         max_rulesets: 8,
         max_blocks: 1024,
-        ..DatapathConfig::default()
+        ..config
     };
     let mut dp = Datapath::create(config).unwrap();
     let id = probe_identity(n);
-    // A (10.0.0.2) has the rule set as egress and ingress; R is a remote pod of the measured
-    // identity; B a local pod of that identity with open policies.
     let a: IpAddr = [10, 0, 0, 2].into();
     let b: IpAddr = [10, 0, 0, 3].into();
     let r: IpAddr = v4(id).into();
@@ -698,6 +705,17 @@ fn full_program(
             XdpAction::Pass,
         ),
     ];
+    (dp, full, id, p)
+}
+
+fn full_program(
+    n: usize,
+    ms: &MapState,
+    repeat: u32,
+    rounds: usize,
+    full_ns: &mut BTreeMap<(usize, &'static str), f64>,
+) {
+    let (mut dp, full, id, p) = full_setup(n, ms, DatapathConfig::default());
     // Userspace follows the same packet sequence with its own tracking table (the SYN A->R
     // creates the flow the last packet belongs to).
     let ct = ordnet_datapath::UserCt::default();
@@ -722,6 +740,111 @@ fn full_program(
         full_ns.insert((n, name), median(v));
     }
     tc_program(n, &mut dp, id, p, repeat, rounds, full_ns);
+}
+
+/// The verdict events' cost per packet (`common::event`, docs/observe.md): the full program's
+/// established, new-flow and denied packets with events off, on at the default rate (a repeated
+/// packet is a flood: a new flow's events are then refused by the rate limit, a denied flow's
+/// packets counted in its record), and on with every event emitted (a rate no test run reaches,
+/// and a thread draining the ring buffer as a reader would). The three datapaths are measured
+/// in turn within each round (same run); medians.
+fn events_overhead(n: usize, ms: &MapState, repeat: u32, rounds: usize) {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let rows = [
+        "established ACK R->A (tracked flow)",
+        "pod egress SYN A->R (allowed, new flow)",
+        "pod egress SYN A->R denied (default)",
+    ];
+    let configs: [(&str, u64); 3] = [
+        ("off", 0),
+        (
+            "on, 5000/s",
+            ordnet_datapath::common::event::DEFAULT_EVENTS_PER_SEC,
+        ),
+        ("on, every event", u64::MAX),
+    ];
+    type Frames = Vec<(&'static str, Vec<u8>, XdpAction)>;
+    let mut dps: Vec<(Datapath, Frames)> = configs
+        .iter()
+        .map(|(_, rate)| {
+            let config = DatapathConfig {
+                events_per_sec: *rate,
+                ..DatapathConfig::default()
+            };
+            let (dp, full, _, _) = full_setup(n, ms, config);
+            (dp, full)
+        })
+        .collect();
+    // The reader of the last one drains while it runs.
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let drained = std::sync::Arc::new(AtomicU64::new(0));
+    let mut reader = dps[2].0.events().unwrap().expect("the ring buffer");
+    let drainer = {
+        let (stop, drained) = (stop.clone(), drained.clone());
+        std::thread::spawn(move || {
+            let mut v = Vec::with_capacity(4096);
+            while !stop.load(Ordering::Relaxed) {
+                v.clear();
+                drained.fetch_add(reader.drain(&mut v) as u64, Ordering::Relaxed);
+            }
+        })
+    };
+    let mut samples: BTreeMap<(usize, &'static str), Vec<f64>> = BTreeMap::new();
+    for (dp, full) in &dps {
+        // The SYN A->R first: the established ACK belongs to its flow.
+        for (_, f, want) in full {
+            assert_eq!(dp.test_run(f).unwrap().action, *want);
+        }
+    }
+    for _ in 0..rounds {
+        for (i, (dp, full)) in dps.iter_mut().enumerate() {
+            for row in rows {
+                let (_, f, want) = full.iter().find(|(name, _, _)| *name == row).unwrap();
+                let r = dp.test_run_repeat(f, repeat).unwrap();
+                assert_eq!(r.action, *want);
+                samples
+                    .entry((i, row))
+                    .or_default()
+                    .push(ns(r.avg_duration));
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    drainer.join().unwrap();
+    println!(
+        "\nVerdict events (docs/observe.md), full program, {n} entries, ns/packet (same run, \
+         median of {rounds} rounds of {repeat}):"
+    );
+    print!("{:>46}", "packet \\ events");
+    for (name, _) in configs {
+        print!("{name:>18}");
+    }
+    println!("{:>12}{:>12}", "on/off", "every/off");
+    for row in rows {
+        print!("{row:>46}");
+        let v: Vec<f64> = (0..3).map(|i| median(samples[&(i, row)].clone())).collect();
+        for x in &v {
+            print!("{x:>18.1}");
+        }
+        println!("{:>12.3}{:>12.3}", v[1] / v[0], v[2] / v[0]);
+    }
+    for (i, (name, _)) in configs.iter().enumerate() {
+        let c = dps[i].0.counters().unwrap();
+        println!(
+            "{name:>46}: {} emitted, {} suppressed, {} lost{}",
+            c.events,
+            c.events_suppressed,
+            c.events_lost,
+            if i == 2 {
+                format!(
+                    ", {} read by the draining thread",
+                    drained.load(Ordering::Relaxed)
+                )
+            } else {
+                String::new()
+            }
+        );
+    }
 }
 
 /// The TC hook (after kube-proxy's translation) next to XDP on the same maps: B's interface is

@@ -3346,8 +3346,16 @@ fn verdict_events_name_what_decided() {
     let c = dp.counters().unwrap();
     assert_eq!((c.events, c.events_suppressed, c.events_lost), (10, 0, 0));
     eprintln!("events: 10 emitted, with what decided each direction");
+}
 
-    // The rate limit: 1 event per second (each CPU's burst is 256), 600 new flows.
+/// The verdict events' rate limit refuses events beyond it and counts them (emitted +
+/// suppressed = the flows); events off emit and count nothing.
+#[test]
+fn verdict_events_rate_limit_and_off() {
+    if !privileged() {
+        return;
+    }
+    // 1 event per second (each CPU's burst is 256), 600 new flows.
     let config = DatapathConfig {
         events_per_sec: 1,
         ..small_config()

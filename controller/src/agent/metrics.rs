@@ -128,6 +128,8 @@ pub struct Metrics {
     /// `ordnet_observed_events_total{attribution}`: verdict events attributed (exact, current,
     /// changed: `crate::observe::Attribution`).
     pub observed_events: [Counter; 3],
+    /// `ordnet_flow_log_errors_total`: failed writes of the flow log.
+    pub flow_log_errors: Counter,
     sizes: Mutex<Sizes>,
     /// The datapath's own metrics as of the last programming ([`Enforcer::metrics`]).
     datapath: Mutex<Vec<Sample>>,
@@ -267,6 +269,11 @@ impl Metrics {
                 "ordnet_datapath_errors",
                 "Datapath programming errors.",
                 &self.datapath_errors,
+            ),
+            (
+                "ordnet_flow_log_errors",
+                "Failed writes of the flow log (--flow-log).",
+                &self.flow_log_errors,
             ),
         ] {
             // `ordnet_invalid_objects` is also a gauge: the counter's samples end in `_total`.

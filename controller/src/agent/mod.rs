@@ -47,6 +47,7 @@ pub mod datapath;
 pub mod debug;
 mod denied;
 mod error;
+pub mod flowlog;
 pub mod metrics;
 mod netview;
 pub mod observe;
@@ -83,6 +84,20 @@ pub struct AgentConfig {
     pub maintain_every: Duration,
     /// How many attributed verdict events the debug API keeps ([`observe::DEFAULT_JOURNAL`]).
     pub observe_journal: usize,
+    /// The flow log: every attributed verdict event as a JSON line (`None`: none), rotated at
+    /// `max_bytes`, `files` files kept ([`flowlog`]).
+    pub flow_log: Option<FlowLogConfig>,
+}
+
+/// Where and how the flow log is written ([`AgentConfig::flow_log`]).
+#[derive(Debug, Clone)]
+pub struct FlowLogConfig {
+    /// The current file (rotated ones get `.1`, `.2`, ...).
+    pub path: std::path::PathBuf,
+    /// Size at which it is rotated.
+    pub max_bytes: u64,
+    /// Files kept, the current one included.
+    pub files: u32,
 }
 
 /// Burst coalescing (see `Applier::coalesce`): a batch closes once no watch event arrived for
@@ -168,6 +183,8 @@ pub struct AgentState {
     denied: Mutex<denied::DeniedReport>,
     /// The last verdict events, attributed (`observe`; the debug API's `/v1/observe`).
     pub journal: Mutex<crate::observe::Journal>,
+    /// The flow log, if one is written.
+    flow_log: Mutex<Option<flowlog::FlowLog>>,
 }
 
 impl AgentState {
@@ -317,6 +334,14 @@ pub async fn start(
     client: Client,
     datapath: Box<dyn Enforcer>,
 ) -> std::io::Result<AgentHandle> {
+    let flow_log = match &config.flow_log {
+        Some(f) => Some(
+            flowlog::FlowLog::open(&f.path, f.max_bytes, f.files).map_err(|e| {
+                std::io::Error::new(e.kind(), format!("the flow log {}: {e}", f.path.display()))
+            })?,
+        ),
+        None => None,
+    };
     let state = Arc::new(AgentState {
         node: config.node.clone(),
         engine: RwLock::new(None),
@@ -328,6 +353,7 @@ pub async fn start(
         applied: AtomicU64::new(0),
         denied: Mutex::new(denied::DeniedReport::default()),
         journal: Mutex::new(crate::observe::Journal::new(config.observe_journal)),
+        flow_log: Mutex::new(flow_log),
     });
     let (wanted_tx, wanted_rx) = watch::channel(BTreeMap::new());
     let (events_tx, events_rx) = mpsc::unbounded_channel();

@@ -85,11 +85,27 @@ pub fn record(state: &AgentState, batch: &[FlowEvent]) {
             })
             .collect::<Vec<_>>()
     });
+    let Some(mut records) = records else {
+        return;
+    };
     // Numbered once attributed: the journal's lock is never held across programming's.
     let mut journal = state.journal.lock().unwrap_or_else(|e| e.into_inner());
-    for mut r in records.into_iter().flatten() {
+    let first = journal.next_seq();
+    for (i, r) in records.iter_mut().enumerate() {
         state.metrics.observed(r.attribution);
-        r.seq = journal.next_seq();
+        r.seq = first + i as u64;
+    }
+    if let Some(log) = state
+        .flow_log
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_mut()
+        && let Err(e) = log.write(&records)
+    {
+        state.metrics.flow_log_errors.inc();
+        tracing::warn!(error = %e, "writing the flow log failed");
+    }
+    for r in records {
         journal.push(r);
     }
 }

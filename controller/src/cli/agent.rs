@@ -34,7 +34,7 @@ pub struct AgentArgs {
     /// of --cni-conf-dir and out of --cni-bin-dir (when given), detach the XDP and TC programs
     /// from every interface and remove every pin ($ORDNET_PIN_DIR, default
     /// /sys/fs/bpf/ordnet). Run it after the agent's DaemonSet is gone (deploy/uninstall/).
-    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket", "metrics_addr", "upkeep_interval", "observe_buffer"])]
+    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket", "metrics_addr", "upkeep_interval", "observe_buffer", "flow_log"])]
     pub uninstall: bool,
     /// Kubeconfig to use (default: in-cluster config, then the usual kubeconfig lookup).
     #[arg(long, value_name = "PATH")]
@@ -65,6 +65,18 @@ pub struct AgentArgs {
     #[arg(long, value_name = "EVENTS", default_value_t = ordnet::agent::observe::DEFAULT_JOURNAL as u64,
           value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
     pub observe_buffer: u64,
+    /// Write every verdict event (attributed to its rules, as `ordnet observe -o json` shows
+    /// it) as a JSON line to this file, for log collectors.
+    #[arg(long, value_name = "PATH")]
+    pub flow_log: Option<std::path::PathBuf>,
+    /// Rotate the flow log when it reaches this size (the file becomes PATH.1, ...).
+    #[arg(long, value_name = "BYTES", default_value_t = ordnet::agent::flowlog::DEFAULT_MAX_BYTES,
+          requires = "flow_log")]
+    pub flow_log_max_bytes: u64,
+    /// Flow log files kept, the current one included.
+    #[arg(long, value_name = "N", default_value_t = ordnet::agent::flowlog::DEFAULT_FILES,
+          value_parser = clap::value_parser!(u32).range(1..=1000), requires = "flow_log")]
+    pub flow_log_files: u32,
     /// The log format (to stderr).
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -403,6 +415,11 @@ pub fn run(args: AgentArgs) -> ExitCode {
             follow_netlink: args.datapath == DatapathArg::Bpf,
             maintain_every: std::time::Duration::from_secs(args.upkeep_interval),
             observe_journal: args.observe_buffer as usize,
+            flow_log: args.flow_log.clone().map(|path| agent::FlowLogConfig {
+                path,
+                max_bytes: args.flow_log_max_bytes,
+                files: args.flow_log_files,
+            }),
         };
         let (datapath, kind): (Box<dyn agent::Enforcer>, &str) = if args.datapath == DatapathArg::Bpf {
             let pin_dir = agent::bpf::pin_dir_from_env();

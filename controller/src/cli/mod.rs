@@ -239,6 +239,11 @@ pub struct LabArgs {
     /// The MTU of every link of the lab (68..=65535; 9001 is EKS's).
     #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(68..=65535))]
     pub mtu: u32,
+    /// With `--probe`: show the datapath's verdict events for the probes (each new flow and
+    /// the denied packets, with the rule that decided), as `ordnet observe` shows them; with
+    /// `-o json` every probed flow lists its events.
+    #[arg(long)]
+    pub observe: bool,
 }
 
 /// How `ordnet lab` wires its pods ([`LabArgs::cni`]).

@@ -9,6 +9,7 @@
 
 mod error;
 mod kubeproxy;
+mod observe;
 mod probe;
 mod sctp;
 mod sys;
@@ -21,6 +22,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ordnet::observe::FlowRecord;
 use ordnet::program::NodeProgram;
 use ordnet_datapath::{Datapath, DatapathConfig};
 use ordnet_engine::{Engine, IpFamily, Matrix, MatrixVerdict};
@@ -372,6 +374,8 @@ const CT_SWEEP_EVERY: Duration = Duration::from_secs(10);
 struct Running {
     servers: Option<probe::Servers>,
     datapath: Option<Datapath>,
+    /// The datapath's verdict events (`--observe`).
+    events: Option<ordnet_datapath::EventReader>,
     topo: Topology,
     _lock: sys::LabLock,
 }
@@ -379,6 +383,7 @@ struct Running {
 impl Running {
     fn shutdown(&mut self) -> Result<(), LabError> {
         self.servers = None;
+        self.events = None;
         self.datapath = None;
         self.topo.teardown()
     }
@@ -414,6 +419,7 @@ fn run_checked(args: &LabArgs) -> Result<ExitCode, Fail> {
     let mut lab = Running {
         servers: None,
         datapath: None,
+        events: None,
         topo: Topology::new(&run_id, args.cni, args.mtu),
         _lock: lock,
     };
@@ -441,7 +447,7 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
     let started = Instant::now();
     build_network(plan, lab)?;
     interrupted()?;
-    let ifindex = attach_datapath(plan, lab)?;
+    let ifindex = attach_datapath(args, plan, lab)?;
     interrupted()?;
     let (ends, index) = probed_ends(plan, lab)?;
     let checks = probe_plan(args, plan, &ends, &index)?;
@@ -501,7 +507,35 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
         return Ok(ExitCode::SUCCESS);
     }
     let outcomes = probe_and_verify(args, plan, lab, &ends, &checks, &probes(RUN))?;
-    report(args, plan, &checks, &outcomes)
+    let events = match (lab.datapath.as_ref(), lab.events.as_mut()) {
+        (Some(dp), Some(reader)) => {
+            let events = observe::gather(dp, reader, &plan.engine);
+            eprintln!("{}", events.summary());
+            let flows: Vec<Vec<&FlowRecord>> = checks
+                .iter()
+                .map(|c| {
+                    let dst = c
+                        .server
+                        .map_or(c.dest, |(end, port)| SocketAddr::new(ends[end].addr, port));
+                    events.of_flow(plan.method.ip_protocol(), ends[c.source].addr, dst)
+                })
+                .collect();
+            Some((
+                events.text(Style::new(render::color_wanted())),
+                json_events(&flows),
+            ))
+        }
+        _ => None,
+    };
+    report(args, plan, &checks, &outcomes, events)
+}
+
+/// Each check's events as JSON (`--observe -o json`).
+fn json_events(flows: &[Vec<&FlowRecord>]) -> Vec<serde_json::Value> {
+    flows
+        .iter()
+        .map(|f| serde_json::to_value(f).expect("the events serialize"))
+        .collect()
 }
 
 /// The pod and external namespaces, and kube-proxy's rules in the node namespace (before any
@@ -541,7 +575,11 @@ fn build_network(plan: &Plan, lab: &mut Running) -> Result<(), Fail> {
 /// Creates the datapath and attaches both programs to every interface, from inside the node
 /// namespace (interface names resolve there; the maps and programs are global). Returns the
 /// index of every interface.
-fn attach_datapath(plan: &Plan, lab: &mut Running) -> Result<HashMap<String, u32>, Fail> {
+fn attach_datapath(
+    args: &LabArgs,
+    plan: &Plan,
+    lab: &mut Running,
+) -> Result<HashMap<String, u32>, Fail> {
     let node = sys::Netns::open(&lab.topo.node).map_err(lab_err)?;
     let ifaces = lab.topo.xdp_interfaces();
     let defaults = DatapathConfig::default();
@@ -549,6 +587,8 @@ fn attach_datapath(plan: &Plan, lab: &mut Running) -> Result<HashMap<String, u32
     let config = DatapathConfig {
         max_rulesets: rulesets,
         max_blocks: (rulesets * 4).max(defaults.max_blocks),
+        // `--observe`: every event of the probes (a lab run is far below a million a second).
+        events_per_sec: if args.observe { 1_000_000 } else { 0 },
         ..defaults
     };
     let (dp, ifindex) = sys::in_netns(&node, || -> Result<_, LabError> {
@@ -575,6 +615,12 @@ fn attach_datapath(plan: &Plan, lab: &mut Running) -> Result<HashMap<String, u32
         Ok((dp, ifindex))
     })
     .map_err(lab_err)?;
+    let mut dp = dp;
+    if args.observe {
+        lab.events = dp
+            .events()
+            .map_err(|e| lab_err(format!("the datapath's verdict events: {e}")))?;
+    }
     lab.datapath = Some(dp);
     Ok(ifindex)
 }
@@ -937,11 +983,22 @@ fn report(
     plan: &Plan,
     checks: &[Check],
     observed: &[Verdict],
+    events: Option<(String, Vec<serde_json::Value>)>,
 ) -> Result<ExitCode, Fail> {
     let seen = Observed::new(plan, checks, observed);
     match args.output {
-        TableOrJson::Json => print_json(plan, &seen),
-        TableOrJson::Table => print_table(args, plan, checks, &seen),
+        TableOrJson::Json => print_json(
+            plan,
+            checks,
+            &seen,
+            events.as_ref().map(|(_, j)| j.as_slice()),
+        ),
+        TableOrJson::Table => {
+            print_table(args, plan, checks, &seen);
+            if let Some((text, _)) = &events {
+                print!("{text}");
+            }
+        }
     }
     if seen.mismatches.is_empty() {
         Ok(ExitCode::SUCCESS)
@@ -1008,8 +1065,26 @@ impl<'a> Observed<'a> {
 
 /// `-o json`: the matrix object with every verdict observed, plus `expected` (and a mixed
 /// Service's backends, and the NodePort rows).
-fn print_json(plan: &Plan, seen: &Observed<'_>) {
+fn print_json(
+    plan: &Plan,
+    checks: &[Check],
+    seen: &Observed<'_>,
+    events: Option<&[serde_json::Value]>,
+) {
     let m = &plan.expected;
+    // `--observe`: the events of the checks of result `i` (and backend `b`), concatenated.
+    let events_of = |i: usize, b: Option<usize>| -> Option<serde_json::Value> {
+        let events = events?;
+        let all: Vec<serde_json::Value> = checks
+            .iter()
+            .zip(events)
+            .filter(|(c, _)| {
+                c.node_port.is_none() && c.result == i && c.backend.map(|(b, _)| b) == b
+            })
+            .flat_map(|(_, e)| e.as_array().cloned().unwrap_or_default())
+            .collect();
+        Some(serde_json::Value::from(all))
+    };
     let (per_result, node_port_rows) = (&seen.per_result, &seen.node_port_rows);
     let observed_of = |i: usize| seen.of(i);
     let mut v = serde_json::to_value(m).expect("the matrix serializes");
@@ -1017,6 +1092,11 @@ fn print_json(plan: &Plan, seen: &Observed<'_>) {
         for (i, (entry, r)) in results.iter_mut().zip(&m.results).enumerate() {
             entry["verdict"] = serde_json::Value::from(observed_of(i).as_str());
             entry["expected"] = serde_json::Value::from(r.verdict.as_str());
+            if r.backends.is_empty()
+                && let Some(e) = events_of(i, None)
+            {
+                entry["events"] = e;
+            }
             if !r.backends.is_empty() {
                 let backends: Vec<serde_json::Value> = r
                     .backends
@@ -1027,11 +1107,15 @@ fn print_json(plan: &Plan, seen: &Observed<'_>) {
                             .get(&i)
                             .and_then(|v| v.iter().find(|(k, _)| *k == Some(b)))
                             .map_or("deny", |(_, v)| v.as_str());
-                        serde_json::json!({
+                        let mut j = serde_json::json!({
                             "to": bv.to,
                             "verdict": seen,
                             "expected": bv.verdict.as_str(),
-                        })
+                        });
+                        if let Some(e) = events_of(i, Some(b)) {
+                            j["events"] = e;
+                        }
+                        j
                     })
                     .collect();
                 entry["backends"] = serde_json::Value::from(backends);

@@ -207,6 +207,7 @@ pub async fn start_agent_with(
             follow_netlink: false,
             maintain_every: agent::MAINTAIN_EVERY,
             observe_journal: agent::observe::DEFAULT_JOURNAL,
+            flow_log: None,
         },
         api.client(),
         Box::new(dp),
