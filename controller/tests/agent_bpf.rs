@@ -1407,6 +1407,158 @@ fn db_policy(from_app: &str) -> Value {
                 "ports": [{"protocol": "TCP", "port": PORT}]}]}})
 }
 
+/// Verdict events under a flood of denied packets (issue 26). Ignored: it floods for seconds
+/// and prints what it measured (`cargo test -p ordnet --test agent_bpf observe_flood --
+/// --ignored --nocapture`, as root); nothing timed is asserted. `client` floods `db` (isolated
+/// for ingress: only `web` on TCP/80) with UDP from a raw socket, as fast as one thread sends:
+/// first one flow (aggregated in its record), then a new flow per packet (50,000 source ports
+/// in turn, more than the record map holds: each packet a new denied flow, its event refused
+/// by the rate limit beyond 5,000/s). For each: packets sent, the events emitted, suppressed
+/// and lost, the events the agent attributed, the agent's CPU, and the time from a policy
+/// change to the datapath programmed with it during the flood against without one.
+#[test]
+#[ignore]
+fn observe_flood() {
+    use std::sync::atomic::AtomicU64;
+    if !root_or_skip("agent_bpf") {
+        return;
+    }
+    let lab = Lab::new();
+    lab.serve();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let (api, kubeconfig) = lab.api(&runtime);
+    for (name, app, last) in PODS {
+        api.create(pod(name, app, NODE, Ipv4Addr::new(10, 213, 0, last)))
+            .unwrap();
+    }
+    api.create(db_policy("web")).unwrap();
+    let agent = Agent::start_ready(&lab, &kubeconfig);
+    let pid = agent.child.id();
+    let cpu = || -> f64 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        let f: Vec<&str> = stat
+            .rsplit_once(')')
+            .unwrap()
+            .1
+            .split_whitespace()
+            .collect();
+        // utime and stime (fields 14 and 15), in clock ticks.
+        let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+        // SAFETY: sysconf has no preconditions.
+        ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+    };
+    // A policy change and back: the time until the agent's datapath answers with each.
+    let change = || -> (Duration, Duration) {
+        let mut times = Vec::new();
+        for (from, want) in [("client", "allow"), ("web", "deny")] {
+            let mut p = db_ingress(&api);
+            p["spec"] = db_policy(from)["spec"].clone();
+            let t = Instant::now();
+            api.update(p).unwrap();
+            loop {
+                let (_, body) = agent.get(&format!(
+                    "/v1/trace?from=shop/client&to=shop/db&port={PORT}"
+                ));
+                if serde_json::from_str::<Value>(&body).is_ok_and(|v| v["verdict"] == want) {
+                    break;
+                }
+                assert!(t.elapsed() < LIMIT, "the change did not arrive");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            times.push(t.elapsed());
+        }
+        (times[0], times[1])
+    };
+    let counters = || -> [f64; 4] {
+        let m = |o: &str| {
+            agent.metric(&format!(
+                "ordnet_datapath_verdict_events_total{{outcome=\"{o}\"}}"
+            ))
+        };
+        let attributed: f64 = ["exact", "current", "changed"]
+            .iter()
+            .map(|a| {
+                agent.metric(&format!(
+                    "ordnet_observed_events_total{{attribution=\"{a}\"}}"
+                ))
+            })
+            .sum();
+        [m("emitted"), m("suppressed"), m("lost"), attributed]
+    };
+    let quiet = change();
+    println!(
+        "no flood: policy change -> programmed {:.1} ms, and back {:.1} ms",
+        quiet.0.as_secs_f64() * 1e3,
+        quiet.1.as_secs_f64() * 1e3
+    );
+    let (client_ns, _) = lab.pods["client"].clone();
+    let (_, db_ip) = lab.pods["db"].clone();
+    for (what, distinct) in [("one flow", false), ("a new flow per packet", true)] {
+        // The metrics of the datapath are taken at programming: a change refreshes them.
+        let _ = change();
+        let before = counters();
+        let cpu0 = cpu();
+        let stop = Arc::new(AtomicBool::new(false));
+        let sent = Arc::new(AtomicU64::new(0));
+        let sender = {
+            let (stop, sent, ns) = (stop.clone(), sent.clone(), client_ns.clone());
+            std::thread::spawn(move || {
+                in_netns(&ns, move || {
+                    use socket2::{Domain, Protocol, Socket, Type};
+                    let s = Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::UDP)).unwrap();
+                    let to = SocketAddr::from((db_ip, 0)).into();
+                    let mut udp = [0u8; 16];
+                    udp[2..4].copy_from_slice(&9999u16.to_be_bytes());
+                    udp[4..6].copy_from_slice(&16u16.to_be_bytes());
+                    let mut n: u64 = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        let sport = if distinct {
+                            10_000 + (n % 50_000) as u16
+                        } else {
+                            40_000
+                        };
+                        udp[0..2].copy_from_slice(&sport.to_be_bytes());
+                        if s.send_to(&udp, &to).is_ok() {
+                            n += 1;
+                        }
+                    }
+                    sent.store(n, Ordering::Relaxed);
+                })
+            })
+        };
+        let t = Instant::now();
+        std::thread::sleep(Duration::from_secs(2));
+        let during = change();
+        std::thread::sleep(Duration::from_secs(2));
+        stop.store(true, Ordering::Relaxed);
+        sender.join().unwrap();
+        let secs = t.elapsed().as_secs_f64();
+        let cpu1 = cpu();
+        let _ = change();
+        let after = counters();
+        let d: Vec<f64> = (0..4).map(|i| after[i] - before[i]).collect();
+        let n = sent.load(Ordering::Relaxed) as f64;
+        println!(
+            "flood, {what}: {:.0} packets/s for {secs:.1} s; events emitted {:.0} ({:.0}/s), \
+             suppressed {:.0}, lost {:.0}, attributed by the agent {:.0}; agent CPU {:.1} % \
+             of one core; policy change -> programmed {:.1} ms, and back {:.1} ms (no flood: \
+             {:.1}, {:.1})",
+            n / secs,
+            d[0],
+            d[0] / secs,
+            d[1],
+            d[2],
+            d[3],
+            (cpu1 - cpu0) / secs * 100.0,
+            during.0.as_secs_f64() * 1e3,
+            during.1.as_secs_f64() * 1e3,
+            quiet.0.as_secs_f64() * 1e3,
+            quiet.1.as_secs_f64() * 1e3,
+        );
+        assert_eq!(d[2], 0.0, "events lost: the agent did not keep up");
+    }
+}
+
 #[test]
 fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     if !root_or_skip("agent_bpf") {

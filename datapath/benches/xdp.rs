@@ -241,6 +241,11 @@ fn main() {
         "ordnet XDP benchmark: BPF_PROG_TEST_RUN, repeat {repeat}, median of {rounds} rounds, \
          kernel-reported ns/packet (64-byte IPv4 TCP frames)\n"
     );
+    // `ORDNET_BENCH_ONLY=events`: the verdict events' table alone (at the first size).
+    if std::env::var("ORDNET_BENCH_ONLY").is_ok_and(|v| v == "events") {
+        events_overhead(sizes[0], &ruleset(sizes[0], Shape::Mixed).0, repeat, rounds);
+        return;
+    }
     let shapes = [Shape::Narrow, Shape::Mixed];
     let mut varied_ns: BTreeMap<(Shape, usize, Layout), f64> = BTreeMap::new();
     let mut layout_ns: BTreeMap<(Shape, usize, Layout, usize), f64> = BTreeMap::new();

@@ -16,17 +16,28 @@ use crate::observe::{Endpoints, attribute};
 /// How many attributed events the agent keeps by default (`--observe-buffer`).
 pub const DEFAULT_JOURNAL: usize = 10_000;
 
+/// How often the loop looks at the ring buffer: the programs wake the reader only once a
+/// quarter of the ring is waiting (a wake-up per event costs an interrupt), so events reach
+/// the journal within this much.
+const POLL: Duration = Duration::from_millis(100);
+
 /// How often the loop asks the datapath whether its programs were loaded again (a new ring
-/// buffer), and looks at its ring buffer even without a wake-up.
+/// buffer).
 const RECHECK: Duration = Duration::from_secs(1);
 
 /// Reads, attributes and records the datapath's verdict events for as long as the agent runs.
 pub async fn observe_loop(state: Arc<AgentState>) {
     let mut reader: Option<AsyncFd<EventReader>> = None;
     let mut raw: Vec<FlowEvent> = Vec::new();
+    let mut checked: Option<tokio::time::Instant> = None;
     loop {
         // A new load of the programs (start, growth) has a new ring buffer.
-        let fresh = state.datapath().take_events();
+        let fresh = if checked.is_none_or(|t| t.elapsed() >= RECHECK) {
+            checked = Some(tokio::time::Instant::now());
+            state.datapath().take_events()
+        } else {
+            None
+        };
         if let Some(r) = fresh {
             // SAFETY: the reader owns the ring buffer's file descriptor and always returns that
             // one; the `AsyncFd` owns the reader, so the descriptor stays open while registered.
@@ -57,7 +68,7 @@ pub async fn observe_loop(state: Arc<AgentState>) {
                         g.clear_ready();
                     }
                 }
-                _ = tokio::time::sleep(RECHECK) => {}
+                _ = tokio::time::sleep(POLL) => {}
             }
         }
         fd.get_mut().drain(&mut raw);

@@ -57,9 +57,6 @@ pub const BY_INVALID: u8 = 4;
 /// Added to a `BY_*` code when that lookup allowed.
 pub const BY_ALLOWED: u8 = 0x80;
 
-/// Denied packets of one flow are reported at most once per this many nanoseconds.
-pub const DENY_REPORT_NS: u64 = 1_000_000_000;
-
 /// The default rate limit of events per second per node (Antrea's audit log: 5,000/s).
 pub const DEFAULT_EVENTS_PER_SEC: u64 = 5_000;
 /// Events a CPU may emit at once after an idle period (the bucket's depth).
@@ -278,68 +275,88 @@ impl Aggregate {
 }
 
 /// The denied packets of one flow since its last event ([`MAP_DENIED`] value, keyed by
-/// [`flow_key`]).
+/// [`flow_key`]); times in ticks of the programs' clock (`State::hz` a second).
 ///
 /// [`MAP_DENIED`]: crate::layout::MAP_DENIED
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct DenyRecord {
-    /// The first of the unreported packets (ns).
-    pub first_ns: u64,
-    /// The last packet (ns).
-    pub last_ns: u64,
-    /// When the flow's last event was emitted (ns).
-    pub reported_ns: u64,
+    /// The first of the unreported packets.
+    pub first: u64,
+    /// When the flow's last event was emitted.
+    pub reported: u64,
     /// Denied packets not reported yet.
     pub packets: u64,
 }
 
-impl DenyRecord {
-    /// The record of a flow's first denied packet: reported at once (`reported`), or, when
-    /// its event was refused, left for the flow's next packet to report.
+/// The unreported packets of a [`DenyRecord`] due for an event: how many, and the tick of the
+/// first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Due {
+    /// Packets (≥ 1).
+    pub packets: u32,
+    /// Tick of the first.
+    pub first: u64,
+}
+
+impl Due {
+    /// As an event's [`Aggregate`], the first packet's time converted from ticks: `now_ns` is
+    /// the event's time, `now` the same moment in ticks, `hz` ticks a second.
     #[inline(always)]
-    pub const fn first(now_ns: u64, reported: bool) -> DenyRecord {
+    pub fn at(self, now_ns: u64, now: u64, hz: u64) -> Aggregate {
+        let per_tick = 1_000_000_000u64.checked_div(hz).unwrap_or(0);
+        Aggregate {
+            packets: self.packets,
+            first_ns: now_ns.saturating_sub(now.saturating_sub(self.first).wrapping_mul(per_tick)),
+        }
+    }
+}
+
+impl DenyRecord {
+    /// The record of a flow's first denied packet at tick `now`: reported at once
+    /// (`reported`), or, when its event was refused, left for the flow's next packet to
+    /// report (`period`: ticks between two reports).
+    #[inline(always)]
+    pub const fn first(now: u64, reported: bool, period: u64) -> DenyRecord {
         DenyRecord {
-            first_ns: now_ns,
-            last_ns: now_ns,
-            reported_ns: if reported {
-                now_ns
+            first: now,
+            reported: if reported {
+                now
             } else {
-                now_ns.wrapping_sub(DENY_REPORT_NS)
+                now.wrapping_sub(period)
             },
             packets: if reported { 0 } else { 1 },
         }
     }
 
-    /// Counts one more denied packet at `now_ns`; `Some` when it is time to report (the
-    /// flow's last event is [`DENY_REPORT_NS`] old): the packets to report, this one included.
+    /// Counts one more denied packet at tick `now`; `Some` when it is time to report (the
+    /// flow's last event is `period` ticks old): the packets to report, this one included.
     /// The caller resets the record with [`DenyRecord::reported`] once the event is emitted
     /// (a refused event leaves them for the next).
     #[inline(always)]
-    pub fn count(&mut self, now_ns: u64) -> Option<Aggregate> {
+    pub fn count(&mut self, now: u64, period: u64) -> Option<Due> {
         if self.packets == 0 {
-            self.first_ns = now_ns;
+            self.first = now;
         }
         self.packets += 1;
-        self.last_ns = now_ns;
-        if now_ns.wrapping_sub(self.reported_ns) < DENY_REPORT_NS {
+        if now.wrapping_sub(self.reported) < period {
             return None;
         }
-        Some(Aggregate {
+        Some(Due {
             packets: if self.packets > u64::from(u32::MAX) {
                 u32::MAX
             } else {
                 self.packets as u32
             },
-            first_ns: self.first_ns,
+            first: self.first,
         })
     }
 
-    /// The packets counted so far were reported at `now_ns`.
+    /// The packets counted so far were reported at tick `now`.
     #[inline(always)]
-    pub fn reported(&mut self, now_ns: u64) {
+    pub fn reported(&mut self, now: u64) {
         self.packets = 0;
-        self.reported_ns = now_ns;
+        self.reported = now;
     }
 }
 
@@ -351,7 +368,9 @@ pub fn flow_key(p: &IpPacket, hook: u8) -> u64 {
 }
 
 /// A per-CPU token bucket ([`MAP_EVENT_BUCKET`] value): `credit` is time in ns, one event costs
-/// `interval` of it, and it never holds more than `burst` events' worth.
+/// `interval` of it, and it never holds more than `burst` events' worth. The programs give it
+/// their clock's ticks in ns (a tick is 1-10 ms: the credit grows by whole ticks, which the
+/// burst absorbs).
 ///
 /// [`MAP_EVENT_BUCKET`]: crate::layout::MAP_EVENT_BUCKET
 #[repr(C)]
@@ -372,7 +391,7 @@ impl Bucket {
         if interval == 0 {
             return false;
         }
-        let cap = interval.saturating_mul(burst);
+        let cap = interval.wrapping_mul(burst);
         let gained = now_ns.saturating_sub(self.last_ns);
         self.last_ns = now_ns;
         let credit = self.credit.saturating_add(gained);
@@ -435,21 +454,30 @@ mod tests {
 
     #[test]
     fn deny_record_reports_once_per_period_with_every_packet() {
-        let mut r = DenyRecord::first(0, true);
+        // 1,000 ticks a second, a packet per tick: 10 s of packets.
+        let mut r = DenyRecord::first(0, true, 1_000);
         let mut reported = 1u64; // the first packet's own event
-        let mut t = 0;
-        for _ in 0..10_000 {
-            t += 1_000_000; // 1 ms apart: 10 s of packets
-            if let Some(a) = r.count(t) {
-                reported += u64::from(a.packets);
-                assert!(a.first_ns <= t);
+        let mut events = 0;
+        for t in 1..=10_000 {
+            if let Some(d) = r.count(t, 1_000) {
+                reported += u64::from(d.packets);
+                assert!(d.first <= t);
+                assert_eq!(
+                    d.at(5_000_000_000, t, 1_000).first_ns,
+                    5_000_000_000 - (t - d.first) * 1_000_000
+                );
                 r.reported(t);
+                events += 1;
             }
         }
+        assert_eq!(events, 10);
         // Every packet except those of the last (unfinished) period is reported, once.
         let pending = r.packets;
         assert_eq!(reported + pending, 10_001);
         assert!(pending < 1_000, "{pending}");
+        // A first packet whose event was refused is reported by the next one.
+        let mut r = DenyRecord::first(7, false, 1_000);
+        assert_eq!(r.count(8, 1_000).map(|d| d.packets), Some(2));
     }
 
     #[test]
