@@ -607,6 +607,21 @@ fn tc_kind(l3: bool) -> (&'static str, &'static str) {
     }
 }
 
+/// The TC program `name` of `ebpf`, loaded into the kernel first if it is not yet.
+fn loaded_classifier<'e>(
+    ebpf: &'e mut Ebpf,
+    name: &'static str,
+) -> Result<&'e mut SchedClassifier, DatapathError> {
+    let program: &mut SchedClassifier = ebpf
+        .program_mut(name)
+        .ok_or(DatapathError::Missing(name))?
+        .try_into()?;
+    if program.fd().is_err() {
+        program.load()?;
+    }
+    Ok(program)
+}
+
 /// The handle of a new attachment: pinned as `<pin_dir>/<links_dir>/<iface>` (it then survives
 /// the process), or owned by the program when there is no pin directory.
 fn link_handle<Id, L>(
@@ -785,10 +800,7 @@ impl Datapath {
         for l3 in [false, true] {
             let (name, sub) = tc_kind(l3);
             let adopted = adopt_links(&dir.join(sub), |fd, path| {
-                let program: &mut SchedClassifier = ebpf
-                    .program_mut(name)
-                    .ok_or(DatapathError::Missing(name))?
-                    .try_into()?;
+                let program = loaded_classifier(&mut ebpf, name)?;
                 let id =
                     program.attach_to_link(SchedClassifierLink::try_from(fd).map_err(io(path))?)?;
                 drop(FdLink::try_from(program.take_link(id)?).map_err(io(path))?);
@@ -922,11 +934,7 @@ impl Datapath {
                         self.links.insert(name.clone(), handle);
                         moved.push(name.clone());
                     } else {
-                        let program: &mut SchedClassifier = self
-                            .ebpf
-                            .program_mut(tc_kind(l3).0)
-                            .ok_or(DatapathError::Missing(tc_kind(l3).0))?
-                            .try_into()?;
+                        let program = loaded_classifier(&mut self.ebpf, tc_kind(l3).0)?;
                         let id = program.attach_to_link(
                             SchedClassifierLink::try_from(fd).map_err(io(&path))?,
                         )?;
@@ -1018,13 +1026,9 @@ impl Datapath {
             .ok_or(DatapathError::Missing(PROGRAM_NAME))?
             .try_into()?;
         program.load()?;
-        for name in [TC_PROGRAM_NAME, TC_L3_PROGRAM_NAME] {
-            let tc: &mut SchedClassifier = ebpf
-                .program_mut(name)
-                .ok_or(DatapathError::Missing(name))?
-                .try_into()?;
-            tc.load()?;
-        }
+        // The layer-3 TC program is loaded when a layer-3 device needs it (`loaded_classifier`):
+        // most nodes have none, and each program costs about a second of verification.
+        loaded_classifier(&mut ebpf, TC_PROGRAM_NAME)?;
         let cells: Array<MapData, u64> = take(&mut ebpf, MAP_CELLS)?;
         let blocks: Array<MapData, u64> = take(&mut ebpf, MAP_BLOCKS)?;
         let (cell_words, block_words) = (cells.len() * 2, blocks.len() * 2);
@@ -1144,6 +1148,10 @@ impl Datapath {
             if path.exists() {
                 std::fs::remove_file(&path).map_err(io_err(&path))?;
             }
+            // The layer-3 program is pinned once it is loaded (its first attachment).
+            if self.ebpf.program(name).is_none_or(|p| p.fd().is_err()) {
+                continue;
+            }
             let pinned = if name == PROGRAM_NAME {
                 self.program_mut()?.pin(&path)
             } else {
@@ -1215,6 +1223,11 @@ impl Datapath {
     fn attach_tc_program(&mut self, iface: &str, l3: bool) -> Result<(), DatapathError> {
         let pin_dir = self.config.pin_dir.clone();
         let (name, sub) = tc_kind(l3);
+        let loaded = self.ebpf.program(name).is_some_and(|p| p.fd().is_ok());
+        loaded_classifier(&mut self.ebpf, name)?;
+        if !loaded {
+            self.pin_program()?;
+        }
         let program = self.classifier_mut(name)?;
         let id = program.attach_with_options(
             iface,

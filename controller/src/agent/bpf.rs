@@ -121,7 +121,7 @@ pub struct BpfDatapath {
     attaches: u64,
     detaches: u64,
     opened: Opened,
-    conntrack: ConntrackOptions,
+    options: ProgramOptions,
     /// The pin root (the layouts' directories are in it).
     root: PathBuf,
     /// The maps' sizes now (the policy map's grows up to `sizes.policy_entries_max`).
@@ -245,7 +245,8 @@ fn estimated_policy_keys(engine: &Engine) -> usize {
 }
 
 /// The datapath configuration of the agent's maps and connection tracking.
-fn config_of(pin_dir: &Path, sizes: MapSizes, conntrack: ConntrackOptions) -> DatapathConfig {
+fn config_of(pin_dir: &Path, sizes: MapSizes, options: ProgramOptions) -> DatapathConfig {
+    let conntrack = options.conntrack;
     DatapathConfig {
         pin_dir: Some(pin_dir.to_path_buf()),
         policy_entries: sizes.policy_entries,
@@ -257,7 +258,27 @@ fn config_of(pin_dir: &Path, sizes: MapSizes, conntrack: ConntrackOptions) -> Da
         ct_syn_lifetime: conntrack.syn,
         ct_close_lifetime: conntrack.close,
         ct_other_lifetime: conntrack.other,
+        events_per_sec: options.events_per_sec,
         ..DatapathConfig::default()
+    }
+}
+
+/// What the programs are loaded with besides the map sizes (`ordnet agent --conntrack-*`,
+/// `--events-per-sec`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProgramOptions {
+    /// Connection tracking's lifetimes.
+    pub conntrack: ConntrackOptions,
+    /// The verdict events' rate limit per node (0: no events; `docs/observe.md`).
+    pub events_per_sec: u64,
+}
+
+impl Default for ProgramOptions {
+    fn default() -> Self {
+        ProgramOptions {
+            conntrack: ConntrackOptions::default(),
+            events_per_sec: DatapathConfig::default().events_per_sec,
+        }
     }
 }
 
@@ -306,7 +327,7 @@ impl BpfDatapath {
     pub fn open(
         root: &Path,
         uplinks: Vec<String>,
-        conntrack: ConntrackOptions,
+        options: ProgramOptions,
         sizes: MapSizes,
     ) -> Result<BpfDatapath, AgentError> {
         mount_bpffs(root)?;
@@ -319,7 +340,7 @@ impl BpfDatapath {
             source,
         })?;
         let older = older_layouts(root, pin_dir);
-        let config = config_of(pin_dir, sizes, conntrack);
+        let config = config_of(pin_dir, sizes, options);
         let pinned = ordnet_datapath::MAP_NAMES
             .iter()
             .all(|m| pin_dir.join(m).exists());
@@ -379,7 +400,7 @@ impl BpfDatapath {
             attaches: 0,
             detaches: 0,
             opened,
-            conntrack,
+            options,
             root: root.to_path_buf(),
             sizes,
             grown: 0,
@@ -628,14 +649,13 @@ impl BpfDatapath {
         let Some(aside) = resize_aside(&pin_dir, &sizes)? else {
             return Ok(());
         };
-        let created =
-            Kernel::create(config_of(&pin_dir, sizes, self.conntrack)).map_err(|source| {
-                AgentError::Open {
-                    what: "creating grown maps",
-                    pin_dir: pin_dir.clone(),
-                    source: Box::new(source),
-                }
-            });
+        let created = Kernel::create(config_of(&pin_dir, sizes, self.options)).map_err(|source| {
+            AgentError::Open {
+                what: "creating grown maps",
+                pin_dir: pin_dir.clone(),
+                source: Box::new(source),
+            }
+        });
         let mut dp = match created {
             Ok(dp) => dp,
             Err(e) => {

@@ -34,7 +34,7 @@ pub struct AgentArgs {
     /// of --cni-conf-dir and out of --cni-bin-dir (when given), detach the XDP and TC programs
     /// from every interface and remove every pin ($ORDNET_PIN_DIR, default
     /// /sys/fs/bpf/ordnet). Run it after the agent's DaemonSet is gone (deploy/uninstall/).
-    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket", "metrics_addr", "upkeep_interval", "observe_buffer", "flow_log"])]
+    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket", "metrics_addr", "upkeep_interval", "observe_buffer", "flow_log", "events_per_sec"])]
     pub uninstall: bool,
     /// Kubeconfig to use (default: in-cluster config, then the usual kubeconfig lookup).
     #[arg(long, value_name = "PATH")]
@@ -65,6 +65,10 @@ pub struct AgentArgs {
     #[arg(long, value_name = "EVENTS", default_value_t = ordnet::agent::observe::DEFAULT_JOURNAL as u64,
           value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
     pub observe_buffer: u64,
+    /// Verdict events (new flows, denied packets: `ordnet observe`) the node's programs may
+    /// emit per second at most, shared by its CPUs; more are counted as suppressed. 0: none.
+    #[arg(long, value_name = "N", default_value_t = ordnet_datapath::common::event::DEFAULT_EVENTS_PER_SEC)]
+    pub events_per_sec: u64,
     /// Write every verdict event (attributed to its rules, as `ordnet observe -o json` shows
     /// it) as a JSON line to this file, for log collectors.
     #[arg(long, value_name = "PATH")]
@@ -165,14 +169,17 @@ fn map_sizes(args: &AgentArgs) -> agent::bpf::MapSizes {
     }
 }
 
-/// The connection-tracking settings of the `--conntrack-*` flags.
-fn conntrack(args: &AgentArgs) -> agent::bpf::ConntrackOptions {
+/// The program settings of the `--conntrack-*` and `--events-per-sec` flags.
+fn program_options(args: &AgentArgs) -> agent::bpf::ProgramOptions {
     let secs = std::time::Duration::from_secs;
-    agent::bpf::ConntrackOptions {
-        tcp: secs(args.conntrack_tcp_timeout),
-        syn: secs(args.conntrack_syn_timeout),
-        close: secs(args.conntrack_close_timeout),
-        other: secs(args.conntrack_other_timeout),
+    agent::bpf::ProgramOptions {
+        conntrack: agent::bpf::ConntrackOptions {
+            tcp: secs(args.conntrack_tcp_timeout),
+            syn: secs(args.conntrack_syn_timeout),
+            close: secs(args.conntrack_close_timeout),
+            other: secs(args.conntrack_other_timeout),
+        },
+        events_per_sec: args.events_per_sec,
     }
 }
 
@@ -426,7 +433,7 @@ pub fn run(args: AgentArgs) -> ExitCode {
             match agent::bpf::BpfDatapath::open(
                 &pin_dir,
                 args.uplink.clone(),
-                conntrack(&args),
+                program_options(&args),
                 map_sizes(&args),
             ) {
                 Ok(dp) => {
