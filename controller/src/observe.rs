@@ -78,24 +78,73 @@ pub fn protocol_name(p: u8) -> String {
     }
 }
 
-/// The local endpoints by address (built once per batch of events).
-pub struct Endpoints<'e>(BTreeMap<IpAddr, &'e Endpoint>);
+/// The local endpoints by address, and by the host-side interface the datapath knows them by
+/// (built once per batch of events).
+pub struct Endpoints<'e> {
+    by_ip: BTreeMap<IpAddr, &'e Endpoint>,
+    by_ifindex: BTreeMap<u32, &'e Endpoint>,
+}
 
 impl<'e> Endpoints<'e> {
     /// The engine's local endpoints by each of their addresses.
     pub fn of(engine: &'e Engine) -> Endpoints<'e> {
-        Endpoints(
-            engine
+        Endpoints {
+            by_ip: engine
                 .endpoints()
                 .iter()
                 .flat_map(|ep| ep.ips.iter().map(move |ip| (*ip, ep)))
                 .collect(),
-        )
+            by_ifindex: BTreeMap::new(),
+        }
+    }
+
+    /// Also by interface: the datapath's interfaces of local endpoints (ifindex and an address
+    /// of the endpoint, `ControlPlane::control().interfaces()`). A packet the TC hook
+    /// attributed to the endpoint of the interface it came in on (its source address rewritten:
+    /// kube-proxy's masquerade) is attributed to it here too.
+    pub fn with_interfaces(mut self, interfaces: impl IntoIterator<Item = (u32, IpAddr)>) -> Self {
+        for (ifindex, ip) in interfaces {
+            if let Some(ep) = self.by_ip.get(&ip).copied() {
+                self.by_ifindex.insert(ifindex, ep);
+            }
+        }
+        self
     }
 
     fn get(&self, ip: IpAddr) -> Option<&'e Endpoint> {
-        self.0.get(&ip).copied()
+        self.by_ip.get(&ip).copied()
     }
+
+    /// The source endpoint of event `e`: its address's, else (at TC) its interface's.
+    fn source(&self, e: &Observed) -> Option<&'e Endpoint> {
+        self.get(e.src).or_else(|| {
+            (e.hook == "tc" && e.ifindex != 0)
+                .then(|| self.by_ifindex.get(&e.ifindex).copied())
+                .flatten()
+        })
+    }
+}
+
+/// The datapath's interfaces of local endpoints as (ifindex, an address of the endpoint), for
+/// [`Endpoints::with_interfaces`].
+pub fn interfaces(plane: &dyn ordnet_datapath::ControlPlane) -> Vec<(u32, IpAddr)> {
+    use ordnet_datapath::common::layout::{IFACE_HAS_V4, IFACE_HAS_V6};
+    let v4 = |w: u32| IpAddr::from(w.to_ne_bytes());
+    let v6 = |w: [u32; 4]| IpAddr::from(ordnet_datapath::common::addr_bytes(w));
+    plane
+        .control()
+        .interfaces()
+        .iter()
+        .filter_map(|(ifindex, i)| {
+            if i.flags & IFACE_HAS_V4 != 0 {
+                Some((*ifindex, v4(i.addr4)))
+            } else if i.flags & IFACE_HAS_V6 != 0 {
+                Some((*ifindex, v6(i.addr6)))
+            } else {
+                None
+            }
+        })
+        .collect()
 }
 
 /// One side's lookup in the engine's MapState of `ep` (the lookup `trace` explains).
@@ -140,15 +189,14 @@ fn side(
 /// Whether the engine's lookup `s` decided as the kernel said (`by`, `allowed`).
 fn agrees(s: &SideTrace, by: DecidedBy, allowed: bool) -> bool {
     let kind = match (&s.decision, by) {
-        (SideDecision::Matched { key, .. }, DecidedBy::Key { .. }) => {
-            let DecidedBy::Key {
+        (
+            SideDecision::Matched { key, .. },
+            DecidedBy::Key {
                 protocol,
                 port,
                 length,
-            } = by
-            else {
-                unreachable!()
-            };
+            },
+        ) => {
             let bits = key.prefix.raw() | u32::from(key.prefix.len());
             matches!(key.peer, Peer::Id(_))
                 && bits
@@ -175,14 +223,25 @@ pub fn attribute(
     time_ms: u64,
     e: &Observed,
 ) -> FlowRecord {
-    let (src_ep, dst_ep) = (endpoints.get(e.src), endpoints.get(e.dst));
+    let (src_ep, dst_ep) = (endpoints.source(e), endpoints.get(e.dst));
+    // A source attributed by its interface is judged with the endpoint's own address (the
+    // kernel takes that endpoint's record, identity included).
+    let src = match src_ep {
+        Some(ep) if endpoints.get(e.src).is_none() => ep
+            .ips
+            .iter()
+            .copied()
+            .find(|ip| ip.is_ipv4() == e.src.is_ipv4())
+            .unwrap_or(e.src),
+        _ => e.src,
+    };
     // The flow judged: the packet's direction, or for a reply re-checked after a change, its
     // flow's original one (the reply's source is the flow's destination).
     let judge = |reversed: bool| {
         let (from, from_ep, to, to_ep, port) = if reversed {
-            (e.dst, dst_ep, e.src, src_ep, e.sport)
+            (e.dst, dst_ep, src, src_ep, e.sport)
         } else {
-            (e.src, src_ep, e.dst, dst_ep, e.dport)
+            (src, src_ep, e.dst, dst_ep, e.dport)
         };
         let egress = (e.egress.0 != DecidedBy::None)
             .then_some(from_ep)
@@ -470,4 +529,209 @@ pub fn text(r: &FlowRecord, style: Style) -> String {
         out.push_str(&render::table(&rows, &[], 2));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ordnet_datapath::common::event::{
+        BY_ALLOWED, BY_DEFAULT, BY_KEY, BY_NONE, BY_WILDCARD, FlowEvent,
+    };
+    use ordnet_datapath::common::layout::prefix_bits;
+
+    const CLUSTER: &str = "
+apiVersion: v1
+kind: Namespace
+metadata: {name: x, labels: {name: x}}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: a, namespace: x, labels: {app: a}}
+spec: {nodeName: n1, containers: [{name: c, image: i}]}
+status: {podIP: 10.0.0.1}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: b, namespace: x, labels: {app: b}}
+spec: {nodeName: n1, containers: [{name: c, image: i}]}
+status: {podIP: 10.0.0.2}
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: b-from-a, namespace: x}
+spec:
+  podSelector: {matchLabels: {app: b}}
+  policyTypes: [Ingress]
+  ingress: [{from: [{podSelector: {matchLabels: {app: a}}}], ports: [{protocol: TCP, port: 80}]}]
+";
+
+    fn engine() -> Engine {
+        let out = ordnet_crds::load_str(std::path::Path::new("t.yaml"), CLUSTER);
+        assert!(
+            out.problems.iter().all(|p| !p.is_error()),
+            "{:?}",
+            out.problems
+        );
+        Engine::build(&out.objects)
+    }
+
+    /// An event a -> b on TCP `port`, judged with `revision`, the ingress decided as `ingress`.
+    fn event(port: u16, revision: u64, allowed: bool, ingress: (u8, u32)) -> Observed {
+        let w = |last: u8| {
+            let mut b = [0u8; 16];
+            b[..4].copy_from_slice(&[10, 0, 0, last]);
+            ordnet_datapath::common::addr_words(b)
+        };
+        Observed::of(&FlowEvent {
+            revision,
+            packets: 1,
+            hook: 1,
+            verdict: if allowed { 1 } else { 2 },
+            reason: if allowed { 1 } else { 4 },
+            family: 4,
+            protocol: 6,
+            egress: BY_DEFAULT | BY_ALLOWED,
+            ingress: ingress.0,
+            sport: 40000,
+            dport: port,
+            ingress_prefix: ingress.1,
+            src: w(1),
+            dst: w(2),
+            ..FlowEvent::default()
+        })
+    }
+
+    #[test]
+    fn attribution_names_the_rule_and_says_how_it_relates_to_the_judgement() {
+        let engine = engine();
+        let eps = Endpoints::of(&engine);
+        let key80 = (BY_KEY | BY_ALLOWED, prefix_bits(6, 80, 24));
+        // Allowed by b's ingress key for TCP/80: the NetworkPolicy's rule, exact.
+        let r = attribute(&engine, &eps, 3, 1, 0, &event(80, 3, true, key80));
+        assert_eq!(r.attribution, Attribution::Exact);
+        assert_eq!(
+            (r.src_pod.as_deref(), r.dst_pod.as_deref()),
+            (Some("x/a"), Some("x/b"))
+        );
+        let ingress = r.ingress.as_ref().expect("the ingress side");
+        match &ingress.decision {
+            SideDecision::Matched { entry, .. } => {
+                assert_eq!(entry.origins[0].name, "b-from-a");
+                assert_eq!(entry.origins[0].rule_index, 0);
+            }
+            d => panic!("{d:?}"),
+        }
+        assert!(matches!(
+            r.egress.as_ref().unwrap().decision,
+            SideDecision::Default {
+                isolated: false,
+                ..
+            }
+        ));
+        // Judged with an older revision that decides the same way: current.
+        let r = attribute(&engine, &eps, 4, 2, 0, &event(80, 3, true, key80));
+        assert_eq!(r.attribution, Attribution::Current);
+        // Denied by b's default on TCP/81, isolated by the policy.
+        let r = attribute(
+            &engine,
+            &eps,
+            3,
+            3,
+            0,
+            &event(81, 3, false, (BY_DEFAULT, 0)),
+        );
+        assert_eq!(r.attribution, Attribution::Exact);
+        match &r.ingress.as_ref().unwrap().decision {
+            SideDecision::Default {
+                isolated,
+                isolated_by,
+            } => {
+                assert!(isolated);
+                assert_eq!(isolated_by[0].name, "b-from-a");
+            }
+            d => panic!("{d:?}"),
+        }
+        // The kernel says a wildcard decided where the engine has the default: changed.
+        let r = attribute(
+            &engine,
+            &eps,
+            3,
+            4,
+            0,
+            &event(81, 3, false, (BY_WILDCARD, 0)),
+        );
+        assert_eq!(r.attribution, Attribution::Changed);
+        // A side the kernel did not judge is not attributed.
+        let r = attribute(&engine, &eps, 3, 5, 0, &event(80, 3, true, (BY_NONE, 0)));
+        assert!(r.ingress.is_none());
+        assert_eq!(r.attribution, Attribution::Exact);
+    }
+
+    #[test]
+    fn filters_and_the_bounded_journal() {
+        let engine = engine();
+        let eps = Endpoints::of(&engine);
+        let mut j = Journal::new(3);
+        for (i, port) in [80u16, 81, 80, 81, 81].into_iter().enumerate() {
+            let allowed = port == 80;
+            let ingress = if allowed {
+                (BY_KEY | BY_ALLOWED, prefix_bits(6, 80, 24))
+            } else {
+                (BY_DEFAULT, 0)
+            };
+            let r = attribute(
+                &engine,
+                &eps,
+                1,
+                j.next_seq(),
+                i as u64,
+                &event(port, 1, allowed, ingress),
+            );
+            j.push(r);
+        }
+        assert_eq!((j.len(), j.evicted, j.next_seq()), (3, 2, 6));
+        let all = Filter::default();
+        let seqs = |v: Vec<FlowRecord>| v.iter().map(|r| r.seq).collect::<Vec<_>>();
+        assert_eq!(seqs(j.select(0, &all, 10)), vec![3, 4, 5]);
+        assert_eq!(seqs(j.select(0, &all, 2)), vec![4, 5]);
+        assert_eq!(seqs(j.select(4, &all, 10)), vec![5]);
+        let denied = Filter {
+            allowed: Some(false),
+            ..Filter::default()
+        };
+        assert_eq!(seqs(j.select(0, &denied, 10)), vec![4, 5]);
+        let by_policy = |p: &str| Filter {
+            policy: Some(p.into()),
+            ..Filter::default()
+        };
+        // The rule's policy and the isolating policy both match, by name or ns/name.
+        assert_eq!(seqs(j.select(0, &by_policy("b-from-a"), 10)), vec![3, 4, 5]);
+        assert_eq!(
+            seqs(j.select(0, &by_policy("x/b-from-a"), 10)),
+            vec![3, 4, 5]
+        );
+        assert!(j.select(0, &by_policy("other"), 10).is_empty());
+        let pod = |p: &str| Filter {
+            pod: Some(p.into()),
+            ..Filter::default()
+        };
+        assert_eq!(j.select(0, &pod("x/a"), 10).len(), 3);
+        assert!(j.select(0, &pod("x/c"), 10).is_empty());
+        let egress_only = Filter {
+            direction: Some(Direction::Egress),
+            port: Some(81),
+            ..Filter::default()
+        };
+        assert_eq!(seqs(j.select(0, &egress_only, 10)), vec![4, 5]);
+        // The text names the rule as trace does.
+        let text = text(&j.select(0, &all, 1)[0], Style::new(false));
+        assert!(
+            text.contains("DENY TCP x/a (10.0.0.1:40000) -> x/b (10.0.0.2:81)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("isolated for ingress by NetworkPolicy x/b-from-a"),
+            "{text}"
+        );
+    }
 }

@@ -280,10 +280,9 @@ fn events_name_the_rules(
     for r in results {
         if r["backends"].is_array() {
             for b in r["backends"].as_array().unwrap() {
-                // A pod through a Service to itself is masqueraded: its events are the
-                // node address's, not matched to the probe.
-                let hairpin = b["to"] == r["from"];
-                flows.push((r["from"].clone(), b.clone(), true, !hairpin));
+                // A pod through a Service to itself too (masqueraded: its event is attributed
+                // to the pod by the interface it came in on).
+                flows.push((r["from"].clone(), b.clone(), true, true));
             }
         } else {
             flows.push((r["from"].clone(), r.clone(), false, r["from"] != r["to"]));
@@ -305,9 +304,20 @@ fn events_name_the_rules(
             );
         }
         for e in &events {
-            let src: std::net::IpAddr = e["event"]["src"].as_str().unwrap().parse().unwrap();
-            let dst: std::net::IpAddr = e["event"]["dst"].as_str().unwrap().parse().unwrap();
-            let (a, b) = (FlowEnd::Ip(src), FlowEnd::Ip(dst));
+            // The ends as the event names them: a pod (also one whose address was rewritten,
+            // attributed by its interface), else the address.
+            let end = |pod: &serde_json::Value, ip: &serde_json::Value| match pod.as_str() {
+                Some(p) => {
+                    let (namespace, name) = p.split_once('/').unwrap();
+                    FlowEnd::Pod {
+                        namespace: namespace.into(),
+                        name: name.into(),
+                    }
+                }
+                None => FlowEnd::Ip(ip.as_str().unwrap().parse().unwrap()),
+            };
+            let a = end(&e["srcPod"], &e["event"]["src"]);
+            let b = end(&e["dstPod"], &e["event"]["dst"]);
             let t = if backend {
                 engine.flow_to_backend(
                     &a,

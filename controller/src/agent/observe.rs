@@ -11,7 +11,7 @@ use ordnet_datapath::{EventReader, Observed, monotonic_ns};
 use tokio::io::unix::AsyncFd;
 
 use super::AgentState;
-use crate::observe::{Endpoints, attribute};
+use crate::observe::{Endpoints, attribute, interfaces};
 
 /// How many attributed events the agent keeps by default (`--observe-buffer`).
 pub const DEFAULT_JOURNAL: usize = 10_000;
@@ -86,7 +86,7 @@ pub fn record(state: &AgentState, batch: &[FlowEvent]) {
     let (now_mono, now_wall) = (monotonic_ns(), wall_ms());
     let wall = |t: u64| now_wall.saturating_sub(now_mono.saturating_sub(t) / 1_000_000);
     let records = state.with_programmed(|engine, dp| {
-        let endpoints = Endpoints::of(engine);
+        let endpoints = Endpoints::of(engine).with_interfaces(interfaces(dp.plane()));
         let revision = dp.plane().revision();
         batch
             .iter()

@@ -517,7 +517,10 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
                     let dst = c
                         .server
                         .map_or(c.dest, |(end, port)| SocketAddr::new(ends[end].addr, port));
-                    events.of_flow(plan.method.ip_protocol(), ends[c.source].addr, dst)
+                    let label = c
+                        .backend
+                        .map(|_| plan.expected.endpoints[c.source].as_str());
+                    events.of_flow(plan.method.ip_protocol(), ends[c.source].addr, label, dst)
                 })
                 .collect();
             Some((

@@ -39,7 +39,7 @@ pub(super) fn gather(dp: &Datapath, reader: &mut EventReader, engine: &Engine) -
         }
         std::thread::sleep(SETTLE);
     }
-    let endpoints = Endpoints::of(engine);
+    let endpoints = Endpoints::of(engine).with_interfaces(ordnet::observe::interfaces(dp));
     let revision = dp.revision();
     let now = ordnet_datapath::monotonic_ns();
     let wall = std::time::SystemTime::now()
@@ -61,13 +61,23 @@ pub(super) fn gather(dp: &Datapath, reader: &mut EventReader, engine: &Engine) -
 }
 
 impl LabEvents {
-    /// The events of the flow `protocol` from `src` to `dst` (any source port).
-    pub fn of_flow(&self, protocol: u8, src: IpAddr, dst: SocketAddr) -> Vec<&FlowRecord> {
+    /// The events of the flow `protocol` from `src` to `dst` (any source port); through a
+    /// Service also those of the end labelled `label` (`Some`) from another address: its source
+    /// address may have been rewritten on the way (kube-proxy's masquerade of a hairpin) and
+    /// the event attributed to it by the interface it came in on.
+    pub fn of_flow(
+        &self,
+        protocol: u8,
+        src: IpAddr,
+        label: Option<&str>,
+        dst: SocketAddr,
+    ) -> Vec<&FlowRecord> {
         self.records
             .iter()
             .filter(|r| {
                 r.event.protocol == protocol
-                    && r.event.src == src
+                    && (r.event.src == src
+                        || label.is_some_and(|l| r.src_pod.as_deref() == Some(l)))
                     && r.event.dst == dst.ip()
                     && r.event.dport == dst.port()
             })
