@@ -15,7 +15,7 @@ use std::net::IpAddr;
 
 use ordnet_datapath::{DecidedBy, Observed};
 use ordnet_engine::{Endpoint, Engine, SideDecision, SideTrace};
-use ordnet_mapstate::{Decision, Direction, Peer, Verdict};
+use ordnet_mapstate::{Direction, Peer, Verdict};
 use serde::Serialize;
 
 use crate::render::{self, Cell, Style};
@@ -157,33 +157,15 @@ fn side(
     protocol: u8,
     port: u16,
 ) -> SideTrace {
-    let policy = engine.policy(ep, dir);
-    let peer_identity = engine.identity_of(peer);
-    let (verdict, decision) = match policy.mapstate.lookup(Some(peer_identity), protocol, port) {
-        Decision::Matched { key, entry } => (
-            entry.verdict,
-            SideDecision::Matched {
-                key,
-                entry: entry.clone(),
-            },
-        ),
-        Decision::Default(v) => (
-            v,
-            SideDecision::Default {
-                isolated: policy.isolated,
-                isolated_by: policy.isolated_by.clone(),
-            },
-        ),
-    };
-    SideTrace {
-        endpoint: ep.id(),
-        direction: dir,
-        peer: peer_pod.map_or_else(|| peer.to_string(), |p| p.id()),
-        peer_address: peer,
-        peer_identity,
-        verdict,
-        decision,
-    }
+    engine.side_of(
+        engine.policy(ep, dir),
+        ep.id(),
+        dir,
+        peer_pod.map_or_else(|| peer.to_string(), |p| p.id()),
+        peer,
+        protocol,
+        port,
+    )
 }
 
 /// Whether the engine's lookup `s` decided as the kernel said (`by`, `allowed`).

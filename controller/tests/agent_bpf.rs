@@ -1407,6 +1407,42 @@ fn db_policy(from_app: &str) -> Value {
                 "ports": [{"protocol": "TCP", "port": PORT}]}]}})
 }
 
+/// Sends UDP to `to`:9999 from namespace `ns` through a raw socket as fast as one thread can,
+/// from one source port or (`distinct`) 50,000 in turn, until `stop`; the packets sent go to
+/// `sent`.
+fn flood(
+    ns: &str,
+    to: Ipv4Addr,
+    distinct: bool,
+    stop: Arc<AtomicBool>,
+    sent: Arc<std::sync::atomic::AtomicU64>,
+) -> std::thread::JoinHandle<()> {
+    let ns = ns.to_string();
+    std::thread::spawn(move || {
+        in_netns(&ns, move || {
+            use socket2::{Domain, Protocol, Socket, Type};
+            let s = Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::UDP)).unwrap();
+            let to = SocketAddr::from((to, 0)).into();
+            let mut udp = [0u8; 16];
+            udp[2..4].copy_from_slice(&9999u16.to_be_bytes());
+            udp[4..6].copy_from_slice(&16u16.to_be_bytes());
+            let mut n: u64 = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let sport = if distinct {
+                    10_000 + (n % 50_000) as u16
+                } else {
+                    40_000
+                };
+                udp[0..2].copy_from_slice(&sport.to_be_bytes());
+                if s.send_to(&udp, &to).is_ok() {
+                    n += 1;
+                }
+            }
+            sent.store(n, Ordering::Relaxed);
+        })
+    })
+}
+
 /// Verdict events under a flood of denied packets (issue 26). Ignored: it floods for seconds
 /// and prints what it measured (`cargo test -p ordnet --test agent_bpf observe_flood --
 /// --ignored --nocapture`, as root); nothing timed is asserted. `client` floods `db` (isolated
@@ -1500,32 +1536,7 @@ fn observe_flood() {
         let cpu0 = cpu();
         let stop = Arc::new(AtomicBool::new(false));
         let sent = Arc::new(AtomicU64::new(0));
-        let sender = {
-            let (stop, sent, ns) = (stop.clone(), sent.clone(), client_ns.clone());
-            std::thread::spawn(move || {
-                in_netns(&ns, move || {
-                    use socket2::{Domain, Protocol, Socket, Type};
-                    let s = Socket::new(Domain::IPV4, Type::RAW, Some(Protocol::UDP)).unwrap();
-                    let to = SocketAddr::from((db_ip, 0)).into();
-                    let mut udp = [0u8; 16];
-                    udp[2..4].copy_from_slice(&9999u16.to_be_bytes());
-                    udp[4..6].copy_from_slice(&16u16.to_be_bytes());
-                    let mut n: u64 = 0;
-                    while !stop.load(Ordering::Relaxed) {
-                        let sport = if distinct {
-                            10_000 + (n % 50_000) as u16
-                        } else {
-                            40_000
-                        };
-                        udp[0..2].copy_from_slice(&sport.to_be_bytes());
-                        if s.send_to(&udp, &to).is_ok() {
-                            n += 1;
-                        }
-                    }
-                    sent.store(n, Ordering::Relaxed);
-                })
-            })
-        };
+        let sender = flood(&client_ns, db_ip, distinct, stop.clone(), sent.clone());
         let t = Instant::now();
         std::thread::sleep(Duration::from_secs(2));
         let during = change();

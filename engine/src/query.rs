@@ -312,10 +312,34 @@ impl Engine {
         port: u16,
     ) -> Option<SideTrace> {
         let policy = self.policy_of(&ep.0, &ep.1, dir)?;
+        Some(self.side_of(
+            policy,
+            pod_key_text(ep),
+            dir,
+            peer,
+            peer_address,
+            proto.number(),
+            port,
+        ))
+    }
+
+    /// One side of a flow: the lookup of the peer at `peer_address` (named `peer`), IP
+    /// protocol `protocol` (any: only keys of every protocol apply to others), `port`, in
+    /// `policy`, the MapState of endpoint `endpoint` (`ns/name`) in direction `dir`. What `trace`
+    /// explains, and what `ordnet observe` names for an event the kernel judged.
+    #[allow(clippy::too_many_arguments)]
+    pub fn side_of(
+        &self,
+        policy: &EndpointPolicy,
+        endpoint: String,
+        dir: Direction,
+        peer: String,
+        peer_address: IpAddr,
+        protocol: u8,
+        port: u16,
+    ) -> SideTrace {
         let peer_identity = self.identity_of(peer_address);
-        let d = policy
-            .mapstate
-            .lookup(Some(peer_identity), proto.number(), port);
+        let d = policy.mapstate.lookup(Some(peer_identity), protocol, port);
         let (verdict, decision) = match d {
             Decision::Matched { key, entry } => (
                 entry.verdict,
@@ -332,15 +356,15 @@ impl Engine {
                 },
             ),
         };
-        Some(SideTrace {
-            endpoint: pod_key_text(ep),
+        SideTrace {
+            endpoint,
             direction: dir,
             peer,
             peer_address,
             peer_identity,
             verdict,
             decision,
-        })
+        }
     }
 
     /// The verdict of one flow, computed only through `MapState::lookup` on both sides: the
