@@ -276,6 +276,31 @@ pub fn attribute(
     }
 }
 
+/// Attributes a batch of raw events (numbered from `first_seq`) with `engine`, the state the
+/// datapath `plane` was programmed from (its revision and interfaces); their times converted
+/// from the programs' monotonic clock to the wall clock.
+pub fn attribute_batch(
+    engine: &Engine,
+    plane: &dyn ordnet_datapath::ControlPlane,
+    raw: &[ordnet_datapath::common::event::FlowEvent],
+    first_seq: u64,
+) -> Vec<FlowRecord> {
+    let endpoints = Endpoints::of(engine).with_interfaces(interfaces(plane));
+    let revision = plane.revision();
+    let now = ordnet_datapath::monotonic_ns();
+    let wall = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    raw.iter()
+        .zip(first_seq..)
+        .map(|(e, seq)| {
+            let o = Observed::of(e);
+            let t = wall.saturating_sub(now.saturating_sub(o.time_ns) / 1_000_000);
+            attribute(engine, &endpoints, revision, seq, t, &o)
+        })
+        .collect()
+}
+
 /// What `ordnet observe` shows (every field unset = everything).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Filter {

@@ -4,14 +4,14 @@
 //! keeps the last ones, numbered, for the debug API's `/v1/observe` (`ordnet observe`).
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
+use ordnet_datapath::EventReader;
 use ordnet_datapath::common::event::FlowEvent;
-use ordnet_datapath::{EventReader, Observed, monotonic_ns};
 use tokio::io::unix::AsyncFd;
 
 use super::AgentState;
-use crate::observe::{Endpoints, attribute, interfaces};
+use crate::observe::attribute_batch;
 
 /// How many attributed events the agent keeps by default (`--observe-buffer`).
 pub const DEFAULT_JOURNAL: usize = 10_000;
@@ -81,21 +81,9 @@ pub async fn observe_loop(state: Arc<AgentState>) {
     }
 }
 
-/// Attributes a batch of raw events and appends them to the journal.
+/// Attributes a batch of raw events and appends them to the journal (and the flow log).
 pub fn record(state: &AgentState, batch: &[FlowEvent]) {
-    let (now_mono, now_wall) = (monotonic_ns(), wall_ms());
-    let wall = |t: u64| now_wall.saturating_sub(now_mono.saturating_sub(t) / 1_000_000);
-    let records = state.with_programmed(|engine, dp| {
-        let endpoints = Endpoints::of(engine).with_interfaces(interfaces(dp.plane()));
-        let revision = dp.plane().revision();
-        batch
-            .iter()
-            .map(|e| {
-                let o = Observed::of(e);
-                attribute(engine, &endpoints, revision, 0, wall(o.time_ns), &o)
-            })
-            .collect::<Vec<_>>()
-    });
+    let records = state.with_programmed(|engine, dp| attribute_batch(engine, dp.plane(), batch, 0));
     let Some(mut records) = records else {
         return;
     };
@@ -119,10 +107,4 @@ pub fn record(state: &AgentState, batch: &[FlowEvent]) {
     for r in records {
         journal.push(r);
     }
-}
-
-fn wall_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }

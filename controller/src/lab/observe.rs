@@ -7,10 +7,10 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
-use ordnet::observe::{Endpoints, FlowRecord, attribute};
+use ordnet::observe::{FlowRecord, attribute_batch};
 use ordnet::render::Style;
 use ordnet_datapath::common::event::FlowEvent;
-use ordnet_datapath::{ControlPlane as _, Datapath, DatapathCounters, EventReader, Observed};
+use ordnet_datapath::{Datapath, DatapathCounters, EventReader};
 use ordnet_engine::Engine;
 
 /// The events a lab run saw.
@@ -39,21 +39,7 @@ pub(super) fn gather(dp: &Datapath, reader: &mut EventReader, engine: &Engine) -
         }
         std::thread::sleep(SETTLE);
     }
-    let endpoints = Endpoints::of(engine).with_interfaces(ordnet::observe::interfaces(dp));
-    let revision = dp.revision();
-    let now = ordnet_datapath::monotonic_ns();
-    let wall = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
-    let records = raw
-        .iter()
-        .enumerate()
-        .map(|(i, e)| {
-            let o = Observed::of(e);
-            let t = wall.saturating_sub(now.saturating_sub(o.time_ns) / 1_000_000);
-            attribute(engine, &endpoints, revision, i as u64 + 1, t, &o)
-        })
-        .collect();
+    let records = attribute_batch(engine, dp, &raw, 1);
     LabEvents {
         records,
         counters: dp.counters().unwrap_or_default(),

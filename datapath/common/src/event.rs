@@ -235,33 +235,6 @@ pub unsafe fn write(
     }
 }
 
-/// The event for packet `p` decided with `d` (userspace and tests; see [`write`]).
-pub fn build(
-    p: &IpPacket,
-    d: &Decision,
-    hook: u8,
-    ifindex: u32,
-    revision: u64,
-    now_ns: u64,
-    agg: Aggregate,
-) -> FlowEvent {
-    let mut ev = FlowEvent::default();
-    // SAFETY: a local, valid and aligned.
-    unsafe {
-        write(
-            &mut ev,
-            p,
-            Summary::of(d),
-            hook,
-            ifindex,
-            revision,
-            now_ns,
-            agg,
-        )
-    };
-    ev
-}
-
 /// The packets an event stands for and the time of the first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Aggregate {
@@ -269,17 +242,6 @@ pub struct Aggregate {
     pub packets: u32,
     /// Time of the first (ns).
     pub first_ns: u64,
-}
-
-impl Aggregate {
-    /// One packet, now.
-    #[inline(always)]
-    pub const fn one(now_ns: u64) -> Aggregate {
-        Aggregate {
-            packets: 1,
-            first_ns: now_ns,
-        }
-    }
 }
 
 /// The denied packets of one flow since its last event ([`MAP_DENIED`] value, keyed by
