@@ -3575,3 +3575,34 @@ fn handoff_traffic(dp: &Datapath, pods: &TwoPods) {
     assert!(!reached, "B reached isolated A");
     assert_eq!(dp.counters().unwrap().handed_off, handed);
 }
+
+/// How many instructions the kernel's verifier walked to load each program (`verified_insns`,
+/// limit 1,000,000): printed, and failed above 950,000, so that code creeping towards the limit
+/// is seen before a change crosses it (a few more instructions in the decision or event code
+/// can multiply the verifier's states: docs/datapath.md, verifier note 11).
+#[test]
+fn verifier_budget() {
+    if !privileged() {
+        return;
+    }
+    let dp = Datapath::create(small_config()).unwrap();
+    let xdp = dp
+        .program()
+        .unwrap()
+        .info()
+        .unwrap()
+        .verified_instruction_count();
+    let tc = dp
+        .tc_program()
+        .unwrap()
+        .info()
+        .unwrap()
+        .verified_instruction_count();
+    eprintln!("verified instructions: xdp {xdp:?}, tc {tc:?}");
+    for n in [xdp, tc].into_iter().flatten() {
+        assert!(
+            n < 950_000,
+            "{n} verified instructions: within 5 % of the verifier's limit"
+        );
+    }
+}
