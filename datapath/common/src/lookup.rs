@@ -35,6 +35,41 @@ pub trait PolicyMaps {
     fn block_word(&self, index: u32) -> Option<u32>;
     /// The value of a key of the policy hash map.
     fn policy(&self, key: &PolicyKey) -> Option<PolicyValue>;
+
+    /// The identity's longest key among the lengths to probe: `len` first, then the lengths
+    /// of `mask`'s bits, longest first. Returns the value and the key's prefix. The kernel
+    /// runs the same steps in `bpf_loop` (its verifier then walks them once, not once per
+    /// state and iteration).
+    #[inline(always)]
+    fn probe(
+        &self,
+        ruleset: u32,
+        identity: u32,
+        protocol: u8,
+        port: u16,
+        len: u32,
+        mask: u32,
+    ) -> Option<(PolicyValue, u32)> {
+        let (mut len, mut mask) = (len, mask);
+        for _ in 0..MAX_PROBES {
+            let prefix = prefix_bits(protocol, port, len);
+            let key = PolicyKey {
+                ruleset,
+                identity,
+                prefix,
+            };
+            if let Some(v) = self.policy(&key) {
+                return Some((v, prefix));
+            }
+            if mask == 0 {
+                break;
+            }
+            let bit = highest_bit(mask);
+            mask &= !(1 << bit);
+            len = bit_length(bit);
+        }
+        None
+    }
 }
 
 /// What decided a policy lookup.
@@ -133,30 +168,16 @@ pub fn policy_lookup<M: PolicyMaps + ?Sized>(
     let mut mask = word & CELL_MASK_BITS;
     if identity != 0 && mask != 0 {
         // The longest length is in the word; the others (rare) come from a bit scan.
-        let mut len = (word >> CELL_HINT_SHIFT) & 31;
+        let len = (word >> CELL_HINT_SHIFT) & 31;
         mask &= !length_bit(len);
-        for _ in 0..MAX_PROBES {
-            let prefix = prefix_bits(protocol, port, len);
-            let key = PolicyKey {
-                ruleset: policy.ruleset,
-                identity,
+        if let Some((v, prefix)) = maps.probe(policy.ruleset, identity, protocol, port, len, mask) {
+            let allow = v.verdict == V_ALLOW;
+            return PolicyDecision {
+                allow,
+                by: Match::Specific { prefix },
+                code: BY_KEY | if allow { BY_ALLOWED } else { 0 },
                 prefix,
             };
-            if let Some(v) = maps.policy(&key) {
-                let allow = v.verdict == V_ALLOW;
-                return PolicyDecision {
-                    allow,
-                    by: Match::Specific { prefix },
-                    code: BY_KEY | if allow { BY_ALLOWED } else { 0 },
-                    prefix,
-                };
-            }
-            if mask == 0 {
-                break;
-            }
-            let bit = highest_bit(mask);
-            mask &= !(1 << bit);
-            len = bit_length(bit);
         }
     }
     match (word >> CELL_WILD_SHIFT) & 3 {

@@ -39,9 +39,9 @@ use ordnet_datapath_common::{
         DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS,
         DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES, DEFAULT_SVC_ENTRIES, FAMILY_V4, IfaceInfo,
         IpInfo, IpKey, PolicyKey, PolicyValue, State, SvcKey, SvcValue, pair_index, pair_word,
-        pairs,
+        pairs, prefix_bits,
     },
-    lookup::PolicyMaps,
+    lookup::{MAX_PROBES, PolicyMaps},
     parse, parse_l3,
 };
 use ordnet_datapath_ebpf::{XdpFrame, read_u64, write_u64};
@@ -118,10 +118,87 @@ static EVENT_BUCKET: PerCpuArray<EventCpu> = PerCpuArray::with_max_entries(1, 0)
 #[unsafe(no_mangle)]
 static ORDNET_EVENT_INTERVAL: Global<u64> = Global::new(0);
 
+/// The state of the probes of one policy lookup, run by `bpf_loop` ([`probe_step`]): the
+/// kernel verifies the callback once, where the inlined loop of `lookup::policy_lookup` (18
+/// iterations, unrolled, walked for every verifier state that reaches it, twice per program)
+/// took most of the verifier's budget (docs/datapath.md, verifier note 11).
+#[repr(C)]
+struct ProbeCtx {
+    key: PolicyKey,
+    mask: u32,
+    len: u32,
+    port: u32,
+    protocol: u32,
+    /// The found value's verdict | counter << 16, with bit 8 set when found.
+    found: u32,
+}
+
+/// One probe: the key of length `len`; stops when found or no length is left.
+extern "C" fn probe_step(_index: u64, ctx: *mut core::ffi::c_void) -> i64 {
+    let c = ctx.cast::<ProbeCtx>();
+    // SAFETY: `bpf_loop` passes the caller's context, a `ProbeCtx` on its stack.
+    unsafe {
+        (*c).key.prefix = prefix_bits((*c).protocol as u8, (*c).port as u16, (*c).len);
+        // By reference on purpose: by value, the key would be copied to the callback's own
+        // stack, which counts against the call chain's 512 bytes.
+        #[allow(clippy::needless_borrows_for_generic_args)]
+        let found = POLICY.get(&(*c).key);
+        if let Some(v) = found {
+            (*c).found = u32::from(v.verdict) | 0x100;
+            return 1;
+        }
+        let mask = (*c).mask;
+        if mask == 0 {
+            return 1;
+        }
+        let bit = ordnet_datapath_common::lookup::highest_bit(mask);
+        (*c).mask = mask & !(1 << bit);
+        (*c).len = ordnet_datapath_common::layout::bit_length(bit);
+    }
+    0
+}
+
 /// The program's maps as the shared decision code sees them.
 struct KernelMaps;
 
 impl PolicyMaps for KernelMaps {
+    #[inline(always)]
+    fn probe(
+        &self,
+        ruleset: u32,
+        identity: u32,
+        protocol: u8,
+        port: u16,
+        len: u32,
+        mask: u32,
+    ) -> Option<(PolicyValue, u32)> {
+        let mut c = ProbeCtx {
+            key: PolicyKey {
+                ruleset,
+                identity,
+                prefix: 0,
+            },
+            mask,
+            len,
+            port: u32::from(port),
+            protocol: u32::from(protocol),
+            found: 0,
+        };
+        // SAFETY: the callback only touches `c`, which outlives the call.
+        unsafe {
+            aya_ebpf::helpers::generated::bpf_loop(
+                MAX_PROBES,
+                probe_step as *mut core::ffi::c_void,
+                (&raw mut c).cast(),
+                0,
+            );
+        }
+        if c.found & 0x100 == 0 {
+            return None;
+        }
+        Some((PolicyValue::new(c.found as u8), c.key.prefix))
+    }
+
     #[inline(always)]
     fn cell(&self, index: u32) -> Option<u32> {
         CELLS.get(pair_index(index)).map(|p| pair_word(*p, index))
