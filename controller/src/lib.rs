@@ -8,6 +8,7 @@
 //! | [`observe`] | the datapath's verdict events attributed to rules, filtered, rendered (`ordnet observe`) |
 //! | [`offline`] | the offline verdicts: every pod a local endpoint of an in-memory datapath |
 //! | [`render`] | matrix, trace, dump and trie rendering for the CLI and the debug API |
+//! | [`rule_counters`] | the kernel's per-rule counters: filtered, rendered, as metrics (`ordnet observe --counters`) |
 //!
 //! The binary (`src/main.rs`) adds the command line (`src/cli/`) and `ordnet lab` (`src/lab/`).
 
@@ -16,3 +17,4 @@ pub mod observe;
 pub mod offline;
 pub mod program;
 pub mod render;
+pub mod rule_counters;

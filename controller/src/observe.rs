@@ -170,6 +170,10 @@ fn side(
 
 /// Whether the engine's lookup `s` decided as the kernel said (`by`, `allowed`).
 fn agrees(s: &SideTrace, by: DecidedBy, allowed: bool) -> bool {
+    let same_prefix = |key: &ordnet_mapstate::Key, protocol, port, length: u8| {
+        key.prefix.raw() | u32::from(key.prefix.len())
+            == ordnet_datapath::common::layout::prefix_bits(protocol, port, u32::from(length))
+    };
     let kind = match (&s.decision, by) {
         (
             SideDecision::Matched { key, .. },
@@ -178,17 +182,15 @@ fn agrees(s: &SideTrace, by: DecidedBy, allowed: bool) -> bool {
                 port,
                 length,
             },
-        ) => {
-            let bits = key.prefix.raw() | u32::from(key.prefix.len());
-            matches!(key.peer, Peer::Id(_))
-                && bits
-                    == ordnet_datapath::common::layout::prefix_bits(
-                        protocol,
-                        port,
-                        u32::from(length),
-                    )
-        }
-        (SideDecision::Matched { key, .. }, DecidedBy::Wildcard) => key.peer == Peer::Any,
+        ) => matches!(key.peer, Peer::Id(_)) && same_prefix(key, protocol, port, length),
+        (
+            SideDecision::Matched { key, .. },
+            DecidedBy::Wildcard {
+                protocol,
+                port,
+                length,
+            },
+        ) => key.peer == Peer::Any && same_prefix(key, protocol, port, length),
         (SideDecision::Default { .. }, DecidedBy::Default) => true,
         _ => false,
     };

@@ -180,6 +180,12 @@ fn check_with(
             out.status.code(),
             String::from_utf8_lossy(&out.stdout)
         );
+        // The per-rule counters were compared with the events, and agree (a disagreement is
+        // also a failing exit code).
+        assert!(
+            stderr.contains("agree with the verdict events"),
+            "{what}: the per-rule counters were not compared with the events:\n{stderr}"
+        );
         if e.protocol == "SCTP" {
             assert!(
                 stderr.contains("SCTP association (kernel SCTP sockets)")

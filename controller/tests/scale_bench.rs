@@ -770,7 +770,7 @@ fn print_node_fill(node: usize, control: &ordnet_datapath::Control, took: Durati
         keys += c.specific.len();
         wildcard += c.wildcard.len();
         for (&(id, prefix), &v) in &c.specific {
-            sig.entry(id).or_default().push((slot, prefix, v));
+            sig.entry(id).or_default().push((slot, prefix, v.verdict));
         }
     }
     // Classes over the slots `within`: identities with equal keys there share one; the
@@ -835,7 +835,10 @@ fn print_node_fill(node: usize, control: &ordnet_datapath::Control, took: Durati
             let c = store.content(slot).unwrap();
             (
                 slot,
-                c.specific.iter().map(|(&(i, p), &v)| (i, p, v)).collect(),
+                c.specific
+                    .iter()
+                    .map(|(&(i, p), &v)| (i, p, v.verdict))
+                    .collect(),
             )
         })
         .collect();

@@ -747,12 +747,14 @@ fn full_program(
     tc_program(n, &mut dp, id, p, repeat, rounds, full_ns);
 }
 
-/// The verdict events' cost per packet (`common::event`, docs/observe.md): the full program's
-/// established, new-flow and denied packets with events off, on at the default rate (a repeated
-/// packet is a flood: a new flow's events are then refused by the rate limit, a denied flow's
-/// packets counted in its record), and on with every event emitted (a rate no test run reaches,
-/// and a thread draining the ring buffer as a reader would). The three datapaths are measured
-/// in turn within each round (same run); medians.
+/// The verdict events' and the per-rule counters' cost per packet (`common::event`,
+/// docs/observe.md): the full program's established, new-flow and denied packets with both
+/// off, with the counters only, with both on at the default rate (a repeated packet is a
+/// flood: a new flow's events are then refused by the rate limit, a denied flow's packets
+/// counted in its record), and on with every event emitted (a rate no test run reaches, and a
+/// thread draining the ring buffer as a reader would). The datapaths are measured in turn
+/// within each round (same run); medians. `on/off` compares events on with the counters-only
+/// column (events on vs off); `counters/none` the counters with nothing.
 fn events_overhead(n: usize, ms: &MapState, repeat: u32, rounds: usize) {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     let rows = [
@@ -760,20 +762,24 @@ fn events_overhead(n: usize, ms: &MapState, repeat: u32, rounds: usize) {
         "pod egress SYN A->R (allowed, new flow)",
         "pod egress SYN A->R denied (default)",
     ];
-    let configs: [(&str, u64); 3] = [
-        ("off", 0),
+    let configs: [(&str, u64, bool); 4] = [
+        ("none", 0, false),
+        ("counters", 0, true),
         (
             "on, 5000/s",
             ordnet_datapath::common::event::DEFAULT_EVENTS_PER_SEC,
+            true,
         ),
-        ("on, every event", u64::MAX),
+        ("on, every event", u64::MAX, true),
     ];
+    let every = configs.len() - 1;
     type Frames = Vec<(&'static str, Vec<u8>, XdpAction)>;
     let mut dps: Vec<(Datapath, Frames)> = configs
         .iter()
-        .map(|(_, rate)| {
+        .map(|(_, rate, counters)| {
             let config = DatapathConfig {
                 events_per_sec: *rate,
+                rule_counters: *counters,
                 ..DatapathConfig::default()
             };
             let (dp, full, _, _) = full_setup(n, ms, config);
@@ -783,7 +789,7 @@ fn events_overhead(n: usize, ms: &MapState, repeat: u32, rounds: usize) {
     // The reader of the last one drains while it runs.
     let stop = std::sync::Arc::new(AtomicBool::new(false));
     let drained = std::sync::Arc::new(AtomicU64::new(0));
-    let mut reader = dps[2].0.events().unwrap().expect("the ring buffer");
+    let mut reader = dps[every].0.events().unwrap().expect("the ring buffer");
     let drainer = {
         let (stop, drained) = (stop.clone(), drained.clone());
         std::thread::spawn(move || {
@@ -821,26 +827,33 @@ fn events_overhead(n: usize, ms: &MapState, repeat: u32, rounds: usize) {
          median of {rounds} rounds of {repeat}):"
     );
     print!("{:>46}", "packet \\ events");
-    for (name, _) in configs {
+    for (name, _, _) in configs {
         print!("{name:>18}");
     }
-    println!("{:>12}{:>12}", "on/off", "every/off");
+    println!("{:>15}{:>12}{:>12}", "counters/none", "on/off", "every/off");
     for row in rows {
         print!("{row:>46}");
-        let v: Vec<f64> = (0..3).map(|i| median(samples[&(i, row)].clone())).collect();
+        let v: Vec<f64> = (0..configs.len())
+            .map(|i| median(samples[&(i, row)].clone()))
+            .collect();
         for x in &v {
             print!("{x:>18.1}");
         }
-        println!("{:>12.3}{:>12.3}", v[1] / v[0], v[2] / v[0]);
+        println!(
+            "{:>15.3}{:>12.3}{:>12.3}",
+            v[1] / v[0],
+            v[2] / v[1],
+            v[3] / v[1]
+        );
     }
-    for (i, (name, _)) in configs.iter().enumerate() {
+    for (i, (name, _, _)) in configs.iter().enumerate() {
         let c = dps[i].0.counters().unwrap();
         println!(
             "{name:>46}: {} emitted, {} suppressed, {} lost{}",
             c.events,
             c.events_suppressed,
             c.events_lost,
-            if i == 2 {
+            if i == every {
                 format!(
                     ", {} read by the draining thread",
                     drained.load(Ordering::Relaxed)

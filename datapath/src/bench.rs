@@ -133,10 +133,10 @@ pub fn class_layout(content: &RuleSetContent, ruleset: u32) -> ClassLayout {
     // Entries: per peer, keys from shortest to longest overwrite the classes they cover.
     let mut by_peer: BTreeMap<u32, Vec<(u32, u8)>> = BTreeMap::new();
     for (&(id, p), &v) in &content.specific {
-        by_peer.entry(id).or_default().push((p, v));
+        by_peer.entry(id).or_default().push((p, v.verdict));
     }
     for (&p, &v) in &content.wildcard {
-        by_peer.entry(0).or_default().push((p, v));
+        by_peer.entry(0).or_default().push((p, v.verdict));
     }
     let mut entries = HashMap::new();
     for (peer, mut keys) in by_peer {
@@ -222,7 +222,7 @@ pub fn probe_layout(content: &RuleSetContent, ruleset: u32) -> ProbeLayout {
                 identity,
                 prefix,
             },
-            PolicyValue::new(v),
+            v,
         );
     }
     for (&prefix, &v) in &content.wildcard {
@@ -233,7 +233,7 @@ pub fn probe_layout(content: &RuleSetContent, ruleset: u32) -> ProbeLayout {
                 identity: 0,
                 prefix,
             },
-            PolicyValue::new(v),
+            v,
         );
     }
     l
@@ -288,11 +288,11 @@ pub fn lpm_layout(content: &RuleSetContent, ruleset: u32) -> LpmLayout {
     let mut entries = Vec::new();
     for (&(id, p), &v) in &content.specific {
         let (l, d) = key(id, p);
-        entries.push((l, d, PolicyValue::new(v)));
+        entries.push((l, d, v));
     }
     for (&p, &v) in &content.wildcard {
         let (l, d) = key(0, p);
-        entries.push((l, d, PolicyValue::new(v)));
+        entries.push((l, d, v));
     }
     LpmLayout { entries }
 }
@@ -672,7 +672,7 @@ impl BenchObject {
                             identity,
                             prefix,
                         },
-                        PolicyValue::new(v),
+                        v,
                     )
                 })
                 .unzip();

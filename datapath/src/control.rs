@@ -15,12 +15,13 @@ use ordnet_datapath_common::{
         State, SvcKey, V_ALLOW, V_DENY,
     },
 };
-use ordnet_mapstate::{ChangeSet, Direction, MapState, Verdict};
+use ordnet_mapstate::{ChangeSet, Direction, FastSet, MapState, Verdict};
 
 use crate::{
+    counters::RuleCounters,
     flat::{
-        ContentDiff, FlattenError, RuleSetContent, flatten, meet, meet_steps, same_verdicts,
-        verdict_code,
+        ContentDiff, FlattenError, RuleSetContent, flatten_counted, meet, meet_steps,
+        same_verdicts, verdict_code,
     },
     store::{Store, StoreError, WriteStats, added_keys},
     tables::{MemTables, TableWriter, Write, WriteError},
@@ -169,22 +170,26 @@ impl ControlError {
 fn check_diff(content: &RuleSetContent, diff: &ContentDiff) -> Result<(), String> {
     for (k, v) in &diff.specific_removes {
         if content.specific.get(k) != Some(v) {
-            return Err(format!("no identity key {k:?} with verdict {v} to remove"));
+            return Err(format!(
+                "no identity key {k:?} with verdict {v:?} to remove"
+            ));
         }
     }
     for (p, v) in &diff.wildcard_removes {
         if content.wildcard.get(p) != Some(v) {
-            return Err(format!("no wildcard key {p:#x} with verdict {v} to remove"));
+            return Err(format!(
+                "no wildcard key {p:#x} with verdict {v:?} to remove"
+            ));
         }
     }
     for (k, v) in &diff.specific_upserts {
         if content.specific.get(k) == Some(v) {
-            return Err(format!("identity key {k:?} already has verdict {v}"));
+            return Err(format!("identity key {k:?} already has verdict {v:?}"));
         }
     }
     for (p, v) in &diff.wildcard_upserts {
         if content.wildcard.get(p) == Some(v) {
-            return Err(format!("wildcard key {p:#x} already has verdict {v}"));
+            return Err(format!("wildcard key {p:#x} already has verdict {v:?}"));
         }
     }
     Ok(())
@@ -283,6 +288,8 @@ pub struct Control {
     ifaces: BTreeMap<u32, IfaceInfo>,
     /// The state written on every revision bump (revision, clock parameters).
     state: State,
+    /// The rule counter of each set of rules the keys come from.
+    counters: RuleCounters,
 }
 
 struct Planned {
@@ -346,7 +353,20 @@ impl Control {
             services: BTreeSet::new(),
             ifaces: BTreeMap::new(),
             state,
+            counters: RuleCounters::default(),
         }
+    }
+
+    /// The rule counter of each set of rules the keys come from.
+    pub fn rule_counters(&self) -> &RuleCounters {
+        &self.counters
+    }
+
+    /// Frees the rule counters no key of any rule set names any more (O(keys)); how many. The
+    /// caller reads the kernel's counts first (`RuleTotals::add`).
+    pub fn retain_rule_counters(&mut self) -> usize {
+        let live: FastSet<u16> = self.store.policy_keys().map(|(_, v)| v.counter).collect();
+        self.counters.retain(&live)
     }
 
     /// Sets the capacities the fill report ([`Control::fill`]) compares with: the exact
@@ -614,7 +634,7 @@ impl Control {
     }
 
     /// Step 1 of an update: validates and flattens the batch; nothing is written.
-    fn plan(&self, batch: &[(u32, EndpointSpec<'_>)]) -> Result<Vec<Planned>, ControlError> {
+    fn plan(&mut self, batch: &[(u32, EndpointSpec<'_>)]) -> Result<Vec<Planned>, ControlError> {
         let batch_ids: BTreeSet<u32> = batch.iter().map(|(id, _)| *id).collect();
         let mut new_owner: HashMap<IpKey, u32> = HashMap::new();
         let mut planned = Vec::with_capacity(batch.len());
@@ -623,8 +643,9 @@ impl Control {
                 return Err(ControlError::ZeroEndpointId);
             }
             self.claim_addresses(*id, spec.ips, &batch_ids, &mut new_owner)?;
-            let flat = |dir: Direction, ms: &MapState| {
-                flatten(ms).map_err(|source| ControlError::Flatten {
+            let counters = &mut self.counters;
+            let mut flat = |dir: Direction, ms: &MapState| {
+                flatten_counted(ms, counters).map_err(|source| ControlError::Flatten {
                     endpoint: *id,
                     direction: dir,
                     source,
@@ -975,10 +996,12 @@ impl Control {
                 .ok_or(ControlError::UnknownEndpoint(id))?;
             let old = ep.policy(dir);
             let diff =
-                ContentDiff::from_changeset(changes).map_err(|source| ControlError::Flatten {
-                    endpoint: id,
-                    direction: dir,
-                    source,
+                ContentDiff::from_changeset(changes, &mut self.counters).map_err(|source| {
+                    ControlError::Flatten {
+                        endpoint: id,
+                        direction: dir,
+                        source,
+                    }
                 })?;
             let empty = RuleSetContent::default();
             let content = self.store.content(old.ruleset).unwrap_or(&empty);
@@ -1580,6 +1603,9 @@ impl Control {
             services: w.tables().services.clone(),
             ifaces: w.tables().ifaces.clone(),
             state: w.tables().state,
+            // The adopted keys name the previous process's counters: they are counted as
+            // whatever those elements now stand for until the first programming rewrites them.
+            counters: RuleCounters::default(),
         };
         if !inconsistent.is_empty() {
             // Records of one endpoint disagree (interrupted switch): make them all say what the

@@ -79,8 +79,15 @@ pub enum DecidedBy {
         /// Prefix length of the key (0, 8 = the protocol, 24 = one port).
         length: u8,
     },
-    /// The rule set's wildcard key covering the port.
-    Wildcard,
+    /// The rule set's wildcard (`*`) key covering the port, of this prefix.
+    Wildcard {
+        /// Protocol fixed by the key (0 = any).
+        protocol: u8,
+        /// Port of the key (its first).
+        port: u16,
+        /// Prefix length of the key.
+        length: u8,
+    },
     /// The endpoint's isolation default.
     Default,
     /// A map read failed (denied: fail closed).
@@ -97,7 +104,11 @@ impl DecidedBy {
                 port: (prefix >> 8) as u16,
                 length: prefix as u8,
             },
-            BY_WILDCARD => DecidedBy::Wildcard,
+            BY_WILDCARD => DecidedBy::Wildcard {
+                protocol: (prefix >> 24) as u8,
+                port: (prefix >> 8) as u16,
+                length: prefix as u8,
+            },
             BY_DEFAULT => DecidedBy::Default,
             BY_INVALID => DecidedBy::Invalid,
             _ => DecidedBy::Invalid,

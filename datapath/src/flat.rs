@@ -13,11 +13,13 @@ use ordnet_datapath_common::{
     layout::{
         CELL_REFINED, CELLS_PER_RULESET, OTHER_SLOT_CELL, PolicyKey, PolicyRef, PolicyValue,
         SLOT_PROTOCOLS, V_ALLOW, V_DENY, WILD_ALLOW, WILD_DENY, WILD_NONE, cell_word, prefix_bits,
-        proto_slot,
+        proto_slot, wild_length_bits,
     },
     lookup::{PolicyDecision, PolicyMaps, policy_lookup},
 };
 use ordnet_mapstate::{ChangeSet, MapState, Peer, Verdict};
+
+use crate::counters::RuleCounters;
 
 /// Why a MapState cannot be flattened.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -36,17 +38,17 @@ pub enum FlattenError {
     ZeroIdentity,
 }
 
-/// Key changes of a rule set: upserts carry the new verdict, removals the old one.
+/// Key changes of a rule set: upserts carry the new value, removals the old one.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ContentDiff {
-    /// ((identity, prefix), new verdict) of identity keys added or changed.
-    pub specific_upserts: Vec<((u32, u32), u8)>,
-    /// ((identity, prefix), old verdict) of identity keys removed.
-    pub specific_removes: Vec<((u32, u32), u8)>,
-    /// (prefix, new verdict) of `*` keys added or changed.
-    pub wildcard_upserts: Vec<(u32, u8)>,
-    /// (prefix, old verdict) of `*` keys removed.
-    pub wildcard_removes: Vec<(u32, u8)>,
+    /// ((identity, prefix), new value) of identity keys added or changed.
+    pub specific_upserts: Vec<((u32, u32), PolicyValue)>,
+    /// ((identity, prefix), old value) of identity keys removed.
+    pub specific_removes: Vec<((u32, u32), PolicyValue)>,
+    /// (prefix, new value) of `*` keys added or changed.
+    pub wildcard_upserts: Vec<(u32, PolicyValue)>,
+    /// (prefix, old value) of `*` keys removed.
+    pub wildcard_removes: Vec<(u32, PolicyValue)>,
 }
 
 impl ContentDiff {
@@ -92,9 +94,13 @@ impl ContentDiff {
         d
     }
 
-    /// The key changes of a MapState update (O(size of the change set)). Changes that touch
-    /// only a key's metadata (order key, origins) and not its verdict are not key changes.
-    pub fn from_changeset(changes: &ChangeSet) -> Result<ContentDiff, FlattenError> {
+    /// The key changes of a MapState update (O(size of the change set)), the keys' rule
+    /// counters drawn from `counters`. Changes that touch only a key's order key are not key
+    /// changes; a change of its origins is (its counter changes).
+    pub fn from_changeset(
+        changes: &ChangeSet,
+        counters: &mut RuleCounters,
+    ) -> Result<ContentDiff, FlattenError> {
         let mut d = ContentDiff::default();
         let key = |k: &ordnet_mapstate::Key| -> Result<(Option<u32>, u32), FlattenError> {
             let prefix = encode_prefix(&k.prefix)?;
@@ -112,30 +118,31 @@ impl ContentDiff {
             Ok(())
         };
         for (k, e) in &changes.added {
-            upsert(&mut d, k, verdict_code(e.verdict))?;
+            upsert(&mut d, k, counters.value(e))?;
         }
         for (k, old, new) in &changes.changed {
-            if old.verdict != new.verdict {
-                upsert(&mut d, k, verdict_code(new.verdict))?;
+            let (before, after) = (counters.value(old), counters.value(new));
+            if before != after {
+                upsert(&mut d, k, after)?;
             }
         }
         for (k, old) in &changes.removed {
+            let v = counters.value(old);
             match key(k)? {
-                (Some(id), p) => d
-                    .specific_removes
-                    .push(((id, p), verdict_code(old.verdict))),
-                (None, p) => d.wildcard_removes.push((p, verdict_code(old.verdict))),
+                (Some(id), p) => d.specific_removes.push(((id, p), v)),
+                (None, p) => d.wildcard_removes.push((p, v)),
             }
         }
         Ok(d)
     }
 }
 
-/// A hash of one key and its verdict; a rule set's content hash is the XOR of its keys' hashes,
+/// A hash of one key and its value; a rule set's content hash is the XOR of its keys' hashes,
 /// so it can be updated per changed key.
-pub fn key_hash(identity: u32, prefix: u32, verdict: u8) -> u64 {
+pub fn key_hash(identity: u32, prefix: u32, value: PolicyValue) -> u64 {
     // SplitMix64 finaliser over the packed key: cheap and well mixed.
-    let mut x = (u64::from(identity) << 32) ^ u64::from(prefix) ^ (u64::from(verdict) << 56);
+    let packed = u64::from(value.verdict) | (u64::from(value.counter) << 8);
+    let mut x = (u64::from(identity) << 32) ^ u64::from(prefix) ^ (packed << 40);
     x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
@@ -154,10 +161,10 @@ pub fn verdict_code(v: Verdict) -> u8 {
 /// identical (the isolation default is not part of it: it lives in the endpoint record).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct RuleSetContent {
-    /// (identity, prefix bits) -> `V_ALLOW`/`V_DENY`.
-    pub specific: BTreeMap<(u32, u32), u8>,
-    /// `*` keys: prefix bits -> `V_ALLOW`/`V_DENY`.
-    pub wildcard: BTreeMap<u32, u8>,
+    /// (identity, prefix bits) -> verdict (`V_ALLOW`/`V_DENY`) and rule counter.
+    pub specific: BTreeMap<(u32, u32), PolicyValue>,
+    /// `*` keys: prefix bits -> verdict and rule counter.
+    pub wildcard: BTreeMap<u32, PolicyValue>,
 }
 
 impl RuleSetContent {
@@ -172,8 +179,8 @@ impl RuleSetContent {
     }
 
     /// The keys as the policy map holds them in rule set `slot` (`*` keys have identity 0),
-    /// with their verdicts.
-    pub fn policy_keys(&self, slot: u32) -> impl Iterator<Item = (PolicyKey, u8)> + '_ {
+    /// with their values.
+    pub fn policy_keys(&self, slot: u32) -> impl Iterator<Item = (PolicyKey, PolicyValue)> + '_ {
         let key = move |identity, prefix| PolicyKey {
             ruleset: slot,
             identity,
@@ -187,8 +194,8 @@ impl RuleSetContent {
         specific.chain(wildcard)
     }
 
-    /// The verdict of policy map key `key` (its rule set aside).
-    pub fn verdict_of(&self, key: &PolicyKey) -> Option<u8> {
+    /// The value of policy map key `key` (its rule set aside).
+    pub fn value_of(&self, key: &PolicyKey) -> Option<PolicyValue> {
         if key.identity == 0 {
             self.wildcard.get(&key.prefix).copied()
         } else {
@@ -196,12 +203,12 @@ impl RuleSetContent {
         }
     }
 
-    /// Adds policy map key `key` (its rule set aside) with `verdict`.
-    pub fn insert_key(&mut self, key: &PolicyKey, verdict: u8) {
+    /// Adds policy map key `key` (its rule set aside) with `value`.
+    pub fn insert_key(&mut self, key: &PolicyKey, value: PolicyValue) {
         if key.identity == 0 {
-            self.wildcard.insert(key.prefix, verdict);
+            self.wildcard.insert(key.prefix, value);
         } else {
-            self.specific.insert((key.identity, key.prefix), verdict);
+            self.specific.insert((key.identity, key.prefix), value);
         }
     }
 
@@ -259,7 +266,7 @@ impl RuleSetContent {
     /// The inputs of the cell computation.
     pub fn cell_inputs(&self) -> CellInputs {
         let mut inputs = CellInputs {
-            wildcard: self.wildcard.clone(),
+            wildcard: self.wildcard.iter().map(|(p, v)| (*p, v.verdict)).collect(),
             ..CellInputs::default()
         };
         for &(_, prefix) in self.specific.keys() {
@@ -295,6 +302,12 @@ impl RuleSetContent {
     /// keys that matter): the datapath's lookup contract (the identity's longest covering key,
     /// else the longest covering `*` key, else `default`).
     pub fn verdict_at(&self, default: u8, identity: Option<u32>, prefix: u32) -> u8 {
+        self.value_at(default, identity, prefix).verdict
+    }
+
+    /// The value deciding what [`RuleSetContent::verdict_at`] decides (the default's: without
+    /// a rule counter).
+    pub fn value_at(&self, default: u8, identity: Option<u32>, prefix: u32) -> PolicyValue {
         if let Some(id) = identity {
             for p in ancestors(prefix) {
                 if let Some(v) = self.specific.get(&(id, p)) {
@@ -304,7 +317,7 @@ impl RuleSetContent {
         }
         ancestors(prefix)
             .find_map(|p| self.wildcard.get(&p).copied())
-            .unwrap_or(default)
+            .unwrap_or(PolicyValue::new(default))
     }
 }
 
@@ -354,15 +367,12 @@ pub fn meet(a: (&RuleSetContent, u8), b: (&RuleSetContent, u8)) -> (RuleSetConte
     for w in wildcard {
         out.wildcard.insert(
             w,
-            and(ra.verdict_at(da, None, w), rb.verdict_at(db, None, w)),
+            and_value(ra.value_at(da, None, w), rb.value_at(db, None, w)),
         );
     }
     for (id, prefixes) in by_identity {
         for p in prefixes {
-            let v = and(
-                ra.verdict_at(da, Some(id), p),
-                rb.verdict_at(db, Some(id), p),
-            );
+            let v = and_value(ra.value_at(da, Some(id), p), rb.value_at(db, Some(id), p));
             out.specific.insert((id, p), v);
         }
     }
@@ -378,21 +388,32 @@ fn and(x: u8, y: u8) -> u8 {
     }
 }
 
-/// The verdict of an identity whose keys are `own` (prefix → verdict), over the `*` keys
-/// `wildcard` and the default: [`RuleSetContent::verdict_at`] for one identity.
-fn verdict_of(own: &BTreeMap<u32, u8>, wildcard: &BTreeMap<u32, u8>, default: u8, p: u32) -> u8 {
+/// Of two values deciding one packet in two rule sets, the one of their conjunction: the
+/// denying one (the first if both deny), else the second.
+fn and_value(x: PolicyValue, y: PolicyValue) -> PolicyValue {
+    if x.verdict != V_ALLOW { x } else { y }
+}
+
+/// The value of an identity whose keys are `own` (prefix → value), over the `*` keys
+/// `wildcard` and the default: [`RuleSetContent::value_at`] for one identity.
+fn value_of(
+    own: &BTreeMap<u32, PolicyValue>,
+    wildcard: &BTreeMap<u32, PolicyValue>,
+    default: u8,
+    p: u32,
+) -> PolicyValue {
     ancestors(p)
         .find_map(|a| own.get(&a).copied())
         .or_else(|| ancestors(p).find_map(|a| wildcard.get(&a).copied()))
-        .unwrap_or(default)
+        .unwrap_or(PolicyValue::new(default))
 }
 
 /// Appends to `d` what turns identity `id`'s keys `from` into `to`.
 fn push_identity_diff(
     d: &mut ContentDiff,
     id: u32,
-    from: &BTreeMap<u32, u8>,
-    to: &BTreeMap<u32, u8>,
+    from: &BTreeMap<u32, PolicyValue>,
+    to: &BTreeMap<u32, PolicyValue>,
 ) {
     for (&p, &v) in to {
         if from.get(&p) != Some(&v) {
@@ -423,7 +444,7 @@ pub fn meet_steps(
         return None;
     }
     // Per touched identity: its removed prefixes and its upserted keys.
-    type Change = (Vec<u32>, Vec<(u32, u8)>);
+    type Change = (Vec<u32>, Vec<(u32, PolicyValue)>);
     let mut by_id: BTreeMap<u32, Change> = BTreeMap::new();
     for &((id, p), _) in &diff.specific_removes {
         by_id.entry(id).or_default().0.push(p);
@@ -434,7 +455,7 @@ pub fn meet_steps(
     let (mut to_meet, mut to_after) = (ContentDiff::default(), ContentDiff::default());
     let w = &current.wildcard;
     for (id, (removes, upserts)) in by_id {
-        let old: BTreeMap<u32, u8> = current
+        let old: BTreeMap<u32, PolicyValue> = current
             .specific
             .range((id, 0)..=(id, u32::MAX))
             .map(|(&(_, p), &v)| (p, v))
@@ -453,22 +474,28 @@ pub fn meet_steps(
             .copied()
             .collect();
         at.extend(covered);
-        let both: Vec<(u32, u8, u8)> = at
+        let both: Vec<(u32, PolicyValue, PolicyValue)> = at
             .iter()
             .map(|&p| {
                 (
                     p,
-                    verdict_of(&old, w, default, p),
-                    verdict_of(&new, w, default, p),
+                    value_of(&old, w, default, p),
+                    value_of(&new, w, default, p),
                 )
             })
             .collect();
-        let meet = if both.iter().all(|&(_, a, b)| and(a, b) == b) {
+        let meet = if both
+            .iter()
+            .all(|&(_, a, b)| and(a.verdict, b.verdict) == b.verdict)
+        {
             new.clone()
-        } else if both.iter().all(|&(_, a, b)| and(a, b) == a) {
+        } else if both
+            .iter()
+            .all(|&(_, a, b)| and(a.verdict, b.verdict) == a.verdict)
+        {
             old.clone()
         } else {
-            both.iter().map(|&(p, a, b)| (p, and(a, b))).collect()
+            both.iter().map(|&(p, a, b)| (p, and_value(a, b))).collect()
         };
         push_identity_diff(&mut to_meet, id, &old, &meet);
         push_identity_diff(&mut to_after, id, &meet, &new);
@@ -506,12 +533,22 @@ fn encode_prefix(prefix: &ordnet_mapstate::L4Prefix) -> Result<u32, FlattenError
     Ok(prefix.raw() | u32::from(len))
 }
 
-/// The keys of a MapState as a rule set, and its isolation default (`V_ALLOW`/`V_DENY`).
+/// The keys of a MapState as a rule set, and its isolation default (`V_ALLOW`/`V_DENY`),
+/// without rule counters (for a rule set that is not written to the kernel).
 pub fn flatten(ms: &MapState) -> Result<(RuleSetContent, u8), FlattenError> {
+    flatten_counted(ms, &mut RuleCounters::none())
+}
+
+/// The keys of a MapState as a rule set, each with the rule counter of the rules it comes
+/// from (drawn from `counters`), and its isolation default.
+pub fn flatten_counted(
+    ms: &MapState,
+    counters: &mut RuleCounters,
+) -> Result<(RuleSetContent, u8), FlattenError> {
     let mut content = RuleSetContent::default();
     for (key, entry) in ms.iter() {
         let prefix = encode_prefix(&key.prefix)?;
-        let v = verdict_code(entry.verdict);
+        let v = counters.value(entry);
         match key.peer {
             Peer::Any => {
                 content.wildcard.insert(prefix, v);
@@ -582,7 +619,7 @@ pub fn cell_words(inputs: &CellInputs, cell: u32) -> CellWords {
         // Other protocols: only length-0 keys can match.
         let mask = u32::from(inputs.specific_count.contains_key(&0));
         let wild = inputs.wildcard.get(&0).map_or(WILD_NONE, |v| wild_code(*v));
-        return CellWords::Uniform(cell_word(mask, wild));
+        return CellWords::Uniform(cell_word(mask, wild) | wild_length_bits(0));
     }
     let slot = cell / 256;
     let hi = cell % 256;
@@ -590,16 +627,18 @@ pub fn cell_words(inputs: &CellInputs, cell: u32) -> CellWords {
     let first_port = (hi << 8) as u16;
     // Ancestors of (and equal to) the 256-port block: lengths 0 and 8..=16.
     let mut mask = 0u32;
-    let mut wild = WILD_NONE;
+    // The wildcard verdict with the length of its key (`wild_length_bits`).
+    let mut wild = (WILD_NONE, 0);
     for len in core::iter::once(0).chain(8..=16) {
         let p = prefix_bits(proto, first_port, len);
         if inputs.specific_count.contains_key(&p) {
             mask |= 1 << len;
         }
         if let Some(v) = inputs.wildcard.get(&p) {
-            wild = wild_code(*v); // longer overrides shorter (ascending lengths)
+            wild = (wild_code(*v), wild_length_bits(len)); // longer overrides shorter
         }
     }
+    let word = |mask, (wild, len_bits)| cell_word(mask, wild) | len_bits;
     // Descendants: keys of length 17..=24 inside the block.
     let lo = prefix_bits(proto, first_port, 24) & !0xff;
     let hi_bound = lo | (0xff << 8) | 0xff;
@@ -616,7 +655,7 @@ pub fn cell_words(inputs: &CellInputs, cell: u32) -> CellWords {
         .filter(|(p, _)| prefix_len(*p) > 16)
         .collect();
     if specific.is_empty() && wildcard.is_empty() {
-        return CellWords::Uniform(cell_word(mask, wild));
+        return CellWords::Uniform(word(mask, wild));
     }
     let mut masks = [mask; 256];
     let mut wilds = [wild; 256];
@@ -635,14 +674,14 @@ pub fn cell_words(inputs: &CellInputs, cell: u32) -> CellWords {
     // Shorter first, so that a longer key overrides the shorter ones inside it.
     wildcard.sort_by_key(|(p, _)| prefix_len(*p));
     for (p, v) in wildcard {
-        let (a, b, _) = port_span(p);
+        let (a, b, len) = port_span(p);
         for w in &mut wilds[a as usize..=b as usize] {
-            *w = wild_code(v);
+            *w = (wild_code(v), wild_length_bits(len));
         }
     }
     let mut words = Box::new([0u32; 256]);
     for i in 0..256 {
-        words[i] = cell_word(masks[i], wilds[i]);
+        words[i] = word(masks[i], wilds[i]);
     }
     if words.iter().all(|w| *w == words[0]) {
         CellWords::Uniform(words[0])
@@ -758,10 +797,7 @@ impl PolicyMaps for FlatRuleSet {
         if key.ruleset != 0 {
             return None;
         }
-        self.content
-            .specific
-            .get(&(key.identity, key.prefix))
-            .map(|v| PolicyValue::new(*v))
+        self.content.value_of(key)
     }
 }
 
@@ -785,6 +821,11 @@ mod tests {
         *g.choose(&[V_ALLOW, V_DENY]).unwrap()
     }
 
+    /// A verdict with one of a few rule counters.
+    fn value(g: &mut quickcheck::Gen) -> PolicyValue {
+        PolicyValue::counted(verdict(g), u16::arbitrary(g) % 3)
+    }
+
     use quickcheck::Arbitrary;
 
     /// The two steps of a change of identity keys give every packet of every identity the
@@ -796,18 +837,17 @@ mod tests {
             let mut a = RuleSetContent::default();
             for _ in 0..u8::arbitrary(&mut g) % 12 {
                 let id = 1 + u32::arbitrary(&mut g) % 4;
-                a.specific
-                    .insert((id, small_prefix(&mut g)), verdict(&mut g));
+                a.specific.insert((id, small_prefix(&mut g)), value(&mut g));
             }
             for _ in 0..u8::arbitrary(&mut g) % 4 {
-                a.wildcard.insert(small_prefix(&mut g), verdict(&mut g));
+                a.wildcard.insert(small_prefix(&mut g), value(&mut g));
             }
             let default = verdict(&mut g);
             let mut b = a.clone();
             for _ in 0..u8::arbitrary(&mut g) % 6 {
                 let k = (1 + u32::arbitrary(&mut g) % 4, small_prefix(&mut g));
                 if bool::arbitrary(&mut g) {
-                    b.specific.insert(k, verdict(&mut g));
+                    b.specific.insert(k, value(&mut g));
                 } else {
                     b.specific.remove(&k);
                 }
@@ -860,9 +900,19 @@ mod tests {
         };
         let base = 1 << 8; // the TCP/* identity key
         assert_eq!(w[79], cell_word(base, WILD_ALLOW));
-        assert_eq!(w[80], cell_word(base | 1 << 24, WILD_DENY));
-        assert_eq!(w[81], cell_word(base, WILD_DENY));
-        assert_eq!(w[83], cell_word(base, WILD_DENY));
+        // The /22 `*` key decides 80..=83: its length is in the word.
+        let len22 = wild_length_bits(22);
+        assert_eq!(w[80], cell_word(base | 1 << 24, WILD_DENY) | len22);
+        assert_eq!(w[81], cell_word(base, WILD_DENY) | len22);
+        assert_eq!(w[83], cell_word(base, WILD_DENY) | len22);
+        for l in core::iter::once(0).chain(8..=24) {
+            assert_eq!(
+                ordnet_datapath_common::layout::wild_length(
+                    cell_word(base, WILD_DENY) | wild_length_bits(l)
+                ),
+                l
+            );
+        }
         assert_eq!(w[84], cell_word(base, WILD_ALLOW));
         assert_eq!(
             cell_words(&inputs, 1),

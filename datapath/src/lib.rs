@@ -43,6 +43,7 @@
 #[cfg(feature = "bench")]
 pub mod bench;
 mod control;
+mod counters;
 mod events;
 mod flat;
 mod kernel;
@@ -74,10 +75,14 @@ pub use control::{
     Control, ControlError, EndpointAddresses, EndpointSpec, EndpointState, MapFill, ip_key, key_ip,
     net_key,
 };
+pub use counters::{
+    COUNTER_UNATTRIBUTED, CounterOwner, FIRST_RULE_COUNTER, RuleCounters, RuleId, RuleTotals,
+    default_counter,
+};
 pub use events::{DecidedBy, EventReader, Observed};
 pub use flat::{
     CellInputs, CellWords, ContentDiff, FlatRuleSet, FlattenError, RuleSetContent, cell_words,
-    flatten, key_hash, meet, same_verdicts, verdict_code,
+    flatten, flatten_counted, key_hash, meet, same_verdicts, verdict_code,
 };
 pub use ipnet::IpNet;
 pub use kernel::{CtSweep, KernelTables};
@@ -93,8 +98,9 @@ use ordnet_datapath_common::{
         DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS, DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES,
         DEFAULT_SVC_ENTRIES, IfaceInfo, IpInfo, IpKey, MAP_BLOCKS, MAP_CELLS, MAP_COUNTERS,
         MAP_CT4, MAP_CT6, MAP_EVENTS, MAP_IFACE, MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY,
-        MAP_STATE, MAP_SVC, PROGRAM_NAME, PolicyKey, PolicyValue, State, SvcKey, SvcValue,
-        TC_L3_PROGRAM_NAME, TC_PROGRAM_NAME, pairs,
+        MAP_RULE_COUNTERS, MAP_STATE, MAP_SVC, MAP_TC_OBSERVER, MAP_XDP_OBSERVER, PROGRAM_NAME,
+        PolicyKey, PolicyValue, RuleCount, State, SvcKey, SvcValue, TC_L3_PROGRAM_NAME,
+        TC_OBSERVER_NAME, TC_PROGRAM_NAME, XDP_OBSERVER_NAME, pairs,
     },
 };
 pub use plane::{ControlPlane, MemDatapath};
@@ -302,6 +308,11 @@ pub struct DatapathConfig {
     /// (shared equally by the CPUs); 0 turns them off. Default
     /// [`DEFAULT_EVENTS_PER_SEC`](common::event::DEFAULT_EVENTS_PER_SEC).
     pub events_per_sec: u64,
+    /// The per-rule counters ([`Datapath::rule_counts`]): on (the default), every new flow
+    /// and denied packet is counted for the rules that decided it. With them and the events
+    /// off the programs hand nothing to the observer program (`docs/observe.md` §8: a new
+    /// flow or a denied packet then costs what it did before either existed).
+    pub rule_counters: bool,
 }
 
 impl DatapathConfig {
@@ -341,6 +352,7 @@ impl Default for DatapathConfig {
             ct_refresh: Duration::from_secs(CT_REFRESH_SECS),
             handoff: true,
             events_per_sec: common::event::DEFAULT_EVENTS_PER_SEC,
+            rule_counters: true,
         }
     }
 }
@@ -554,6 +566,10 @@ const HANDOFF_KEY_GLOBAL: &str = "ORDNET_HANDOFF_KEY";
 /// (`ORDNET_EVENT_INTERVAL` in the eBPF crate; 0: no events).
 const EVENT_INTERVAL_GLOBAL: &str = "ORDNET_EVENT_INTERVAL";
 
+/// The global variable that turns the per-rule counters on (1) or off (0)
+/// (`ORDNET_COUNT_RULES` in the eBPF crate).
+const RULE_COUNTERS_GLOBAL: &str = "ORDNET_COUNT_RULES";
+
 /// A fresh random key for the handoff tags ([`common::handoff`]), never 0 (0 turns the
 /// handoff off). From the kernel's random source: a pod must not be able to guess it.
 fn random_handoff_key() -> Result<u64, DatapathError> {
@@ -620,6 +636,28 @@ fn loaded_classifier<'e>(
         program.load()?;
     }
     Ok(program)
+}
+
+/// Loads the observer programs and puts each into its program array ([`MAP_XDP_OBSERVER`],
+/// [`MAP_TC_OBSERVER`]), which the deciding programs tail-call for the packets they count or
+/// report. The arrays are private to this load: emptied when the process closes them, so
+/// pinned programs left running then return their verdicts without observing.
+fn load_observers(ebpf: &mut Ebpf) -> Result<(), DatapathError> {
+    let xdp: &mut Xdp = ebpf
+        .program_mut(XDP_OBSERVER_NAME)
+        .ok_or(DatapathError::Missing(XDP_OBSERVER_NAME))?
+        .try_into()?;
+    xdp.load()?;
+    let clone = |fd: &aya::programs::ProgramFd| {
+        fd.try_clone().map_err(|e| DatapathError::Program(e.into()))
+    };
+    let xdp = clone(xdp.fd()?)?;
+    let tc = clone(loaded_classifier(ebpf, TC_OBSERVER_NAME)?.fd()?)?;
+    for (name, fd) in [(MAP_XDP_OBSERVER, &xdp), (MAP_TC_OBSERVER, &tc)] {
+        let map = ebpf.map_mut(name).ok_or(DatapathError::Missing(name))?;
+        aya::maps::ProgramArray::try_from(map)?.set(0, fd, 0)?;
+    }
+    Ok(())
 }
 
 /// The handle of a new attachment: pinned as `<pin_dir>/<links_dir>/<iface>` (it then survives
@@ -1000,10 +1038,12 @@ impl Datapath {
         };
         let cpus = aya::util::nr_cpus().map_or(1, |n| n as u64);
         let event_interval = common::event::interval_ns(config.events_per_sec, cpus);
+        let rule_counters = u64::from(config.rule_counters);
         let mut loader = EbpfLoader::new();
         loader
             .override_global(HANDOFF_KEY_GLOBAL, &handoff_key, true)
             .override_global(EVENT_INTERVAL_GLOBAL, &event_interval, true)
+            .override_global(RULE_COUNTERS_GLOBAL, &rule_counters, true)
             .map_max_entries(MAP_IP4, config.ipcache_entries)
             .map_max_entries(MAP_IP6, config.ipcache_entries)
             .map_max_entries(MAP_IPCIDR, config.cidr_entries)
@@ -1029,6 +1069,7 @@ impl Datapath {
         // The layer-3 TC program is loaded when a layer-3 device needs it (`loaded_classifier`):
         // most nodes have none, and each program costs about a second of verification.
         loaded_classifier(&mut ebpf, TC_PROGRAM_NAME)?;
+        load_observers(&mut ebpf)?;
         let cells: Array<MapData, u64> = take(&mut ebpf, MAP_CELLS)?;
         let blocks: Array<MapData, u64> = take(&mut ebpf, MAP_BLOCKS)?;
         let (cell_words, block_words) = (cells.len() * 2, blocks.len() * 2);
@@ -1546,6 +1587,42 @@ impl Datapath {
             events_suppressed: sum(COUNTER_EVENTS_SUPPRESSED)?,
             events_lost: sum(COUNTER_EVENTS_LOST)?,
         })
+    }
+
+    /// The per-rule counters' sums over CPUs, per element of [`MAP_RULE_COUNTERS`] up to the
+    /// highest one given out (the others have counted nothing), since this program pair was
+    /// loaded.
+    pub fn rule_counts(&self) -> Result<Vec<RuleCount>, DatapathError> {
+        let map = self
+            .ebpf
+            .map(MAP_RULE_COUNTERS)
+            .ok_or(DatapathError::Missing(MAP_RULE_COUNTERS))?;
+        let counters = aya::maps::PerCpuArray::<_, RuleCount>::try_from(map)?;
+        let end = self
+            .control
+            .rule_counters()
+            .high_water()
+            .min(counters.len());
+        (0..end)
+            .map(|i| {
+                Ok(counters
+                    .get(&i, 0)?
+                    .iter()
+                    .fold(RuleCount::default(), |a, c| a.plus(*c)))
+            })
+            .collect()
+    }
+
+    /// Adds what the rule counters counted since the last call to `totals`, then, when most
+    /// elements are taken, frees those no key names any more (their counts are in `totals`
+    /// by then) and forgets the totals of rules no element counts for any more.
+    pub fn collect_rule_counts(&mut self, totals: &mut RuleTotals) -> Result<(), DatapathError> {
+        let sums = self.rule_counts()?;
+        totals.add(&sums, self.control.rule_counters());
+        if self.control.rule_counters().nearly_full() && self.control.retain_rule_counters() > 0 {
+            totals.forget_unowned(self.control.rule_counters());
+        }
+        Ok(())
     }
 
     /// The reader of the programs' verdict events ([`common::event`]): the ring buffer of this

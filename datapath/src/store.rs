@@ -147,7 +147,7 @@ fn slot_content<W: TableWriter + ?Sized>(
 ) -> Result<RuleSetContent, crate::tables::WriteError> {
     let mut c = RuleSetContent::default();
     for (k, v) in w.slot_keys(slot)? {
-        c.insert_key(&k, v.verdict);
+        c.insert_key(&k, v);
     }
     Ok(c)
 }
@@ -353,17 +353,14 @@ impl Store {
     /// successfully).
     pub fn policy_value(&self, key: &PolicyKey) -> Option<PolicyValue> {
         let r = self.slots.get(key.ruleset as usize)?.as_ref()?;
-        r.content.verdict_of(key).map(PolicyValue::new)
+        r.content.value_of(key)
     }
 
     /// Every policy key the maps hold, from the slots' contents (see [`Store::policy_value`]).
     pub fn policy_keys(&self) -> impl Iterator<Item = (PolicyKey, PolicyValue)> + '_ {
         self.slots.iter().enumerate().flat_map(|(slot, r)| {
-            r.iter().flat_map(move |r| {
-                r.content
-                    .policy_keys(slot as u32)
-                    .map(|(k, v)| (k, PolicyValue::new(v)))
-            })
+            r.iter()
+                .flat_map(move |r| r.content.policy_keys(slot as u32))
         })
     }
 
@@ -601,7 +598,7 @@ impl Store {
         phase.policy.extend(
             content
                 .policy_keys(slot)
-                .map(|(k, v)| Write::PolicyUpsert(k, PolicyValue::new(v))),
+                .map(|(k, v)| Write::PolicyUpsert(k, v)),
         );
         if let Err(e) = self.run_phase(w, stats, phase) {
             self.discard_partial_install(w, slot, &blocks);
@@ -765,29 +762,25 @@ impl Store {
             let mut region = BTreeSet::new();
             if upsert {
                 for &((id, p), v) in spec_added.iter().chain(&spec_changed) {
-                    if v == verdict {
-                        phase
-                            .policy
-                            .push(Write::PolicyUpsert(key(id, p), PolicyValue::new(v)));
+                    if v.verdict == verdict {
+                        phase.policy.push(Write::PolicyUpsert(key(id, p), v));
                     }
                 }
                 for &(p, v) in wild_upserts {
-                    if v == verdict {
-                        rs.inputs.wildcard.insert(p, v);
+                    if v.verdict == verdict {
+                        rs.inputs.wildcard.insert(p, v.verdict);
                         region.extend(affected_cells(p));
-                        phase
-                            .policy
-                            .push(Write::PolicyUpsert(key(0, p), PolicyValue::new(v)));
+                        phase.policy.push(Write::PolicyUpsert(key(0, p), v));
                     }
                 }
             } else {
                 for &((id, p), v) in spec_removed {
-                    if v == verdict {
+                    if v.verdict == verdict {
                         phase.policy.push(Write::PolicyDelete(key(id, p)));
                     }
                 }
                 for &(p, v) in wild_removed {
-                    if v == verdict {
+                    if v.verdict == verdict {
                         rs.inputs.wildcard.remove(&p);
                         region.extend(affected_cells(p));
                         phase.policy.push(Write::PolicyDelete(key(0, p)));
@@ -830,10 +823,7 @@ impl Store {
         let mut store = Store::new(max_rulesets, max_blocks, grace);
         let mut contents: BTreeMap<u32, RuleSetContent> = BTreeMap::new();
         for (k, v) in &w.tables().policy {
-            contents
-                .entry(k.ruleset)
-                .or_default()
-                .insert_key(k, v.verdict);
+            contents.entry(k.ruleset).or_default().insert_key(k, *v);
         }
         // Blocks referenced by any slot's words.
         let mut used_blocks = BTreeSet::new();

@@ -289,8 +289,10 @@ fn same_policy_batch<'a>(
 }
 
 fn changed_keys(a: &MapState, b: &MapState) -> usize {
-    let (a, _) = flatten(a).unwrap();
-    let (b, _) = flatten(b).unwrap();
+    // As the control plane counts them: a key whose rules change changes its rule counter.
+    let mut counters = ordnet_datapath::RuleCounters::default();
+    let (a, _) = ordnet_datapath::flatten_counted(a, &mut counters).unwrap();
+    let (b, _) = ordnet_datapath::flatten_counted(b, &mut counters).unwrap();
     let spec = a
         .specific
         .iter()
@@ -597,7 +599,11 @@ fn change_sets_apply_in_place_safely() {
             );
             if stats.rulesets_updated > 0 {
                 in_place += 1;
-                let diff = ordnet_datapath::ContentDiff::from_changeset(&changes).unwrap();
+                let diff = ordnet_datapath::ContentDiff::from_changeset(
+                    &changes,
+                    &mut ordnet_datapath::RuleCounters::default(),
+                )
+                .unwrap();
                 assert_eq!(
                     stats.policy_writes as usize,
                     diff.len(),

@@ -3235,7 +3235,7 @@ fn verdict_events_name_what_decided() {
     if !privileged() {
         return;
     }
-    use ordnet_datapath::{DecidedBy, Observed};
+    use ordnet_datapath::{DecidedBy, Observed, RuleId, RuleTotals};
     // A's egress: TCP/443 to identity 7 allowed (its own key), TCP/80 to anyone denied (the
     // wildcard), everything else denied by the default.
     let egress = ms(
@@ -3314,7 +3314,17 @@ fn verdict_events_name_what_decided() {
         assert_eq!(got.len(), 2, "{got:#?}");
         assert_eq!(
             (got[0].reason, got[0].egress),
-            ("egress-denied", (DecidedBy::Wildcard, false))
+            (
+                "egress-denied",
+                (
+                    DecidedBy::Wildcard {
+                        protocol: 6,
+                        port: 80,
+                        length: 24
+                    },
+                    false
+                )
+            )
         );
         assert_eq!(
             (got[1].reason, got[1].egress),
@@ -3346,6 +3356,40 @@ fn verdict_events_name_what_decided() {
     let c = dp.counters().unwrap();
     assert_eq!((c.events, c.events_suppressed, c.events_lost), (10, 0, 0));
     eprintln!("events: 10 emitted, with what decided each direction");
+    // The rule counters, per rule: per family, one flow allowed by the TCP/443 rule (r0), one
+    // flow (one packet) denied by the TCP/80 rule (r1) and one by the egress default, one flow
+    // of eleven packets denied by the ingress default.
+    let mut totals = RuleTotals::default();
+    dp.collect_rule_counts(&mut totals).unwrap();
+    let got: Vec<(RuleId, [u64; 3])> = totals
+        .totals()
+        .iter()
+        .map(|(id, c)| {
+            (
+                id.clone(),
+                [c.flows_allowed, c.flows_denied, c.packets_denied],
+            )
+        })
+        .collect();
+    let rule = |i: u32| RuleId::Rule {
+        policy_kind: "Test".into(),
+        namespace: None,
+        name: format!("r{i}"),
+        direction: Direction::Egress,
+        index: i,
+    };
+    let default = |direction| RuleId::Default {
+        direction,
+        allow: false,
+    };
+    let mut want = vec![
+        (rule(0), [2, 0, 0]),
+        (rule(1), [0, 2, 2]),
+        (default(Direction::Egress), [0, 2, 2]),
+        (default(Direction::Ingress), [0, 2, 22]),
+    ];
+    want.sort();
+    assert_eq!(got, want);
 }
 
 /// The verdict events' rate limit refuses events beyond it and counts them (emitted +
@@ -3394,6 +3438,11 @@ fn verdict_events_rate_limit_and_off() {
     assert_eq!(reader.drain(&mut raw), 0);
     let c = dp.counters().unwrap();
     assert_eq!((c.events, c.events_suppressed), (0, 0));
+    // The rule counters count with the events off.
+    let mut totals = ordnet_datapath::RuleTotals::default();
+    dp.collect_rule_counts(&mut totals).unwrap();
+    let allowed: u64 = totals.totals().values().map(|c| c.flows_allowed).sum();
+    assert_eq!(allowed, 1, "{:?}", totals.totals());
 }
 
 /// Full-size and jumbo frames (1,500 and 9,000 bytes; the kernel's test run puts what does not

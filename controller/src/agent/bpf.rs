@@ -38,7 +38,8 @@ use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 use ordnet_datapath::{
-    ControlPlane, CtSweep, Datapath as Kernel, DatapathConfig, DatapathCounters, XdpAttached,
+    ControlPlane, CtSweep, Datapath as Kernel, DatapathConfig, DatapathCounters, RuleTotals,
+    XdpAttached,
 };
 use ordnet_engine::{Engine, EngineDelta};
 use ordnet_mapstate::Identity;
@@ -140,6 +141,9 @@ pub struct BpfDatapath {
     ct_sweep_errors: u64,
     /// The programs' event counters as of the last sweep.
     counters: DatapathCounters,
+    /// The per-rule counters' totals since the agent started (read at every upkeep, and from
+    /// the old programs before grown maps replace them).
+    rule_totals: RuleTotals,
 }
 
 /// Capacities of the maps that grow with the cluster (`ordnet agent --policy-map-entries`,
@@ -259,6 +263,7 @@ fn config_of(pin_dir: &Path, sizes: MapSizes, options: ProgramOptions) -> Datapa
         ct_close_lifetime: conntrack.close,
         ct_other_lifetime: conntrack.other,
         events_per_sec: options.events_per_sec,
+        rule_counters: options.rule_counters,
         ..DatapathConfig::default()
     }
 }
@@ -271,6 +276,8 @@ pub struct ProgramOptions {
     pub conntrack: ConntrackOptions,
     /// The verdict events' rate limit per node (0: no events; `docs/observe.md`).
     pub events_per_sec: u64,
+    /// The per-rule counters (`docs/observe.md` §8; `--rule-counters=false` turns them off).
+    pub rule_counters: bool,
 }
 
 impl Default for ProgramOptions {
@@ -278,6 +285,7 @@ impl Default for ProgramOptions {
         ProgramOptions {
             conntrack: ConntrackOptions::default(),
             events_per_sec: DatapathConfig::default().events_per_sec,
+            rule_counters: true,
         }
     }
 }
@@ -410,6 +418,7 @@ impl BpfDatapath {
             ct_removed: [0; 2],
             ct_sweep_errors: 0,
             counters: DatapathCounters::default(),
+            rule_totals: RuleTotals::default(),
         })
     }
 
@@ -667,6 +676,9 @@ impl BpfDatapath {
             }
         };
         dp.keep_keys_in_store();
+        // What the old programs counted is read before they go; the new ones count from zero.
+        self.collect_rule_counts();
+        self.rule_totals.reloaded();
         // The current maps stay pinned (set aside) and enforcing until the takeover.
         drop(std::mem::replace(&mut self.dp, dp));
         let keys = self.programmer.record.keeps_keys();
@@ -678,6 +690,14 @@ impl BpfDatapath {
         self.sizes = sizes;
         self.grown += 1;
         self.full(engine)
+    }
+
+    /// Adds what the kernel's per-rule counters counted since the last read to the totals (a
+    /// failure is logged: the counts stay in the kernel for the next read).
+    fn collect_rule_counts(&mut self) {
+        if let Err(e) = self.dp.collect_rule_counts(&mut self.rule_totals) {
+            tracing::warn!(error = %e, "reading the per-rule counters failed");
+        }
     }
 
     /// Once the new maps hold the whole state: the attachments of an older layout's pins move
@@ -1237,7 +1257,12 @@ impl Enforcer for BpfDatapath {
         self.grow_if_needed(engine)?;
         self.reconcile_links(engine);
         self.sweep_conntrack();
+        self.collect_rule_counts();
         Ok(())
+    }
+
+    fn rule_totals(&self) -> Option<&RuleTotals> {
+        self.options.rule_counters.then_some(&self.rule_totals)
     }
 
     fn denied(&self) -> &BTreeMap<String, String> {
@@ -1272,6 +1297,7 @@ impl Enforcer for BpfDatapath {
             value,
         };
         let mut out = super::datapath::capacity_samples(&self.programmer.program, &self.dp);
+        out.extend(crate::rule_counters::samples(&self.rule_totals));
         out.extend([
             one(
                 "ordnet_datapath_attached_interfaces",

@@ -67,6 +67,12 @@ pub trait Enforcer: Send {
     fn metrics(&self) -> Vec<super::metrics::Sample> {
         Vec::new()
     }
+    /// What the kernel's per-rule counters counted, per rule, since the agent started
+    /// (`docs/observe.md` §8); `None` for a datapath without them. Brought up to date by
+    /// [`Enforcer::maintain`].
+    fn rule_totals(&self) -> Option<&ordnet_datapath::RuleTotals> {
+        None
+    }
     /// Conditions an operator should know about while the agent is ready (`/readyz` lists
     /// them), e.g. a connection-tracking table near its capacity.
     fn health(&self) -> Vec<String> {

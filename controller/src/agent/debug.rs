@@ -16,7 +16,10 @@
 //!   ingress|egress&policy=NAME&protocol=P&port=N&output=text|json`: the last `N` (default 20)
 //!   verdict events after sequence number `SEQ` that pass the filters, attributed to their
 //!   rules (`ordnet observe`); the header `X-Ordnet-Last` (and `last` in JSON) is the highest
-//!   sequence number so far, to ask `since=` it next.
+//!   sequence number so far, to ask `since=` it next;
+//! * `GET /v1/counters?policy=NAME&namespace=NS&output=text|json`: the kernel's per-rule
+//!   counters (`ordnet observe --counters`): per rule, the new flows it allowed and the flows
+//!   and packets it denied since the agent started; 404 when the datapath has none.
 //!
 //! `output` defaults to `json`; `color=1` asks for ANSI colours (the client decides, from its
 //! own terminal); `width` is the table width (`$COLUMNS` of the client, default 160). The
@@ -270,6 +273,7 @@ fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
             Err(Bad(m)) => text(StatusCode::BAD_REQUEST, m),
             Err(Internal(m) | Denied(m)) => text(StatusCode::INTERNAL_SERVER_ERROR, m),
         },
+        "/v1/counters" => counters(state, &q),
         "/v1/problems" => json(
             serde_json::to_string_pretty(&state.problems()).expect("problems serialize") + "\n",
         ),
@@ -297,6 +301,41 @@ fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
             }
         }
         _ => text(StatusCode::NOT_FOUND, "not found"),
+    }
+}
+
+/// `/v1/counters`: the per-rule counters' totals that pass the query's filters.
+fn counters(state: &AgentState, q: &BTreeMap<String, Vec<String>>) -> Response<Full<Bytes>> {
+    use crate::rule_counters::{CounterFilter, json as counters_json, rows, text as counters_text};
+    let format = match output(q, render::trace::Format::parse, "text or json") {
+        Ok(f) => f,
+        Err(Bad(m) | Internal(m) | Denied(m)) => return text(StatusCode::BAD_REQUEST, m),
+    };
+    let filter = CounterFilter {
+        policy: one(q, "policy").map(str::to_string),
+        namespace: one(q, "namespace").map(str::to_string),
+    };
+    let style = render::Style::new(one(q, "color") == Some("1"));
+    let answer = state.with_programmed(|_, dp| {
+        dp.rule_totals().map(|totals| {
+            let rows = rows(totals, &filter);
+            match format {
+                render::trace::Format::Json => counters_json(&rows),
+                render::trace::Format::Text => counters_text(&rows, style),
+            }
+        })
+    });
+    match answer {
+        None => text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: waiting for the initial lists",
+        ),
+        Some(None) => text(
+            StatusCode::NOT_FOUND,
+            "this agent's datapath has no per-rule counters (not the kernel datapath)",
+        ),
+        Some(Some(body)) if format == render::trace::Format::Json => json(body),
+        Some(Some(body)) => respond(StatusCode::OK, "text/plain; charset=utf-8", body),
     }
 }
 

@@ -34,7 +34,7 @@ pub struct AgentArgs {
     /// of --cni-conf-dir and out of --cni-bin-dir (when given), detach the XDP and TC programs
     /// from every interface and remove every pin ($ORDNET_PIN_DIR, default
     /// /sys/fs/bpf/ordnet). Run it after the agent's DaemonSet is gone (deploy/uninstall/).
-    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket", "metrics_addr", "upkeep_interval", "observe_buffer", "flow_log", "events_per_sec"])]
+    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket", "metrics_addr", "upkeep_interval", "observe_buffer", "flow_log", "events_per_sec", "rule_counters"])]
     pub uninstall: bool,
     /// Kubeconfig to use (default: in-cluster config, then the usual kubeconfig lookup).
     #[arg(long, value_name = "PATH")]
@@ -69,6 +69,11 @@ pub struct AgentArgs {
     /// emit per second at most, shared by its CPUs; more are counted as suppressed. 0: none.
     #[arg(long, value_name = "N", default_value_t = ordnet_datapath::common::event::DEFAULT_EVENTS_PER_SEC)]
     pub events_per_sec: u64,
+    /// Count every new flow and denied packet for the rule that decided it, in the kernel
+    /// (`ordnet observe --counters`, the `ordnet_rule_*` metrics). Off, a new flow or a denied
+    /// packet costs less when the events are off too (docs/observe.md §8).
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
+    pub rule_counters: bool,
     /// Write every verdict event (attributed to its rules, as `ordnet observe -o json` shows
     /// it) as a JSON line to this file, for log collectors.
     #[arg(long, value_name = "PATH")]
@@ -180,6 +185,7 @@ fn program_options(args: &AgentArgs) -> agent::bpf::ProgramOptions {
             other: secs(args.conntrack_other_timeout),
         },
         events_per_sec: args.events_per_sec,
+        rule_counters: args.rule_counters,
     }
 }
 

@@ -152,6 +152,11 @@ pub struct ObserveArgs {
     /// Keep following: print new events as they arrive (every half second) until interrupted.
     #[arg(short = 'f', long)]
     pub follow: bool,
+    /// Show the per-rule counters instead of events: per rule (and isolation default), the
+    /// new flows it allowed and the flows and packets it denied since the agent started.
+    /// `--policy` and `--namespace` select rules; the other filters do not apply.
+    #[arg(long, conflicts_with_all = ["follow", "pod", "verdict", "direction", "protocol", "port"])]
+    pub counters: bool,
     /// Only events with this pod (`namespace/name`) at either end.
     #[arg(long, value_name = "NS/NAME")]
     pub pod: Option<String>,

@@ -2,7 +2,8 @@
 //! API (`/v1/observe`): the first packet of every new flow and the denied packets (aggregated
 //! per flow), each with the rule behind the verdict, worded as `ordnet trace` words it
 //! (`ordnet::observe`, `docs/observe.md`). The agent renders the text; `--follow` asks for
-//! what came after the last event shown every half second.
+//! what came after the last event shown every half second. `--counters` shows the per-rule
+//! counters instead (`/v1/counters`, `ordnet::rule_counters`).
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -43,6 +44,22 @@ pub fn run(args: &ObserveArgs) -> ExitCode {
         TextOrJson::Text => "text",
         TextOrJson::Json => "json",
     };
+    if args.counters {
+        let query = format!(
+            "/v1/counters?output={output}&color={}{filters}",
+            u8::from(color_wanted())
+        );
+        return match get_with_headers(&args.agent, &query) {
+            Ok((_, body)) => {
+                print!("{body}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("ordnet observe: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
     let mut since = 0u64;
     let mut last = args.last;
     loop {

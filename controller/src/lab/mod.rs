@@ -507,10 +507,12 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
         return Ok(ExitCode::SUCCESS);
     }
     let outcomes = probe_and_verify(args, plan, lab, &ends, &checks, &probes(RUN))?;
-    let events = match (lab.datapath.as_ref(), lab.events.as_mut()) {
+    let mut counters_disagree = false;
+    let events = match (lab.datapath.as_mut(), lab.events.as_mut()) {
         (Some(dp), Some(reader)) => {
             let events = observe::gather(dp, reader, &plan.engine);
             eprintln!("{}", events.summary());
+            counters_disagree = events.counters_disagree();
             let flows: Vec<Vec<&FlowRecord>> = checks
                 .iter()
                 .map(|c| {
@@ -530,7 +532,11 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
         }
         _ => None,
     };
-    report(args, plan, &checks, &outcomes, events)
+    let code = report(args, plan, &checks, &outcomes, events)?;
+    if counters_disagree && code == ExitCode::SUCCESS {
+        return Ok(ExitCode::from(EXIT_MISMATCH));
+    }
+    Ok(code)
 }
 
 /// Each check's events as JSON (`--observe -o json`).

@@ -7,11 +7,15 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
+use std::collections::{BTreeMap, BTreeSet};
+
 use ordnet::observe::{FlowRecord, attribute_batch};
 use ordnet::render::Style;
+use ordnet::rule_counters::{CounterFilter, RuleCounterRow, rows, rule_name};
 use ordnet_datapath::common::event::FlowEvent;
-use ordnet_datapath::{Datapath, DatapathCounters, EventReader};
-use ordnet_engine::Engine;
+use ordnet_datapath::{Datapath, DatapathCounters, EventReader, RuleId, RuleTotals};
+use ordnet_engine::{Engine, SideDecision};
+use ordnet_mapstate::Verdict;
 
 /// The events a lab run saw.
 pub(super) struct LabEvents {
@@ -19,6 +23,10 @@ pub(super) struct LabEvents {
     pub records: Vec<FlowRecord>,
     /// The programs' event counters (emitted, suppressed, lost).
     pub counters: DatapathCounters,
+    /// The per-rule counters after the probes.
+    pub rules: Vec<RuleCounterRow>,
+    /// Where the per-rule counters and the events disagree (`Err`: they could not be read).
+    pub disagreements: Result<Vec<String>, String>,
 }
 
 /// How long the events of the last probes may take to reach the ring buffer: they are written
@@ -27,7 +35,7 @@ const SETTLE: Duration = Duration::from_millis(20);
 
 /// Takes every event out of `reader` and attributes them with `engine`, the state `dp` was
 /// programmed from.
-pub(super) fn gather(dp: &Datapath, reader: &mut EventReader, engine: &Engine) -> LabEvents {
+pub(super) fn gather(dp: &mut Datapath, reader: &mut EventReader, engine: &Engine) -> LabEvents {
     let mut raw: Vec<FlowEvent> = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(1);
     let mut empty = 0;
@@ -40,10 +48,82 @@ pub(super) fn gather(dp: &Datapath, reader: &mut EventReader, engine: &Engine) -
         std::thread::sleep(SETTLE);
     }
     let records = attribute_batch(engine, dp, &raw, 1);
+    let counters = dp.counters().unwrap_or_default();
+    let mut totals = RuleTotals::default();
+    let disagreements = match dp.collect_rule_counts(&mut totals) {
+        Err(e) => Err(format!("cannot read the per-rule counters: {e}")),
+        Ok(()) if counters.events_suppressed + counters.events_lost > 0 => Err(format!(
+            "not compared with the events: {} events were suppressed or lost",
+            counters.events_suppressed + counters.events_lost
+        )),
+        Ok(()) => Ok(counters_against_events(&records, &totals)),
+    };
     LabEvents {
         records,
-        counters: dp.counters().unwrap_or_default(),
+        counters,
+        rules: rows(&totals, &CounterFilter::default()),
+        disagreements,
     }
+}
+
+/// Where the per-rule counters differ from what the events say each rule decided: every new
+/// flow allowed counts for the rules of both sides the kernel judged; a denied flow counts
+/// once (its first denied packet, per hook) for the rules of the side that denied it, and
+/// every denied packet too (the events carry the packets they stand for; those of the last
+/// report of a flow may still be unreported, so the counters may hold more, never fewer).
+fn counters_against_events(records: &[FlowRecord], totals: &RuleTotals) -> Vec<String> {
+    // (flows allowed, flows denied, packets denied) per rule.
+    let mut want: BTreeMap<RuleId, [u64; 3]> = BTreeMap::new();
+    let mut denied_flows = BTreeSet::new();
+    for r in records {
+        let e = &r.event;
+        for side in [&r.egress, &r.ingress].into_iter().flatten() {
+            if !e.allowed && side.verdict != Verdict::Deny {
+                continue;
+            }
+            let ids: Vec<RuleId> = match &side.decision {
+                SideDecision::Matched { entry, .. } => {
+                    entry.origins.iter().map(|o| RuleId::of(o)).collect()
+                }
+                SideDecision::Default { isolated, .. } => vec![RuleId::Default {
+                    direction: side.direction,
+                    allow: !isolated,
+                }],
+            };
+            for id in ids {
+                let w = want.entry(id.clone()).or_default();
+                if e.allowed {
+                    w[0] += 1;
+                } else {
+                    let flow = (e.hook, e.protocol, e.src, e.sport, e.dst, e.dport, id);
+                    if denied_flows.insert(flow) {
+                        w[1] += 1;
+                    }
+                    w[2] += u64::from(e.packets);
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    let ids: BTreeSet<&RuleId> = want.keys().chain(totals.totals().keys()).collect();
+    for id in ids {
+        let w = want.get(id).copied().unwrap_or_default();
+        let got = totals.totals().get(id).copied().unwrap_or_default();
+        if got.flows_allowed != w[0] || got.flows_denied != w[1] || got.packets_denied < w[2] {
+            out.push(format!(
+                "{}: counted {} flows allowed, {} flows denied, {} packets denied; the events \
+                 say {}, {}, at least {}",
+                rule_name(id),
+                got.flows_allowed,
+                got.flows_denied,
+                got.packets_denied,
+                w[0],
+                w[1],
+                w[2]
+            ));
+        }
+    }
+    out
 }
 
 impl LabEvents {
@@ -70,24 +150,56 @@ impl LabEvents {
             .collect()
     }
 
-    /// The counters' line (stderr).
+    /// The counters' lines (stderr): the events', and whether the per-rule counters agree
+    /// with the events.
     pub fn summary(&self) -> String {
         let c = &self.counters;
-        format!(
+        let mut out = format!(
             "ordnet lab: {} verdict events ({} emitted, {} suppressed by the rate limit, {} lost)",
             self.records.len(),
             c.events,
             c.events_suppressed,
             c.events_lost
-        )
+        );
+        let flows: u64 = self
+            .rules
+            .iter()
+            .map(|r| r.flows_allowed + r.flows_denied)
+            .sum();
+        match &self.disagreements {
+            Ok(d) if d.is_empty() => out.push_str(&format!(
+                "\nordnet lab: per-rule counters of {} rules ({flows} flows counted) agree with \
+                 the verdict events",
+                self.rules.len()
+            )),
+            Ok(d) => {
+                out.push_str(&format!(
+                    "\nordnet lab: per-rule counters DISAGREE with the verdict events ({} rules):",
+                    d.len()
+                ));
+                for line in d {
+                    out.push_str(&format!("\n  {line}"));
+                }
+            }
+            Err(e) => out.push_str(&format!("\nordnet lab: per-rule counters: {e}")),
+        }
+        out
     }
 
-    /// Every event as `ordnet observe` prints it.
+    /// Whether the per-rule counters disagree with the events.
+    pub fn counters_disagree(&self) -> bool {
+        self.disagreements.as_ref().is_ok_and(|d| !d.is_empty())
+    }
+
+    /// Every event as `ordnet observe` prints it, then the per-rule counters as
+    /// `ordnet observe --counters` prints them.
     pub fn text(&self, style: Style) -> String {
         let mut out = format!("\nverdict events ({}):\n", self.records.len());
         for r in &self.records {
             out.push_str(&ordnet::observe::text(r, style));
         }
+        out.push_str("\nper-rule counters:\n");
+        out.push_str(&ordnet::rule_counters::text(&self.rules, style));
         out
     }
 }

@@ -35,6 +35,7 @@
 //! [`COUNTER_EVENTS_SUPPRESSED`]: crate::layout::COUNTER_EVENTS_SUPPRESSED
 //! [`COUNTER_EVENTS_LOST`]: crate::layout::COUNTER_EVENTS_LOST
 
+use crate::lookup;
 use crate::parse::IpPacket;
 use crate::verdict::{Decision, Reason, Verdict};
 
@@ -176,6 +177,24 @@ impl Summary {
             word: verdict | (u64::from(d.codes) << 16),
             prefixes: d.prefixes,
         }
+    }
+
+    /// Where the decision counts for direction `egress` (else ingress), whose lookup was in
+    /// rule set `ruleset` for identity `peer` (`DatapathMaps::judged`): [`lookup::counter_site`].
+    #[inline(always)]
+    pub fn counter_site(&self, egress: bool, ruleset: u32, peer: u32) -> lookup::CounterSite {
+        let shift = if egress { 0 } else { 32 };
+        let code = (self.word >> if egress { 16 } else { 24 }) as u8;
+        // The verdict is 1 (pass) or 2 (drop): bit 1 says denied.
+        let denied = ((self.word >> 1) & 1) as u32;
+        lookup::counter_site(
+            code,
+            ruleset,
+            peer,
+            (self.prefixes >> shift) as u32,
+            egress,
+            denied,
+        )
     }
 
     /// Which event, if any, the decision calls for.
@@ -386,6 +405,73 @@ pub struct EventCpu {
     pub bucket: Bucket,
     /// Scratch space for a record about to be inserted.
     pub scratch: DenyRecord,
+    /// The rule set and peer identity of this CPU's last egress lookup
+    /// (`DatapathMaps::judged`).
+    pub egress: Judged,
+    /// The same for ingress.
+    pub ingress: Judged,
+    /// The key of the policy lookup that finds a deciding key's rule counter, and
+    /// [`EventCpu::elements`], the keys of the rule counter lookups: in map memory, not on
+    /// the stack, so that the verifier does not track their values (it marks a constant key
+    /// on the stack precise, and states that differ in a precise value never prune).
+    pub count_key: crate::layout::PolicyKey,
+    /// The rule counter elements the last counted decision counted in, egress and ingress
+    /// (out of range for a direction that did not count).
+    pub elements: [u32; 2],
+    /// The rule counter of the key the last policy probe found (written by the probe loop,
+    /// in map memory: a value carried out of the loop multiplied the verifier's states).
+    pub found_counter: u32,
+    /// Padding; always zero.
+    pub _pad: u32,
+    /// What the deciding program hands the observer program it tail-calls.
+    pub args: ObserveArgs,
+}
+
+/// What a deciding program hands its observer program (`layout::XDP_OBSERVER_NAME`) in this
+/// CPU's [`EventCpu`]: the decision's summary, where the packet was seen, and the verdict the
+/// observer returns. The observer parses the packet again from the same context.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct ObserveArgs {
+    /// [`Summary::reason`].
+    pub reason: u64,
+    /// [`Summary::word`].
+    pub word: u64,
+    /// [`Summary::prefixes`].
+    pub prefixes: u64,
+    /// The interface the packet came in on (XDP: the hook's; TC: `ingress_ifindex`).
+    pub ifindex: u32,
+    /// The program's return value for the packet (`XDP_PASS`/`XDP_DROP`, `TC_ACT_OK`/`SHOT`).
+    pub action: u32,
+    /// TC on a layer-3 device: the packet's EtherType (host order), for the parser; else 0.
+    pub l3_protocol: u32,
+    /// Padding; always zero.
+    pub _pad: u32,
+}
+
+impl ObserveArgs {
+    /// The summary handed over.
+    #[inline(always)]
+    pub fn summary(&self) -> Summary {
+        Summary {
+            reason: self.reason,
+            word: self.word,
+            prefixes: self.prefixes,
+        }
+    }
+}
+
+/// A policy lookup's rule set and peer identity ([`EventCpu::egress`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Judged {
+    /// The rule set.
+    pub ruleset: u32,
+    /// The peer identity.
+    pub peer: u32,
+    /// [`EventCpu::found_counter`] after the lookup: the rule counter of the peer's key, when
+    /// that key decided (stale otherwise, and then not read).
+    pub found_counter: u32,
 }
 
 /// The per-CPU interval between events for a node rate of `per_sec` events per second over

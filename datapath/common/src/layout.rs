@@ -23,6 +23,18 @@ pub const PROGRAM_NAME: &str = "ordnet_xdp";
 pub const TC_PROGRAM_NAME: &str = "ordnet_tc";
 /// The TC program of layer-3 devices (tunnels without an Ethernet header).
 pub const TC_L3_PROGRAM_NAME: &str = "ordnet_tc_l3";
+/// The XDP observer: the XDP program tail-calls it ([`MAP_XDP_OBSERVER`]) for a packet that is
+/// counted or reported (a new flow, a denied packet); it counts the rules, emits the verdict
+/// event and returns the XDP program's verdict. In a program of its own the observing code is
+/// verified once, not once for every path of the decision (docs/datapath.md, note 11).
+pub const XDP_OBSERVER_NAME: &str = "ordnet_xdp_observe";
+/// The TC observer ([`MAP_TC_OBSERVER`]), for both TC programs.
+pub const TC_OBSERVER_NAME: &str = "ordnet_tc_observe";
+/// The program array (one slot) holding [`XDP_OBSERVER_NAME`]: private to one load of the
+/// programs. (A program array serves programs of one type only: XDP and TC have one each.)
+pub const MAP_XDP_OBSERVER: &str = "ORDNET_XDP_OBSERVER";
+/// The program array (one slot) holding [`TC_OBSERVER_NAME`].
+pub const MAP_TC_OBSERVER: &str = "ORDNET_TC_OBSERVER";
 
 /// ipcache, exact part, IPv4: one address (every /32: pods, nodes, local endpoints). Keyed by
 /// the address word alone: a 4-byte key hashes and compares much faster than an [`IpKey`].
@@ -89,6 +101,59 @@ pub const COUNTER_EVENTS_SUPPRESSED: u32 = 4;
 pub const COUNTER_EVENTS_LOST: u32 = 5;
 /// The number of counters in [`MAP_COUNTERS`].
 pub const COUNTERS: u32 = 6;
+
+/// Per-rule counters ([`RuleCount`], a per-CPU array): element `i` counts the flows and denied
+/// packets decided by the keys whose value names counter `i` ([`PolicyValue::counter`];
+/// userspace assigns one per set of rules a key comes from), and by the isolation defaults
+/// ([`default_counter`]). Element 0 counts what names no counter. Private to one loaded
+/// program pair.
+pub const MAP_RULE_COUNTERS: &str = "ORDNET_RULE_COUNTERS";
+/// Default number of elements of [`MAP_RULE_COUNTERS`] (at most 65,536: the index is a `u16`).
+pub const DEFAULT_RULE_COUNTERS: u32 = 8_192;
+
+/// Element of [`MAP_RULE_COUNTERS`] (one per CPU; userspace sums them).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct RuleCount {
+    /// New flows allowed (first packet, or a tracked flow re-checked and still allowed), in
+    /// every direction that judged them.
+    pub flows_allowed: u64,
+    /// Denied flows: first denied packets of a flow not denied recently (`event::DenyRecord`),
+    /// in the direction(s) that denied them.
+    pub flows_denied: u64,
+    /// Denied packets, in the direction(s) that denied them.
+    pub packets_denied: u64,
+}
+
+impl RuleCount {
+    /// The sum of two counts.
+    pub const fn plus(self, o: RuleCount) -> RuleCount {
+        RuleCount {
+            flows_allowed: self.flows_allowed.wrapping_add(o.flows_allowed),
+            flows_denied: self.flows_denied.wrapping_add(o.flows_denied),
+            packets_denied: self.packets_denied.wrapping_add(o.packets_denied),
+        }
+    }
+
+    /// Whether nothing was counted.
+    pub const fn is_zero(&self) -> bool {
+        self.flows_allowed == 0 && self.flows_denied == 0 && self.packets_denied == 0
+    }
+}
+
+/// The element of [`MAP_RULE_COUNTERS`] of what names no counter (a value written before
+/// counters existed, a set of rules that found the array full).
+pub const COUNTER_UNATTRIBUTED: u16 = 0;
+/// The first element of a set of rules; those before it are the defaults'
+/// ([`default_counter`]).
+pub const FIRST_RULE_COUNTER: u16 = 5;
+
+/// The element of [`MAP_RULE_COUNTERS`] of an isolation default: one per direction and
+/// verdict (1 and 2: ingress deny and allow; 3 and 4: egress deny and allow).
+#[inline(always)]
+pub const fn default_counter(egress: bool, allow: bool) -> u16 {
+    1 + if egress { 2 } else { 0 } + if allow { 1 } else { 0 }
+}
 
 /// Default capacities (userspace can override them at load time).
 pub const DEFAULT_IPCACHE_ENTRIES: u32 = 65_536;
@@ -262,6 +327,14 @@ pub const WILD_NONE: u32 = 0;
 pub const WILD_ALLOW: u32 = 1;
 /// Wildcard verdict: deny.
 pub const WILD_DENY: u32 = 2;
+/// Cell word: the length of the `*` key that gives the cell its wildcard verdict (when one
+/// does), as its compressed mask bit ([`length_bit`]'s index, 0..18) in two parts: bits 0..2 of
+/// it at [`CELL_WILD_LEN_LO_SHIFT`] (bits 23..25 of the word), bits 2..5 at
+/// [`CELL_WILD_LEN_HI_SHIFT`] (bits 27..30). Only read to find that key's rule counter
+/// ([`wild_length`]), never to decide.
+pub const CELL_WILD_LEN_LO_SHIFT: u32 = 23;
+/// See [`CELL_WILD_LEN_LO_SHIFT`].
+pub const CELL_WILD_LEN_HI_SHIFT: u32 = 27;
 /// Cell word in [`MAP_CELLS`] only: the cell is refined; bits 0..31 hold the block number in
 /// [`MAP_BLOCKS`]. Never set in a block word.
 pub const CELL_REFINED: u32 = 1 << 31;
@@ -276,6 +349,22 @@ pub const fn length_bit(len: u32) -> u32 {
 #[inline(always)]
 pub const fn bit_length(bit: u32) -> u32 {
     if bit == 0 { 0 } else { bit + 7 }
+}
+
+/// The bits of a cell word that say the wildcard key's length `len` (0 or 8..=24; see
+/// [`CELL_WILD_LEN_LO_SHIFT`]).
+#[inline(always)]
+pub const fn wild_length_bits(len: u32) -> u32 {
+    let index = if len == 0 { 0 } else { len - 7 };
+    ((index & 3) << CELL_WILD_LEN_LO_SHIFT) | ((index >> 2) << CELL_WILD_LEN_HI_SHIFT)
+}
+
+/// The wildcard key's length a cell word says (inverse of [`wild_length_bits`]).
+#[inline(always)]
+pub const fn wild_length(word: u32) -> u32 {
+    let index =
+        ((word >> CELL_WILD_LEN_LO_SHIFT) & 3) | (((word >> CELL_WILD_LEN_HI_SHIFT) & 7) << 2);
+    bit_length(index)
 }
 
 /// A cell word from the set of key lengths (bit L set = length L, L in {0} and 8..=24) and the
@@ -335,15 +424,23 @@ pub struct PolicyValue {
     /// [`V_ALLOW`] or [`V_DENY`].
     pub verdict: u8,
     /// Padding; always zero.
-    pub _pad: [u8; 3],
+    pub _pad: u8,
+    /// The key's element of [`MAP_RULE_COUNTERS`] (0: counted as unattributed).
+    pub counter: u16,
 }
 
 impl PolicyValue {
-    /// A value of verdict `verdict` ([`V_ALLOW`] or [`V_DENY`]).
+    /// A value of verdict `verdict` ([`V_ALLOW`] or [`V_DENY`]) without a rule counter.
     pub const fn new(verdict: u8) -> Self {
+        Self::counted(verdict, 0)
+    }
+
+    /// A value of verdict `verdict` counted in element `counter` of [`MAP_RULE_COUNTERS`].
+    pub const fn counted(verdict: u8, counter: u16) -> Self {
         Self {
             verdict,
-            _pad: [0; 3],
+            _pad: 0,
+            counter,
         }
     }
 }
@@ -549,6 +646,7 @@ const _: () = {
     assert!(core::mem::size_of::<IpInfo>() == 28);
     assert!(core::mem::size_of::<PolicyKey>() == 12);
     assert!(core::mem::size_of::<PolicyValue>() == 4);
+    assert!(core::mem::size_of::<RuleCount>() == 24);
     assert!(core::mem::size_of::<CtKey>() == 40);
     assert!(core::mem::size_of::<Ct4Key>() == 16);
     assert!(core::mem::size_of::<CtEntry>() == 24);
@@ -569,6 +667,7 @@ mod pod {
     unsafe impl aya::Pod for PolicyRef {}
     unsafe impl aya::Pod for PolicyKey {}
     unsafe impl aya::Pod for PolicyValue {}
+    unsafe impl aya::Pod for RuleCount {}
     unsafe impl aya::Pod for CtKey {}
     unsafe impl aya::Pod for Ct4Key {}
     unsafe impl aya::Pod for CtEntry {}

@@ -109,6 +109,13 @@ pub trait DatapathMaps: PolicyMaps {
     /// Adds one to event counter `counter` ([`MAP_COUNTERS`], a `COUNTER_*` index). Userspace
     /// counts nothing (the default).
     fn count(&self, _counter: u32) {}
+    /// Notes a policy lookup about to decide a packet in direction `egress` (else ingress):
+    /// its rule set and the peer identity it is for. With the decision's code and prefix they
+    /// name the deciding key, whose rule counter the kernel's observer counts in
+    /// ([`crate::event::Summary::rule_counter`]). The kernel keeps them in this CPU's
+    /// `event::EventCpu` (map memory: not on the programs' full stacks, and not tracked by
+    /// the verifier, so its states do not multiply); userspace counts nothing (the default).
+    fn judged(&self, _egress: bool, _ruleset: u32, _peer: u32) {}
     /// Monotonic clock in ticks of `State::hz` (the kernel's `bpf_jiffies64`).
     fn now(&self) -> u64;
     /// Whether a Service frontend is there ([`MAP_SVC`]).
@@ -241,6 +248,7 @@ fn evaluate<M: DatapathMaps + ?Sized>(maps: &M, flow: &Flow) -> Decision {
         d.egress = Some(e);
         d.codes = u32::from(e.code);
         d.prefixes = u64::from(e.prefix);
+        maps.judged(true, flow.from.ruleset, flow.to_id);
         if !e.allow {
             d.verdict = Verdict::Drop;
             d.reason = Reason::EgressDenied;
@@ -252,6 +260,7 @@ fn evaluate<M: DatapathMaps + ?Sized>(maps: &M, flow: &Flow) -> Decision {
         d.ingress = Some(i);
         d.codes |= u32::from(i.code) << 8;
         d.prefixes |= u64::from(i.prefix) << 32;
+        maps.judged(false, flow.to.ruleset, flow.from_id);
         if !i.allow {
             d.verdict = Verdict::Drop;
             d.reason = Reason::IngressDenied;

@@ -16,20 +16,25 @@
 #![cfg_attr(target_arch = "bpf", no_main)]
 
 use aya_ebpf::{
-    Global,
+    EbpfContext, Global,
     bindings::{
         BPF_F_MMAPABLE, BPF_F_NO_PREALLOC, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP,
         BPF_RB_NO_WAKEUP, xdp_action,
     },
-    helpers::{bpf_jiffies64, bpf_ktime_get_ns, generated::bpf_xdp_adjust_meta},
+    helpers::{
+        bpf_jiffies64, bpf_ktime_get_ns, bpf_map_lookup_elem, generated::bpf_xdp_adjust_meta,
+    },
     macros::{classifier, map, xdp},
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf, lpm_trie::Key},
+    maps::{
+        Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray, RingBuf, lpm_trie::Key,
+    },
     programs::{TcContext, XdpContext},
 };
 use ordnet_datapath_common::{
     DatapathMaps, Hook, IpPacket, Parsed, Verdict, decide, decide_at,
     event::{
-        self, DenyRecord, Due, EVENT_BURST, EventCpu, FlowEvent, HOOK_TC, HOOK_XDP, Summary, Wanted,
+        self, DenyRecord, Due, EVENT_BURST, EventCpu, FlowEvent, HOOK_TC, HOOK_XDP, ObserveArgs,
+        Summary, Wanted,
     },
     handoff::{self, HANDOFF_META},
     layout::{
@@ -37,9 +42,9 @@ use ordnet_datapath_common::{
         COUNTER_EVENTS_SUPPRESSED, COUNTERS, Ct4Key, CtEntry, CtKey, DEFAULT_CT4_ENTRIES,
         DEFAULT_CT6_ENTRIES, DEFAULT_DENIED_ENTRIES, DEFAULT_EVENT_RING_BYTES,
         DEFAULT_IFACE_ENTRIES, DEFAULT_IPCACHE_ENTRIES, DEFAULT_IPCIDR_ENTRIES, DEFAULT_MAX_BLOCKS,
-        DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES, DEFAULT_SVC_ENTRIES, FAMILY_V4, IfaceInfo,
-        IpInfo, IpKey, PolicyKey, PolicyValue, State, SvcKey, SvcValue, pair_index, pair_word,
-        pairs, prefix_bits,
+        DEFAULT_MAX_RULESETS, DEFAULT_POLICY_ENTRIES, DEFAULT_RULE_COUNTERS, DEFAULT_SVC_ENTRIES,
+        FAMILY_V4, IfaceInfo, IpInfo, IpKey, PolicyKey, PolicyValue, RuleCount, State, SvcKey,
+        SvcValue, pair_index, pair_word, pairs, prefix_bits,
     },
     lookup::{MAX_PROBES, PolicyMaps},
     parse, parse_l3,
@@ -113,10 +118,34 @@ static DENIED: LruHashMap<u64, DenyRecord> =
 #[map(name = "ORDNET_EVENT_BUCKET")]
 static EVENT_BUCKET: PerCpuArray<EventCpu> = PerCpuArray::with_max_entries(1, 0);
 
+/// The XDP observer program (`MAP_XDP_OBSERVER`), set by the loader.
+#[map(name = "ORDNET_XDP_OBSERVER")]
+static XDP_OBSERVER: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
+/// The TC observer program (`MAP_TC_OBSERVER`), set by the loader.
+#[map(name = "ORDNET_TC_OBSERVER")]
+static TC_OBSERVER: ProgramArray = ProgramArray::with_max_entries(1, 0);
+
+/// Per-rule counters (`MAP_RULE_COUNTERS`): per CPU, private to one loaded program pair.
+#[map(name = "ORDNET_RULE_COUNTERS")]
+static RULE_COUNTERS: PerCpuArray<RuleCount> =
+    PerCpuArray::with_max_entries(DEFAULT_RULE_COUNTERS, 0);
+
 /// Nanoseconds between two events of one CPU (`event::interval_ns`), set by the loader; 0:
 /// no events.
 #[unsafe(no_mangle)]
 static ORDNET_EVENT_INTERVAL: Global<u64> = Global::new(0);
+
+/// 1: the per-rule counters count (`RULE_COUNTERS`), set by the loader; 0: they do not.
+#[unsafe(no_mangle)]
+static ORDNET_COUNT_RULES: Global<u64> = Global::new(0);
+
+/// Whether a decision goes to the observer program: it calls for an event or a count
+/// (`Summary::wanted`), and events or the rule counters are on.
+#[inline(always)]
+fn observed(sum: &Summary) -> bool {
+    sum.wanted() != Wanted::None && (ORDNET_EVENT_INTERVAL.load() | ORDNET_COUNT_RULES.load()) != 0
+}
 
 /// The state of the probes of one policy lookup, run by `bpf_loop` ([`probe_step`]): the
 /// kernel verifies the callback once, where the inlined loop of `lookup::policy_lookup` (18
@@ -129,7 +158,7 @@ struct ProbeCtx {
     len: u32,
     port: u32,
     protocol: u32,
-    /// The found value's verdict | counter << 16, with bit 8 set when found.
+    /// The found value's verdict, with bit 8 set when found.
     found: u32,
 }
 
@@ -145,6 +174,9 @@ extern "C" fn probe_step(_index: u64, ctx: *mut core::ffi::c_void) -> i64 {
         let found = POLICY.get(&(*c).key);
         if let Some(v) = found {
             (*c).found = u32::from(v.verdict) | 0x100;
+            if let Some(cpu) = EVENT_BUCKET.get_ptr_mut(0) {
+                (*cpu).found_counter = u32::from(v.counter);
+            }
             return 1;
         }
         let mask = (*c).mask;
@@ -302,6 +334,22 @@ impl DatapathMaps for KernelMaps {
     }
 
     #[inline(always)]
+    fn judged(&self, egress: bool, ruleset: u32, peer: u32) {
+        if let Some(cpu) = EVENT_BUCKET.get_ptr_mut(0) {
+            // SAFETY: this CPU's element, valid for the program run.
+            unsafe {
+                let j = if egress {
+                    &raw mut (*cpu).egress
+                } else {
+                    &raw mut (*cpu).ingress
+                };
+                (&raw mut (*j).ruleset).write(ruleset);
+                (&raw mut (*j).peer).write(peer);
+                (&raw mut (*j).found_counter).write((*cpu).found_counter);
+            }
+        }
+    }
+
     fn handoff_key(&self) -> u64 {
         ORDNET_HANDOFF_KEY.load()
     }
@@ -316,31 +364,126 @@ pub fn ordnet_xdp(ctx: XdpContext) -> u32 {
     let frame = XdpFrame::new(&ctx);
     let parsed = parse(&frame);
     let d = decide(&parsed, &KernelMaps);
-    if let Ok(Parsed::Ip(p)) = &parsed {
-        observe(p, Summary::of(&d), HOOK_XDP, ctx.ingress_ifindex() as u32);
+    let Ok(Parsed::Ip(p)) = &parsed else {
+        return match d.verdict {
+            Verdict::Pass => xdp_action::XDP_PASS,
+            Verdict::Drop => xdp_action::XDP_DROP,
+        };
+    };
+    let action = if d.verdict == Verdict::Drop {
+        xdp_action::XDP_DROP
+    } else {
+        if let Some(tag) = handoff::after_xdp(p, &d, &KernelMaps) {
+            hand_off(&ctx, tag);
+        }
+        xdp_action::XDP_PASS
+    };
+    let sum = Summary::of(&d);
+    if observed(&sum) {
+        // SAFETY: the program's own context; the observer runs with it and returns `action`.
+        unsafe {
+            to_observer(
+                &ctx,
+                &XDP_OBSERVER,
+                sum,
+                ctx.ingress_ifindex() as u32,
+                action,
+                0,
+            )
+        };
     }
-    if d.verdict == Verdict::Drop {
-        return xdp_action::XDP_DROP;
-    }
-    if let Ok(Parsed::Ip(p)) = &parsed
-        && let Some(tag) = handoff::after_xdp(p, &d, &KernelMaps)
-    {
-        hand_off(&ctx, tag);
-    }
-    xdp_action::XDP_PASS
+    // No observer (not loaded yet, or the tail call failed): the packet's verdict all the same.
+    action
 }
 
-/// Emits the verdict event a decision calls for (`event`): a new flow's at once, a denied
-/// flow's aggregated in its record; both within the rate limit, every refusal counted. Time is
-/// kept in ticks of the inlined clock (the records, the bucket); the nanosecond clock, a
-/// helper call, is read only for an event written.
+/// Hands a decision that is counted or reported (`Summary::wanted`) to the observer program in
+/// `observer`: writes what it needs into this CPU's `EventCpu::args` and tail-calls it.
+/// Returns only if the call fails (the caller returns `action` itself).
+///
+/// # Safety
+/// `ctx` is the calling program's own context.
+#[inline(always)]
+unsafe fn to_observer<C: EbpfContext>(
+    ctx: &C,
+    observer: &ProgramArray,
+    sum: Summary,
+    ifindex: u32,
+    action: u32,
+    l3_protocol: u32,
+) {
+    let Some(cpu) = EVENT_BUCKET.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: this CPU's element, valid for the program run; the observer runs on this CPU
+    // right after, before anything else can use it. Field by field: a struct literal would
+    // be built on the stack and copied.
+    unsafe {
+        let a = &raw mut (*cpu).args;
+        (&raw mut (*a).reason).write(sum.reason);
+        (&raw mut (*a).word).write(sum.word);
+        (&raw mut (*a).prefixes).write(sum.prefixes);
+        (&raw mut (*a).ifindex).write(ifindex);
+        (&raw mut (*a).action).write(action);
+        (&raw mut (*a).l3_protocol).write(l3_protocol);
+        // Returns only on failure (its `Result` is unit-like off BPF).
+        #[allow(clippy::let_unit_value)]
+        let _ = observer.tail_call(ctx, 0);
+    }
+}
+
+/// The args the deciding program left in this CPU's `EventCpu` (`to_observer`).
+#[inline(always)]
+fn observer_args() -> Option<ObserveArgs> {
+    let cpu = EVENT_BUCKET.get_ptr(0)?;
+    // SAFETY: this CPU's element, valid for the program run.
+    Some(unsafe { (*cpu).args })
+}
+
+/// The XDP observer (`XDP_OBSERVER_NAME`), tail-called by [`ordnet_xdp`] for a new flow or a
+/// denied packet: counts the rules that decided, emits the verdict event, and returns the
+/// verdict [`ordnet_xdp`] decided. It parses the frame again (its own stack, verified once).
+#[xdp(frags)]
+pub fn ordnet_xdp_observe(ctx: XdpContext) -> u32 {
+    let Some(args) = observer_args() else {
+        return xdp_action::XDP_DROP;
+    };
+    let frame = XdpFrame::new(&ctx);
+    if let Ok(Parsed::Ip(p)) = parse(&frame) {
+        observe(&p, args.summary(), HOOK_XDP, args.ifindex);
+    }
+    args.action
+}
+
+/// The TC observer (`TC_OBSERVER_NAME`): [`ordnet_xdp_observe`] for both TC programs.
+#[classifier]
+pub fn ordnet_tc_observe(ctx: TcContext) -> i32 {
+    let Some(args) = observer_args() else {
+        return TC_DROP;
+    };
+    let frame = XdpFrame::tc(&ctx);
+    let parsed = if args.l3_protocol != 0 {
+        parse_l3(&frame, args.l3_protocol as u16)
+    } else {
+        parse(&frame)
+    };
+    if let Ok(Parsed::Ip(p)) = parsed {
+        observe(&p, args.summary(), HOOK_TC, args.ifindex);
+    }
+    args.action as i32
+}
+
+/// Counts a decision in its rules' counters and emits the verdict event it calls for
+/// (`event`): a new flow's at once, a denied flow's aggregated in its record; both within the
+/// rate limit, every refusal counted. Time is kept in ticks of the inlined clock (the records,
+/// the bucket); the nanosecond clock, a helper call, is read only for an event written. The
+/// rule counters count with events off too.
 #[inline(always)]
 fn observe(p: &IpPacket, sum: Summary, hook: u8, ifindex: u32) {
-    let interval = ORDNET_EVENT_INTERVAL.load();
     let wanted = sum.wanted();
-    if interval == 0 || wanted == Wanted::None {
+    if wanted == Wanted::None {
         return;
     }
+    let interval = ORDNET_EVENT_INTERVAL.load();
     let Some(cpu) = EVENT_BUCKET.get_ptr_mut(0) else {
         return;
     };
@@ -351,8 +494,14 @@ fn observe(p: &IpPacket, sum: Summary, hook: u8, ifindex: u32) {
         packets: 1,
         first: now,
     };
+    let counting = ORDNET_COUNT_RULES.load() != 0;
+    if counting {
+        count_rules(cpu, &sum);
+    }
     if wanted == Wanted::NewFlow {
-        emit(p, sum, hook, ifindex, clock, one, interval, cpu);
+        if interval != 0 {
+            emit(p, sum, hook, ifindex, clock, one, interval, cpu);
+        }
         return;
     }
     let key = event::flow_key(p, hook);
@@ -360,7 +509,8 @@ fn observe(p: &IpPacket, sum: Summary, hook: u8, ifindex: u32) {
         // SAFETY: the map value stays valid for the program run; a concurrent update of the
         // same flow on another CPU can only lose a count.
         Some(r) => {
-            if let Some(due) = unsafe { (*r).count(now, hz) }
+            if interval != 0
+                && let Some(due) = unsafe { (*r).count(now, hz) }
                 && emit(p, sum, hook, ifindex, clock, due, interval, cpu)
             {
                 // SAFETY: as above.
@@ -368,7 +518,10 @@ fn observe(p: &IpPacket, sum: Summary, hook: u8, ifindex: u32) {
             }
         }
         None => {
-            let emitted = emit(p, sum, hook, ifindex, clock, one, interval, cpu);
+            if counting {
+                count_denied_flow(cpu);
+            }
+            let emitted = interval != 0 && emit(p, sum, hook, ifindex, clock, one, interval, cpu);
             // SAFETY: this CPU's element (see `emit`); the record is built in it and copied
             // by the insert.
             unsafe {
@@ -376,6 +529,74 @@ fn observe(p: &IpPacket, sum: Summary, hook: u8, ifindex: u32) {
                 // By reference on purpose: by value, the record would be copied to the stack.
                 #[allow(clippy::needless_borrows_for_generic_args)]
                 let _ = DENIED.insert(key, &(*cpu).scratch, 0);
+            }
+        }
+    }
+}
+
+/// Counts a decision in the rule counters of the lookups that decided it
+/// (`Summary::counter_site`: both for an allowed flow, the denying one for a denied packet):
+/// a new flow allowed, or a denied packet. Keeps the elements in `EventCpu::elements` for
+/// [`count_denied_flow`]. It runs in the observer program, whose verifier budget is its own:
+/// it may branch (to skip the lookups a direction does not need).
+#[inline(always)]
+fn count_rules(cpu: *mut EventCpu, sum: &Summary) {
+    let policy = (&raw const POLICY).cast_mut().cast::<core::ffi::c_void>();
+    let counters = (&raw const RULE_COUNTERS)
+        .cast_mut()
+        .cast::<core::ffi::c_void>();
+    let denied = (sum.word >> 1) & 1;
+    for (dir, egress) in [(0, true), (1, false)] {
+        // SAFETY: `cpu` is this CPU's element, valid for the program run; the lookups read
+        // their keys from it; a value found is a map value, valid for the program run (the
+        // rule counters': this CPU's element).
+        unsafe {
+            let judged = if egress {
+                (*cpu).egress
+            } else {
+                (*cpu).ingress
+            };
+            let site = sum.counter_site(egress, judged.ruleset, judged.peer);
+            let element = &raw mut (*cpu).elements[dir];
+            element.write(site.element(0));
+            if site.counted == 0 {
+                continue;
+            }
+            if site.keyed != 0 && site.key.identity != 0 {
+                // The peer's own key: its counter, as the probe loop found it.
+                element.write(site.element(judged.found_counter));
+            } else if site.keyed != 0 {
+                // The `*` key: its counter from its value.
+                (&raw mut (*cpu).count_key).write(site.key);
+                let v = bpf_map_lookup_elem(policy, (&raw const (*cpu).count_key).cast())
+                    .cast::<PolicyValue>();
+                if !v.is_null() {
+                    element.write(site.element(u32::from((*v).counter)));
+                }
+            }
+            let c = bpf_map_lookup_elem(counters, element.cast()).cast::<RuleCount>();
+            if !c.is_null() {
+                (*c).flows_allowed += 1 - denied;
+                (*c).packets_denied += denied;
+            }
+        }
+    }
+}
+
+/// Counts a denied flow (its first denied packet) in the elements [`count_rules`] just
+/// counted its packet in.
+#[inline(always)]
+fn count_denied_flow(cpu: *mut EventCpu) {
+    let counters = (&raw const RULE_COUNTERS)
+        .cast_mut()
+        .cast::<core::ffi::c_void>();
+    for dir in 0..2 {
+        // SAFETY: as in `count_rules`.
+        unsafe {
+            let element = &raw const (*cpu).elements[dir];
+            let c = bpf_map_lookup_elem(counters, element.cast()).cast::<RuleCount>();
+            if !c.is_null() {
+                (*c).flows_denied += 1;
             }
         }
     }
@@ -526,13 +747,32 @@ fn tc_judge(ctx: &TcContext, l3: bool) -> i32 {
         handoff,
     };
     let d = decide_at(&parsed, &KernelMaps, hook);
-    if let Ok(Parsed::Ip(p)) = &parsed {
-        observe(p, Summary::of(&d), HOOK_TC, ingress_ifindex);
-    }
-    match d.verdict {
+    let action = match d.verdict {
         Verdict::Pass => TC_PASS,
         Verdict::Drop => TC_DROP,
+    };
+    if let Ok(Parsed::Ip(_)) = &parsed {
+        let sum = Summary::of(&d);
+        if observed(&sum) {
+            let l3_protocol = if l3 {
+                u32::from(u16::from_be(protocol as u16))
+            } else {
+                0
+            };
+            // SAFETY: the program's own context; the observer returns `action`.
+            unsafe {
+                to_observer(
+                    ctx,
+                    &TC_OBSERVER,
+                    sum,
+                    ingress_ifindex,
+                    action as u32,
+                    l3_protocol,
+                )
+            };
+        }
     }
+    action
 }
 
 /// The handoff tag XDP may have left in the packet's metadata (0 for none: less metadata than
