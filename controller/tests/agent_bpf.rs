@@ -1335,6 +1335,46 @@ fn agent_observe_agrees(agent: &Agent, step: &str, pairs: &[(&str, &str, bool)])
     }
 }
 
+/// The per-rule counters (`/v1/counters`, `ordnet observe --counters`) after `client -> db`
+/// was allowed by db-ingress's rule and `web -> db` denied by db's ingress default: both
+/// counted, in JSON and in the text.
+fn agent_counters_agree(agent: &Agent, step: &str) {
+    let (code, body) = agent.get("/v1/counters?output=json");
+    assert_eq!(code, 200, "{step}: {body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let rules = v["rules"].as_array().expect("rules");
+    let find = |pred: &dyn Fn(&Value) -> bool| {
+        rules
+            .iter()
+            .find(|r| pred(&r["rule"]))
+            .cloned()
+            .unwrap_or_else(|| panic!("{step}: not in {body}"))
+    };
+    let allow = find(&|r| {
+        r["kind"] == "rule"
+            && r["name"] == "db-ingress"
+            && r["direction"] == "ingress"
+            && r["index"] == 0
+    });
+    assert!(
+        allow["flowsAllowed"].as_u64().unwrap() >= 1,
+        "{step}: {allow}"
+    );
+    let deny =
+        find(&|r| r["kind"] == "default" && r["direction"] == "ingress" && r["allow"] == false);
+    let (flows, packets) = (
+        deny["flowsDenied"].as_u64().unwrap(),
+        deny["packetsDenied"].as_u64().unwrap(),
+    );
+    assert!(flows >= 1 && packets >= flows, "{step}: {deny}");
+    let (code, text) = agent.get("/v1/counters?output=text&policy=shop/db-ingress");
+    assert_eq!(code, 200, "{step}: {text}");
+    assert!(
+        text.contains("NetworkPolicy shop/db-ingress ingress rule 0") && !text.contains("default"),
+        "{step}: {text}"
+    );
+}
+
 /// Runs `during` while every pair of `pairs` is probed again and again (from 300 ms before to
 /// 500 ms after it): each probe must see the given verdict.
 fn probe_through<T>(
@@ -1698,6 +1738,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     );
     let emitted = agent.metric("ordnet_datapath_verdict_events_total{outcome=\"emitted\"}");
     assert!(emitted > 0.0, "verdict events counted: {emitted}");
+    agent_counters_agree(&agent, "db takes client");
 
     // 3. SIGTERM: pins and attachments stay, enforcement continues.
     agent.terminate();
@@ -1762,6 +1803,13 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     )
     .unwrap();
     lab.expect("guardrail deleted", &[("web", "db"), ("far", "db")]);
+    // The per-rule counters of the restarted agent (the probes through the restart counted in
+    // the adopted links' new programs), and in the metrics (recorded as `/v1/counters` read
+    // them).
+    agent_counters_agree(&agent, "restarted");
+    let series = "ordnet_rule_flows_allowed_total{kind=\"NetworkPolicy\",namespace=\"shop\",\
+                  policy=\"db-ingress\",direction=\"ingress\",rule=\"0\"}";
+    assert!(agent.metric(series) >= 1.0, "{series}");
 
     // 6. The Service's backend set changes: its selector moves to web, whose ingress is open.
     let mut svc = api.get("v1", "Service", "shop", "db").unwrap();

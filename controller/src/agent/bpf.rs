@@ -692,14 +692,6 @@ impl BpfDatapath {
         self.full(engine)
     }
 
-    /// Adds what the kernel's per-rule counters counted since the last read to the totals (a
-    /// failure is logged: the counts stay in the kernel for the next read).
-    fn collect_rule_counts(&mut self) {
-        if let Err(e) = self.dp.collect_rule_counts(&mut self.rule_totals) {
-            tracing::warn!(error = %e, "reading the per-rule counters failed");
-        }
-    }
-
     /// Once the new maps hold the whole state: the attachments of an older layout's pins move
     /// onto the new programs (in place, per interface: no moment without a program), then the
     /// older pins go. The tracked flows come along: the old tables' entries are copied before
@@ -1263,6 +1255,17 @@ impl Enforcer for BpfDatapath {
 
     fn rule_totals(&self) -> Option<&RuleTotals> {
         self.options.rule_counters.then_some(&self.rule_totals)
+    }
+
+    /// Adds what the kernel's per-rule counters counted since the last read to the totals (a
+    /// failure is logged: the counts stay in the kernel for the next read).
+    fn collect_rule_counts(&mut self) {
+        if !self.options.rule_counters {
+            return;
+        }
+        if let Err(e) = self.dp.collect_rule_counts(&mut self.rule_totals) {
+            tracing::warn!(error = %e, "reading the per-rule counters failed");
+        }
     }
 
     fn denied(&self) -> &BTreeMap<String, String> {

@@ -69,10 +69,12 @@ pub trait Enforcer: Send {
     }
     /// What the kernel's per-rule counters counted, per rule, since the agent started
     /// (`docs/observe.md` §8); `None` for a datapath without them. Brought up to date by
-    /// [`Enforcer::maintain`].
+    /// [`Enforcer::maintain`] and [`Enforcer::collect_rule_counts`].
     fn rule_totals(&self) -> Option<&ordnet_datapath::RuleTotals> {
         None
     }
+    /// Reads the per-rule counters into [`Enforcer::rule_totals`] now (`/v1/counters`).
+    fn collect_rule_counts(&mut self) {}
     /// Conditions an operator should know about while the agent is ready (`/readyz` lists
     /// them), e.g. a connection-tracking table near its capacity.
     fn health(&self) -> Vec<String> {

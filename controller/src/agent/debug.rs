@@ -316,7 +316,10 @@ fn counters(state: &AgentState, q: &BTreeMap<String, Vec<String>>) -> Response<F
         namespace: one(q, "namespace").map(str::to_string),
     };
     let style = render::Style::new(one(q, "color") == Some("1"));
+    // The counts as of now, not of the last upkeep (the metrics too).
+    state.datapath().collect_rule_counts();
     let answer = state.with_programmed(|_, dp| {
+        state.metrics.set_datapath(dp);
         dp.rule_totals().map(|totals| {
             let rows = rows(totals, &filter);
             match format {

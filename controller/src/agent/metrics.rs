@@ -163,6 +163,12 @@ impl Metrics {
             s.entries_egress += engine.policy(ep, Direction::Egress).mapstate.len() as u64;
         }
         *self.sizes.lock().unwrap_or_else(|e| e.into_inner()) = s;
+        self.set_datapath(dp);
+    }
+
+    /// Records the datapath's own metrics and health notes (also between programmings: after
+    /// `/v1/counters` read the per-rule counters).
+    pub fn set_datapath(&self, dp: &dyn Enforcer) {
         *self.datapath.lock().unwrap_or_else(|e| e.into_inner()) = dp.metrics();
         *self.health.lock().unwrap_or_else(|e| e.into_inner()) = dp.health();
     }
