@@ -428,8 +428,8 @@ pub struct EventCpu {
 }
 
 /// What a deciding program hands its observer program (`layout::XDP_OBSERVER_NAME`) in this
-/// CPU's [`EventCpu`]: the decision's summary, where the packet was seen, and the verdict the
-/// observer returns. The observer parses the packet again from the same context.
+/// CPU's [`EventCpu`]: the decision's summary, where the packet was seen, the verdict the
+/// observer returns, and the packet's tuple (the observer does not parse it again).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct ObserveArgs {
@@ -443,13 +443,44 @@ pub struct ObserveArgs {
     pub ifindex: u32,
     /// The program's return value for the packet (`XDP_PASS`/`XDP_DROP`, `TC_ACT_OK`/`SHOT`).
     pub action: u32,
-    /// TC on a layer-3 device: the packet's EtherType (host order), for the parser; else 0.
-    pub l3_protocol: u32,
+    /// The packet's source address ([`IpPacket::src`]).
+    pub src: [u32; 4],
+    /// Its destination address.
+    pub dst: [u32; 4],
+    /// Its source port.
+    pub sport: u16,
+    /// Its destination port.
+    pub dport: u16,
+    /// 4 or 6.
+    pub ip_version: u8,
+    /// Its protocol.
+    pub protocol: u8,
     /// Padding; always zero.
-    pub _pad: u32,
+    pub _pad2: u16,
 }
 
 impl ObserveArgs {
+    /// The packet's tuple handed over, as the parser would give it (what events and flow
+    /// keys read of it).
+    #[inline(always)]
+    pub fn packet(&self) -> IpPacket {
+        IpPacket {
+            ip_version: self.ip_version,
+            src: self.src,
+            dst: self.dst,
+            protocol: self.protocol,
+            sport: self.sport,
+            dport: self.dport,
+            tcp_flags: 0,
+            icmp6_type: 0,
+            hop_limit: 0,
+            fragment: crate::parse::Fragment::No,
+            icmp: crate::parse::Icmp::Other,
+            quote_protocol: 0,
+            quote_peer: [0; 4],
+        }
+    }
+
     /// The summary handed over.
     #[inline(always)]
     pub fn summary(&self) -> Summary {

@@ -385,10 +385,10 @@ pub fn ordnet_xdp(ctx: XdpContext) -> u32 {
             to_observer(
                 &ctx,
                 &XDP_OBSERVER,
+                p,
                 sum,
                 ctx.ingress_ifindex() as u32,
                 action,
-                0,
             )
         };
     }
@@ -397,7 +397,8 @@ pub fn ordnet_xdp(ctx: XdpContext) -> u32 {
 }
 
 /// Hands a decision that is counted or reported (`Summary::wanted`) to the observer program in
-/// `observer`: writes what it needs into this CPU's `EventCpu::args` and tail-calls it.
+/// `observer`: writes what it needs (the decision's summary, the packet's tuple) into this
+/// CPU's `EventCpu::args` and tail-calls it.
 /// Returns only if the call fails (the caller returns `action` itself).
 ///
 /// # Safety
@@ -406,10 +407,10 @@ pub fn ordnet_xdp(ctx: XdpContext) -> u32 {
 unsafe fn to_observer<C: EbpfContext>(
     ctx: &C,
     observer: &ProgramArray,
+    p: &IpPacket,
     sum: Summary,
     ifindex: u32,
     action: u32,
-    l3_protocol: u32,
 ) {
     let Some(cpu) = EVENT_BUCKET.get_ptr_mut(0) else {
         return;
@@ -424,7 +425,12 @@ unsafe fn to_observer<C: EbpfContext>(
         (&raw mut (*a).prefixes).write(sum.prefixes);
         (&raw mut (*a).ifindex).write(ifindex);
         (&raw mut (*a).action).write(action);
-        (&raw mut (*a).l3_protocol).write(l3_protocol);
+        (&raw mut (*a).src).write(p.src);
+        (&raw mut (*a).dst).write(p.dst);
+        (&raw mut (*a).sport).write(p.sport);
+        (&raw mut (*a).dport).write(p.dport);
+        (&raw mut (*a).ip_version).write(p.ip_version);
+        (&raw mut (*a).protocol).write(p.protocol);
         // Returns only on failure (its `Result` is unit-like off BPF).
         #[allow(clippy::let_unit_value)]
         let _ = observer.tail_call(ctx, 0);
@@ -441,34 +447,24 @@ fn observer_args() -> Option<ObserveArgs> {
 
 /// The XDP observer (`XDP_OBSERVER_NAME`), tail-called by [`ordnet_xdp`] for a new flow or a
 /// denied packet: counts the rules that decided, emits the verdict event, and returns the
-/// verdict [`ordnet_xdp`] decided. It parses the frame again (its own stack, verified once).
+/// verdict [`ordnet_xdp`] decided. It works from what [`to_observer`] handed over (the packet
+/// is not parsed again), on its own stack and verifier budget.
 #[xdp(frags)]
-pub fn ordnet_xdp_observe(ctx: XdpContext) -> u32 {
+pub fn ordnet_xdp_observe(_ctx: XdpContext) -> u32 {
     let Some(args) = observer_args() else {
         return xdp_action::XDP_DROP;
     };
-    let frame = XdpFrame::new(&ctx);
-    if let Ok(Parsed::Ip(p)) = parse(&frame) {
-        observe(&p, args.summary(), HOOK_XDP, args.ifindex);
-    }
+    observe(&args.packet(), args.summary(), HOOK_XDP, args.ifindex);
     args.action
 }
 
 /// The TC observer (`TC_OBSERVER_NAME`): [`ordnet_xdp_observe`] for both TC programs.
 #[classifier]
-pub fn ordnet_tc_observe(ctx: TcContext) -> i32 {
+pub fn ordnet_tc_observe(_ctx: TcContext) -> i32 {
     let Some(args) = observer_args() else {
         return TC_DROP;
     };
-    let frame = XdpFrame::tc(&ctx);
-    let parsed = if args.l3_protocol != 0 {
-        parse_l3(&frame, args.l3_protocol as u16)
-    } else {
-        parse(&frame)
-    };
-    if let Ok(Parsed::Ip(p)) = parsed {
-        observe(&p, args.summary(), HOOK_TC, args.ifindex);
-    }
+    observe(&args.packet(), args.summary(), HOOK_TC, args.ifindex);
     args.action as i32
 }
 
@@ -751,25 +747,11 @@ fn tc_judge(ctx: &TcContext, l3: bool) -> i32 {
         Verdict::Pass => TC_PASS,
         Verdict::Drop => TC_DROP,
     };
-    if let Ok(Parsed::Ip(_)) = &parsed {
+    if let Ok(Parsed::Ip(p)) = &parsed {
         let sum = Summary::of(&d);
         if observed(&sum) {
-            let l3_protocol = if l3 {
-                u32::from(u16::from_be(protocol as u16))
-            } else {
-                0
-            };
             // SAFETY: the program's own context; the observer returns `action`.
-            unsafe {
-                to_observer(
-                    ctx,
-                    &TC_OBSERVER,
-                    sum,
-                    ingress_ifindex,
-                    action as u32,
-                    l3_protocol,
-                )
-            };
+            unsafe { to_observer(ctx, &TC_OBSERVER, p, sum, ingress_ifindex, action as u32) };
         }
     }
     action
