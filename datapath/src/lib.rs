@@ -1214,13 +1214,19 @@ impl Datapath {
     /// How many instructions the kernel's verifier walked to load each loaded program
     /// (`verified_insns`; its limit is 1,000,000), by program name.
     pub fn verified_instructions(&self) -> Vec<(&'static str, u32)> {
-        [PROGRAM_NAME, TC_PROGRAM_NAME, TC_L3_PROGRAM_NAME]
-            .into_iter()
-            .filter_map(|name| {
-                let info = self.ebpf.program(name)?.info().ok()?;
-                Some((name, info.verified_instruction_count()?))
-            })
-            .collect()
+        [
+            PROGRAM_NAME,
+            TC_PROGRAM_NAME,
+            TC_L3_PROGRAM_NAME,
+            XDP_OBSERVER_NAME,
+            TC_OBSERVER_NAME,
+        ]
+        .into_iter()
+        .filter_map(|name| {
+            let info = self.ebpf.program(name)?.info().ok()?;
+            Some((name, info.verified_instruction_count()?))
+        })
+        .collect()
     }
 
     /// The loaded XDP program.
