@@ -3641,7 +3641,11 @@ fn verifier_budget() {
     dp.attach_tc_l3("ovb1").unwrap();
     let counts = dp.verified_instructions();
     eprintln!("verified instructions: {counts:?}");
-    assert_eq!(counts.len(), 5, "every program (the observers too): {counts:?}");
+    assert_eq!(
+        counts.len(),
+        5,
+        "every program (the observers too): {counts:?}"
+    );
     for (name, n) in counts {
         assert!(
             n < 950_000,
