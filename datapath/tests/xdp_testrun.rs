@@ -3443,6 +3443,47 @@ fn verdict_events_rate_limit_and_off() {
     dp.collect_rule_counts(&mut totals).unwrap();
     let allowed: u64 = totals.totals().values().map(|c| c.flows_allowed).sum();
     assert_eq!(allowed, 1, "{:?}", totals.totals());
+
+    // Counters off too: the verdicts are the same (the programs hand nothing to the
+    // observer), nothing is counted.
+    let mut dp = isolated_a(DatapathConfig {
+        events_per_sec: 0,
+        rule_counters: false,
+        ..small_config()
+    });
+    let out = frame(a, r, tcp_flags(3000, 443, TCP_SYN));
+    let unasked = frame(r, a, tcp_flags(443, 3001, TCP_SYN));
+    assert_eq!(dp.test_run(&out).unwrap().action, PASS);
+    assert_eq!(dp.test_run(&unasked).unwrap().action, DROP);
+    let mut totals = ordnet_datapath::RuleTotals::default();
+    dp.collect_rule_counts(&mut totals).unwrap();
+    assert!(
+        totals.totals().values().all(|c| c.is_zero()),
+        "{:?}",
+        totals.totals()
+    );
+    // And on, the same two packets: one flow allowed, one denied.
+    let mut dp = isolated_a(DatapathConfig {
+        events_per_sec: 0,
+        ..small_config()
+    });
+    assert_eq!(dp.test_run(&out).unwrap().action, PASS);
+    assert_eq!(dp.test_run(&unasked).unwrap().action, DROP);
+    let mut totals = ordnet_datapath::RuleTotals::default();
+    dp.collect_rule_counts(&mut totals).unwrap();
+    let sum = |f: fn(&ordnet_datapath::common::layout::RuleCount) -> u64| -> u64 {
+        totals.totals().values().map(f).sum()
+    };
+    assert_eq!(
+        (
+            sum(|c| c.flows_allowed),
+            sum(|c| c.flows_denied),
+            sum(|c| c.packets_denied)
+        ),
+        (1, 1, 1),
+        "{:?}",
+        totals.totals()
+    );
 }
 
 /// Full-size and jumbo frames (1,500 and 9,000 bytes; the kernel's test run puts what does not
