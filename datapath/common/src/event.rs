@@ -182,11 +182,16 @@ impl Summary {
     /// Where the decision counts for direction `egress` (else ingress), whose lookup was in
     /// rule set `ruleset` for identity `peer` (`DatapathMaps::judged`): [`lookup::counter_site`].
     #[inline(always)]
-    pub fn counter_site(&self, egress: bool, ruleset: u32, peer: u32) -> lookup::CounterSite {
+    pub fn counter_site(
+        &self,
+        egress: bool,
+        ruleset: u32,
+        peer: u32,
+    ) -> Option<lookup::CounterSite> {
         let shift = if egress { 0 } else { 32 };
         let code = (self.word >> if egress { 16 } else { 24 }) as u8;
-        // The verdict is 1 (pass) or 2 (drop): bit 1 says denied.
-        let denied = ((self.word >> 1) & 1) as u32;
+        // The verdict is 1 (pass) or 2 (drop).
+        let denied = self.word & 0xffff == 2;
         lookup::counter_site(
             code,
             ruleset,

@@ -61,12 +61,10 @@ pub trait PolicyMaps {
             if let Some(v) = self.policy(&key) {
                 return Some((v, prefix));
             }
-            if mask == 0 {
-                break;
+            match next_length(&mut mask) {
+                Some(l) => len = l,
+                None => break,
             }
-            let bit = highest_bit(mask);
-            mask &= !(1 << bit);
-            len = bit_length(bit);
         }
         None
     }
@@ -139,6 +137,19 @@ pub fn cell_word_of<M: PolicyMaps + ?Sized>(
     (word & CELL_REFINED == 0).then_some(word)
 }
 
+/// The next length to probe: the longest of `mask`'s (compressed) lengths, taken out of it;
+/// `None` when none is left. One step of [`PolicyMaps::probe`] (the kernel's `bpf_loop`
+/// callback too).
+#[inline(always)]
+pub fn next_length(mask: &mut u32) -> Option<u32> {
+    if *mask == 0 {
+        return None;
+    }
+    let bit = highest_bit(*mask);
+    *mask &= !(1 << bit);
+    Some(bit_length(bit))
+}
+
 /// The index of the highest set bit of a non-zero `v`. On BPF, LLVM expands `ctlz` into a
 /// branch-free sequence, so the verifier sees one symbolic result per loop iteration instead of
 /// a constant per branch (a branchy version multiplies the verifier's states per probe).
@@ -205,41 +216,26 @@ pub fn policy_lookup<M: PolicyMaps + ?Sized>(
     }
 }
 
-/// Where a lookup's decision counts ([`crate::layout::MAP_RULE_COUNTERS`]), worked out
-/// without branching on the decision (see [`counter_site`]).
-#[repr(C)]
+/// Where a lookup's decision counts ([`crate::layout::MAP_RULE_COUNTERS`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CounterSite {
-    /// The deciding key: the peer's own key, or the `*` key (identity 0). Its
-    /// [`PolicyValue::counter`] counts when [`CounterSite::keyed`] is 1.
-    pub key: PolicyKey,
-    /// The isolation default's element ([`default_counter`]) when the default decided, else 0.
-    pub default: u32,
-    /// 1 when a key decided (its value's counter counts), else 0.
-    pub keyed: u32,
-    /// 1 when the decision counts at all, else 0: the direction was judged, and it did not
-    /// allow a packet the other direction denied (a denied packet counts for the lookup that
-    /// denied it only).
-    pub counted: u32,
+pub enum CounterSite {
+    /// The peer's own key decided: its [`PolicyValue::counter`].
+    Key(PolicyKey),
+    /// The `*` key (identity 0) decided: its [`PolicyValue::counter`].
+    Wildcard(PolicyKey),
+    /// The isolation default decided: its fixed element ([`default_counter`]).
+    Default(u16),
 }
 
-impl CounterSite {
-    /// The element, given the key's counter (`value_counter`, 0 when the key is missing), or
-    /// one past any array when the decision does not count: the kernel then finds no element.
-    #[inline(always)]
-    pub fn element(&self, value_counter: u32) -> u32 {
-        (self.default + self.keyed * value_counter) | ((1 - self.counted) << 24)
-    }
-}
-
-/// Where the decision of a lookup counts: its code and prefix (`PolicyDecision`), the rule set
-/// it was made in and the peer identity it was for, its direction, and whether the packet was
-/// denied (1) or allowed (0).
+/// Where the decision of a lookup counts, if anywhere: its code and prefix
+/// (`PolicyDecision`), the rule set it was made in and the peer identity it was for, its
+/// direction, and whether the packet was denied. `None` for a lookup not made (`BY_NONE`), an
+/// invalid read, or a lookup that allowed a packet the other direction denied (a denied packet
+/// counts for the lookup that denied it only).
 ///
-/// Arithmetic only: the kernel's observer runs it for every packet it counts (new flows,
-/// denied packets), after the decision; branches here would multiply the verifier's states
-/// past its limit (docs/datapath.md, verifier note 11). For the same reason the lookup does
-/// not carry the counter out of its probe loop: the observer finds the key again.
+/// The kernel's observer program runs it after the decision; the lookup does not carry the
+/// counter out of its probe loop (that multiplied the verifier's states past its limit:
+/// docs/datapath.md, verifier note 11), so the deciding key is found again from these.
 #[inline(always)]
 pub fn counter_site(
     code: u8,
@@ -247,28 +243,22 @@ pub fn counter_site(
     peer: u32,
     prefix: u32,
     egress: bool,
-    packet_denied: u32,
-) -> CounterSite {
-    let kind = u32::from(code & !BY_ALLOWED);
-    let allowed = u32::from(code >> 7);
-    let (b0, b1, high) = (kind & 1, (kind >> 1) & 1, kind >> 2);
-    // 1 when no bit above the two low ones is set: `high | -high` has bit 31 set iff high != 0.
-    let not_high = 1 - ((high | high.wrapping_neg()) >> 31);
-    // BY_KEY = 1, BY_WILDCARD = 2, BY_DEFAULT = 3 (BY_NONE = 0 and BY_INVALID = 4 count
-    // nowhere).
-    let is_key = b0 & (1 - b1) & not_high;
-    let is_wild = b1 & (1 - b0) & not_high;
-    let is_default = b0 & b1 & not_high;
-    let dflt = u32::from(default_counter(egress, false)) + allowed;
-    CounterSite {
-        key: PolicyKey {
-            ruleset,
-            identity: peer * is_key,
-            prefix: prefix * (is_key | is_wild),
-        },
-        default: dflt * is_default,
-        keyed: is_key | is_wild,
-        counted: (is_key | is_wild | is_default) & (1 - (packet_denied & allowed)),
+    packet_denied: bool,
+) -> Option<CounterSite> {
+    let allowed = code & BY_ALLOWED != 0;
+    if packet_denied && allowed {
+        return None;
+    }
+    let key = |identity| PolicyKey {
+        ruleset,
+        identity,
+        prefix,
+    };
+    match code & !BY_ALLOWED {
+        BY_KEY => Some(CounterSite::Key(key(peer))),
+        BY_WILDCARD => Some(CounterSite::Wildcard(key(0))),
+        BY_DEFAULT => Some(CounterSite::Default(default_counter(egress, allowed))),
+        _ => None,
     }
 }
 
@@ -276,52 +266,31 @@ pub fn counter_site(
 mod tests {
     use super::*;
 
-    /// `counter_site`'s arithmetic against the rule it implements, for every code byte.
+    /// `counter_site` against the rule it implements, for every code byte.
     #[test]
     fn counter_site_for_every_code() {
         for code in 0..=u8::MAX {
             for egress in [false, true] {
-                for denied in [0, 1] {
+                for denied in [false, true] {
                     let site = counter_site(code, 9, 7, 0x0600_5018, egress, denied);
                     let allowed = code & BY_ALLOWED != 0;
                     let kind = code & !BY_ALLOWED;
-                    let counts = matches!(kind, BY_KEY | BY_WILDCARD | BY_DEFAULT)
-                        && !(denied == 1 && allowed);
+                    let counts =
+                        matches!(kind, BY_KEY | BY_WILDCARD | BY_DEFAULT) && !(denied && allowed);
                     let what = std::format!("code {code:#x} egress {egress} denied {denied}");
-                    assert_eq!(site.counted, u32::from(counts), "{what}");
-                    assert_eq!(
-                        site.keyed,
-                        u32::from(matches!(kind, BY_KEY | BY_WILDCARD)),
-                        "{what}"
-                    );
-                    let identity = if kind == BY_KEY { 7 } else { 0 };
-                    let prefix = if matches!(kind, BY_KEY | BY_WILDCARD) {
-                        0x0600_5018
-                    } else {
-                        0
+                    assert_eq!(site.is_some(), counts, "{what}");
+                    let key = |identity| PolicyKey {
+                        ruleset: 9,
+                        identity,
+                        prefix: 0x0600_5018,
                     };
-                    assert_eq!(
-                        site.key,
-                        PolicyKey {
-                            ruleset: 9,
-                            identity,
-                            prefix
-                        },
-                        "{what}"
-                    );
-                    let dflt = if kind == BY_DEFAULT {
-                        u32::from(default_counter(egress, allowed))
-                    } else {
-                        0
+                    let want = match kind {
+                        BY_KEY => CounterSite::Key(key(7)),
+                        BY_WILDCARD => CounterSite::Wildcard(key(0)),
+                        _ => CounterSite::Default(default_counter(egress, allowed)),
                     };
-                    assert_eq!(site.default, dflt, "{what}");
-                    let element = site.element(33);
-                    if !counts {
-                        assert!(element >= 1 << 24, "{what}");
-                    } else if kind == BY_DEFAULT {
-                        assert_eq!(element, dflt, "{what}");
-                    } else {
-                        assert_eq!(element, 33, "{what}");
+                    if counts {
+                        assert_eq!(site, Some(want), "{what}");
                     }
                 }
             }

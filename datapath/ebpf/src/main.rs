@@ -46,7 +46,7 @@ use ordnet_datapath_common::{
         FAMILY_V4, IfaceInfo, IpInfo, IpKey, PolicyKey, PolicyValue, RuleCount, State, SvcKey,
         SvcValue, pair_index, pair_word, pairs, prefix_bits,
     },
-    lookup::{MAX_PROBES, PolicyMaps},
+    lookup::{CounterSite, MAX_PROBES, PolicyMaps, next_length},
     parse, parse_l3,
 };
 use ordnet_datapath_ebpf::{XdpFrame, read_u64, write_u64};
@@ -179,13 +179,10 @@ extern "C" fn probe_step(_index: u64, ctx: *mut core::ffi::c_void) -> i64 {
             }
             return 1;
         }
-        let mask = (*c).mask;
-        if mask == 0 {
-            return 1;
+        match next_length(&mut (*c).mask) {
+            Some(len) => (*c).len = len,
+            None => return 1,
         }
-        let bit = ordnet_datapath_common::lookup::highest_bit(mask);
-        (*c).mask = mask & !(1 << bit);
-        (*c).len = ordnet_datapath_common::layout::bit_length(bit);
     }
     0
 }
@@ -552,25 +549,29 @@ fn count_rules(cpu: *mut EventCpu, sum: &Summary) {
             } else {
                 (*cpu).ingress
             };
-            let site = sum.counter_site(egress, judged.ruleset, judged.peer);
-            let element = &raw mut (*cpu).elements[dir];
-            element.write(site.element(0));
-            if site.counted == 0 {
+            let element = match sum.counter_site(egress, judged.ruleset, judged.peer) {
+                None => NO_ELEMENT,
+                // The peer's own key: its counter, as the probe loop found it.
+                Some(CounterSite::Key(_)) => judged.found_counter,
+                // The `*` key: its counter from its value (0 if it is gone).
+                Some(CounterSite::Wildcard(key)) => {
+                    (&raw mut (*cpu).count_key).write(key);
+                    let v = bpf_map_lookup_elem(policy, (&raw const (*cpu).count_key).cast())
+                        .cast::<PolicyValue>();
+                    if v.is_null() {
+                        0
+                    } else {
+                        u32::from((*v).counter)
+                    }
+                }
+                Some(CounterSite::Default(element)) => u32::from(element),
+            };
+            let slot = &raw mut (*cpu).elements[dir];
+            slot.write(element);
+            if element == NO_ELEMENT {
                 continue;
             }
-            if site.keyed != 0 && site.key.identity != 0 {
-                // The peer's own key: its counter, as the probe loop found it.
-                element.write(site.element(judged.found_counter));
-            } else if site.keyed != 0 {
-                // The `*` key: its counter from its value.
-                (&raw mut (*cpu).count_key).write(site.key);
-                let v = bpf_map_lookup_elem(policy, (&raw const (*cpu).count_key).cast())
-                    .cast::<PolicyValue>();
-                if !v.is_null() {
-                    element.write(site.element(u32::from((*v).counter)));
-                }
-            }
-            let c = bpf_map_lookup_elem(counters, element.cast()).cast::<RuleCount>();
+            let c = bpf_map_lookup_elem(counters, slot.cast()).cast::<RuleCount>();
             if !c.is_null() {
                 (*c).flows_allowed += 1 - denied;
                 (*c).packets_denied += denied;
@@ -578,6 +579,9 @@ fn count_rules(cpu: *mut EventCpu, sum: &Summary) {
         }
     }
 }
+
+/// An element no rule counter array has: a direction that does not count.
+const NO_ELEMENT: u32 = u32::MAX;
 
 /// Counts a denied flow (its first denied packet) in the elements [`count_rules`] just
 /// counted its packet in.
