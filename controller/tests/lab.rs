@@ -180,19 +180,7 @@ fn check_with(
             out.status.code(),
             String::from_utf8_lossy(&out.stdout)
         );
-        // The per-rule counters were compared with the events, and agree (a disagreement is
-        // also a failing exit code).
-        assert!(
-            stderr.contains("agree with the verdict events"),
-            "{what}: the per-rule counters were not compared with the events:\n{stderr}"
-        );
-        if e.protocol == "SCTP" {
-            assert!(
-                stderr.contains("SCTP association (kernel SCTP sockets)")
-                    || stderr.contains("SCTP INIT -> INIT-ACK over raw IP sockets"),
-                "{what}: the SCTP method is not named on stderr:\n{stderr}"
-            );
-        }
+        stderr_says_what_it_did(&what, &e.protocol, &stderr);
         let json: serde_json::Value = serde_json::from_slice(&out.stdout)
             .unwrap_or_else(|err| panic!("{what}: stdout is not JSON: {err}"));
         assert_eq!(json["protocol"], e.protocol.as_str(), "{what}");
@@ -245,6 +233,22 @@ fn check_with(
     }
     assert!(probed > 0, "{name}: nothing probed (selection {only:?})");
     node_ports
+}
+
+/// What a lab run's stderr must say: the per-rule counters were compared with the events and
+/// agree (a disagreement is also a failing exit code), and for SCTP the probing method.
+fn stderr_says_what_it_did(what: &str, protocol: &str, stderr: &str) {
+    assert!(
+        stderr.contains("agree with the verdict events"),
+        "{what}: the per-rule counters were not compared with the events:\n{stderr}"
+    );
+    if protocol == "SCTP" {
+        assert!(
+            stderr.contains("SCTP association (kernel SCTP sockets)")
+                || stderr.contains("SCTP INIT -> INIT-ACK over raw IP sockets"),
+            "{what}: the SCTP method is not named on stderr:\n{stderr}"
+        );
+    }
 }
 
 /// `--observe`: every probed flow between two different ends has its verdict events, denied

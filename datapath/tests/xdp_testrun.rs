@@ -3235,28 +3235,10 @@ fn verdict_events_name_what_decided() {
     if !privileged() {
         return;
     }
-    use ordnet_datapath::{DecidedBy, Observed, RuleId, RuleTotals};
-    // A's egress: TCP/443 to identity 7 allowed (its own key), TCP/80 to anyone denied (the
-    // wildcard), everything else denied by the default.
-    let egress = ms(
-        Direction::Egress,
-        Verdict::Deny,
-        &[
-            (
-                Selector::ids([7]),
-                L4Match::port(Protocol::Tcp, 443),
-                Verdict::Allow,
-            ),
-            (
-                Selector::Any,
-                L4Match::port(Protocol::Tcp, 80),
-                Verdict::Deny,
-            ),
-        ],
-    );
+    use ordnet_datapath::{DecidedBy, Observed};
     let mut dp = Datapath::create(small_config()).unwrap();
     world_setup(&mut dp);
-    upsert_isolated_a(&mut dp, &egress);
+    upsert_isolated_a(&mut dp, &egress_443_and_80());
     let mut reader = dp.events().unwrap().expect("the ring buffer");
     assert!(dp.events().unwrap().is_none(), "handed out once");
     let mut drain = || {
@@ -3268,6 +3250,11 @@ fn verdict_events_name_what_decided() {
     let key443 = DecidedBy::Key {
         protocol: 6,
         port: 443,
+        length: 24,
+    };
+    let wild80 = DecidedBy::Wildcard {
+        protocol: 6,
+        port: 80,
         length: 24,
     };
     for (a, r) in a_and_remote() {
@@ -3314,17 +3301,7 @@ fn verdict_events_name_what_decided() {
         assert_eq!(got.len(), 2, "{got:#?}");
         assert_eq!(
             (got[0].reason, got[0].egress),
-            (
-                "egress-denied",
-                (
-                    DecidedBy::Wildcard {
-                        protocol: 6,
-                        port: 80,
-                        length: 24
-                    },
-                    false
-                )
-            )
+            ("egress-denied", (wild80, false))
         );
         assert_eq!(
             (got[1].reason, got[1].egress),
@@ -3359,6 +3336,47 @@ fn verdict_events_name_what_decided() {
     // The rule counters, per rule: per family, one flow allowed by the TCP/443 rule (r0), one
     // flow (one packet) denied by the TCP/80 rule (r1) and one by the egress default, one flow
     // of eleven packets denied by the ingress default.
+    rule_totals_are(
+        &mut dp,
+        [(0, [2, 0, 0]), (1, [0, 2, 2])],
+        [
+            (Direction::Egress, [0, 2, 2]),
+            (Direction::Ingress, [0, 2, 22]),
+        ],
+    );
+}
+
+/// A's egress in [`verdict_events_name_what_decided`]: TCP/443 to identity 7 allowed (its own
+/// key, rule `r0`), TCP/80 to anyone denied (the wildcard, `r1`), everything else denied by the
+/// default.
+fn egress_443_and_80() -> MapState {
+    ms(
+        Direction::Egress,
+        Verdict::Deny,
+        &[
+            (
+                Selector::ids([7]),
+                L4Match::port(Protocol::Tcp, 443),
+                Verdict::Allow,
+            ),
+            (
+                Selector::Any,
+                L4Match::port(Protocol::Tcp, 80),
+                Verdict::Deny,
+            ),
+        ],
+    )
+}
+
+/// The totals per rule after [`verdict_events_name_what_decided`]'s packets: (flows allowed,
+/// flows denied, packets denied) of the egress rules `r{i}` (kind `Test`), and of the deny
+/// defaults per direction; nothing else counted.
+fn rule_totals_are(
+    dp: &mut Datapath,
+    rules: [(u32, [u64; 3]); 2],
+    defaults: [(Direction, [u64; 3]); 2],
+) {
+    use ordnet_datapath::{RuleId, RuleTotals};
     let mut totals = RuleTotals::default();
     dp.collect_rule_counts(&mut totals).unwrap();
     let got: Vec<(RuleId, [u64; 3])> = totals
@@ -3382,12 +3400,11 @@ fn verdict_events_name_what_decided() {
         direction,
         allow: false,
     };
-    let mut want = vec![
-        (rule(0), [2, 0, 0]),
-        (rule(1), [0, 2, 2]),
-        (default(Direction::Egress), [0, 2, 2]),
-        (default(Direction::Ingress), [0, 2, 22]),
-    ];
+    let mut want: Vec<(RuleId, [u64; 3])> = rules
+        .into_iter()
+        .map(|(i, c)| (rule(i), c))
+        .chain(defaults.into_iter().map(|(d, c)| (default(d), c)))
+        .collect();
     want.sort();
     assert_eq!(got, want);
 }
