@@ -133,6 +133,7 @@ async fn bench_2000_pods_1000_policies() {
             maintain_every: agent::MAINTAIN_EVERY,
             observe_journal: agent::observe::DEFAULT_JOURNAL,
             flow_log: None,
+            traffic_window: Some(agent::traffic::DEFAULT_WINDOW),
         },
         api.client(),
         Box::new(NoneDatapath::default()),

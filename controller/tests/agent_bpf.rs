@@ -1375,6 +1375,72 @@ fn agent_counters_agree(agent: &Agent, step: &str) {
     );
 }
 
+/// The node's traffic report (its ConfigMap) counts what client-not-to-web's rule denied since
+/// the agent started, and the status writer (this agent) sums it into the policy's
+/// `status.traffic`: probing `client -> web` again and again, the rule's denials of a window show
+/// there, from one node.
+fn traffic_in_status(lab: &Lab, api: &FakeApi, step: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (mut report, mut traffic) = (Value::Null, Value::Null);
+    while Instant::now() < deadline {
+        assert!(!lab.connects("client", "web"), "{step}: client -> web");
+        report = api
+            .get(
+                "v1",
+                "ConfigMap",
+                "ordnet-system",
+                &format!("ordnet-traffic-{NODE}"),
+            )
+            .map(|cm| serde_json::from_str(cm["data"]["report.json"].as_str().unwrap()).unwrap())
+            .unwrap_or(Value::Null);
+        traffic = api
+            .get(
+                "ordnet.io/v1alpha1",
+                "ClusterOrderedNetworkPolicy",
+                "",
+                "client-not-to-web",
+            )
+            .unwrap()["status"]["traffic"]
+            .clone();
+        let denied = traffic["rules"].as_array().into_iter().flatten().any(|r| {
+            r["direction"] == "Ingress" && r["index"] == 0 && r["flowsDenied"].as_u64() >= Some(1)
+        });
+        if denied && report != Value::Null {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    assert_eq!(traffic["nodes"], 1, "{step}: {traffic}");
+    assert_eq!(traffic["windowSeconds"], 2, "{step}: {traffic}");
+    assert!(
+        traffic["rules"].as_array().is_some_and(|r| r.len() == 1)
+            && traffic["rules"][0]["flowsDenied"].as_u64() >= Some(1)
+            && traffic["rules"][0]["packetsDenied"].as_u64()
+                >= traffic["rules"][0]["flowsDenied"].as_u64(),
+        "{step}: {traffic}"
+    );
+    // Its one rule decided: none is unmatched.
+    assert_eq!(traffic["unmatchedRules"], json!([]), "{step}: {traffic}");
+    assert_eq!(report["node"], NODE, "{step}: {report}");
+    let rule = report["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "client-not-to-web")
+        .unwrap_or_else(|| panic!("{step}: {report}"));
+    assert_eq!(rule["kind"], "ClusterOrderedNetworkPolicy");
+    assert!(rule["total"][1].as_u64() >= Some(1), "{step}: {rule}");
+    // NetworkPolicies have no status to sum into: their rules are not reported.
+    assert!(
+        report["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|r| r["kind"] != "NetworkPolicy"),
+        "{step}: {report}"
+    );
+}
+
 /// Runs `during` while every pair of `pairs` is probed again and again (from 300 ms before to
 /// 500 ms after it): each probe must see the given verdict.
 fn probe_through<T>(
@@ -1667,7 +1733,12 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     let agent = Agent::start_with(
         &lab,
         &kubeconfig,
-        &["--flow-log", flow_log.to_str().unwrap()],
+        &[
+            "--flow-log",
+            flow_log.to_str().unwrap(),
+            "--traffic-window",
+            "2",
+        ],
     );
     agent.wait_ready();
     lab.expect("initial", &[("client", "db"), ("client", "web")]);
@@ -1739,6 +1810,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     let emitted = agent.metric("ordnet_datapath_verdict_events_total{outcome=\"emitted\"}");
     assert!(emitted > 0.0, "verdict events counted: {emitted}");
     agent_counters_agree(&agent, "db takes client");
+    traffic_in_status(&lab, &api, "db takes client");
 
     // 3. SIGTERM: pins and attachments stay, enforcement continues.
     agent.terminate();

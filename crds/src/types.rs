@@ -666,6 +666,64 @@ pub struct PolicyStatus {
         deserialize_with = "null_as_default"
     )]
     pub failed_closed_rules: Vec<FailedClosedRule>,
+    /// What the nodes' datapaths decided by this policy's rules: new flows allowed, flows and
+    /// packets denied, in each node's last window, summed over the nodes that report (the
+    /// kernel's per-rule counters). `nodes: 0` while no node reports (none counts per rule);
+    /// absent when the agents do not report (`ordnet agent --traffic-window 0`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traffic: Option<PolicyTraffic>,
+}
+
+/// What the datapath decided by one policy's rules, summed over the nodes (`status.traffic`,
+/// docs/observe.md §9).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicyTraffic {
+    /// How many nodes' reports are summed.
+    #[schemars(extend("format" = "int32", "maximum" = 2147483647))]
+    pub nodes: u32,
+    /// The length of each node's window, in seconds (the nodes' windows are not aligned).
+    #[schemars(extend("format" = "int32", "maximum" = 2147483647))]
+    pub window_seconds: u32,
+    /// The rules that decided a flow or a denied packet in the last window on some node, with
+    /// what they decided then (summed over the nodes).
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    #[schemars(extend("maxItems" = 2 * MAX_RULES))]
+    pub rules: Vec<RuleTraffic>,
+    /// The rules that decided nothing on any reporting node since that node began counting
+    /// (the agent's start), as `ingress[2]`, `egress[0]`. They complement `shadowedRules` (never
+    /// able to decide) with what traffic did.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    #[schemars(extend("maxItems" = 2 * MAX_RULES))]
+    pub unmatched_rules: Vec<String>,
+}
+
+/// What one rule decided in the last window, summed over the nodes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RuleTraffic {
+    /// The rule's direction.
+    pub direction: Direction,
+    /// The rule's index in `spec.ingress` or `spec.egress`.
+    #[schemars(extend("format" = "int32", "maximum" = 2147483647))]
+    pub index: u32,
+    /// New flows the rule allowed.
+    #[schemars(extend("format" = "int64", "minimum" = 0))]
+    pub flows_allowed: i64,
+    /// Flows the rule denied (their first denied packets).
+    #[schemars(extend("format" = "int64", "minimum" = 0))]
+    pub flows_denied: i64,
+    /// Packets the rule denied.
+    #[schemars(extend("format" = "int64", "minimum" = 0))]
+    pub packets_denied: i64,
 }
 
 /// A rule of this policy that is enforced fail-closed instead of as written.

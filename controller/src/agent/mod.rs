@@ -52,6 +52,7 @@ pub mod metrics;
 mod netview;
 pub mod observe;
 pub mod status;
+pub mod traffic;
 mod watchers;
 
 pub use datapath::{Enforcer, NoneDatapath, ProgrammedEndpoint, ProgrammedPolicy};
@@ -87,6 +88,10 @@ pub struct AgentConfig {
     /// The flow log: every attributed verdict event as a JSON line (`None`: none), rotated at
     /// `max_bytes`, `files` files kept ([`flowlog`]).
     pub flow_log: Option<FlowLogConfig>,
+    /// Every this long, the agent publishes what its datapath counted per rule (its node
+    /// report), and the status writer sums the nodes' reports into the policies'
+    /// `status.traffic` ([`traffic`]; `None`: neither).
+    pub traffic_window: Option<Duration>,
 }
 
 /// Where and how the flow log is written ([`AgentConfig::flow_log`]).
@@ -381,6 +386,8 @@ pub async fn start(
             client.clone(),
             state.clone(),
             wanted_rx,
+            config.namespace.clone(),
+            config.traffic_window,
         )),
         tokio::spawn(status::event_loop(
             client.clone(),
@@ -404,6 +411,14 @@ pub async fn start(
         tasks.push(follow_netlink(events.clone())?);
     }
     tasks.push(tokio::spawn(observe::observe_loop(state.clone())));
+    if let Some(window) = config.traffic_window {
+        tasks.push(tokio::spawn(traffic::report_loop(
+            client.clone(),
+            state.clone(),
+            config.namespace.clone(),
+            window,
+        )));
+    }
     tasks.push(tokio::spawn(maintain_loop(
         state.clone(),
         events,

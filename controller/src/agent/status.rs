@@ -17,7 +17,8 @@
 //!   Warning Event `RuleShadowed` when a new set of shadowed rules is written. It also sets the
 //!   printer-column fields `status.subject` (how many pods the policy selects across the
 //!   cluster now, from the same engine and at the same time as the shadow analysis; see
-//!   [`subjects`]) and `status.rules` (the rule counts of the spec, [`rule_counts`]). It writes
+//!   [`subjects`]) and `status.rules` (the rule counts of the spec, [`rule_counts`]), and
+//!   `status.traffic`, the nodes' traffic reports summed ([`traffic`]). It writes
 //!   only when the stored status differs from the wanted one, and never the same wanted status
 //!   twice before the watch shows the first write.
 //! * The shadowed-rule analysis runs in the status writer only, off the apply loop (a blocking
@@ -44,8 +45,8 @@ use ordnet_crds::{
     Action, CNP_GROUP, CNP_VERSION, CONDITION_ACCEPTED, CONDITION_RULES_SHADOWED,
     ClusterNetworkPolicy, ClusterOrderedNetworkPolicy, EVENT_RULE_SHADOWED,
     EVENT_RULES_FAILED_CLOSED, FailClosedEffect, FailedClosedRule, OrderedNetworkPolicy,
-    OrderedSpec, PolicyStatus, REASON_INVALID, REASON_NOT_SHADOWED, REASON_RULES_FAILED_CLOSED,
-    REASON_SHADOWED, REASON_VALID, RuleReference, ShadowedRule,
+    OrderedSpec, PolicyStatus, PolicyTraffic, REASON_INVALID, REASON_NOT_SHADOWED,
+    REASON_RULES_FAILED_CLOSED, REASON_SHADOWED, REASON_VALID, RuleReference, ShadowedRule,
 };
 use ordnet_engine::Labels;
 use ordnet_engine::{Engine, IdentityKind, Object, ObjectKind, PolicyKind, PolicyRef};
@@ -53,7 +54,7 @@ use ordnet_mapstate::{Action as MsAction, Direction};
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
 
-use super::{AgentState, Enforcement, ObjKey};
+use super::{AgentState, Enforcement, ObjKey, traffic};
 
 /// The Lease that elects the status writer.
 pub const LEASE_NAME: &str = "ordnet-status-writer";
@@ -93,6 +94,8 @@ pub struct WantedStatus {
     /// An upstream ClusterNetworkPolicy: its status has only `conditions` (upstream's schema),
     /// `Accepted` alone.
     pub upstream: bool,
+    /// How many ingress and egress rules the spec has (for `status.traffic.unmatchedRules`).
+    pub slots: (u32, u32),
 }
 
 /// The API form of a rule enforced fail-closed.
@@ -144,18 +147,20 @@ pub fn wanted(
     enforcement: &Enforcement,
     seq: u64,
 ) -> Option<WantedStatus> {
-    let (generation, current, reference, rules) = match object {
+    let (generation, current, reference, rules, slots) = match object {
         Object::OrderedNetworkPolicy(p) => (
             p.metadata.generation,
             p.status.clone(),
             p.object_ref(&()),
             rule_counts(&p.spec),
+            rule_slots(&p.spec),
         ),
         Object::ClusterOrderedNetworkPolicy(p) => (
             p.metadata.generation,
             p.status.clone(),
             p.object_ref(&()),
             rule_counts(&p.spec),
+            rule_slots(&p.spec),
         ),
         Object::ClusterNetworkPolicy(p) => (
             p.metadata.generation,
@@ -165,6 +170,7 @@ pub fn wanted(
             }),
             p.object_ref(&()),
             String::new(),
+            (0, 0),
         ),
         _ => return None,
     };
@@ -182,7 +188,17 @@ pub fn wanted(
         seq,
         rules,
         upstream,
+        slots,
     })
+}
+
+/// How many ingress and egress rules a spec has.
+fn rule_slots(spec: &impl OrderedSpec) -> (u32, u32) {
+    let n = |d| u32::try_from(spec.rules(d).len()).unwrap_or(u32::MAX);
+    (
+        n(ordnet_crds::Direction::Ingress),
+        n(ordnet_crds::Direction::Egress),
+    )
 }
 
 /// `status.rules` (printer column Rules): the number of `Allow` and `Deny` rules per direction,
@@ -300,6 +316,8 @@ pub struct Desired {
     pub rules: String,
     /// An upstream ClusterNetworkPolicy: `conditions` only, `Accepted` only.
     pub upstream: bool,
+    /// `status.traffic` ([`traffic::Cluster::traffic`]; enforced ordered policies only).
+    pub traffic: Option<PolicyTraffic>,
 }
 
 /// One condition: (type, status, reason, message).
@@ -402,6 +420,7 @@ impl Desired {
             && cur.failed_closed_rules == self.failed
             && cur.subject.as_deref() == Some(self.subject.as_str())
             && cur.rules.as_deref() == Some(self.rules.as_str())
+            && cur.traffic == self.traffic
             && cur
                 .conditions
                 .iter()
@@ -551,7 +570,12 @@ async fn refresh(state: &Arc<AgentState>, report: &mut Option<Report>) {
 }
 
 /// What the status of `key` should be, or `None` while no analysis describes its version yet.
-fn desired(key: &ObjKey, w: &WantedStatus, report: Option<&Report>) -> Option<Desired> {
+fn desired(
+    key: &ObjKey,
+    w: &WantedStatus,
+    report: Option<&Report>,
+    cluster: &traffic::Cluster,
+) -> Option<Desired> {
     if !w.enforced {
         return Some(Desired {
             generation: w.generation,
@@ -562,6 +586,7 @@ fn desired(key: &ObjKey, w: &WantedStatus, report: Option<&Report>) -> Option<De
             subject: NOT_ENFORCED.to_string(),
             rules: w.rules.clone(),
             upstream: w.upstream,
+            traffic: None,
         });
     }
     let report = report.filter(|r| r.seq >= w.seq)?;
@@ -578,6 +603,11 @@ fn desired(key: &ObjKey, w: &WantedStatus, report: Option<&Report>) -> Option<De
             .unwrap_or_else(|| NOT_ENFORCED.to_string()),
         rules: w.rules.clone(),
         upstream: w.upstream,
+        traffic: if w.upstream {
+            None
+        } else {
+            cluster.traffic(key, w.slots.0, w.slots.1)
+        },
     })
 }
 
@@ -714,12 +744,14 @@ async fn try_hold(
 }
 
 /// Runs the status writer: while this agent holds the Lease, keeps the shadowed-rule analysis
-/// current and writes every status that is not satisfied yet (on changes of `wanted`, and every
-/// second).
+/// and the nodes' traffic reports (in `namespace`, every `traffic_window`: `None`, none) current
+/// and writes every status that is not satisfied yet (on changes of `wanted`, and every second).
 pub async fn status_loop(
     client: Client,
     state: Arc<AgentState>,
     mut wanted: watch::Receiver<BTreeMap<ObjKey, WantedStatus>>,
+    namespace: String,
+    traffic_window: Option<Duration>,
 ) {
     let recorder = Recorder::new(
         client.clone(),
@@ -732,14 +764,18 @@ pub async fn status_loop(
     // shows the result.
     let mut written: BTreeMap<ObjKey, Desired> = BTreeMap::new();
     let mut report: Option<Report> = None;
+    let mut cluster = traffic::Cluster::default();
     loop {
         if state.is_status_writer() {
             refresh(&state, &mut report).await;
+            if let Some(window) = traffic_window {
+                cluster.refresh(&client, &namespace, window).await;
+            }
             let todo: Vec<(ObjKey, WantedStatus, Desired)> = wanted
                 .borrow_and_update()
                 .iter()
                 .filter_map(|(k, w)| {
-                    let d = desired(k, w, report.as_ref())?;
+                    let d = desired(k, w, report.as_ref(), &cluster)?;
                     (!d.satisfied(w.current.as_ref()) && written.get(k) != Some(&d))
                         .then(|| (k.clone(), w.clone(), d))
                 })
@@ -820,7 +856,7 @@ async fn write_status(
     // Server-side apply: a condition left out (RulesShadowed of an invalid policy) is removed
     // from what this manager owns; `shadowedRules` and `failedClosedRules` are always written
     // (`[]` when none), which clears them under any patch semantics.
-    let body = json!({
+    let mut body = json!({
         "apiVersion": "ordnet.io/v1alpha1",
         "kind": kind,
         "status": {
@@ -832,6 +868,16 @@ async fn write_status(
             "rules": d.rules,
         },
     });
+    if let Some(t) = &d.traffic {
+        // Never `null` (see `traffic::Cluster::traffic`); the lists always, `[]` when empty,
+        // like `shadowedRules`.
+        body["status"]["traffic"] = json!({
+            "nodes": t.nodes,
+            "windowSeconds": t.window_seconds,
+            "rules": t.rules,
+            "unmatchedRules": t.unmatched_rules,
+        });
+    }
     let params = PatchParams::apply(FIELD_MANAGER).force();
     if d.upstream {
         // Upstream's status schema: conditions only.

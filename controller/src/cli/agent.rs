@@ -34,7 +34,7 @@ pub struct AgentArgs {
     /// of --cni-conf-dir and out of --cni-bin-dir (when given), detach the XDP and TC programs
     /// from every interface and remove every pin ($ORDNET_PIN_DIR, default
     /// /sys/fs/bpf/ordnet). Run it after the agent's DaemonSet is gone (deploy/uninstall/).
-    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket", "metrics_addr", "upkeep_interval", "observe_buffer", "flow_log", "events_per_sec", "rule_counters"])]
+    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket", "metrics_addr", "upkeep_interval", "observe_buffer", "flow_log", "events_per_sec", "rule_counters", "traffic_window"])]
     pub uninstall: bool,
     /// Kubeconfig to use (default: in-cluster config, then the usual kubeconfig lookup).
     #[arg(long, value_name = "PATH")]
@@ -74,6 +74,13 @@ pub struct AgentArgs {
     /// packet costs less when the events are off too (docs/observe.md §8).
     #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
     pub rule_counters: bool,
+    /// Every this many seconds, publish what the rules decided on this node (the per-rule
+    /// counters' growth: a ConfigMap `ordnet-traffic-<node>` in the agent's namespace); the
+    /// status writer sums the nodes' reports into each ordered policy's `status.traffic`
+    /// (docs/observe.md §9). 0: neither.
+    #[arg(long, value_name = "SECONDS", default_value_t = ordnet::agent::traffic::DEFAULT_WINDOW.as_secs(),
+          value_parser = clap::value_parser!(u64).range(0..=86400))]
+    pub traffic_window: u64,
     /// Write every verdict event (attributed to its rules, as `ordnet observe -o json` shows
     /// it) as a JSON line to this file, for log collectors.
     #[arg(long, value_name = "PATH")]
@@ -433,6 +440,8 @@ pub fn run(args: AgentArgs) -> ExitCode {
                 max_bytes: args.flow_log_max_bytes,
                 files: args.flow_log_files,
             }),
+            traffic_window: (args.traffic_window > 0)
+                .then(|| std::time::Duration::from_secs(args.traffic_window)),
         };
         let (datapath, kind): (Box<dyn agent::Enforcer>, &str) = if args.datapath == DatapathArg::Bpf {
             let pin_dir = agent::bpf::pin_dir_from_env();

@@ -208,6 +208,7 @@ pub async fn start_agent_with(
             maintain_every: agent::MAINTAIN_EVERY,
             observe_journal: agent::observe::DEFAULT_JOURNAL,
             flow_log: None,
+            traffic_window: Some(Duration::from_millis(500)),
         },
         api.client(),
         Box::new(dp),

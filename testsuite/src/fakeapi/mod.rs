@@ -137,6 +137,14 @@ pub const RESOURCES: &[ResourceDef] = &[
     ResourceDef {
         group: "",
         version: "v1",
+        plural: "configmaps",
+        kind: "ConfigMap",
+        namespaced: true,
+        status: false,
+    },
+    ResourceDef {
+        group: "",
+        version: "v1",
         plural: "events",
         kind: "Event",
         namespaced: true,
