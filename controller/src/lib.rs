@@ -18,3 +18,4 @@ pub mod offline;
 pub mod program;
 pub mod render;
 pub mod rule_counters;
+pub mod whatif;

@@ -1819,3 +1819,63 @@ async fn traffic_reports_are_summed_into_status() {
     traffic(json!({"nodes": 0, "windowSeconds": 1, "rules": [], "unmatchedRules": []})).await;
     assert_rbac(&api, "kube-system", false);
 }
+
+/// A staged policy (`spec.mode: Staged`) decides nothing: the agent programs what it would
+/// without the policy, and the status says `Staged` (no shadow analysis, subject `staged`).
+/// Promoted to `Enforce`, the same rules decide, and the status says `Valid`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_staged_policy_decides_nothing_until_promoted() {
+    let api = FakeApi::start().await.unwrap();
+    load_dir(&api, &repo().join("examples/qa-prod"));
+    let mut lockdown = json!({"apiVersion": "ordnet.io/v1alpha1", "kind": "OrderedNetworkPolicy",
+        "metadata": {"namespace": "qa", "name": "lockdown"},
+        "spec": {"mode": "Staged", "priority": 0, "podSelector": {},
+            "defaultDeny": {"ingress": true},
+            "ingress": [{"action": "Allow", "from": [{"podSelector": {}}]}]}});
+    api.create(lockdown.clone()).unwrap();
+    let h = start_agent(&api).await;
+    converges(&api, &h, "staged").await;
+    let m = agent_matrix(h.debug_addr(), "192.0.2.1").await;
+    assert_eq!(cell(&m, "prod/api", "qa/grafana"), "allow", "staged: {m}");
+    assert!(agent::wait_until(LIMIT, || h.state.is_status_writer()).await);
+    policy_status(
+        &api,
+        "OrderedNetworkPolicy",
+        "qa",
+        "lockdown",
+        "Staged",
+        |o| {
+            condition(o, "Accepted", 1).is_some_and(|(s, reason, msg)| {
+                s == "True" && reason == "Staged" && msg.contains("decides no packet")
+            }) && condition(o, "RulesShadowed", 1).is_none()
+                && o["status"]["subject"] == "staged"
+                && o["status"]["rules"] == "in 1A/0D, out 0A/0D"
+        },
+    )
+    .await;
+
+    lockdown["spec"]["mode"] = json!("Enforce");
+    api.update(lockdown).unwrap();
+    converges(&api, &h, "promoted").await;
+    let m = agent_matrix(h.debug_addr(), "192.0.2.1").await;
+    assert_eq!(cell(&m, "prod/api", "qa/grafana"), "deny", "promoted: {m}");
+    assert_eq!(
+        cell(&m, "qa/tester", "qa/grafana"),
+        "allow",
+        "promoted: {m}"
+    );
+    policy_status(
+        &api,
+        "OrderedNetworkPolicy",
+        "qa",
+        "lockdown",
+        "Valid",
+        |o| {
+            condition(o, "Accepted", 2)
+                .is_some_and(|(s, reason, _)| s == "True" && reason == "Valid")
+                && condition(o, "RulesShadowed", 2).is_some()
+                && o["status"]["subject"] == "2 pods"
+        },
+    )
+    .await;
+}

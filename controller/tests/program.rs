@@ -199,6 +199,7 @@ fn check_verdicts(what: &str, dp: &MemDatapath, reference: &Engine) {
 fn options(node: Option<&str>) -> BuildOptions {
     BuildOptions {
         node: node.map(str::to_string),
+        ..BuildOptions::default()
     }
 }
 

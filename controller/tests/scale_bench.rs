@@ -541,7 +541,10 @@ impl Initial {
         ordnet_engine::Engine::build_with_read_pods(
             &self.objects,
             self.read_pods,
-            &ordnet_engine::BuildOptions { node: Some(node) },
+            &ordnet_engine::BuildOptions {
+                node: Some(node),
+                ..Default::default()
+            },
         )
     }
 }

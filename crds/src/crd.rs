@@ -353,6 +353,7 @@ mod tests {
                 columns,
                 [
                     ("Priority", ".spec.priority"),
+                    ("Mode", ".spec.mode"),
                     ("Subject", ".status.subject"),
                     ("Rules", ".status.rules"),
                     ("Age", ".metadata.creationTimestamp"),

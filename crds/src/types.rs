@@ -58,6 +58,9 @@ pub const REASON_VALID: &str = "Valid";
 /// selector is invalid) and is not enforced; the message lists the problems (field path and
 /// message each).
 pub const REASON_INVALID: &str = "Invalid";
+/// Reason of an `Accepted=True` condition of a valid staged policy (`spec.mode: Staged`): it
+/// decides no packet.
+pub const REASON_STAGED: &str = "Staged";
 /// Reason of an `Accepted=False` condition: the policy is enforced, but some of its rules cannot
 /// be enforced as written and are enforced fail-closed (listed in `status.failedClosedRules`:
 /// an `Allow` rule matches nothing, a `Deny` rule denies everything in its direction).
@@ -109,6 +112,36 @@ impl Action {
 impl std::fmt::Display for Action {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+/// Whether an ordered policy decides packets or is only staged (`spec.mode`).
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    JsonSchema,
+)]
+pub enum PolicyMode {
+    /// The policy decides packets.
+    #[default]
+    Enforce,
+    /// The policy decides nothing; what it would change is reported.
+    Staged,
+}
+
+impl PolicyMode {
+    /// Whether this is `Enforce`.
+    pub fn is_enforce(&self) -> bool {
+        *self == PolicyMode::Enforce
     }
 }
 
@@ -412,6 +445,12 @@ pub struct RuleView<'a> {
         description = "Lower is evaluated earlier"
     ),
     printcolumn(
+        name = "Mode",
+        type_ = "string",
+        json_path = ".spec.mode",
+        description = "Enforce, or Staged (decides no packet)"
+    ),
+    printcolumn(
         name = "Subject",
         type_ = "string",
         json_path = ".status.subject",
@@ -440,6 +479,12 @@ pub struct OrderedNetworkPolicySpec {
     /// Lower = evaluated earlier = stronger. Must be >= 0 for a namespaced policy.
     #[schemars(range(min = 0, max = 2147483647))]
     pub priority: i32,
+    /// `Enforce` (the default): the policy decides packets. `Staged`: it never changes what a
+    /// packet does; the agent reports what it would change (docs/api.md "Staged policies").
+    /// Changing it to `Enforce` applies the same rules like any other change of a policy.
+    #[serde(default, skip_serializing_if = "PolicyMode::is_enforce")]
+    #[schemars(extend("default" = "Enforce"))]
+    pub mode: PolicyMode,
     /// The pods of the policy's namespace it applies to (`{}` = all of them).
     pub pod_selector: LabelSelector,
     /// Explicit isolation per direction.
@@ -484,6 +529,12 @@ pub struct OrderedNetworkPolicySpec {
         description = "Lower is evaluated earlier"
     ),
     printcolumn(
+        name = "Mode",
+        type_ = "string",
+        json_path = ".spec.mode",
+        description = "Enforce, or Staged (decides no packet)"
+    ),
+    printcolumn(
         name = "Subject",
         type_ = "string",
         json_path = ".status.subject",
@@ -512,6 +563,12 @@ pub struct ClusterOrderedNetworkPolicySpec {
     /// Lower = evaluated earlier = stronger. May be negative (below every namespaced policy).
     #[schemars(range(min = -2147483648, max = 2147483647))]
     pub priority: i32,
+    /// `Enforce` (the default): the policy decides packets. `Staged`: it never changes what a
+    /// packet does; the agent reports what it would change (docs/api.md "Staged policies").
+    /// Changing it to `Enforce` applies the same rules like any other change of a policy.
+    #[serde(default, skip_serializing_if = "PolicyMode::is_enforce")]
+    #[schemars(extend("default" = "Enforce"))]
+    pub mode: PolicyMode,
     /// The namespaces whose pods the policy applies to (default `{}` = all namespaces).
     #[serde(default, deserialize_with = "null_as_default")]
     pub namespace_selector: LabelSelector,
@@ -549,6 +606,8 @@ pub trait OrderedSpec {
     fn ingress(&self) -> &[IngressRule];
     /// The egress rules in order.
     fn egress(&self) -> &[EgressRule];
+    /// `spec.mode`.
+    fn mode(&self) -> PolicyMode;
 
     /// The rules of one direction, in order, as direction-independent views.
     fn rules(&self, direction: Direction) -> Vec<RuleView<'_>> {
@@ -608,6 +667,9 @@ impl OrderedSpec for OrderedNetworkPolicySpec {
     fn egress(&self) -> &[EgressRule] {
         &self.egress
     }
+    fn mode(&self) -> PolicyMode {
+        self.mode
+    }
 }
 
 impl OrderedSpec for ClusterOrderedNetworkPolicySpec {
@@ -622,6 +684,9 @@ impl OrderedSpec for ClusterOrderedNetworkPolicySpec {
     }
     fn egress(&self) -> &[EgressRule] {
         &self.egress
+    }
+    fn mode(&self) -> PolicyMode {
+        self.mode
     }
 }
 

@@ -96,6 +96,10 @@ pub struct BuildOptions {
     /// Compile MapStates only for the pods of this node (identities and the ipcache still cover
     /// the whole cluster). `None` = every pod.
     pub node: Option<String>,
+    /// Enforce the staged policies too (`spec.mode: Staged`), as if their mode were `Enforce`:
+    /// what they would do (`ordnet matrix --staged`, `ordnet whatif`). Otherwise a staged policy
+    /// is left out as if absent.
+    pub staged: bool,
 }
 
 /// Everything computed from one set of objects.
@@ -133,6 +137,7 @@ impl Engine {
             objects,
             &BuildOptions {
                 node: Some(node.to_string()),
+                ..BuildOptions::default()
             },
         )
     }
@@ -279,12 +284,14 @@ impl Engine {
                 objects
                     .ordered_policies
                     .iter()
+                    .filter(|p| options.staged || p.object.spec.mode.is_enforce())
                     .map(|p| translate_ordered_policy(&p.object)),
             )
             .chain(
                 objects
                     .cluster_ordered_policies
                     .iter()
+                    .filter(|p| options.staged || p.object.spec.mode.is_enforce())
                     .map(|p| translate_cluster_policy(&p.object)),
             )
             .chain(cnps);

@@ -301,7 +301,21 @@ impl Engine {
                 | Object::OrderedNetworkPolicy(_)
                 | Object::ClusterOrderedNetworkPolicy(_)),
             ) => {
-                if let Some(new) = o.translate() {
+                if o.staged() && !self.options.staged {
+                    // A staged policy decides nothing: as if it were absent (its previous,
+                    // enforced version, if any, goes).
+                    let (namespace, name) = o.key();
+                    let (kind, namespace) = match o {
+                        Object::OrderedNetworkPolicy(_) => (PolicyKind::Ordered, Some(namespace)),
+                        _ => (PolicyKind::ClusterOrdered, None),
+                    };
+                    let id = PolicyRef {
+                        kind,
+                        namespace,
+                        name,
+                    };
+                    self.store_policy(Some(id), None, p);
+                } else if let Some(new) = o.translate() {
                     let new = new?;
                     self.store_policy(Some(new.id.clone()), Some(new), p);
                 }

@@ -199,6 +199,15 @@ impl Object {
         }
     }
 
+    /// Whether the object is an ordered policy with `spec.mode: Staged` (it decides nothing).
+    pub fn staged(&self) -> bool {
+        match self {
+            Object::OrderedNetworkPolicy(p) => !p.spec.mode.is_enforce(),
+            Object::ClusterOrderedNetworkPolicy(p) => !p.spec.mode.is_enforce(),
+            _ => false,
+        }
+    }
+
     /// `(namespace, name)`: the namespace is empty for cluster-scoped kinds and `default` when
     /// a namespaced object has none.
     pub fn key(&self) -> (String, String) {

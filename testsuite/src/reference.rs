@@ -188,13 +188,19 @@ fn idx(d: Dir) -> usize {
 
 impl Reference {
     /// Reads the objects. Errors for objects the reference cannot read (the engine would
-    /// reject them too).
+    /// reject them too). A staged policy (`spec.mode: Staged`) decides nothing: left out.
     pub fn new(objects: &ClusterObjects) -> Result<Reference, String> {
+        Reference::new_with(objects, false)
+    }
+
+    /// [`Reference::new`]; with `staged`, the staged policies are read as if enforced (what
+    /// they would do).
+    pub fn new_with(objects: &ClusterObjects, staged: bool) -> Result<Reference, String> {
         let mut policies = Vec::new();
         for np in &objects.network_policies {
             policies.push(read_network_policy(&np.object)?);
         }
-        policies.extend(read_ordered_policies(objects)?);
+        policies.extend(read_ordered_policies(objects, staged)?);
         policies.extend(read_cluster_network_policies(objects)?);
         Ok(Reference {
             ns_labels: read_namespaces(objects),
@@ -623,7 +629,7 @@ fn read_network_policy(
 
 /// Every OrderedNetworkPolicy and ClusterOrderedNetworkPolicy: rules keyed (priority, index),
 /// isolation from `defaultDeny` or the presence of an allow rule.
-fn read_ordered_policies(objects: &ClusterObjects) -> Result<Vec<RefPolicy>, String> {
+fn read_ordered_policies(objects: &ClusterObjects, staged: bool) -> Result<Vec<RefPolicy>, String> {
     let mut policies = Vec::new();
     type Ordered<'a> = (
         (&'static str, String),
@@ -638,6 +644,9 @@ fn read_ordered_policies(objects: &ClusterObjects) -> Result<Vec<RefPolicy>, Str
     let mut ordered: Vec<Ordered<'_>> = Vec::new();
     for p in &objects.ordered_policies {
         let s = &p.object.spec;
+        if !staged && !s.mode.is_enforce() {
+            continue;
+        }
         ordered.push((
             (
                 "OrderedNetworkPolicy",
@@ -660,6 +669,9 @@ fn read_ordered_policies(objects: &ClusterObjects) -> Result<Vec<RefPolicy>, Str
     }
     for p in &objects.cluster_ordered_policies {
         let s = &p.object.spec;
+        if !staged && !s.mode.is_enforce() {
+            continue;
+        }
         ordered.push((
             (
                 "ClusterOrderedNetworkPolicy",

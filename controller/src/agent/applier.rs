@@ -498,6 +498,7 @@ impl Applier {
     fn options(&self) -> BuildOptions {
         BuildOptions {
             node: Some(self.node.clone()),
+            ..BuildOptions::default()
         }
     }
 

@@ -46,7 +46,8 @@ use ordnet_crds::{
     ClusterNetworkPolicy, ClusterOrderedNetworkPolicy, EVENT_RULE_SHADOWED,
     EVENT_RULES_FAILED_CLOSED, FailClosedEffect, FailedClosedRule, OrderedNetworkPolicy,
     OrderedSpec, PolicyStatus, PolicyTraffic, REASON_INVALID, REASON_NOT_SHADOWED,
-    REASON_RULES_FAILED_CLOSED, REASON_SHADOWED, REASON_VALID, RuleReference, ShadowedRule,
+    REASON_RULES_FAILED_CLOSED, REASON_SHADOWED, REASON_STAGED, REASON_VALID, RuleReference,
+    ShadowedRule,
 };
 use ordnet_engine::Labels;
 use ordnet_engine::{Engine, IdentityKind, Object, ObjectKind, PolicyKind, PolicyRef};
@@ -70,6 +71,8 @@ pub const SHADOW_EVERY: Duration = Duration::from_secs(1);
 const MAX_MESSAGE: usize = 4000;
 /// `status.subject` of a policy the engine does not enforce (invalid, or left out by the engine).
 pub const NOT_ENFORCED: &str = "not enforced";
+/// `status.subject` of a valid staged policy (`spec.mode: Staged`).
+pub const STAGED: &str = "staged";
 
 /// What the apply loop knows about the status of one policy.
 #[derive(Debug, Clone, PartialEq)]
@@ -96,6 +99,8 @@ pub struct WantedStatus {
     pub upstream: bool,
     /// How many ingress and egress rules the spec has (for `status.traffic.unmatchedRules`).
     pub slots: (u32, u32),
+    /// A staged policy (`spec.mode: Staged`): it decides no packet.
+    pub staged: bool,
 }
 
 /// The API form of a rule enforced fail-closed.
@@ -189,6 +194,7 @@ pub fn wanted(
         rules,
         upstream,
         slots,
+        staged: object.staged(),
     })
 }
 
@@ -318,6 +324,8 @@ pub struct Desired {
     pub upstream: bool,
     /// `status.traffic` ([`traffic::Cluster::traffic`]; enforced ordered policies only).
     pub traffic: Option<PolicyTraffic>,
+    /// A valid staged policy: `Accepted` says `Staged`, and nothing is analysed.
+    pub staged: bool,
 }
 
 /// One condition: (type, status, reason, message).
@@ -332,6 +340,25 @@ impl Desired {
                 "False",
                 REASON_INVALID,
                 clip(&format!("not enforced: {}", self.errors.join("; "))),
+            )];
+        }
+        if self.staged {
+            let failing = if self.failed.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; enforced, {} rule{} would fail closed (status.failedClosedRules)",
+                    self.failed.len(),
+                    if self.failed.len() == 1 { "" } else { "s" }
+                )
+            };
+            return vec![(
+                CONDITION_ACCEPTED,
+                "True",
+                REASON_STAGED,
+                clip(&format!(
+                    "the policy is valid and staged (spec.mode: Staged): it decides no packet{failing}"
+                )),
             )];
         }
         let accepted = if !self.failed.is_empty() {
@@ -587,6 +614,22 @@ fn desired(
             rules: w.rules.clone(),
             upstream: w.upstream,
             traffic: None,
+            staged: false,
+        });
+    }
+    if w.staged {
+        // Not in the engine (it decides nothing): no shadow analysis, subject or traffic yet.
+        return Some(Desired {
+            generation: w.generation,
+            errors: w.errors.clone(),
+            enforced: true,
+            failed: w.failed.clone(),
+            shadowed: Vec::new(),
+            subject: STAGED.to_string(),
+            rules: w.rules.clone(),
+            upstream: false,
+            traffic: None,
+            staged: true,
         });
     }
     let report = report.filter(|r| r.seq >= w.seq)?;
@@ -608,6 +651,7 @@ fn desired(
         } else {
             cluster.traffic(key, w.slots.0, w.slots.1)
         },
+        staged: false,
     })
 }
 

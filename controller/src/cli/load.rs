@@ -44,7 +44,13 @@ pub fn load_engine(cmd: &str, source: &Source) -> Result<LoadedEngine, ExitCode>
         );
         return Err(ExitCode::from(1));
     }
-    let engine = Engine::build(&outcome.objects);
+    let engine = Engine::build_with(
+        &outcome.objects,
+        &ordnet_engine::BuildOptions {
+            staged: source.staged,
+            ..Default::default()
+        },
+    );
     if !engine.errors().is_empty() {
         // What validation reported already (same object and field) is not repeated.
         let printed = |e: &ordnet_engine::EngineError| {

@@ -14,6 +14,7 @@ mod matrix;
 mod observe;
 mod trace;
 mod validate;
+mod whatif;
 
 /// ordnet: ordered Kubernetes network policy with an O(1) XDP datapath.
 #[derive(Debug, Parser)]
@@ -34,6 +35,9 @@ pub enum Command {
     /// Show what a node's datapath decided on live traffic: new flows and denied packets, with
     /// the rule behind each verdict (from a running agent).
     Observe(ObserveArgs),
+    /// Replay a flow history against the manifests (staged policies enforced): the flows
+    /// whose verdict would change, and what would decide them.
+    Whatif(WhatifArgs),
     /// Check every policy in the manifests and report all problems.
     Validate(ValidateArgs),
     /// Print the CustomResourceDefinitions of the ordnet kinds.
@@ -67,6 +71,10 @@ pub struct Source {
     /// Ask a running agent's debug API instead of reading manifests.
     #[arg(long, value_name = "ADDR", conflicts_with = "files")]
     pub agent: Option<String>,
+    /// Enforce the staged policies too (`spec.mode: Staged`), as if their mode were
+    /// `Enforce`: what they would do. Without it a staged policy decides nothing.
+    #[arg(long, conflicts_with = "agent")]
+    pub staged: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -136,6 +144,21 @@ pub struct TraceArgs {
     pub protocol: ProtocolArg,
     #[arg(long, default_value_t = 80)]
     pub port: u16,
+    #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
+    pub output: TextOrJson,
+}
+
+/// `ordnet whatif` arguments.
+#[derive(Debug, Args)]
+pub struct WhatifArgs {
+    /// Manifest file or directory: the cluster's objects and the proposed ones (repeatable;
+    /// directories are read recursively). Staged policies among them are enforced.
+    #[arg(short = 'f', long = "filename", value_name = "PATH", required = true)]
+    pub files: Vec<PathBuf>,
+    /// The flow history: the agent's flow log (`ordnet agent --flow-log`), or JSON lines
+    /// `{"src", "dst", "protocol", "port", "allowed"}`; `-` for standard input.
+    #[arg(long, value_name = "FILE")]
+    pub flows: PathBuf,
     #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
     pub output: TextOrJson,
 }
@@ -266,6 +289,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Trace(args) => trace::run(&args),
         Command::Dump(args) => dump::run(&args),
         Command::Observe(args) => observe::run(&args),
+        Command::Whatif(args) => whatif::run(&args),
         Command::Validate(args) => validate::run(&args),
         Command::Crd(a) => crd::run(a.upstream),
         Command::Lab(args) => crate::lab::run(&args),

@@ -216,6 +216,7 @@ fn buildable_engine(args: &LabArgs, externals: &[IpAddr]) -> Result<Engine, Fail
     let source = Source {
         files: args.files.clone(),
         agent: None,
+        staged: false,
     };
     let loaded = load::load_engine("lab", &source).map_err(|code| Fail {
         // load_engine printed the problems; its exit code is CLI.md's.

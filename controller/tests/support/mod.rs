@@ -120,6 +120,7 @@ pub fn offline_on(api: &FakeApi, node: &str) -> State {
         &objects,
         &BuildOptions {
             node: Some(node.to_string()),
+            ..BuildOptions::default()
         },
     );
     let snap = engine.snapshot();

@@ -498,6 +498,15 @@ impl World {
 }
 
 /// One random change, applied to `w`; returns it as the engine's input.
+/// Every fourth change that writes an ordered policy writes it staged (`spec.mode: Staged`):
+/// a policy goes from enforced to staged and back as later changes replace it. Decided by the
+/// change counter, not the random stream, so that the changes of a seed stay what they were.
+fn stage_some(v: &mut Value, counter: usize) {
+    if counter.is_multiple_of(4) {
+        v["spec"]["mode"] = json!("Staged");
+    }
+}
+
 pub fn random_change(
     r: &mut Rng,
     w: &mut World,
@@ -624,7 +633,8 @@ pub fn random_change(
             8 => {
                 let ns = *r.pick(&NAMESPACES);
                 let name = format!("onp{}", r.below(3));
-                let v = ordered_policy(r, ns, &name);
+                let mut v = ordered_policy(r, ns, &name);
+                stage_some(&mut v, *counter);
                 w.onps.insert((ns.into(), name), v.clone());
                 return ObjectChange::Upsert(Object::OrderedNetworkPolicy(
                     serde_json::from_value(v).unwrap(),
@@ -632,7 +642,8 @@ pub fn random_change(
             }
             9 => {
                 let name = format!("conp{}", r.below(3));
-                let v = cluster_policy(r, &name);
+                let mut v = cluster_policy(r, &name);
+                stage_some(&mut v, *counter);
                 w.conps.insert(name, v.clone());
                 return ObjectChange::Upsert(Object::ClusterOrderedNetworkPolicy(
                     serde_json::from_value(v).unwrap(),
