@@ -14,8 +14,8 @@ use std::fmt::Write as _;
 use std::net::IpAddr;
 
 use ordnet_datapath::{DecidedBy, Observed};
-use ordnet_engine::{Endpoint, Engine, SideDecision, SideTrace};
-use ordnet_mapstate::{Direction, Peer, Verdict};
+use ordnet_engine::{Endpoint, Engine, FlowEnd, IpFamily, SideDecision, SideTrace};
+use ordnet_mapstate::{Direction, Peer, Protocol, Verdict};
 use serde::Serialize;
 
 use crate::render::{self, Cell, Style};
@@ -64,6 +64,67 @@ pub struct FlowRecord {
     pub attribution: Attribution,
     /// The policy revision the attribution was made with.
     pub attributed_revision: u64,
+    /// When staged policies exist and would give this new flow (or denial) another verdict:
+    /// that verdict and what would decide it ([`staged_verdict`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub staged: Option<StagedVerdict>,
+}
+
+/// The verdict a flow would get with the staged policies enforced, where it differs.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StagedVerdict {
+    /// Whether it would be allowed.
+    pub allowed: bool,
+    /// The sender's egress as it would decide (when the kernel judged it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub egress: Option<SideTrace>,
+    /// The receiver's ingress as it would decide (when the kernel judged it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ingress: Option<SideTrace>,
+}
+
+/// The verdict of the flow of `r` with the staged policies enforced (`staged`: the agent's
+/// staged view), when it differs from the kernel's: judged on the sides the kernel judged (this
+/// node's), for a new flow or a denial of TCP, UDP or SCTP (a reply re-checked after a change,
+/// and ICMP, are judged by the flow they belong to: not here).
+pub fn staged_verdict(staged: &Engine, r: &FlowRecord) -> Option<StagedVerdict> {
+    let e = &r.event;
+    if e.rechecked() {
+        return None;
+    }
+    let proto = Protocol::from_number(e.protocol)?;
+    let end =
+        |pod: &Option<String>, ip: IpAddr| match pod.as_deref().and_then(|p| p.split_once('/')) {
+            Some((ns, name)) => FlowEnd::Pod {
+                namespace: ns.to_string(),
+                name: name.to_string(),
+            },
+            None => FlowEnd::Ip(ip),
+        };
+    let family = if e.dst.is_ipv4() {
+        IpFamily::V4
+    } else {
+        IpFamily::V6
+    };
+    let t = staged.flow(
+        &end(&r.src_pod, e.src),
+        &end(&r.dst_pod, e.dst),
+        family,
+        proto,
+        e.dport,
+    );
+    let egress = t.egress.filter(|_| e.egress.0 != DecidedBy::None);
+    let ingress = t.ingress.filter(|_| e.ingress.0 != DecidedBy::None);
+    let allowed = [&egress, &ingress]
+        .into_iter()
+        .flatten()
+        .all(|s| s.verdict == Verdict::Allow);
+    (allowed != e.allowed).then_some(StagedVerdict {
+        allowed,
+        egress,
+        ingress,
+    })
 }
 
 /// The protocol's name.
@@ -275,6 +336,7 @@ pub fn attribute(
         ingress,
         attribution,
         attributed_revision: revision,
+        staged: None,
     }
 }
 
@@ -523,21 +585,39 @@ pub fn text(r: &FlowRecord, style: Style) -> String {
         }
     }
     out.push('\n');
-    for s in [&r.egress, &r.ingress].into_iter().flatten() {
+    sides(&mut out, [&r.egress, &r.ingress], "  ", style);
+    if let Some(st) = &r.staged {
+        let would = if st.allowed {
+            Verdict::Allow
+        } else {
+            Verdict::Deny
+        };
         let _ = writeln!(
             out,
-            "  {} of {}: {}",
+            "  staged policies would {} it:",
+            style.verdict(would, &would.as_str().to_uppercase())
+        );
+        sides(&mut out, [&st.egress, &st.ingress], "    ", style);
+    }
+    out
+}
+
+/// Each side's verdict and what decided it, indented by `indent`.
+fn sides(out: &mut String, sides: [&Option<SideTrace>; 2], indent: &str, style: Style) {
+    for s in sides.into_iter().flatten() {
+        let _ = writeln!(
+            out,
+            "{indent}{} of {}: {}",
             s.direction.as_str(),
             s.endpoint,
             style.verdict(s.verdict, s.verdict.as_str())
         );
         let mut rows: Vec<Vec<Cell>> = Vec::new();
         render::trace::decision_rows(s, &mut |k: &str, v: String| {
-            rows.push(vec![Cell::plain(format!("    {k}")), Cell::plain(v)]);
+            rows.push(vec![Cell::plain(format!("{indent}  {k}")), Cell::plain(v)]);
         });
         out.push_str(&render::table(&rows, &[], 2));
     }
-    out
 }
 
 #[cfg(test)]
@@ -674,6 +754,86 @@ spec:
         let r = attribute(&engine, &eps, 3, 5, 0, &event(80, 3, true, (BY_NONE, 0)));
         assert!(r.ingress.is_none());
         assert_eq!(r.attribution, Attribution::Exact);
+    }
+
+    /// A staged ClusterOrderedNetworkPolicy that would deny a -> b on TCP/80 (which the
+    /// NetworkPolicy allows) and allow a -> b on TCP/81 (which b's isolation denies): the
+    /// staged view judges both events differently, naming the staged rule; a flow the staged
+    /// policy does not touch, a side the kernel did not judge, and a re-checked reply get none.
+    #[test]
+    fn the_staged_view_names_what_would_decide_differently() {
+        let staged_policy = "
+---
+apiVersion: ordnet.io/v1alpha1
+kind: ClusterOrderedNetworkPolicy
+metadata: {name: lock}
+spec:
+  mode: Staged
+  priority: -5
+  podSelector: {matchLabels: {app: b}}
+  ingress:
+  - {action: Deny, ports: [{protocol: TCP, port: 80}]}
+  - {action: Allow, ports: [{protocol: TCP, port: 81}]}
+";
+        let text = format!("{CLUSTER}{staged_policy}");
+        let out = ordnet_crds::load_str(std::path::Path::new("t.yaml"), &text);
+        let enforced = Engine::build(&out.objects);
+        let view = Engine::build_with(
+            &out.objects,
+            &ordnet_engine::BuildOptions {
+                staged: true,
+                ..Default::default()
+            },
+        );
+        let eps = Endpoints::of(&enforced);
+        let key80 = (BY_KEY | BY_ALLOWED, prefix_bits(6, 80, 24));
+        let allowed = attribute(&enforced, &eps, 3, 1, 0, &event(80, 3, true, key80));
+        let st = staged_verdict(&view, &allowed).expect("would be denied");
+        assert!(!st.allowed);
+        match &st.ingress.as_ref().unwrap().decision {
+            SideDecision::Matched { entry, .. } => {
+                assert_eq!(
+                    (entry.origins[0].name.as_str(), entry.origins[0].rule_index),
+                    ("lock", 0)
+                );
+            }
+            d => panic!("{d:?}"),
+        }
+        let denied = attribute(
+            &enforced,
+            &eps,
+            3,
+            2,
+            0,
+            &event(81, 3, false, (BY_DEFAULT, 0)),
+        );
+        let st = staged_verdict(&view, &denied).expect("would be allowed");
+        assert!(st.allowed);
+        let out = text_of(&denied, st);
+        assert!(out.contains("staged policies would ALLOW it"), "{out}");
+        assert!(
+            out.contains("ClusterOrderedNetworkPolicy lock, ingress rule 1"),
+            "{out}"
+        );
+        // Unchanged: b's isolation denies TCP/82 either way.
+        let other = attribute(
+            &enforced,
+            &eps,
+            3,
+            3,
+            0,
+            &event(82, 3, false, (BY_DEFAULT, 0)),
+        );
+        assert!(staged_verdict(&view, &other).is_none());
+        // The kernel judged no ingress here: nothing of the staged ingress rule applies.
+        let egress_only = attribute(&enforced, &eps, 3, 4, 0, &event(80, 3, true, (BY_NONE, 0)));
+        assert!(staged_verdict(&view, &egress_only).is_none());
+    }
+
+    fn text_of(r: &FlowRecord, st: StagedVerdict) -> String {
+        let mut r = r.clone();
+        r.staged = Some(st);
+        text(&r, Style::new(false))
     }
 
     #[test]

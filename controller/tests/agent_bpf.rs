@@ -1381,9 +1381,20 @@ fn agent_counters_agree(agent: &Agent, step: &str) {
 /// there, from one node.
 fn traffic_in_status(lab: &Lab, api: &FakeApi, step: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
-    let (mut report, mut traffic) = (Value::Null, Value::Null);
+    let (mut report, mut traffic, mut staged) = (Value::Null, Value::Null, Value::Null);
     while Instant::now() < deadline {
         assert!(!lab.connects("client", "web"), "{step}: client -> web");
+        // The staged lockdown of web decides nothing.
+        assert!(lab.connects("far", "web"), "{step}: far -> web");
+        staged = api
+            .get(
+                "ordnet.io/v1alpha1",
+                "ClusterOrderedNetworkPolicy",
+                "",
+                "staged-web-lockdown",
+            )
+            .unwrap()["status"]["staged"]
+            .clone();
         report = api
             .get(
                 "v1",
@@ -1405,12 +1416,32 @@ fn traffic_in_status(lab: &Lab, api: &FakeApi, step: &str) {
         let denied = traffic["rules"].as_array().into_iter().flatten().any(|r| {
             r["direction"] == "Ingress" && r["index"] == 0 && r["flowsDenied"].as_u64() >= Some(1)
         });
-        if denied && report != Value::Null {
+        let would = staged["rules"].as_array().into_iter().flatten().any(|r| {
+            r["direction"] == "Ingress"
+                && r.get("index").is_none()
+                && r["flowsWouldDeny"].as_u64() >= Some(1)
+        });
+        if denied && would && report != Value::Null {
             break;
         }
         std::thread::sleep(Duration::from_millis(300));
     }
     assert_eq!(traffic["nodes"], 1, "{step}: {traffic}");
+    // What the staged policy would change: far's flows to web denied by its isolation, with
+    // examples; counted on this node (its report) and summed into its status.
+    assert_eq!(staged["nodes"], 1, "{step}: {staged}");
+    assert!(
+        staged["examples"].as_array().is_some_and(|e| e
+            .iter()
+            .any(|x| x.as_str().unwrap().contains("-> shop/web TCP/"))),
+        "{step}: {staged}"
+    );
+    assert!(
+        report["staged"].as_array().is_some_and(|r| r
+            .iter()
+            .any(|x| x["name"] == "staged-web-lockdown" && x["total"][0].as_u64() >= Some(1))),
+        "{step}: {report}"
+    );
     assert_eq!(traffic["windowSeconds"], 2, "{step}: {traffic}");
     assert!(
         traffic["rules"].as_array().is_some_and(|r| r.len() == 1)
@@ -1710,6 +1741,16 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
             "clusterIPs": [DB_VIP.to_string()],
             "ports": [{"name": "pg", "protocol": "TCP", "port": PORT, "targetPort": PORT}]}}))
         .unwrap();
+    // A staged lockdown of web: it decides nothing, and the agent reports what it would.
+    api.create(
+        json!({"apiVersion": "ordnet.io/v1alpha1", "kind": "ClusterOrderedNetworkPolicy",
+        "metadata": {"name": "staged-web-lockdown"},
+        "spec": {"mode": "Staged", "priority": -20,
+            "namespaceSelector": {"matchLabels": {"name": "shop"}},
+            "podSelector": {"matchLabels": {"app": "web"}},
+            "defaultDeny": {"ingress": true}}}),
+    )
+    .unwrap();
     // kube-proxy's DNAT: before the agent, the Service reaches db from everywhere.
     lab.kube_proxy();
     lab.expect_service("no agent", &["client", "far", "web"]);

@@ -681,3 +681,51 @@ fn leftovers_of_a_killed_lab_are_removed_by_the_next() {
     );
     assert_clean(&before, "after the run that removed the leftovers");
 }
+
+/// Staged policies with real packets (issue 27): `examples/qa-prod` plus a staged lockdown of
+/// `qa` (`examples/staged`: a default-deny of its ingress and an allow for one client). Every
+/// probe gets the enforced verdict (the lab exits 3 when a pair is observed differently from
+/// `ordnet matrix`, which leaves staged policies out), and the flows whose events the staged
+/// view judges differently are exactly those where `matrix --staged` differs from `matrix` (the
+/// lab exits 3 otherwise), each naming the staged policy's isolation that would deny it.
+#[test]
+fn staged_policies_change_no_packet_and_report_what_they_would() {
+    let Some(_guard) = lab_guard() else { return };
+    let before = links();
+    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples");
+    let args: Vec<String> = [
+        "lab",
+        "-f",
+        &format!("{examples}/qa-prod"),
+        "-f",
+        &format!("{examples}/staged"),
+        "--probe",
+        "--observe",
+        "--port",
+        "8081",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let out = run(&args);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(0), "{stderr}\n{stdout}");
+    assert!(
+        stderr
+            .contains("staged policies would change 6 probed flows (matrix --staged differs at 6)"),
+        "{stderr}"
+    );
+    assert_eq!(
+        stdout.matches("staged policies would DENY it").count(),
+        6,
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("is isolated for ingress by OrderedNetworkPolicy qa/lockdown"),
+        "{stdout}"
+    );
+    assert_clean(&before, "after the staged run");
+}

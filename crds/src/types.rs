@@ -737,6 +737,63 @@ pub struct PolicyStatus {
     /// absent when the agents do not report (`ordnet agent --traffic-window 0`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traffic: Option<PolicyTraffic>,
+    /// A staged policy: the flows it would have changed (new flows and denials the nodes saw,
+    /// judged again with the staged policies enforced), in each node's last window, summed over
+    /// the nodes that report, and the last few of them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staged: Option<StagedTraffic>,
+}
+
+/// What a staged policy would have changed (`status.staged`, docs/observe.md §10).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StagedTraffic {
+    /// How many nodes' reports are summed.
+    #[schemars(extend("format" = "int32", "maximum" = 2147483647))]
+    pub nodes: u32,
+    /// The length of each node's window, in seconds.
+    #[schemars(extend("format" = "int32", "maximum" = 2147483647))]
+    pub window_seconds: u32,
+    /// Per rule (or the isolation the policy adds) that would have decided a flow differently
+    /// in the last window on some node: how many flows it would have denied and allowed.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    #[schemars(extend("maxItems" = 2 * MAX_RULES + 2))]
+    pub rules: Vec<StagedRuleTraffic>,
+    /// The last flows it would have changed (a few per node), e.g.
+    /// `allowed qa/web -> prod/db TCP/5432: would be denied`.
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        deserialize_with = "null_as_default"
+    )]
+    #[schemars(extend("maxItems" = MAX_STAGED_EXAMPLES))]
+    pub examples: Vec<String>,
+}
+
+/// Most examples in `status.staged.examples`.
+pub const MAX_STAGED_EXAMPLES: usize = 10;
+
+/// The flows one rule of a staged policy would have changed in the last window.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StagedRuleTraffic {
+    /// The direction.
+    pub direction: Direction,
+    /// The rule's index in `spec.ingress` or `spec.egress`; absent: the isolation the policy
+    /// adds (the default would deny).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(extend("format" = "int32", "maximum" = 2147483647))]
+    pub index: Option<u32>,
+    /// Flows it would have denied (allowed now).
+    #[schemars(extend("format" = "int64", "minimum" = 0))]
+    pub flows_would_deny: i64,
+    /// Flows it would have allowed (denied now).
+    #[schemars(extend("format" = "int64", "minimum" = 0))]
+    pub flows_would_allow: i64,
 }
 
 /// What the datapath decided by one policy's rules, summed over the nodes (`status.traffic`,

@@ -468,6 +468,17 @@ impl Engine {
         derive.saturating_mul(self.derive_cost_ratio) <= compile
     }
 
+    /// A copy of this engine that enforces staged policies too ([`BuildOptions::staged`]):
+    /// upserting the staged policies into it gives what the cluster would be with them
+    /// enforced (the agent's staged view: the same changes applied to both).
+    ///
+    /// [`BuildOptions::staged`]: crate::BuildOptions::staged
+    pub fn staged_view(&self) -> Engine {
+        let mut e = self.clone();
+        e.options.staged = true;
+        e
+    }
+
     /// Replaces [`DERIVE_COST_RATIO`]; 0 takes the old state over whenever at most
     /// [`MAX_DERIVE_DIFF`] policies differ. For tests: both ways to a new state must give the
     /// same result, and small test clusters would otherwise almost always compile.

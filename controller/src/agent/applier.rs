@@ -123,6 +123,9 @@ pub(crate) struct Applier {
     runtime_ips: BTreeMap<ObjKey, (String, Vec<IpAddr>)>,
     /// CNI requests to answer once the current batch is programmed.
     cni_waiting: Vec<(CniOp, tokio::sync::oneshot::Sender<CniReply>)>,
+    /// The staged policies the engine has left out (usable ones, latest version): what the
+    /// staged view (`AgentState::staged`) adds to the engine.
+    staged: BTreeMap<ObjKey, Object>,
 }
 
 impl Applier {
@@ -147,6 +150,7 @@ impl Applier {
             local_pods: BTreeMap::new(),
             runtime_ips: BTreeMap::new(),
             cni_waiting: Vec::new(),
+            staged: BTreeMap::new(),
         }
     }
 
@@ -533,6 +537,19 @@ impl Applier {
     fn initial_program(&mut self) {
         let started = Instant::now();
         let (objects, read_pods) = self.take_cluster_objects();
+        let staged = objects
+            .ordered_policies
+            .iter()
+            .filter(|p| !p.object.spec.mode.is_enforce())
+            .map(|p| Object::OrderedNetworkPolicy(p.object.clone()))
+            .chain(
+                objects
+                    .cluster_ordered_policies
+                    .iter()
+                    .filter(|p| !p.object.spec.mode.is_enforce())
+                    .map(|p| Object::ClusterOrderedNetworkPolicy(p.object.clone())),
+            );
+        self.staged = staged.map(|o| (object_key(&o), o)).collect();
         let engine = Engine::build_with_read_pods(&objects, read_pods, &self.options());
         drop(objects);
         self.state
@@ -556,7 +573,16 @@ impl Applier {
             tracing::error!(error = %e, "programming the datapath failed");
         }
         self.state.after_programming(&engine, dp.as_ref());
+        let view = (!self.staged.is_empty()).then(|| engine.staged_view());
         *slot = Some(engine);
+        drop((slot, dp));
+        if let Some(mut view) = view {
+            for o in self.staged.values() {
+                view.apply(ObjectChange::Upsert(o.clone()));
+            }
+            self.state
+                .set_staged_view(Some((view, self.staged.keys().cloned().collect())));
+        }
         self.state
             .metrics
             .apply_seconds
@@ -596,6 +622,31 @@ impl Applier {
         if changes == 0 {
             return;
         }
+        let had_staged = !self.staged.is_empty();
+        for c in upserts.iter().chain(&deletes) {
+            match c {
+                ObjectChange::Upsert(o) if o.staged() => {
+                    self.staged.insert(object_key(o), o.clone());
+                }
+                ObjectChange::Upsert(o) => {
+                    self.staged.remove(&object_key(o));
+                }
+                ObjectChange::Delete {
+                    kind,
+                    namespace,
+                    name,
+                } => {
+                    self.staged.remove(&(
+                        *kind,
+                        namespace.clone().unwrap_or_default(),
+                        name.clone(),
+                    ));
+                }
+            }
+        }
+        // The staged view follows the same changes (made before they are consumed).
+        let for_view = (had_staged && !self.staged.is_empty())
+            .then(|| upserts.iter().chain(&deletes).cloned().collect::<Vec<_>>());
         let started = Instant::now();
         let (mut slot, mut dp) = self.state.lock_for_update();
         let Some(engine) = slot.as_mut() else {
@@ -636,6 +687,22 @@ impl Applier {
             .observe(observed.elapsed().as_secs_f64());
         // Last: a batch counted is a batch fully recorded.
         self.state.metrics.batches.inc();
+        // The staged view: the same changes, or a copy of the engine plus the staged policies
+        // when the first one appears; none when the last one goes.
+        let fresh = (!had_staged && !self.staged.is_empty()).then(|| engine.staged_view());
+        drop((slot, dp));
+        if let Some(changes) = for_view {
+            self.state
+                .update_staged_view(changes, self.staged.keys().cloned().collect());
+        } else if let Some(mut view) = fresh {
+            for o in self.staged.values() {
+                view.apply(ObjectChange::Upsert(o.clone()));
+            }
+            self.state
+                .set_staged_view(Some((view, self.staged.keys().cloned().collect())));
+        } else if self.staged.is_empty() && had_staged {
+            self.state.set_staged_view(None);
+        }
     }
 }
 

@@ -110,6 +110,7 @@ mod tests {
             ingress: None,
             attribution: Attribution::Exact,
             attributed_revision: 1,
+            staged: None,
         }
     }
 

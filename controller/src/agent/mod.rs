@@ -51,6 +51,7 @@ pub mod flowlog;
 pub mod metrics;
 mod netview;
 pub mod observe;
+mod staged;
 pub mod status;
 pub mod traffic;
 mod watchers;
@@ -190,6 +191,8 @@ pub struct AgentState {
     pub journal: Mutex<crate::observe::Journal>,
     /// The flow log, if one is written.
     flow_log: Mutex<Option<flowlog::FlowLog>>,
+    /// The staged view and what it would change ([`staged`]).
+    staged: staged::Staged,
 }
 
 impl AgentState {
@@ -359,6 +362,7 @@ pub async fn start(
         denied: Mutex::new(denied::DeniedReport::default()),
         journal: Mutex::new(crate::observe::Journal::new(config.observe_journal)),
         flow_log: Mutex::new(flow_log),
+        staged: staged::Staged::default(),
     });
     let (wanted_tx, wanted_rx) = watch::channel(BTreeMap::new());
     let (events_tx, events_rx) = mpsc::unbounded_channel();

@@ -87,6 +87,8 @@ pub fn record(state: &AgentState, batch: &[FlowEvent]) {
     let Some(mut records) = records else {
         return;
     };
+    // What the staged policies would do (outside the engine's lock: the view has its own).
+    state.judge_staged(&mut records);
     // Numbered once attributed: the journal's lock is never held across programming's.
     let mut journal = state.journal.lock().unwrap_or_else(|e| e.into_inner());
     let first = journal.next_seq();

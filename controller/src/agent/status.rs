@@ -47,7 +47,7 @@ use ordnet_crds::{
     EVENT_RULES_FAILED_CLOSED, FailClosedEffect, FailedClosedRule, OrderedNetworkPolicy,
     OrderedSpec, PolicyStatus, PolicyTraffic, REASON_INVALID, REASON_NOT_SHADOWED,
     REASON_RULES_FAILED_CLOSED, REASON_SHADOWED, REASON_STAGED, REASON_VALID, RuleReference,
-    ShadowedRule,
+    ShadowedRule, StagedTraffic,
 };
 use ordnet_engine::Labels;
 use ordnet_engine::{Engine, IdentityKind, Object, ObjectKind, PolicyKind, PolicyRef};
@@ -326,6 +326,8 @@ pub struct Desired {
     pub traffic: Option<PolicyTraffic>,
     /// A valid staged policy: `Accepted` says `Staged`, and nothing is analysed.
     pub staged: bool,
+    /// `status.staged`: what a staged policy would have changed ([`traffic::Cluster::staged`]).
+    pub would: Option<StagedTraffic>,
 }
 
 /// One condition: (type, status, reason, message).
@@ -448,6 +450,7 @@ impl Desired {
             && cur.subject.as_deref() == Some(self.subject.as_str())
             && cur.rules.as_deref() == Some(self.rules.as_str())
             && cur.traffic == self.traffic
+            && cur.staged == self.would
             && cur
                 .conditions
                 .iter()
@@ -615,6 +618,7 @@ fn desired(
             upstream: w.upstream,
             traffic: None,
             staged: false,
+            would: None,
         });
     }
     if w.staged {
@@ -630,6 +634,7 @@ fn desired(
             upstream: false,
             traffic: None,
             staged: true,
+            would: cluster.staged(key),
         });
     }
     let report = report.filter(|r| r.seq >= w.seq)?;
@@ -652,6 +657,7 @@ fn desired(
             cluster.traffic(key, w.slots.0, w.slots.1)
         },
         staged: false,
+        would: None,
     })
 }
 
@@ -920,6 +926,14 @@ async fn write_status(
             "windowSeconds": t.window_seconds,
             "rules": t.rules,
             "unmatchedRules": t.unmatched_rules,
+        });
+    }
+    if let Some(st) = &d.would {
+        body["status"]["staged"] = json!({
+            "nodes": st.nodes,
+            "windowSeconds": st.window_seconds,
+            "rules": st.rules,
+            "examples": st.examples,
         });
     }
     let params = PatchParams::apply(FIELD_MANAGER).force();

@@ -26,13 +26,16 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, Client};
-use ordnet_crds::{Direction, PolicyTraffic, RuleTraffic};
+use ordnet_crds::{
+    Direction, MAX_STAGED_EXAMPLES, PolicyTraffic, RuleTraffic, StagedRuleTraffic, StagedTraffic,
+};
 use ordnet_datapath::common::layout::RuleCount;
 use ordnet_datapath::{RuleId, RuleTotals};
 use ordnet_engine::ObjectKind;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use super::staged::{StagedCount, StagedRule};
 use super::{AgentState, ObjKey};
 
 /// The length of a window by default (`ordnet agent --traffic-window`).
@@ -68,6 +71,50 @@ pub struct NodeReport {
     /// Rules left out to keep the report small ([`MAX_REPORTED_RULES`]).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub left_out: u64,
+    /// Per rule of a staged policy that would have changed a flow since counting began.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub staged: Vec<ReportedStaged>,
+    /// Per staged policy: the last flows it would change on this node.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub examples: Vec<ReportedExamples>,
+}
+
+/// What one rule of a staged policy would have changed on one node: `[flows it would deny,
+/// flows it would allow]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReportedStaged {
+    /// `OrderedNetworkPolicy` or `ClusterOrderedNetworkPolicy`.
+    pub kind: String,
+    /// The policy's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// The policy's name.
+    pub name: String,
+    /// The direction.
+    pub direction: Direction,
+    /// The rule's index; absent: the isolation the policy adds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<u32>,
+    /// In the last window.
+    pub window: [u64; 2],
+    /// Since counting began.
+    pub total: [u64; 2],
+}
+
+/// The last flows a staged policy would change on one node.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReportedExamples {
+    /// `OrderedNetworkPolicy` or `ClusterOrderedNetworkPolicy`.
+    pub kind: String,
+    /// The policy's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// The policy's name.
+    pub name: String,
+    /// The flows, oldest first.
+    pub flows: Vec<String>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -106,6 +153,7 @@ fn counts(c: RuleCount) -> Counts {
 #[derive(Debug, Default)]
 pub struct Windows {
     last: BTreeMap<RuleId, Counts>,
+    last_staged: BTreeMap<StagedRule, [u64; 2]>,
 }
 
 impl Windows {
@@ -179,7 +227,46 @@ impl Windows {
             window_end: now.to_string(),
             rules,
             left_out,
+            staged: Vec::new(),
+            examples: Vec::new(),
         }
+    }
+
+    /// Adds what the staged rules would have changed (`counts`: since counting began) and the
+    /// staged policies' examples to `report`.
+    pub fn add_staged(
+        &mut self,
+        report: &mut NodeReport,
+        counts: &BTreeMap<StagedRule, StagedCount>,
+        examples: &super::staged::StagedExamples,
+    ) {
+        let mut last = BTreeMap::new();
+        for (k, total) in counts {
+            let before = self.last_staged.get(k).copied().unwrap_or_default();
+            last.insert(k.clone(), *total);
+            report.staged.push(ReportedStaged {
+                kind: k.kind.clone(),
+                namespace: k.namespace.clone(),
+                name: k.name.clone(),
+                direction: match k.direction {
+                    ordnet_mapstate::Direction::Ingress => Direction::Ingress,
+                    ordnet_mapstate::Direction::Egress => Direction::Egress,
+                },
+                index: k.rule,
+                window: [0, 1].map(|i| total[i].saturating_sub(before[i])),
+                total: *total,
+            });
+        }
+        self.last_staged = last;
+        report.examples = examples
+            .iter()
+            .map(|((kind, namespace, name), flows)| ReportedExamples {
+                kind: kind.clone(),
+                namespace: namespace.clone(),
+                name: name.clone(),
+                flows: flows.clone(),
+            })
+            .collect();
     }
 }
 
@@ -219,10 +306,16 @@ pub async fn report_loop(
         state.datapath().collect_rule_counts();
         let totals =
             state.with_programmed(|_, dp| dp.rule_totals().map(RuleTotals::totals).cloned());
-        let Some(Some(totals)) = totals else {
-            continue;
+        let (staged, examples) = state.staged_counts();
+        // A datapath that counts per rule reports; another only what staged policies would do.
+        let totals = match totals {
+            None => continue,
+            Some(Some(t)) => t,
+            Some(None) if !staged.is_empty() => BTreeMap::new(),
+            Some(None) => continue,
         };
-        let report = windows.report(&state.node, window, since, Timestamp::now(), &totals);
+        let mut report = windows.report(&state.node, window, since, Timestamp::now(), &totals);
+        windows.add_staged(&mut report, &staged, &examples);
         let body = json!({
             "apiVersion": "v1",
             "kind": "ConfigMap",
@@ -236,6 +329,9 @@ pub async fn report_loop(
     }
 }
 
+/// Per (direction, rule or its isolation) of a staged policy: `[would deny, would allow]`.
+type StagedSums = BTreeMap<(Direction, Option<u32>), [u64; 2]>;
+
 /// Sums of one rule over the nodes: (last window, since counting began).
 type RuleSums = (Counts, Counts);
 
@@ -245,6 +341,10 @@ pub struct Cluster {
     /// Per node: its report's `windowEnd` and when this writer saw it change.
     seen: BTreeMap<String, (String, Instant)>,
     sums: BTreeMap<ObjKey, BTreeMap<(Direction, u32), RuleSums>>,
+    /// Per staged policy: per (direction, rule or its isolation), `[would deny, would allow]`
+    /// in the last window; and its examples.
+    staged: BTreeMap<ObjKey, StagedSums>,
+    examples: BTreeMap<ObjKey, Vec<String>>,
     nodes: u32,
     window_seconds: u32,
     /// Some report left rules out: no rule is claimed unmatched.
@@ -252,6 +352,12 @@ pub struct Cluster {
     listed: Option<Instant>,
     /// This writer's own window, in seconds (said while no node reports).
     configured_seconds: u32,
+}
+
+/// The apply loop's key of a policy of kind `kind` (`None`: not a kind the agent knows).
+fn policy_key(kind: &str, namespace: Option<String>, name: String) -> Option<ObjKey> {
+    let kind = ObjectKind::ALL.into_iter().find(|k| k.name() == kind)?;
+    Some((kind, namespace.unwrap_or_default(), name))
 }
 
 fn add(a: Counts, b: Counts) -> Counts {
@@ -308,6 +414,8 @@ impl Cluster {
         self.seen
             .retain(|node, _| reports.iter().any(|r| &r.node == node));
         self.sums.clear();
+        self.staged.clear();
+        self.examples.clear();
         self.nodes = 0;
         self.window_seconds = 0;
         self.incomplete = false;
@@ -327,10 +435,9 @@ impl Cluster {
             self.window_seconds = self.window_seconds.max(r.window_seconds);
             self.incomplete |= r.left_out > 0;
             for rule in r.rules {
-                let Some(kind) = ObjectKind::ALL.into_iter().find(|k| k.name() == rule.kind) else {
+                let Some(key) = policy_key(&rule.kind, rule.namespace, rule.name) else {
                     continue;
                 };
-                let key = (kind, rule.namespace.unwrap_or_default(), rule.name);
                 let sums = self
                     .sums
                     .entry(key)
@@ -339,7 +446,58 @@ impl Cluster {
                     .or_default();
                 *sums = (add(sums.0, rule.window), add(sums.1, rule.total));
             }
+            for st in r.staged {
+                let Some(key) = policy_key(&st.kind, st.namespace, st.name) else {
+                    continue;
+                };
+                let sums = self
+                    .staged
+                    .entry(key)
+                    .or_default()
+                    .entry((st.direction, st.index))
+                    .or_default();
+                *sums = [0, 1].map(|i| sums[i].saturating_add(st.window[i]));
+            }
+            for ex in r.examples {
+                let Some(key) = policy_key(&ex.kind, ex.namespace, ex.name) else {
+                    continue;
+                };
+                let list = self.examples.entry(key).or_default();
+                let room = MAX_STAGED_EXAMPLES.saturating_sub(list.len());
+                // The newest of each node's (at most three), while there is room.
+                let skip = ex.flows.len().saturating_sub(room.min(3));
+                list.extend(ex.flows.into_iter().skip(skip));
+            }
         }
+    }
+
+    /// `status.staged` of the staged policy `key` (`None` before the first list).
+    pub fn staged(&self, key: &ObjKey) -> Option<StagedTraffic> {
+        self.listed?;
+        let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        let rules = self
+            .staged
+            .get(key)
+            .into_iter()
+            .flatten()
+            .filter(|(_, c)| c.iter().any(|n| *n > 0))
+            .map(|((direction, index), c)| StagedRuleTraffic {
+                direction: *direction,
+                index: *index,
+                flows_would_deny: int(c[0]),
+                flows_would_allow: int(c[1]),
+            })
+            .collect();
+        Some(StagedTraffic {
+            nodes: self.nodes,
+            window_seconds: if self.nodes == 0 {
+                self.configured_seconds
+            } else {
+                self.window_seconds
+            },
+            rules,
+            examples: self.examples.get(key).cloned().unwrap_or_default(),
+        })
     }
 
     /// `status.traffic` of the policy `key`, which has `ingress` and `egress` rules (`None`
@@ -498,6 +656,8 @@ mod tests {
                 })
                 .collect(),
             left_out: 0,
+            staged: Vec::new(),
+            examples: Vec::new(),
         }
     }
 
@@ -581,6 +741,66 @@ mod tests {
                 .unmatched_rules
                 .is_empty()
         );
+    }
+
+    /// What staged rules would change: windows on the node (growth since the last report),
+    /// sums and examples over the nodes in the status of the staged policy.
+    #[test]
+    fn what_staged_policies_would_change_is_windowed_and_summed() {
+        let rule = |index: Option<u32>| StagedRule {
+            kind: "OrderedNetworkPolicy".into(),
+            namespace: Some("qa".into()),
+            name: "lockdown".into(),
+            direction: ordnet_mapstate::Direction::Ingress,
+            rule: index,
+        };
+        let policy = (
+            "OrderedNetworkPolicy".to_string(),
+            Some("qa".to_string()),
+            "lockdown".to_string(),
+        );
+        let mut w = Windows::default();
+        let mut counts = BTreeMap::from([(rule(None), [4, 0]), (rule(Some(0)), [0, 1])]);
+        let examples = BTreeMap::from([(policy.clone(), vec!["a".to_string(), "b".to_string()])]);
+        let mut first = w.report("n1", DEFAULT_WINDOW, at(0), at(60), &BTreeMap::new());
+        w.add_staged(&mut first, &counts, &examples);
+        assert_eq!(first.staged.len(), 2);
+        assert_eq!(
+            (first.staged[0].index, first.staged[0].window),
+            (None, [4, 0])
+        );
+        counts.insert(rule(None), [6, 0]);
+        let mut second = w.report("n1", DEFAULT_WINDOW, at(0), at(120), &BTreeMap::new());
+        w.add_staged(&mut second, &counts, &examples);
+        assert_eq!(second.staged[0].window, [2, 0]);
+        assert_eq!(second.staged[1].window, [0, 0]);
+        // A second node: the sums of the windows, the examples of both.
+        let mut other = w.report("n2", DEFAULT_WINDOW, at(0), at(120), &BTreeMap::new());
+        let mut fresh = Windows::default();
+        let ex2 = BTreeMap::from([(policy.clone(), vec!["c".to_string()])]);
+        fresh.add_staged(&mut other, &BTreeMap::from([(rule(None), [1, 0])]), &ex2);
+        other.node = "n2".into();
+        let mut c = Cluster::default();
+        let t0 = Instant::now();
+        c.listed = Some(t0);
+        c.take(vec![second, other], t0);
+        let key = (
+            ObjectKind::OrderedNetworkPolicy,
+            "qa".to_string(),
+            "lockdown".to_string(),
+        );
+        let st = c.staged(&key).unwrap();
+        assert_eq!(st.nodes, 2);
+        assert_eq!(
+            st.rules,
+            vec![StagedRuleTraffic {
+                direction: Direction::Ingress,
+                index: None,
+                flows_would_deny: 3,
+                flows_would_allow: 0
+            }]
+        );
+        assert_eq!(st.examples, ["a", "b", "c"]);
     }
 
     #[test]

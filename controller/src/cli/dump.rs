@@ -32,7 +32,7 @@ pub fn run(args: &DumpArgs) -> ExitCode {
         }
         return ordnet::agent::client::print_answer("dump", addr, &query);
     }
-    let LoadedEngine { engine, exit } = match load_engine("dump", &args.source) {
+    let LoadedEngine { engine, exit, .. } = match load_engine("dump", &args.source) {
         Ok(e) => e,
         Err(code) => return code,
     };

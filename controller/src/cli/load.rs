@@ -16,6 +16,9 @@ use super::{ProtocolArg, Source};
 pub struct LoadedEngine {
     pub engine: Engine,
     pub exit: ExitCode,
+    /// When the manifests have staged policies and `engine` leaves them out: the engine that
+    /// enforces them too (what `--staged` would build).
+    pub staged: Option<Engine>,
 }
 
 /// Loads `-f` manifests, validates them and builds the engine. Every problem is printed to
@@ -90,8 +93,28 @@ pub fn load_engine(cmd: &str, source: &Source) -> Result<LoadedEngine, ExitCode>
             if errors == 1 { "" } else { "s" }
         );
     }
+    let has_staged = outcome
+        .objects
+        .ordered_policies
+        .iter()
+        .any(|p| !p.object.spec.mode.is_enforce())
+        || outcome
+            .objects
+            .cluster_ordered_policies
+            .iter()
+            .any(|p| !p.object.spec.mode.is_enforce());
+    let staged = (has_staged && !source.staged).then(|| {
+        Engine::build_with(
+            &outcome.objects,
+            &ordnet_engine::BuildOptions {
+                staged: true,
+                ..Default::default()
+            },
+        )
+    });
     Ok(LoadedEngine {
         engine,
+        staged,
         exit: if errors > 0 {
             ExitCode::from(1)
         } else {

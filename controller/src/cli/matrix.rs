@@ -67,7 +67,7 @@ pub fn run(args: &MatrixArgs) -> ExitCode {
         }
         return ordnet::agent::client::print_answer("matrix", addr, &query);
     }
-    let LoadedEngine { engine, exit } = match load_engine("matrix", &args.source) {
+    let LoadedEngine { engine, exit, .. } = match load_engine("matrix", &args.source) {
         Ok(e) => e,
         Err(code) => return code,
     };

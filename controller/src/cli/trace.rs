@@ -35,7 +35,7 @@ pub fn run(args: &TraceArgs) -> ExitCode {
         );
         return ordnet::agent::client::print_answer("trace", addr, &query);
     }
-    let LoadedEngine { engine, exit } = match load_engine("trace", &args.source) {
+    let LoadedEngine { engine, exit, .. } = match load_engine("trace", &args.source) {
         Ok(e) => e,
         Err(code) => return code,
     };

@@ -36,7 +36,7 @@ pub fn run(args: &WhatifArgs) -> ExitCode {
         agent: None,
         staged: true,
     };
-    let LoadedEngine { engine, exit } = match load_engine("whatif", &source) {
+    let LoadedEngine { engine, exit, .. } = match load_engine("whatif", &source) {
         Ok(e) => e,
         Err(code) => return code,
     };

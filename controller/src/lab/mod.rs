@@ -87,6 +87,8 @@ pub fn run(args: &LabArgs) -> ExitCode {
 /// What the command line asks for, checked.
 struct Plan {
     engine: Engine,
+    /// The manifests have staged policies: the engine that enforces them too, and its matrix.
+    staged: Option<(Engine, Matrix)>,
     expected: Matrix,
     family: IpFamily,
     externals: Vec<IpAddr>,
@@ -118,8 +120,26 @@ struct NodePortCheck {
 
 fn plan(args: &LabArgs) -> Result<Plan, Fail> {
     let (family, externals) = checked_flags(args)?;
-    let engine = buildable_engine(args, &externals)?;
+    let (engine, staged) = buildable_engine(args, &externals)?;
     let proto = load::protocol(args.protocol);
+    // With staged policies: what `ordnet matrix --staged` prints, for `--observe` to check the
+    // staged verdicts of the events against.
+    let staged = match staged {
+        Some(view) => {
+            let offline = ordnet::offline::OfflineDatapath::build(&view)
+                .map_err(|e| fail(1, format!("programming the in-memory datapath: {e}")))?;
+            let m = ordnet::offline::matrix(
+                &view,
+                offline.plane(),
+                proto,
+                args.port,
+                &externals,
+                family,
+            );
+            Some((view, m))
+        }
+        None => None,
+    };
     // Exactly what `ordnet matrix` prints.
     let mut offline = ordnet::offline::OfflineDatapath::build(&engine)
         .map_err(|e| fail(1, format!("programming the in-memory datapath: {e}")))?;
@@ -169,6 +189,7 @@ fn plan(args: &LabArgs) -> Result<Plan, Fail> {
     );
     Ok(Plan {
         engine,
+        staged,
         expected,
         family,
         externals,
@@ -212,7 +233,10 @@ fn checked_flags(args: &LabArgs) -> Result<(IpFamily, Vec<IpAddr>), Fail> {
 
 /// The engine of the manifests, if the lab can build them: no errors, every pod address
 /// buildable, no `--external` that is a pod's address.
-fn buildable_engine(args: &LabArgs, externals: &[IpAddr]) -> Result<Engine, Fail> {
+fn buildable_engine(
+    args: &LabArgs,
+    externals: &[IpAddr],
+) -> Result<(Engine, Option<Engine>), Fail> {
     let source = Source {
         files: args.files.clone(),
         agent: None,
@@ -228,7 +252,7 @@ fn buildable_engine(args: &LabArgs, externals: &[IpAddr]) -> Result<Engine, Fail
     if loaded.exit != ExitCode::SUCCESS {
         return Err(fail(1, "the manifests have errors; nothing built"));
     }
-    let engine = loaded.engine;
+    let (engine, staged) = (loaded.engine, loaded.staged);
     // Every address is given to exactly one namespace (validation already refused two pods
     // with one address).
     let mut owner: HashMap<IpAddr, String> = HashMap::new();
@@ -254,7 +278,7 @@ fn buildable_engine(args: &LabArgs, externals: &[IpAddr]) -> Result<Engine, Fail
             ));
         }
     }
-    Ok(engine)
+    Ok((engine, staged))
 }
 
 /// Every Service port of every family of `engine` with its backends (pods of the family, in the
@@ -511,9 +535,14 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
     let mut counters_disagree = false;
     let events = match (lab.datapath.as_mut(), lab.events.as_mut()) {
         (Some(dp), Some(reader)) => {
-            let events = observe::gather(dp, reader, &plan.engine);
+            let mut events = observe::gather(dp, reader, &plan.engine);
             eprintln!("{}", events.summary());
             counters_disagree = events.counters_disagree();
+            if let Some((view, staged)) = &plan.staged {
+                events.judge_staged(view);
+                let wrong = staged_mismatches(plan, staged, &checks, &ends, &events);
+                counters_disagree |= !wrong.is_empty();
+            }
             let flows: Vec<Vec<&FlowRecord>> = checks
                 .iter()
                 .map(|c| {
@@ -538,6 +567,55 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
         return Ok(ExitCode::from(EXIT_MISMATCH));
     }
     Ok(code)
+}
+
+/// With staged policies (`--observe`): the probed pod-to-pod flows whose events the staged view
+/// judged differently must be exactly those whose cell differs between `matrix --staged` and
+/// `matrix` (Services are mixed cells: left out). Prints the comparison and every mismatch.
+fn staged_mismatches(
+    plan: &Plan,
+    staged: &Matrix,
+    checks: &[Check],
+    ends: &[End],
+    events: &observe::LabEvents,
+) -> Vec<String> {
+    let (mut would, mut want, mut wrong) = (0, 0, Vec::new());
+    for c in checks
+        .iter()
+        .filter(|c| c.backend.is_none() && c.node_port.is_none())
+    {
+        let r = &plan.expected.results[c.result];
+        let Some(now) = staged.verdict(&r.from, &r.to) else {
+            continue;
+        };
+        let differs = now != r.verdict;
+        let seen = events
+            .of_flow(plan.method.ip_protocol(), ends[c.source].addr, None, c.dest)
+            .iter()
+            .any(|e| e.staged.is_some());
+        would += usize::from(seen);
+        want += usize::from(differs);
+        if seen != differs {
+            wrong.push(format!(
+                "{}: matrix --staged {} it, the staged view of its events {}",
+                c.describe(plan),
+                if differs {
+                    "changes"
+                } else {
+                    "does not change"
+                },
+                if seen { "does" } else { "does not" }
+            ));
+        }
+    }
+    eprintln!(
+        "ordnet lab: staged policies would change {would} probed flow{} (matrix --staged differs at {want})",
+        if would == 1 { "" } else { "s" }
+    );
+    for w in &wrong {
+        eprintln!("ordnet lab: staged: {w}");
+    }
+    wrong
 }
 
 /// Each check's events as JSON (`--observe -o json`).

@@ -66,6 +66,15 @@ pub(super) fn gather(dp: &mut Datapath, reader: &mut EventReader, engine: &Engin
     }
 }
 
+impl LabEvents {
+    /// Judges every event again with the staged view (`ordnet::observe::staged_verdict`).
+    pub(super) fn judge_staged(&mut self, view: &Engine) {
+        for r in &mut self.records {
+            r.staged = ordnet::observe::staged_verdict(view, r);
+        }
+    }
+}
+
 /// Where the per-rule counters differ from what the events say each rule decided: every new
 /// flow allowed counts for the rules of both sides the kernel judged; a denied flow counts
 /// once (its first denied packet, per hook) for the rules of the side that denied it, and
