@@ -134,6 +134,7 @@ async fn bench_2000_pods_1000_policies() {
             observe_journal: agent::observe::DEFAULT_JOURNAL,
             flow_log: None,
             traffic_window: Some(agent::traffic::DEFAULT_WINDOW),
+            flow_history: agent::history::DEFAULT_FLOW_HISTORY,
         },
         api.client(),
         Box::new(NoneDatapath::default()),

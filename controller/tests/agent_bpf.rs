@@ -1472,6 +1472,66 @@ fn traffic_in_status(lab: &Lab, api: &FakeApi, step: &str) {
     );
 }
 
+/// `ordnet whatif --agent`: the agent's own flow history against its objects plus a proposed
+/// policy closing db, staged policies enforced: client's allowed flows to db would be denied
+/// by the proposal's rule, far's to web by the staged lockdown's isolation; the denied
+/// `web -> db` stays denied (not listed).
+fn whatif_on_the_agents_history(agent: &Agent, step: &str) {
+    let proposed = std::env::temp_dir().join(format!("ordnet-whatif-{}.yaml", std::process::id()));
+    std::fs::write(
+        &proposed,
+        "apiVersion: ordnet.io/v1alpha1\nkind: ClusterOrderedNetworkPolicy\n\
+         metadata: {name: db-closed}\n\
+         spec: {priority: -30, podSelector: {matchLabels: {app: db}},\n\
+         ingress: [{action: Deny, from: [{namespaceSelector: {}}]}]}\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_ordnet"))
+        .args([
+            "whatif",
+            "--agent",
+            &agent.debug.to_string(),
+            "-o",
+            "json",
+            "-f",
+        ])
+        .arg(&proposed)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&proposed);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{step}: whatif: {said}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let changed = v["changed"].as_array().expect("changed");
+    let between = |from: &str, to: &str| {
+        changed
+            .iter()
+            .filter(|c| {
+                c["trace"]["egress"]["endpoint"] == from && c["trace"]["ingress"]["endpoint"] == to
+            })
+            .collect::<Vec<_>>()
+    };
+    let to_db = between("shop/client", "shop/db");
+    assert!(
+        !to_db.is_empty()
+            && to_db.iter().all(|c| c["flow"]["allowed"] == true
+                && c["trace"]["ingress"]["decision"]["entry"]["origins"][0]["name"] == "db-closed"),
+        "{step}: {v:#}"
+    );
+    assert!(
+        !between("shop/far", "shop/web").is_empty()
+            || changed.iter().any(|c| {
+                c["trace"]["ingress"]["endpoint"] == "shop/web" && c["flow"]["allowed"] == true
+            }),
+        "{step}: {v:#}"
+    );
+    assert!(between("shop/web", "shop/db").is_empty(), "{step}: {v:#}");
+    assert!(
+        v["flows"].as_u64() > Some(changed.len() as u64),
+        "{step}: {v:#}"
+    );
+}
+
 /// Runs `during` while every pair of `pairs` is probed again and again (from 300 ms before to
 /// 500 ms after it): each probe must see the given verdict.
 fn probe_through<T>(
@@ -1852,6 +1912,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     assert!(emitted > 0.0, "verdict events counted: {emitted}");
     agent_counters_agree(&agent, "db takes client");
     traffic_in_status(&lab, &api, "db takes client");
+    whatif_on_the_agents_history(&agent, "db takes client");
 
     // 3. SIGTERM: pins and attachments stay, enforcement continues.
     agent.terminate();

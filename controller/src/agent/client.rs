@@ -49,6 +49,20 @@ pub fn get_with_headers(
     addr: &str,
     path_and_query: &str,
 ) -> Result<(Vec<(String, String)>, String), AgentError> {
+    request(addr, "GET", path_and_query, None)
+}
+
+/// `POST path_and_query` with `body` (YAML): the answer's body on 200, else the error.
+pub fn post(addr: &str, path_and_query: &str, body: &str) -> Result<String, AgentError> {
+    request(addr, "POST", path_and_query, Some(body)).map(|(_, body)| body)
+}
+
+fn request(
+    addr: &str,
+    method: &str,
+    path_and_query: &str,
+    body: Option<&str>,
+) -> Result<(Vec<(String, String)>, String), AgentError> {
     let addr = addr.trim_start_matches("http://").trim_end_matches('/');
     let unreachable = |e: std::io::Error| AgentError::Unreachable(format!("agent {addr}: {e}"));
     let target = addr
@@ -61,10 +75,17 @@ pub fn get_with_headers(
     stream
         .set_read_timeout(Some(Duration::from_secs(60)))
         .map_err(unreachable)?;
-    write!(
-        stream,
-        "GET {path_and_query} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nAccept: */*\r\n\r\n"
-    )
+    match body {
+        None => write!(
+            stream,
+            "{method} {path_and_query} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nAccept: */*\r\n\r\n"
+        ),
+        Some(b) => write!(
+            stream,
+            "{method} {path_and_query} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nAccept: */*\r\nContent-Type: application/yaml\r\nContent-Length: {}\r\n\r\n{b}",
+            b.len()
+        ),
+    }
     .map_err(unreachable)?;
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw).map_err(unreachable)?;

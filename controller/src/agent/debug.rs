@@ -19,7 +19,10 @@
 //!   sequence number so far, to ask `since=` it next;
 //! * `GET /v1/counters?policy=NAME&namespace=NS&output=text|json`: the kernel's per-rule
 //!   counters (`ordnet observe --counters`): per rule, the new flows it allowed and the flows
-//!   and packets it denied since the agent started; 404 when the datapath has none.
+//!   and packets it denied since the agent started; 404 when the datapath has none;
+//! * `POST /v1/whatif?output=text|json` with manifests (YAML) as the body (at most
+//!   [`MAX_WHATIF_BODY`]): `ordnet whatif --agent`: the node's flow history replayed against
+//!   its objects plus those, staged policies enforced; 400 with the manifests' errors.
 //!
 //! `output` defaults to `json`; `color=1` asks for ANSI colours (the client decides, from its
 //! own terminal); `width` is the table width (`$COLUMNS` of the client, default 160). The
@@ -56,8 +59,11 @@ pub async fn serve(
     addr: SocketAddr,
     state: Arc<AgentState>,
 ) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
-    serve_with(addr, state, route).await
+    serve_with(addr, state, route, true).await
 }
+
+/// The largest body `POST /v1/whatif` reads.
+pub const MAX_WHATIF_BODY: usize = 8 << 20;
 
 /// Binds `addr` and serves only `GET /metrics` (`--metrics-addr`: on the node's addresses for
 /// Prometheus, while the debug API stays on loopback).
@@ -65,12 +71,15 @@ pub async fn serve_metrics(
     addr: SocketAddr,
     state: Arc<AgentState>,
 ) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
-    serve_with(addr, state, |state, req| {
-        match (req.method(), req.uri().path()) {
+    serve_with(
+        addr,
+        state,
+        |state, req| match (req.method(), req.uri().path()) {
             (&Method::GET, "/metrics") => metrics(state),
             _ => text(StatusCode::NOT_FOUND, "only GET /metrics here"),
-        }
-    })
+        },
+        false,
+    )
     .await
 }
 
@@ -78,6 +87,7 @@ async fn serve_with(
     addr: SocketAddr,
     state: Arc<AgentState>,
     route: fn(&AgentState, &Request<Incoming>) -> Response<Full<Bytes>>,
+    whatif_served: bool,
 ) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
@@ -90,7 +100,15 @@ async fn serve_with(
             tokio::spawn(async move {
                 let svc = service_fn(move |req: Request<Incoming>| {
                     let state = state.clone();
-                    async move { Ok::<_, Infallible>(route(&state, &req)) }
+                    async move {
+                        if whatif_served
+                            && req.method() == Method::POST
+                            && req.uri().path() == "/v1/whatif"
+                        {
+                            return Ok::<_, Infallible>(whatif(state, req).await);
+                        }
+                        Ok::<_, Infallible>(route(&state, &req))
+                    }
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(stream), svc)
@@ -99,6 +117,44 @@ async fn serve_with(
         }
     });
     Ok((bound, task))
+}
+
+/// `POST /v1/whatif`: reads the manifests, replays the flow history off the async threads.
+async fn whatif(state: Arc<AgentState>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    use http_body_util::BodyExt;
+    let q = query(&req);
+    let format = match output(&q, render::trace::Format::parse, "text or json") {
+        Ok(f) => f,
+        Err(Bad(m) | Internal(m) | Denied(m)) => return text(StatusCode::BAD_REQUEST, m),
+    };
+    let body = match http_body_util::Limited::new(req.into_body(), MAX_WHATIF_BODY)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(e) => {
+            return text(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the manifests: {e} (at most {MAX_WHATIF_BODY} bytes)"),
+            );
+        }
+    };
+    let Ok(manifests) = String::from_utf8(body.to_vec()) else {
+        return text(StatusCode::BAD_REQUEST, "the manifests are not UTF-8");
+    };
+    let answer = tokio::task::spawn_blocking(move || state.whatif(&manifests)).await;
+    match answer {
+        Ok(Ok((history, changed))) => match format {
+            render::trace::Format::Json => json(crate::whatif::json(&history, &changed)),
+            render::trace::Format::Text => respond(
+                StatusCode::OK,
+                "text/plain; charset=utf-8",
+                crate::whatif::text(&history, &changed),
+            ),
+        },
+        Ok(Err(m)) => text(StatusCode::BAD_REQUEST, m),
+        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
 }
 
 fn metrics(state: &AgentState) -> Response<Full<Bytes>> {
@@ -226,7 +282,10 @@ fn family(q: &BTreeMap<String, Vec<String>>) -> Result<IpFamily, Failure> {
 
 fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     if req.method() != Method::GET {
-        return text(StatusCode::METHOD_NOT_ALLOWED, "only GET");
+        return text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "only GET (and POST /v1/whatif)",
+        );
     }
     let q = query(req);
     match req.uri().path() {

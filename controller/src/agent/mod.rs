@@ -48,6 +48,7 @@ pub mod debug;
 mod denied;
 mod error;
 pub mod flowlog;
+pub mod history;
 pub mod metrics;
 mod netview;
 pub mod observe;
@@ -93,6 +94,9 @@ pub struct AgentConfig {
     /// report), and the status writer sums the nodes' reports into the policies'
     /// `status.traffic` ([`traffic`]; `None`: neither).
     pub traffic_window: Option<Duration>,
+    /// How many distinct flows the agent keeps for `ordnet whatif --agent`
+    /// ([`history::DEFAULT_FLOW_HISTORY`]).
+    pub flow_history: usize,
 }
 
 /// Where and how the flow log is written ([`AgentConfig::flow_log`]).
@@ -193,6 +197,8 @@ pub struct AgentState {
     flow_log: Mutex<Option<flowlog::FlowLog>>,
     /// The staged view and what it would change ([`staged`]).
     staged: staged::Staged,
+    /// The distinct flows the datapath reported, for `ordnet whatif --agent` ([`history`]).
+    history: Mutex<history::FlowHistory>,
 }
 
 impl AgentState {
@@ -363,6 +369,7 @@ pub async fn start(
         journal: Mutex::new(crate::observe::Journal::new(config.observe_journal)),
         flow_log: Mutex::new(flow_log),
         staged: staged::Staged::default(),
+        history: Mutex::new(history::FlowHistory::new(config.flow_history)),
     });
     let (wanted_tx, wanted_rx) = watch::channel(BTreeMap::new());
     let (events_tx, events_rx) = mpsc::unbounded_channel();

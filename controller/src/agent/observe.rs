@@ -89,6 +89,11 @@ pub fn record(state: &AgentState, batch: &[FlowEvent]) {
     };
     // What the staged policies would do (outside the engine's lock: the view has its own).
     state.judge_staged(&mut records);
+    state
+        .history
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .record(&records);
     // Numbered once attributed: the journal's lock is never held across programming's.
     let mut journal = state.journal.lock().unwrap_or_else(|e| e.into_inner());
     let first = journal.next_seq();

@@ -177,6 +177,12 @@ impl AgentState {
         }
     }
 
+    /// A copy of the staged view, if there is one (`POST /v1/whatif`).
+    pub(super) fn staged_view_copy(&self) -> Option<Engine> {
+        let guard = self.staged.view.read().unwrap_or_else(|e| e.into_inner());
+        guard.as_ref().map(|(v, _)| v.clone())
+    }
+
     /// What the staged rules would have changed since the agent started, and the last example
     /// flows of each staged policy.
     pub fn staged_counts(&self) -> (BTreeMap<StagedRule, StagedCount>, StagedExamples) {

@@ -34,7 +34,7 @@ pub struct AgentArgs {
     /// of --cni-conf-dir and out of --cni-bin-dir (when given), detach the XDP and TC programs
     /// from every interface and remove every pin ($ORDNET_PIN_DIR, default
     /// /sys/fs/bpf/ordnet). Run it after the agent's DaemonSet is gone (deploy/uninstall/).
-    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket", "metrics_addr", "upkeep_interval", "observe_buffer", "flow_log", "events_per_sec", "rule_counters", "traffic_window"])]
+    #[arg(long, conflicts_with_all = ["kubeconfig", "uplink", "debug_addr", "watch_timeout", "cni_socket", "metrics_addr", "upkeep_interval", "observe_buffer", "flow_log", "events_per_sec", "rule_counters", "traffic_window", "flow_history"])]
     pub uninstall: bool,
     /// Kubeconfig to use (default: in-cluster config, then the usual kubeconfig lookup).
     #[arg(long, value_name = "PATH")]
@@ -81,6 +81,11 @@ pub struct AgentArgs {
     #[arg(long, value_name = "SECONDS", default_value_t = ordnet::agent::traffic::DEFAULT_WINDOW.as_secs(),
           value_parser = clap::value_parser!(u64).range(0..=86400))]
     pub traffic_window: u64,
+    /// How many distinct flows (addresses, protocol, port; the last verdict of each) the agent
+    /// keeps for `ordnet whatif --agent`, the least recently seen dropped first. 0: none.
+    #[arg(long, value_name = "FLOWS", default_value_t = ordnet::agent::history::DEFAULT_FLOW_HISTORY as u64,
+          value_parser = clap::value_parser!(u64).range(0..=10_000_000))]
+    pub flow_history: u64,
     /// Write every verdict event (attributed to its rules, as `ordnet observe -o json` shows
     /// it) as a JSON line to this file, for log collectors.
     #[arg(long, value_name = "PATH")]
@@ -442,6 +447,7 @@ pub fn run(args: AgentArgs) -> ExitCode {
             }),
             traffic_window: (args.traffic_window > 0)
                 .then(|| std::time::Duration::from_secs(args.traffic_window)),
+            flow_history: args.flow_history as usize,
         };
         let (datapath, kind): (Box<dyn agent::Enforcer>, &str) = if args.datapath == DatapathArg::Bpf {
             let pin_dir = agent::bpf::pin_dir_from_env();

@@ -151,14 +151,24 @@ pub struct TraceArgs {
 /// `ordnet whatif` arguments.
 #[derive(Debug, Args)]
 pub struct WhatifArgs {
-    /// Manifest file or directory: the cluster's objects and the proposed ones (repeatable;
-    /// directories are read recursively). Staged policies among them are enforced.
+    /// Manifest file or directory (repeatable; directories are read recursively): the
+    /// cluster's objects and the proposed ones; with `--agent`, the proposed ones only. Staged
+    /// policies among them are enforced.
     #[arg(short = 'f', long = "filename", value_name = "PATH", required = true)]
     pub files: Vec<PathBuf>,
     /// The flow history: the agent's flow log (`ordnet agent --flow-log`), or JSON lines
     /// `{"src", "dst", "protocol", "port", "allowed"}`; `-` for standard input.
-    #[arg(long, value_name = "FILE")]
-    pub flows: PathBuf,
+    #[arg(
+        long,
+        value_name = "FILE",
+        required_unless_present = "agent",
+        conflicts_with = "agent"
+    )]
+    pub flows: Option<PathBuf>,
+    /// Replay a running agent's own flow history (`ordnet agent --flow-history`) against its
+    /// objects plus those of `-f`.
+    #[arg(long, value_name = "ADDR")]
+    pub agent: Option<String>,
     #[arg(short = 'o', long = "output", value_enum, default_value = "text")]
     pub output: TextOrJson,
 }

@@ -1,5 +1,6 @@
 //! `ordnet whatif`: a flow history replayed against the manifests with their staged policies
-//! enforced; prints the flows whose verdict would change (`ordnet::whatif`).
+//! enforced; prints the flows whose verdict would change (`ordnet::whatif`). With `--agent`,
+//! the agent's own flow history against its objects plus the manifests (`POST /v1/whatif`).
 
 use std::process::ExitCode;
 
@@ -8,26 +9,30 @@ use super::{Source, TextOrJson, WhatifArgs};
 
 /// Runs `ordnet whatif`.
 pub fn run(args: &WhatifArgs) -> ExitCode {
-    let text = if args.flows.as_os_str() == "-" {
+    if let Some(addr) = &args.agent {
+        return ask_agent(args, addr);
+    }
+    let Some(path) = &args.flows else {
+        eprintln!("ordnet whatif: --flows or --agent is required");
+        return ExitCode::from(2);
+    };
+    let text = if path.as_os_str() == "-" {
         let mut s = String::new();
-        match std::io::Read::read_to_string(&mut std::io::stdin(), &mut s) {
-            Ok(_) => Ok(s),
-            Err(e) => Err(e),
-        }
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).map(|_| s)
     } else {
-        std::fs::read_to_string(&args.flows)
+        std::fs::read_to_string(path)
     };
     let text = match text {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("ordnet whatif: --flows {}: {e}", args.flows.display());
+            eprintln!("ordnet whatif: --flows {}: {e}", path.display());
             return ExitCode::from(1);
         }
     };
     let history = match ordnet::whatif::read_history(&text) {
         Ok(h) => h,
         Err(e) => {
-            eprintln!("ordnet whatif: --flows {}: {e}", args.flows.display());
+            eprintln!("ordnet whatif: --flows {}: {e}", path.display());
             return ExitCode::from(1);
         }
     };
@@ -46,4 +51,65 @@ pub fn run(args: &WhatifArgs) -> ExitCode {
         TextOrJson::Json => print!("{}", ordnet::whatif::json(&history, &changed)),
     }
     exit
+}
+
+/// `--agent`: the manifests, validated here (errors name their files), sent as JSON documents.
+fn ask_agent(args: &WhatifArgs, addr: &str) -> ExitCode {
+    let outcome = ordnet_crds::load_and_validate(&args.files);
+    for p in &outcome.problems {
+        eprintln!("{p}");
+    }
+    let errors = outcome.problems.iter().filter(|p| p.is_error()).count();
+    if errors > 0 {
+        eprintln!(
+            "ordnet whatif: {errors} error{} in the manifests; nothing asked",
+            if errors == 1 { "" } else { "s" }
+        );
+        return ExitCode::from(1);
+    }
+    let o = &outcome.objects;
+    let mut docs: Vec<String> = Vec::new();
+    let mut add = |v: serde_json::Result<String>| docs.extend(v.ok());
+    o.namespaces
+        .iter()
+        .for_each(|x| add(serde_json::to_string(&x.object)));
+    o.nodes
+        .iter()
+        .for_each(|x| add(serde_json::to_string(&x.object)));
+    o.pods
+        .iter()
+        .for_each(|x| add(serde_json::to_string(&x.object)));
+    o.services
+        .iter()
+        .for_each(|x| add(serde_json::to_string(&x.object)));
+    o.network_policies
+        .iter()
+        .for_each(|x| add(serde_json::to_string(&x.object)));
+    o.ordered_policies
+        .iter()
+        .for_each(|x| add(serde_json::to_string(&x.object)));
+    o.cluster_ordered_policies
+        .iter()
+        .for_each(|x| add(serde_json::to_string(&x.object)));
+    o.cluster_network_policies
+        .iter()
+        .for_each(|x| add(serde_json::to_string(&x.object)));
+    let output = match args.output {
+        TextOrJson::Text => "text",
+        TextOrJson::Json => "json",
+    };
+    match ordnet::agent::client::post(
+        addr,
+        &format!("/v1/whatif?output={output}"),
+        &docs.join("\n---\n"),
+    ) {
+        Ok(body) => {
+            print!("{body}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("ordnet whatif: {e}");
+            ExitCode::from(1)
+        }
+    }
 }

@@ -210,6 +210,7 @@ pub async fn start_agent_with(
             observe_journal: agent::observe::DEFAULT_JOURNAL,
             flow_log: None,
             traffic_window: Some(Duration::from_millis(500)),
+            flow_history: agent::history::DEFAULT_FLOW_HISTORY,
         },
         api.client(),
         Box::new(dp),
