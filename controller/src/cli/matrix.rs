@@ -67,7 +67,11 @@ pub fn run(args: &MatrixArgs) -> ExitCode {
         }
         return ordnet::agent::client::print_answer("matrix", addr, &query);
     }
-    let LoadedEngine { engine, exit, .. } = match load_engine("matrix", &args.source) {
+    let LoadedEngine {
+        engine,
+        exit,
+        staged,
+    } = match load_engine("matrix", &args.source) {
         Ok(e) => e,
         Err(code) => return code,
     };
@@ -81,5 +85,54 @@ pub fn run(args: &MatrixArgs) -> ExitCode {
     let m = ordnet::offline::matrix(&engine, dp.plane(), proto, args.port, &externals, family);
     let style = Style::new(color_wanted());
     print!("{}", render(&m, family, format, style, max_width()));
+    // Staged policies are left out above; say what they would change (stderr: the answer on
+    // stdout stays the contract's).
+    if let Some(view) = staged {
+        match ordnet::offline::OfflineDatapath::build(&view) {
+            Ok(sdp) => {
+                let s = ordnet::offline::matrix(
+                    &view,
+                    sdp.plane(),
+                    proto,
+                    args.port,
+                    &externals,
+                    family,
+                );
+                eprint!("{}", staged_note(&m, &s));
+            }
+            Err(e) => eprintln!("ordnet matrix: the staged policies: {e}"),
+        }
+    }
     exit
+}
+
+/// The cells where the matrix with the staged policies enforced (`staged`) differs from `m`.
+fn staged_note(m: &ordnet_engine::Matrix, staged: &ordnet_engine::Matrix) -> String {
+    let changes: Vec<String> = m
+        .results
+        .iter()
+        .filter_map(|r| {
+            let now = staged.verdict(&r.from, &r.to)?;
+            (now != r.verdict).then(|| {
+                format!(
+                    "  {} -> {}: {} -> {}",
+                    r.from,
+                    r.to,
+                    r.verdict.as_str(),
+                    now.as_str()
+                )
+            })
+        })
+        .collect();
+    let mut out = format!(
+        "ordnet matrix: staged policies are left out (spec.mode: Staged); enforced (--staged), they would change {} cell{}",
+        changes.len(),
+        if changes.len() == 1 { "" } else { "s" }
+    );
+    out.push_str(if changes.is_empty() { "\n" } else { ":\n" });
+    for c in changes {
+        out.push_str(&c);
+        out.push('\n');
+    }
+    out
 }

@@ -35,7 +35,11 @@ pub fn run(args: &TraceArgs) -> ExitCode {
         );
         return ordnet::agent::client::print_answer("trace", addr, &query);
     }
-    let LoadedEngine { engine, exit, .. } = match load_engine("trace", &args.source) {
+    let LoadedEngine {
+        engine,
+        exit,
+        staged,
+    } = match load_engine("trace", &args.source) {
         Ok(e) => e,
         Err(code) => return code,
     };
@@ -89,5 +93,16 @@ pub fn run(args: &TraceArgs) -> ExitCode {
             &engine, &from, &to, family, proto, args.port, &t, format, style
         )
     );
+    // Staged policies are left out above; when they would decide this flow differently, say
+    // so (stderr: the answer on stdout stays the contract's).
+    if let Some(view) = staged {
+        let s = view.flow(&from, &to, family, proto, args.port);
+        if s.verdict != t.verdict {
+            eprintln!(
+                "ordnet trace: staged policies (spec.mode: Staged) would {} this flow: ordnet trace --staged says why",
+                s.verdict.as_str().to_uppercase()
+            );
+        }
+    }
     exit
 }
