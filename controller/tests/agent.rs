@@ -1854,10 +1854,45 @@ async fn a_staged_policy_decides_nothing_until_promoted() {
     )
     .await;
 
+    // What the staged policy would flip, offline: the node's engine without and with it.
+    let objects = offline_objects(&api);
+    let engine = |staged| {
+        ordnet_engine::Engine::build_with(
+            &objects,
+            &ordnet_engine::BuildOptions {
+                node: Some(NODE.to_string()),
+                staged,
+            },
+        )
+    };
+    let external: Vec<std::net::IpAddr> = vec!["192.0.2.1".parse().unwrap()];
+    let cells = |staged| {
+        ordnet_engine::matrix(
+            &engine(staged),
+            ordnet_mapstate::Protocol::Tcp,
+            8081,
+            &external,
+            ordnet_engine::IpFamily::V4,
+        )
+    };
+    let (without, with) = (cells(false), cells(true));
+    let before = m;
     lockdown["spec"]["mode"] = json!("Enforce");
     api.update(lockdown).unwrap();
     converges(&api, &h, "promoted").await;
     let m = agent_matrix(h.debug_addr(), "192.0.2.1").await;
+    // Promotion flips exactly the cells the staged policy would flip, and no other.
+    let mut flipped = 0;
+    for r in m["results"].as_array().unwrap() {
+        let (from, to) = (r["from"].as_str().unwrap(), r["to"].as_str().unwrap());
+        let (Some(a), Some(b)) = (without.verdict(from, to), with.verdict(from, to)) else {
+            continue;
+        };
+        let agent_flipped = cell(&before, from, to) != cell(&m, from, to);
+        assert_eq!(agent_flipped, a != b, "promoted: {from} -> {to}");
+        flipped += usize::from(agent_flipped);
+    }
+    assert!(flipped >= 1, "promoted: nothing flipped");
     assert_eq!(cell(&m, "prod/api", "qa/grafana"), "deny", "promoted: {m}");
     assert_eq!(
         cell(&m, "qa/tester", "qa/grafana"),

@@ -482,8 +482,7 @@ pub struct OrderedNetworkPolicySpec {
     /// `Enforce` (the default): the policy decides packets. `Staged`: it never changes what a
     /// packet does; the agent reports what it would change (docs/api.md "Staged policies").
     /// Changing it to `Enforce` applies the same rules like any other change of a policy.
-    #[serde(default, skip_serializing_if = "PolicyMode::is_enforce")]
-    #[schemars(extend("default" = "Enforce"))]
+    #[serde(default)]
     pub mode: PolicyMode,
     /// The pods of the policy's namespace it applies to (`{}` = all of them).
     pub pod_selector: LabelSelector,
@@ -566,8 +565,7 @@ pub struct ClusterOrderedNetworkPolicySpec {
     /// `Enforce` (the default): the policy decides packets. `Staged`: it never changes what a
     /// packet does; the agent reports what it would change (docs/api.md "Staged policies").
     /// Changing it to `Enforce` applies the same rules like any other change of a policy.
-    #[serde(default, skip_serializing_if = "PolicyMode::is_enforce")]
-    #[schemars(extend("default" = "Enforce"))]
+    #[serde(default)]
     pub mode: PolicyMode,
     /// The namespaces whose pods the policy applies to (default `{}` = all namespaces).
     #[serde(default, deserialize_with = "null_as_default")]

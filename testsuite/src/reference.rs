@@ -627,26 +627,29 @@ fn read_network_policy(
     })
 }
 
-/// Every OrderedNetworkPolicy and ClusterOrderedNetworkPolicy: rules keyed (priority, index),
-/// isolation from `defaultDeny` or the presence of an allow rule.
-fn read_ordered_policies(objects: &ClusterObjects, staged: bool) -> Result<Vec<RefPolicy>, String> {
-    let mut policies = Vec::new();
-    type Ordered<'a> = (
-        (&'static str, String),
-        Option<String>,
-        Selector,
-        Selector,
-        i32,
-        Option<&'a ordnet_crds::DefaultDeny>,
-        &'a [ordnet_crds::IngressRule],
-        &'a [ordnet_crds::EgressRule],
-    );
+/// One ordered policy as the reference reads it: (kind, name), namespace, namespace selector,
+/// pod selector, priority, `defaultDeny`, ingress and egress rules.
+type Ordered<'a> = (
+    (&'static str, String),
+    Option<String>,
+    Selector,
+    Selector,
+    i32,
+    Option<&'a ordnet_crds::DefaultDeny>,
+    &'a [ordnet_crds::IngressRule],
+    &'a [ordnet_crds::EgressRule],
+);
+
+/// The ordered policies the reference reads (staged ones only with `staged`).
+fn ordered_inputs(objects: &ClusterObjects, staged: bool) -> Result<Vec<Ordered<'_>>, String> {
     let mut ordered: Vec<Ordered<'_>> = Vec::new();
-    for p in &objects.ordered_policies {
+    let read = |mode: ordnet_crds::PolicyMode| staged || mode.is_enforce();
+    for p in objects
+        .ordered_policies
+        .iter()
+        .filter(|p| read(p.object.spec.mode))
+    {
         let s = &p.object.spec;
-        if !staged && !s.mode.is_enforce() {
-            continue;
-        }
         ordered.push((
             (
                 "OrderedNetworkPolicy",
@@ -667,11 +670,12 @@ fn read_ordered_policies(objects: &ClusterObjects, staged: bool) -> Result<Vec<R
             &s.egress,
         ));
     }
-    for p in &objects.cluster_ordered_policies {
+    for p in objects
+        .cluster_ordered_policies
+        .iter()
+        .filter(|p| read(p.object.spec.mode))
+    {
         let s = &p.object.spec;
-        if !staged && !s.mode.is_enforce() {
-            continue;
-        }
         ordered.push((
             (
                 "ClusterOrderedNetworkPolicy",
@@ -686,6 +690,14 @@ fn read_ordered_policies(objects: &ClusterObjects, staged: bool) -> Result<Vec<R
             &s.egress,
         ));
     }
+    Ok(ordered)
+}
+
+/// Every OrderedNetworkPolicy and ClusterOrderedNetworkPolicy: rules keyed (priority, index),
+/// isolation from `defaultDeny` or the presence of an allow rule.
+fn read_ordered_policies(objects: &ClusterObjects, staged: bool) -> Result<Vec<RefPolicy>, String> {
+    let mut policies = Vec::new();
+    let ordered = ordered_inputs(objects, staged)?;
     for ((kind, name), namespace, namespaces, pods, priority, dd, ingress, egress) in ordered {
         let rule_name = |direction: Dir, index: usize| RuleName {
             kind,

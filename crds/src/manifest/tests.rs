@@ -1,5 +1,5 @@
 use super::*;
-use crate::types::{Action, Protocol};
+use crate::types::{Action, PolicyMode, Protocol};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 fn load(text: &str) -> LoadOutcome {
@@ -318,6 +318,33 @@ spec:
         ["m.yaml: Pod x/a: status.podIp: warning: unknown field, ignored"]
     );
     assert_eq!(out.objects.pods.len(), 1);
+}
+
+/// `spec.mode` is a known field with either value, and `Enforce` (what an API server stores
+/// after defaulting) is kept too (a serialization that left the default out once made the
+/// loader call it unknown and drop the policy).
+#[test]
+fn mode_is_read_with_either_value() {
+    for (mode, want) in [
+        ("Enforce", PolicyMode::Enforce),
+        ("Staged", PolicyMode::Staged),
+    ] {
+        let out = load(&format!(
+            "apiVersion: ordnet.io/v1alpha1\nkind: OrderedNetworkPolicy\n\
+             metadata: {{name: p, namespace: q}}\n\
+             spec: {{mode: {mode}, priority: 1, podSelector: {{}}}}\n"
+        ));
+        assert!(out.problems.is_empty(), "{mode}: {:?}", out.problems);
+        assert_eq!(out.objects.ordered_policies[0].object.spec.mode, want);
+    }
+    let out = load(
+        "apiVersion: ordnet.io/v1alpha1\nkind: OrderedNetworkPolicy\n\
+         metadata: {name: p, namespace: q}\nspec: {priority: 1, podSelector: {}}\n",
+    );
+    assert_eq!(
+        out.objects.ordered_policies[0].object.spec.mode,
+        PolicyMode::Enforce
+    );
 }
 
 #[test]
