@@ -305,16 +305,12 @@ impl Engine {
                     // A staged policy decides nothing: as if it were absent (its previous,
                     // enforced version, if any, goes).
                     let (namespace, name) = o.key();
-                    let (kind, namespace) = match o {
-                        Object::OrderedNetworkPolicy(_) => (PolicyKind::Ordered, Some(namespace)),
-                        _ => (PolicyKind::ClusterOrdered, None),
-                    };
-                    let id = PolicyRef {
-                        kind,
-                        namespace,
+                    let delete = ObjectChange::Delete {
+                        kind: o.kind(),
+                        namespace: (!namespace.is_empty()).then_some(namespace),
                         name,
                     };
-                    self.store_policy(Some(id), None, p);
+                    return self.store(delete, p);
                 } else if let Some(new) = o.translate() {
                     let new = new?;
                     self.store_policy(Some(new.id.clone()), Some(new), p);
