@@ -1835,6 +1835,14 @@ async fn a_staged_policy_decides_nothing_until_promoted() {
     api.create(lockdown.clone()).unwrap();
     let h = start_agent(&api).await;
     converges(&api, &h, "staged").await;
+    // What the agent programmed with the staged policy present is what it programs without
+    // it: the same keys, isolation and ipcache (so the same maps, and the same cost per packet).
+    let without = FakeApi::start().await.unwrap();
+    load_dir(&without, &repo().join("examples/qa-prod"));
+    assert!(
+        programmed(&h).as_ref() == Some(&offline(&without)),
+        "the staged policy changed what is programmed"
+    );
     let m = agent_matrix(h.debug_addr(), "192.0.2.1").await;
     assert_eq!(cell(&m, "prod/api", "qa/grafana"), "allow", "staged: {m}");
     assert!(agent::wait_until(LIMIT, || h.state.is_status_writer()).await);

@@ -246,7 +246,9 @@ pub struct Faults {
     /// anything: no event, no bookmark, no end at their timeout (a half-open connection, a
     /// stalled proxy). They end only with [`FakeApi::stop`] or the client going away.
     pub silent_watches: bool,
-    /// The next this many list requests (any resource, any page) are answered 410 Gone.
+    /// The next this many paged list requests (with `limit`: the watchers' lists; any
+    /// resource, any page) are answered 410 Gone. A plain list is never (a server reads it from
+    /// the current state).
     pub failing_lists: usize,
     /// Resources (plurals) answered 404 Not Found, as when their CRD is not installed.
     pub absent: Vec<&'static str>,
