@@ -293,6 +293,11 @@ impl ObjectKind {
         self as usize
     }
 
+    /// The kind called `name` ([`ObjectKind::name`]), if there is one.
+    pub fn named(name: &str) -> Option<ObjectKind> {
+        ObjectKind::ALL.into_iter().find(|k| k.name() == name)
+    }
+
     /// The name as Kubernetes spells it.
     pub fn name(self) -> &'static str {
         use ordnet_crds as m;

@@ -576,18 +576,24 @@ impl Applier {
         let view = (!self.staged.is_empty()).then(|| engine.staged_view());
         *slot = Some(engine);
         drop((slot, dp));
-        if let Some(mut view) = view {
-            for o in self.staged.values() {
-                view.apply(ObjectChange::Upsert(o.clone()));
-            }
-            self.state
-                .set_staged_view(Some((view, self.staged.keys().cloned().collect())));
+        if let Some(view) = view {
+            self.publish_staged_view(view);
         }
         self.state
             .metrics
             .apply_seconds
             .observe(started.elapsed().as_secs_f64());
         release_free_memory();
+    }
+
+    /// Adds the staged policies to `view` (a staged copy of the engine, made under its lock)
+    /// and makes it the staged view.
+    fn publish_staged_view(&self, mut view: Engine) {
+        for o in self.staged.values() {
+            view.apply(ObjectChange::Upsert(o.clone()));
+        }
+        self.state
+            .set_staged_view(Some((view, self.staged.keys().cloned().collect())));
     }
 
     fn apply_dirty(&mut self, observed: Instant) {
@@ -694,12 +700,8 @@ impl Applier {
         if let Some(changes) = for_view {
             self.state
                 .update_staged_view(changes, self.staged.keys().cloned().collect());
-        } else if let Some(mut view) = fresh {
-            for o in self.staged.values() {
-                view.apply(ObjectChange::Upsert(o.clone()));
-            }
-            self.state
-                .set_staged_view(Some((view, self.staged.keys().cloned().collect())));
+        } else if let Some(view) = fresh {
+            self.publish_staged_view(view);
         } else if self.staged.is_empty() && had_staged {
             self.state.set_staged_view(None);
         }

@@ -131,12 +131,9 @@ impl AgentState {
             return;
         };
         let staged = |kind: &str, ns: &Option<String>, name: &str| {
-            ordnet_engine::ObjectKind::ALL
-                .into_iter()
-                .find(|k| k.name() == kind)
-                .is_some_and(|k| {
-                    policies.contains(&(k, ns.clone().unwrap_or_default(), name.to_string()))
-                })
+            ordnet_engine::ObjectKind::named(kind).is_some_and(|k| {
+                policies.contains(&(k, ns.clone().unwrap_or_default(), name.to_string()))
+            })
         };
         let mut counts = self.staged.counts.lock().unwrap_or_else(|e| e.into_inner());
         let mut examples = self

@@ -179,13 +179,10 @@ impl Windows {
             else {
                 continue;
             };
-            if ![
-                ObjectKind::OrderedNetworkPolicy,
-                ObjectKind::ClusterOrderedNetworkPolicy,
-            ]
-            .iter()
-            .any(|k| k.name() == policy_kind)
-            {
+            if !matches!(
+                ObjectKind::named(policy_kind),
+                Some(ObjectKind::OrderedNetworkPolicy | ObjectKind::ClusterOrderedNetworkPolicy)
+            ) {
                 continue;
             }
             let total = counts(*count);
@@ -356,7 +353,7 @@ pub struct Cluster {
 
 /// The apply loop's key of a policy of kind `kind` (`None`: not a kind the agent knows).
 fn policy_key(kind: &str, namespace: Option<String>, name: String) -> Option<ObjKey> {
-    let kind = ObjectKind::ALL.into_iter().find(|k| k.name() == kind)?;
+    let kind = ObjectKind::named(kind)?;
     Some((kind, namespace.unwrap_or_default(), name))
 }
 

@@ -16,9 +16,23 @@ use super::{ProtocolArg, Source};
 pub struct LoadedEngine {
     pub engine: Engine,
     pub exit: ExitCode,
-    /// When the manifests have staged policies and `engine` leaves them out: the engine that
-    /// enforces them too (what `--staged` would build).
-    pub staged: Option<Engine>,
+    /// The staged policies `engine` leaves out (none with `--staged`: it enforces them).
+    pub staged: Vec<ordnet_engine::Object>,
+}
+
+impl LoadedEngine {
+    /// When `engine` left staged policies out: a copy of it that enforces them too (what
+    /// `--staged` would build; the agent's staged view is made the same way).
+    pub fn staged_view(&self) -> Option<Engine> {
+        if self.staged.is_empty() {
+            return None;
+        }
+        let mut view = self.engine.staged_view();
+        for o in &self.staged {
+            view.apply(ordnet_engine::ObjectChange::Upsert(o.clone()));
+        }
+        Some(view)
+    }
 }
 
 /// Loads `-f` manifests, validates them and builds the engine. Every problem is printed to
@@ -93,25 +107,26 @@ pub fn load_engine(cmd: &str, source: &Source) -> Result<LoadedEngine, ExitCode>
             if errors == 1 { "" } else { "s" }
         );
     }
-    let has_staged = outcome
-        .objects
-        .ordered_policies
-        .iter()
-        .any(|p| !p.object.spec.mode.is_enforce())
-        || outcome
-            .objects
+    let o = &outcome.objects;
+    let staged: Vec<ordnet_engine::Object> = if source.staged {
+        Vec::new()
+    } else {
+        let ordered = o
+            .ordered_policies
+            .iter()
+            .filter(|p| !p.object.spec.mode.is_enforce());
+        let cluster = o
             .cluster_ordered_policies
             .iter()
-            .any(|p| !p.object.spec.mode.is_enforce());
-    let staged = (has_staged && !source.staged).then(|| {
-        Engine::build_with(
-            &outcome.objects,
-            &ordnet_engine::BuildOptions {
-                staged: true,
-                ..Default::default()
-            },
-        )
-    });
+            .filter(|p| !p.object.spec.mode.is_enforce());
+        ordered
+            .map(|p| ordnet_engine::Object::OrderedNetworkPolicy(p.object.clone()))
+            .chain(
+                cluster
+                    .map(|p| ordnet_engine::Object::ClusterOrderedNetworkPolicy(p.object.clone())),
+            )
+            .collect()
+    };
     Ok(LoadedEngine {
         engine,
         staged,

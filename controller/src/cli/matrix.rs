@@ -67,14 +67,12 @@ pub fn run(args: &MatrixArgs) -> ExitCode {
         }
         return ordnet::agent::client::print_answer("matrix", addr, &query);
     }
-    let LoadedEngine {
-        engine,
-        exit,
-        staged,
-    } = match load_engine("matrix", &args.source) {
+    let loaded = match load_engine("matrix", &args.source) {
         Ok(e) => e,
         Err(code) => return code,
     };
+    let staged = loaded.staged_view();
+    let LoadedEngine { engine, exit, .. } = loaded;
     let dp = match ordnet::offline::OfflineDatapath::build(&engine) {
         Ok(dp) => dp,
         Err(e) => {

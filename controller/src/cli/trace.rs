@@ -35,14 +35,12 @@ pub fn run(args: &TraceArgs) -> ExitCode {
         );
         return ordnet::agent::client::print_answer("trace", addr, &query);
     }
-    let LoadedEngine {
-        engine,
-        exit,
-        staged,
-    } = match load_engine("trace", &args.source) {
+    let loaded = match load_engine("trace", &args.source) {
         Ok(e) => e,
         Err(code) => return code,
     };
+    let staged = loaded.staged_view();
+    let LoadedEngine { engine, exit, .. } = loaded;
     let resolve = |flag: &str, s: &str| {
         engine.resolve(s).map_err(|e| {
             eprintln!("ordnet trace: {flag} {s}: {e}");

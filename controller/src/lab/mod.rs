@@ -252,7 +252,8 @@ fn buildable_engine(
     if loaded.exit != ExitCode::SUCCESS {
         return Err(fail(1, "the manifests have errors; nothing built"));
     }
-    let (engine, staged) = (loaded.engine, loaded.staged);
+    let staged = loaded.staged_view();
+    let engine = loaded.engine;
     // Every address is given to exactly one namespace (validation already refused two pods
     // with one address).
     let mut owner: HashMap<IpAddr, String> = HashMap::new();
