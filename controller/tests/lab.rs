@@ -463,7 +463,8 @@ fn services_observed_through_kube_proxy_dnat() {
 
 /// Pods wired as other CNIs wire them (`--cni`, docs/lab.md), with MTU 9001 links: as ports of
 /// one bridge (traffic between pods switched, never routed; hairpin through a Service back over
-/// the same port), and behind per-pod routes in a table an `ip rule` looks up. Policy order,
+/// the same port), behind per-pod routes in a table an `ip rule` looks up, and on two nodes
+/// joined by a VXLAN overlay (flannel). Policy order,
 /// Services (isolation through a ClusterIP, hairpin, NodePorts from outside) and IPv6 are
 /// observed as the scenarios say, exactly as on routed veths.
 #[test]
@@ -501,6 +502,30 @@ fn cni_shapes_observed_as_expected() {
         );
         check_with("lab", "dual-stack-v6", &[("TCP", 80)], &shape);
     }
+    // Two nodes, a bridge of pods on each and a VXLAN overlay between them (the uplinks at
+    // 9051, so the pods' links are at 9001): pods alternate between the nodes, so policy,
+    // Services (backends on the other node, hairpin) and NodePorts cross the overlay. About
+    // 7 s per run (two datapaths to load).
+    let flannel = ["--cni", "flannel", "--mtu", "9051"];
+    check_with(
+        "conformance",
+        "onp-01-cluster-deny-beats-networkpolicy-allow",
+        &[("TCP", 80)],
+        &flannel,
+    );
+    check_with(
+        "scenarios",
+        "svc-04-backends-with-different-verdicts",
+        &[],
+        &flannel,
+    );
+    check_with(
+        "scenarios",
+        "svc-06-nodeport-from-external",
+        &[("TCP", 80)],
+        &flannel,
+    );
+    check_with("lab", "dual-stack-v6", &[("TCP", 80)], &flannel);
     assert_clean(&before, "after the CNI shape runs");
 }
 

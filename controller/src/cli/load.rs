@@ -18,6 +18,9 @@ pub struct LoadedEngine {
     pub exit: ExitCode,
     /// The staged policies `engine` leaves out (none with `--staged`: it enforces them).
     pub staged: Vec<ordnet_engine::Object>,
+    /// The objects `engine` was built from (`ordnet lab --cni flannel` builds each node's
+    /// engine from them).
+    pub objects: ordnet_crds::ClusterObjects,
 }
 
 impl LoadedEngine {
@@ -130,6 +133,7 @@ pub fn load_engine(cmd: &str, source: &Source) -> Result<LoadedEngine, ExitCode>
     Ok(LoadedEngine {
         engine,
         staged,
+        objects: outcome.objects,
         exit: if errors > 0 {
             ExitCode::from(1)
         } else {

@@ -271,7 +271,8 @@ pub struct LabArgs {
     /// How the pods are wired to the node, as a CNI would: `ptp` (routed veths, per-pod routes
     /// in the main table), `bridge` (every pod a port of one bridge, traffic between pods
     /// switched, as the `bridge` plugin and flannel do), `policy-routing` (per-pod routes in a
-    /// table an `ip rule` looks up).
+    /// table an `ip rule` looks up), `flannel` (two nodes, each a bridge of its pods, a VXLAN
+    /// overlay between them, a datapath on each).
     #[arg(long, value_enum, default_value = "ptp")]
     pub cni: CniShape,
     /// The MTU of every link of the lab (68..=65535; 9001 is EKS's).
@@ -290,6 +291,7 @@ pub enum CniShape {
     Ptp,
     Bridge,
     PolicyRouting,
+    Flannel,
 }
 
 /// Runs one parsed command line and returns the process exit code.

@@ -86,7 +86,11 @@ pub fn run(args: &LabArgs) -> ExitCode {
 
 /// What the command line asks for, checked.
 struct Plan {
+    /// The whole cluster with every pod a local endpoint (the expected matrix, kube-proxy's
+    /// rules, and the one node of every shape but `flannel`).
     engine: Engine,
+    /// `--cni flannel`: each node's engine (its pods local), as that node's agent builds it.
+    nodes: Vec<Engine>,
     /// The manifests have staged policies: the engine that enforces them too, and its matrix.
     staged: Option<(Engine, Matrix)>,
     expected: Matrix,
@@ -120,7 +124,8 @@ struct NodePortCheck {
 
 fn plan(args: &LabArgs) -> Result<Plan, Fail> {
     let (family, externals) = checked_flags(args)?;
-    let (engine, staged) = buildable_engine(args, &externals)?;
+    let (engine, staged, objects) = buildable_engine(args, &externals)?;
+    let nodes = node_engines(args.cni, &engine, objects);
     let proto = load::protocol(args.protocol);
     // With staged policies: what `ordnet matrix --staged` prints, for `--observe` to check the
     // staged verdicts of the events against.
@@ -141,7 +146,7 @@ fn plan(args: &LabArgs) -> Result<Plan, Fail> {
         None => None,
     };
     // Exactly what `ordnet matrix` prints.
-    let mut offline = ordnet::offline::OfflineDatapath::build(&engine)
+    let offline = ordnet::offline::OfflineDatapath::build(&engine)
         .map_err(|e| fail(1, format!("programming the in-memory datapath: {e}")))?;
     let expected = ordnet::offline::matrix(
         &engine,
@@ -171,15 +176,30 @@ fn plan(args: &LabArgs) -> Result<Plan, Fail> {
             ),
         ));
     }
-    // The node's addresses are this node's in the expectation too (a NodePort's masqueraded
-    // traffic comes from one of them).
-    offline
-        .program
-        .set_host_addresses(&mut offline.datapath, &topo::NODE_ADDRESSES)
-        .map_err(|e| fail(1, format!("programming the in-memory datapath: {e}")))?;
+    // Each node's addresses are that node's in the expectation too (a NodePort's masqueraded
+    // traffic comes from one of them): one in-memory datapath per node, told its own.
+    let mut offlines = vec![offline];
+    for _ in 1..topo::node_count(args.cni) {
+        offlines.push(
+            ordnet::offline::OfflineDatapath::build(&engine)
+                .map_err(|e| fail(1, format!("programming the in-memory datapath: {e}")))?,
+        );
+    }
+    for (n, o) in offlines.iter_mut().enumerate() {
+        o.program
+            .set_host_addresses(&mut o.datapath, &topo::NODE_ADDRESSES[n])
+            .map_err(|e| fail(1, format!("programming the in-memory datapath: {e}")))?;
+    }
+    let node_of: HashMap<String, usize> = engine
+        .endpoints()
+        .iter()
+        .enumerate()
+        .map(|(i, ep)| (ep.id(), topo::node_of(args.cni, i)))
+        .collect();
     let node_ports = node_port_checks(
         &engine,
-        &offline,
+        &offlines,
+        &node_of,
         &kube_proxy,
         &externals,
         family,
@@ -189,6 +209,7 @@ fn plan(args: &LabArgs) -> Result<Plan, Fail> {
     );
     Ok(Plan {
         engine,
+        nodes,
         staged,
         expected,
         family,
@@ -197,6 +218,53 @@ fn plan(args: &LabArgs) -> Result<Plan, Fail> {
         kube_proxy,
         node_ports,
     })
+}
+
+impl Plan {
+    /// The engine node `n`'s datapath is programmed from.
+    fn node_engine(&self, n: usize) -> &Engine {
+        self.nodes.get(n).unwrap_or(&self.engine)
+    }
+}
+
+/// With `--cni flannel`, each node's engine: every pod placed on the node the topology builds
+/// it on ([`topo::node_of`]: any `spec.nodeName` of the manifests is replaced), MapStates for
+/// that node's pods only, the identities and the ipcache of the whole cluster — what the agent
+/// of that node builds. Empty for one-node shapes (the cluster-wide engine is the node's).
+fn node_engines(
+    shape: crate::cli::CniShape,
+    engine: &Engine,
+    mut objects: ordnet_crds::ClusterObjects,
+) -> Vec<Engine> {
+    let count = topo::node_count(shape);
+    if count == 1 {
+        return Vec::new();
+    }
+    let node_name = |n: usize| format!("ordlab-node{}", n + 1);
+    let placed: HashMap<String, usize> = engine
+        .endpoints()
+        .iter()
+        .enumerate()
+        .map(|(i, ep)| (ep.id(), topo::node_of(shape, i)))
+        .collect();
+    for pod in &mut objects.pods {
+        let meta = &pod.object.metadata;
+        let id = format!(
+            "{}/{}",
+            meta.namespace
+                .as_deref()
+                .unwrap_or(ordnet_crds::DEFAULT_NAMESPACE),
+            meta.name.as_deref().unwrap_or_default()
+        );
+        let node = placed.get(&id).map(|n| node_name(*n));
+        pod.object
+            .spec
+            .get_or_insert_with(Default::default)
+            .node_name = node;
+    }
+    (0..count)
+        .map(|n| Engine::build_for_node(&objects, &node_name(n)))
+        .collect()
 }
 
 /// The address family and the `--external` addresses (deduplicated), checked: usage errors
@@ -209,6 +277,17 @@ fn checked_flags(args: &LabArgs) -> Result<(IpFamily, Vec<IpAddr>), Fail> {
     };
     if args.probe && args.port == 0 {
         return Err(fail(2, "--port 0 cannot be probed (use 1-65535)"));
+    }
+    // The pods' links lose the VXLAN headers; IPv6 needs 1280 on them.
+    let least = 1280 + topo::VXLAN_OVERHEAD;
+    if args.cni == crate::cli::CniShape::Flannel && args.mtu < least {
+        return Err(fail(
+            2,
+            format!(
+                "--cni flannel needs --mtu {least} or more (the pods' links get {} less, and IPv6 needs 1280)",
+                topo::VXLAN_OVERHEAD
+            ),
+        ));
     }
     let mut externals: Vec<IpAddr> = Vec::new();
     for ip in &args.external {
@@ -236,7 +315,7 @@ fn checked_flags(args: &LabArgs) -> Result<(IpFamily, Vec<IpAddr>), Fail> {
 fn buildable_engine(
     args: &LabArgs,
     externals: &[IpAddr],
-) -> Result<(Engine, Option<Engine>), Fail> {
+) -> Result<(Engine, Option<Engine>, ordnet_crds::ClusterObjects), Fail> {
     let source = Source {
         files: args.files.clone(),
         agent: None,
@@ -253,7 +332,7 @@ fn buildable_engine(
         return Err(fail(1, "the manifests have errors; nothing built"));
     }
     let staged = loaded.staged_view();
-    let engine = loaded.engine;
+    let (engine, objects) = (loaded.engine, loaded.objects);
     // Every address is given to exactly one namespace (validation already refused two pods
     // with one address).
     let mut owner: HashMap<IpAddr, String> = HashMap::new();
@@ -279,7 +358,7 @@ fn buildable_engine(
             ));
         }
     }
-    Ok((engine, staged))
+    Ok((engine, staged, objects))
 }
 
 /// Every Service port of every family of `engine` with its backends (pods of the family, in the
@@ -323,12 +402,17 @@ fn kube_proxy_ports(engine: &Engine) -> Vec<kubeproxy::ServicePort> {
 /// NodePort of a Service port on (`proto`, `port`) of `family`, towards each backend. Expected:
 /// with `externalTrafficPolicy: Local` the client address is kept, so the verdict is the
 /// matrix's towards that backend; with `Cluster` kube-proxy masquerades to the node's address,
-/// and the verdict is the node datapath's for a flow from that address (forwarded: judged, not
-/// exempt) to the backend.
+/// and the verdict is the datapath's of the backend's node for a flow from that address
+/// (forwarded: judged, not exempt; from another node: an address like any other) to the backend.
+/// A `Cluster` NodePort is probed on node 0 (with `--cni flannel` its backends on the other node
+/// are reached through the overlay), a `Local` one on the backend's node (kube-proxy sends a
+/// `Local` NodePort's traffic to the node's own backends only). `offlines` are the nodes'
+/// in-memory datapaths (each knowing its node's addresses), `node_of` each pod's node.
 #[allow(clippy::too_many_arguments)]
 fn node_port_checks(
     engine: &Engine,
-    offline: &ordnet::offline::OfflineDatapath,
+    offlines: &[ordnet::offline::OfflineDatapath],
+    node_of: &HashMap<String, usize>,
     kube_proxy: &[kubeproxy::ServicePort],
     externals: &[IpAddr],
     family: IpFamily,
@@ -336,11 +420,14 @@ fn node_port_checks(
     port: u16,
     expected: &Matrix,
 ) -> Vec<NodePortCheck> {
-    let node = topo::NODE_ADDRESSES
-        .iter()
-        .copied()
-        .find(|ip| family.contains(*ip))
-        .expect("a node address of each family");
+    let node_address = |n: usize| {
+        topo::NODE_ADDRESSES[n]
+            .iter()
+            .copied()
+            .find(|ip| family.contains(*ip))
+            .expect("a node address of each family")
+    };
+    let node = node_address(0);
     let mut out = Vec::new();
     for sp in kube_proxy {
         let Some(np) = sp.node_port else {
@@ -365,21 +452,25 @@ fn node_port_checks(
                 }) else {
                     continue;
                 };
-                let expected = if sp.local {
-                    expected
+                let on = node_of.get(&backend).copied().unwrap_or(0);
+                let (expected, at) = if sp.local {
+                    let v = expected
                         .results
                         .iter()
                         .find(|r| r.from == ext.to_string() && r.to == service)
                         .and_then(|r| r.backends.iter().find(|b| b.to == backend))
-                        .map_or(Verdict::Deny, |b| b.verdict)
+                        .map_or(Verdict::Deny, |b| b.verdict);
+                    (v, node_address(on))
                 } else {
-                    ordnet::offline::decide_translated(offline.plane(), node, *addr, proto, *bport)
-                        .unwrap_or(Verdict::Deny)
+                    let plane = offlines[on].plane();
+                    let v = ordnet::offline::decide_translated(plane, node, *addr, proto, *bport)
+                        .unwrap_or(Verdict::Deny);
+                    (v, node)
                 };
                 out.push(NodePortCheck {
                     from: ext.to_string(),
                     service: service.clone(),
-                    dest: SocketAddr::new(node, np),
+                    dest: SocketAddr::new(at, np),
                     backend,
                     steer,
                     local: sp.local,
@@ -399,9 +490,10 @@ const CT_SWEEP_EVERY: Duration = Duration::from_secs(10);
 
 struct Running {
     servers: Option<probe::Servers>,
-    datapath: Option<Datapath>,
-    /// The datapath's verdict events (`--observe`).
-    events: Option<ordnet_datapath::EventReader>,
+    /// Each node's datapath (one per node namespace).
+    datapaths: Vec<Datapath>,
+    /// The datapaths' verdict events (`--observe`), by node.
+    events: Vec<ordnet_datapath::EventReader>,
     topo: Topology,
     _lock: sys::LabLock,
 }
@@ -409,8 +501,8 @@ struct Running {
 impl Running {
     fn shutdown(&mut self) -> Result<(), LabError> {
         self.servers = None;
-        self.events = None;
-        self.datapath = None;
+        self.events.clear();
+        self.datapaths.clear();
         self.topo.teardown()
     }
 }
@@ -444,8 +536,8 @@ fn run_checked(args: &LabArgs) -> Result<ExitCode, Fail> {
     }
     let mut lab = Running {
         servers: None,
-        datapath: None,
-        events: None,
+        datapaths: Vec::new(),
+        events: Vec::new(),
         topo: Topology::new(&run_id, args.cni, args.mtu),
         _lock: lock,
     };
@@ -473,19 +565,35 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
     let started = Instant::now();
     build_network(plan, lab)?;
     interrupted()?;
-    let ifindex = attach_datapath(args, plan, lab)?;
+    let ifindex = attach_datapaths(args, plan, lab)?;
     interrupted()?;
     let (ends, index) = probed_ends(plan, lab)?;
     let checks = probe_plan(args, plan, &ends, &index)?;
     let probes = |attempt: u16| -> Vec<Probe> { checks.iter().map(|c| c.probe(attempt)).collect() };
     start_servers_and_check_wiring(plan, lab, &ends, &checks, &probes(WIRING))?;
-    program_datapath(plan, lab, &ifindex)?;
+    program_datapaths(plan, lab, &ifindex)?;
     eprintln!(
-        "ordnet lab: run {} up in {} ms: XDP and TC on {} interfaces of namespace {}{}",
+        "ordnet lab: run {} up in {} ms: {}{}",
         lab.topo.run_id,
         started.elapsed().as_millis(),
-        lab.topo.xdp_interfaces().len(),
-        lab.topo.node,
+        lab.topo
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(n, node)| {
+                let tc = lab.topo.tc_only_interfaces(n);
+                format!(
+                    "XDP and TC on {} interfaces{} of namespace {node}",
+                    lab.topo.xdp_interfaces(n).len(),
+                    if tc.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", TC on {}", tc.join(", "))
+                    }
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; "),
         if plan.kube_proxy.is_empty() {
             String::new()
         } else {
@@ -502,41 +610,52 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
         // Like the agent, sweep the expired connection-tracking entries now and then, and say
         // how full the tables are whenever that changes.
         let mut swept = Instant::now();
-        let mut shown = None;
+        let mut shown = vec![None; lab.datapaths.len()];
         while sys::interrupted().is_none() {
             std::thread::sleep(Duration::from_millis(100));
             if swept.elapsed() < CT_SWEEP_EVERY {
                 continue;
             }
             swept = Instant::now();
-            let Some(dp) = lab.datapath.as_mut() else {
-                continue;
-            };
-            match dp.ct_sweep() {
-                Ok(s) if shown != Some(s.live) => {
-                    shown = Some(s.live);
-                    eprintln!(
-                        "ordnet lab: conntrack: IPv4 {} of {} entries live ({} expired removed), \
-                         IPv6 {} of {} ({} removed)",
-                        s.live[0],
-                        s.capacity[0],
-                        s.removed[0],
-                        s.live[1],
-                        s.capacity[1],
-                        s.removed[1]
-                    );
+            for (n, dp) in lab.datapaths.iter_mut().enumerate() {
+                match dp.ct_sweep() {
+                    Ok(s) if shown[n] != Some(s.live) => {
+                        shown[n] = Some(s.live);
+                        eprintln!(
+                            "ordnet lab: conntrack of {}: IPv4 {} of {} entries live ({} expired \
+                             removed), IPv6 {} of {} ({} removed)",
+                            lab.topo.nodes[n],
+                            s.live[0],
+                            s.capacity[0],
+                            s.removed[0],
+                            s.live[1],
+                            s.capacity[1],
+                            s.removed[1]
+                        );
+                    }
+                    Ok(_) => {}
+                    Err(e) => eprintln!("ordnet lab: sweeping the conntrack tables: {e}"),
                 }
-                Ok(_) => {}
-                Err(e) => eprintln!("ordnet lab: sweeping the conntrack tables: {e}"),
             }
         }
         return Ok(ExitCode::SUCCESS);
     }
     let outcomes = probe_and_verify(args, plan, lab, &ends, &checks, &probes(RUN))?;
     let mut counters_disagree = false;
-    let events = match (lab.datapath.as_mut(), lab.events.as_mut()) {
-        (Some(dp), Some(reader)) => {
-            let mut events = observe::gather(dp, reader, &plan.engine);
+    let events = match lab.events.is_empty() {
+        false => {
+            let mut sources: Vec<observe::Source<'_>> = lab
+                .datapaths
+                .iter_mut()
+                .zip(lab.events.iter_mut())
+                .enumerate()
+                .map(|(n, (dp, reader))| observe::Source {
+                    datapath: dp,
+                    reader,
+                    engine: plan.node_engine(n),
+                })
+                .collect();
+            let mut events = observe::gather(&mut sources);
             eprintln!("{}", events.summary());
             counters_disagree = events.counters_disagree();
             if let Some((view, staged)) = &plan.staged {
@@ -561,7 +680,7 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
                 json_events(&flows),
             ))
         }
-        _ => None,
+        true => None,
     };
     let code = report(args, plan, &checks, &outcomes, events)?;
     if counters_disagree && code == ExitCode::SUCCESS {
@@ -646,33 +765,58 @@ fn build_network(plan: &Plan, lab: &mut Running) -> Result<(), Fail> {
     );
     lab.topo.build(&pods, &plan.externals).map_err(lab_err)?;
     interrupted()?;
-    for v6 in [false, true] {
-        let node: Vec<IpAddr> = topo::NODE_ADDRESSES
-            .iter()
-            .copied()
-            .filter(|ip| ip.is_ipv6() == v6)
-            .collect();
-        sys::nft(
-            &lab.topo.node,
-            &kubeproxy::ruleset(v6, &plan.kube_proxy, &node),
-        )
-        .map_err(|e| lab_err(format!("loading kube-proxy's rules: {e}")))?;
+    for (n, netns) in lab.topo.nodes.iter().enumerate() {
+        for v6 in [false, true] {
+            let node: Vec<IpAddr> = topo::NODE_ADDRESSES[n]
+                .iter()
+                .copied()
+                .filter(|ip| ip.is_ipv6() == v6)
+                .collect();
+            sys::nft(netns, &kubeproxy::ruleset(v6, &plan.kube_proxy, &node))
+                .map_err(|e| lab_err(format!("loading kube-proxy's rules: {e}")))?;
+        }
     }
     Ok(())
 }
 
-/// Creates the datapath and attaches both programs to every interface, from inside the node
-/// namespace (interface names resolve there; the maps and programs are global). Returns the
-/// index of every interface.
-fn attach_datapath(
+/// Creates each node's datapath and attaches both programs to every interface of its node
+/// (the TC program alone to the overlay), from inside the node's namespace (interface names
+/// resolve there; the maps and programs are global). Returns the index of every interface, by
+/// node.
+fn attach_datapaths(
     args: &LabArgs,
     plan: &Plan,
     lab: &mut Running,
-) -> Result<HashMap<String, u32>, Fail> {
-    let node = sys::Netns::open(&lab.topo.node).map_err(lab_err)?;
-    let ifaces = lab.topo.xdp_interfaces();
+) -> Result<Vec<HashMap<String, u32>>, Fail> {
+    let mut out = Vec::new();
+    for n in 0..lab.topo.nodes.len() {
+        let (dp, ifindex) = attach_datapath(args, plan.node_engine(n), &lab.topo, n)?;
+        let mut dp = dp;
+        if args.observe
+            && let Some(reader) = dp
+                .events()
+                .map_err(|e| lab_err(format!("the datapath's verdict events: {e}")))?
+        {
+            lab.events.push(reader);
+        }
+        lab.datapaths.push(dp);
+        out.push(ifindex);
+    }
+    Ok(out)
+}
+
+/// Node `n`'s datapath, attached.
+fn attach_datapath(
+    args: &LabArgs,
+    engine: &Engine,
+    topo: &Topology,
+    n: usize,
+) -> Result<(Datapath, HashMap<String, u32>), Fail> {
+    let node = sys::Netns::open(&topo.nodes[n]).map_err(lab_err)?;
+    let ifaces = topo.xdp_interfaces(n);
+    let tc_only = topo.tc_only_interfaces(n);
     let defaults = DatapathConfig::default();
-    let rulesets = (plan.engine.shared_mapstates() as u32 * 2 + 16).max(defaults.max_rulesets);
+    let rulesets = (engine.shared_mapstates() as u32 * 2 + 16).max(defaults.max_rulesets);
     let config = DatapathConfig {
         max_rulesets: rulesets,
         max_blocks: (rulesets * 4).max(defaults.max_blocks),
@@ -680,7 +824,7 @@ fn attach_datapath(
         events_per_sec: if args.observe { 1_000_000 } else { 0 },
         ..defaults
     };
-    let (dp, ifindex) = sys::in_netns(&node, || -> Result<_, LabError> {
+    sys::in_netns(&node, || -> Result<_, LabError> {
         let datapath = |what: String| {
             move |source| LabError::Datapath {
                 what,
@@ -689,12 +833,14 @@ fn attach_datapath(
         };
         let mut dp = Datapath::create(config).map_err(datapath("loading the datapath".into()))?;
         let mut ifindex = HashMap::new();
-        for iface in &ifaces {
-            dp.attach(iface, Default::default())
-                .map_err(datapath(format!(
-                    "attaching XDP to {iface} in {}",
-                    node.name
-                )))?;
+        for iface in ifaces.iter().chain(&tc_only) {
+            if !tc_only.contains(iface) {
+                dp.attach(iface, Default::default())
+                    .map_err(datapath(format!(
+                        "attaching XDP to {iface} in {}",
+                        node.name
+                    )))?;
+            }
             dp.attach_tc(iface).map_err(datapath(format!(
                 "attaching TC to {iface} in {}",
                 node.name
@@ -703,15 +849,7 @@ fn attach_datapath(
         }
         Ok((dp, ifindex))
     })
-    .map_err(lab_err)?;
-    let mut dp = dp;
-    if args.observe {
-        lab.events = dp
-            .events()
-            .map_err(|e| lab_err(format!("the datapath's verdict events: {e}")))?;
-    }
-    lab.datapath = Some(dp);
-    Ok(ifindex)
+    .map_err(lab_err)
 }
 
 /// The probed ends, in the expected matrix's order, and their index by name.
@@ -787,25 +925,31 @@ fn start_servers_and_check_wiring(
     Ok(())
 }
 
-/// Programs the datapath as the agent does: every pod a local endpoint of this node, whose
-/// addresses are the lab node's; the TC hook knows each pod's interface.
-fn program_datapath(
+/// Programs each node's datapath as its agent does: the node's pods its local endpoints, its
+/// addresses the node's; the TC hook knows each local pod's interface.
+fn program_datapaths(
     plan: &Plan,
     lab: &mut Running,
-    ifindex: &HashMap<String, u32>,
+    ifindex: &[HashMap<String, u32>],
 ) -> Result<(), Fail> {
-    let dp = lab.datapath.as_mut().expect("datapath");
-    dp.ct_clear()
-        .map_err(|e| lab_err(format!("clearing connection tracking: {e}")))?;
-    let mut program = NodeProgram::new();
-    program
-        .set_host_addresses(dp, &topo::NODE_ADDRESSES)
-        .and_then(|()| program.program_full(&plan.engine, dp))
-        .map_err(|e| lab_err(format!("programming the datapath: {e}")))?;
-    for m in lab.topo.members.iter().filter(|m| !m.external) {
+    for (n, dp) in lab.datapaths.iter_mut().enumerate() {
+        dp.ct_clear()
+            .map_err(|e| lab_err(format!("clearing connection tracking: {e}")))?;
+        let mut program = NodeProgram::new();
         program
-            .set_interface(dp, &m.label, ifindex.get(&m.host_if).copied())
+            .set_host_addresses(dp, &topo::NODE_ADDRESSES[n])
+            .and_then(|()| program.program_full(plan.node_engine(n), dp))
             .map_err(|e| lab_err(format!("programming the datapath: {e}")))?;
+        for m in lab
+            .topo
+            .members
+            .iter()
+            .filter(|m| !m.external && m.node == n)
+        {
+            program
+                .set_interface(dp, &m.label, ifindex[n].get(&m.host_if).copied())
+                .map_err(|e| lab_err(format!("programming the datapath: {e}")))?;
+        }
     }
     Ok(())
 }
@@ -844,8 +988,10 @@ fn probe_and_verify(
             }
         });
     }
-    let dp = lab.datapath.as_ref().expect("datapath");
-    let tracked = tracked_flows(dp).map_err(lab_err)?;
+    let mut tracked = HashSet::new();
+    for dp in &lab.datapaths {
+        tracked.extend(tracked_flows(dp).map_err(lab_err)?);
+    }
     for (c, o) in checks.iter().zip(&outcomes) {
         if let Outcome::Connected { local } = o
             && let Some(server) = c.tracked_as
@@ -1327,6 +1473,8 @@ fn print_guide(args: &LabArgs, plan: &Plan, lab: &Running) {
         let ips: Vec<String> = m.ips.iter().map(|ip| ip.to_string()).collect();
         let veth = if m.external {
             format!("{} in {} (via uplink)", m.host_if, topo.world)
+        } else if topo.nodes.len() > 1 {
+            format!("{} in {}", m.host_if, topo.nodes[m.node])
         } else {
             m.host_if.clone()
         };
@@ -1338,12 +1486,19 @@ fn print_guide(args: &LabArgs, plan: &Plan, lab: &Running) {
         ]);
     }
     let proto = load::protocol(args.protocol);
-    println!(
-        "ordnet lab run {} is up; XDP on {} in namespace {}.",
-        topo.run_id,
-        topo.xdp_interfaces().join(", "),
-        topo.node
-    );
+    for (n, node) in topo.nodes.iter().enumerate() {
+        let tc = topo.tc_only_interfaces(n);
+        println!(
+            "ordnet lab run {} is up; XDP on {} in namespace {node}{}.",
+            topo.run_id,
+            topo.xdp_interfaces(n).join(", "),
+            if tc.is_empty() {
+                String::new()
+            } else {
+                format!(" (TC only on {})", tc.join(", "))
+            }
+        );
+    }
     print!("{}", render::table(&rows, &[], 2));
     println!(
         "\nEvery endpoint serves {proto} port {} at its {} address.",
@@ -1383,10 +1538,11 @@ fn print_guide(args: &LabArgs, plan: &Plan, lab: &Running) {
             }
         }
     }
-    println!(
-        "  ip netns exec {} ip -d link show         # the XDP program on the node's interfaces",
-        topo.node
-    );
+    for node in &topo.nodes {
+        println!(
+            "  ip netns exec {node} ip -d link show         # the XDP program on the node's interfaces"
+        );
+    }
     println!("Expected verdicts (ordnet matrix):");
     let verdicts = plan
         .expected

@@ -33,30 +33,59 @@ pub(super) struct LabEvents {
 /// before the packet is passed on, so a drain that finds nothing twice in a row is complete.
 const SETTLE: Duration = Duration::from_millis(20);
 
-/// Takes every event out of `reader` and attributes them with `engine`, the state `dp` was
-/// programmed from.
-pub(super) fn gather(dp: &mut Datapath, reader: &mut EventReader, engine: &Engine) -> LabEvents {
-    let mut raw: Vec<FlowEvent> = Vec::new();
+/// One node's datapath, its event reader, and the engine it was programmed from.
+pub(super) struct Source<'a> {
+    pub datapath: &'a mut Datapath,
+    pub reader: &'a mut EventReader,
+    pub engine: &'a Engine,
+}
+
+/// Takes every event out of each node's reader and attributes them with that node's engine
+/// (the state its datapath was programmed from); the counters are the nodes' sums.
+pub(super) fn gather(sources: &mut [Source<'_>]) -> LabEvents {
+    let mut raw: Vec<Vec<FlowEvent>> = vec![Vec::new(); sources.len()];
     let deadline = Instant::now() + Duration::from_secs(1);
     let mut empty = 0;
     while empty < 2 && Instant::now() < deadline {
-        if reader.drain(&mut raw) == 0 {
+        let drained: usize = sources
+            .iter_mut()
+            .zip(&mut raw)
+            .map(|(s, raw)| s.reader.drain(raw))
+            .sum();
+        if drained == 0 {
             empty += 1;
         } else {
             empty = 0;
         }
         std::thread::sleep(SETTLE);
     }
-    let records = attribute_batch(engine, dp, &raw, 1);
-    let counters = dp.counters().unwrap_or_default();
+    let mut records = Vec::new();
+    let mut counters = DatapathCounters::default();
     let mut totals = RuleTotals::default();
-    let disagreements = match dp.collect_rule_counts(&mut totals) {
-        Err(e) => Err(format!("cannot read the per-rule counters: {e}")),
-        Ok(()) if counters.events_suppressed + counters.events_lost > 0 => Err(format!(
+    let mut unread = None;
+    for (s, raw) in sources.iter_mut().zip(&raw) {
+        records.extend(attribute_batch(s.engine, s.datapath, raw, 1));
+        let c = s.datapath.counters().unwrap_or_default();
+        counters.events += c.events;
+        counters.events_suppressed += c.events_suppressed;
+        counters.events_lost += c.events_lost;
+        counters.handed_off += c.handed_off;
+        counters.untracked_allowed += c.untracked_allowed;
+        counters.untracked_denied += c.untracked_denied;
+        // One read per datapath, all it counted since it was created: the totals' memory of
+        // the last read is another datapath's elements, so it is cleared first.
+        totals.reloaded();
+        if let Err(e) = s.datapath.collect_rule_counts(&mut totals) {
+            unread = Some(format!("cannot read the per-rule counters: {e}"));
+        }
+    }
+    let disagreements = match unread {
+        Some(e) => Err(e),
+        None if counters.events_suppressed + counters.events_lost > 0 => Err(format!(
             "not compared with the events: {} events were suppressed or lost",
             counters.events_suppressed + counters.events_lost
         )),
-        Ok(()) => Ok(counters_against_events(&records, &totals)),
+        None => Ok(counters_against_events(&records, &totals)),
     };
     LabEvents {
         records,

@@ -80,6 +80,11 @@ pub fn ip(args: &[&str], stdin: Option<&str>) -> Result<(), LabError> {
     run("ip", "iproute2", args, stdin)
 }
 
+/// Runs `bridge ARGS...` (iproute2's bridge tool) with `stdin` as its input.
+pub fn bridge(args: &[&str], stdin: Option<&str>) -> Result<(), LabError> {
+    run("bridge", "iproute2", args, stdin)
+}
+
 /// The index of interface `name` in the calling thread's network namespace.
 pub fn ifindex(name: &str) -> Result<u32, LabError> {
     let c = std::ffi::CString::new(name).map_err(|e| {

@@ -13,6 +13,12 @@
 //! and a permanent neighbour entry per pod address and a default route to the world over the
 //! uplink; the world routes each external address to its namespace. No ARP or neighbour
 //! discovery is needed on any path the probes take.
+//!
+//! `--cni flannel` builds two nodes (`…-node`, `…-node2`), each with its own uplink to the
+//! world, a bridge of its pods and a VXLAN device `flannel.1` over its uplink; pods alternate
+//! between the nodes and a node reaches the other node's pods through the overlay, as flannel's
+//! VXLAN backend does (a route and a permanent neighbour entry per remote address on
+//! `flannel.1`, a forwarding entry for the remote VTEP).
 
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -37,13 +43,44 @@ const WORLD_UPLINK6: Ipv6Addr = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 2);
 /// The node's uplink interface (in the node namespace).
 pub const UPLINK: &str = "uplink";
 
-/// The node's own addresses (on its uplink): kube-proxy masquerades to them (hairpin, NodePort
-/// with `externalTrafficPolicy: Cluster`), NodePorts are reached on them, and the datapath
-/// knows them as the node's. Global scope (IPv6 masquerade needs a global address).
-pub const NODE_ADDRESSES: [IpAddr; 2] = [
-    IpAddr::V4(Ipv4Addr::new(169, 254, 3, 1)),
-    IpAddr::V6(Ipv6Addr::new(0xfd6f, 0x726e, 0x6574, 0, 0, 0, 0, 1)),
+/// Each node's own addresses (on its uplink), by node: kube-proxy masquerades to them (hairpin,
+/// NodePort with `externalTrafficPolicy: Cluster`), NodePorts are reached on them, the datapath
+/// of that node knows them as the node's, and the overlay's tunnels end at them. Global scope
+/// (IPv6 masquerade needs a global address). Only `--cni flannel` builds the second node.
+pub const NODE_ADDRESSES: [[IpAddr; 2]; 2] = [
+    [
+        IpAddr::V4(Ipv4Addr::new(169, 254, 3, 1)),
+        IpAddr::V6(Ipv6Addr::new(0xfd6f, 0x726e, 0x6574, 0, 0, 0, 0, 1)),
+    ],
+    [
+        IpAddr::V4(Ipv4Addr::new(169, 254, 3, 2)),
+        IpAddr::V6(Ipv6Addr::new(0xfd6f, 0x726e, 0x6574, 0, 0, 0, 0, 2)),
+    ],
 ];
+
+/// `--cni flannel`: the overlay device of each node (flannel's name), its VXLAN id and port,
+/// and what it takes from the MTU (the outer IPv4, UDP, VXLAN and Ethernet headers).
+pub const OVERLAY: &str = "flannel.1";
+const VXLAN_ID: u32 = 1;
+const VXLAN_PORT: u16 = 8472;
+pub const VXLAN_OVERHEAD: u32 = 50;
+
+/// The node a pod is built on: with `--cni flannel` pods alternate between the two nodes (in
+/// the engine's endpoint order), otherwise there is one node.
+pub fn node_of(shape: CniShape, pod_index: usize) -> usize {
+    match shape {
+        CniShape::Flannel => pod_index % 2,
+        _ => 0,
+    }
+}
+
+/// How many nodes a shape builds.
+pub fn node_count(shape: CniShape) -> usize {
+    match shape {
+        CniShape::Flannel => 2,
+        _ => 1,
+    }
+}
 
 /// One pod or external address as built.
 #[derive(Debug)]
@@ -57,13 +94,16 @@ pub struct Member {
     pub netns: String,
     /// Its side of its veth pair in the node namespace (pods) or the world namespace.
     pub host_if: String,
+    /// The node it is built on (index into [`Topology::nodes`]; externals: 0).
+    pub node: usize,
 }
 
 /// The lab's namespaces; [`Topology::teardown`] (also on drop) deletes every one it created.
 #[derive(Debug)]
 pub struct Topology {
     pub run_id: String,
-    pub node: String,
+    /// The node namespaces (one; two with `--cni flannel`).
+    pub nodes: Vec<String>,
     pub world: String,
     pub members: Vec<Member>,
     /// How the pods are wired (`--cni`) and the links' MTU (`--mtu`).
@@ -83,10 +123,8 @@ pub fn unusable(ip: IpAddr) -> Option<&'static str> {
         IpAddr::V4(GW4),
         IpAddr::V4(NODE_UPLINK4),
         IpAddr::V4(WORLD_UPLINK4),
-        NODE_ADDRESSES[0],
-        NODE_ADDRESSES[1],
     ];
-    if reserved.contains(&ip) {
+    if reserved.contains(&ip) || NODE_ADDRESSES.iter().flatten().any(|a| *a == ip) {
         return Some("it is one of the lab's own addresses");
     }
     match ip {
@@ -162,7 +200,12 @@ impl Topology {
     pub fn new(run_id: &str, shape: CniShape, mtu: u32) -> Topology {
         Topology {
             run_id: run_id.to_string(),
-            node: format!("{PREFIX}{run_id}-node"),
+            nodes: (0..node_count(shape))
+                .map(|n| match n {
+                    0 => format!("{PREFIX}{run_id}-node"),
+                    n => format!("{PREFIX}{run_id}-node{}", n + 1),
+                })
+                .collect(),
             world: format!("{PREFIX}{run_id}-world"),
             members: Vec::new(),
             shape,
@@ -199,6 +242,7 @@ impl Topology {
                 ips: ips.clone(),
                 netns: pod_netns(&self.run_id, i, label),
                 host_if: format!("lxc{i}"),
+                node: node_of(self.shape, i),
             });
         }
         for (j, ip) in externals.iter().enumerate() {
@@ -208,6 +252,7 @@ impl Topology {
                 ips: vec![*ip],
                 netns: format!("{PREFIX}{}-ext-{ip}", self.run_id),
                 host_if: format!("ext{j}"),
+                node: 0,
             });
         }
     }
@@ -215,13 +260,14 @@ impl Topology {
     /// Every namespace, and the routers' sysctls: forwarding on, no reverse-path filter (set
     /// before the interfaces exist, so theirs come from `default`).
     fn create_namespaces(&mut self) -> Result<(), LabError> {
-        let mut names = vec![self.node.clone(), self.world.clone()];
+        let mut names = self.nodes.clone();
+        names.push(self.world.clone());
         names.extend(self.members.iter().map(|m| m.netns.clone()));
         for name in &names {
             sys::ip(&["netns", "add", name], None)?;
             self.created.push(name.clone());
         }
-        for router in [&self.node, &self.world] {
+        for router in self.nodes.iter().chain([&self.world]) {
             let ns = Netns::open(router)?;
             sys::in_netns(&ns, || {
                 for (k, v) in [
@@ -238,17 +284,45 @@ impl Topology {
         Ok(())
     }
 
+    /// Whether the pods are ports of a bridge (`bridge`, and each node's with `flannel`).
+    fn bridged(&self) -> bool {
+        matches!(self.shape, CniShape::Bridge | CniShape::Flannel)
+    }
+
+    /// The MTU of the pods' links, the bridges and the overlay: `--mtu`, less the VXLAN
+    /// headers with `--cni flannel` (as flannel sets it; the uplinks keep `--mtu`).
+    pub fn pod_mtu(&self) -> u32 {
+        match self.shape {
+            CniShape::Flannel => self.mtu - VXLAN_OVERHEAD,
+            _ => self.mtu,
+        }
+    }
+
+    /// Node `n`'s uplink MAC and the world's side of it; the world's link to node `n`.
+    fn uplink_macs(n: usize) -> (String, String) {
+        (mac(2, 2 * n), mac(2, 2 * n + 1))
+    }
+
+    fn world_link(n: usize) -> String {
+        match n {
+            0 => "node".to_string(),
+            n => format!("node{}", n + 1),
+        }
+    }
+
     /// Every veth pair, created directly in its two namespaces.
     fn create_veths(&self) -> Result<(), LabError> {
         let mut links = String::new();
-        let (node, world) = (&self.node, &self.world);
-        let _ = writeln!(
-            links,
-            "link add {UPLINK} address {} mtu {mtu} netns {node} type veth peer name node address {} mtu {mtu} netns {world}",
-            mac(2, 0),
-            mac(2, 1),
-            mtu = self.mtu
-        );
+        let world = &self.world;
+        for (n, node) in self.nodes.iter().enumerate() {
+            let (up, w) = Self::uplink_macs(n);
+            let _ = writeln!(
+                links,
+                "link add {UPLINK} address {up} mtu {mtu} netns {node} type veth peer name {} address {w} mtu {mtu} netns {world}",
+                Self::world_link(n),
+                mtu = self.mtu
+            );
+        }
         let mut ext_index = 0;
         let mut pod_index = 0;
         for m in &self.members {
@@ -266,12 +340,13 @@ impl Topology {
             } else {
                 let _ = writeln!(
                     links,
-                    "link add {} address {} mtu {mtu} netns {node} type veth peer name eth0 address {} mtu {mtu} netns {}",
+                    "link add {} address {} mtu {mtu} netns {} type veth peer name eth0 address {} mtu {mtu} netns {}",
                     m.host_if,
                     mac(0, pod_index),
+                    self.nodes[m.node],
                     mac(1, pod_index),
                     m.netns,
-                    mtu = self.mtu
+                    mtu = self.pod_mtu()
                 );
                 pod_index += 1;
             }
@@ -280,18 +355,16 @@ impl Topology {
         Ok(())
     }
 
-    /// The node and the world: a host route and a permanent neighbour per member address on its
-    /// interface, the node's own addresses on the uplink, default routes across the uplink.
+    /// The nodes and the world: a host route and a permanent neighbour per member address on its
+    /// interface, each node's own addresses on its uplink, default routes across the uplinks;
+    /// with `--cni flannel` the overlay between the nodes.
     fn configure_routers(&self) -> Result<(), LabError> {
-        let mut node_cfg = String::from("link set lo up\n");
+        let mut node_cfg: Vec<String> = (0..self.nodes.len())
+            .map(|n| self.node_devices(n))
+            .collect();
         let mut world_cfg = String::from("link set lo up\n");
-        if self.shape == CniShape::Bridge {
-            let _ = writeln!(
-                node_cfg,
-                "link add {BRIDGE} address {} mtu {} type bridge\nlink set {BRIDGE} up",
-                mac(5, 0),
-                self.mtu
-            );
+        for n in 0..self.nodes.len() {
+            let _ = writeln!(world_cfg, "link set {} up", Self::world_link(n));
         }
         let (mut pi, mut ei) = (0, 0);
         for m in &self.members {
@@ -300,13 +373,13 @@ impl Topology {
                 (&mut world_cfg, mac(4, ei - 1))
             } else {
                 pi += 1;
-                (&mut node_cfg, mac(1, pi - 1))
+                (&mut node_cfg[m.node], mac(1, pi - 1))
             };
             let _ = writeln!(cfg, "link set {} up", m.host_if);
             // Where the node reaches the member: its veth, or (bridge) the bridge it is a port
             // of; its routes in the main table, or (policy routing) in the rule's table.
             let (dev, table) = match (m.external, self.shape) {
-                (false, CniShape::Bridge) => {
+                (false, CniShape::Bridge | CniShape::Flannel) => {
                     let _ = writeln!(
                         cfg,
                         "link set {} master {BRIDGE}\nlink set {} type bridge_slave hairpin on",
@@ -327,35 +400,16 @@ impl Topology {
                     host_prefix(*ip),
                 );
             }
+            if !m.external && self.nodes.len() > 1 {
+                self.route_remote_pod(m, &mut node_cfg, &mut world_cfg);
+            }
         }
-
-        for addr in NODE_ADDRESSES {
-            let nodad = if addr.is_ipv6() { " nodad" } else { "" };
-            let _ = writeln!(
-                node_cfg,
-                "addr add {} dev {UPLINK}{nodad}",
-                host_prefix(addr)
-            );
+        for (n, cfg) in node_cfg.iter_mut().enumerate() {
+            self.configure_uplink(n, cfg, &mut world_cfg);
         }
-        let _ = writeln!(
-            node_cfg,
-            "link set {UPLINK} up\n\
-             neigh add {WORLD_UPLINK4} lladdr {w} dev {UPLINK} nud permanent\n\
-             route add default via {WORLD_UPLINK4} dev {UPLINK} onlink\n\
-             neigh add {WORLD_UPLINK6} lladdr {w} dev {UPLINK} nud permanent\n\
-             route add default via {WORLD_UPLINK6} dev {UPLINK} onlink",
-            w = mac(2, 1)
-        );
-        let _ = writeln!(
-            world_cfg,
-            "link set node up\n\
-             neigh add {NODE_UPLINK4} lladdr {n} dev node nud permanent\n\
-             route add default via {NODE_UPLINK4} dev node onlink\n\
-             neigh add {NODE_UPLINK6} lladdr {n} dev node nud permanent\n\
-             route add default via {NODE_UPLINK6} dev node onlink",
-            n = mac(2, 0)
-        );
-        sys::ip(&["-n", &self.node, "-batch", "-"], Some(&node_cfg))?;
+        for (node, cfg) in self.nodes.iter().zip(&node_cfg) {
+            sys::ip(&["-n", node, "-batch", "-"], Some(cfg))?;
+        }
         sys::ip(&["-n", &self.world, "-batch", "-"], Some(&world_cfg))?;
         if self.shape == CniShape::PolicyRouting {
             // Every destination looks in the pods' table first, then (no match) in main.
@@ -363,25 +417,176 @@ impl Topology {
             for family in ["-4", "-6"] {
                 sys::ip(
                     &[
-                        "-n", &self.node, family, "rule", "add", "pref", "100", "lookup", &table,
+                        "-n",
+                        &self.nodes[0],
+                        family,
+                        "rule",
+                        "add",
+                        "pref",
+                        "100",
+                        "lookup",
+                        &table,
                     ],
                     None,
                 )?;
             }
+        }
+        if self.shape == CniShape::Flannel {
+            self.overlay_forwarding()?;
+        }
+        Ok(())
+    }
+
+    /// `--cni flannel`: pod `m` as the other nodes and the world reach it. The other nodes
+    /// route its addresses into their overlay device, with a permanent neighbour entry naming
+    /// the VTEP MAC of `m`'s node (flannel's VXLAN backend); the world routes them to `m`'s
+    /// node's uplink (node 0 is the world's default).
+    fn route_remote_pod(&self, m: &Member, node_cfg: &mut [String], world_cfg: &mut String) {
+        for (n, cfg) in node_cfg.iter_mut().enumerate() {
+            if n == m.node {
+                continue;
+            }
+            for ip in &m.ips {
+                let _ = writeln!(
+                    cfg,
+                    "neigh add {ip} lladdr {} dev {OVERLAY} nud permanent\n\
+                     route add {} dev {OVERLAY}",
+                    mac(6, m.node),
+                    host_prefix(*ip),
+                );
+            }
+        }
+        if m.node != 0 {
+            let link = Self::world_link(m.node);
+            for ip in &m.ips {
+                let _ = writeln!(
+                    world_cfg,
+                    "neigh add {ip} lladdr {} dev {link} nud permanent\nroute add {} dev {link}",
+                    Self::uplink_macs(m.node).0,
+                    host_prefix(*ip),
+                );
+            }
+        }
+    }
+
+    /// The first lines of node `n`'s configuration: its own addresses on its uplink, the bridge
+    /// (bridged shapes) and with `--cni flannel` the overlay device over the uplink (after the
+    /// address its tunnels start from).
+    fn node_devices(&self, n: usize) -> String {
+        let mut cfg = String::from("link set lo up\n");
+        for addr in NODE_ADDRESSES[n] {
+            let nodad = if addr.is_ipv6() { " nodad" } else { "" };
+            let _ = writeln!(cfg, "addr add {} dev {UPLINK}{nodad}", host_prefix(addr));
+        }
+        let _ = writeln!(cfg, "link set {UPLINK} up");
+        if self.bridged() {
+            let _ = writeln!(
+                cfg,
+                "link add {BRIDGE} address {} mtu {} type bridge\nlink set {BRIDGE} up",
+                mac(5, n),
+                self.pod_mtu()
+            );
+        }
+        if self.shape == CniShape::Flannel {
+            let _ = writeln!(
+                cfg,
+                "link add {OVERLAY} address {} mtu {} type vxlan id {VXLAN_ID} local {} dstport {VXLAN_PORT} nolearning dev {UPLINK}\n\
+                 link set {OVERLAY} up",
+                mac(6, n),
+                self.pod_mtu(),
+                NODE_ADDRESSES[n][0]
+            );
+        }
+        cfg
+    }
+
+    /// Node `n`'s routes out: its default routes to the world (with `--cni flannel`, node 0's
+    /// for the other nodes), the world's routes back (node 0 is the world's default route).
+    fn configure_uplink(&self, n: usize, cfg: &mut String, world_cfg: &mut String) {
+        let (up, w) = Self::uplink_macs(n);
+        let link = Self::world_link(n);
+        let _ = writeln!(
+            cfg,
+            "neigh add {WORLD_UPLINK4} lladdr {w} dev {UPLINK} nud permanent\n\
+             neigh add {WORLD_UPLINK6} lladdr {w} dev {UPLINK} nud permanent"
+        );
+        if n == 0 {
+            let _ = writeln!(
+                cfg,
+                "route add default via {WORLD_UPLINK4} dev {UPLINK} onlink\n\
+                 route add default via {WORLD_UPLINK6} dev {UPLINK} onlink"
+            );
+        } else {
+            // The tunnels to node 0 over the uplink; everything else (the world) through node
+            // 0 over the overlay, so a reply of a Service flow node 0 translated passes node 0's
+            // connection tracking again (kube-proxy's un-DNAT) whatever node its backend is on.
+            let _ = writeln!(
+                cfg,
+                "route add {} via {WORLD_UPLINK4} dev {UPLINK} onlink\n\
+                 neigh add {GW4} lladdr {gw} dev {OVERLAY} nud permanent\n\
+                 route add default via {GW4} dev {OVERLAY} onlink\n\
+                 neigh add {GW6} lladdr {gw} dev {OVERLAY} nud permanent\n\
+                 route add default via {GW6} dev {OVERLAY} onlink",
+                host_prefix(NODE_ADDRESSES[0][0]),
+                gw = mac(6, 0)
+            );
+        }
+        let _ = writeln!(
+            world_cfg,
+            "neigh add {NODE_UPLINK4} lladdr {up} dev {link} nud permanent\n\
+             neigh add {NODE_UPLINK6} lladdr {up} dev {link} nud permanent"
+        );
+        if n == 0 {
+            let _ = writeln!(
+                world_cfg,
+                "route add default via {NODE_UPLINK4} dev {link} onlink\n\
+                 route add default via {NODE_UPLINK6} dev {link} onlink"
+            );
+        } else {
+            for addr in NODE_ADDRESSES[n] {
+                let via = if addr.is_ipv6() {
+                    NODE_UPLINK6.to_string()
+                } else {
+                    NODE_UPLINK4.to_string()
+                };
+                let _ = writeln!(
+                    world_cfg,
+                    "route add {} via {via} dev {link} onlink",
+                    host_prefix(addr)
+                );
+            }
+        }
+    }
+
+    /// `--cni flannel`: each node's overlay sends what is for another node's VTEP MAC to that
+    /// node's address (a permanent forwarding entry, as flannel writes one per node).
+    fn overlay_forwarding(&self) -> Result<(), LabError> {
+        for (n, node) in self.nodes.iter().enumerate() {
+            let mut fdb = String::new();
+            for other in (0..self.nodes.len()).filter(|o| *o != n) {
+                let _ = writeln!(
+                    fdb,
+                    "fdb append {} dev {OVERLAY} dst {} self permanent",
+                    mac(6, other),
+                    NODE_ADDRESSES[other][0]
+                );
+            }
+            sys::bridge(&["-n", node, "-batch", "-"], Some(&fdb))?;
         }
         Ok(())
     }
 
     /// Each member's namespace: its addresses and routes via its gateway.
     fn configure_leaves(&self) -> Result<(), LabError> {
-        let bridged = self.shape == CniShape::Bridge;
-        // On a bridge, every pod reaches the others directly (their addresses and MACs).
-        let pods: Vec<(IpAddr, String)> = self
+        let bridged = self.bridged();
+        // On a bridge, every pod reaches the others of its node directly (their addresses and
+        // MACs); the other node's pods through the gateway.
+        let pods: Vec<(usize, IpAddr, String)> = self
             .members
             .iter()
             .filter(|m| !m.external)
             .enumerate()
-            .flat_map(|(i, m)| m.ips.iter().map(move |ip| (*ip, mac(1, i))))
+            .flat_map(|(i, m)| m.ips.iter().map(move |ip| (m.node, *ip, mac(1, i))))
             .collect();
         let (mut pi, mut ei) = (0, 0);
         for m in &self.members {
@@ -390,15 +595,15 @@ impl Topology {
                 mac(3, ei - 1)
             } else if bridged {
                 pi += 1;
-                mac(5, 0)
+                mac(5, m.node)
             } else {
                 pi += 1;
                 mac(0, pi - 1)
             };
             let neighbours: Vec<(IpAddr, String)> = if bridged && !m.external {
                 pods.iter()
-                    .filter(|(ip, _)| !m.ips.contains(ip))
-                    .cloned()
+                    .filter(|(node, ip, _)| *node == m.node && !m.ips.contains(ip))
+                    .map(|(_, ip, mac)| (*ip, mac.clone()))
                     .collect()
             } else {
                 Vec::new()
@@ -411,17 +616,27 @@ impl Topology {
         Ok(())
     }
 
-    /// The interfaces of the node namespace the XDP program is attached to: every pod's
-    /// host-side veth (with `--cni bridge`, its bridge port; never the bridge) and the uplink.
-    pub fn xdp_interfaces(&self) -> Vec<String> {
+    /// The interfaces of node `n`'s namespace the XDP and TC programs are attached to: every
+    /// pod's host-side veth there (on a bridge, its port; never the bridge) and the uplink.
+    pub fn xdp_interfaces(&self, n: usize) -> Vec<String> {
         let mut v: Vec<String> = self
             .members
             .iter()
-            .filter(|m| !m.external)
+            .filter(|m| !m.external && m.node == n)
             .map(|m| m.host_if.clone())
             .collect();
         v.push(UPLINK.to_string());
         v
+    }
+
+    /// The interfaces of node `n` with the TC program only: the overlay device (the kernel
+    /// refuses XDP on a VXLAN device and on its underlay at once; what leaves through the
+    /// tunnel is judged at its TC hook, as the agent does).
+    pub fn tc_only_interfaces(&self, n: usize) -> Vec<String> {
+        match self.shape {
+            CniShape::Flannel if n < self.nodes.len() => vec![OVERLAY.to_string()],
+            _ => Vec::new(),
+        }
     }
 
     /// Deletes every namespace this lab created (their interfaces go with them). Idempotent.
