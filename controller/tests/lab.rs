@@ -463,8 +463,8 @@ fn services_observed_through_kube_proxy_dnat() {
 
 /// Pods wired as other CNIs wire them (`--cni`, docs/lab.md), with MTU 9001 links: as ports of
 /// one bridge (traffic between pods switched, never routed; hairpin through a Service back over
-/// the same port), behind per-pod routes in a table an `ip rule` looks up, and on two nodes
-/// joined by a VXLAN overlay (flannel). Policy order,
+/// the same port), behind per-pod routes in a table an `ip rule` looks up, on two nodes
+/// joined by a VXLAN overlay (flannel), and behind two uplinks. Policy order,
 /// Services (isolation through a ClusterIP, hairpin, NodePorts from outside) and IPv6 are
 /// observed as the scenarios say, exactly as on routed veths.
 #[test]
@@ -526,6 +526,21 @@ fn cni_shapes_observed_as_expected() {
         &flannel,
     );
     check_with("lab", "dual-stack-v6", &[("TCP", 80)], &flannel);
+    // Two uplinks: traffic from outside comes in by `uplink2` and leaves by `uplink` (ingress
+    // from external addresses, an ipBlock except, NodePorts).
+    let uplinks = ["--uplinks", "2"];
+    check_with(
+        "conformance",
+        "onp-08-ipblock-except-with-ordered-deny",
+        &[("TCP", 80)],
+        &uplinks,
+    );
+    check_with(
+        "scenarios",
+        "svc-06-nodeport-from-external",
+        &[("TCP", 80)],
+        &uplinks,
+    );
     assert_clean(&before, "after the CNI shape runs");
 }
 

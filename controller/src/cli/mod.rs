@@ -278,6 +278,12 @@ pub struct LabArgs {
     /// The MTU of every link of the lab (68..=65535; 9001 is EKS's).
     #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(68..=65535))]
     pub mtu: u32,
+    /// How many uplinks the (first) node has: with 2 or more, the world sends the node's pods
+    /// their traffic from outside over the extra uplinks (`uplink2`, ...) while the node's
+    /// default route stays on `uplink`, so traffic from outside comes in by one uplink and
+    /// leaves by another, both hooked.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=8))]
+    pub uplinks: u8,
     /// With `--probe`: show the datapath's verdict events for the probes (each new flow and
     /// the denied packets, with the rule that decided), as `ordnet observe` shows them; with
     /// `-o json` every probed flow lists its events.

@@ -538,7 +538,7 @@ fn run_checked(args: &LabArgs) -> Result<ExitCode, Fail> {
         servers: None,
         datapaths: Vec::new(),
         events: Vec::new(),
-        topo: Topology::new(&run_id, args.cni, args.mtu),
+        topo: Topology::new(&run_id, args.cni, args.mtu, usize::from(args.uplinks)),
         _lock: lock,
     };
     let outcome = drive(args, &plan, &mut lab);

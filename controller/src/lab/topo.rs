@@ -18,7 +18,8 @@
 //! world, a bridge of its pods and a VXLAN device `flannel.1` over its uplink; pods alternate
 //! between the nodes and a node reaches the other node's pods through the overlay, as flannel's
 //! VXLAN backend does (a route and a permanent neighbour entry per remote address on
-//! `flannel.1`, a forwarding entry for the remote VTEP).
+//! `flannel.1`, a forwarding entry for the remote VTEP). `--uplinks N` gives node 0 more
+//! uplinks, over which the world reaches its pods (their replies leave by `uplink`).
 
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -109,6 +110,8 @@ pub struct Topology {
     /// How the pods are wired (`--cni`) and the links' MTU (`--mtu`).
     pub shape: CniShape,
     pub mtu: u32,
+    /// Node 0's uplinks (`--uplinks`): `uplink`, then `uplink2`, ...
+    pub uplinks: usize,
     created: Vec<String>,
 }
 
@@ -197,7 +200,7 @@ fn leaf_config(ips: &[IpAddr], gw_mac: &str, neighbours: &[(IpAddr, String)]) ->
 
 impl Topology {
     /// An empty lab for run `run_id` (nothing created yet).
-    pub fn new(run_id: &str, shape: CniShape, mtu: u32) -> Topology {
+    pub fn new(run_id: &str, shape: CniShape, mtu: u32, uplinks: usize) -> Topology {
         Topology {
             run_id: run_id.to_string(),
             nodes: (0..node_count(shape))
@@ -210,6 +213,7 @@ impl Topology {
             members: Vec::new(),
             shape,
             mtu,
+            uplinks: uplinks.max(1),
             created: Vec::new(),
         }
     }
@@ -303,6 +307,17 @@ impl Topology {
         (mac(2, 2 * n), mac(2, 2 * n + 1))
     }
 
+    /// Node 0's extra uplink `k` (1-based after `uplink`: `uplink2` is 1), its MACs (node
+    /// side, world side) and the world's side of it.
+    fn extra_uplink(k: usize) -> (String, String, String, String) {
+        (
+            format!("{UPLINK}{}", k + 1),
+            mac(7, 2 * k),
+            mac(7, 2 * k + 1),
+            format!("node-u{}", k + 1),
+        )
+    }
+
     fn world_link(n: usize) -> String {
         match n {
             0 => "node".to_string(),
@@ -320,6 +335,15 @@ impl Topology {
                 links,
                 "link add {UPLINK} address {up} mtu {mtu} netns {node} type veth peer name {} address {w} mtu {mtu} netns {world}",
                 Self::world_link(n),
+                mtu = self.mtu
+            );
+        }
+        for k in 1..self.uplinks {
+            let (name, up, w, peer) = Self::extra_uplink(k);
+            let _ = writeln!(
+                links,
+                "link add {name} address {up} mtu {mtu} netns {} type veth peer name {peer} address {w} mtu {mtu} netns {world}",
+                self.nodes[0],
                 mtu = self.mtu
             );
         }
@@ -366,6 +390,11 @@ impl Topology {
         for n in 0..self.nodes.len() {
             let _ = writeln!(world_cfg, "link set {} up", Self::world_link(n));
         }
+        for k in 1..self.uplinks {
+            let (name, _, _, peer) = Self::extra_uplink(k);
+            let _ = writeln!(world_cfg, "link set {peer} up");
+            let _ = writeln!(node_cfg[0], "link set {name} up");
+        }
         let (mut pi, mut ei) = (0, 0);
         for m in &self.members {
             let (cfg, leaf_mac) = if m.external {
@@ -402,6 +431,18 @@ impl Topology {
             }
             if !m.external && self.nodes.len() > 1 {
                 self.route_remote_pod(m, &mut node_cfg, &mut world_cfg);
+            }
+            if !m.external && m.node == 0 && self.uplinks > 1 {
+                // From outside, node 0's pods are reached over its extra uplinks (spread by
+                // pod); their replies leave by `uplink`, the node's default route.
+                let (_, up, _, peer) = Self::extra_uplink(1 + (pi - 1) % (self.uplinks - 1));
+                for ip in &m.ips {
+                    let _ = writeln!(
+                        world_cfg,
+                        "neigh add {ip} lladdr {up} dev {peer} nud permanent\nroute add {} dev {peer}",
+                        host_prefix(*ip),
+                    );
+                }
             }
         }
         for (n, cfg) in node_cfg.iter_mut().enumerate() {
@@ -617,7 +658,7 @@ impl Topology {
     }
 
     /// The interfaces of node `n`'s namespace the XDP and TC programs are attached to: every
-    /// pod's host-side veth there (on a bridge, its port; never the bridge) and the uplink.
+    /// pod's host-side veth there (on a bridge, its port; never the bridge) and the uplinks.
     pub fn xdp_interfaces(&self, n: usize) -> Vec<String> {
         let mut v: Vec<String> = self
             .members
@@ -626,6 +667,9 @@ impl Topology {
             .map(|m| m.host_if.clone())
             .collect();
         v.push(UPLINK.to_string());
+        if n == 0 {
+            v.extend((1..self.uplinks).map(|k| Self::extra_uplink(k).0));
+        }
         v
     }
 
