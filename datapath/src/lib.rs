@@ -547,6 +547,18 @@ pub struct DatapathCounters {
     pub events_lost: u64,
 }
 
+impl DatapathCounters {
+    /// Adds `other`'s counts (the counters of several datapaths, e.g. a lab's nodes).
+    pub fn add(&mut self, other: &DatapathCounters) {
+        self.untracked_denied += other.untracked_denied;
+        self.untracked_allowed += other.untracked_allowed;
+        self.handed_off += other.handed_off;
+        self.events += other.events;
+        self.events_suppressed += other.events_suppressed;
+        self.events_lost += other.events_lost;
+    }
+}
+
 /// An attachment: pinned (survives the process) or owned by the loaded program.
 enum LinkHandle<Id> {
     Pinned(PinnedLink),

@@ -607,37 +607,7 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
     interrupted()?;
     if !args.probe {
         print_guide(args, plan, lab);
-        // Like the agent, sweep the expired connection-tracking entries now and then, and say
-        // how full the tables are whenever that changes.
-        let mut swept = Instant::now();
-        let mut shown = vec![None; lab.datapaths.len()];
-        while sys::interrupted().is_none() {
-            std::thread::sleep(Duration::from_millis(100));
-            if swept.elapsed() < CT_SWEEP_EVERY {
-                continue;
-            }
-            swept = Instant::now();
-            for (n, dp) in lab.datapaths.iter_mut().enumerate() {
-                match dp.ct_sweep() {
-                    Ok(s) if shown[n] != Some(s.live) => {
-                        shown[n] = Some(s.live);
-                        eprintln!(
-                            "ordnet lab: conntrack of {}: IPv4 {} of {} entries live ({} expired \
-                             removed), IPv6 {} of {} ({} removed)",
-                            lab.topo.nodes[n],
-                            s.live[0],
-                            s.capacity[0],
-                            s.removed[0],
-                            s.live[1],
-                            s.capacity[1],
-                            s.removed[1]
-                        );
-                    }
-                    Ok(_) => {}
-                    Err(e) => eprintln!("ordnet lab: sweeping the conntrack tables: {e}"),
-                }
-            }
-        }
+        sweep_until_interrupted(lab);
         return Ok(ExitCode::SUCCESS);
     }
     let outcomes = probe_and_verify(args, plan, lab, &ends, &checks, &probes(RUN))?;
@@ -687,6 +657,40 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
         return Ok(ExitCode::from(EXIT_MISMATCH));
     }
     Ok(code)
+}
+
+/// An interactive lab, until Ctrl-C: like the agent, sweeps the expired connection-tracking
+/// entries now and then, and says how full each node's tables are whenever that changes.
+fn sweep_until_interrupted(lab: &mut Running) {
+    let mut swept = Instant::now();
+    let mut shown = vec![None; lab.datapaths.len()];
+    while sys::interrupted().is_none() {
+        std::thread::sleep(Duration::from_millis(100));
+        if swept.elapsed() < CT_SWEEP_EVERY {
+            continue;
+        }
+        swept = Instant::now();
+        for (n, dp) in lab.datapaths.iter_mut().enumerate() {
+            match dp.ct_sweep() {
+                Ok(s) if shown[n] != Some(s.live) => {
+                    shown[n] = Some(s.live);
+                    eprintln!(
+                        "ordnet lab: conntrack of {}: IPv4 {} of {} entries live ({} expired \
+                         removed), IPv6 {} of {} ({} removed)",
+                        lab.topo.nodes[n],
+                        s.live[0],
+                        s.capacity[0],
+                        s.removed[0],
+                        s.live[1],
+                        s.capacity[1],
+                        s.removed[1]
+                    );
+                }
+                Ok(_) => {}
+                Err(e) => eprintln!("ordnet lab: sweeping the conntrack tables: {e}"),
+            }
+        }
+    }
 }
 
 /// With staged policies (`--observe`): the probed pod-to-pod flows whose events the staged view

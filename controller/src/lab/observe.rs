@@ -65,13 +65,7 @@ pub(super) fn gather(sources: &mut [Source<'_>]) -> LabEvents {
     let mut unread = None;
     for (s, raw) in sources.iter_mut().zip(&raw) {
         records.extend(attribute_batch(s.engine, s.datapath, raw, 1));
-        let c = s.datapath.counters().unwrap_or_default();
-        counters.events += c.events;
-        counters.events_suppressed += c.events_suppressed;
-        counters.events_lost += c.events_lost;
-        counters.handed_off += c.handed_off;
-        counters.untracked_allowed += c.untracked_allowed;
-        counters.untracked_denied += c.untracked_denied;
+        counters.add(&s.datapath.counters().unwrap_or_default());
         // One read per datapath, all it counted since it was created: the totals' memory of
         // the last read is another datapath's elements, so it is cleared first.
         totals.reloaded();

@@ -160,6 +160,17 @@ fn host_prefix(ip: IpAddr) -> String {
     }
 }
 
+/// Permanent neighbour entries for the next hops `hops` (IPv4, IPv6) at `mac` on `dev`, and
+/// with `default` the default routes of both families through them.
+fn next_hops(cfg: &mut String, hops: (IpAddr, IpAddr), mac: &str, dev: &str, default: bool) {
+    for hop in [hops.0, hops.1] {
+        let _ = writeln!(cfg, "neigh add {hop} lladdr {mac} dev {dev} nud permanent");
+        if default {
+            let _ = writeln!(cfg, "route add default via {hop} dev {dev} onlink");
+        }
+    }
+}
+
 /// Namespace name of a pod: `ordlab-<id>-<ns>_<name>` (`_` cannot occur in Kubernetes names),
 /// by index when that would be too long for a file name.
 fn pod_netns(run_id: &str, index: usize, label: &str) -> String {
@@ -546,44 +557,22 @@ impl Topology {
     fn configure_uplink(&self, n: usize, cfg: &mut String, world_cfg: &mut String) {
         let (up, w) = Self::uplink_macs(n);
         let link = Self::world_link(n);
-        let _ = writeln!(
-            cfg,
-            "neigh add {WORLD_UPLINK4} lladdr {w} dev {UPLINK} nud permanent\n\
-             neigh add {WORLD_UPLINK6} lladdr {w} dev {UPLINK} nud permanent"
-        );
-        if n == 0 {
-            let _ = writeln!(
-                cfg,
-                "route add default via {WORLD_UPLINK4} dev {UPLINK} onlink\n\
-                 route add default via {WORLD_UPLINK6} dev {UPLINK} onlink"
-            );
-        } else {
+        let world_hops = (WORLD_UPLINK4.into(), WORLD_UPLINK6.into());
+        next_hops(cfg, world_hops, &w, UPLINK, n == 0);
+        if n != 0 {
             // The tunnels to node 0 over the uplink; everything else (the world) through node
             // 0 over the overlay, so a reply of a Service flow node 0 translated passes node 0's
             // connection tracking again (kube-proxy's un-DNAT) whatever node its backend is on.
             let _ = writeln!(
                 cfg,
-                "route add {} via {WORLD_UPLINK4} dev {UPLINK} onlink\n\
-                 neigh add {GW4} lladdr {gw} dev {OVERLAY} nud permanent\n\
-                 route add default via {GW4} dev {OVERLAY} onlink\n\
-                 neigh add {GW6} lladdr {gw} dev {OVERLAY} nud permanent\n\
-                 route add default via {GW6} dev {OVERLAY} onlink",
+                "route add {} via {WORLD_UPLINK4} dev {UPLINK} onlink",
                 host_prefix(NODE_ADDRESSES[0][0]),
-                gw = mac(6, 0)
             );
+            next_hops(cfg, (GW4.into(), GW6.into()), &mac(6, 0), OVERLAY, true);
         }
-        let _ = writeln!(
-            world_cfg,
-            "neigh add {NODE_UPLINK4} lladdr {up} dev {link} nud permanent\n\
-             neigh add {NODE_UPLINK6} lladdr {up} dev {link} nud permanent"
-        );
-        if n == 0 {
-            let _ = writeln!(
-                world_cfg,
-                "route add default via {NODE_UPLINK4} dev {link} onlink\n\
-                 route add default via {NODE_UPLINK6} dev {link} onlink"
-            );
-        } else {
+        let node_hops = (NODE_UPLINK4.into(), NODE_UPLINK6.into());
+        next_hops(world_cfg, node_hops, &up, &link, n == 0);
+        if n != 0 {
             for addr in NODE_ADDRESSES[n] {
                 let via = if addr.is_ipv6() {
                     NODE_UPLINK6.to_string()
