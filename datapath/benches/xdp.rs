@@ -246,6 +246,11 @@ fn main() {
         events_overhead(sizes[0], &ruleset(sizes[0], Shape::Mixed).0, repeat, rounds);
         return;
     }
+    // `ORDNET_BENCH_ONLY=real`: the whole path with real packets alone.
+    if std::env::var("ORDNET_BENCH_ONLY").is_ok_and(|v| v == "real") {
+        real_path(&BTreeMap::new());
+        return;
+    }
     let shapes = [Shape::Narrow, Shape::Mixed];
     let mut varied_ns: BTreeMap<(Shape, usize, Layout), f64> = BTreeMap::new();
     let mut layout_ns: BTreeMap<(Shape, usize, Layout, usize), f64> = BTreeMap::new();
@@ -430,82 +435,120 @@ fn main() {
 /// the tag checked, no lookup; without: the lookup). Three alternating runs each, medians.
 fn real_path(floor_ns: &BTreeMap<usize, f64>) {
     let packets = env("ORDNET_BENCH_PACKETS", 200_000) as usize;
-    let mut runs: BTreeMap<bool, Vec<(f64, f64)>> = BTreeMap::new();
-    for round in 0..6 {
-        let handoff = round % 2 == 1;
-        let r = ordnet_datapath::pods::in_own_netns(move || one_flow(handoff, packets));
-        runs.entry(handoff).or_default().push(r);
+    // Per run: XDP and TC nanoseconds (the floor: XDP only). Three runs of each, in turn.
+    let mut runs: BTreeMap<Run, Vec<(f64, f64)>> = BTreeMap::new();
+    for round in 0..9 {
+        let run = [Run::Without, Run::Handoff, Run::Floor][round % 3];
+        let r = ordnet_datapath::pods::in_own_netns(move || one_flow(run, packets));
+        runs.entry(run).or_default().push(r);
     }
     let floor = floor_ns.values().copied().fold(f64::INFINITY, f64::min);
+    let real_floor = median(runs[&Run::Floor].iter().map(|r| r.0).collect());
     println!(
         "\nWhole path with real packets (one UDP flow A->B on veths, {packets} 64-byte frames, \
-         kernel run time per program run, median of 3 alternating runs; the smallest test-run \
-         floor above: {floor:.1} ns):"
+         kernel run time per program run, median of 3 runs of each, in turn; the floor program \
+         (parse + 1 hash lookup) on A's interface with the same packets: {real_floor:.1} ns{}):",
+        if floor.is_finite() {
+            format!("; the smallest test-run floor above: {floor:.1} ns")
+        } else {
+            String::new()
+        }
     );
-    for (handoff, v) in runs {
+    for (run, v) in runs.iter().filter(|(r, _)| **r != Run::Floor) {
         let xdp = median(v.iter().map(|r| r.0).collect());
         let tc = median(v.iter().map(|r| r.1).collect());
         println!(
-            "{:>30}: XDP {xdp:.1} + TC {tc:.1} = {:.1} ns",
-            if handoff {
+            "{:>30}: XDP {xdp:.1} + TC {tc:.1} = {:.1} ns = {:.2}x the real-packet floor",
+            if *run == Run::Handoff {
                 "with the handoff"
             } else {
                 "without (TC looks it up)"
             },
-            xdp + tc
+            xdp + tc,
+            (xdp + tc) / real_floor
         );
     }
 }
 
+/// What a run of [`real_path`] measures: both programs without or with the handoff, or the
+/// floor program alone on the sender's interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Run {
+    Without,
+    Handoff,
+    Floor,
+}
+
 /// One run of [`real_path`] in the current (fresh) network namespace: per-run nanoseconds of
-/// the XDP and the TC program over the flow's packets.
-fn one_flow(handoff: bool, packets: usize) -> (f64, f64) {
+/// the XDP and the TC program over the flow's packets (the floor: its program's, and 0).
+fn one_flow(run: Run, packets: usize) -> (f64, f64) {
     use ordnet_datapath::pods::TwoPods;
     use std::net::{SocketAddr, UdpSocket};
     let pods = TwoPods::new("hb");
-    let mut dp = Datapath::create(DatapathConfig {
-        handoff,
-        ct4_entries: 4096,
-        ct6_entries: 4096,
-        ..DatapathConfig::default()
-    })
-    .unwrap();
-    let deny_in = MapState::new(Direction::Ingress, Verdict::Deny);
-    let open_in = MapState::new(Direction::Ingress, Verdict::Allow);
-    let open_out = MapState::new(Direction::Egress, Verdict::Allow);
-    pods.enforce(
-        &mut dp,
-        [(2, &deny_in, &open_out), (3, &open_in, &open_out)],
-    )
-    .unwrap();
     let b = SocketAddr::from((TwoPods::ADDRS[1], 9000));
     let sink = pods.in_pod(1, move || UdpSocket::bind(b).unwrap());
-    let stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).unwrap();
-    let read = |dp: &Datapath| {
-        let x = dp.program().unwrap().info().unwrap();
-        let t = dp.tc_program().unwrap().info().unwrap();
-        [(x.run_time(), x.run_count()), (t.run_time(), t.run_count())]
+    let send = || {
+        pods.in_pod(0, move || {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.connect(b).unwrap();
+            // 14 + 20 + 8 + 22 = a 64-byte frame.
+            let payload = [0u8; 22];
+            for _ in 0..packets {
+                let _ = s.send(&payload);
+            }
+        })
     };
-    let before = read(&dp);
-    pods.in_pod(0, move || {
-        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
-        s.connect(b).unwrap();
-        // 14 + 20 + 8 + 22 = a 64-byte frame.
-        let payload = [0u8; 22];
-        for _ in 0..packets {
-            let _ = s.send(&payload);
-        }
-    });
-    let after = read(&dp);
+    let per = |before: (Duration, u64), after: (Duration, u64)| {
+        let runs = after.1 - before.1;
+        assert!(runs >= packets as u64 * 9 / 10, "runs: {runs}");
+        (after.0 - before.0).as_nanos() as f64 / runs as f64
+    };
+    let stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).unwrap();
+    let out = if run == Run::Floor {
+        // The floor program with A's identity allowed to UDP/9000 (a hit), on A's interface.
+        let id = u32::from(TwoPods::ADDRS[0]) & 0x00ff_ffff;
+        let allow = entry(
+            0,
+            OrderKey::new(0, 0),
+            Verdict::Allow,
+            Selector::ids([id]),
+            L4Match::port(Protocol::Udp, 9000),
+        );
+        let ms = MapState::build(Direction::Egress, Verdict::Deny, [allow]).unwrap();
+        let (mut obj, _) = BenchObject::load(&ms).unwrap();
+        obj.attach(Layout::Floor, TwoPods::HOSTS[0]).unwrap();
+        let before = obj.run_stats(Layout::Floor).unwrap();
+        send();
+        (per(before, obj.run_stats(Layout::Floor).unwrap()), 0.0)
+    } else {
+        let mut dp = Datapath::create(DatapathConfig {
+            handoff: run == Run::Handoff,
+            ct4_entries: 4096,
+            ct6_entries: 4096,
+            ..DatapathConfig::default()
+        })
+        .unwrap();
+        let deny_in = MapState::new(Direction::Ingress, Verdict::Deny);
+        let open_in = MapState::new(Direction::Ingress, Verdict::Allow);
+        let open_out = MapState::new(Direction::Egress, Verdict::Allow);
+        pods.enforce(
+            &mut dp,
+            [(2, &deny_in, &open_out), (3, &open_in, &open_out)],
+        )
+        .unwrap();
+        let read = |dp: &Datapath| {
+            let x = dp.program().unwrap().info().unwrap();
+            let t = dp.tc_program().unwrap().info().unwrap();
+            [(x.run_time(), x.run_count()), (t.run_time(), t.run_count())]
+        };
+        let before = read(&dp);
+        send();
+        let after = read(&dp);
+        (per(before[0], after[0]), per(before[1], after[1]))
+    };
     drop(stats);
     drop(sink);
-    let per = |k: usize| {
-        let (t0, c0) = before[k];
-        let (t1, c1) = after[k];
-        assert!(c1 - c0 >= packets as u64 * 9 / 10, "runs: {}", c1 - c0);
-        (t1 - t0).as_nanos() as f64 / (c1 - c0) as f64
-    };
-    (per(0), per(1))
+    out
 }
 
 /// Distinct packets of the varied measurement.

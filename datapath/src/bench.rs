@@ -730,6 +730,31 @@ impl BenchObject {
         take(&mut self.ebpf, name)
     }
 
+    /// Attaches a layout's program to interface `iface` of the calling thread's network
+    /// namespace (native XDP, as the datapath attaches to veths), to measure it on real packets
+    /// ([`BenchObject::run_stats`]); detached when the object is dropped.
+    pub fn attach(&mut self, layout: Layout, iface: &str) -> Result<(), DatapathError> {
+        let p: &mut Xdp = self
+            .ebpf
+            .program_mut(layout.program())
+            .ok_or(DatapathError::Missing(layout.program()))?
+            .try_into()?;
+        p.attach(iface, aya::programs::XdpMode::Driver)?;
+        Ok(())
+    }
+
+    /// A layout program's total run time and number of runs so far (the kernel's statistics:
+    /// counted only while `bpf_stats` is enabled).
+    pub fn run_stats(&self, layout: Layout) -> Result<(std::time::Duration, u64), DatapathError> {
+        let p: &Xdp = self
+            .ebpf
+            .program(layout.program())
+            .ok_or(DatapathError::Missing(layout.program()))?
+            .try_into()?;
+        let info = p.info()?;
+        Ok((info.run_time(), info.run_count()))
+    }
+
     /// Runs a layout's program `repeat` times on `frame`.
     pub fn run(
         &self,
