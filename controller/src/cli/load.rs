@@ -18,9 +18,6 @@ pub struct LoadedEngine {
     pub exit: ExitCode,
     /// The staged policies `engine` leaves out (none with `--staged`: it enforces them).
     pub staged: Vec<ordnet_engine::Object>,
-    /// The objects `engine` was built from (`ordnet lab --cni flannel` builds each node's
-    /// engine from them).
-    pub objects: ordnet_crds::ClusterObjects,
 }
 
 impl LoadedEngine {
@@ -47,6 +44,15 @@ impl LoadedEngine {
 /// and the command exits 1 after its answer (CLI.md: invalid input is exit 1, so CI catches
 /// it). (The subcommands answer `--agent ADDR` themselves, before calling this.)
 pub fn load_engine(cmd: &str, source: &Source) -> Result<LoadedEngine, ExitCode> {
+    load_engine_and_objects(cmd, source).map(|(loaded, _)| loaded)
+}
+
+/// [`load_engine`], and the objects the engine was built from (`ordnet lab --cni flannel`
+/// builds each node's engine from them; the other commands let them go at once).
+pub fn load_engine_and_objects(
+    cmd: &str,
+    source: &Source,
+) -> Result<(LoadedEngine, ClusterObjects), ExitCode> {
     let outcome = ordnet_crds::load_and_validate(&source.files);
     for p in &outcome.problems {
         eprintln!("{p}");
@@ -130,16 +136,16 @@ pub fn load_engine(cmd: &str, source: &Source) -> Result<LoadedEngine, ExitCode>
             )
             .collect()
     };
-    Ok(LoadedEngine {
+    let loaded = LoadedEngine {
         engine,
         staged,
-        objects: outcome.objects,
         exit: if errors > 0 {
             ExitCode::from(1)
         } else {
             ExitCode::SUCCESS
         },
-    })
+    };
+    Ok((loaded, outcome.objects))
 }
 
 /// The file an object (`KIND NS/NAME` or `KIND NAME`) was read from.

@@ -125,7 +125,14 @@ struct NodePortCheck {
 fn plan(args: &LabArgs) -> Result<Plan, Fail> {
     let (family, externals) = checked_flags(args)?;
     let (engine, staged, objects) = buildable_engine(args, &externals)?;
-    let nodes = node_engines(args.cni, &engine, objects);
+    // The node each pod is built on (the topology places them in the same order).
+    let node_of: HashMap<String, usize> = engine
+        .endpoints()
+        .iter()
+        .enumerate()
+        .map(|(i, ep)| (ep.id(), topo::node_of(args.cni, i)))
+        .collect();
+    let nodes = node_engines(args.cni, &node_of, objects);
     let proto = load::protocol(args.protocol);
     // With staged policies: what `ordnet matrix --staged` prints, for `--observe` to check the
     // staged verdicts of the events against.
@@ -190,12 +197,6 @@ fn plan(args: &LabArgs) -> Result<Plan, Fail> {
             .set_host_addresses(&mut o.datapath, &topo::NODE_ADDRESSES[n])
             .map_err(|e| fail(1, format!("programming the in-memory datapath: {e}")))?;
     }
-    let node_of: HashMap<String, usize> = engine
-        .endpoints()
-        .iter()
-        .enumerate()
-        .map(|(i, ep)| (ep.id(), topo::node_of(args.cni, i)))
-        .collect();
     let node_ports = node_port_checks(
         &engine,
         &offlines,
@@ -233,7 +234,7 @@ impl Plan {
 /// of that node builds. Empty for one-node shapes (the cluster-wide engine is the node's).
 fn node_engines(
     shape: crate::cli::CniShape,
-    engine: &Engine,
+    placed: &HashMap<String, usize>,
     mut objects: ordnet_crds::ClusterObjects,
 ) -> Vec<Engine> {
     let count = topo::node_count(shape);
@@ -241,12 +242,6 @@ fn node_engines(
         return Vec::new();
     }
     let node_name = |n: usize| format!("ordlab-node{}", n + 1);
-    let placed: HashMap<String, usize> = engine
-        .endpoints()
-        .iter()
-        .enumerate()
-        .map(|(i, ep)| (ep.id(), topo::node_of(shape, i)))
-        .collect();
     for pod in &mut objects.pods {
         let meta = &pod.object.metadata;
         let id = format!(
@@ -321,7 +316,7 @@ fn buildable_engine(
         agent: None,
         staged: false,
     };
-    let loaded = load::load_engine("lab", &source).map_err(|code| Fail {
+    let (loaded, objects) = load::load_engine_and_objects("lab", &source).map_err(|code| Fail {
         // load_engine printed the problems; its exit code is CLI.md's.
         code: if code == ExitCode::from(1) { 1 } else { 2 },
         msg: String::new(),
@@ -332,7 +327,7 @@ fn buildable_engine(
         return Err(fail(1, "the manifests have errors; nothing built"));
     }
     let staged = loaded.staged_view();
-    let (engine, objects) = (loaded.engine, loaded.objects);
+    let engine = loaded.engine;
     // Every address is given to exactly one namespace (validation already refused two pods
     // with one address).
     let mut owner: HashMap<IpAddr, String> = HashMap::new();
