@@ -58,6 +58,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use ipnet::IpNet;
 use ordnet_datapath::common::layout::V_DENY;
@@ -175,13 +176,15 @@ fn addresses_of(ep: &Endpoint) -> Vec<(IpAddr, u32)> {
     v
 }
 
-/// One endpoint's change in steps 3 (`upserts`) and 5 (`removals`).
+/// One endpoint's change in steps 3 (`upserts`) and 5 (`removals`). The halves are shared by
+/// every endpoint of one engine ChangeSet (the users of a shared MapState): split once, and the
+/// datapath sees one ChangeSet per rule set, which it computes its steps for once.
 struct Split {
     id: u32,
     name: String,
     dir: Direction,
-    upserts: ChangeSet,
-    removals: ChangeSet,
+    upserts: Arc<ChangeSet>,
+    removals: Arc<ChangeSet>,
     /// The default before, during step 3 and after step 5.
     current: Verdict,
     first: Verdict,
@@ -852,7 +855,7 @@ impl NodeProgram {
         let step3 = splits
             .iter()
             .filter(|s| !s.upserts.is_empty() || s.first != s.current)
-            .map(|s| (s.id, s.name.clone(), s.dir, &s.upserts, s.first))
+            .map(|s| (s.id, s.name.clone(), s.dir, &*s.upserts, s.first))
             .collect();
         self.apply_changes(dp, step3, full)?;
         // 4. The ipcache, and endpoints whose addresses or identities changed.
@@ -862,7 +865,7 @@ impl NodeProgram {
         let step5 = splits
             .iter()
             .filter(|s| !s.removals.is_empty() || s.first != s.last)
-            .map(|s| (s.id, s.name.clone(), s.dir, &s.removals, s.last))
+            .map(|s| (s.id, s.name.clone(), s.dir, &*s.removals, s.last))
             .collect();
         self.apply_changes(dp, step5, full)
     }
@@ -960,6 +963,8 @@ impl NodeProgram {
         full: &mut BTreeSet<String>,
     ) -> Vec<Split> {
         let mut splits: Vec<Split> = Vec::new();
+        let mut halves: HashMap<*const ChangeSet, (Arc<ChangeSet>, Arc<ChangeSet>)> =
+            HashMap::new();
         for u in &delta.updates {
             let Some(&id) = self.ids.get(&u.endpoint) else {
                 continue;
@@ -986,19 +991,27 @@ impl NodeProgram {
             } else {
                 current
             };
+            let (upserts, removals) = halves
+                .entry(Arc::as_ptr(&u.changes))
+                .or_insert_with(|| {
+                    let upserts = ChangeSet {
+                        added: u.changes.added.clone(),
+                        changed: u.changes.changed.clone(),
+                        removed: Vec::new(),
+                    };
+                    let removals = ChangeSet {
+                        removed: u.changes.removed.clone(),
+                        ..ChangeSet::default()
+                    };
+                    (Arc::new(upserts), Arc::new(removals))
+                })
+                .clone();
             splits.push(Split {
                 id,
                 name: u.endpoint.clone(),
                 dir: u.direction,
-                upserts: ChangeSet {
-                    added: u.changes.added.clone(),
-                    changed: u.changes.changed.clone(),
-                    removed: Vec::new(),
-                },
-                removals: ChangeSet {
-                    removed: u.changes.removed.clone(),
-                    ..ChangeSet::default()
-                },
+                upserts,
+                removals,
                 current,
                 first,
                 last,

@@ -989,27 +989,37 @@ impl Control {
         self.store.reclaim(w, &mut stats)?;
         // 1. Validate: endpoints exist, changes convert and fit the current keys.
         let mut items = Vec::with_capacity(batch.len());
+        // The endpoints of one rule set given the same ChangeSet (the users of one shared
+        // MapState) convert and check it once.
+        let mut checked: HashMap<(usize, u32), ContentDiff> = HashMap::new();
         for &(id, dir, changes, default) in batch {
             let ep = self
                 .endpoints
                 .get(&id)
                 .ok_or(ControlError::UnknownEndpoint(id))?;
             let old = ep.policy(dir);
-            let diff =
-                ContentDiff::from_changeset(changes, &mut self.counters).map_err(|source| {
-                    ControlError::Flatten {
+            let memo = (std::ptr::from_ref(changes) as usize, old.ruleset);
+            let diff = match checked.get(&memo) {
+                Some(diff) => diff.clone(),
+                None => {
+                    let diff = ContentDiff::from_changeset(changes, &mut self.counters).map_err(
+                        |source| ControlError::Flatten {
+                            endpoint: id,
+                            direction: dir,
+                            source,
+                        },
+                    )?;
+                    let empty = RuleSetContent::default();
+                    let content = self.store.content(old.ruleset).unwrap_or(&empty);
+                    check_diff(content, &diff).map_err(|detail| ControlError::StaleChanges {
                         endpoint: id,
                         direction: dir,
-                        source,
-                    }
-                })?;
-            let empty = RuleSetContent::default();
-            let content = self.store.content(old.ruleset).unwrap_or(&empty);
-            check_diff(content, &diff).map_err(|detail| ControlError::StaleChanges {
-                endpoint: id,
-                direction: dir,
-                detail,
-            })?;
+                        detail,
+                    })?;
+                    checked.insert(memo, diff.clone());
+                    diff
+                }
+            };
             items.push((id, dir, old, diff, verdict_code(default)));
         }
         // Both sides of some flow change: the meet of old and new goes first (see

@@ -478,8 +478,9 @@ impl Engine {
             ..
         } = prep;
         let (added_ids, removed_ids) = (&ids.added, &ids.removed);
-        let (gained, lost, notified_policies) = (&notes.gained, &notes.lost, &notes.policies);
-        // Shared states to update (each once; keys compared by address).
+        let (gained, lost) = (&notes.gained, &notes.lost);
+        // Shared states to update (each once; keys compared by address; in the order of the
+        // policies, so that the states are updated in the same order whatever the hasher).
         let mut affected: Vec<Arc<ShareKey>> = Vec::new();
         let mut seen: HashSet<*const ShareKey> = HashSet::default();
         let updated = p
@@ -487,7 +488,9 @@ impl Engine {
             .iter()
             .filter(|(_, (old, new))| old.is_some() && new.is_some())
             .map(|(id, _)| id);
-        for pol in updated.chain(notified_policies.iter()) {
+        let mut notified = self.selectors.users_of(&notes.changed);
+        notified.sort_unstable();
+        for pol in updated.chain(notified) {
             for key in self.shared.of_policy(pol) {
                 if !derived.contains_key(key) && seen.insert(Arc::as_ptr(key)) {
                     affected.push(key.clone());
