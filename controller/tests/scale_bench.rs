@@ -581,6 +581,15 @@ fn push(initial: &mut Initial, o: ordnet_engine::Object) {
 async fn engine_changes() {
     use ordnet::agent::{Enforcer, NoneDatapath};
     use ordnet_engine::ObjectChange;
+    // `ORDNET_CHANGE_KINDS=4` (indices into `scale::CHANGE_KINDS`, comma-separated): only those
+    // kinds, to profile one.
+    let kinds: Vec<usize> = match std::env::var("ORDNET_CHANGE_KINDS") {
+        Ok(v) => v
+            .split(',')
+            .map(|k| k.trim().parse().expect("ORDNET_CHANGE_KINDS: indices"))
+            .collect(),
+        Err(_) => (0..scale::CHANGE_KINDS.len()).collect(),
+    };
     for shape in shapes() {
         let api = FakeApi::start().await.unwrap();
         let mut initial = Initial::default();
@@ -603,6 +612,9 @@ async fn engine_changes() {
         let mut times = vec![Vec::new(); scale::CHANGE_KINDS.len()];
         for n in 0..CHANGES_PER_KIND {
             for (k, t) in times.iter_mut().enumerate() {
+                if !kinds.contains(&k) {
+                    continue;
+                }
                 let written = scale::change(&api, &shape, k, n);
                 let change = ObjectChange::Upsert(typed(written).slimmed());
                 let started = Instant::now();
@@ -613,6 +625,9 @@ async fn engine_changes() {
             }
         }
         for (k, t) in times.iter().enumerate() {
+            if t.is_empty() {
+                continue;
+            }
             let mut e: Vec<Duration> = t.iter().map(|t| t.0).collect();
             let mut d: Vec<Duration> = t.iter().map(|t| t.1).collect();
             e.sort();
