@@ -829,8 +829,12 @@ impl Core {
         let mut pending: FastSet<Peer> = dirty.keys().copied().collect();
         for (peer, regions) in dirty {
             pending.remove(&peer);
+            // An up-to-date twin (equal candidates) holds the keys a recompute would give in
+            // every region, not only when the whole space is dirty: a policy edit that moves
+            // one entry dirties the entry's ports for each of the thousands of identities it
+            // selects, and most of them share a handful of candidate lists.
             let regions = minimal_regions(regions);
-            if regions == [L4Prefix::ANY] && self.take_twin(peer, &pending, Some(&mut changes)) {
+            if self.take_twin(peer, &pending, Some(&mut changes)) {
                 continue;
             }
             for region in regions {
@@ -1050,12 +1054,51 @@ impl Core {
                 }
             }
             Selector::Ids(ids) => {
+                // Identities holding one candidate list (one allocation: equal lists are
+                // shared) get one new list: the change is made once per distinct list, not
+                // once per identity (an entry selects thousands of identities, which hold a
+                // handful of lists). The memo keeps the old lists alive, so that no address
+                // is reused while it is a key.
+                type Memo = FastMap<usize, (Option<Arc<Candidates>>, Arc<Candidates>)>;
+                let mut memo: Memo = FastMap::default();
                 for id in ids {
-                    for b in &blocks {
-                        self.index_contrib(Peer::Id(id), *b, c, add);
+                    let peer = Peer::Id(id);
+                    let old = self.cand.get(&peer).cloned();
+                    let key = old.as_ref().map_or(0, |a| Arc::as_ptr(a) as usize);
+                    if let Some((_, new)) = memo.get(&key) {
+                        self.cand.insert(peer, new.clone());
+                        continue;
                     }
+                    for b in &blocks {
+                        self.index_cand(peer, *b, c, add);
+                    }
+                    let new = self.cand.get(&peer).cloned().unwrap_or_default();
+                    memo.insert(key, (old, new));
+                }
+                for b in &blocks {
+                    self.index_spec(ids, *b);
                 }
             }
+        }
+    }
+
+    /// Brings the identity index at `block` up to date for `ids` (indexed while an identity has
+    /// a contribution at the block).
+    fn index_spec(&mut self, ids: &IdSet, block: L4Prefix) {
+        let v = self.spec_index.entry(block).or_default();
+        for id in ids {
+            if self
+                .cand
+                .get(&Peer::Id(id))
+                .is_some_and(|c| c.find(&block).is_ok())
+            {
+                v.insert(id);
+            } else {
+                v.remove(id);
+            }
+        }
+        if v.is_empty() {
+            self.spec_index.remove(&block);
         }
     }
 
