@@ -22,6 +22,10 @@ pub(crate) type SelId = u32;
 pub(crate) struct SelState {
     pub id: SelId,
     pub ids: BTreeSet<Identity>,
+    /// `ids` as the bitmap a MapState entry holds ([`SelectorCache::selected`] clones it:
+    /// building it from `ids` at every compilation was ~7 % of a local relabel at 10k pods /
+    /// 5k policies).
+    bits: IdSet,
     /// The policies that use this peer.
     pub users: BTreeSet<PolicyRef>,
 }
@@ -64,6 +68,7 @@ impl SelectorCache {
             spec,
             SelState {
                 id: self.last,
+                bits: selected.iter().copied().collect(),
                 ids: selected,
                 users: BTreeSet::from([user]),
             },
@@ -91,7 +96,7 @@ impl SelectorCache {
     pub(crate) fn selected(&self, spec: &PeerSpec) -> IdSet {
         self.entries
             .get(spec)
-            .map(|s| s.ids.iter().copied().collect())
+            .map(|s| s.bits.clone())
             .unwrap_or_default()
     }
 
@@ -136,12 +141,14 @@ impl SelectorCache {
             let mut changed = false;
             for (id, sig) in added {
                 if selects(spec, sig) && st.ids.insert(*id) {
+                    st.bits.insert(*id);
                     n.gained.entry(st.id).or_default().insert(*id);
                     changed = true;
                 }
             }
             for id in removed.keys() {
                 if st.ids.remove(id) {
+                    st.bits.remove(*id);
                     n.lost.entry(st.id).or_default().insert(*id);
                     changed = true;
                 }
