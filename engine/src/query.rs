@@ -2,7 +2,7 @@
 //! traces ([`Engine::flow`], decided only through `MapState::lookup`), and the `ordnet matrix`
 //! computation ([`matrix()`]).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -248,7 +248,7 @@ impl Engine {
     }
 
     /// The identities a peer currently selects (if some policy uses it).
-    pub fn selector_identities(&self, spec: &PeerSpec) -> Option<&BTreeSet<Identity>> {
+    pub fn selector_identities(&self, spec: &PeerSpec) -> Option<&ordnet_mapstate::IdSet> {
         self.selectors.get(spec).map(|s| &s.ids)
     }
 

@@ -229,10 +229,10 @@ impl<'a> Analysis<'a> {
         }
     }
 
-    fn bits<'i>(&self, ids: impl IntoIterator<Item = &'i Identity>) -> Bits {
+    fn bits(&self, ids: impl IntoIterator<Item = Identity>) -> Bits {
         let mut b = Bits::empty(self.n);
         for id in ids {
-            if let Some(&i) = self.bit.get(id) {
+            if let Some(&i) = self.bit.get(&id) {
                 b.set(i);
             }
         }
@@ -250,7 +250,7 @@ impl<'a> Analysis<'a> {
         };
         let b = Arc::new(match engine.selector_identities(spec) {
             Some(ids) => self.bits(ids),
-            None => self.bits(&crate::selector_cache::evaluate(
+            None => self.bits(crate::selector_cache::evaluate(
                 spec,
                 &engine.ids,
                 &engine.store,
@@ -271,7 +271,7 @@ impl<'a> Analysis<'a> {
             return Arc::new(Vec::new());
         };
         let ids: Vec<Identity> = match engine.selector_identities(spec) {
-            Some(ids) => ids.iter().copied().collect(),
+            Some(ids) => ids.iter().collect(),
             None => crate::selector_cache::evaluate(spec, &engine.ids, &engine.store)
                 .into_iter()
                 .collect(),
@@ -279,7 +279,7 @@ impl<'a> Analysis<'a> {
         let groups: Vec<(u16, Arc<Bits>)> = engine
             .group_by_port(ids, name, proto)
             .into_iter()
-            .map(|(n, set)| (n, Arc::new(self.bits(&set))))
+            .map(|(n, set)| (n, Arc::new(self.bits(set))))
             .collect();
         let groups = Arc::new(groups);
         self.named.insert(key, groups.clone());

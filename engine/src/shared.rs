@@ -334,7 +334,7 @@ impl Engine {
                                 let (sel, ids) = self
                                     .selectors
                                     .get(&spec)
-                                    .map(|s| (s.id, s.ids.iter().copied().collect::<Vec<_>>()))
+                                    .map(|s| (s.id, s.ids.iter().collect::<Vec<_>>()))
                                     .unwrap_or_default();
                                 index.named.push(NamedGroup {
                                     origin: rule.origin.clone(),

@@ -1076,7 +1076,7 @@ impl Core {
                     memo.insert(key, (old, new));
                 }
                 for b in &blocks {
-                    self.index_spec(ids, *b);
+                    self.index_spec(ids.iter(), *b);
                 }
             }
         }
@@ -1084,7 +1084,7 @@ impl Core {
 
     /// Brings the identity index at `block` up to date for `ids` (indexed while an identity has
     /// a contribution at the block).
-    fn index_spec(&mut self, ids: &IdSet, block: L4Prefix) {
+    fn index_spec(&mut self, ids: impl IntoIterator<Item = Identity>, block: L4Prefix) {
         let v = self.spec_index.entry(block).or_default();
         for id in ids {
             if self
@@ -1105,17 +1105,7 @@ impl Core {
     fn index_contrib(&mut self, peer: Peer, block: L4Prefix, c: Contrib, add: bool) {
         self.index_cand(peer, block, c, add);
         if let Peer::Id(id) = peer {
-            // Indexed while the identity has a contribution at the block.
-            let present = self.cand.get(&peer).is_some_and(|c| c.find(&block).is_ok());
-            let v = self.spec_index.entry(block).or_default();
-            if present {
-                v.insert(id);
-            } else {
-                v.remove(id);
-            }
-            if v.is_empty() {
-                self.spec_index.remove(&block);
-            }
+            self.index_spec([id], block);
         }
     }
 
