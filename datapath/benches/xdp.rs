@@ -251,6 +251,21 @@ fn main() {
         real_path(&BTreeMap::new());
         return;
     }
+    // `ORDNET_BENCH_ONLY=full`: the full program's rows alone (no layouts, no floor), and with
+    // `ORDNET_BENCH_ROW=<text>` only the XDP rows whose name contains it: a few seconds per
+    // run, to compare two builds run after run.
+    if std::env::var("ORDNET_BENCH_ONLY").is_ok_and(|v| v == "full") {
+        let mut full_ns: BTreeMap<(usize, &'static str), f64> = BTreeMap::new();
+        for &n in &sizes {
+            let (ms, _) = ruleset(n, Shape::Mixed);
+            full_program(n, &ms, repeat, rounds, &mut full_ns);
+        }
+        println!("Full ordnet program, Mixed rule set (ns/packet):");
+        for ((n, name), v) in &full_ns {
+            println!("{name:>50} {n:>8} entries {v:8.1}");
+        }
+        return;
+    }
     let shapes = [Shape::Narrow, Shape::Mixed];
     let mut varied_ns: BTreeMap<(Shape, usize, Layout), f64> = BTreeMap::new();
     let mut layout_ns: BTreeMap<(Shape, usize, Layout, usize), f64> = BTreeMap::new();
@@ -777,8 +792,13 @@ fn full_program(
         );
     }
     let mut samples: BTreeMap<&'static str, Vec<f64>> = BTreeMap::new();
+    // `ORDNET_BENCH_ROW` (see `main`): these rows only, and not the TC hook's.
+    let row = std::env::var("ORDNET_BENCH_ROW").ok();
     for _ in 0..rounds {
         for (name, f, want) in &full {
+            if row.as_ref().is_some_and(|r| !name.contains(r.as_str())) {
+                continue;
+            }
             let r = dp.test_run_repeat(f, repeat).unwrap();
             assert_eq!(r.action, *want);
             samples.entry(name).or_default().push(ns(r.avg_duration));
@@ -787,7 +807,9 @@ fn full_program(
     for (name, v) in samples {
         full_ns.insert((n, name), median(v));
     }
-    tc_program(n, &mut dp, id, p, repeat, rounds, full_ns);
+    if row.is_none() {
+        tc_program(n, &mut dp, id, p, repeat, rounds, full_ns);
+    }
 }
 
 /// The verdict events' and the per-rule counters' cost per packet (`common::event`,

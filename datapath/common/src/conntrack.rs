@@ -143,6 +143,22 @@ pub(crate) fn node_flow<M: DatapathMaps + ?Sized>(p: &IpPacket, maps: &M) -> boo
             .is_some_and(|i| i.is_endpoint())
 }
 
+/// The XDP program's short cut for the packet it sees most, an established flow's: for a
+/// packet [`crate::parse_simple`] read (IPv4 TCP or UDP, not a fragment), step 1 of
+/// [`crate::decide`] alone — `Some` with the decision exactly when [`crate::decide`] would
+/// return it after that one lookup (a live entry with the current stamp: `Established`,
+/// `Reply` or `ServiceFlow`, the entry refreshed as there), `None` when the full decision has
+/// to run. The steps before it do not apply to such a packet at XDP (it is no later fragment,
+/// no Neighbor Discovery, no ICMP error), so both run the same code on the same packet.
+#[inline(always)]
+pub fn established<M: DatapathMaps + ?Sized>(p: &IpPacket, maps: &M) -> Option<Decision> {
+    // A pure SYN is always judged at XDP (`Track::lookup` does not even look it up).
+    if p.protocol == IPPROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
+        return None;
+    }
+    Track::lookup(p, maps, Hook::Xdp).err()
+}
+
 /// A packet's connection-tracking state (step 1 of [`decide_at`]).
 ///
 /// Only what the packet and the state cannot give again is kept: every field lives across the

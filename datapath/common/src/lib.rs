@@ -40,7 +40,7 @@ pub mod lookup;
 mod parse;
 mod verdict;
 
-pub use conntrack::{ct_key, ct_key_of, ct_lifetime, ct_tcp_progress, has_flow};
+pub use conntrack::{ct_key, ct_key_of, ct_lifetime, ct_tcp_progress, established, has_flow};
 pub use layout::PROGRAM_NAME;
 pub use parse::{
     ETH_HLEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6, Fragment, Frame,
@@ -52,7 +52,7 @@ pub use parse::{
     IPPROTO_FRAGMENT, IPPROTO_HIP, IPPROTO_HOPOPTS, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_MH,
     IPPROTO_NONE, IPPROTO_ROUTING, IPPROTO_SCTP, IPPROTO_SHIM6, IPPROTO_TCP, IPPROTO_UDP, Icmp,
     IpPacket, MAX_HEADER_BYTES, MAX_IPV6_EXT_HEADERS, MAX_VLAN_TAGS, ND_HOP_LIMIT, ParseError,
-    Parsed, addr_bytes, addr_words, ipv4_in_16, parse, parse_l3,
+    Parsed, addr_bytes, addr_words, ipv4_in_16, parse, parse_l3, parse_simple,
 };
 pub use verdict::{
     DatapathMaps, Decision, Hook, Reason, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, Verdict, decide,

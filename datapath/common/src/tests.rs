@@ -18,10 +18,10 @@ use crate::{
     ParseError, Parsed, Reason, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, Verdict, addr_bytes,
     addr_words, craft,
     craft::L4,
-    ct_key, decide, decide_at, handoff, ipv4_in_16,
+    ct_key, decide, decide_at, established, handoff, ipv4_in_16,
     layout::*,
     lookup::{Match, PolicyMaps},
-    parse, parse_l3,
+    parse, parse_l3, parse_simple,
 };
 
 fn p(frame: &[u8]) -> Result<Parsed, ParseError> {
@@ -792,8 +792,33 @@ fn mock() -> Mock {
     m
 }
 
+/// `decide` on the frame `src -> dst` with `l4`. Every call also checks the XDP program's short
+/// cut (`parse_simple` + `established`) against it: where the short cut decides, it makes the
+/// same decision with the same writes to the tracking table and counters (run first, on the
+/// same maps, then undone).
 fn run(m: &Mock, src: [u8; 4], dst: [u8; 4], l4: L4) -> Decision {
-    decide(&parse(&craft::ipv4_frame_between(src, dst, l4)[..]), m)
+    let frame = craft::ipv4_frame_between(src, dst, l4);
+    let (table, counts, reads) = (
+        m.ct.borrow().clone(),
+        m.counts.borrow().clone(),
+        m.reads.get(),
+    );
+    let fast = parse_simple(&frame[..]).and_then(|p| established(&p, m));
+    let fast_table = core::mem::replace(&mut *m.ct.borrow_mut(), table);
+    let fast_counts = core::mem::replace(&mut *m.counts.borrow_mut(), counts);
+    m.reads.set(reads);
+    let d = decide(&parse(&frame[..]), m);
+    if let Some(f) = fast {
+        assert_eq!(
+            f, d,
+            "the short cut decided otherwise: {src:?} -> {dst:?} {l4:?}"
+        );
+        assert!(
+            fast_table == *m.ct.borrow() && fast_counts == *m.counts.borrow(),
+            "the short cut wrote otherwise: {src:?} -> {dst:?} {l4:?}"
+        );
+    }
+    d
 }
 
 #[test]
@@ -1306,6 +1331,98 @@ fn quickcheck_never_panics_and_is_deterministic() {
     QuickCheck::new()
         .tests(20_000)
         .quickcheck(prop as fn(Vec<u8>) -> bool);
+}
+
+/// An untagged IPv4 TCP or UDP frame with `extra` payload bytes appended (lengths updated).
+fn with_ipv4_payload(mut f: Vec<u8>, extra: usize) -> Vec<u8> {
+    let add = |f: &mut Vec<u8>, at: usize| {
+        let v = u16::from_be_bytes([f[at], f[at + 1]]) + extra as u16;
+        f[at..at + 2].copy_from_slice(&v.to_be_bytes());
+    };
+    add(&mut f, ETH_HLEN + 2);
+    if f[ETH_HLEN + 9] == IPPROTO_UDP {
+        add(&mut f, ETH_HLEN + 24);
+    }
+    f.resize(f.len() + extra, 0x5a);
+    f
+}
+
+/// `parse_simple` reads untagged IPv4 TCP and UDP frames without options or fragmentation, and
+/// nothing else.
+#[test]
+fn parse_simple_reads_the_common_frames() {
+    let simple = |f: &[u8]| parse_simple(f).map(Parsed::Ip);
+    for l4 in [
+        tcp(40000, 443, TCP_ACK),
+        tcp(1, 2, TCP_SYN),
+        L4::Udp {
+            sport: 53,
+            dport: 9,
+        },
+    ] {
+        let f = with_ipv4_payload(craft::ipv4_frame_between(A, REMOTE, l4), 16);
+        assert_eq!(simple(&f), Some(p(&f).unwrap()), "{l4:?}");
+        // Shorter than 50 bytes: the full parser's.
+        let small = craft::ipv4_frame_between(A, REMOTE, L4::Udp { sport: 1, dport: 2 });
+        assert_eq!(parse_simple(&small[..]), None);
+        // Tagged, fragmented, with options, IPv6: the full parser's.
+        let tagged = craft::ethernet(&[(ETH_P_8021Q, 3)], ETH_P_IP, &f[14..]);
+        let mut first = f.clone();
+        craft::set_ipv4_fragment(&mut first, 14, true, 0);
+        let mut options = f.clone();
+        options[14] = 0x46;
+        for other in [tagged, first, options, craft::ipv6_frame(l4)] {
+            assert_eq!(parse_simple(&other[..]), None, "{other:02x?}");
+        }
+    }
+    for l4 in [L4::Echo, L4::Sctp { sport: 1, dport: 2 }] {
+        assert_eq!(parse_simple(&craft::ipv4_frame(l4)[..]), None, "{l4:?}");
+    }
+}
+
+/// Random changes to the headers of common frames (and truncations, and bytes appended):
+/// whenever `parse_simple` reads a frame, `parse` reads the same packet from it — also for the
+/// frames `parse` refuses as malformed, which `parse_simple` must leave to it.
+#[test]
+fn quickcheck_parse_simple_is_parse() {
+    fn prop(which: u8, flips: Vec<(u8, u8)>, cut: Option<u8>) -> TestResult {
+        let l4 = match which % 4 {
+            0 => tcp(40000, 443, TCP_ACK),
+            1 => tcp(443, 40000, TCP_FIN | TCP_ACK),
+            2 => L4::Udp {
+                sport: 53,
+                dport: 5353,
+            },
+            _ => L4::Udp { sport: 1, dport: 2 },
+        };
+        let mut f = craft::ipv4_frame_between(A, REMOTE, l4);
+        if which & 4 != 0 {
+            f = with_ipv4_payload(f, usize::from(which >> 3));
+        }
+        // The header bytes the checks read: EtherType, version and lengths, fragment field,
+        // protocol, ports, UDP length, TCP data offset and flags.
+        for (pos, val) in flips {
+            let i = 12 + usize::from(pos) % 36;
+            if i < f.len() {
+                f[i] = val;
+            }
+        }
+        if let Some(c) = cut {
+            let len = usize::from(c) % (f.len() + 8);
+            if len <= f.len() {
+                f.truncate(len);
+            } else {
+                f.resize(len, 0xa5);
+            }
+        }
+        match parse_simple(&f[..]) {
+            Some(ip) => TestResult::from_bool(p(&f) == Ok(Parsed::Ip(ip))),
+            None => TestResult::passed(),
+        }
+    }
+    QuickCheck::new()
+        .tests(30_000)
+        .quickcheck(prop as fn(u8, Vec<(u8, u8)>, Option<u8>) -> TestResult);
 }
 
 /// Random byte overwrites in valid frames: parse never panics, an IP result has version 4 or

@@ -95,6 +95,24 @@ impl Frame for XdpFrame {
     }
 
     #[inline(always)]
+    fn load_words<const K: usize>(&self, offset: usize) -> Option<[u32; K]> {
+        // Same pattern as `load`, once for all `K` words.
+        let offset = core::hint::black_box(offset);
+        if offset > MAX_HEADER_BYTES - 4 * K {
+            return None;
+        }
+        let start = self.data + offset;
+        if start + 4 * K > self.data_end {
+            return None;
+        }
+        let mut w = [0u32; K];
+        for (i, word) in w.iter_mut().enumerate() {
+            *word = read_u32(start + 4 * i);
+        }
+        Some(w)
+    }
+
+    #[inline(always)]
     fn holds(&self, len: usize) -> bool {
         if self.data + len <= self.data_end {
             return true;

@@ -31,7 +31,7 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 use ordnet_datapath_common::{
-    DatapathMaps, Hook, IpPacket, Parsed, Verdict, decide, decide_at,
+    DatapathMaps, Hook, IpPacket, Parsed, Verdict, decide, decide_at, established,
     event::{
         self, DenyRecord, Due, EVENT_BURST, EventCpu, FlowEvent, HOOK_TC, HOOK_XDP, ObserveArgs,
         Summary, Wanted,
@@ -47,7 +47,7 @@ use ordnet_datapath_common::{
         SvcValue, pair_index, pair_word, pairs, prefix_bits,
     },
     lookup::{CounterSite, MAX_PROBES, PolicyMaps, next_length},
-    parse, parse_l3,
+    parse, parse_l3, parse_simple,
 };
 use ordnet_datapath_ebpf::{XdpFrame, read_u64, write_u64};
 
@@ -359,6 +359,18 @@ impl DatapathMaps for KernelMaps {
 #[xdp(frags)]
 pub fn ordnet_xdp(ctx: XdpContext) -> u32 {
     let frame = XdpFrame::new(&ctx);
+    // The packet seen most, an established flow's, decided by its one lookup before anything
+    // else is parsed or read (`established`: the decision `decide` would make, a PASS that
+    // calls for no event); every other packet takes the full decision below.
+    if let Some(p) = parse_simple(&frame)
+        && let Some(d) = established(&p, &KernelMaps)
+        && d.verdict == Verdict::Pass
+    {
+        if let Some(tag) = handoff::after_xdp(&p, &d, &KernelMaps) {
+            hand_off(&ctx, tag);
+        }
+        return xdp_action::XDP_PASS;
+    }
     let parsed = parse(&frame);
     let d = decide(&parsed, &KernelMaps);
     let Ok(Parsed::Ip(p)) = &parsed else {
