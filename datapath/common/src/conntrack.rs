@@ -143,17 +143,19 @@ pub(crate) fn node_flow<M: DatapathMaps + ?Sized>(p: &IpPacket, maps: &M) -> boo
             .is_some_and(|i| i.is_endpoint())
 }
 
-/// The XDP program's short cut for the packet it sees most, an established flow's: for a
-/// packet [`crate::parse_simple`] read (IPv4 TCP or UDP, not a fragment), step 1 of
-/// [`crate::decide`] alone — `Some` with the decision exactly when [`crate::decide`] would
-/// return it after that one lookup (a live entry with the current stamp: `Established`,
-/// `Reply` or `ServiceFlow`, the entry refreshed as there), `None` when the full decision has
-/// to run. The steps before it do not apply to such a packet at XDP (it is no later fragment,
-/// no Neighbor Discovery, no ICMP error), so both run the same code on the same packet.
+/// The XDP program's short cut for the packet it sees most, an established flow's: the first
+/// steps of [`crate::decide`] for a parsed IP packet, up to the tracking lookup — `Some` with
+/// the decision exactly when [`crate::decide`] returns it there (a live entry with the current
+/// stamp: `Established`, `Reply` or `ServiceFlow`, the entry refreshed as there), `None` when
+/// the rest of the decision has to run. Of the packets a step before the lookup decides, a
+/// later fragment is left to it here (its lookup would use ports 0); Neighbor Discovery and ICMP
+/// errors are no tracked flow, which the lookup never passes. A pure SYN, which that step never
+/// looks up, is left to it at once.
 #[inline(always)]
 pub fn established<M: DatapathMaps + ?Sized>(p: &IpPacket, maps: &M) -> Option<Decision> {
-    // A pure SYN is always judged at XDP (`Track::lookup` does not even look it up).
-    if p.protocol == IPPROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
+    if p.fragment == Fragment::Subsequent
+        || (p.protocol == IPPROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN)
+    {
         return None;
     }
     Track::lookup(p, maps, Hook::Xdp).err()

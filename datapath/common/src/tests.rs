@@ -792,33 +792,55 @@ fn mock() -> Mock {
     m
 }
 
-/// `decide` on the frame `src -> dst` with `l4`. Every call also checks the XDP program's short
-/// cut (`parse_simple` + `established`) against it: where the short cut decides, it makes the
-/// same decision with the same writes to the tracking table and counters (run first, on the
-/// same maps, then undone).
+/// `decide` on the frame `src -> dst` with `l4` (checked by [`decide_checked`]).
 fn run(m: &Mock, src: [u8; 4], dst: [u8; 4], l4: L4) -> Decision {
-    let frame = craft::ipv4_frame_between(src, dst, l4);
+    decide_checked(m, &craft::ipv4_frame_between(src, dst, l4))
+}
+
+/// `decide` on `frame`, after checking the XDP program's short cut (`established`) against
+/// it: where the short cut decides, it makes the same decision with the same writes to the
+/// tracking table and counters (run first, on the same maps, then undone).
+fn decide_checked(m: &Mock, frame: &[u8]) -> Decision {
     let (table, counts, reads) = (
         m.ct.borrow().clone(),
         m.counts.borrow().clone(),
         m.reads.get(),
     );
-    let fast = parse_simple(&frame[..]).and_then(|p| established(&p, m));
+    let parsed = parse(frame);
+    let fast = match &parsed {
+        Ok(Parsed::Ip(p)) => established(p, m),
+        _ => None,
+    };
     let fast_table = core::mem::replace(&mut *m.ct.borrow_mut(), table);
     let fast_counts = core::mem::replace(&mut *m.counts.borrow_mut(), counts);
     m.reads.set(reads);
-    let d = decide(&parse(&frame[..]), m);
+    let d = decide(&parsed, m);
     if let Some(f) = fast {
-        assert_eq!(
-            f, d,
-            "the short cut decided otherwise: {src:?} -> {dst:?} {l4:?}"
-        );
+        assert_eq!(f, d, "the short cut decided otherwise: {frame:02x?}");
         assert!(
             fast_table == *m.ct.borrow() && fast_counts == *m.counts.borrow(),
-            "the short cut wrote otherwise: {src:?} -> {dst:?} {l4:?}"
+            "the short cut wrote otherwise: {frame:02x?}"
         );
     }
     d
+}
+
+/// The short cut leaves the packets that a step before the tracking lookup decides to
+/// `decide`, even where a tracked flow's key would match them: a later fragment (no ports), an
+/// ICMP error about the flow.
+#[test]
+fn short_cut_leaves_the_steps_before_tracking() {
+    let m = mock();
+    // A tracked UDP flow with both ports 0: the key a later fragment's lookup would build.
+    let udp0 = L4::Udp { sport: 0, dport: 0 };
+    assert_eq!(run(&m, A, REMOTE, udp0).reason, Reason::Allowed);
+    assert_eq!(run(&m, REMOTE, A, udp0).reason, Reason::Reply);
+    let mut later = craft::ipv4_frame_between(REMOTE, A, udp0);
+    craft::set_ipv4_fragment(&mut later, 14, false, 3);
+    assert_eq!(decide_checked(&m, &later).reason, Reason::LaterFragment);
+    let q = quoted(A, REMOTE, udp0);
+    let error = icmp_error(REMOTE, A, 3, &q);
+    assert_eq!(decide_checked(&m, &error).reason, Reason::Related);
 }
 
 #[test]
