@@ -133,6 +133,7 @@ fn lines(stream: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> 
 /// The interactive lab: its pod and external namespaces, and its stderr (the sweep's lines).
 struct Lab {
     child: Child,
+    all_ns: Vec<String>,
     client_ns: String,
     external_ns: String,
     err: mpsc::Receiver<String>,
@@ -154,7 +155,12 @@ impl Lab {
         let dir = std::env::temp_dir().join(format!("ordnet-load-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let manifest = dir.join("load.yaml");
-        std::fs::write(&manifest, MANIFEST).unwrap();
+        // `ORDNET_LOAD_NO_POLICY=1`: the same run with the pod not isolated (the control: what
+        // breaks then is not ordnet's).
+        let docs = MANIFEST.split("---\n").filter(|d| {
+            std::env::var_os("ORDNET_LOAD_NO_POLICY").is_none() || !d.contains("NetworkPolicy")
+        });
+        std::fs::write(&manifest, docs.collect::<Vec<_>>().join("---\n")).unwrap();
         let mut child = Command::new(BIN)
             .arg("lab")
             .arg("-f")
@@ -184,6 +190,7 @@ impl Lab {
         }
         Lab {
             child,
+            all_ns: namespaces.values().cloned().collect(),
             client_ns: namespaces["load/client"].clone(),
             external_ns: namespaces[&EXTERNAL.to_string()].clone(),
             err,
@@ -197,8 +204,10 @@ impl Lab {
         let deadline = since + within;
         let mut last = None;
         while Instant::now() < deadline {
+            // "ordnet lab: conntrack of <node>: IPv4 <live> of <capacity> entries live ..."
             if let Ok(line) = self.err.recv_timeout(Duration::from_millis(200))
-                && let Some(rest) = line.strip_prefix("ordnet lab: conntrack: IPv4 ")
+                && let Some(node) = line.strip_prefix("ordnet lab: conntrack of ")
+                && let Some((_, rest)) = node.split_once(": IPv4 ")
             {
                 println!("  lab: {line}");
                 last = rest.split_whitespace().next().and_then(|n| n.parse().ok());
@@ -310,6 +319,23 @@ fn idle_connections(lab: &Lab, idle: usize) -> (u64, u64) {
          ({} broken)",
         open - arrived
     );
+    if arrived != open {
+        // Where they were lost: every namespace's interface drops and TCP counters (the same
+        // run without the policy, the control: `ORDNET_LOAD_NO_POLICY=1`).
+        for ns in &lab.all_ns {
+            for cmd in [
+                "ip -s -s link",
+                "nstat -az TcpRetransSegs TcpExtTCPTimeouts TcpExtTCPLostRetransmit \
+                 TcpExtListenDrops TcpExtTCPBacklogDrop IpInDiscards",
+            ] {
+                let out = Command::new("sh")
+                    .args(["-c", &format!("ip netns exec {ns} {cmd}")])
+                    .output()
+                    .unwrap();
+                println!("  {ns}: {cmd}\n{}", String::from_utf8_lossy(&out.stdout));
+            }
+        }
+    }
     for w in clients.into_iter().chain(servers) {
         w.finish();
     }
@@ -361,6 +387,11 @@ fn short_connections(lab: &Lab, short: usize) {
     }
     let live = lab.conntrack_live(Instant::now(), Duration::from_secs(75));
     println!("conntrack load: a minute later: {live:?} live IPv4 entries");
+    // Closed flows live 10 s: a minute later the sweeps have removed nearly all of them.
+    assert!(
+        live.is_some_and(|n| n < 10_000),
+        "the lab reported {live:?} live IPv4 entries a minute after 300,000 closed connections"
+    );
 }
 
 /// A worker process of [`conntrack_under_load`] (does nothing unless `ORDNET_LOAD_ROLE` is set).
