@@ -387,9 +387,10 @@ pub fn fix_ipv4_checksum(frame: &mut [u8], l3: usize) {
     frame[l3 + 10..l3 + 12].copy_from_slice(&sum.to_be_bytes());
 }
 
-/// `frame` (Ethernet without VLAN tags, then IPv4 or IPv6 carrying TCP) grown to `total`
-/// bytes with zero payload after the TCP header, its IP length fields (and the IPv4 header
-/// checksum) updated: a full-size or jumbo segment of the same flow. `None` when `frame` is
+/// `frame` (Ethernet without VLAN tags, then IPv4 or IPv6 carrying TCP, or IPv4 carrying UDP)
+/// grown to `total` bytes with zero payload after the L4 header, its IP length fields (and the
+/// IPv4 header checksum, and the UDP length) updated: a full-size or jumbo segment of the same
+/// flow. `None` when `frame` is
 /// not such a frame, is already longer, or `total` exceeds what an IP length field can say.
 pub fn with_payload(frame: &[u8], total: usize) -> Option<Vec<u8>> {
     let l3 = ETH_HLEN;
@@ -400,10 +401,15 @@ pub fn with_payload(frame: &[u8], total: usize) -> Option<Vec<u8>> {
     let mut out = frame.to_vec();
     out.resize(total, 0);
     match ethertype {
-        ETH_P_IP if out[l3 + 9] == IPPROTO_TCP => {
+        ETH_P_IP if out[l3 + 9] == IPPROTO_TCP || out[l3 + 9] == IPPROTO_UDP => {
             let len = u16::try_from(total - l3).ok()?;
             out[l3 + 2..l3 + 4].copy_from_slice(&len.to_be_bytes());
             fix_ipv4_checksum(&mut out, l3);
+            if out[l3 + 9] == IPPROTO_UDP {
+                let ihl = usize::from(out[l3] & 0x0f) * 4;
+                let udp = u16::try_from(total - l3 - ihl).ok()?;
+                out[l3 + ihl + 4..l3 + ihl + 6].copy_from_slice(&udp.to_be_bytes());
+            }
         }
         ETH_P_IPV6 if out[l3 + 6] == IPPROTO_TCP => {
             let len = u16::try_from(total - l3 - 40).ok()?;

@@ -1355,18 +1355,9 @@ fn quickcheck_never_panics_and_is_deterministic() {
         .quickcheck(prop as fn(Vec<u8>) -> bool);
 }
 
-/// An untagged IPv4 TCP or UDP frame with `extra` payload bytes appended (lengths updated).
-fn with_ipv4_payload(mut f: Vec<u8>, extra: usize) -> Vec<u8> {
-    let add = |f: &mut Vec<u8>, at: usize| {
-        let v = u16::from_be_bytes([f[at], f[at + 1]]) + extra as u16;
-        f[at..at + 2].copy_from_slice(&v.to_be_bytes());
-    };
-    add(&mut f, ETH_HLEN + 2);
-    if f[ETH_HLEN + 9] == IPPROTO_UDP {
-        add(&mut f, ETH_HLEN + 24);
-    }
-    f.resize(f.len() + extra, 0x5a);
-    f
+/// An untagged IPv4 TCP or UDP frame with `extra` payload bytes appended (`craft::with_payload`).
+fn with_ipv4_payload(f: Vec<u8>, extra: usize) -> Vec<u8> {
+    craft::with_payload(&f, f.len() + extra).expect("an IPv4 TCP or UDP frame")
 }
 
 /// `parse_simple` reads untagged IPv4 TCP and UDP frames without options or fragmentation, and
