@@ -201,9 +201,10 @@ fn offline_cli(api: &FakeApi, args: &[&str]) -> String {
     // One file per call: the tests of this file run in parallel in one process.
     static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let dir = std::env::temp_dir().join(format!("ordnet-agent-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join(format!("objects-{call}.yaml"));
+    let file = std::env::temp_dir().join(format!(
+        "ordnet-agent-test-{}-{call}.yaml",
+        std::process::id()
+    ));
     std::fs::write(&file, manifests(api)).unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_ordnet"))
         .args(args)
@@ -211,6 +212,7 @@ fn offline_cli(api: &FakeApi, args: &[&str]) -> String {
         .arg(&file)
         .output()
         .unwrap();
+    let _ = std::fs::remove_file(&file);
     assert!(
         out.status.success(),
         "{}",
@@ -1306,6 +1308,7 @@ async fn the_binary_runs_from_a_kubeconfig_and_exits_0_on_sigterm() {
         .await
         .unwrap();
     guard.1 = true;
+    let _ = std::fs::remove_dir_all(&dir);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     // `--log-format json`: every line one JSON object with a level and a message.

@@ -2105,6 +2105,7 @@ fn bpf_agent_enforces_with_real_connections_and_survives_restart() {
     assert!(!lab.pin_dir.exists(), "the pin directory is still there");
     lab.expect("uninstalled", &[]);
     lab.expect_service("uninstalled", &["client", "far", "web"]);
+    let _ = std::fs::remove_file(&flow_log);
     drop(api);
     drop(runtime);
 }
