@@ -200,22 +200,45 @@ impl Lab {
         }
     }
 
-    /// The live IPv4 entries of the lab's next sweep report (every 10 s, when they change)
-    /// that comes after `since`.
-    fn conntrack_live(&self, since: Instant, within: Duration) -> Option<u64> {
+    /// The lab's last sweep report (every 10 s, when it changes) before `since + within`.
+    fn conntrack(&self, since: Instant, within: Duration) -> Option<Sweep> {
         let deadline = since + within;
         let mut last = None;
         while Instant::now() < deadline {
-            // "ordnet lab: conntrack of <node>: IPv4 <live> of <capacity> entries live ..."
             if let Ok(line) = self.err.recv_timeout(Duration::from_millis(200))
-                && let Some(node) = line.strip_prefix("ordnet lab: conntrack of ")
-                && let Some((_, rest)) = node.split_once(": IPv4 ")
+                && let Some(sweep) = Sweep::parse(&line)
             {
                 println!("  lab: {line}");
-                last = rest.split_whitespace().next().and_then(|n| n.parse().ok());
+                last = Some(sweep);
             }
         }
         last
+    }
+}
+
+/// What a sweep report of the lab says.
+#[derive(Debug, Clone, Copy)]
+struct Sweep {
+    /// Live IPv4 entries.
+    live: u64,
+    /// TCP packets past the handshake of flows the table had no live entry for, denied: the
+    /// packets of connections whose entries were lost (evicted, expired).
+    untracked_denied: u64,
+}
+
+impl Sweep {
+    /// "ordnet lab: conntrack of <node>: IPv4 <live> of <capacity> entries live (...), IPv6 ...;
+    /// TCP packets of untracked flows past the handshake: <denied> denied, <allowed> allowed"
+    fn parse(line: &str) -> Option<Sweep> {
+        let rest = line.strip_prefix("ordnet lab: conntrack of ")?;
+        let (_, rest) = rest.split_once(": IPv4 ")?;
+        let live = rest.split_whitespace().next()?.parse().ok()?;
+        let (_, rest) = rest.split_once("past the handshake: ")?;
+        let untracked_denied = rest.split_whitespace().next()?.parse().ok()?;
+        Some(Sweep {
+            live,
+            untracked_denied,
+        })
     }
 }
 
@@ -253,15 +276,25 @@ fn conntrack_under_load() {
         sysctl(ns, "net.ipv4.tcp_max_syn_backlog=65535");
     }
 
-    let (open, arrived) = idle_connections(&lab, idle);
+    let (open, arrived, denied) = idle_connections(&lab, idle);
     short_connections(&lab, short);
-    assert_eq!(arrived, open, "idle connections broke");
     assert_eq!(open as usize, idle, "not every idle connection opened");
+    assert_eq!(
+        denied, 0,
+        "idle connections were broken by connection tracking: their packets were denied for \
+         want of a live entry"
+    );
+    assert_eq!(
+        arrived, open,
+        "idle connections broke, though none of their packets was denied for want of a \
+         tracking entry: see the veths' drops above (the run with ORDNET_LOAD_NO_POLICY=1 shows \
+         what the host loses without ordnet)"
+    );
 }
 
 /// Phase 1: `idle` connections into the isolated pod, then one unasked byte on each. Returns
-/// (connections open, bytes arrived).
-fn idle_connections(lab: &Lab, idle: usize) -> (u64, u64) {
+/// (connections open, bytes arrived, TCP packets denied for want of a tracking entry meanwhile).
+fn idle_connections(lab: &Lab, idle: usize) -> (u64, u64, u64) {
     let workers = idle.div_ceil(PER_WORKER);
     let share = |i: usize| (idle - i * PER_WORKER).min(PER_WORKER);
     let mut servers: Vec<Worker> = (0..workers)
@@ -301,8 +334,11 @@ fn idle_connections(lab: &Lab, idle: usize) -> (u64, u64) {
         setup.as_secs_f64(),
         open as f64 / setup.as_secs_f64()
     );
-    let live = lab.conntrack_live(Instant::now(), Duration::from_secs(25));
-    println!("conntrack load: table after the idle connections: {live:?} live IPv4 entries");
+    let before = lab.conntrack(Instant::now(), Duration::from_secs(25));
+    println!(
+        "conntrack load: table after the idle connections: {:?} live IPv4 entries",
+        before.map(|s| s.live)
+    );
     for s in &mut servers {
         s.tell("push");
     }
@@ -320,6 +356,17 @@ fn idle_connections(lab: &Lab, idle: usize) -> (u64, u64) {
         "conntrack load: the servers' unasked byte arrived on {arrived} of {open} connections \
          ({} broken)",
         open - arrived
+    );
+    // Evictions of live flows: a pushed byte whose flow had lost its entry is a TCP packet of an
+    // untracked flow past the handshake, denied (with its retransmissions).
+    let after = lab
+        .conntrack(Instant::now(), Duration::from_secs(25))
+        .or(before);
+    let denied_by = |s: Option<Sweep>| s.map_or(0, |s| s.untracked_denied);
+    let denied = denied_by(after).saturating_sub(denied_by(before));
+    println!(
+        "conntrack load: TCP packets of flows that had lost their entry (evicted live flows), \
+         denied during the pushes: {denied}"
     );
     // Where packets were lost on the way: the veths' drops (a veth whose peer runs native XDP
     // queues what it sends in a 256-slot ring and drops when it is full) and the senders' TCP
@@ -348,7 +395,7 @@ fn idle_connections(lab: &Lab, idle: usize) -> (u64, u64) {
     for w in clients.into_iter().chain(servers) {
         w.finish();
     }
-    (open, arrived)
+    (open, arrived, denied)
 }
 
 /// Phase 2: `short` connections opened and closed at once (half FIN, half RST), then the
@@ -394,7 +441,9 @@ fn short_connections(lab: &Lab, short: usize) {
     for w in clients.into_iter().chain(servers) {
         w.finish();
     }
-    let live = lab.conntrack_live(Instant::now(), Duration::from_secs(75));
+    let live = lab
+        .conntrack(Instant::now(), Duration::from_secs(75))
+        .map(|s| s.live);
     println!("conntrack load: a minute later: {live:?} live IPv4 entries");
     // Closed flows live 10 s: a minute later the sweeps have removed nearly all of them.
     assert!(

@@ -655,7 +655,8 @@ fn drive(args: &LabArgs, plan: &Plan, lab: &mut Running) -> Result<ExitCode, Fai
 }
 
 /// An interactive lab, until Ctrl-C: like the agent, sweeps the expired connection-tracking
-/// entries now and then, and says how full each node's tables are whenever that changes.
+/// entries now and then, and says how full each node's tables are, and how many TCP packets of
+/// flows the tables had lost (evicted, expired) its policy denied, whenever either changes.
 fn sweep_until_interrupted(lab: &mut Running) {
     let mut swept = Instant::now();
     let mut shown = vec![None; lab.datapaths.len()];
@@ -666,22 +667,29 @@ fn sweep_until_interrupted(lab: &mut Running) {
         }
         swept = Instant::now();
         for (n, dp) in lab.datapaths.iter_mut().enumerate() {
-            match dp.ct_sweep() {
-                Ok(s) if shown[n] != Some(s.live) => {
-                    shown[n] = Some(s.live);
+            let sweep = dp.ct_sweep().and_then(|s| Ok((s, dp.counters()?)));
+            match sweep {
+                Ok((s, c)) => {
+                    let now = Some((s.live, c.untracked_denied, c.untracked_allowed));
+                    if shown[n] == now {
+                        continue;
+                    }
+                    shown[n] = now;
                     eprintln!(
                         "ordnet lab: conntrack of {}: IPv4 {} of {} entries live ({} expired \
-                         removed), IPv6 {} of {} ({} removed)",
+                         removed), IPv6 {} of {} ({} removed); TCP packets of untracked flows \
+                         past the handshake: {} denied, {} allowed",
                         lab.topo.nodes[n],
                         s.live[0],
                         s.capacity[0],
                         s.removed[0],
                         s.live[1],
                         s.capacity[1],
-                        s.removed[1]
+                        s.removed[1],
+                        c.untracked_denied,
+                        c.untracked_allowed
                     );
                 }
-                Ok(_) => {}
                 Err(e) => eprintln!("ordnet lab: sweeping the conntrack tables: {e}"),
             }
         }
