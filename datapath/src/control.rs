@@ -11,8 +11,8 @@ use ipnet::IpNet;
 use ordnet_datapath_common::{
     addr_bytes, addr_words,
     layout::{
-        FAMILY_V4, FAMILY_V6, IP_FLAG_ENDPOINT, IP_FLAG_HOST, IfaceInfo, IpInfo, IpKey, PolicyRef,
-        State, SvcKey, V_ALLOW, V_DENY,
+        FAMILY_V4, FAMILY_V6, IP_FLAG_ENDPOINT, IP_FLAG_FRONTEND, IP_FLAG_HOST, IfaceInfo, IpInfo,
+        IpKey, PolicyRef, State, SvcKey, V_ALLOW, V_DENY,
     },
 };
 use ordnet_mapstate::{ChangeSet, Direction, FastSet, MapState, Verdict};
@@ -217,6 +217,14 @@ pub fn key_ip(key: &IpKey) -> IpAddr {
     }
 }
 
+/// The addresses of a set of Service frontends, as ipcache keys.
+fn frontend_addresses(services: &BTreeSet<SvcKey>) -> BTreeSet<IpKey> {
+    services
+        .iter()
+        .map(|k| IpKey::new(k.family, k.addr))
+        .collect()
+}
+
 /// The CIDR key (masked address) and address prefix length of a network.
 pub fn net_key(net: IpNet) -> (IpKey, u32) {
     let net = net.trunc();
@@ -284,6 +292,8 @@ pub struct Control {
     ip_capacity: (u32, u32),
     /// Service frontends.
     services: BTreeSet<SvcKey>,
+    /// Their addresses: an exact ipcache record of one carries `IP_FLAG_FRONTEND`.
+    frontends: BTreeSet<IpKey>,
     /// Host-side interfaces of local endpoints.
     ifaces: BTreeMap<u32, IfaceInfo>,
     /// The state written on every revision bump (revision, clock parameters).
@@ -351,6 +361,7 @@ impl Control {
             cidr: BTreeMap::new(),
             ip_capacity: (u32::MAX, u32::MAX),
             services: BTreeSet::new(),
+            frontends: BTreeSet::new(),
             ifaces: BTreeMap::new(),
             state,
             counters: RuleCounters::default(),
@@ -449,8 +460,17 @@ impl Control {
     }
 
     /// The exact ipcache record an address should have: its endpoint's, else the host record,
-    /// else its identity, else none.
+    /// else its identity, else none; marked as a Service frontend's when it is one.
     fn record(&self, key: &IpKey, overrides: &HashMap<u32, EndpointState>) -> Option<IpInfo> {
+        let mut info = self.bare_record(key, overrides)?;
+        if self.frontends.contains(key) {
+            info.flags |= IP_FLAG_FRONTEND;
+        }
+        Some(info)
+    }
+
+    /// [`Control::record`] without the frontend mark.
+    fn bare_record(&self, key: &IpKey, overrides: &HashMap<u32, EndpointState>) -> Option<IpInfo> {
         if let Some(id) = self.ip_owner.get(key) {
             let ep = overrides.get(id).or_else(|| self.endpoints.get(id))?;
             return Some(IpInfo {
@@ -1481,9 +1501,12 @@ impl Control {
         self.hosts.iter().map(key_ip)
     }
 
-    /// Replaces the set of Service frontends. New ones are written before old ones go; no
+    /// Replaces the set of Service frontends. New ones are written before old ones go, and
+    /// the frontend mark of the exact ipcache records of their addresses in between; no
     /// revision bump: a frontend only decides whether a *new* flow is judged at the XDP or at
     /// the TC hook, and the TC hook judges every translated flow whatever the XDP hook did.
+    /// (For the same reason the order of the three writes is free: a packet that sees a
+    /// Service and a record that disagree is decided as before or as after the change.)
     pub fn set_services<W: TableWriter + ?Sized>(
         &mut self,
         w: &mut W,
@@ -1501,8 +1524,15 @@ impl Control {
             .map(|k| Write::SvcDelete(*k))
             .collect();
         stats.write(w, &adds)?;
-        stats.write(w, &removes)?;
+        let frontends = frontend_addresses(&new);
+        let marks: Vec<IpKey> = frontends
+            .symmetric_difference(&self.frontends)
+            .copied()
+            .collect();
         self.services = new;
+        self.frontends = frontends;
+        self.write_records(w, marks, &HashMap::new(), &mut stats)?;
+        stats.write(w, &removes)?;
         Ok(stats)
     }
 
@@ -1602,6 +1632,17 @@ impl Control {
             .iter()
             .map(|((k, len), v)| ((*k, *len), v.identity))
             .collect();
+        let services = w.tables().services.clone();
+        let frontends = frontend_addresses(&services);
+        // Records whose frontend mark disagrees with the Service map (tables of a version
+        // without the mark, an interrupted `set_services`) are rewritten below.
+        let marks: Vec<IpKey> = w
+            .tables()
+            .ipcache
+            .iter()
+            .filter(|(k, v)| v.is_frontend() != frontends.contains(k))
+            .map(|(k, _)| *k)
+            .collect();
         let control = Control {
             store,
             endpoints,
@@ -1610,7 +1651,8 @@ impl Control {
             hosts,
             cidr,
             ip_capacity: (u32::MAX, u32::MAX),
-            services: w.tables().services.clone(),
+            services,
+            frontends,
             ifaces: w.tables().ifaces.clone(),
             state: w.tables().state,
             // The adopted keys name the previous process's counters: they are counted as
@@ -1626,6 +1668,7 @@ impl Control {
                 .collect();
             control.write_records(w, keys, &HashMap::new(), &mut stats)?;
         }
+        control.write_records(w, marks, &HashMap::new(), &mut stats)?;
         Ok((control, stats))
     }
 }

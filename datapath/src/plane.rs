@@ -896,4 +896,105 @@ mod tests {
             vec![("10.0.1.5/32".parse().unwrap(), 5)]
         );
     }
+
+    /// The frontend mark of exact ipcache records (`IP_FLAG_FRONTEND`) follows the Service
+    /// frontends whoever writes the record (the frontends, an endpoint, an identity, the
+    /// node's addresses) and is repaired on adoption; a new flow to a marked address is
+    /// deferred, to an unmarked one judged.
+    #[test]
+    fn the_frontend_mark_follows_the_services() {
+        let mut dp = small();
+        let marked = |dp: &MemDatapath, addr: &str| {
+            dp.tables()
+                .ipcache
+                .get(&ip_key(ip(addr)))
+                .map(|i| i.is_frontend())
+        };
+        let open = MapState::new(Direction::Egress, Verdict::Allow);
+        let ingress = allow_from(7, 80);
+        let (ips1, ips2) = ([ip("10.0.0.5")], [ip("10.0.0.6")]);
+        let spec = |ips| EndpointSpec {
+            ips,
+            identity: 99,
+            identities: &[],
+            ingress: &ingress,
+            egress: &open,
+        };
+        dp.upsert_endpoint(1, spec(&ips1)).unwrap();
+        dp.set_identity("10.0.1.7/32".parse().unwrap(), 7).unwrap();
+        dp.set_host_addresses(&[ip("10.0.0.254")]).unwrap();
+        // An external IP that is the pod's, a NodePort, a ClusterIP (no record), and a
+        // frontend on an address an endpoint takes later.
+        dp.set_service_frontends(&[
+            (ip("10.0.0.5"), 6, 9090),
+            (ip("10.0.0.254"), 6, 30080),
+            (ip("10.96.0.1"), 6, 443),
+            (ip("10.0.0.6"), 6, 9090),
+        ])
+        .unwrap();
+        assert_eq!(marked(&dp, "10.0.0.5"), Some(true));
+        assert_eq!(marked(&dp, "10.0.0.254"), Some(true));
+        assert_eq!(marked(&dp, "10.0.1.7"), Some(false));
+        assert_eq!(marked(&dp, "10.96.0.1"), None);
+        dp.upsert_endpoint(2, spec(&ips2)).unwrap();
+        assert_eq!(
+            marked(&dp, "10.0.0.6"),
+            Some(true),
+            "a record written later"
+        );
+        // Rewritten by an identity change, the record keeps the mark.
+        dp.set_endpoint_addresses(&[(
+            1,
+            EndpointAddresses {
+                ips: &[ip("10.0.0.5")],
+                identity: 98,
+                identities: &[],
+            },
+        )])
+        .unwrap();
+        assert_eq!(marked(&dp, "10.0.0.5"), Some(true));
+        let syn = |dst: &str, port| tcp("10.0.1.7", dst, port);
+        assert_eq!(
+            dp.decide(&syn("10.0.0.5", 9090)).reason,
+            Reason::ServiceFrontend
+        );
+        assert_eq!(
+            dp.decide(&syn("10.0.0.5", 9091)).reason,
+            Reason::IngressDenied
+        );
+        assert_eq!(
+            dp.decide(&syn("10.96.0.1", 443)).reason,
+            Reason::ServiceFrontend
+        );
+        // Adoption repairs records whose mark disagrees with the Service map (tables written by
+        // a version without the mark, an interrupted change).
+        let mut tables = dp.tables().clone();
+        let key = ip_key(ip("10.0.0.5"));
+        let mut stale = tables.ipcache[&key];
+        stale.flags &= !ordnet_datapath_common::layout::IP_FLAG_FRONTEND;
+        tables
+            .write(&[crate::tables::Write::IpUpsert(key, stale)])
+            .unwrap();
+        let key = ip_key(ip("10.0.1.7"));
+        let mut stale = tables.ipcache[&key];
+        stale.flags |= ordnet_datapath_common::layout::IP_FLAG_FRONTEND;
+        tables
+            .write(&[crate::tables::Write::IpUpsert(key, stale)])
+            .unwrap();
+        Control::adopt(&mut tables, 8, 16, Duration::ZERO).unwrap();
+        assert_eq!(
+            tables.ipcache,
+            dp.tables().ipcache,
+            "adoption repaired the marks"
+        );
+        // Frontends gone: marks gone, the flows judged.
+        dp.set_service_frontends(&[]).unwrap();
+        for addr in ["10.0.0.5", "10.0.0.6", "10.0.0.254"] {
+            assert_eq!(marked(&dp, addr), Some(false), "{addr}");
+        }
+        assert_eq!(
+            dp.decide(&syn("10.0.0.5", 9090)).reason,
+            Reason::IngressDenied
+        );
+    }
 }

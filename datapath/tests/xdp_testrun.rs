@@ -2897,6 +2897,59 @@ fn service_flows_are_judged_after_translation() {
             DROP,
             Reason::EgressDenied,
         );
+        // Frontends on addresses the ipcache knows (a NodePort on the node's address, an
+        // external IP that is C's): only their records' frontend mark makes the XDP hook look
+        // the Service map up, so the mark must follow the frontends both ways.
+        dp.set_service_frontends(&[
+            (vip_c, 6, 80),
+            (vip_a, 6, 80),
+            (host, 6, 30080),
+            (c, 6, 9090),
+        ])
+        .unwrap();
+        assert_eq!(dp.verify().unwrap(), Vec::<String>::new(), "maps == mirror");
+        for (what, f, want, reason) in [
+            (
+                "A -> node:30080 SYN at XDP: a NodePort, deferred",
+                frame(a, host, syn(40007, 30080)),
+                PASS,
+                Reason::ServiceFrontend,
+            ),
+            (
+                "A -> node:30081 SYN at XDP: no frontend there, A's egress denies",
+                frame(a, host, syn(40008, 30081)),
+                DROP,
+                Reason::EgressDenied,
+            ),
+            (
+                "A -> C:9090 SYN at XDP: C's address is a frontend there, deferred",
+                frame(a, c, syn(40009, 9090)),
+                PASS,
+                Reason::ServiceFrontend,
+            ),
+            (
+                "A -> C:9091 SYN at XDP: no frontend there, A's egress denies",
+                frame(a, c, syn(40010, 9091)),
+                DROP,
+                Reason::EgressDenied,
+            ),
+        ] {
+            step(&dp, what, None, f, want, reason);
+        }
+        dp.set_service_frontends(&[(vip_c, 6, 80), (vip_a, 6, 80)])
+            .unwrap();
+        for (what, f) in [
+            (
+                "A -> node:30080 SYN at XDP, the NodePort gone: judged",
+                frame(a, host, syn(40011, 30080)),
+            ),
+            (
+                "A -> C:9090 SYN at XDP, the frontend gone: judged",
+                frame(a, c, syn(40012, 9090)),
+            ),
+        ] {
+            step(&dp, what, None, f, DROP, Reason::EgressDenied);
+        }
         assert_eq!(dp.service_frontends().len(), 2);
         assert_eq!(dp.verify().unwrap(), Vec::<String>::new(), "maps == mirror");
         println!(

@@ -7,8 +7,8 @@ use crate::{
     Fragment, IPPROTO_SCTP, IPPROTO_TCP, IPPROTO_UDP, Icmp, IpPacket,
     layout::{
         COUNTER_UNTRACKED_ALLOWED, COUNTER_UNTRACKED_DENIED, CT_FIN_INITIATOR, CT_FIN_RESPONDER,
-        CT_INITIATOR_A, CT_REPLIED, CT_RESET, CT_SERVICE, CtEntry, CtKey, IpKey, State, SvcKey,
-        ct_closed,
+        CT_INITIATOR_A, CT_REPLIED, CT_RESET, CT_SERVICE, CtEntry, CtKey, IpInfo, IpKey, State,
+        SvcKey, ct_closed,
     },
     verdict::{DatapathMaps, Decision, Hook, Reason, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, Verdict},
 };
@@ -277,14 +277,18 @@ impl Track {
 
     /// At XDP, a new flow to a Service frontend: kube-proxy translates it after this hook, so
     /// it is judged at the TC hook once the destination is the backend. Tracked as deferred, so
-    /// the translated replies (source: the frontend) find it there.
+    /// the translated replies (source: the frontend) find it there. `dst` is the destination's
+    /// exact ipcache entry: an address that has one is only a frontend when the entry says so
+    /// ([`IpInfo::is_frontend`]), so a new flow to a pod or a node costs no Service lookup.
     #[inline(always)]
     pub(crate) fn defer_service<M: DatapathMaps + ?Sized>(
         &mut self,
         p: &IpPacket,
         maps: &M,
+        dst: Option<&IpInfo>,
     ) -> Option<Decision> {
         if !has_flow(p)
+            || dst.is_some_and(|i| !i.is_frontend())
             || !maps.service(&SvcKey {
                 family: p.ip_version,
                 protocol: p.protocol,

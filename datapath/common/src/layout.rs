@@ -220,6 +220,11 @@ impl IpKey {
 pub const IP_FLAG_ENDPOINT: u32 = 1;
 /// [`IpInfo::flags`]: the address belongs to this node (its own traffic is never filtered).
 pub const IP_FLAG_HOST: u32 = 2;
+/// [`IpInfo::flags`]: the address is also a Service frontend's (some [`MAP_SVC`] key has it,
+/// e.g. a node address with NodePorts). A new flow to an address with an exact ipcache entry
+/// is looked up in [`MAP_SVC`] only when its entry has this flag: one hash lookup fewer for a
+/// new flow to a pod or a node. The control plane keeps it equal to the Service map.
+pub const IP_FLAG_FRONTEND: u32 = 4;
 
 /// The policy of one endpoint in one direction: which rule set, and the isolation default.
 #[repr(C)]
@@ -280,6 +285,12 @@ impl IpInfo {
     #[inline(always)]
     pub fn is_host(&self) -> bool {
         self.flags & IP_FLAG_HOST != 0
+    }
+
+    /// Whether the address is also a Service frontend's ([`IP_FLAG_FRONTEND`]).
+    #[inline(always)]
+    pub fn is_frontend(&self) -> bool {
+        self.flags & IP_FLAG_FRONTEND != 0
     }
 }
 

@@ -25,7 +25,9 @@
 //!   translates it after XDP) passes unjudged and is tracked as deferred ([`CT_SERVICE`]); its
 //!   translated packets are judged at [`Hook::Tc`], where the destination is the backend. A
 //!   deferred entry passes the flow's own packets and the translated replies (source: the
-//!   frontend), nothing else, and is never re-checked;
+//!   frontend), nothing else, and is never re-checked. A destination with an exact ipcache
+//!   entry is only looked up in [`MAP_SVC`] when the entry is marked as a frontend's
+//!   (`IP_FLAG_FRONTEND`);
 //! * [`Hook::Tc`] only: a packet whose source address is not a local endpoint but that came in
 //!   on a local endpoint's interface ([`MAP_IFACE`]: kube-proxy masqueraded it, e.g. hairpin) is
 //!   that endpoint's; a pod reaching itself (a hairpin through a Service: nothing else brings
@@ -398,10 +400,12 @@ pub fn decide_at<M: DatapathMaps + ?Sized>(
         }
         host
     } else {
-        // 1b. A new flow to a Service frontend (XDP only).
+        // 1b. A new flow to a Service frontend (XDP only): the destination's ipcache entry
+        // first, which says whether its address can be one.
+        let dst = maps.ipcache(&IpKey::new(p.ip_version, p.dst));
         let ingress_ifindex = match hook {
             Hook::Xdp => {
-                if let Some(d) = t.defer_service(p, maps) {
+                if let Some(d) = t.defer_service(p, maps, dst) {
                     return d;
                 }
                 0
@@ -411,7 +415,7 @@ pub fn decide_at<M: DatapathMaps + ?Sized>(
             } => ingress_ifindex,
         };
         // 2. Who the two ends are.
-        let ends = match Ends::resolve(p, maps, ingress_ifindex) {
+        let ends = match Ends::resolve(p, maps, dst, ingress_ifindex) {
             Ok(e) => e,
             Err(d) => return d,
         };
@@ -440,10 +444,12 @@ impl<'m> Ends<'m> {
     /// forwarded packet was rewritten: it is judged), a pod with itself (at XDP only: at TC it
     /// is a hairpin through a Service, judged). A packet to a node address is not exempt: the
     /// sender's egress decides, with the address's identity (a node's, else its CIDR's).
+    /// `dst`: the destination's exact ipcache entry, looked up by the caller.
     #[inline(always)]
     fn resolve<M: DatapathMaps + ?Sized>(
         p: &IpPacket,
         maps: &'m M,
+        dst: Option<&'m IpInfo>,
         ingress_ifindex: u32,
     ) -> Result<Ends<'m>, Decision> {
         let mut src = maps.ipcache(&IpKey::new(p.ip_version, p.src));
@@ -455,7 +461,6 @@ impl<'m> Ends<'m> {
             src = Some(ep);
             attributed = true;
         }
-        let dst = maps.ipcache(&IpKey::new(p.ip_version, p.dst));
         let src_local = src.is_some_and(|i| i.is_endpoint());
         let dst_local = dst.is_some_and(|i| i.is_endpoint());
         if !src_local && !dst_local {
