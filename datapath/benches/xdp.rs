@@ -778,7 +778,18 @@ fn full_program(
     rounds: usize,
     full_ns: &mut BTreeMap<(usize, &'static str), f64>,
 ) {
-    let (mut dp, full, id, p) = full_setup(n, ms, DatapathConfig::default());
+    // `ORDNET_BENCH_OBSERVE=off`: without the verdict events and the rule counters (both on
+    // by default), to compare the decision itself with builds that had neither.
+    let config = if std::env::var("ORDNET_BENCH_OBSERVE").is_ok_and(|v| v == "off") {
+        DatapathConfig {
+            events_per_sec: 0,
+            rule_counters: false,
+            ..DatapathConfig::default()
+        }
+    } else {
+        DatapathConfig::default()
+    };
+    let (mut dp, full, id, p) = full_setup(n, ms, config);
     // Userspace follows the same packet sequence with its own tracking table (the SYN A->R
     // creates the flow the last packet belongs to).
     let ct = ordnet_datapath::UserCt::default();

@@ -162,6 +162,15 @@ struct ProbeCtx {
     found: u32,
 }
 
+/// Notes the rule counter of the key a probe found, for the observer program.
+#[inline(always)]
+fn note_found(v: &PolicyValue) {
+    if let Some(cpu) = EVENT_BUCKET.get_ptr_mut(0) {
+        // SAFETY: this CPU's element of a per-CPU array, valid for the program run.
+        unsafe { (*cpu).found_counter = u32::from(v.counter) };
+    }
+}
+
 /// One probe: the key of length `len`; stops when found or no length is left.
 extern "C" fn probe_step(_index: u64, ctx: *mut core::ffi::c_void) -> i64 {
     let c = ctx.cast::<ProbeCtx>();
@@ -174,9 +183,7 @@ extern "C" fn probe_step(_index: u64, ctx: *mut core::ffi::c_void) -> i64 {
         let found = POLICY.get(&(*c).key);
         if let Some(v) = found {
             (*c).found = u32::from(v.verdict) | 0x100;
-            if let Some(cpu) = EVENT_BUCKET.get_ptr_mut(0) {
-                (*cpu).found_counter = u32::from(v.counter);
-            }
+            note_found(v);
             return 1;
         }
         match next_length(&mut (*c).mask) {
@@ -205,7 +212,7 @@ impl PolicyMaps for KernelMaps {
             key: PolicyKey {
                 ruleset,
                 identity,
-                prefix: 0,
+                prefix: prefix_bits(protocol, port, len),
             },
             mask,
             len,
@@ -213,10 +220,18 @@ impl PolicyMaps for KernelMaps {
             protocol: u32::from(protocol),
             found: 0,
         };
+        // The first probe, at the cell's longest length (nearly always the only one), inline:
+        // the `bpf_loop` call around a single lookup costs about as much as the lookup.
+        // SAFETY: the value is read at once; no reference outlives the lookup.
+        if let Some(v) = unsafe { POLICY.get(&c.key) } {
+            note_found(v);
+            return Some((PolicyValue::new(v.verdict), c.key.prefix));
+        }
+        c.len = next_length(&mut c.mask)?;
         // SAFETY: the callback only touches `c`, which outlives the call.
         unsafe {
             aya_ebpf::helpers::generated::bpf_loop(
-                MAX_PROBES,
+                MAX_PROBES - 1,
                 probe_step as *mut core::ffi::c_void,
                 (&raw mut c).cast(),
                 0,
