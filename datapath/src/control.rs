@@ -1524,15 +1524,20 @@ impl Control {
             .map(|k| Write::SvcDelete(*k))
             .collect();
         stats.write(w, &adds)?;
+        // The marks of every address of the old and the new frontends (`write_records` writes
+        // only records that differ from the tables, so a call after a failed one repairs what
+        // that one left). The frontends are recorded only once written, so that a caller
+        // comparing them with what it wants retries after a failure.
         let frontends = frontend_addresses(&new);
-        let marks: Vec<IpKey> = frontends
-            .symmetric_difference(&self.frontends)
-            .copied()
-            .collect();
-        self.services = new;
-        self.frontends = frontends;
-        self.write_records(w, marks, &HashMap::new(), &mut stats)?;
+        let candidates: Vec<IpKey> = frontends.union(&self.frontends).copied().collect();
+        let old = std::mem::replace(&mut self.frontends, frontends);
+        let marked = self.write_records(w, candidates, &HashMap::new(), &mut stats);
+        if marked.is_err() {
+            self.frontends = old;
+        }
+        marked?;
         stats.write(w, &removes)?;
+        self.services = new;
         Ok(stats)
     }
 

@@ -997,4 +997,55 @@ mod tests {
             Reason::IngressDenied
         );
     }
+
+    /// A failed write of the frontend marks leaves the frontends unrecorded, so that the caller
+    /// (comparing them with what it wants) tries again, and the next call repairs the marks.
+    #[test]
+    fn a_failed_mark_write_is_retried_and_repaired() {
+        use crate::tables::{MemTables, TableWriter, Write, WriteError};
+        struct FailingIpcache {
+            tables: MemTables,
+            fail: bool,
+        }
+        impl TableWriter for FailingIpcache {
+            fn write(&mut self, writes: &[Write]) -> Result<(), WriteError> {
+                if self.fail && writes.iter().any(|w| matches!(w, Write::IpUpsert(..))) {
+                    return Err(WriteError::Full("ORDNET_IP4", 0));
+                }
+                self.tables.write(writes)
+            }
+            fn tables(&self) -> &MemTables {
+                &self.tables
+            }
+        }
+        let mut dp = small();
+        dp.set_host_addresses(&[ip("10.0.0.254")]).unwrap();
+        let (control, tables) = (&mut dp.control, &dp.tables);
+        let mut w = FailingIpcache {
+            tables: tables.clone(),
+            fail: true,
+        };
+        let node_port = SvcKey {
+            family: ordnet_datapath_common::layout::FAMILY_V4,
+            protocol: 6,
+            port: 30080,
+            addr: ip_key(ip("10.0.0.254")).addr,
+        };
+        assert!(control.set_services(&mut w, &[node_port]).is_err());
+        assert!(
+            control.services().is_empty(),
+            "not recorded: the caller retries"
+        );
+        w.fail = false;
+        control.set_services(&mut w, &[node_port]).unwrap();
+        assert_eq!(control.services().len(), 1);
+        assert!(w.tables.ipcache[&ip_key(ip("10.0.0.254"))].is_frontend());
+        // And back, failing once more on the way.
+        w.fail = true;
+        assert!(control.set_services(&mut w, &[]).is_err());
+        w.fail = false;
+        control.set_services(&mut w, &[]).unwrap();
+        assert!(!w.tables.ipcache[&ip_key(ip("10.0.0.254"))].is_frontend());
+        assert!(w.tables.services.is_empty());
+    }
 }
