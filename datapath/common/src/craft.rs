@@ -390,8 +390,8 @@ pub fn fix_ipv4_checksum(frame: &mut [u8], l3: usize) {
 /// `frame` (Ethernet without VLAN tags, then IPv4 or IPv6 carrying TCP, or IPv4 carrying UDP)
 /// grown to `total` bytes with zero payload after the L4 header, its IP length fields (and the
 /// IPv4 header checksum, and the UDP length) updated: a full-size or jumbo segment of the same
-/// flow. `None` when `frame` is
-/// not such a frame, is already longer, or `total` exceeds what an IP length field can say.
+/// flow. `None` when `frame` is not such a frame, is already longer, or `total` exceeds what an
+/// IP length field can say.
 pub fn with_payload(frame: &[u8], total: usize) -> Option<Vec<u8>> {
     let l3 = ETH_HLEN;
     let ethertype = u16::from_be_bytes([*frame.get(12)?, *frame.get(13)?]);
