@@ -42,6 +42,7 @@
 
 #[cfg(feature = "bench")]
 pub mod bench;
+pub mod classes;
 mod control;
 mod counters;
 mod events;

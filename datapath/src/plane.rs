@@ -20,11 +20,12 @@ use ordnet_mapstate::{ChangeSet, Direction, Verdict};
 
 use crate::{
     ControlError, DatapathConfig, DatapathError,
+    classes::Classed,
     control::{Control, EndpointAddresses, EndpointSpec, EndpointState, ip_key, key_ip},
     flat::RuleSetContent,
     store::{SlotInfo, Store, WriteStats},
     sys,
-    tables::{MemTables, Mirror, TableWriter, UserCt},
+    tables::{MemTables, Mirror, TableWriter, UserCt, Write, WriteError},
 };
 
 /// The programming operations of a datapath (see the module documentation). Implementors
@@ -275,7 +276,31 @@ pub trait ControlPlane {
 #[derive(Debug)]
 pub struct MemDatapath {
     control: Control,
-    tables: MemTables,
+    tables: MemWriter,
+}
+
+/// The writer of a [`MemDatapath`]: its tables, or its tables and the class-level tables of
+/// the same writes ([`MemDatapath::with_classes`]).
+#[derive(Debug)]
+enum MemWriter {
+    Plain(Box<MemTables>),
+    Classed(Box<Classed>),
+}
+
+impl TableWriter for MemWriter {
+    fn write(&mut self, writes: &[Write]) -> Result<(), WriteError> {
+        match self {
+            MemWriter::Plain(t) => t.write(writes),
+            MemWriter::Classed(c) => c.write(writes),
+        }
+    }
+
+    fn tables(&self) -> &MemTables {
+        match self {
+            MemWriter::Plain(t) => t,
+            MemWriter::Classed(c) => &c.identity,
+        }
+    }
 }
 
 impl MemDatapath {
@@ -283,17 +308,32 @@ impl MemDatapath {
     /// connection-tracking lifetimes; the map capacities of the kernel are not enforced). The
     /// clock runs at [`sys::FALLBACK_HZ`] ticks per second.
     pub fn new(config: &DatapathConfig) -> MemDatapath {
+        MemDatapath::build(config, false)
+    }
+
+    /// [`MemDatapath::new`] that also keeps the class-level tables of every write
+    /// ([`crate::classes`]: node-local identity classes, not yet written to the kernel).
+    pub fn with_classes(config: &DatapathConfig) -> MemDatapath {
+        MemDatapath::build(config, true)
+    }
+
+    fn build(config: &DatapathConfig, classes: bool) -> MemDatapath {
         use ordnet_datapath_common::layout::{BLOCK_WORDS, CELLS_PER_RULESET};
+        let tables = MemTables::new(
+            config.max_rulesets * CELLS_PER_RULESET,
+            config.max_blocks * BLOCK_WORDS,
+        );
         let mut dp = MemDatapath {
             control: Control::new(
                 Store::new(config.max_rulesets, config.max_blocks, config.grace)
                     .with_policy_capacity(config.policy_entries),
                 config.clock_state(sys::FALLBACK_HZ),
             ),
-            tables: MemTables::new(
-                config.max_rulesets * CELLS_PER_RULESET,
-                config.max_blocks * BLOCK_WORDS,
-            ),
+            tables: if classes {
+                MemWriter::Classed(Box::new(Classed::new(tables, config.grace)))
+            } else {
+                MemWriter::Plain(Box::new(tables))
+            },
         };
         dp.control
             .set_ip_capacities(config.ipcache_entries, config.cidr_entries);
@@ -310,8 +350,26 @@ impl MemDatapath {
     /// decisions read them there ([`MemTables::keys_in_store`]). For datapaths that are not
     /// checked write by write (the agent's `none` datapath, the offline CLI).
     pub fn keep_keys_in_store(mut self) -> MemDatapath {
-        self.tables.keep_keys_in_store();
+        match &mut self.tables {
+            MemWriter::Plain(t) => t.keep_keys_in_store(),
+            MemWriter::Classed(c) => c.identity.keep_keys_in_store(),
+        }
         self
+    }
+
+    /// The class-level state, when kept ([`MemDatapath::with_classes`]).
+    pub fn classes(&self) -> Option<&Classed> {
+        match &self.tables {
+            MemWriter::Plain(_) => None,
+            MemWriter::Classed(c) => Some(c),
+        }
+    }
+
+    /// Deletes the keys of retired classes whose grace period is over (when classes are kept).
+    pub fn reclaim_classes(&mut self) {
+        if let MemWriter::Classed(c) = &mut self.tables {
+            c.reclaim();
+        }
     }
 }
 
@@ -331,7 +389,7 @@ impl ControlPlane for MemDatapath {
     }
 
     fn tables(&self) -> &MemTables {
-        &self.tables
+        self.tables.tables()
     }
 }
 
@@ -1020,7 +1078,7 @@ mod tests {
         }
         let mut dp = small();
         dp.set_host_addresses(&[ip("10.0.0.254")]).unwrap();
-        let (control, tables) = (&mut dp.control, &dp.tables);
+        let (control, tables) = (&mut dp.control, dp.tables.tables());
         let mut w = FailingIpcache {
             tables: tables.clone(),
             fail: true,

@@ -1,0 +1,941 @@
+//! Node-local identity classes (issue 25; `docs/datapath.md` §13): identities that no rule set
+//! of one *space* tells apart share one class, and the policy keys are written per class, not
+//! per identity.
+//!
+//! [`Classes`] follows the identity-level writes of the control plane (the [`Write`]s the
+//! rule set store and [`Control`](crate::Control) make, unchanged) and translates them into
+//! the writes of class-level tables ([`ClassWrite`]), incrementally and in an order that never
+//! lets a packet see a verdict that neither the identity-level state before a batch nor the one
+//! after it gives. [`ClassTables`] holds the result; [`Classed`] is a [`TableWriter`] that
+//! writes identity-level tables and keeps the class-level ones beside them.
+//!
+//! **Spaces.** Two: the rule sets some endpoint uses for its ingress (their peer is a packet's
+//! source) and those some endpoint uses for its egress (the peer is the destination). Every
+//! address gets one class per space; an ingress policy is probed with the source's ingress
+//! class, an egress policy with the destination's egress class. A rule set joins a space when
+//! the first record that uses it in that direction is written, so its class keys are written
+//! before any packet can probe them; it leaves when it has no identity key left.
+//!
+//! **Classes.** A class of a space is a set of identities that have addresses and equal keys
+//! (`(rule set, prefix) → value`) in every rule set of the space. Identities with no key there
+//! are in class 0, which the lookup never probes (the cell word's wildcard verdict and the
+//! default decide, exactly as for an identity without keys). Identities without an address have
+//! no class: no packet carries them, so their keys are kept here only.
+//!
+//! **Order** (one batch of identity-level writes, element by element as the kernel applies it):
+//!
+//! 1. *Splits, neutral.* The identities a run of policy writes changes are grouped by class and
+//!    by their exact sequence of changes. A class whose members all change alike is changed in
+//!    place. Otherwise each group moves to a new class: its keys are copied from the old class
+//!    (no record points to the new class yet: invisible), then each member address's record is
+//!    rewritten to it (one atomic write; the keys are equal, so no verdict changes). The old
+//!    class keeps the members that do not change, and its keys do not change in this batch, so
+//!    a packet that read a member's record just before it moved still sees the old state.
+//! 2. *The change*, per class, in the order the identity-level run makes it: every class's
+//!    members change alike, so every intermediate state is, for every packet, an intermediate
+//!    state of the identity-level order (`docs/datapath.md` §6 holds with "class" for
+//!    "identity").
+//! 3. *Merges, neutral, at the end of the batch.* A class whose keys became equal to another's
+//!    (or empty: class 0) moves its members' records there and is retired: its keys stay, unchanged,
+//!    for a grace period (a packet that read an old record finds them) and are deleted after it,
+//!    like a released rule set's slot.
+//!
+//! A record the control plane writes is written with the classes of its identity; a new
+//! identity's class is found (equal keys) or created, with its keys written first.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque},
+    hash::{BuildHasher, BuildHasherDefault, DefaultHasher},
+    time::{Duration, Instant},
+};
+
+use ordnet_datapath_common::layout::{IpInfo, IpKey, PolicyKey, PolicyValue};
+
+use crate::tables::{MemTables, TableWriter, Write, WriteError};
+
+/// The space of the rule sets endpoints use for their ingress (peer: the source).
+pub const INGRESS: usize = 0;
+/// The space of the rule sets endpoints use for their egress (peer: the destination).
+pub const EGRESS: usize = 1;
+/// Number of spaces (class ids per address).
+pub const SPACES: usize = 2;
+
+/// An address the ipcache holds a record for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Addr {
+    /// An exact ipcache record.
+    Exact(IpKey),
+    /// A CIDR entry: masked address, address prefix length.
+    Cidr(IpKey, u32),
+}
+
+/// One write of the class-level tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClassWrite {
+    /// A write that passes unchanged: cell words, blocks, state, Services, interfaces, and the
+    /// wildcard keys (identity 0, kept for userspace).
+    Plain(Write),
+    /// A policy key of a class (`PolicyKey::identity` is the class).
+    Key(Write),
+    /// A record as the control plane wrote it (`IpUpsert`, `IpDelete`, `CidrUpsert`,
+    /// `CidrDelete`) with its address's class in each space: one atomic write.
+    Record {
+        /// The record write.
+        write: Write,
+        /// The classes (0 for a deleted record).
+        classes: [u32; SPACES],
+    },
+}
+
+/// A rule set key of one identity or class: (rule set slot, prefix).
+type KeyAt = (u32, u32);
+/// One change of a key: `Some` upserts, `None` deletes.
+type Change = (KeyAt, Option<PolicyValue>);
+
+#[derive(Debug, Default)]
+struct Class {
+    members: BTreeSet<u32>,
+    keys: BTreeMap<KeyAt, PolicyValue>,
+    /// Order-independent hash of `keys` (the sum of the keys' hashes).
+    hash: u64,
+    /// The hash `by_hash` files the class under.
+    filed: u64,
+}
+
+#[derive(Debug, Default)]
+struct Space {
+    slots: HashSet<u32>,
+    /// Identity → its class (identities in class 0 are not listed).
+    of: HashMap<u32, u32>,
+    classes: HashMap<u32, Class>,
+    by_hash: HashMap<u64, Vec<u32>>,
+}
+
+fn key_hash(at: KeyAt, v: PolicyValue) -> u64 {
+    BuildHasherDefault::<DefaultHasher>::default().hash_one((at, v.verdict, v.counter))
+}
+
+impl Space {
+    fn class_of(&self, id: u32) -> u32 {
+        self.of.get(&id).copied().unwrap_or(0)
+    }
+
+    fn unfile(&mut self, c: u32) {
+        let filed = self.classes[&c].filed;
+        if let Some(v) = self.by_hash.get_mut(&filed) {
+            v.retain(|&x| x != c);
+            if v.is_empty() {
+                self.by_hash.remove(&filed);
+            }
+        }
+    }
+
+    fn file(&mut self, c: u32) {
+        let class = self.classes.get_mut(&c).expect("a live class");
+        class.filed = class.hash;
+        self.by_hash.entry(class.hash).or_default().push(c);
+    }
+
+    /// A live class other than `c` with exactly `keys`.
+    fn equal_to(&self, keys: &BTreeMap<KeyAt, PolicyValue>, hash: u64, not: u32) -> Option<u32> {
+        self.by_hash
+            .get(&hash)?
+            .iter()
+            .copied()
+            .find(|&o| o != not && self.classes[&o].keys == *keys)
+    }
+
+    fn set_key(&mut self, c: u32, at: KeyAt, v: Option<PolicyValue>) {
+        let class = self.classes.get_mut(&c).expect("a live class");
+        if let Some(old) = class.keys.remove(&at) {
+            class.hash = class.hash.wrapping_sub(key_hash(at, old));
+        }
+        if let Some(v) = v {
+            class.keys.insert(at, v);
+            class.hash = class.hash.wrapping_add(key_hash(at, v));
+        }
+    }
+}
+
+/// The class-level state of a node's datapath, following its identity-level writes.
+#[derive(Debug)]
+pub struct Classes {
+    grace: Duration,
+    /// Identity keys (identity ≠ 0) by identity.
+    keys: HashMap<u32, BTreeMap<KeyAt, PolicyValue>>,
+    /// Per rule set slot: the identities with keys in it, with their number of keys there.
+    slot_ids: HashMap<u32, HashMap<u32, u32>>,
+    /// Identity → the addresses whose records carry it.
+    addrs: HashMap<u32, BTreeSet<Addr>>,
+    /// Address → the record write the control plane made for it, and its identity.
+    records: HashMap<Addr, (Write, u32)>,
+    spaces: [Space; SPACES],
+    /// Per space: rule set slot → the endpoint records that use it in that direction.
+    refs: [HashMap<u32, u32>; SPACES],
+    next: u32,
+    free: Vec<u32>,
+    /// Classes no record points to any more: id, the keys to delete, when.
+    retired: VecDeque<(u32, Vec<KeyAt>, Instant)>,
+    splits: usize,
+    merges: usize,
+    moved: usize,
+}
+
+/// Counts of the class-level state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClassStats {
+    /// Live classes per space (class 0 not counted).
+    pub classes: [usize; SPACES],
+    /// Class keys per space (live classes).
+    pub keys: [usize; SPACES],
+    /// Keys of retired classes not deleted yet.
+    pub retired_keys: usize,
+    /// Identities with an address.
+    pub identities: usize,
+    /// Rule sets per space.
+    pub rulesets: [usize; SPACES],
+    /// Classes split off another (or off class 0) so far.
+    pub splits: usize,
+    /// Classes merged into another (or into class 0) so far.
+    pub merges: usize,
+    /// Records rewritten by splits and merges so far.
+    pub moved: usize,
+}
+
+impl Classes {
+    /// No classes; retired classes' keys are deleted `grace` after their last record moved.
+    pub fn new(grace: Duration) -> Classes {
+        Classes {
+            grace,
+            keys: HashMap::new(),
+            slot_ids: HashMap::new(),
+            addrs: HashMap::new(),
+            records: HashMap::new(),
+            spaces: Default::default(),
+            refs: Default::default(),
+            next: 1,
+            free: Vec::new(),
+            retired: VecDeque::new(),
+            splits: 0,
+            merges: 0,
+            moved: 0,
+        }
+    }
+
+    /// The counts.
+    pub fn stats(&self) -> ClassStats {
+        let mut s = ClassStats {
+            retired_keys: self.retired.iter().map(|r| r.1.len()).sum(),
+            identities: self.addrs.len(),
+            splits: self.splits,
+            merges: self.merges,
+            moved: self.moved,
+            ..ClassStats::default()
+        };
+        for (d, space) in self.spaces.iter().enumerate() {
+            s.classes[d] = space.classes.len();
+            s.keys[d] = space.classes.values().map(|c| c.keys.len()).sum();
+            s.rulesets[d] = space.slots.len();
+        }
+        s
+    }
+
+    /// The class of identity `id` in each space (0: no key there, or no address).
+    pub fn classes_of(&self, id: u32) -> [u32; SPACES] {
+        [
+            self.spaces[INGRESS].class_of(id),
+            self.spaces[EGRESS].class_of(id),
+        ]
+    }
+
+    /// The identities of class `class` (of whichever space has it).
+    pub fn members(&self, class: u32) -> Option<&BTreeSet<u32>> {
+        self.spaces
+            .iter()
+            .find_map(|s| s.classes.get(&class))
+            .map(|c| &c.members)
+    }
+
+    /// Translates one batch of identity-level writes (applied in order) into class-level
+    /// writes, appended to `out` in the order they must be applied. Deletes the keys of
+    /// classes retired at least the grace period ago first.
+    pub fn translate(&mut self, batch: &[Write], out: &mut Vec<ClassWrite>) {
+        self.reclaim(Instant::now(), out);
+        let mut touched: [BTreeSet<u32>; SPACES] = Default::default();
+        let mut i = 0;
+        while i < batch.len() {
+            let is_key = |w: &Write| matches!(w, Write::PolicyUpsert(k, _) | Write::PolicyDelete(k) if k.identity != 0);
+            if is_key(&batch[i]) {
+                let end = batch[i..]
+                    .iter()
+                    .position(|w| !is_key(w))
+                    .map_or(batch.len(), |n| i + n);
+                self.policy_run(&batch[i..end], &mut touched, out);
+                i = end;
+                continue;
+            }
+            match batch[i] {
+                Write::IpUpsert(k, info) => {
+                    let slots = info
+                        .is_endpoint()
+                        .then_some([info.ingress.ruleset, info.egress.ruleset]);
+                    self.set_record(
+                        Addr::Exact(k),
+                        batch[i],
+                        info.identity,
+                        slots,
+                        &mut touched,
+                        out,
+                    );
+                }
+                Write::CidrUpsert(k, len, info) => {
+                    self.set_record(
+                        Addr::Cidr(k, len),
+                        batch[i],
+                        info.identity,
+                        None,
+                        &mut touched,
+                        out,
+                    );
+                }
+                Write::IpDelete(k) => {
+                    self.remove_record(Addr::Exact(k), batch[i], &mut touched, out)
+                }
+                Write::CidrDelete(k, len) => {
+                    self.remove_record(Addr::Cidr(k, len), batch[i], &mut touched, out)
+                }
+                w => out.push(ClassWrite::Plain(w)),
+            }
+            i += 1;
+        }
+        for (d, t) in touched.into_iter().enumerate() {
+            self.settle(d, t, out);
+        }
+    }
+
+    /// Deletes the keys of classes retired at least the grace period before `now`.
+    pub fn reclaim(&mut self, now: Instant, out: &mut Vec<ClassWrite>) {
+        while let Some((_, _, at)) = self.retired.front() {
+            if now.saturating_duration_since(*at) < self.grace {
+                break;
+            }
+            let (class, keys, _) = self.retired.pop_front().expect("checked");
+            for (ruleset, prefix) in keys {
+                out.push(ClassWrite::Key(Write::PolicyDelete(PolicyKey {
+                    ruleset,
+                    identity: class,
+                    prefix,
+                })));
+            }
+            self.free.push(class);
+        }
+    }
+
+    /// A run of identity key writes (identity ≠ 0).
+    fn policy_run(
+        &mut self,
+        run: &[Write],
+        touched: &mut [BTreeSet<u32>; SPACES],
+        out: &mut Vec<ClassWrite>,
+    ) {
+        let mut changes: BTreeMap<u32, Vec<Change>> = BTreeMap::new();
+        for w in run {
+            let (k, v) = match *w {
+                Write::PolicyUpsert(k, v) => (k, Some(v)),
+                Write::PolicyDelete(k) => (k, None),
+                _ => unreachable!("a run holds key writes only"),
+            };
+            changes
+                .entry(k.identity)
+                .or_default()
+                .push(((k.ruleset, k.prefix), v));
+        }
+        for (d, t) in touched.iter_mut().enumerate() {
+            self.change_space(d, &changes, t, out);
+        }
+        // The identity-level model.
+        let mut emptied = Vec::new();
+        for (&id, ch) in &changes {
+            let keys = self.keys.entry(id).or_default();
+            for &((slot, prefix), v) in ch {
+                let had = match v {
+                    Some(v) => keys.insert((slot, prefix), v).is_some(),
+                    None => keys.remove(&(slot, prefix)).is_some(),
+                };
+                let delta: i64 = match (had, v.is_some()) {
+                    (false, true) => 1,
+                    (true, false) => -1,
+                    _ => 0,
+                };
+                if delta != 0 {
+                    let ids = self.slot_ids.entry(slot).or_default();
+                    let n = ids.entry(id).or_default();
+                    *n = n.wrapping_add_signed(delta as i32);
+                    if *n == 0 {
+                        ids.remove(&id);
+                        if ids.is_empty() {
+                            self.slot_ids.remove(&slot);
+                            emptied.push(slot);
+                        }
+                    }
+                }
+            }
+            if keys.is_empty() {
+                self.keys.remove(&id);
+            }
+        }
+        // A rule set without identity keys has no class keys either: it leaves the spaces in
+        // which no record uses it (it joins again, with its keys, when one does).
+        for slot in emptied {
+            for d in 0..SPACES {
+                self.leave_if_unused(d, slot);
+            }
+        }
+    }
+
+    /// Steps 1 and 2 of the order for space `d`: `changes` per identity (any space).
+    fn change_space(
+        &mut self,
+        d: usize,
+        changes: &BTreeMap<u32, Vec<Change>>,
+        touched: &mut BTreeSet<u32>,
+        out: &mut Vec<ClassWrite>,
+    ) {
+        // class → (the change, restricted to the space) → identities
+        let mut groups: BTreeMap<u32, HashMap<Vec<Change>, Vec<u32>>> = BTreeMap::new();
+        for (&id, ch) in changes {
+            if !self.addrs.contains_key(&id) {
+                continue;
+            }
+            let mut mine: Vec<Change> = ch
+                .iter()
+                .copied()
+                .filter(|((slot, _), _)| self.spaces[d].slots.contains(slot))
+                .collect();
+            // A run is one phase of the store's order, whose writes may be applied in any
+            // order: sorted (stably), members with the same changes form one group.
+            mine.sort_by_key(|&(at, _)| at);
+            if mine.is_empty() {
+                continue;
+            }
+            let c = self.spaces[d].class_of(id);
+            groups
+                .entry(c)
+                .or_default()
+                .entry(mine)
+                .or_default()
+                .push(id);
+        }
+        // 1. Splits.
+        let mut targets: Vec<(u32, Vec<Change>)> = Vec::new();
+        for (c, by_change) in groups {
+            // In a fixed order (the identities are visited in order: each group's first).
+            let mut by_change: Vec<(Vec<Change>, Vec<u32>)> = by_change.into_iter().collect();
+            by_change.sort_by_key(|(_, ids)| ids[0]);
+            let whole = c != 0
+                && by_change.len() == 1
+                && by_change[0].1.len() == self.spaces[d].classes[&c].members.len();
+            if whole {
+                let ch = by_change.pop().expect("one").0;
+                targets.push((c, ch));
+                continue;
+            }
+            for (ch, ids) in by_change {
+                let n = self.new_class(d, c, out);
+                self.splits += 1;
+                for id in ids {
+                    self.move_identity(d, id, n, out);
+                }
+                targets.push((n, ch));
+            }
+            if c != 0 && self.spaces[d].classes[&c].members.is_empty() {
+                self.retire(d, c);
+            }
+        }
+        // 2. The change.
+        for (c, ch) in targets {
+            self.spaces[d].unfile(c);
+            for (at, v) in ch {
+                self.spaces[d].set_key(c, at, v);
+                out.push(ClassWrite::Key(key_write(c, at, v)));
+            }
+            self.spaces[d].file(c);
+            touched.insert(c);
+        }
+    }
+
+    /// A new class of space `d` with the keys of class `like` (written, invisibly: no record
+    /// points to it yet).
+    fn new_class(&mut self, d: usize, like: u32, out: &mut Vec<ClassWrite>) -> u32 {
+        let n = self.free.pop().unwrap_or_else(|| {
+            self.next += 1;
+            self.next - 1
+        });
+        let (keys, hash) = match self.spaces[d].classes.get(&like) {
+            Some(c) if like != 0 => (c.keys.clone(), c.hash),
+            _ => (BTreeMap::new(), 0),
+        };
+        for (&at, &v) in &keys {
+            out.push(ClassWrite::Key(key_write(n, at, Some(v))));
+        }
+        self.spaces[d].classes.insert(
+            n,
+            Class {
+                members: BTreeSet::new(),
+                keys,
+                hash,
+                filed: hash,
+            },
+        );
+        self.spaces[d].file(n);
+        n
+    }
+
+    /// Moves identity `id` to class `to` of space `d` and rewrites its addresses' records.
+    fn move_identity(&mut self, d: usize, id: u32, to: u32, out: &mut Vec<ClassWrite>) {
+        let space = &mut self.spaces[d];
+        let from = space.class_of(id);
+        if from == to {
+            return;
+        }
+        if from != 0 {
+            space
+                .classes
+                .get_mut(&from)
+                .expect("a live class")
+                .members
+                .remove(&id);
+        }
+        if to == 0 {
+            space.of.remove(&id);
+        } else {
+            space.of.insert(id, to);
+            space
+                .classes
+                .get_mut(&to)
+                .expect("a live class")
+                .members
+                .insert(id);
+        }
+        let classes = self.classes_of(id);
+        for addr in self.addrs.get(&id).into_iter().flatten() {
+            let (write, _) = self.records[addr];
+            out.push(ClassWrite::Record { write, classes });
+            self.moved += 1;
+        }
+    }
+
+    /// Retires class `c` of space `d` (no member left): its keys go after the grace period.
+    fn retire(&mut self, d: usize, c: u32) {
+        self.spaces[d].unfile(c);
+        let class = self.spaces[d].classes.remove(&c).expect("a live class");
+        debug_assert!(class.members.is_empty());
+        self.retired
+            .push_back((c, class.keys.into_keys().collect(), Instant::now()));
+    }
+
+    /// Step 3 for the classes of space `d` a batch changed or created.
+    fn settle(&mut self, d: usize, touched: BTreeSet<u32>, out: &mut Vec<ClassWrite>) {
+        for c in touched {
+            let Some(class) = self.spaces[d].classes.get(&c) else {
+                continue;
+            };
+            let into = if class.keys.is_empty() {
+                Some(0)
+            } else {
+                self.spaces[d].equal_to(&class.keys, class.hash, c)
+            };
+            let Some(mut into) = into else {
+                continue;
+            };
+            let mut from = c;
+            // The smaller class moves.
+            if into != 0
+                && self.spaces[d].classes[&into].members.len()
+                    < self.spaces[d].classes[&c].members.len()
+            {
+                (from, into) = (into, from);
+            }
+            let members: Vec<u32> = self.spaces[d].classes[&from]
+                .members
+                .iter()
+                .copied()
+                .collect();
+            for id in members {
+                self.move_identity(d, id, into, out);
+            }
+            self.retire(d, from);
+            self.merges += 1;
+        }
+    }
+
+    /// Makes rule set `slot` part of space `d`: the classes are split by the slot's keys (as
+    /// if they were upserted now) and the class keys written, before the record that makes a
+    /// packet probe them.
+    fn add_slot(
+        &mut self,
+        d: usize,
+        slot: u32,
+        touched: &mut [BTreeSet<u32>; SPACES],
+        out: &mut Vec<ClassWrite>,
+    ) {
+        self.spaces[d].slots.insert(slot);
+        let mut changes: BTreeMap<u32, Vec<Change>> = BTreeMap::new();
+        for &id in self.slot_ids.get(&slot).into_iter().flat_map(HashMap::keys) {
+            let keys = &self.keys[&id];
+            changes.insert(
+                id,
+                keys.range((slot, 0)..=(slot, u32::MAX))
+                    .map(|(&at, &v)| (at, Some(v)))
+                    .collect(),
+            );
+        }
+        self.change_space(d, &changes, &mut touched[d], out);
+    }
+
+    /// Rule set `slot` leaves space `d` if no record uses it there and it has no identity
+    /// key (so no class has a key in it).
+    fn leave_if_unused(&mut self, d: usize, slot: u32) {
+        if !self.refs[d].contains_key(&slot) && !self.slot_ids.contains_key(&slot) {
+            self.spaces[d].slots.remove(&slot);
+        }
+    }
+
+    /// Counts the rule sets an endpoint record uses (`add`) or used (`!add`).
+    fn count_refs(&mut self, write: Option<&Write>, add: bool) {
+        let Some(Write::IpUpsert(_, info)) = write else {
+            return;
+        };
+        if !info.is_endpoint() {
+            return;
+        }
+        for (d, slot) in [info.ingress.ruleset, info.egress.ruleset]
+            .into_iter()
+            .enumerate()
+        {
+            if slot == 0 {
+                continue;
+            }
+            if add {
+                *self.refs[d].entry(slot).or_default() += 1;
+            } else if let Some(n) = self.refs[d].get_mut(&slot) {
+                *n -= 1;
+                if *n == 0 {
+                    self.refs[d].remove(&slot);
+                    self.leave_if_unused(d, slot);
+                }
+            }
+        }
+    }
+
+    /// The class of a new identity (its first address) in each space: an existing class with
+    /// its keys, or a new one (keys written first).
+    fn place(&mut self, id: u32, out: &mut Vec<ClassWrite>) {
+        for d in 0..SPACES {
+            let keys: BTreeMap<KeyAt, PolicyValue> = self
+                .keys
+                .get(&id)
+                .into_iter()
+                .flatten()
+                .filter(|((slot, _), _)| self.spaces[d].slots.contains(slot))
+                .map(|(&at, &v)| (at, v))
+                .collect();
+            if keys.is_empty() {
+                continue;
+            }
+            let hash = keys
+                .iter()
+                .fold(0u64, |h, (&at, &v)| h.wrapping_add(key_hash(at, v)));
+            let c = match self.spaces[d].equal_to(&keys, hash, 0) {
+                Some(c) => c,
+                None => {
+                    let n = self.new_class(d, 0, out);
+                    for (&at, &v) in &keys {
+                        self.spaces[d].set_key(n, at, Some(v));
+                        out.push(ClassWrite::Key(key_write(n, at, Some(v))));
+                    }
+                    self.spaces[d].unfile(n);
+                    self.spaces[d].file(n);
+                    n
+                }
+            };
+            let space = &mut self.spaces[d];
+            space.of.insert(id, c);
+            space
+                .classes
+                .get_mut(&c)
+                .expect("a live class")
+                .members
+                .insert(id);
+        }
+    }
+
+    /// Identity `id` lost its last address: it leaves its classes.
+    fn unplace(&mut self, id: u32, touched: &mut [BTreeSet<u32>; SPACES]) {
+        for (d, t) in touched.iter_mut().enumerate() {
+            let space = &mut self.spaces[d];
+            let Some(c) = space.of.remove(&id) else {
+                continue;
+            };
+            let class = space.classes.get_mut(&c).expect("a live class");
+            class.members.remove(&id);
+            if class.members.is_empty() {
+                t.remove(&c);
+                self.retire(d, c);
+            }
+        }
+    }
+
+    fn set_record(
+        &mut self,
+        addr: Addr,
+        write: Write,
+        id: u32,
+        slots: Option<[u32; SPACES]>,
+        touched: &mut [BTreeSet<u32>; SPACES],
+        out: &mut Vec<ClassWrite>,
+    ) {
+        // The rule sets the record makes packets probe: their class keys first.
+        for (d, slot) in slots.into_iter().flat_map(|s| s.into_iter().enumerate()) {
+            if slot != 0 && !self.spaces[d].slots.contains(&slot) {
+                self.add_slot(d, slot, touched, out);
+            }
+        }
+        if id != 0 && !self.addrs.contains_key(&id) {
+            self.place(id, out);
+        }
+        let old = self.records.insert(addr, (write, id));
+        self.count_refs(Some(&write), true);
+        self.count_refs(old.as_ref().map(|(w, _)| w), false);
+        let old = old.map(|(_, old)| old);
+        if id != 0 {
+            self.addrs.entry(id).or_default().insert(addr);
+        }
+        out.push(ClassWrite::Record {
+            write,
+            classes: self.classes_of(id),
+        });
+        if let Some(old) = old.filter(|&o| o != id) {
+            self.forget_address(old, addr, touched);
+        }
+    }
+
+    fn remove_record(
+        &mut self,
+        addr: Addr,
+        write: Write,
+        touched: &mut [BTreeSet<u32>; SPACES],
+        out: &mut Vec<ClassWrite>,
+    ) {
+        out.push(ClassWrite::Record {
+            write,
+            classes: [0; SPACES],
+        });
+        if let Some((w, old)) = self.records.remove(&addr) {
+            self.count_refs(Some(&w), false);
+            self.forget_address(old, addr, touched);
+        }
+    }
+
+    fn forget_address(&mut self, id: u32, addr: Addr, touched: &mut [BTreeSet<u32>; SPACES]) {
+        if id == 0 {
+            return;
+        }
+        let Some(set) = self.addrs.get_mut(&id) else {
+            return;
+        };
+        set.remove(&addr);
+        if set.is_empty() {
+            self.addrs.remove(&id);
+            self.unplace(id, touched);
+        }
+    }
+}
+
+fn key_write(class: u32, (ruleset, prefix): KeyAt, v: Option<PolicyValue>) -> Write {
+    let k = PolicyKey {
+        ruleset,
+        identity: class,
+        prefix,
+    };
+    match v {
+        Some(v) => Write::PolicyUpsert(k, v),
+        None => Write::PolicyDelete(k),
+    }
+}
+
+/// Class-level tables: the maps as they are with classes (policy keys per class) and each
+/// address's classes.
+#[derive(Debug, Clone, Default)]
+pub struct ClassTables {
+    /// Cell words, blocks, records, class keys (`PolicyKey::identity` is the class) and the
+    /// wildcard keys.
+    pub tables: MemTables,
+    /// The classes of each address with a record.
+    pub classes: HashMap<Addr, [u32; SPACES]>,
+}
+
+impl ClassTables {
+    /// Empty tables of `cells` cell words and `blocks` block words.
+    pub fn new(cells: u32, blocks: u32) -> ClassTables {
+        ClassTables {
+            tables: MemTables::new(cells, blocks),
+            classes: HashMap::new(),
+        }
+    }
+
+    /// Applies one write.
+    pub fn apply(&mut self, w: &ClassWrite) {
+        match *w {
+            ClassWrite::Plain(w) | ClassWrite::Key(w) => self.tables.apply(&w),
+            ClassWrite::Record { write, classes } => {
+                self.tables.apply(&write);
+                match write {
+                    Write::IpUpsert(k, _) => {
+                        self.classes.insert(Addr::Exact(k), classes);
+                    }
+                    Write::CidrUpsert(k, len, _) => {
+                        self.classes.insert(Addr::Cidr(k, len), classes);
+                    }
+                    Write::IpDelete(k) => {
+                        self.classes.remove(&Addr::Exact(k));
+                    }
+                    Write::CidrDelete(k, len) => {
+                        self.classes.remove(&Addr::Cidr(k, len));
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    /// The policy keys held (class keys and wildcard keys).
+    pub fn policy_keys(&self) -> usize {
+        self.tables.policy.len()
+    }
+
+    /// The record of `addr` and its classes.
+    pub fn record(&self, addr: &Addr) -> Option<(IpInfo, [u32; SPACES])> {
+        let info = match addr {
+            Addr::Exact(k) => *self.tables.ipcache.get(k)?,
+            Addr::Cidr(k, len) => *self.tables.cidr.get(&(*k, *len))?,
+        };
+        Some((info, self.classes.get(addr).copied().unwrap_or_default()))
+    }
+}
+
+/// A [`TableWriter`] that writes identity-level tables and keeps the class-level tables of
+/// the same writes beside them ([`Classes`]).
+#[derive(Debug)]
+pub struct Classed {
+    /// The identity-level tables (what [`TableWriter::tables`] returns).
+    pub identity: MemTables,
+    /// The translation.
+    pub classes: Classes,
+    /// The class-level tables.
+    pub class_tables: ClassTables,
+    pending: Vec<ClassWrite>,
+}
+
+impl Classed {
+    /// Writes `identity` (its current contents are taken as written through this writer: pass
+    /// empty tables) and class-level tables of the same sizes.
+    pub fn new(identity: MemTables, grace: Duration) -> Classed {
+        let class_tables =
+            ClassTables::new(identity.cells.len() as u32, identity.blocks.len() as u32);
+        Classed {
+            identity,
+            classes: Classes::new(grace),
+            class_tables,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Deletes the keys of classes whose grace period is over.
+    pub fn reclaim(&mut self) {
+        let mut out = std::mem::take(&mut self.pending);
+        self.classes.reclaim(Instant::now(), &mut out);
+        for w in out.drain(..) {
+            self.class_tables.apply(&w);
+        }
+        self.pending = out;
+    }
+}
+
+impl TableWriter for Classed {
+    fn write(&mut self, writes: &[Write]) -> Result<(), WriteError> {
+        self.identity.write(writes)?;
+        let mut out = std::mem::take(&mut self.pending);
+        self.classes.translate(writes, &mut out);
+        for w in out.drain(..) {
+            self.class_tables.apply(&w);
+        }
+        self.pending = out;
+        Ok(())
+    }
+
+    fn tables(&self) -> &MemTables {
+        &self.identity
+    }
+}
+
+impl Classes {
+    /// Checks the invariants (for tests): every class of a space has members, all with
+    /// addresses and exactly the class's keys in the space's rule sets; no two classes of a space
+    /// have equal keys; an identity with an address and keys in a space is in a class of it,
+    /// one without keys there is not.
+    pub fn check(&self) -> Result<(), String> {
+        for (d, space) in self.spaces.iter().enumerate() {
+            let own = |id: u32| -> BTreeMap<KeyAt, PolicyValue> {
+                self.keys
+                    .get(&id)
+                    .into_iter()
+                    .flatten()
+                    .filter(|((slot, _), _)| space.slots.contains(slot))
+                    .map(|(&at, &v)| (at, v))
+                    .collect()
+            };
+            let mut seen: HashMap<&BTreeMap<KeyAt, PolicyValue>, u32> = HashMap::new();
+            for (&c, class) in &space.classes {
+                if class.members.is_empty() || class.keys.is_empty() {
+                    return Err(format!("space {d}: class {c} is empty: {class:?}"));
+                }
+                let hash = class
+                    .keys
+                    .iter()
+                    .fold(0u64, |h, (&at, &v)| h.wrapping_add(key_hash(at, v)));
+                if hash != class.hash || class.filed != hash {
+                    return Err(format!("space {d}: class {c}'s hash is stale"));
+                }
+                if !space.by_hash.get(&hash).is_some_and(|v| v.contains(&c)) {
+                    return Err(format!("space {d}: class {c} is not filed"));
+                }
+                if let Some(o) = seen.insert(&class.keys, c) {
+                    return Err(format!("space {d}: classes {o} and {c} have equal keys"));
+                }
+                for &m in &class.members {
+                    if !self.addrs.contains_key(&m) || space.of.get(&m) != Some(&c) {
+                        return Err(format!("space {d}: member {m} of class {c} is stray"));
+                    }
+                    if own(m) != class.keys {
+                        return Err(format!(
+                            "space {d}: identity {m}'s keys {:?} are not class {c}'s {:?}",
+                            own(m),
+                            class.keys
+                        ));
+                    }
+                }
+            }
+            for &id in self.addrs.keys() {
+                let keyed = !own(id).is_empty();
+                if keyed != space.of.contains_key(&id) {
+                    return Err(format!(
+                        "space {d}: identity {id} has keys: {keyed}, class: {:?}",
+                        space.of.get(&id)
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}

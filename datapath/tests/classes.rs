@@ -1,0 +1,363 @@
+//! Node-local identity classes (`ordnet_datapath::classes`), against the identity-level
+//! tables the control plane writes: random sequences of endpoint policies, relabels, remote
+//! identities and removals; after every single class-level write no (endpoint, direction,
+//! peer address, port) is allowed that neither the identity-level state before the batch nor
+//! the one after it allows, after every batch the verdicts are exactly the identity-level ones,
+//! and the classes are minimal (no two with equal keys) and exact (each member's keys are its
+//! class's).
+
+mod common;
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    net::IpAddr,
+    time::Duration,
+};
+
+use common::*;
+use ordnet_datapath::{
+    Control, EndpointAddresses, EndpointSpec, IpNet, MemTables, Store, TableWriter, Write,
+    WriteError,
+    classes::{Addr, ClassTables, ClassWrite, Classes, EGRESS, INGRESS},
+    common::{
+        layout::{CELLS_PER_RULESET, IpInfo, IpKey, PolicyRef, State},
+        lookup::{cell_index, policy_lookup},
+    },
+};
+use ordnet_mapstate::{Direction, MapState};
+
+/// What is checked: (endpoint record, direction, peer address, probe index) → allowed.
+type Verdicts = HashMap<(IpKey, usize, Addr, usize), bool>;
+
+/// The peers: every address with a record, and its identity.
+fn peers(t: &MemTables) -> Vec<(Addr, u32)> {
+    t.ipcache
+        .iter()
+        .map(|(k, i)| (Addr::Exact(*k), i.identity))
+        .chain(
+            t.cidr
+                .iter()
+                .map(|(&(k, l), i)| (Addr::Cidr(k, l), i.identity)),
+        )
+        .collect()
+}
+
+fn endpoints(t: &MemTables) -> Vec<(IpKey, IpInfo)> {
+    t.ipcache
+        .iter()
+        .filter(|(_, i)| i.is_endpoint())
+        .map(|(k, i)| (*k, *i))
+        .collect()
+}
+
+fn policy(info: &IpInfo, d: usize) -> PolicyRef {
+    if d == INGRESS {
+        info.ingress
+    } else {
+        info.egress
+    }
+}
+
+/// Identity-level verdicts.
+fn identity_verdicts(t: &MemTables, probes: &[(u8, u16)]) -> Verdicts {
+    let mut out = Verdicts::new();
+    for (ep, info) in endpoints(t) {
+        for d in [INGRESS, EGRESS] {
+            for (addr, id) in peers(t) {
+                for (i, &(proto, port)) in probes.iter().enumerate() {
+                    let v = policy_lookup(t, policy(&info, d), id, proto, port).allow;
+                    out.insert((ep, d, addr, i), v);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Class-level verdicts of the endpoints in `eps` (all if `None`) and the peers in `addrs`
+/// (all if `None`).
+fn class_verdicts(
+    t: &ClassTables,
+    probes: &[(u8, u16)],
+    eps: Option<&BTreeSet<IpKey>>,
+    addrs: Option<&BTreeSet<Addr>>,
+    cell: Option<u32>,
+    low: Option<u16>,
+) -> Verdicts {
+    let mut out = Verdicts::new();
+    for (ep, info) in endpoints(&t.tables) {
+        if eps.is_some_and(|e| !e.contains(&ep)) {
+            continue;
+        }
+        for d in [INGRESS, EGRESS] {
+            for (addr, _) in peers(&t.tables) {
+                if addrs.is_some_and(|a| !a.contains(&addr)) {
+                    continue;
+                }
+                let class = t.classes.get(&addr).map_or(0, |c| c[d]);
+                for (i, &(proto, port)) in probes.iter().enumerate() {
+                    if cell.is_some_and(|c| cell_index(0, proto, port) != Some(c))
+                        || low.is_some_and(|l| port & 0xff != l || !matches!(proto, 6 | 17 | 132))
+                    {
+                        continue;
+                    }
+                    let v = policy_lookup(&t.tables, policy(&info, d), class, proto, port).allow;
+                    out.insert((ep, d, addr, i), v);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Writes identity-level tables and translates every batch into class-level tables, checking
+/// them after every class-level write.
+struct Checked {
+    id: MemTables,
+    /// The identity-level verdicts of `id` (as of the last batch).
+    last: Verdicts,
+    classes: Classes,
+    class: ClassTables,
+    probes: Vec<(u8, u16)>,
+    context: String,
+    class_writes: usize,
+    checks: usize,
+}
+
+impl Checked {
+    /// The (endpoint, peer) pairs a class-level write can change: a key only its class's peers
+    /// of the endpoints using its rule set, a cell word only the endpoints using its rule set;
+    /// anything else all.
+    fn affected(&self, w: &ClassWrite) -> (Option<BTreeSet<IpKey>>, Option<BTreeSet<Addr>>) {
+        let using = |slot: u32| -> BTreeSet<IpKey> {
+            endpoints(&self.class.tables)
+                .into_iter()
+                .filter(|(_, i)| i.ingress.ruleset == slot || i.egress.ruleset == slot)
+                .map(|(k, _)| k)
+                .collect()
+        };
+        match *w {
+            ClassWrite::Key(Write::PolicyUpsert(k, _) | Write::PolicyDelete(k)) => {
+                let addrs = self
+                    .class
+                    .classes
+                    .iter()
+                    .filter(|(_, c)| c.contains(&k.identity))
+                    .map(|(a, _)| *a)
+                    .collect();
+                (Some(using(k.ruleset)), Some(addrs))
+            }
+            ClassWrite::Plain(Write::Cell(i, _)) => (Some(using(i / CELLS_PER_RULESET)), None),
+            ClassWrite::Plain(Write::PolicyUpsert(..) | Write::PolicyDelete(..)) => {
+                (Some(BTreeSet::new()), None)
+            }
+            // A record: as a peer, for every endpoint; as an endpoint, for every peer.
+            ClassWrite::Record { write, .. } => {
+                let addr = match write {
+                    Write::IpUpsert(k, _) | Write::IpDelete(k) => Addr::Exact(k),
+                    Write::CidrUpsert(k, l, _) | Write::CidrDelete(k, l) => Addr::Cidr(k, l),
+                    _ => return (None, None),
+                };
+                let endpoint = matches!(addr, Addr::Exact(k) if self.id.ipcache.get(&k)
+                    .is_some_and(|i| i.is_endpoint())
+                    || self.class.tables.ipcache.get(&k).is_some_and(|i| i.is_endpoint()));
+                if endpoint {
+                    (None, None)
+                } else {
+                    (None, Some(BTreeSet::from([addr])))
+                }
+            }
+            _ => (None, None),
+        }
+    }
+}
+
+impl TableWriter for Checked {
+    fn write(&mut self, writes: &[Write]) -> Result<(), WriteError> {
+        let before = std::mem::take(&mut self.last);
+        self.id.write(writes)?;
+        let after = identity_verdicts(&self.id, &self.probes);
+        let mut out = Vec::new();
+        self.classes.translate(writes, &mut out);
+        for w in &out {
+            self.class.apply(w);
+            self.class_writes += 1;
+            let (eps, addrs) = self.affected(w);
+            let cell = match *w {
+                ClassWrite::Plain(Write::Cell(i, _)) => Some(i % CELLS_PER_RULESET),
+                _ => None,
+            };
+            // A block word: only its own low port byte.
+            let low = match *w {
+                ClassWrite::Plain(Write::Block(i, _)) => Some((i % 256) as u16),
+                _ => None,
+            };
+            let now = class_verdicts(
+                &self.class,
+                &self.probes,
+                eps.as_ref(),
+                addrs.as_ref(),
+                cell,
+                low,
+            );
+            for (k, allowed) in now {
+                self.checks += 1;
+                assert!(
+                    !allowed
+                        || before.get(&k).copied().unwrap_or(false)
+                        || after.get(&k).copied().unwrap_or(false),
+                    "{}: transient allow of {k:?} (probe {:?}) after {w:?}\nbatch {writes:?}",
+                    self.context,
+                    self.probes[k.3]
+                );
+            }
+        }
+        let now = class_verdicts(&self.class, &self.probes, None, None, None, None);
+        if now != after {
+            let bad: Vec<_> = after
+                .iter()
+                .filter(|(k, v)| now.get(k) != Some(v))
+                .take(5)
+                .map(|(k, v)| (k, self.probes[k.3], v, now.get(k)))
+                .collect();
+            panic!(
+                "{}: after the batch the class verdicts differ, e.g. (key, probe, identity, \
+                 class) {bad:?}\nbatch {writes:?}\nclass writes {out:?}",
+                self.context
+            );
+        }
+        if let Err(e) = self.classes.check() {
+            panic!("{}: {e}\nbatch {writes:?}", self.context);
+        }
+        self.last = after;
+        Ok(())
+    }
+
+    fn tables(&self) -> &MemTables {
+        &self.id
+    }
+}
+
+const ENDPOINTS: u32 = 3;
+
+fn endpoint_ip(e: u32) -> IpAddr {
+    IpAddr::from([10, 0, 0, e as u8])
+}
+
+fn remote_ip(r: u8) -> IpNet {
+    IpNet::from(IpAddr::from([10, 1, 0, r]))
+}
+
+#[test]
+fn classes_follow_every_change_without_a_transient_allow() {
+    let (mut splits, mut merges, mut max_classes) = (0usize, 0usize, 0usize);
+    let mut total = (0usize, 0usize);
+    let cases: u64 = std::env::var("ORDNET_CLASS_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(16);
+    let first: u64 = std::env::var("ORDNET_CLASS_FIRST")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    for case in first..first + cases {
+        let mut rng = Rng::new(0x0c1a_55e5 ^ case.wrapping_mul(0x9e37_79b9));
+        // A pool of MapStates per direction: endpoints pick from it, so rule sets are shared
+        // and change in place as well as anew.
+        let pool: Vec<[MapState; 2]> = (0..5)
+            .map(|_| {
+                [
+                    arb_mapstate(&mut rng, Direction::Ingress, 8),
+                    arb_mapstate(&mut rng, Direction::Egress, 8),
+                ]
+            })
+            .collect();
+        let all: Vec<&MapState> = pool.iter().flatten().collect();
+        let probes: Vec<(u8, u16)> = probe_points(&all)
+            .into_iter()
+            .filter(|&(p, _)| matches!(p, 6 | 1))
+            .collect();
+        // At most 48 of them, evenly spread (the test runs unoptimised).
+        let step = probes.len().div_ceil(48);
+        let probes: Vec<(u8, u16)> = probes.into_iter().step_by(step).collect();
+        let mut control = Control::new(Store::new(16, 256, Duration::ZERO), State::default());
+        let mut w = Checked {
+            id: MemTables::new(16 * 769, 256 * 256),
+            last: Verdicts::new(),
+            classes: Classes::new(Duration::ZERO),
+            class: ClassTables::new(16 * 769, 256 * 256),
+            probes,
+            context: String::new(),
+            class_writes: 0,
+            checks: 0,
+        };
+        let ips: Vec<[IpAddr; 1]> = (1..=ENDPOINTS).map(|e| [endpoint_ip(e)]).collect();
+        let mut live: BTreeSet<u32> = BTreeSet::new();
+        for step in 0..30 {
+            let op = rng.below(6);
+            w.context = format!("case {case} step {step} op {op}");
+            match op {
+                // An endpoint (new or existing) gets MapStates of the pool and an identity.
+                0 | 1 => {
+                    let e = 1 + rng.below(ENDPOINTS as usize) as u32;
+                    let [i, o] = [rng.below(pool.len()), rng.below(pool.len())];
+                    let spec = EndpointSpec {
+                        ips: &ips[e as usize - 1],
+                        identity: 1 + rng.below(IDS as usize + 1) as u32,
+                        identities: &[],
+                        ingress: &pool[i][0],
+                        egress: &pool[o][1],
+                    };
+                    control.update_endpoints(&mut w, &[(e, spec)]).unwrap();
+                    live.insert(e);
+                }
+                // A relabel: a live endpoint's identity changes.
+                2 if !live.is_empty() => {
+                    let e = rng.pick(&live.iter().copied().collect::<Vec<_>>());
+                    let a = EndpointAddresses {
+                        ips: &ips[e as usize - 1],
+                        identity: 1 + rng.below(IDS as usize + 1) as u32,
+                        identities: &[],
+                    };
+                    control.set_endpoint_addresses(&mut w, &[(e, a)]).unwrap();
+                }
+                // Remote addresses and a CIDR come, change identity or go.
+                3 | 4 => {
+                    let n = 1 + rng.below(3);
+                    let entries: Vec<(IpNet, Option<u32>)> = (0..n)
+                        .map(|_| {
+                            let net = if rng.chance(5) {
+                                "10.2.0.0/16".parse().unwrap()
+                            } else {
+                                remote_ip(1 + rng.below(6) as u8)
+                            };
+                            let id =
+                                (!rng.chance(4)).then(|| 1 + rng.below(IDS as usize + 1) as u32);
+                            (net, id)
+                        })
+                        .collect();
+                    control.set_identities(&mut w, &entries).unwrap();
+                }
+                _ if !live.is_empty() => {
+                    let e = rng.pick(&live.iter().copied().collect::<Vec<_>>());
+                    control.remove_endpoints(&mut w, &[e]).unwrap();
+                    live.remove(&e);
+                }
+                _ => {}
+            }
+            let s = w.classes.stats();
+            max_classes = max_classes.max(s.classes[0] + s.classes[1]);
+        }
+        total = (total.0 + w.class_writes, total.1 + w.checks);
+        let s = w.classes.stats();
+        splits += s.splits;
+        merges += s.merges;
+    }
+    println!(
+        "{} class-level writes, {} (endpoint, direction, peer, probe) checks; {splits} splits, \
+         {merges} merges, at most {max_classes} classes at once",
+        total.0, total.1
+    );
+    assert!(max_classes >= 4, "too few classes: {max_classes}");
+    assert!(splits >= 50 && merges >= 50, "too few splits or merges");
+}
