@@ -361,3 +361,111 @@ fn classes_follow_every_change_without_a_transient_allow() {
     assert!(max_classes >= 4, "too few classes: {max_classes}");
     assert!(splits >= 50 && merges >= 50, "too few splits or merges");
 }
+
+/// An entry of `ids` with `action` on TCP port `port`.
+fn tcp_entry(id: u64, ids: &[u32], port: u16, allow: bool) -> ordnet_mapstate::PolicyEntry {
+    use ordnet_mapstate::{L4Match, Protocol, Selector, Verdict};
+    let mut rng = Rng::new(id + 1);
+    let mut e = arb_entry(&mut rng, id, IDS);
+    e.selector = Selector::Ids(ids.iter().copied().collect());
+    e.l4 = L4Match::port(Protocol::Tcp, port);
+    e.action = if allow { Verdict::Allow } else { Verdict::Deny }.into();
+    e.order = ordnet_mapstate::OrderKey::new(0, id as u32);
+    e
+}
+
+/// One class per distinct set of keys: identities the policies do not tell apart share one,
+/// its keys are written once; an in-place change that tells one apart splits it off, the
+/// change back merges it again; an identity whose last address goes leaves its class.
+#[test]
+fn identities_the_policies_do_not_tell_apart_share_a_class() {
+    use ordnet_datapath::classes::Classed;
+    use ordnet_mapstate::Verdict;
+    let ingress = |entries: &[ordnet_mapstate::PolicyEntry]| {
+        build(Direction::Ingress, Verdict::Deny, entries)
+    };
+    let egress = build(
+        Direction::Egress,
+        Verdict::Deny,
+        &[tcp_entry(10, &[4], 53, true)],
+    );
+    let same = ingress(&[tcp_entry(1, &[1, 2, 3], 80, true)]);
+    let apart = ingress(&[
+        tcp_entry(1, &[1, 2], 80, true),
+        tcp_entry(2, &[3], 443, true),
+    ]);
+    let mut control = Control::new(Store::new(16, 256, Duration::ZERO), State::default());
+    let mut w = Classed::new(MemTables::new(16 * 769, 256 * 256), Duration::ZERO);
+    let remote: Vec<(IpNet, Option<u32>)> = (1..=6)
+        .map(|i| (remote_ip(i), Some(u32::from(i))))
+        .collect();
+    control.set_identities(&mut w, &remote).unwrap();
+    let ips = [endpoint_ip(1)];
+    let spec = |ingress| EndpointSpec {
+        ips: &ips,
+        identity: 9,
+        identities: &[],
+        ingress,
+        egress: &egress,
+    };
+    control
+        .update_endpoints(&mut w, &[(1, spec(&same))])
+        .unwrap();
+    let c = |w: &Classed, id: u32| w.classes.classes_of(id);
+    let s = w.classes.stats();
+    assert_eq!(s.classes, [1, 1], "{s:?}");
+    assert_eq!(s.keys, [1, 1], "one key per class: {s:?}");
+    assert_eq!(c(&w, 1), c(&w, 2));
+    assert_eq!(c(&w, 2), c(&w, 3));
+    assert_ne!(c(&w, 1)[INGRESS], 0);
+    assert_eq!(c(&w, 1)[EGRESS], 0, "no egress key for identity 1");
+    assert_eq!(c(&w, 4)[INGRESS], 0, "no ingress key for identity 4");
+    assert_ne!(c(&w, 4)[EGRESS], 0);
+    assert_eq!(c(&w, 5), [0, 0]);
+    // The identity-level tables hold 4 identity keys, the class-level ones 2 (the `*` keys are
+    // the same in both).
+    let ids = w.identity.policy.keys().filter(|k| k.identity != 0).count();
+    let classes = w
+        .class_tables
+        .tables
+        .policy
+        .keys()
+        .filter(|k| k.identity != 0)
+        .count();
+    assert_eq!((ids, classes), (4, 2));
+
+    // Identity 3 told apart: split off (its own class), then merged back.
+    control
+        .update_endpoints(&mut w, &[(1, spec(&apart))])
+        .unwrap();
+    let s = w.classes.stats();
+    assert_eq!(s.classes, [2, 1], "{s:?}");
+    assert_eq!(c(&w, 1), c(&w, 2));
+    assert_ne!(c(&w, 1)[INGRESS], c(&w, 3)[INGRESS]);
+    assert!(s.splits >= 1, "{s:?}");
+    control
+        .update_endpoints(&mut w, &[(1, spec(&same))])
+        .unwrap();
+    let s = w.classes.stats();
+    assert_eq!(s.classes, [1, 1], "{s:?}");
+    assert_eq!(c(&w, 1), c(&w, 3));
+    assert!(s.merges >= 1, "{s:?}");
+
+    // Identity 4's only address becomes identity 5's: 4 leaves its class, which goes; its
+    // keys are deleted (grace period zero) with the next batch.
+    control
+        .set_identities(&mut w, &[(remote_ip(4), Some(5))])
+        .unwrap();
+    assert_eq!(c(&w, 4), [0, 0]);
+    assert_eq!(w.classes.stats().classes, [1, 0]);
+    w.reclaim();
+    let classes = w
+        .class_tables
+        .tables
+        .policy
+        .keys()
+        .filter(|k| k.identity != 0)
+        .count();
+    assert_eq!(classes, 1, "the egress class's key is deleted");
+    w.classes.check().unwrap();
+}
