@@ -723,8 +723,16 @@ fn datapath_fill() {
             let mut programmer = Programmer::default();
             programmer.program_full(&engine, &mut dp).unwrap();
             let took = started.elapsed();
+            // Released rule sets cleared and retired classes' keys deleted (both after the
+            // grace period), as the agent's next operation would.
+            std::thread::sleep(Duration::from_millis(50));
+            dp.reclaim().unwrap();
             std::thread::sleep(Duration::from_millis(50));
             dp.reclaim_classes();
+            let classed = dp.classes().expect("kept");
+            if let Err(e) = classed.classes.check() {
+                panic!("node {node}: the classes are not exact: {e}");
+            }
             print_class_fill(dp.classes().expect("kept"), took);
         }
     }
@@ -736,9 +744,11 @@ fn print_class_fill(c: &ordnet_datapath::classes::Classed, took: Duration) {
     let s = c.classes.stats();
     let held = c.class_tables.policy_keys();
     println!(
-        "    classes built (per direction, incremental): {} + {} classes, {} + {} class keys; \
+        "    classes built (per direction, incremental): {} + {} rule sets, {} + {} classes, {} + {} class keys; \
          policy map holds {held} keys with the `*` ones ({:.1} % of the default map); \
          {} splits, {} merges, {} records rewritten; programmed with classes in {:.2} s",
+        s.rulesets[0],
+        s.rulesets[1],
         s.classes[0],
         s.classes[1],
         s.keys[0],
@@ -878,8 +888,13 @@ fn print_node_fill(node: usize, control: &ordnet_datapath::Control, took: Durati
         );
     }
     println!(
-        "      (per direction: ingress {} classes / {} keys, egress {} / {})",
-        ingress.0, ingress.1, egress.0, egress.1
+        "      (per direction: ingress {} rule sets, {} classes / {} keys, egress {} / {} / {})",
+        dirs.values().filter(|u| u[0]).count(),
+        ingress.0,
+        ingress.1,
+        dirs.values().filter(|u| u[1]).count(),
+        egress.0,
+        egress.1
     );
     // Several class ids per address and direction, each for a group of the rule sets
     // (greedy: each rule set, largest first, joins the group it adds fewest keys to).

@@ -176,6 +176,9 @@ pub struct Classes {
     free: Vec<u32>,
     /// Classes no record points to any more: id, the keys to delete, when.
     retired: VecDeque<(u32, Vec<KeyAt>, Instant)>,
+    /// Rule sets no record uses any more in a space (space, slot, since when): they leave it
+    /// after the grace period.
+    leaving: VecDeque<(usize, u32, Instant)>,
     splits: usize,
     merges: usize,
     moved: usize,
@@ -216,6 +219,7 @@ impl Classes {
             next: 1,
             free: Vec::new(),
             retired: VecDeque::new(),
+            leaving: VecDeque::new(),
             splits: 0,
             merges: 0,
             moved: 0,
@@ -313,8 +317,22 @@ impl Classes {
         }
     }
 
-    /// Deletes the keys of classes retired at least the grace period before `now`.
+    /// Deletes the keys of classes retired at least the grace period before `now`, and takes
+    /// the rule sets no record has used for that long out of their spaces.
     pub fn reclaim(&mut self, now: Instant, out: &mut Vec<ClassWrite>) {
+        let mut touched: [BTreeSet<u32>; SPACES] = Default::default();
+        while let Some(&(d, slot, at)) = self.leaving.front() {
+            if now.saturating_duration_since(at) < self.grace {
+                break;
+            }
+            self.leaving.pop_front();
+            if !self.refs[d].contains_key(&slot) && self.spaces[d].slots.contains(&slot) {
+                self.leave(d, slot, &mut touched[d], out);
+            }
+        }
+        for (d, t) in touched.into_iter().enumerate() {
+            self.settle(d, t, out);
+        }
         while let Some((_, _, at)) = self.retired.front() {
             if now.saturating_duration_since(*at) < self.grace {
                 break;
@@ -601,6 +619,30 @@ impl Classes {
         }
     }
 
+    /// Rule set `slot` leaves space `d`, where no record has used it for the grace period: its
+    /// keys are deleted from the classes (every member of a class has the same keys in it, so
+    /// no class splits; no packet probes them), then classes that became equal merge.
+    fn leave(
+        &mut self,
+        d: usize,
+        slot: u32,
+        touched: &mut BTreeSet<u32>,
+        out: &mut Vec<ClassWrite>,
+    ) {
+        let mut changes: BTreeMap<u32, Vec<Change>> = BTreeMap::new();
+        for &id in self.slot_ids.get(&slot).into_iter().flat_map(HashMap::keys) {
+            changes.insert(
+                id,
+                self.keys[&id]
+                    .range((slot, 0)..=(slot, u32::MAX))
+                    .map(|(&at, _)| (at, None))
+                    .collect(),
+            );
+        }
+        self.change_space(d, &changes, touched, out);
+        self.spaces[d].slots.remove(&slot);
+    }
+
     /// Counts the rule sets an endpoint record uses (`add`) or used (`!add`).
     fn count_refs(&mut self, write: Option<&Write>, add: bool) {
         let Some(Write::IpUpsert(_, info)) = write else {
@@ -622,7 +664,12 @@ impl Classes {
                 *n -= 1;
                 if *n == 0 {
                     self.refs[d].remove(&slot);
+                    // Without identity keys at once; otherwise after the grace period (a
+                    // packet that read the old record may still probe the class keys).
                     self.leave_if_unused(d, slot);
+                    if self.spaces[d].slots.contains(&slot) {
+                        self.leaving.push_back((d, slot, Instant::now()));
+                    }
                 }
             }
         }
