@@ -7,14 +7,16 @@
 //! the writes of class-level tables ([`ClassWrite`]), incrementally and in an order that never
 //! lets a packet see a verdict that neither the identity-level state before a batch nor the one
 //! after it gives. [`ClassTables`] holds the result; [`Classed`] is a [`TableWriter`] that
-//! writes identity-level tables and keeps the class-level ones beside them.
+//! writes identity-level tables and keeps the class-level ones beside them. Userspace only so
+//! far: nothing writes the class-level tables to the kernel yet (§13 says what that needs).
 //!
 //! **Spaces.** Two: the rule sets some endpoint uses for its ingress (their peer is a packet's
 //! source) and those some endpoint uses for its egress (the peer is the destination). Every
 //! address gets one class per space; an ingress policy is probed with the source's ingress
 //! class, an egress policy with the destination's egress class. A rule set joins a space when
 //! the first record that uses it in that direction is written, so its class keys are written
-//! before any packet can probe them; it leaves when it has no identity key left.
+//! before any packet can probe them; it leaves when it has no identity key left, or when no
+//! record has used it there for the grace period (its keys are then deleted from the classes).
 //!
 //! **Classes.** A class of a space is a set of identities that have addresses and equal keys
 //! (`(rule set, prefix) → value`) in every rule set of the space. Identities with no key there
@@ -25,12 +27,14 @@
 //! **Order** (one batch of identity-level writes, element by element as the kernel applies it):
 //!
 //! 1. *Splits, neutral.* The identities a run of policy writes changes are grouped by class and
-//!    by their exact sequence of changes. A class whose members all change alike is changed in
-//!    place. Otherwise each group moves to a new class: its keys are copied from the old class
+//!    by their changes (sorted: the store writes one batch per phase of its order, within which
+//!    the order is free). A class whose members all change alike is changed in place. Otherwise each group moves to a new class: its keys are copied from the old class
 //!    (no record points to the new class yet: invisible), then each member address's record is
 //!    rewritten to it (one atomic write; the keys are equal, so no verdict changes). The old
 //!    class keeps the members that do not change, and its keys do not change in this batch, so
 //!    a packet that read a member's record just before it moved still sees the old state.
+//!    Where the changed keys are in a rule set no record uses in the space (one joining or
+//!    leaving it), the largest group stays, changed in place, and only the others move.
 //! 2. *The change*, per class, in the order the identity-level run makes it: every class's
 //!    members change alike, so every intermediate state is, for every packet, an intermediate
 //!    state of the identity-level order (`docs/datapath.md` §6 holds with "class" for
@@ -91,6 +95,10 @@ pub enum ClassWrite {
 type KeyAt = (u32, u32);
 /// One change of a key: `Some` upserts, `None` deletes.
 type Change = (KeyAt, Option<PolicyValue>);
+/// Identities of one class that change alike, with their changes.
+type Group = (Vec<Change>, Vec<u32>);
+/// A class to change, and how.
+type Target = (u32, Vec<Change>);
 
 #[derive(Debug, Default)]
 struct Class {
@@ -369,7 +377,7 @@ impl Classes {
                 .push(((k.ruleset, k.prefix), v));
         }
         for (d, t) in touched.iter_mut().enumerate() {
-            self.change_space(d, &changes, t, out);
+            self.change_space(d, &changes, false, t, out);
         }
         // The identity-level model.
         let mut emptied = Vec::new();
@@ -412,10 +420,15 @@ impl Classes {
     }
 
     /// Steps 1 and 2 of the order for space `d`: `changes` per identity (any space).
+    ///
+    /// `invisible`: no packet probes the changed keys (a rule set no record uses in this
+    /// direction): a class that splits keeps its largest group, changed in place, and only the
+    /// others' records are rewritten.
     fn change_space(
         &mut self,
         d: usize,
         changes: &BTreeMap<u32, Vec<Change>>,
+        invisible: bool,
         touched: &mut BTreeSet<u32>,
         out: &mut Vec<ClassWrite>,
     ) {
@@ -445,10 +458,10 @@ impl Classes {
                 .push(id);
         }
         // 1. Splits.
-        let mut targets: Vec<(u32, Vec<Change>)> = Vec::new();
+        let mut targets: Vec<Target> = Vec::new();
         for (c, by_change) in groups {
             // In a fixed order (the identities are visited in order: each group's first).
-            let mut by_change: Vec<(Vec<Change>, Vec<u32>)> = by_change.into_iter().collect();
+            let mut by_change: Vec<Group> = by_change.into_iter().collect();
             by_change.sort_by_key(|(_, ids)| ids[0]);
             let whole = c != 0
                 && by_change.len() == 1
@@ -457,6 +470,15 @@ impl Classes {
                 let ch = by_change.pop().expect("one").0;
                 targets.push((c, ch));
                 continue;
+            }
+            if invisible && c != 0 {
+                match self.split_keeping_largest(d, c, by_change, touched, out) {
+                    Ok(mut t) => {
+                        targets.append(&mut t);
+                        continue;
+                    }
+                    Err(back) => by_change = back,
+                }
             }
             for (ch, ids) in by_change {
                 let n = self.new_class(d, c, out);
@@ -480,6 +502,60 @@ impl Classes {
             self.spaces[d].file(c);
             touched.insert(c);
         }
+    }
+
+    /// Splits class `c` of space `d` for an invisible change (see [`Classes::change_space`]):
+    /// the largest changing group stays in `c`, the other groups and the unchanged members move
+    /// to copies. Returns the classes to change and how, or the groups back when the unchanged
+    /// members are the largest (then every changing group moves, as for a visible change).
+    fn split_keeping_largest(
+        &mut self,
+        d: usize,
+        c: u32,
+        mut by_change: Vec<Group>,
+        touched: &mut BTreeSet<u32>,
+        out: &mut Vec<ClassWrite>,
+    ) -> Result<Vec<Target>, Vec<Group>> {
+        let members = &self.spaces[d].classes[&c].members;
+        let changed: usize = by_change.iter().map(|g| g.1.len()).sum();
+        let rest = members.len() - changed;
+        let (big, size) = by_change
+            .iter()
+            .enumerate()
+            .map(|(i, g)| (i, g.1.len()))
+            .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))
+            .expect("a group");
+        if size <= rest {
+            return Err(by_change);
+        }
+        let (stay, stayers) = by_change.remove(big);
+        let mut targets = Vec::new();
+        if rest > 0 {
+            // The unchanged members keep the keys as they are, in a copy.
+            let moving: BTreeSet<u32> =
+                by_change.iter().flat_map(|g| g.1.iter().copied()).collect();
+            let unchanged: Vec<u32> = members
+                .iter()
+                .copied()
+                .filter(|m| !moving.contains(m) && !stayers.contains(m))
+                .collect();
+            let n = self.new_class(d, c, out);
+            self.splits += 1;
+            for id in unchanged {
+                self.move_identity(d, id, n, out);
+            }
+            touched.insert(n);
+        }
+        for (ch, ids) in by_change {
+            let n = self.new_class(d, c, out);
+            self.splits += 1;
+            for id in ids {
+                self.move_identity(d, id, n, out);
+            }
+            targets.push((n, ch));
+        }
+        targets.push((c, stay));
+        Ok(targets)
     }
 
     /// A new class of space `d` with the keys of class `like` (written, invisibly: no record
@@ -608,7 +684,7 @@ impl Classes {
                     .collect(),
             );
         }
-        self.change_space(d, &changes, &mut touched[d], out);
+        self.change_space(d, &changes, true, &mut touched[d], out);
     }
 
     /// Rule set `slot` leaves space `d` if no record uses it there and it has no identity
@@ -639,7 +715,7 @@ impl Classes {
                     .collect(),
             );
         }
-        self.change_space(d, &changes, touched, out);
+        self.change_space(d, &changes, true, touched, out);
         self.spaces[d].slots.remove(&slot);
     }
 
