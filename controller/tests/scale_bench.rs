@@ -699,14 +699,15 @@ fn datapath_fill() {
             for o in &objects {
                 push(&mut initial, o.clone());
             }
-            let started = Instant::now();
-            let engine = initial.build(scale::node_name(node));
-            let mut dp = MemDatapath::new(&DatapathConfig {
+            // Unbounded: every key the node needs is counted, none denied.
+            let config = DatapathConfig {
                 policy_entries: u32::MAX,
                 max_rulesets: 4096,
                 ..DatapathConfig::default()
-            })
-            .keep_keys_in_store();
+            };
+            let started = Instant::now();
+            let engine = initial.build(scale::node_name(node));
+            let mut dp = MemDatapath::new(&config).keep_keys_in_store();
             let mut programmer = Programmer::default();
             programmer.program_full(&engine, &mut dp).unwrap();
             let took = started.elapsed();
@@ -714,12 +715,7 @@ fn datapath_fill() {
             // The same programming with node-local identity classes kept beside it: what the
             // translation (ordnet_datapath::classes) would write, counted exactly.
             let started = Instant::now();
-            let mut dp = MemDatapath::with_classes(&DatapathConfig {
-                policy_entries: u32::MAX,
-                max_rulesets: 4096,
-                ..DatapathConfig::default()
-            })
-            .keep_keys_in_store();
+            let mut dp = MemDatapath::with_classes(&config).keep_keys_in_store();
             let mut programmer = Programmer::default();
             programmer.program_full(&engine, &mut dp).unwrap();
             let took = started.elapsed();

@@ -481,11 +481,7 @@ impl Classes {
                 }
             }
             for (ch, ids) in by_change {
-                let n = self.new_class(d, c, out);
-                self.splits += 1;
-                for id in ids {
-                    self.move_identity(d, id, n, out);
-                }
+                let n = self.split_off(d, c, ids, out);
                 targets.push((n, ch));
             }
             if c != 0 && self.spaces[d].classes[&c].members.is_empty() {
@@ -539,23 +535,25 @@ impl Classes {
                 .copied()
                 .filter(|m| !moving.contains(m) && !stayers.contains(m))
                 .collect();
-            let n = self.new_class(d, c, out);
-            self.splits += 1;
-            for id in unchanged {
-                self.move_identity(d, id, n, out);
-            }
+            let n = self.split_off(d, c, unchanged, out);
             touched.insert(n);
         }
         for (ch, ids) in by_change {
-            let n = self.new_class(d, c, out);
-            self.splits += 1;
-            for id in ids {
-                self.move_identity(d, id, n, out);
-            }
+            let n = self.split_off(d, c, ids, out);
             targets.push((n, ch));
         }
         targets.push((c, stay));
         Ok(targets)
+    }
+
+    /// Moves `ids` (members of class `c` of space `d`) to a new class with `c`'s keys.
+    fn split_off(&mut self, d: usize, c: u32, ids: Vec<u32>, out: &mut Vec<ClassWrite>) -> u32 {
+        let n = self.new_class(d, c, out);
+        self.splits += 1;
+        for id in ids {
+            self.move_identity(d, id, n, out);
+        }
+        n
     }
 
     /// A new class of space `d` with the keys of class `like` (written, invisibly: no record

@@ -424,15 +424,8 @@ fn identities_the_policies_do_not_tell_apart_share_a_class() {
     assert_eq!(c(&w, 5), [0, 0]);
     // The identity-level tables hold 4 identity keys, the class-level ones 2 (the `*` keys are
     // the same in both).
-    let ids = w.identity.policy.keys().filter(|k| k.identity != 0).count();
-    let classes = w
-        .class_tables
-        .tables
-        .policy
-        .keys()
-        .filter(|k| k.identity != 0)
-        .count();
-    assert_eq!((ids, classes), (4, 2));
+    let keyed = |t: &MemTables| t.policy.keys().filter(|k| k.identity != 0).count();
+    assert_eq!((keyed(&w.identity), keyed(&w.class_tables.tables)), (4, 2));
 
     // Identity 3 told apart: split off (its own class), then merged back.
     control
@@ -459,13 +452,10 @@ fn identities_the_policies_do_not_tell_apart_share_a_class() {
     assert_eq!(c(&w, 4), [0, 0]);
     assert_eq!(w.classes.stats().classes, [1, 0]);
     w.reclaim();
-    let classes = w
-        .class_tables
-        .tables
-        .policy
-        .keys()
-        .filter(|k| k.identity != 0)
-        .count();
-    assert_eq!(classes, 1, "the egress class's key is deleted");
+    assert_eq!(
+        keyed(&w.class_tables.tables),
+        1,
+        "the egress class's key is deleted"
+    );
     w.classes.check().unwrap();
 }
