@@ -605,8 +605,18 @@ async fn engine_changes() {
             shape.policies,
             started.elapsed().as_secs_f64()
         );
-        let mut dp = NoneDatapath::default();
+        // `ORDNET_CLASSES=1`: the datapath also keeps node-local identity classes (the
+        // translation's time is in the datapath's; its splits, merges and records rewritten
+        // are printed per kind).
+        let classes = std::env::var("ORDNET_CLASSES").is_ok_and(|v| v == "1");
+        let mut dp = if classes {
+            NoneDatapath::with_classes()
+        } else {
+            NoneDatapath::default()
+        };
         dp.program_full(&engine).unwrap();
+        let class_stats = |dp: &NoneDatapath| dp.classes().map(|c| c.classes.stats());
+        let mut class_work = vec![(0usize, 0usize, 0usize); scale::CHANGE_KINDS.len()];
         // The agent benchmark's changes, in its order: per kind, the engine's and the
         // datapath's time (`--datapath none`: the same programming as bpf).
         let mut times = vec![Vec::new(); scale::CHANGE_KINDS.len()];
@@ -617,11 +627,18 @@ async fn engine_changes() {
                 }
                 let written = scale::change(&api, &shape, k, n);
                 let change = ObjectChange::Upsert(typed(written).slimmed());
+                let before = class_stats(&dp);
                 let started = Instant::now();
                 let d = engine.apply(change);
                 let computed = started.elapsed();
                 dp.apply(&engine, &[d]).unwrap();
                 t.push((computed, started.elapsed() - computed));
+                if let (Some(a), Some(b)) = (before, class_stats(&dp)) {
+                    let w = &mut class_work[k];
+                    w.0 += b.splits - a.splits;
+                    w.1 += b.merges - a.merges;
+                    w.2 += b.moved - a.moved;
+                }
             }
         }
         for (k, t) in times.iter().enumerate() {
@@ -641,6 +658,13 @@ async fn engine_changes() {
                 ms(pct(&d, 0.5)),
                 ms(*d.last().unwrap()),
             );
+            if classes {
+                let (splits, merges, moved) = class_work[k];
+                println!(
+                    "      classes over {} changes: {splits} splits, {merges} merges, {moved} records rewritten",
+                    t.len()
+                );
+            }
         }
     }
 }

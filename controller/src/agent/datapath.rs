@@ -392,16 +392,39 @@ pub struct NoneDatapath {
 
 impl Default for NoneDatapath {
     fn default() -> Self {
+        NoneDatapath::build(false)
+    }
+}
+
+impl NoneDatapath {
+    /// [`NoneDatapath::default`] that also keeps the node-local identity classes of its
+    /// writes (`ordnet_datapath::classes`; for the scale benchmark: the kernel does not use
+    /// them yet).
+    pub fn with_classes() -> Self {
+        NoneDatapath::build(true)
+    }
+
+    fn build(classes: bool) -> Self {
+        // No kernel map bounds it: every key the node needs is held (and counted).
+        let config = ordnet_datapath::DatapathConfig {
+            policy_entries: u32::MAX,
+            ..ordnet_datapath::DatapathConfig::default()
+        };
+        let dp = if classes {
+            MemDatapath::with_classes(&config)
+        } else {
+            MemDatapath::new(&config)
+        };
         NoneDatapath {
             programmer: Programmer::default(),
-            // No kernel map bounds it: every key the node needs is held (and counted).
-            dp: MemDatapath::new(&ordnet_datapath::DatapathConfig {
-                policy_entries: u32::MAX,
-                ..ordnet_datapath::DatapathConfig::default()
-            })
-            .keep_keys_in_store(),
+            dp: dp.keep_keys_in_store(),
             needs_full: false,
         }
+    }
+
+    /// The class-level state, when kept ([`NoneDatapath::with_classes`]).
+    pub fn classes(&self) -> Option<&ordnet_datapath::classes::Classed> {
+        self.dp.classes()
     }
 }
 
