@@ -53,7 +53,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ordnet_datapath_common::layout::{IpInfo, IpKey, PolicyKey, PolicyValue};
+use ordnet_datapath_common::layout::{IpKey, PolicyKey, PolicyValue};
 
 use crate::tables::{MemTables, TableWriter, Write, WriteError};
 
@@ -258,14 +258,6 @@ impl Classes {
             self.spaces[INGRESS].class_of(id),
             self.spaces[EGRESS].class_of(id),
         ]
-    }
-
-    /// The identities of class `class` (of whichever space has it).
-    pub fn members(&self, class: u32) -> Option<&BTreeSet<u32>> {
-        self.spaces
-            .iter()
-            .find_map(|s| s.classes.get(&class))
-            .map(|c| &c.members)
     }
 
     /// Translates one batch of identity-level writes (applied in order) into class-level
@@ -934,15 +926,6 @@ impl ClassTables {
     pub fn policy_keys(&self) -> usize {
         self.tables.policy.len()
     }
-
-    /// The record of `addr` and its classes.
-    pub fn record(&self, addr: &Addr) -> Option<(IpInfo, [u32; SPACES])> {
-        let info = match addr {
-            Addr::Exact(k) => *self.tables.ipcache.get(k)?,
-            Addr::Cidr(k, len) => *self.tables.cidr.get(&(*k, *len))?,
-        };
-        Some((info, self.classes.get(addr).copied().unwrap_or_default()))
-    }
 }
 
 /// A [`TableWriter`] that writes identity-level tables and keeps the class-level tables of
@@ -974,8 +957,14 @@ impl Classed {
 
     /// Deletes the keys of classes whose grace period is over.
     pub fn reclaim(&mut self) {
+        self.apply(|c, out| c.reclaim(Instant::now(), out));
+    }
+
+    /// Runs `f` on the translation and applies the class-level writes it makes (in a buffer
+    /// kept between calls).
+    fn apply(&mut self, f: impl FnOnce(&mut Classes, &mut Vec<ClassWrite>)) {
         let mut out = std::mem::take(&mut self.pending);
-        self.classes.reclaim(Instant::now(), &mut out);
+        f(&mut self.classes, &mut out);
         for w in out.drain(..) {
             self.class_tables.apply(&w);
         }
@@ -986,12 +975,7 @@ impl Classed {
 impl TableWriter for Classed {
     fn write(&mut self, writes: &[Write]) -> Result<(), WriteError> {
         self.identity.write(writes)?;
-        let mut out = std::mem::take(&mut self.pending);
-        self.classes.translate(writes, &mut out);
-        for w in out.drain(..) {
-            self.class_tables.apply(&w);
-        }
-        self.pending = out;
+        self.apply(|c, out| c.translate(writes, out));
         Ok(())
     }
 
