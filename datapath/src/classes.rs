@@ -53,9 +53,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ordnet_datapath_common::layout::{IpKey, PolicyKey, PolicyValue};
+use ordnet_datapath_common::layout::{IP_FLAG_CLASSES, IpInfo, IpKey, PolicyKey, PolicyValue};
 
 use crate::tables::{MemTables, TableWriter, Write, WriteError};
+
+mod adopt;
+
+pub use adopt::Adopted;
 
 /// The space of the rule sets endpoints use for their ingress (peer: the source).
 pub const INGRESS: usize = 0;
@@ -89,6 +93,28 @@ pub enum ClassWrite {
         /// The classes (0 for a deleted record).
         classes: [u32; SPACES],
     },
+}
+
+impl ClassWrite {
+    /// The write of the class-level maps: a record with its classes (and
+    /// [`IP_FLAG_CLASSES`], which makes the programs probe with them), anything else as it is.
+    pub fn write(&self) -> Write {
+        let classed = |info: IpInfo, classes: [u32; SPACES]| IpInfo {
+            flags: info.flags | IP_FLAG_CLASSES,
+            classes,
+            ..info
+        };
+        match *self {
+            ClassWrite::Plain(w) | ClassWrite::Key(w) => w,
+            ClassWrite::Record { write, classes } => match write {
+                Write::IpUpsert(k, info) => Write::IpUpsert(k, classed(info, classes)),
+                Write::CidrUpsert(k, len, info) => {
+                    Write::CidrUpsert(k, len, classed(info, classes))
+                }
+                w => w,
+            },
+        }
+    }
 }
 
 /// A rule set key of one identity or class: (rule set slot, prefix).
@@ -232,6 +258,11 @@ impl Classes {
             merges: 0,
             moved: 0,
         }
+    }
+
+    /// The grace period of retired classes' keys.
+    pub fn grace(&self) -> Duration {
+        self.grace
     }
 
     /// The counts.
@@ -899,10 +930,10 @@ impl ClassTables {
 
     /// Applies one write.
     pub fn apply(&mut self, w: &ClassWrite) {
+        self.tables.apply(&w.write());
         match *w {
-            ClassWrite::Plain(w) | ClassWrite::Key(w) => self.tables.apply(&w),
+            ClassWrite::Plain(_) | ClassWrite::Key(_) => {}
             ClassWrite::Record { write, classes } => {
-                self.tables.apply(&write);
                 match write {
                     Write::IpUpsert(k, _) => {
                         self.classes.insert(Addr::Exact(k), classes);
@@ -981,6 +1012,11 @@ impl TableWriter for Classed {
 
     fn tables(&self) -> &MemTables {
         &self.identity
+    }
+
+    fn reclaim_below(&mut self) -> Result<(), WriteError> {
+        self.reclaim();
+        Ok(())
     }
 }
 

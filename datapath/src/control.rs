@@ -479,6 +479,7 @@ impl Control {
                 endpoint: *id,
                 ingress: ep.ingress,
                 egress: ep.egress,
+                classes: [0; 2],
             });
         }
         if self.hosts.contains(key) {
@@ -1579,6 +1580,7 @@ impl Control {
     ) -> Result<WriteStats, ControlError> {
         let mut stats = WriteStats::default();
         self.store.reclaim(w, &mut stats)?;
+        w.reclaim_below()?;
         Ok(stats)
     }
 

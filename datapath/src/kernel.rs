@@ -12,9 +12,45 @@ use ordnet_datapath_common::layout::{
 };
 
 use crate::{
+    classes::{ClassWrite, Classes},
     sys,
     tables::{MemTables, TableWriter, Write, WriteError},
 };
+
+/// The class translation between the control plane and the maps (`DatapathConfig::classes`,
+/// `docs/datapath.md` §13): the control plane writes identity-level tables, the maps get the
+/// class-level writes [`Classes`] translates them into.
+#[derive(Debug)]
+pub(crate) struct ClassLayer {
+    pub(crate) classes: Classes,
+    /// What the control plane wrote: what [`TableWriter::tables`] returns, so decisions,
+    /// traces and dumps see identities.
+    pub(crate) identity: MemTables,
+    out: Vec<ClassWrite>,
+}
+
+impl ClassLayer {
+    /// The layer of maps holding `mirror` (class-level, keys kept): the classes rebuilt from
+    /// them, and the writes that repair a batch left half done.
+    pub(crate) fn adopt(
+        mirror: &MemTables,
+        grace: std::time::Duration,
+        keys_in_store: bool,
+    ) -> (ClassLayer, Vec<Write>) {
+        let a = Classes::adopt(mirror, grace);
+        let mut identity = a.identity;
+        if keys_in_store {
+            identity.keep_keys_in_store();
+        }
+        let repairs = a.repairs.iter().map(ClassWrite::write).collect();
+        let layer = ClassLayer {
+            classes: a.classes,
+            identity,
+            out: Vec::new(),
+        };
+        (layer, repairs)
+    }
+}
 
 /// Handles of the enforcing program's maps.
 pub struct KernelTables {
@@ -32,7 +68,10 @@ pub struct KernelTables {
     pub(crate) state: Array<MapData, ordnet_datapath_common::layout::State>,
     pub(crate) svc: HashMap<MapData, SvcKey, SvcValue>,
     pub(crate) iface: HashMap<MapData, u32, IfaceInfo>,
+    /// Exactly what the maps hold (class-level with [`KernelTables::layer`]).
     pub(crate) mirror: MemTables,
+    /// The class translation, when the maps hold classes.
+    pub(crate) layer: Option<Box<ClassLayer>>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -543,8 +582,9 @@ pub struct CtSweep {
     pub capacity: [u32; 2],
 }
 
-impl TableWriter for KernelTables {
-    fn write(&mut self, writes: &[Write]) -> Result<(), WriteError> {
+impl KernelTables {
+    /// Writes one batch into the maps as it is, and into the mirror as far as it was applied.
+    fn write_maps(&mut self, writes: &[Write]) -> Result<(), WriteError> {
         let mut i = 0;
         while i < writes.len() {
             let k = kind(&writes[i]);
@@ -564,11 +604,96 @@ impl TableWriter for KernelTables {
         Ok(())
     }
 
+    /// Runs `f` on the class translation and writes the class-level batch it makes. When the
+    /// maps refuse part of it, the classes are rebuilt from what they hold (the mirror), with
+    /// the identity-level tables they stand for, and the error returned: the control plane
+    /// reads the rule sets' keys back ([`TableWriter::slot_keys`]) as after any failed write.
+    fn write_classes(
+        &mut self,
+        f: impl FnOnce(&mut ClassLayer, &mut Vec<ClassWrite>),
+    ) -> Result<(), WriteError> {
+        let layer = self.layer.as_mut().expect("a class layer");
+        let mut out = std::mem::take(&mut layer.out);
+        f(layer, &mut out);
+        let writes: Vec<Write> = out.drain(..).map(|w| w.write()).collect();
+        layer.out = out;
+        let result = self.write_maps(&writes);
+        if result.is_err() {
+            self.resync_classes();
+        }
+        result
+    }
+
+    /// Rebuilds the class layer from the mirror and writes its repairs (a few attempts: each
+    /// rebuild starts from what the maps then hold, so the layer always describes them).
+    pub(crate) fn resync_classes(&mut self) {
+        let Some(layer) = self.layer.as_ref() else {
+            return;
+        };
+        let (grace, keys_in_store) = (layer.classes.grace(), layer.identity.keys_in_store);
+        self.adopt_classes(grace, keys_in_store);
+    }
+
+    /// Sets up the class layer of the maps as the mirror holds them ([`Classes::adopt`]) and
+    /// writes its repairs (see [`KernelTables::resync_classes`]).
+    pub(crate) fn adopt_classes(&mut self, grace: std::time::Duration, keys_in_store: bool) {
+        for _ in 0..3 {
+            let (layer, repairs) = ClassLayer::adopt(&self.mirror, grace, keys_in_store);
+            self.layer = Some(Box::new(layer));
+            if self.write_maps(&repairs).is_ok() {
+                return;
+            }
+        }
+        let (layer, _) = ClassLayer::adopt(&self.mirror, grace, keys_in_store);
+        self.layer = Some(Box::new(layer));
+    }
+
+    /// The class translation, when the maps hold classes.
+    pub(crate) fn classes(&self) -> Option<&Classes> {
+        self.layer.as_ref().map(|l| &l.classes)
+    }
+}
+
+impl TableWriter for KernelTables {
+    fn write(&mut self, writes: &[Write]) -> Result<(), WriteError> {
+        if self.layer.is_none() {
+            return self.write_maps(writes);
+        }
+        self.write_classes(|layer, out| {
+            // Infallible: in memory.
+            let _ = layer.identity.write(writes);
+            layer.classes.translate(writes, out);
+        })
+    }
+
     fn tables(&self) -> &MemTables {
-        &self.mirror
+        match &self.layer {
+            Some(layer) => &layer.identity,
+            None => &self.mirror,
+        }
+    }
+
+    fn reclaim_below(&mut self) -> Result<(), WriteError> {
+        if self.layer.is_none() {
+            return Ok(());
+        }
+        self.write_classes(|layer, out| {
+            layer.classes.reclaim(std::time::Instant::now(), out);
+        })
     }
 
     fn slot_keys(&self, slot: u32) -> Result<Vec<(PolicyKey, PolicyValue)>, WriteError> {
+        if let Some(layer) = &self.layer {
+            // The wildcard keys as the maps hold them, the identities' from the classes.
+            let mut keys: Vec<_> = self
+                .mirror
+                .policy_of(slot)
+                .into_iter()
+                .filter(|(k, _)| k.identity == 0)
+                .collect();
+            keys.extend(layer.classes.slot_keys(slot));
+            return Ok(keys);
+        }
         if !self.mirror.keys_in_store {
             return Ok(self.mirror.policy_of(slot));
         }

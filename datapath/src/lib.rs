@@ -87,6 +87,8 @@ pub use flat::{
 };
 pub use ipnet::IpNet;
 pub use kernel::{CtSweep, KernelTables};
+use classes::Classes;
+use kernel::ClassLayer;
 pub use ordnet_datapath_common as common;
 use ordnet_datapath_common::{
     Verdict,
@@ -314,6 +316,12 @@ pub struct DatapathConfig {
     /// off the programs hand nothing to the observer program (`docs/observe.md` §8: a new
     /// flow or a denied packet then costs what it did before either existed).
     pub rule_counters: bool,
+    /// Node-local identity classes (`classes`, `docs/datapath.md` §13): the policy map holds
+    /// keys per class of identities that no rule set of the node tells apart, not per identity
+    /// (a fraction of the keys at scale). The control plane, the decisions of userspace and
+    /// everything they show stay per identity. Maps pinned with classes are adopted with
+    /// them whatever this says (and maps pinned without, without them).
+    pub classes: bool,
 }
 
 impl DatapathConfig {
@@ -354,6 +362,7 @@ impl Default for DatapathConfig {
             handoff: true,
             events_per_sec: common::event::DEFAULT_EVENTS_PER_SEC,
             rule_counters: true,
+            classes: false,
         }
     }
 }
@@ -570,7 +579,8 @@ enum LinkHandle<Id> {
 /// change an older datapath's pins cannot be adopted across. Pins live in a directory per
 /// layout ([`layout_dir`]), so a newer agent finds an older layout's pins beside its own and
 /// takes their attachments over ([`Datapath::take_over_links`]) instead of adopting them.
-pub const LAYOUT_VERSION: u32 = 1;
+/// Version 2: the ipcache value gained the address's classes (`IpInfo::classes`, 28 → 36 bytes).
+pub const LAYOUT_VERSION: u32 = 2;
 
 /// The programs' global holding the handoff key (`ORDNET_HANDOFF_KEY` in the eBPF crate).
 const HANDOFF_KEY_GLOBAL: &str = "ORDNET_HANDOFF_KEY";
@@ -770,14 +780,19 @@ impl Datapath {
         {
             return Err(DatapathError::AlreadyPinned(dir.clone()));
         }
-        let (ebpf, tables, handoff_key) = Self::load(&config)?;
+        let (ebpf, mut tables, handoff_key) = Self::load(&config)?;
+        if config.classes {
+            tables.layer = Some(Box::new(
+                ClassLayer::adopt(&tables.mirror, config.grace, false).0,
+            ));
+        }
         // The program's clock is jiffies: lifetimes are written in ticks of the kernel's HZ.
         let hz = sys::kernel_hz().unwrap_or(sys::FALLBACK_HZ);
         let mut dp = Datapath {
             ebpf,
             control: Control::new(
                 Store::new(config.max_rulesets, config.max_blocks, config.grace)
-                    .with_policy_capacity(config.policy_entries),
+                    .with_policy_capacity(Self::store_capacity(&config)),
                 config.clock_state(hz),
             ),
             tables,
@@ -810,6 +825,13 @@ impl Datapath {
         let (mut ebpf, mut tables, handoff_key) = Self::load(&config)?;
         Self::check_pins(&ebpf, &tables)?;
         tables.mirror = tables.read_all()?;
+        // Maps with classes keep them, maps without keep none: a switch takes new maps.
+        let holds_records = !tables.mirror.ipcache.is_empty() || !tables.mirror.cidr.is_empty();
+        config.classes = Classes::classed(&tables.mirror) || (config.classes && !holds_records);
+        if config.classes {
+            // With the repairs of a batch left half done (none after a complete one).
+            tables.adopt_classes(config.grace, false);
+        }
         let (mut control, repairs) = Control::adopt(
             &mut tables,
             config.max_rulesets,
@@ -818,7 +840,7 @@ impl Datapath {
         )?;
         control
             .store_mut()
-            .set_policy_capacity(config.policy_entries);
+            .set_policy_capacity(Self::store_capacity(&config));
         control.set_ip_capacities(config.ipcache_entries, config.cidr_entries);
         // The configured lifetimes apply from now on (with the pinned state's measured HZ), and
         // a state pinned by an older version gets the lifetimes it did not have, before the new
@@ -884,6 +906,17 @@ impl Datapath {
         };
         dp.pin_program()?;
         Ok((dp, report))
+    }
+
+    /// The policy keys the rule set store may hold: the policy map's capacity, or without
+    /// limit with classes (the store's keys are identity-level; the map holds class keys, and
+    /// refuses what does not fit itself).
+    fn store_capacity(config: &DatapathConfig) -> u32 {
+        if config.classes {
+            u32::MAX
+        } else {
+            config.policy_entries
+        }
     }
 
     /// The sizes of the maps pinned in `dir` (the capacities of [`DatapathConfig`]; the other
@@ -1114,6 +1147,7 @@ impl Datapath {
             svc: take::<HashMap<MapData, SvcKey, SvcValue>>(&mut ebpf, MAP_SVC)?,
             iface: take::<HashMap<MapData, u32, IfaceInfo>>(&mut ebpf, MAP_IFACE)?,
             mirror,
+            layer: None,
         };
         Ok((ebpf, tables, handoff_key))
     }
@@ -1491,13 +1525,35 @@ impl Datapath {
     /// has them, decisions read them there ([`MemTables::keys_in_store`]). Call it after
     /// [`Datapath::adopt`] (which reads the keys back from the kernel).
     pub fn keep_keys_in_store(&mut self) {
-        self.tables.mirror.keep_keys_in_store();
+        match &mut self.tables.layer {
+            // The class-level mirror keeps its keys (few; the classes are rebuilt from them).
+            Some(layer) => layer.identity.keep_keys_in_store(),
+            None => self.tables.mirror.keep_keys_in_store(),
+        }
+    }
+
+    /// The class translation, when the maps hold classes ([`DatapathConfig::classes`]).
+    pub fn classes(&self) -> Option<&Classes> {
+        self.tables.classes()
+    }
+
+    /// The policy keys the kernel's policy map holds (class keys with classes).
+    pub fn policy_map_keys(&self) -> usize {
+        match &self.tables.layer {
+            Some(_) => self.tables.mirror.policy.len(),
+            None => self.control.store().policy_keys_held(),
+        }
     }
 
     /// Compares the kernel maps with the userspace copy; returns the differences.
     pub fn verify(&self) -> Result<Vec<String>, DatapathError> {
         let kernel = self.tables.read_all()?;
-        let mine = self.tables();
+        // With classes the maps hold the class-level writes: compare with their mirror.
+        let mine = if self.tables.layer.is_some() {
+            &self.tables.mirror
+        } else {
+            self.tables()
+        };
         let mut diffs = Vec::new();
         if kernel.ipcache != mine.ipcache {
             diffs.push(format!(

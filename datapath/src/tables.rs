@@ -127,6 +127,11 @@ pub trait TableWriter {
     fn slot_keys(&self, slot: u32) -> Result<Vec<(PolicyKey, PolicyValue)>, WriteError> {
         Ok(self.tables().policy_of(slot))
     }
+    /// Writes what is due after a grace period below the identity level: the keys of retired
+    /// identity classes (`classes`). Nothing for writers without classes (the default).
+    fn reclaim_below(&mut self) -> Result<(), WriteError> {
+        Ok(())
+    }
 }
 
 /// An in-memory copy of the datapath maps.
@@ -461,8 +466,8 @@ impl DatapathMaps for Mirror<'_> {
         self.tables.ipcache.get(key)
     }
 
-    fn ipcidr(&self, key: &IpKey) -> Option<u32> {
-        self.tables.cidr_lookup(key).map(|i| i.identity)
+    fn ipcidr(&self, key: &IpKey) -> Option<[u32; 2]> {
+        self.tables.cidr_lookup(key).map(|i| i.peer())
     }
 
     fn ct_lookup(&self, key: &CtKey) -> Option<CtEntry> {

@@ -225,6 +225,17 @@ pub const IP_FLAG_HOST: u32 = 2;
 /// is looked up in [`MAP_SVC`] only when its entry has this flag: one hash lookup fewer for a
 /// new flow to a pod or a node. The control plane keeps it equal to the Service map.
 pub const IP_FLAG_FRONTEND: u32 = 4;
+/// [`IpInfo::flags`]: [`IpInfo::classes`] hold the address's node-local identity classes
+/// (`docs/datapath.md` §13), written by the class translation together with policy keys per
+/// class: the policy lookups probe with the class of the lookup's space. Without it they
+/// probe with [`IpInfo::identity`] in both directions (keys per identity).
+pub const IP_FLAG_CLASSES: u32 = 8;
+/// [`IpInfo::classes`] index of the class ingress policies probe with (the address as a
+/// packet's source).
+pub const SPACE_INGRESS: usize = 0;
+/// [`IpInfo::classes`] index of the class egress policies probe with (the address as a
+/// packet's destination).
+pub const SPACE_EGRESS: usize = 1;
 
 /// The policy of one endpoint in one direction: which rule set, and the isolation default.
 #[repr(C)]
@@ -272,6 +283,9 @@ pub struct IpInfo {
     pub ingress: PolicyRef,
     /// Egress policy of the endpoint (valid for a local endpoint only).
     pub egress: PolicyRef,
+    /// With [`IP_FLAG_CLASSES`]: the address's class in each space ([`SPACE_INGRESS`],
+    /// [`SPACE_EGRESS`]; 0: no key of that space's rule sets names it). Else zero.
+    pub classes: [u32; 2],
 }
 
 impl IpInfo {
@@ -291,6 +305,17 @@ impl IpInfo {
     #[inline(always)]
     pub fn is_frontend(&self) -> bool {
         self.flags & IP_FLAG_FRONTEND != 0
+    }
+
+    /// What the policy lookups of each space probe with when this address is the peer:
+    /// [`IpInfo::classes`] with [`IP_FLAG_CLASSES`], else the identity in both.
+    #[inline(always)]
+    pub fn peer(&self) -> [u32; 2] {
+        if self.flags & IP_FLAG_CLASSES != 0 {
+            self.classes
+        } else {
+            [self.identity, self.identity]
+        }
     }
 }
 
@@ -654,7 +679,7 @@ const _: () = {
     assert!(core::mem::size_of::<IpKey>() == 20);
     assert!(core::mem::align_of::<IpKey>() == 4);
     assert!(core::mem::size_of::<PolicyRef>() == 8);
-    assert!(core::mem::size_of::<IpInfo>() == 28);
+    assert!(core::mem::size_of::<IpInfo>() == 36);
     assert!(core::mem::size_of::<PolicyKey>() == 12);
     assert!(core::mem::size_of::<PolicyValue>() == 4);
     assert!(core::mem::size_of::<RuleCount>() == 24);

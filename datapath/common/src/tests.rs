@@ -643,7 +643,7 @@ impl DatapathMaps for Mock {
         self.read();
         self.ipcache.get(key)
     }
-    fn ipcidr(&self, key: &IpKey) -> Option<u32> {
+    fn ipcidr(&self, key: &IpKey) -> Option<[u32; 2]> {
         self.read();
         let bits = |a: &[u32; 4]| u128::from_be_bytes(addr_bytes(*a));
         self.cidr
@@ -657,7 +657,7 @@ impl DatapathMaps for Mock {
                 k.family == key.family && bits(&k.addr) & mask == bits(&key.addr) & mask
             })
             .max_by_key(|(_, len, _)| *len)
-            .map(|(_, _, info)| info.identity)
+            .map(|(_, _, info)| info.peer())
     }
     fn ct_lookup(&self, key: &CtKey) -> Option<CtEntry> {
         self.ct.borrow().get(key).copied()
@@ -705,6 +705,7 @@ fn endpoint(id: u32, identity: u32, ingress: PolicyRef, egress: PolicyRef) -> Ip
         endpoint: id,
         ingress,
         egress,
+        classes: [0; 2],
     }
 }
 

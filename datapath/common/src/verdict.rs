@@ -48,7 +48,7 @@ use crate::{
     handoff::handed_off,
     layout::{
         COUNTER_HANDED_OFF, CtEntry, CtKey, FAMILY_V4, IFACE_HAS_V4, IFACE_HAS_V6, IfaceInfo,
-        IpInfo, IpKey, PolicyRef, State, SvcKey,
+        IpInfo, IpKey, PolicyRef, SPACE_EGRESS, SPACE_INGRESS, State, SvcKey,
     },
     lookup::{PolicyDecision, PolicyMaps, policy_lookup},
 };
@@ -99,8 +99,9 @@ pub trait DatapathMaps: PolicyMaps {
     /// ipcache, exact part. (A reference: in the kernel the map value itself, which stays
     /// valid for the program run; copies would not fit the 512-byte stack.)
     fn ipcache(&self, key: &IpKey) -> Option<&IpInfo>;
-    /// ipcache, prefix part: the identity of the longest prefix matching the full address.
-    fn ipcidr(&self, key: &IpKey) -> Option<u32>;
+    /// ipcache, prefix part: what the policy lookups probe with for the longest prefix
+    /// matching the full address ([`IpInfo::peer`] of its entry).
+    fn ipcidr(&self, key: &IpKey) -> Option<[u32; 2]>;
     /// The tracking entry of a flow (canonical 5-tuple), if any.
     fn ct_lookup(&self, key: &CtKey) -> Option<CtEntry>;
     /// Insert or replace a tracking entry (errors, e.g. a full map, are ignored: the packet's
@@ -112,7 +113,7 @@ pub trait DatapathMaps: PolicyMaps {
     /// counts nothing (the default).
     fn count(&self, _counter: u32) {}
     /// Notes a policy lookup about to decide a packet in direction `egress` (else ingress):
-    /// its rule set and the peer identity it is for. With the decision's code and prefix they
+    /// its rule set and what it probed for the peer (its identity, or its class). With the decision's code and prefix they
     /// name the deciding key, whose rule counter the kernel's observer counts in
     /// ([`crate::event::Summary::rule_counter`]). The kernel keeps them in this CPU's
     /// `event::EventCpu` (map memory: not on the programs' full stacks, and not tracked by
@@ -231,11 +232,13 @@ struct Flow {
     /// The sender is a local endpoint, whose egress policy is `from`.
     from_local: bool,
     from: PolicyRef,
-    /// The sender's identity (only needed, and only computed, when `to` is local).
+    /// What `to`'s ingress policy probes for the sender: its identity, or its class of the
+    /// ingress space (only needed, and only computed, when `to` is local).
     from_id: u32,
     /// The receiver is a local endpoint, whose ingress policy is `to`.
     to_local: bool,
     to: PolicyRef,
+    /// What `from`'s egress policy probes for the receiver (its class of the egress space).
     to_id: u32,
     protocol: u8,
     dport: u16,
@@ -271,18 +274,19 @@ fn evaluate<M: DatapathMaps + ?Sized>(maps: &M, flow: &Flow) -> Decision {
     d
 }
 
-/// The identity of an address: its exact ipcache entry's, else (no entry, or an entry without
-/// an identity: a node address) the longest CIDR entry's, else 0.
+/// What the policy lookups of each space probe with for an address as a peer
+/// ([`IpInfo::peer`]): its exact ipcache entry's, else (no entry, or an entry without an
+/// identity: a node address) the longest CIDR entry's, else 0 (only the wildcard applies).
 #[inline(always)]
-fn identity_of<M: DatapathMaps + ?Sized>(
+fn peer_of<M: DatapathMaps + ?Sized>(
     maps: &M,
     exact: Option<&IpInfo>,
     family: u8,
     addr: &[u32; 4],
-) -> u32 {
+) -> [u32; 2] {
     match exact {
-        Some(info) if info.identity != 0 => info.identity,
-        _ => maps.ipcidr(&IpKey::new(family, *addr)).unwrap_or(0),
+        Some(info) if info.identity != 0 => info.peer(),
+        _ => maps.ipcidr(&IpKey::new(family, *addr)).unwrap_or([0; 2]),
     }
 }
 
@@ -488,20 +492,21 @@ impl<'m> Ends<'m> {
     /// The flow to judge: the packet's own direction, or for a reply on a live entry with an
     /// older stamp the flow's original direction (the initiator's egress, the responder's
     /// ingress, the original destination port; a flow the node opened is allowed whatever the
-    /// responder's ingress says). A side's identity is only needed to check the other side's
-    /// policy.
+    /// responder's ingress says). A side's identity (or classes) is only needed to check the
+    /// other side's policy: an ingress policy probes with the sender's ingress-space value, an
+    /// egress policy with the receiver's egress-space value.
     #[inline(always)]
     fn flow<M: DatapathMaps + ?Sized>(&self, p: &IpPacket, maps: &M, t: &Track) -> Flow {
         let (src, dst, src_local, dst_local) = (self.src, self.dst, self.src_local, self.dst_local);
         let src_id = if dst_local {
-            identity_of(maps, src, p.ip_version, &p.src)
+            peer_of(maps, src, p.ip_version, &p.src)
         } else {
-            0
+            [0; 2]
         };
         let dst_id = if src_local {
-            identity_of(maps, dst, p.ip_version, &p.dst)
+            peer_of(maps, dst, p.ip_version, &p.dst)
         } else {
-            0
+            [0; 2]
         };
         let policy = |i: Option<&IpInfo>, egress: bool| {
             i.map_or(PolicyRef::default(), |i| {
@@ -512,10 +517,10 @@ impl<'m> Ends<'m> {
             Flow {
                 from_local: dst_local,
                 from: policy(dst, true),
-                from_id: dst_id,
+                from_id: dst_id[SPACE_INGRESS],
                 to_local: src_local && !dst.is_some_and(|i| i.is_host()),
                 to: policy(src, false),
-                to_id: src_id,
+                to_id: src_id[SPACE_EGRESS],
                 protocol: p.protocol,
                 dport: p.sport,
             }
@@ -523,10 +528,10 @@ impl<'m> Ends<'m> {
             Flow {
                 from_local: src_local,
                 from: policy(src, true),
-                from_id: src_id,
+                from_id: src_id[SPACE_INGRESS],
                 to_local: dst_local,
                 to: policy(dst, false),
-                to_id: dst_id,
+                to_id: dst_id[SPACE_EGRESS],
                 protocol: p.protocol,
                 dport: p.dport,
             }

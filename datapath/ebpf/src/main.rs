@@ -282,10 +282,10 @@ impl DatapathMaps for KernelMaps {
     }
 
     #[inline(always)]
-    fn ipcidr(&self, key: &IpKey) -> Option<u32> {
+    fn ipcidr(&self, key: &IpKey) -> Option<[u32; 2]> {
         IPCIDR
             .get(Key::new(IpKey::LPM_FIXED_BITS + 128, *key))
-            .map(|i| i.identity)
+            .map(|i| i.peer())
     }
 
     #[inline(always)]

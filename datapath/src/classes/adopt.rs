@@ -1,0 +1,282 @@
+//! Rebuilding the classes from class-level tables ([`Classes::adopt`]): after an agent restart
+//! the kernel maps hold class keys and classed records, and after a class-level batch failed
+//! part-way they hold what was applied of it. Either way the tables are the truth: the
+//! identity-level tables they stand for are derived from them (each identity with an address
+//! has the keys of its classes), and the classes are rebuilt to match, with the writes that
+//! repair what a batch left half done.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap, hash_map::Entry},
+    time::{Duration, Instant},
+};
+
+use ordnet_datapath_common::layout::{IP_FLAG_CLASSES, IpInfo, PolicyValue};
+
+use super::{Addr, Change, Class, ClassWrite, Classes, KeyAt, SPACES, key_hash};
+use crate::tables::{MemTables, Write};
+
+/// What [`Classes::adopt`] rebuilt.
+#[derive(Debug)]
+pub struct Adopted {
+    /// The classes, as the tables hold them (after `repairs`).
+    pub classes: Classes,
+    /// The identity-level tables the class-level ones stand for: records without classes,
+    /// the cell words, blocks, wildcard keys and state as they are, and every identity with an
+    /// address given the keys of its classes. (Identities without an address have no keys
+    /// in the tables: the control plane's next programming writes them again.)
+    pub identity: MemTables,
+    /// Writes that bring the class-level tables in line with the rebuilt classes (none when
+    /// the tables were written by complete batches): classes with equal keys merged, members
+    /// that disagree with their class moved, records of one identity made to agree.
+    pub repairs: Vec<ClassWrite>,
+}
+
+/// A record as the control plane writes it: without classes.
+fn plain(info: &IpInfo) -> IpInfo {
+    IpInfo {
+        flags: info.flags & !IP_FLAG_CLASSES,
+        classes: [0; 2],
+        ..*info
+    }
+}
+
+impl Classes {
+    /// Whether tables hold class-level records ([`IP_FLAG_CLASSES`]).
+    pub fn classed(t: &MemTables) -> bool {
+        t.ipcache
+            .values()
+            .chain(t.cidr.values())
+            .any(|i| i.flags & IP_FLAG_CLASSES != 0)
+    }
+
+    /// Rebuilds the classes of class-level tables `t` (which must keep their policy keys).
+    pub fn adopt(t: &MemTables, grace: Duration) -> Adopted {
+        assert!(!t.keys_in_store, "class-level tables keep their keys");
+        let mut c = Classes::new(grace);
+        // Records, and each identity's classes (its first address's).
+        let mut peer: BTreeMap<u32, [u32; SPACES]> = BTreeMap::new();
+        let mut stray = Vec::new();
+        let records = t
+            .ipcache
+            .iter()
+            .map(|(k, i)| (Addr::Exact(*k), Write::IpUpsert(*k, plain(i)), i))
+            .chain(
+                t.cidr
+                    .iter()
+                    .map(|((k, l), i)| (Addr::Cidr(*k, *l), Write::CidrUpsert(*k, *l, plain(i)), i)),
+            );
+        for (addr, write, info) in records {
+            let id = info.identity;
+            c.records.insert(addr, (write, id));
+            c.count_refs(Some(&write), true);
+            if id == 0 {
+                continue;
+            }
+            c.addrs.entry(id).or_default().insert(addr);
+            let classes = if info.flags & IP_FLAG_CLASSES != 0 {
+                info.classes
+            } else {
+                [0; SPACES]
+            };
+            match peer.entry(id) {
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    v.insert(classes);
+                }
+                std::collections::btree_map::Entry::Occupied(o) => {
+                    if *o.get() != classes {
+                        stray.push(addr);
+                    }
+                }
+            }
+        }
+        // The classes: each in the space its first identity uses it in (ids are distinct
+        // across spaces); keys no record's class names belong to retired classes.
+        let mut keys_of: HashMap<u32, BTreeMap<KeyAt, PolicyValue>> = HashMap::new();
+        for (k, v) in t.policy.iter().filter(|(k, _)| k.identity != 0) {
+            keys_of
+                .entry(k.identity)
+                .or_default()
+                .insert((k.ruleset, k.prefix), *v);
+        }
+        let mut space_of: HashMap<u32, usize> = HashMap::new();
+        for (&id, p) in &peer {
+            for (d, &class) in p.iter().enumerate() {
+                if class == 0 || *space_of.entry(class).or_insert(d) != d {
+                    continue;
+                }
+                let space = &mut c.spaces[d];
+                if let Entry::Vacant(v) = space.classes.entry(class) {
+                    let keys = keys_of.remove(&class).unwrap_or_default();
+                    let hash = keys
+                        .iter()
+                        .fold(0u64, |h, (&at, &v)| h.wrapping_add(key_hash(at, v)));
+                    v.insert(Class {
+                        members: BTreeSet::new(),
+                        keys,
+                        hash,
+                        filed: hash,
+                    });
+                    space.file(class);
+                }
+                space.of.insert(id, class);
+                space
+                    .classes
+                    .get_mut(&class)
+                    .expect("just made")
+                    .members
+                    .insert(id);
+            }
+        }
+        let now = Instant::now();
+        let mut used: BTreeSet<u32> = space_of.keys().copied().collect();
+        for (class, keys) in keys_of {
+            used.insert(class);
+            c.retired.push_back((class, keys.into_keys().collect(), now));
+        }
+        c.next = used.last().map_or(1, |m| m + 1);
+        c.free = (1..c.next).rev().filter(|i| !used.contains(i)).collect();
+        // The spaces: the rule sets records use in them, and those their classes have keys in
+        // (no record uses those: they leave after the grace period).
+        for d in 0..SPACES {
+            let mut slots: BTreeSet<u32> = c.refs[d].keys().copied().collect();
+            let keyed: BTreeSet<u32> = c.spaces[d]
+                .classes
+                .values()
+                .flat_map(|cl| cl.keys.keys().map(|&(slot, _)| slot))
+                .collect();
+            for &slot in keyed.difference(&slots) {
+                c.leaving.push_back((d, slot, now));
+            }
+            slots.extend(keyed);
+            c.spaces[d].slots = slots.into_iter().collect();
+        }
+        // Each identity has the keys of its classes (a rule set of both spaces: the ingress
+        // class's).
+        for (&id, p) in &peer {
+            for (d, &class) in p.iter().enumerate() {
+                let Some(cl) = c.spaces[d].classes.get(&class) else {
+                    continue;
+                };
+                let keys = c.keys.entry(id).or_default();
+                for (&at, &v) in &cl.keys {
+                    keys.entry(at).or_insert(v);
+                }
+            }
+        }
+        for (&id, keys) in &c.keys {
+            for &(slot, _) in keys.keys() {
+                *c.slot_ids.entry(slot).or_default().entry(id).or_default() += 1;
+            }
+        }
+        let mut repairs = Vec::new();
+        c.repair(&peer, &mut repairs);
+        for addr in stray {
+            let (write, id) = c.records[&addr];
+            repairs.push(ClassWrite::Record {
+                write,
+                classes: c.classes_of(id),
+            });
+        }
+        let identity = c.identity_tables(t);
+        Adopted {
+            classes: c,
+            identity,
+            repairs,
+        }
+    }
+
+    /// Brings every class in line with its members' keys (a class without members retired,
+    /// a member whose keys differ from its class's moved), then merges classes with equal keys.
+    fn repair(&mut self, peer: &BTreeMap<u32, [u32; SPACES]>, out: &mut Vec<ClassWrite>) {
+        for d in 0..SPACES {
+            let empty: Vec<u32> = self.spaces[d]
+                .classes
+                .iter()
+                .filter(|(_, cl)| cl.members.is_empty())
+                .map(|(&k, _)| k)
+                .collect();
+            for class in empty {
+                self.retire(d, class);
+            }
+            let mut changes: BTreeMap<u32, Vec<Change>> = BTreeMap::new();
+            for &id in peer.keys() {
+                let space = &self.spaces[d];
+                let own: BTreeMap<KeyAt, PolicyValue> = self
+                    .keys
+                    .get(&id)
+                    .into_iter()
+                    .flatten()
+                    .filter(|((slot, _), _)| space.slots.contains(slot))
+                    .map(|(&at, &v)| (at, v))
+                    .collect();
+                let empty = BTreeMap::new();
+                let now = space
+                    .classes
+                    .get(&space.class_of(id))
+                    .map_or(&empty, |cl| &cl.keys);
+                if *now == own {
+                    continue;
+                }
+                let mut ch: Vec<Change> = now
+                    .keys()
+                    .filter(|at| !own.contains_key(at))
+                    .map(|&at| (at, None))
+                    .collect();
+                ch.extend(
+                    own.iter()
+                        .filter(|(at, v)| now.get(at) != Some(v))
+                        .map(|(&at, &v)| (at, Some(v))),
+                );
+                ch.sort_by_key(|&(at, _)| at);
+                changes.insert(id, ch);
+            }
+            let mut touched: BTreeSet<u32> = self.spaces[d].classes.keys().copied().collect();
+            self.change_space(d, &changes, false, &mut touched, out);
+            self.settle(d, touched, out);
+        }
+    }
+
+    /// The identity-level tables class-level tables `t` stand for (see [`Adopted::identity`]).
+    fn identity_tables(&self, t: &MemTables) -> MemTables {
+        let mut id = MemTables::new(t.cells.len() as u32, t.blocks.len() as u32);
+        id.cells.clone_from(&t.cells);
+        id.blocks.clone_from(&t.blocks);
+        id.state = t.state;
+        id.services.clone_from(&t.services);
+        id.ifaces.clone_from(&t.ifaces);
+        for (write, _) in self.records.values() {
+            id.apply(write);
+        }
+        for (k, v) in t.policy.iter().filter(|(k, _)| k.identity == 0) {
+            id.policy.insert(*k, *v);
+        }
+        for (&identity, keys) in &self.keys {
+            for (&(ruleset, prefix), &v) in keys {
+                let k = ordnet_datapath_common::layout::PolicyKey {
+                    ruleset,
+                    identity,
+                    prefix,
+                };
+                id.policy.insert(k, v);
+            }
+        }
+        id
+    }
+
+    /// The identity-level keys of rule set `slot` (identities with an address only after
+    /// [`Classes::adopt`]; every identity otherwise).
+    pub fn slot_keys(&self, slot: u32) -> Vec<(ordnet_datapath_common::layout::PolicyKey, PolicyValue)> {
+        let mut out = Vec::new();
+        for &id in self.slot_ids.get(&slot).into_iter().flat_map(HashMap::keys) {
+            for (&(ruleset, prefix), &v) in self.keys[&id].range((slot, 0)..=(slot, u32::MAX)) {
+                let k = ordnet_datapath_common::layout::PolicyKey {
+                    ruleset,
+                    identity: id,
+                    prefix,
+                };
+                out.push((k, v));
+            }
+        }
+        out
+    }
+}
