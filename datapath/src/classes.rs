@@ -933,23 +933,21 @@ impl ClassTables {
         self.tables.apply(&w.write());
         match *w {
             ClassWrite::Plain(_) | ClassWrite::Key(_) => {}
-            ClassWrite::Record { write, classes } => {
-                match write {
-                    Write::IpUpsert(k, _) => {
-                        self.classes.insert(Addr::Exact(k), classes);
-                    }
-                    Write::CidrUpsert(k, len, _) => {
-                        self.classes.insert(Addr::Cidr(k, len), classes);
-                    }
-                    Write::IpDelete(k) => {
-                        self.classes.remove(&Addr::Exact(k));
-                    }
-                    Write::CidrDelete(k, len) => {
-                        self.classes.remove(&Addr::Cidr(k, len));
-                    }
-                    _ => {}
+            ClassWrite::Record { write, classes } => match write {
+                Write::IpUpsert(k, _) => {
+                    self.classes.insert(Addr::Exact(k), classes);
                 }
-            }
+                Write::CidrUpsert(k, len, _) => {
+                    self.classes.insert(Addr::Cidr(k, len), classes);
+                }
+                Write::IpDelete(k) => {
+                    self.classes.remove(&Addr::Exact(k));
+                }
+                Write::CidrDelete(k, len) => {
+                    self.classes.remove(&Addr::Cidr(k, len));
+                }
+                _ => {}
+            },
         }
     }
 

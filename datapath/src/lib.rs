@@ -72,6 +72,7 @@ use aya::{
         xdp::{XdpLink, XdpLinkId},
     },
 };
+use classes::Classes;
 pub use control::{
     Control, ControlError, EndpointAddresses, EndpointSpec, EndpointState, MapFill, ip_key, key_ip,
     net_key,
@@ -86,9 +87,8 @@ pub use flat::{
     flatten, flatten_counted, key_hash, meet, same_verdicts, verdict_code,
 };
 pub use ipnet::IpNet;
-pub use kernel::{CtSweep, KernelTables};
-use classes::Classes;
 use kernel::ClassLayer;
+pub use kernel::{CtSweep, KernelTables};
 pub use ordnet_datapath_common as common;
 use ordnet_datapath_common::{
     Verdict,

@@ -1178,14 +1178,33 @@ fn random_nd_frame(rng: &mut Rng, src: IpAddr, dst: IpAddr) -> Vec<u8> {
 
 #[test]
 fn differential_random_mapstates() {
+    differential(small_config(), 0xd1ff_5eed);
+}
+
+/// The same with node-local identity classes (`DatapathConfig::classes`): the kernel probes
+/// class keys with the peers' classes, userspace decides per identity, both must give the
+/// MapStates' verdicts; the maps hold exactly the class-level writes.
+#[test]
+fn differential_random_mapstates_with_classes() {
+    let config = DatapathConfig {
+        classes: true,
+        ..small_config()
+    };
+    differential(config, 0xc1a5_5e5);
+}
+
+fn differential(config: DatapathConfig, seed: u64) {
     if !privileged() {
         return;
     }
-    let mut dp = create();
+    let classes = config.classes;
+    let mut dp = Datapath::create(config).expect("loading the programs");
     world_setup(&mut dp);
+    // Classes seen, and scenarios where they hold fewer keys than the identities.
+    let (mut max_classes, mut fewer) = (0usize, 0usize);
     dp.set_interface(IF_A, 1, Some(&[ip(A4), ip(A6)])).unwrap();
     dp.set_interface(IF_B, 2, Some(&[ip(B4), ip(B6)])).unwrap();
-    let mut rng = Rng::new(0xd1ff_5eed);
+    let mut rng = Rng::new(seed);
     const SCENARIOS: usize = 30;
     const PACKETS: usize = 800;
     let (mut total, mut passed, mut tc_total, mut tc_refused) = (0usize, 0usize, 0usize, 0usize);
@@ -1266,11 +1285,30 @@ fn differential_random_mapstates() {
             }
         }
         assert_eq!(dp.verify().unwrap(), Vec::<String>::new(), "maps == mirror");
+        if let Some(c) = dp.classes() {
+            c.check()
+                .unwrap_or_else(|e| panic!("scenario {scenario}: {e}"));
+            let s = c.stats();
+            max_classes = max_classes.max(s.classes[0] + s.classes[1]);
+            if dp.policy_map_keys() < dp.control().store().policy_keys_held() {
+                fewer += 1;
+            }
+        }
     }
     println!(
-        "xdp_testrun: differential: {total} packets over {SCENARIOS} random MapState sets, \
-         kernel == userspace == MapState ({passed} PASS); reasons {reasons:?}"
+        "xdp_testrun: differential (classes: {classes}): {total} packets over {SCENARIOS} random \
+         MapState sets, kernel == userspace == MapState ({passed} PASS); reasons {reasons:?}"
     );
+    if classes {
+        println!(
+            "xdp_testrun: classes: at most {max_classes} at once; fewer keys than identities \
+             in {fewer} of {SCENARIOS} scenarios"
+        );
+        assert!(
+            max_classes >= 2 && fewer > 0,
+            "{max_classes} classes, {fewer} fewer"
+        );
+    }
     println!(
         "xdp_testrun: differential at the TC hook: {tc_total} packets, kernel == userspace == \
          MapState ({tc_refused} truncated frames the kernel refuses as a sk_buff); reasons \

@@ -56,15 +56,13 @@ impl Classes {
         // Records, and each identity's classes (its first address's).
         let mut peer: BTreeMap<u32, [u32; SPACES]> = BTreeMap::new();
         let mut stray = Vec::new();
-        let records = t
-            .ipcache
-            .iter()
-            .map(|(k, i)| (Addr::Exact(*k), Write::IpUpsert(*k, plain(i)), i))
-            .chain(
-                t.cidr
-                    .iter()
-                    .map(|((k, l), i)| (Addr::Cidr(*k, *l), Write::CidrUpsert(*k, *l, plain(i)), i)),
-            );
+        let records =
+            t.ipcache
+                .iter()
+                .map(|(k, i)| (Addr::Exact(*k), Write::IpUpsert(*k, plain(i)), i))
+                .chain(t.cidr.iter().map(|((k, l), i)| {
+                    (Addr::Cidr(*k, *l), Write::CidrUpsert(*k, *l, plain(i)), i)
+                }));
         for (addr, write, info) in records {
             let id = info.identity;
             c.records.insert(addr, (write, id));
@@ -131,7 +129,8 @@ impl Classes {
         let mut used: BTreeSet<u32> = space_of.keys().copied().collect();
         for (class, keys) in keys_of {
             used.insert(class);
-            c.retired.push_back((class, keys.into_keys().collect(), now));
+            c.retired
+                .push_back((class, keys.into_keys().collect(), now));
         }
         c.next = used.last().map_or(1, |m| m + 1);
         c.free = (1..c.next).rev().filter(|i| !used.contains(i)).collect();
@@ -265,7 +264,10 @@ impl Classes {
 
     /// The identity-level keys of rule set `slot` (identities with an address only after
     /// [`Classes::adopt`]; every identity otherwise).
-    pub fn slot_keys(&self, slot: u32) -> Vec<(ordnet_datapath_common::layout::PolicyKey, PolicyValue)> {
+    pub fn slot_keys(
+        &self,
+        slot: u32,
+    ) -> Vec<(ordnet_datapath_common::layout::PolicyKey, PolicyValue)> {
         let mut out = Vec::new();
         for &id in self.slot_ids.get(&slot).into_iter().flat_map(HashMap::keys) {
             for (&(ruleset, prefix), &v) in self.keys[&id].range((slot, 0)..=(slot, u32::MAX)) {
