@@ -172,6 +172,64 @@ impl Checked {
     }
 }
 
+impl Checked {
+    /// Rebuilding the classes from the class-level tables after a complete batch (an agent
+    /// restart): nothing to repair, the same classes, and identity-level tables with the same
+    /// verdicts.
+    fn adopt_complete(&self, after: &Verdicts) {
+        let a = Classes::adopt(&self.class.tables, Duration::ZERO);
+        let what = &self.context;
+        assert!(a.repairs.is_empty(), "{what}: repairs {:?}", a.repairs);
+        a.classes.check().unwrap_or_else(|e| panic!("{what}: adopted: {e}"));
+        let (mine, theirs) = (self.classes.stats(), a.classes.stats());
+        assert_eq!(
+            (mine.classes, mine.keys),
+            (theirs.classes, theirs.keys),
+            "{what}: adopted classes"
+        );
+        assert!(
+            identity_verdicts(&a.identity, &self.probes) == *after,
+            "{what}: the adopted identity-level tables decide otherwise"
+        );
+    }
+
+    /// Rebuilding the classes from tables holding half of a batch's class-level writes (a
+    /// batch the maps refused part-way, or an agent stopped in the middle of it): with the
+    /// repairs written, the classes hold, the class-level verdicts are exactly those of the
+    /// identity-level tables rebuilt with them, and none allows what neither the state before
+    /// the batch nor the one after it allows.
+    fn adopt_half_done(&self, out: &[ClassWrite], before: &Verdicts, after: &Verdicts) {
+        if out.len() < 2 {
+            return;
+        }
+        let mut cut = self.class.clone();
+        for w in &out[..out.len() / 2] {
+            cut.apply(w);
+        }
+        let a = Classes::adopt(&cut.tables, Duration::ZERO);
+        for w in &a.repairs {
+            cut.apply(w);
+        }
+        let what = &self.context;
+        a.classes
+            .check()
+            .unwrap_or_else(|e| panic!("{what}: adopted half-done: {e}"));
+        let now = class_verdicts(&cut, &self.probes, None, None, None, None);
+        assert!(
+            identity_verdicts(&a.identity, &self.probes) == now,
+            "{what}: half-done: the rebuilt identity-level tables decide otherwise"
+        );
+        for (k, allowed) in now {
+            assert!(
+                !allowed
+                    || before.get(&k).copied().unwrap_or(false)
+                    || after.get(&k).copied().unwrap_or(false),
+                "{what}: half-done and repaired: transient allow of {k:?}"
+            );
+        }
+    }
+}
+
 impl TableWriter for Checked {
     fn write(&mut self, writes: &[Write]) -> Result<(), WriteError> {
         let before = std::mem::take(&mut self.last);
@@ -179,6 +237,7 @@ impl TableWriter for Checked {
         let after = identity_verdicts(&self.id, &self.probes);
         let mut out = Vec::new();
         self.classes.translate(writes, &mut out);
+        self.adopt_half_done(&out, &before, &after);
         for w in &out {
             self.class.apply(w);
             self.class_writes += 1;
@@ -229,6 +288,7 @@ impl TableWriter for Checked {
         if let Err(e) = self.classes.check() {
             panic!("{}: {e}\nbatch {writes:?}", self.context);
         }
+        self.adopt_complete(&after);
         self.last = after;
         Ok(())
     }
