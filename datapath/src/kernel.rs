@@ -36,8 +36,11 @@ impl ClassLayer {
         mirror: &MemTables,
         grace: std::time::Duration,
         keys_in_store: bool,
+        keys: Option<
+            std::collections::HashMap<u32, std::collections::BTreeMap<(u32, u32), PolicyValue>>,
+        >,
     ) -> (ClassLayer, Vec<Write>) {
-        let a = Classes::adopt(mirror, grace);
+        let a = Classes::adopt_with(mirror, grace, keys);
         let mut identity = a.identity;
         if keys_in_store {
             identity.keep_keys_in_store();
@@ -72,6 +75,8 @@ pub struct KernelTables {
     pub(crate) mirror: MemTables,
     /// The class translation, when the maps hold classes.
     pub(crate) layer: Option<Box<ClassLayer>>,
+    /// The policy map's capacity (the class translation counts its room).
+    pub(crate) policy_capacity: usize,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -604,47 +609,105 @@ impl KernelTables {
         Ok(())
     }
 
-    /// Runs `f` on the class translation and writes the class-level batch it makes. When the
-    /// maps refuse part of it, the classes are rebuilt from what they hold (the mirror), with
-    /// the identity-level tables they stand for, and the error returned: the control plane
-    /// reads the rule sets' keys back ([`TableWriter::slot_keys`]) as after any failed write.
-    fn write_classes(
-        &mut self,
-        f: impl FnOnce(&mut ClassLayer, &mut Vec<ClassWrite>),
-    ) -> Result<(), WriteError> {
+    /// Translates one identity-level batch (`writes`; empty: only what is due after the grace
+    /// period) and writes the class-level batch. The policy map's room is counted first, in
+    /// class keys: a batch that would overfill it at any point is refused before anything is
+    /// written ([`WriteError::Full`], a capacity error: the control plane denies what does
+    /// not fit). A refused or failed batch leaves the identity-level keys as they were before
+    /// it and the classes rebuilt from what the maps hold ([`KernelTables::resync_classes`]):
+    /// the control plane reads the rule sets' keys back ([`TableWriter::slot_keys`]) as after
+    /// any failed write.
+    fn write_classes(&mut self, writes: &[Write]) -> Result<(), WriteError> {
         let layer = self.layer.as_mut().expect("a class layer");
+        let before = layer.classes.keys_written(writes);
         let mut out = std::mem::take(&mut layer.out);
-        f(layer, &mut out);
-        let writes: Vec<Write> = out.drain(..).map(|w| w.write()).collect();
+        if writes.is_empty() {
+            layer.classes.reclaim(std::time::Instant::now(), &mut out);
+        } else {
+            // Infallible: in memory.
+            let _ = layer.identity.write(writes);
+            layer.classes.translate(writes, &mut out);
+        }
+        let class_writes: Vec<Write> = out.drain(..).map(|w| w.write()).collect();
         layer.out = out;
-        let result = self.write_maps(&writes);
+        let result = match self.policy_peak(&class_writes) {
+            peak if peak > self.policy_capacity => {
+                Err(WriteError::Full(MAP_POLICY, self.policy_capacity as u32))
+            }
+            _ => self.write_maps(&class_writes),
+        };
         if result.is_err() {
-            self.resync_classes();
+            let layer = self.layer.as_mut().expect("a class layer");
+            let keys = layer.classes.keys_before(&before);
+            self.resync_classes(Some(keys));
         }
         result
     }
 
-    /// Rebuilds the class layer from the mirror and writes its repairs (a few attempts: each
-    /// rebuild starts from what the maps then hold, so the layer always describes them).
-    pub(crate) fn resync_classes(&mut self) {
+    /// The most policy keys the map holds at any point of `writes` applied in order.
+    fn policy_peak(&self, writes: &[Write]) -> usize {
+        let mut held = self.mirror.policy.len();
+        let mut peak = held;
+        let mut changed: std::collections::HashMap<PolicyKey, bool> = Default::default();
+        for w in writes {
+            let (k, present) = match *w {
+                Write::PolicyUpsert(k, _) => (k, true),
+                Write::PolicyDelete(k) => (k, false),
+                _ => continue,
+            };
+            let was = changed
+                .get(&k)
+                .copied()
+                .unwrap_or_else(|| self.mirror.policy.contains_key(&k));
+            match (was, present) {
+                (false, true) => held += 1,
+                (true, false) => held -= 1,
+                _ => {}
+            }
+            changed.insert(k, present);
+            peak = peak.max(held);
+        }
+        peak
+    }
+
+    /// Rebuilds the class layer from what the maps hold (the mirror) and the identity-level
+    /// keys (`keys`; `None`: those the classes stand for), and writes its repairs (a few
+    /// attempts: each rebuild starts from what the maps then hold, so the layer always
+    /// describes them).
+    pub(crate) fn resync_classes(
+        &mut self,
+        keys: Option<
+            std::collections::HashMap<u32, std::collections::BTreeMap<(u32, u32), PolicyValue>>,
+        >,
+    ) {
         let Some(layer) = self.layer.as_ref() else {
             return;
         };
         let (grace, keys_in_store) = (layer.classes.grace(), layer.identity.keys_in_store);
-        self.adopt_classes(grace, keys_in_store);
+        self.adopt_classes(grace, keys_in_store, keys);
     }
 
     /// Sets up the class layer of the maps as the mirror holds them ([`Classes::adopt`]) and
     /// writes its repairs (see [`KernelTables::resync_classes`]).
-    pub(crate) fn adopt_classes(&mut self, grace: std::time::Duration, keys_in_store: bool) {
+    pub(crate) fn adopt_classes(
+        &mut self,
+        grace: std::time::Duration,
+        keys_in_store: bool,
+        keys: Option<
+            std::collections::HashMap<u32, std::collections::BTreeMap<(u32, u32), PolicyValue>>,
+        >,
+    ) {
         for _ in 0..3 {
-            let (layer, repairs) = ClassLayer::adopt(&self.mirror, grace, keys_in_store);
+            let (layer, repairs) =
+                ClassLayer::adopt(&self.mirror, grace, keys_in_store, keys.clone());
             self.layer = Some(Box::new(layer));
-            if self.write_maps(&repairs).is_ok() {
+            if self.policy_peak(&repairs) <= self.policy_capacity
+                && self.write_maps(&repairs).is_ok()
+            {
                 return;
             }
         }
-        let (layer, _) = ClassLayer::adopt(&self.mirror, grace, keys_in_store);
+        let (layer, _) = ClassLayer::adopt(&self.mirror, grace, keys_in_store, keys);
         self.layer = Some(Box::new(layer));
     }
 
@@ -659,11 +722,10 @@ impl TableWriter for KernelTables {
         if self.layer.is_none() {
             return self.write_maps(writes);
         }
-        self.write_classes(|layer, out| {
-            // Infallible: in memory.
-            let _ = layer.identity.write(writes);
-            layer.classes.translate(writes, out);
-        })
+        if writes.is_empty() {
+            return Ok(());
+        }
+        self.write_classes(writes)
     }
 
     fn tables(&self) -> &MemTables {
@@ -677,9 +739,7 @@ impl TableWriter for KernelTables {
         if self.layer.is_none() {
             return Ok(());
         }
-        self.write_classes(|layer, out| {
-            layer.classes.reclaim(std::time::Instant::now(), out);
-        })
+        self.write_classes(&[])
     }
 
     fn slot_keys(&self, slot: u32) -> Result<Vec<(PolicyKey, PolicyValue)>, WriteError> {

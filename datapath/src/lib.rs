@@ -783,7 +783,7 @@ impl Datapath {
         let (ebpf, mut tables, handoff_key) = Self::load(&config)?;
         if config.classes {
             tables.layer = Some(Box::new(
-                ClassLayer::adopt(&tables.mirror, config.grace, false).0,
+                ClassLayer::adopt(&tables.mirror, config.grace, false, None).0,
             ));
         }
         // The program's clock is jiffies: lifetimes are written in ticks of the kernel's HZ.
@@ -830,7 +830,7 @@ impl Datapath {
         config.classes = Classes::classed(&tables.mirror) || (config.classes && !holds_records);
         if config.classes {
             // With the repairs of a batch left half done (none after a complete one).
-            tables.adopt_classes(config.grace, false);
+            tables.adopt_classes(config.grace, false, None);
         }
         let (mut control, repairs) = Control::adopt(
             &mut tables,
@@ -1148,6 +1148,7 @@ impl Datapath {
             iface: take::<HashMap<MapData, u32, IfaceInfo>>(&mut ebpf, MAP_IFACE)?,
             mirror,
             layer: None,
+            policy_capacity: config.policy_entries as usize,
         };
         Ok((ebpf, tables, handoff_key))
     }
@@ -1537,14 +1538,6 @@ impl Datapath {
         self.tables.classes()
     }
 
-    /// The policy keys the kernel's policy map holds (class keys with classes).
-    pub fn policy_map_keys(&self) -> usize {
-        match &self.tables.layer {
-            Some(_) => self.tables.mirror.policy.len(),
-            None => self.control.store().policy_keys_held(),
-        }
-    }
-
     /// Compares the kernel maps with the userspace copy; returns the differences.
     pub fn verify(&self) -> Result<Vec<String>, DatapathError> {
         let kernel = self.tables.read_all()?;
@@ -1755,6 +1748,25 @@ impl ControlPlane for Datapath {
 
     fn tables(&self) -> &MemTables {
         self.tables.tables()
+    }
+
+    fn policy_map_keys(&self) -> usize {
+        match &self.tables.layer {
+            Some(_) => self.tables.mirror.policy.len(),
+            None => self.control.store().policy_keys_held(),
+        }
+    }
+
+    fn fill(&self) -> Vec<MapFill> {
+        let mut fill = self.control.fill(self.tables());
+        if self.tables.layer.is_some() {
+            // The store's keys are identities'; the map holds class keys.
+            for f in fill.iter_mut().filter(|f| f.map == MAP_POLICY) {
+                f.entries = self.tables.mirror.policy.len() as u64;
+                f.capacity = u64::from(self.config.policy_entries);
+            }
+        }
+        fill
     }
 }
 

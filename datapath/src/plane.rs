@@ -37,8 +37,20 @@ pub trait ControlPlane {
     /// The control state (endpoints, rule sets, ipcache bookkeeping).
     fn control(&self) -> &Control;
 
-    /// An exact copy of what the maps hold (connection tracking excepted).
+    /// An exact copy of what the maps hold (connection tracking excepted): at the identity
+    /// level, also where the maps hold classes.
     fn tables(&self) -> &MemTables;
+
+    /// The policy keys the policy map holds (class keys where it holds classes).
+    fn policy_map_keys(&self) -> usize {
+        self.control().store().policy_keys_held()
+    }
+
+    /// How full the maps that grow with the cluster are ([`Control::fill`]; the policy map's
+    /// keys as [`ControlPlane::policy_map_keys`] counts them).
+    fn fill(&self) -> Vec<crate::MapFill> {
+        self.control().fill(self.tables())
+    }
 
     /// Sets this node's own addresses: traffic between them and local endpoints is never
     /// filtered.

@@ -180,7 +180,9 @@ impl Checked {
         let a = Classes::adopt(&self.class.tables, Duration::ZERO);
         let what = &self.context;
         assert!(a.repairs.is_empty(), "{what}: repairs {:?}", a.repairs);
-        a.classes.check().unwrap_or_else(|e| panic!("{what}: adopted: {e}"));
+        a.classes
+            .check()
+            .unwrap_or_else(|e| panic!("{what}: adopted: {e}"));
         let (mine, theirs) = (self.classes.stats(), a.classes.stats());
         assert_eq!(
             (mine.classes, mine.keys),

@@ -1332,6 +1332,110 @@ fn differential(config: DatapathConfig, seed: u64) {
     );
 }
 
+/// With classes, the policy map's room is counted in class keys, by the map itself: an
+/// endpoint whose keys do not fit is denied both ways (the classes rebuilt from what the map
+/// holds after the refused write), the others are enforced, the kernel and userspace agree;
+/// a policy that needs more identity keys than the map holds but few class keys fits.
+#[test]
+fn with_classes_an_endpoint_whose_keys_do_not_fit_is_denied_both_ways() {
+    if !privileged() {
+        return;
+    }
+    let mut dp = Datapath::create(DatapathConfig {
+        classes: true,
+        policy_entries: 4,
+        ..small_config()
+    })
+    .unwrap();
+    let remote = |i: u32| ip(&format!("10.0.1.{i}"));
+    let ids: Vec<(IpNet, Option<u32>)> = (7..=12)
+        .map(|i| (IpNet::from(remote(i)), Some(i)))
+        .collect();
+    dp.set_identities(&ids).unwrap();
+    let rule = |i: u32, port: u16| {
+        (
+            Selector::ids([i]),
+            L4Match::port(Protocol::Tcp, port),
+            Verdict::Allow,
+        )
+    };
+    // Six peers told apart (a port each): six classes, six keys.
+    let apart: Vec<_> = (7..=12).map(|i| rule(i, 80 + i as u16)).collect();
+    let apart = ms(Direction::Ingress, Verdict::Deny, &apart);
+    // Six peers alike (one rule: one rule counter): six identity keys, one class key.
+    let alike = (
+        Selector::ids(7..=12),
+        L4Match::port(Protocol::Tcp, 80),
+        Verdict::Allow,
+    );
+    let alike = ms(Direction::Ingress, Verdict::Deny, &[alike]);
+    let small = ms(Direction::Ingress, Verdict::Deny, &[rule(7, 80)]);
+    let out = open(Direction::Egress);
+    let (a, b) = ([ip("10.0.0.1")], [ip("10.0.0.2")]);
+    let spec = |ips, ingress| EndpointSpec {
+        ips,
+        identity: 20,
+        identities: &[],
+        ingress,
+        egress: &out,
+    };
+    let check = |dp: &Datapath, want: &[(IpAddr, IpAddr, u16, XdpAction)]| {
+        for &(src, dst, port, verdict) in want {
+            let f = frame(src, dst, tcp_flags(40000, port, TCP_SYN));
+            let user = XdpAction::from(dp.decide(&f).verdict);
+            let kernel = dp.test_run(&f).unwrap().action;
+            assert_eq!((kernel, user), (verdict, verdict), "{src} -> {dst}:{port}");
+        }
+        assert_eq!(dp.verify().unwrap(), Vec::<String>::new(), "maps == mirror");
+        dp.classes().unwrap().check().unwrap();
+        assert!(dp.policy_map_keys() <= 4);
+    };
+    let (_, denied) = dp
+        .update_endpoints_or_deny(&[(1, spec(&a, &apart)), (2, spec(&b, &small))])
+        .unwrap();
+    assert_eq!(
+        denied.iter().map(|d| d.0).collect::<Vec<_>>(),
+        [1],
+        "{denied:?}"
+    );
+    assert!(denied[0].1.is_capacity(), "{}", denied[0].1);
+    let (ep1, ep2) = (a[0], b[0]);
+    check(
+        &dp,
+        &[
+            (remote(7), ep1, 87, XdpAction::Drop),
+            (ep1, remote(8), 443, XdpAction::Drop),
+            (remote(7), ep2, 80, XdpAction::Pass),
+            (remote(8), ep2, 80, XdpAction::Drop),
+            (ep2, remote(8), 443, XdpAction::Pass),
+        ],
+    );
+    // Alike peers fit: 2 class keys (peer 7's class, the others'), where identities need 7.
+    let (_, denied) = dp
+        .update_endpoints_or_deny(&[(1, spec(&a, &alike))])
+        .unwrap();
+    assert!(denied.is_empty(), "{denied:?}");
+    check(
+        &dp,
+        &[
+            (remote(9), ep1, 80, XdpAction::Pass),
+            (remote(9), ep1, 81, XdpAction::Drop),
+            (ep1, remote(8), 443, XdpAction::Pass),
+            (remote(8), ep2, 80, XdpAction::Drop),
+            (remote(7), ep2, 80, XdpAction::Pass),
+        ],
+    );
+    // The refused rule set's slot is cleared after the grace period.
+    std::thread::sleep(Duration::from_millis(50));
+    dp.reclaim().unwrap();
+    assert_eq!(dp.control().store().policy_keys_held(), 7);
+    assert_eq!(dp.policy_map_keys(), 3, "7's class: 2 keys, the others': 1");
+    println!(
+        "xdp_testrun: classes: a rule set of 6 identity keys does not fit a 4-key map (denied \
+         both ways), one of 6 identity keys in 1 class key does"
+    );
+}
+
 // ------------------------------------------------------------------ connection tracking
 
 /// Endpoint 1 (A, both families): ingress isolated (nothing allowed), the given egress.
@@ -2343,11 +2447,7 @@ fn sys_test_run_ctx(fd: &std::os::fd::OwnedFd, frame: &[u8], ctx: Option<&[u8]>)
 struct Bpffs(PathBuf);
 
 impl Bpffs {
-    fn new() -> Bpffs {
-        Bpffs::named("")
-    }
-
-    /// A mount of its own for a test that runs beside another one using [`Bpffs::new`].
+    /// A mount of its own (tests run side by side).
     fn named(suffix: &str) -> Bpffs {
         let dir = std::env::temp_dir().join(format!("ordnet-bpffs-{}{suffix}", std::process::id()));
         sys::ensure_bpffs(&dir).expect("mount a bpffs");
@@ -2406,13 +2506,25 @@ fn link_prog_id(iface: &str) -> Option<u32> {
 
 #[test]
 fn restart_adopts_pins_without_changing_verdicts() {
+    restart(false, ["ordnet-t0", "ordnet-t1"]);
+}
+
+/// The same with classes: the classes are rebuilt from the pinned maps, nothing is written.
+#[test]
+fn restart_with_classes_adopts_them_without_changing_verdicts() {
+    restart(true, ["ordnet-c0", "ordnet-c1"]);
+}
+
+fn restart(classes: bool, [if0, if1]: [&'static str; 2]) {
     if !privileged() {
         return;
     }
-    let fs = Bpffs::new();
+    // A mount of its own: the two variants run side by side.
+    let fs = Bpffs::named(if0);
     let pin_dir = fs.0.join("ordnet");
     let config = DatapathConfig {
         pin_dir: Some(pin_dir.clone()),
+        classes,
         ..small_config()
     };
     let mut rng = Rng::new(0x02e5_7a27);
@@ -2433,15 +2545,14 @@ fn restart_adopts_pins_without_changing_verdicts() {
     ));
     world_setup(&mut dp);
     world_endpoints(&mut dp, &world);
-    let veth = veth_pair("ordnet-t0", "ordnet-t1");
-    let _veth_guard = Veth("ordnet-t0");
+    let veth = veth_pair(if0, if1);
+    let _veth_guard = Veth(if0);
     if veth {
-        dp.attach("ordnet-t0", aya::programs::XdpMode::default())
-            .unwrap();
+        dp.attach(if0, aya::programs::XdpMode::default()).unwrap();
     } else {
         eprintln!("no veth pair (ip link add failed): link adoption not tested");
     }
-    let first_prog = link_prog_id("ordnet-t0");
+    let first_prog = link_prog_id(if0);
     let points = probe_points(&[&world.a[0], &world.a[1], &world.b[0], &world.b[1]]);
     let frames: Vec<Vec<u8>> = (0..400).map(|_| random_frame(&mut rng, &points)).collect();
     // Tracking state would change verdicts of later frames: keep it out of this test.
@@ -2495,6 +2606,8 @@ fn restart_adopts_pins_without_changing_verdicts() {
         "nothing written on adoption: {report:?}"
     );
     assert_eq!(report.endpoints, 2);
+    assert_eq!(dp.classes().is_some(), classes, "classes kept");
+    let map_keys = dp.policy_map_keys();
     let after = dp.tables();
     assert_eq!(after.ipcache, before.ipcache);
     assert_eq!(after.cidr, before.cidr);
@@ -2519,8 +2632,8 @@ fn restart_adopts_pins_without_changing_verdicts() {
         "the checker ran while no process held the maps"
     );
     if veth {
-        assert_eq!(report.links, vec!["ordnet-t0".to_string()]);
-        let second_prog = link_prog_id("ordnet-t0");
+        assert_eq!(report.links, vec![if0.to_string()]);
+        let second_prog = link_prog_id(if0);
         assert!(first_prog.is_some() && second_prog.is_some());
         assert_ne!(
             first_prog, second_prog,
@@ -2552,11 +2665,11 @@ fn restart_adopts_pins_without_changing_verdicts() {
     }
     assert_eq!(dp.verify().unwrap(), Vec::<String>::new());
     if veth {
-        dp.detach("ordnet-t0").unwrap();
-        assert_eq!(link_prog_id("ordnet-t0"), None, "detached");
+        dp.detach(if0).unwrap();
+        assert_eq!(link_prog_id(if0), None, "detached");
     }
     println!(
-        "xdp_testrun: restart: adopted {} endpoints, {} rule sets, links {:?} in {:.1} ms with \
+        "xdp_testrun: restart (classes: {classes}, {map_keys} keys in the map): adopted {} endpoints, {} rule sets, links {:?} in {:.1} ms with \
          0 writes; {} packets checked on the pinned program during the restart ({} while no \
          process held the maps), none changed",
         report.endpoints,

@@ -264,6 +264,7 @@ fn config_of(pin_dir: &Path, sizes: MapSizes, options: ProgramOptions) -> Datapa
         ct_other_lifetime: conntrack.other,
         events_per_sec: options.events_per_sec,
         rule_counters: options.rule_counters,
+        classes: options.classes,
         ..DatapathConfig::default()
     }
 }
@@ -278,6 +279,9 @@ pub struct ProgramOptions {
     pub events_per_sec: u64,
     /// The per-rule counters (`docs/observe.md` §8; `--rule-counters=false` turns them off).
     pub rule_counters: bool,
+    /// Node-local identity classes in the policy map (`--policy-classes`,
+    /// `docs/datapath.md` §13).
+    pub classes: bool,
 }
 
 impl Default for ProgramOptions {
@@ -286,6 +290,7 @@ impl Default for ProgramOptions {
             conntrack: ConntrackOptions::default(),
             events_per_sec: DatapathConfig::default().events_per_sec,
             rule_counters: true,
+            classes: true,
         }
     }
 }
@@ -573,6 +578,12 @@ impl BpfDatapath {
     /// quarter of headroom, within `policy_entries_max`: the map is grown first if it is not),
     /// then growth of the policy map if it still needs to.
     fn full_and_grow(&mut self, engine: &Engine) -> Result<(), AgentError> {
+        if self.dp.classes().is_some() {
+            // The engine's keys are identities': classes need a fraction of them, known
+            // only once programmed. Growth follows the fill.
+            self.full(engine)?;
+            return self.grow_if_needed(engine);
+        }
         let needed = estimated_policy_keys(engine);
         let target = u32::try_from(needed.saturating_mul(5) / 4)
             .unwrap_or(u32::MAX)
@@ -605,8 +616,11 @@ impl BpfDatapath {
     /// (established flows are judged again). Tried once per change of the pressure.
     fn grow_if_needed(&mut self, engine: &Engine) -> Result<(), AgentError> {
         loop {
-            let store = self.dp.control().store();
-            let (held, capacity) = (store.policy_keys_held(), store.policy_capacity());
+            // In keys of the map (class keys with classes).
+            let (held, capacity) = (
+                self.dp.policy_map_keys(),
+                self.sizes.policy_entries as usize,
+            );
             let full =
                 held.saturating_mul(100) >= capacity.saturating_mul(MAP_PRESSURE_PERCENT as usize);
             let denied = !self.programmer.program.denied().is_empty();

@@ -351,7 +351,7 @@ impl Programmer {
             self.last_retry = None;
             return Ok(());
         }
-        let held = dp.control().store().policy_keys_held();
+        let held = dp.policy_map_keys();
         if self
             .last_retry
             .is_some_and(|(at, before)| held >= before && at.elapsed() < DENIED_RETRY_EVERY)
@@ -359,7 +359,7 @@ impl Programmer {
             return Ok(());
         }
         let result = self.program.retry_denied(engine, dp);
-        self.last_retry = Some((Instant::now(), dp.control().store().policy_keys_held()));
+        self.last_retry = Some((Instant::now(), dp.policy_map_keys()));
         Ok(result?)
     }
 
@@ -514,7 +514,7 @@ pub fn capacity_samples(program: &NodeProgram, plane: &dyn ControlPlane) -> Vec<
             value: program.stats().denied,
         },
     ];
-    for f in plane.control().fill(plane.tables()) {
+    for f in plane.fill() {
         out.push(Sample {
             name: "ordnet_datapath_map_entries",
             help: "Entries a datapath map holds (policy keys, rule sets, cell blocks, ipcache).",
@@ -543,7 +543,7 @@ pub fn capacity_notes(program: &NodeProgram, plane: &dyn ControlPlane) -> Vec<St
             format!("denied in both directions (its policy does not fit the maps): {who}: {why}")
         })
         .collect();
-    for f in plane.control().fill(plane.tables()) {
+    for f in plane.fill() {
         if f.percent() >= MAP_PRESSURE_PERCENT {
             out.push(format!(
                 "{}: {} of {} entries ({} %): policies that need more fail closed",

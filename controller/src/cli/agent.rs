@@ -121,6 +121,13 @@ pub struct AgentArgs {
     #[arg(long, value_name = "KEYS", default_value_t = ordnet_datapath::common::layout::DEFAULT_POLICY_ENTRIES,
           value_parser = clap::value_parser!(u32).range(1..=(1 << 26)))]
     pub policy_map_entries: u32,
+    /// Node-local identity classes (--datapath bpf): the policy map holds keys per class of
+    /// identities that no rule set of the node tells apart instead of per identity (a
+    /// fraction of the keys in large clusters; docs/datapath.md §13). Traces, dumps and
+    /// metrics keep showing identities. Maps pinned with (or without) classes keep them until
+    /// they are replaced.
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
+    pub policy_classes: bool,
     /// What the policy map may grow to, in keys (--datapath bpf): while an endpoint is denied
     /// for lack of room or the map is 90 % full, it doubles up to this (new maps are
     /// programmed and take the attachments over; nothing is unenforced meanwhile). At most
@@ -198,6 +205,7 @@ fn program_options(args: &AgentArgs) -> agent::bpf::ProgramOptions {
         },
         events_per_sec: args.events_per_sec,
         rule_counters: args.rule_counters,
+        classes: args.policy_classes,
     }
 }
 

@@ -51,6 +51,18 @@ impl Classes {
 
     /// Rebuilds the classes of class-level tables `t` (which must keep their policy keys).
     pub fn adopt(t: &MemTables, grace: Duration) -> Adopted {
+        Self::adopt_with(t, grace, None)
+    }
+
+    /// [`Classes::adopt`] with the identity-level keys known (`keys`: every identity's, those
+    /// without an address and those of rule sets no record uses yet included), as after a
+    /// batch the maps refused: the classes are rebuilt from what the maps hold and repaired
+    /// to stand for these keys.
+    pub(crate) fn adopt_with(
+        t: &MemTables,
+        grace: Duration,
+        keys: Option<HashMap<u32, BTreeMap<KeyAt, PolicyValue>>>,
+    ) -> Adopted {
         assert!(!t.keys_in_store, "class-level tables keep their keys");
         let mut c = Classes::new(grace);
         // Records, and each identity's classes (its first address's).
@@ -150,15 +162,20 @@ impl Classes {
             c.spaces[d].slots = slots.into_iter().collect();
         }
         // Each identity has the keys of its classes (a rule set of both spaces: the ingress
-        // class's).
-        for (&id, p) in &peer {
-            for (d, &class) in p.iter().enumerate() {
-                let Some(cl) = c.spaces[d].classes.get(&class) else {
-                    continue;
-                };
-                let keys = c.keys.entry(id).or_default();
-                for (&at, &v) in &cl.keys {
-                    keys.entry(at).or_insert(v);
+        // class's), unless they are known.
+        match keys {
+            Some(keys) => c.keys = keys,
+            None => {
+                for (&id, p) in &peer {
+                    for (d, &class) in p.iter().enumerate() {
+                        let Some(cl) = c.spaces[d].classes.get(&class) else {
+                            continue;
+                        };
+                        let keys = c.keys.entry(id).or_default();
+                        for (&at, &v) in &cl.keys {
+                            keys.entry(at).or_insert(v);
+                        }
+                    }
                 }
             }
         }
@@ -260,6 +277,45 @@ impl Classes {
             }
         }
         id
+    }
+
+    /// Takes the identity-level keys out, with the key writes of `batch` undone (`before`:
+    /// what each key written in it was before the batch, in order of the writes).
+    pub(crate) fn keys_before(
+        &mut self,
+        before: &[(u32, KeyAt, Option<PolicyValue>)],
+    ) -> HashMap<u32, BTreeMap<KeyAt, PolicyValue>> {
+        let mut keys = std::mem::take(&mut self.keys);
+        for &(id, at, v) in before.iter().rev() {
+            let k = keys.entry(id).or_default();
+            match v {
+                Some(v) => k.insert(at, v),
+                None => k.remove(&at),
+            };
+            if k.is_empty() {
+                keys.remove(&id);
+            }
+        }
+        keys
+    }
+
+    /// What each identity key `batch` writes holds before it, in order of the writes (for
+    /// [`Classes::keys_before`]).
+    pub(crate) fn keys_written(&self, batch: &[Write]) -> Vec<(u32, KeyAt, Option<PolicyValue>)> {
+        batch
+            .iter()
+            .filter_map(|w| match *w {
+                Write::PolicyUpsert(k, _) | Write::PolicyDelete(k) if k.identity != 0 => {
+                    let at = (k.ruleset, k.prefix);
+                    Some((
+                        k.identity,
+                        at,
+                        self.keys.get(&k.identity).and_then(|m| m.get(&at).copied()),
+                    ))
+                }
+                _ => None,
+            })
+            .collect()
     }
 
     /// The identity-level keys of rule set `slot` (identities with an address only after
