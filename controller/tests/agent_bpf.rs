@@ -2594,8 +2594,9 @@ fn aside(lab: &Lab) -> usize {
 
 /// Step 8c (see [`map_capacity_steps`]).
 fn map_growth_step(lab: &Lab, api: &FakeApi, kubeconfig: &Path, links: &[String]) {
-    // 8c. The same small map allowed to grow (to 8): sized for the node's keys before the first
-    // programming (2 keys, a quarter of headroom: 2), then doubled while 90 % full (4); a policy
+    // 8c. The same small map allowed to grow (to 8): db's two class keys do not fit one, so db
+    // is denied and the map doubles (2: classes are counted once programmed, not sized
+    // before), then doubles again while 90 % full (4); a policy
     // that needs 6 keys does not fit 4: db is denied for a moment and the map doubles again (8),
     // with no restart and no new attachment.
     let agent = Agent::start_with(

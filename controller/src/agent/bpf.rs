@@ -131,9 +131,10 @@ pub struct BpfDatapath {
     grown: u64,
     /// When a growth of the policy map last failed (tried again after [`GROW_RETRY_AFTER`]).
     grow_failed: Option<Instant>,
-    /// The last look at the policy map's fill: `denied or full` then (a growth is tried
-    /// once per change of it).
-    pressure: bool,
+    /// The last look at the policy map's fill: (full, endpoints denied) then (a growth is
+    /// tried once per change of it: a growth that ends the denials but leaves the map full is
+    /// followed by another).
+    pressure: (bool, bool),
     /// The last connection-tracking sweep: when, and what it found.
     last_sweep: Option<(Instant, CtSweep)>,
     /// Expired entries removed by sweeps, per family.
@@ -418,7 +419,7 @@ impl BpfDatapath {
             sizes,
             grown: 0,
             grow_failed: None,
-            pressure: false,
+            pressure: (false, false),
             last_sweep: None,
             ct_removed: [0; 2],
             ct_sweep_errors: 0,
@@ -624,9 +625,9 @@ impl BpfDatapath {
             let full =
                 held.saturating_mul(100) >= capacity.saturating_mul(MAP_PRESSURE_PERCENT as usize);
             let denied = !self.programmer.program.denied().is_empty();
+            let changed = (full, denied) != self.pressure;
+            self.pressure = (full, denied);
             let pressure = full || denied;
-            let changed = pressure != self.pressure;
-            self.pressure = pressure;
             let room = self.sizes.policy_entries < self.sizes.policy_entries_max;
             let backoff = self
                 .grow_failed

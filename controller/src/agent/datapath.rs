@@ -398,8 +398,8 @@ impl Default for NoneDatapath {
 
 impl NoneDatapath {
     /// [`NoneDatapath::default`] that also keeps the node-local identity classes of its
-    /// writes (`ordnet_datapath::classes`; for the scale benchmark: the kernel does not use
-    /// them yet).
+    /// writes (`ordnet_datapath::classes`, as the bpf datapath writes them; for the scale
+    /// benchmark).
     pub fn with_classes() -> Self {
         NoneDatapath::build(true)
     }

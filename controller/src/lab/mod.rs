@@ -829,6 +829,9 @@ fn attach_datapath(
         max_blocks: (rulesets * 4).max(defaults.max_blocks),
         // `--observe`: every event of the probes (a lab run is far below a million a second).
         events_per_sec: if args.observe { 1_000_000 } else { 0 },
+        // As the agent programs its nodes (`--policy-classes`, on by default): the real
+        // packets are judged by class keys, traces and matrices still by identities.
+        classes: true,
         ..defaults
     };
     sys::in_netns(&node, || -> Result<_, LabError> {
