@@ -731,14 +731,18 @@ fn datapath_fill() {
             };
             let started = Instant::now();
             let engine = initial.build(scale::node_name(node));
+            let heap = live();
             let mut dp = MemDatapath::new(&config).keep_keys_in_store();
             let mut programmer = Programmer::default();
             programmer.program_full(&engine, &mut dp).unwrap();
             let took = started.elapsed();
+            let plain_heap = live() - heap;
             print_node_fill(node, dp.control(), took);
+            drop((dp, programmer));
             // The same programming with node-local identity classes kept beside it: what the
             // translation (ordnet_datapath::classes) would write, counted exactly.
             let started = Instant::now();
+            let heap = live();
             let mut dp = MemDatapath::with_classes(&config).keep_keys_in_store();
             let mut programmer = Programmer::default();
             programmer.program_full(&engine, &mut dp).unwrap();
@@ -754,6 +758,13 @@ fn datapath_fill() {
                 panic!("node {node}: the classes are not exact: {e}");
             }
             print_class_fill(dp.classes().expect("kept"), took);
+            // What the agent's datapath side holds (rule set store, tables, and with classes
+            // the translation and the class-level tables too).
+            println!(
+                "    datapath heap: {:.1} MiB identity-level, {:.1} MiB with classes",
+                plain_heap as f64 / 1048576.0,
+                (live() - heap) as f64 / 1048576.0
+            );
         }
     }
 }

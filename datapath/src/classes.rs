@@ -119,6 +119,77 @@ impl ClassWrite {
 
 /// A rule set key of one identity or class: (rule set slot, prefix).
 type KeyAt = (u32, u32);
+/// Identity keys added to the model after which it is compacted ([`Classes::compact`]).
+const COMPACT_AFTER: usize = 1 << 16;
+
+/// Identity-level keys by identity (identity ≠ 0).
+pub(crate) type IdentityKeys = HashMap<u32, SortedKeys>;
+
+/// One identity's keys, sorted: a vector, not a tree (12 bytes a key: the model holds every
+/// identity key of the node, millions at 50,000 pods; a tree took about 45).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct SortedKeys(Vec<(KeyAt, PolicyValue)>);
+
+type KeyRef<'a> = (&'a KeyAt, &'a PolicyValue);
+
+impl<'a> IntoIterator for &'a SortedKeys {
+    type Item = KeyRef<'a>;
+    type IntoIter = std::iter::Map<
+        std::slice::Iter<'a, (KeyAt, PolicyValue)>,
+        fn(&'a (KeyAt, PolicyValue)) -> KeyRef<'a>,
+    >;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter().map(|(k, v)| (k, v))
+    }
+}
+
+impl SortedKeys {
+    fn find(&self, at: &KeyAt) -> Result<usize, usize> {
+        self.0.binary_search_by(|(k, _)| k.cmp(at))
+    }
+
+    /// The value of key `at`.
+    pub(crate) fn get(&self, at: &KeyAt) -> Option<&PolicyValue> {
+        self.find(at).ok().map(|i| &self.0[i].1)
+    }
+
+    /// Sets key `at`; returns its old value.
+    pub(crate) fn insert(&mut self, at: KeyAt, v: PolicyValue) -> Option<PolicyValue> {
+        match self.find(&at) {
+            Ok(i) => Some(std::mem::replace(&mut self.0[i].1, v)),
+            Err(i) => {
+                self.0.insert(i, (at, v));
+                None
+            }
+        }
+    }
+
+    /// Sets key `at` unless it is there.
+    pub(crate) fn insert_absent(&mut self, at: KeyAt, v: PolicyValue) {
+        if let Err(i) = self.find(&at) {
+            self.0.insert(i, (at, v));
+        }
+    }
+
+    /// Removes key `at`; returns its value.
+    pub(crate) fn remove(&mut self, at: &KeyAt) -> Option<PolicyValue> {
+        self.find(at).ok().map(|i| self.0.remove(i).1)
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The keys of rule set `slot`.
+    pub(crate) fn slot(&self, slot: u32) -> impl Iterator<Item = KeyRef<'_>> {
+        let start = self.0.partition_point(|((s, _), _)| *s < slot);
+        self.0[start..]
+            .iter()
+            .take_while(move |((s, _), _)| *s == slot)
+            .map(|(k, v)| (k, v))
+    }
+}
 /// One change of a key: `Some` upserts, `None` deletes.
 type Change = (KeyAt, Option<PolicyValue>);
 /// Identities of one class that change alike, with their changes.
@@ -196,9 +267,11 @@ impl Space {
 pub struct Classes {
     grace: Duration,
     /// Identity keys (identity ≠ 0) by identity.
-    keys: HashMap<u32, BTreeMap<KeyAt, PolicyValue>>,
-    /// Per rule set slot: the identities with keys in it, with their number of keys there.
-    slot_ids: HashMap<u32, HashMap<u32, u32>>,
+    keys: IdentityKeys,
+    /// Per rule set slot: its number of identity keys (which identities have them is found
+    /// in `keys` when needed, [`Classes::ids_in`]: a set per slot would cost as much memory as
+    /// the keys, most identities having about one key in most rule sets).
+    slot_keys: HashMap<u32, usize>,
     /// Identity → the addresses whose records carry it.
     addrs: HashMap<u32, BTreeSet<Addr>>,
     /// Address → the record write the control plane made for it, and its identity.
@@ -216,6 +289,8 @@ pub struct Classes {
     splits: usize,
     merges: usize,
     moved: usize,
+    /// Identity keys added since the model was last compacted ([`Classes::compact`]).
+    grown: usize,
 }
 
 /// Counts of the class-level state.
@@ -245,7 +320,7 @@ impl Classes {
         Classes {
             grace,
             keys: HashMap::new(),
-            slot_ids: HashMap::new(),
+            slot_keys: HashMap::new(),
             addrs: HashMap::new(),
             records: HashMap::new(),
             spaces: Default::default(),
@@ -257,6 +332,7 @@ impl Classes {
             splits: 0,
             merges: 0,
             moved: 0,
+            grown: 0,
         }
     }
 
@@ -346,6 +422,19 @@ impl Classes {
         for (d, t) in touched.into_iter().enumerate() {
             self.settle(d, t, out);
         }
+        if self.grown > COMPACT_AFTER {
+            self.compact();
+        }
+    }
+
+    /// Gives back the room the identity-level model's vectors and maps grew into beyond what
+    /// they hold (a full programming adds every key of the node, each vector doubling as it
+    /// fills): the model is most of what classes cost in memory.
+    fn compact(&mut self) {
+        for keys in self.keys.values_mut() {
+            keys.0.shrink_to_fit();
+        }
+        self.grown = 0;
     }
 
     /// Deletes the keys of classes retired at least the grace period before `now`, and takes
@@ -412,20 +501,19 @@ impl Classes {
                     None => keys.remove(&(slot, prefix)).is_some(),
                 };
                 let delta: i64 = match (had, v.is_some()) {
-                    (false, true) => 1,
+                    (false, true) => {
+                        self.grown += 1;
+                        1
+                    }
                     (true, false) => -1,
                     _ => 0,
                 };
                 if delta != 0 {
-                    let ids = self.slot_ids.entry(slot).or_default();
-                    let n = ids.entry(id).or_default();
-                    *n = n.wrapping_add_signed(delta as i32);
+                    let n = self.slot_keys.entry(slot).or_default();
+                    *n = n.wrapping_add_signed(delta as isize);
                     if *n == 0 {
-                        ids.remove(&id);
-                        if ids.is_empty() {
-                            self.slot_ids.remove(&slot);
-                            emptied.push(slot);
-                        }
+                        self.slot_keys.remove(&slot);
+                        emptied.push(slot);
                     }
                 }
             }
@@ -696,14 +784,9 @@ impl Classes {
     ) {
         self.spaces[d].slots.insert(slot);
         let mut changes: BTreeMap<u32, Vec<Change>> = BTreeMap::new();
-        for &id in self.slot_ids.get(&slot).into_iter().flat_map(HashMap::keys) {
+        for id in self.ids_in(slot) {
             let keys = &self.keys[&id];
-            changes.insert(
-                id,
-                keys.range((slot, 0)..=(slot, u32::MAX))
-                    .map(|(&at, &v)| (at, Some(v)))
-                    .collect(),
-            );
+            changes.insert(id, keys.slot(slot).map(|(&at, &v)| (at, Some(v))).collect());
         }
         self.change_space(d, &changes, true, &mut touched[d], out);
     }
@@ -711,7 +794,7 @@ impl Classes {
     /// Rule set `slot` leaves space `d` if no record uses it there and it has no identity
     /// key (so no class has a key in it).
     fn leave_if_unused(&mut self, d: usize, slot: u32) {
-        if !self.refs[d].contains_key(&slot) && !self.slot_ids.contains_key(&slot) {
+        if !self.refs[d].contains_key(&slot) && !self.slot_keys.contains_key(&slot) {
             self.spaces[d].slots.remove(&slot);
         }
     }
@@ -727,17 +810,30 @@ impl Classes {
         out: &mut Vec<ClassWrite>,
     ) {
         let mut changes: BTreeMap<u32, Vec<Change>> = BTreeMap::new();
-        for &id in self.slot_ids.get(&slot).into_iter().flat_map(HashMap::keys) {
+        for id in self.ids_in(slot) {
             changes.insert(
                 id,
                 self.keys[&id]
-                    .range((slot, 0)..=(slot, u32::MAX))
+                    .slot(slot)
                     .map(|(&at, _)| (at, None))
                     .collect(),
             );
         }
         self.change_space(d, &changes, true, touched, out);
         self.spaces[d].slots.remove(&slot);
+    }
+
+    /// The identities with keys in rule set `slot` (a pass over the identities: done when a
+    /// rule set joins or leaves a space, not per key).
+    fn ids_in(&self, slot: u32) -> Vec<u32> {
+        if !self.slot_keys.contains_key(&slot) {
+            return Vec::new();
+        }
+        self.keys
+            .iter()
+            .filter(|(_, k)| k.slot(slot).next().is_some())
+            .map(|(&id, _)| id)
+            .collect()
     }
 
     /// Counts the rule sets an endpoint record uses (`add`) or used (`!add`).
@@ -997,6 +1093,7 @@ impl Classed {
         for w in out.drain(..) {
             self.class_tables.apply(&w);
         }
+        out.shrink_to(1 << 12);
         self.pending = out;
     }
 }

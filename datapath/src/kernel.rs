@@ -12,7 +12,7 @@ use ordnet_datapath_common::layout::{
 };
 
 use crate::{
-    classes::{ClassWrite, Classes},
+    classes::{ClassWrite, Classes, IdentityKeys},
     sys,
     tables::{MemTables, TableWriter, Write, WriteError},
 };
@@ -36,9 +36,7 @@ impl ClassLayer {
         mirror: &MemTables,
         grace: std::time::Duration,
         keys_in_store: bool,
-        keys: Option<
-            std::collections::HashMap<u32, std::collections::BTreeMap<(u32, u32), PolicyValue>>,
-        >,
+        keys: Option<IdentityKeys>,
     ) -> (ClassLayer, Vec<Write>) {
         let a = Classes::adopt_with(mirror, grace, keys);
         let mut identity = a.identity;
@@ -629,6 +627,8 @@ impl KernelTables {
             layer.classes.translate(writes, &mut out);
         }
         let class_writes: Vec<Write> = out.drain(..).map(|w| w.write()).collect();
+        // Kept for the next batch, but not a full programming's worth of it.
+        out.shrink_to(1 << 12);
         layer.out = out;
         let result = match self.policy_peak(&class_writes) {
             peak if peak > self.policy_capacity => {
@@ -674,12 +674,7 @@ impl KernelTables {
     /// keys (`keys`; `None`: those the classes stand for), and writes its repairs (a few
     /// attempts: each rebuild starts from what the maps then hold, so the layer always
     /// describes them).
-    pub(crate) fn resync_classes(
-        &mut self,
-        keys: Option<
-            std::collections::HashMap<u32, std::collections::BTreeMap<(u32, u32), PolicyValue>>,
-        >,
-    ) {
+    pub(crate) fn resync_classes(&mut self, keys: Option<IdentityKeys>) {
         let Some(layer) = self.layer.as_ref() else {
             return;
         };
@@ -693,9 +688,7 @@ impl KernelTables {
         &mut self,
         grace: std::time::Duration,
         keys_in_store: bool,
-        keys: Option<
-            std::collections::HashMap<u32, std::collections::BTreeMap<(u32, u32), PolicyValue>>,
-        >,
+        keys: Option<IdentityKeys>,
     ) {
         for _ in 0..3 {
             let (layer, repairs) =

@@ -12,7 +12,7 @@ use std::{
 
 use ordnet_datapath_common::layout::{IP_FLAG_CLASSES, IpInfo, PolicyValue};
 
-use super::{Addr, Change, Class, ClassWrite, Classes, KeyAt, SPACES, key_hash};
+use super::{Addr, Change, Class, ClassWrite, Classes, IdentityKeys, KeyAt, SPACES, key_hash};
 use crate::tables::{MemTables, Write};
 
 /// What [`Classes::adopt`] rebuilt.
@@ -61,7 +61,7 @@ impl Classes {
     pub(crate) fn adopt_with(
         t: &MemTables,
         grace: Duration,
-        keys: Option<HashMap<u32, BTreeMap<KeyAt, PolicyValue>>>,
+        keys: Option<IdentityKeys>,
     ) -> Adopted {
         assert!(!t.keys_in_store, "class-level tables keep their keys");
         let mut c = Classes::new(grace);
@@ -173,15 +173,15 @@ impl Classes {
                         };
                         let keys = c.keys.entry(id).or_default();
                         for (&at, &v) in &cl.keys {
-                            keys.entry(at).or_insert(v);
+                            keys.insert_absent(at, v);
                         }
                     }
                 }
             }
         }
-        for (&id, keys) in &c.keys {
-            for &(slot, _) in keys.keys() {
-                *c.slot_ids.entry(slot).or_default().entry(id).or_default() += 1;
+        for keys in c.keys.values() {
+            for (&(slot, _), _) in keys {
+                *c.slot_keys.entry(slot).or_default() += 1;
             }
         }
         let mut repairs = Vec::new();
@@ -284,7 +284,7 @@ impl Classes {
     pub(crate) fn keys_before(
         &mut self,
         before: &[(u32, KeyAt, Option<PolicyValue>)],
-    ) -> HashMap<u32, BTreeMap<KeyAt, PolicyValue>> {
+    ) -> IdentityKeys {
         let mut keys = std::mem::take(&mut self.keys);
         for &(id, at, v) in before.iter().rev() {
             let k = keys.entry(id).or_default();
@@ -325,8 +325,8 @@ impl Classes {
         slot: u32,
     ) -> Vec<(ordnet_datapath_common::layout::PolicyKey, PolicyValue)> {
         let mut out = Vec::new();
-        for &id in self.slot_ids.get(&slot).into_iter().flat_map(HashMap::keys) {
-            for (&(ruleset, prefix), &v) in self.keys[&id].range((slot, 0)..=(slot, u32::MAX)) {
+        for id in self.ids_in(slot) {
+            for (&(ruleset, prefix), &v) in self.keys[&id].slot(slot) {
                 let k = ordnet_datapath_common::layout::PolicyKey {
                     ruleset,
                     identity: id,
