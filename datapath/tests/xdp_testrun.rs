@@ -1190,7 +1190,7 @@ fn differential_random_mapstates_with_classes() {
         classes: true,
         ..small_config()
     };
-    differential(config, 0xc1a5_5e5);
+    differential(config, 0x0c1a_55e5);
 }
 
 fn differential(config: DatapathConfig, seed: u64) {
