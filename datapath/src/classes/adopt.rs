@@ -15,6 +15,9 @@ use ordnet_datapath_common::layout::{IP_FLAG_CLASSES, IpInfo, PolicyValue};
 use super::{Addr, Change, Class, ClassWrite, Classes, IdentityKeys, KeyAt, SPACES, key_hash};
 use crate::tables::{MemTables, Write};
 
+/// Each identity's classes (what its records say).
+type Peers = BTreeMap<u32, [u32; SPACES]>;
+
 /// What [`Classes::adopt`] rebuilt.
 #[derive(Debug)]
 pub struct Adopted {
@@ -65,8 +68,53 @@ impl Classes {
     ) -> Adopted {
         assert!(!t.keys_in_store, "class-level tables keep their keys");
         let mut c = Classes::new(grace);
-        // Records, and each identity's classes (its first address's).
-        let mut peer: BTreeMap<u32, [u32; SPACES]> = BTreeMap::new();
+        let (peer, stray) = c.adopt_records(t);
+        c.adopt_classes(t, &peer);
+        // Each identity has the keys of its classes (a rule set of both spaces: the ingress
+        // class's), unless they are known.
+        match keys {
+            Some(keys) => c.keys = keys,
+            None => {
+                for (&id, p) in &peer {
+                    for (d, &class) in p.iter().enumerate() {
+                        let Some(cl) = c.spaces[d].classes.get(&class) else {
+                            continue;
+                        };
+                        let keys = c.keys.entry(id).or_default();
+                        for (&at, &v) in &cl.keys {
+                            keys.insert_absent(at, v);
+                        }
+                    }
+                }
+            }
+        }
+        for keys in c.keys.values() {
+            for (&(slot, _), _) in keys {
+                *c.slot_keys.entry(slot).or_default() += 1;
+            }
+        }
+        let mut repairs = Vec::new();
+        c.repair(&peer, &mut repairs);
+        for addr in stray {
+            let (write, id) = c.records[&addr];
+            repairs.push(ClassWrite::Record {
+                write,
+                classes: c.classes_of(id),
+            });
+        }
+        let identity = c.identity_tables(t);
+        Adopted {
+            classes: c,
+            identity,
+            repairs,
+        }
+    }
+
+    /// The records of `t` (without their classes), and each identity's classes (its first
+    /// address's), with the addresses whose record says other classes.
+    fn adopt_records(&mut self, t: &MemTables) -> (Peers, Vec<Addr>) {
+        let c = self;
+        let mut peer: Peers = BTreeMap::new();
         let mut stray = Vec::new();
         let records =
             t.ipcache
@@ -99,8 +147,14 @@ impl Classes {
                 }
             }
         }
-        // The classes: each in the space its first identity uses it in (ids are distinct
-        // across spaces); keys no record's class names belong to retired classes.
+        (peer, stray)
+    }
+
+    /// The classes of `t`'s keys: each in the space its first identity (of `peer`) uses it in
+    /// (ids are distinct across spaces); keys no record's class names belong to retired
+    /// classes. Then the spaces' rule sets.
+    fn adopt_classes(&mut self, t: &MemTables, peer: &Peers) {
+        let c = self;
         let mut keys_of: HashMap<u32, BTreeMap<KeyAt, PolicyValue>> = HashMap::new();
         for (k, v) in t.policy.iter().filter(|(k, _)| k.identity != 0) {
             keys_of
@@ -109,7 +163,7 @@ impl Classes {
                 .insert((k.ruleset, k.prefix), *v);
         }
         let mut space_of: HashMap<u32, usize> = HashMap::new();
-        for (&id, p) in &peer {
+        for (&id, p) in peer {
             for (d, &class) in p.iter().enumerate() {
                 if class == 0 || *space_of.entry(class).or_insert(d) != d {
                     continue;
@@ -161,49 +215,11 @@ impl Classes {
             slots.extend(keyed);
             c.spaces[d].slots = slots.into_iter().collect();
         }
-        // Each identity has the keys of its classes (a rule set of both spaces: the ingress
-        // class's), unless they are known.
-        match keys {
-            Some(keys) => c.keys = keys,
-            None => {
-                for (&id, p) in &peer {
-                    for (d, &class) in p.iter().enumerate() {
-                        let Some(cl) = c.spaces[d].classes.get(&class) else {
-                            continue;
-                        };
-                        let keys = c.keys.entry(id).or_default();
-                        for (&at, &v) in &cl.keys {
-                            keys.insert_absent(at, v);
-                        }
-                    }
-                }
-            }
-        }
-        for keys in c.keys.values() {
-            for (&(slot, _), _) in keys {
-                *c.slot_keys.entry(slot).or_default() += 1;
-            }
-        }
-        let mut repairs = Vec::new();
-        c.repair(&peer, &mut repairs);
-        for addr in stray {
-            let (write, id) = c.records[&addr];
-            repairs.push(ClassWrite::Record {
-                write,
-                classes: c.classes_of(id),
-            });
-        }
-        let identity = c.identity_tables(t);
-        Adopted {
-            classes: c,
-            identity,
-            repairs,
-        }
     }
 
     /// Brings every class in line with its members' keys (a class without members retired,
     /// a member whose keys differ from its class's moved), then merges classes with equal keys.
-    fn repair(&mut self, peer: &BTreeMap<u32, [u32; SPACES]>, out: &mut Vec<ClassWrite>) {
+    fn repair(&mut self, peer: &Peers, out: &mut Vec<ClassWrite>) {
         for d in 0..SPACES {
             let empty: Vec<u32> = self.spaces[d]
                 .classes
