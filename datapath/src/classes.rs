@@ -149,11 +149,6 @@ impl SortedKeys {
         self.0.binary_search_by(|(k, _)| k.cmp(at))
     }
 
-    /// The value of key `at`.
-    pub(crate) fn get(&self, at: &KeyAt) -> Option<&PolicyValue> {
-        self.find(at).ok().map(|i| &self.0[i].1)
-    }
-
     /// Sets key `at`; returns its old value.
     pub(crate) fn insert(&mut self, at: KeyAt, v: PolicyValue) -> Option<PolicyValue> {
         match self.find(&at) {
@@ -291,6 +286,9 @@ pub struct Classes {
     moved: usize,
     /// Identity keys added since the model was last compacted ([`Classes::compact`]).
     grown: usize,
+    /// What each identity key the last batch wrote held before it, in order: a batch the maps
+    /// refuse is undone in the model ([`Classes::keys_before`]).
+    undo: Vec<(u32, KeyAt, Option<PolicyValue>)>,
 }
 
 /// Counts of the class-level state.
@@ -333,6 +331,7 @@ impl Classes {
             merges: 0,
             moved: 0,
             grown: 0,
+            undo: Vec::new(),
         }
     }
 
@@ -371,6 +370,7 @@ impl Classes {
     /// writes, appended to `out` in the order they must be applied. Deletes the keys of
     /// classes retired at least the grace period ago first.
     pub fn translate(&mut self, batch: &[Write], out: &mut Vec<ClassWrite>) {
+        self.commit();
         self.reclaim(Instant::now(), out);
         let mut touched: [BTreeSet<u32>; SPACES] = Default::default();
         let mut i = 0;
@@ -496,10 +496,12 @@ impl Classes {
         for (&id, ch) in &changes {
             let keys = self.keys.entry(id).or_default();
             for &((slot, prefix), v) in ch {
-                let had = match v {
-                    Some(v) => keys.insert((slot, prefix), v).is_some(),
-                    None => keys.remove(&(slot, prefix)).is_some(),
+                let old = match v {
+                    Some(v) => keys.insert((slot, prefix), v),
+                    None => keys.remove(&(slot, prefix)),
                 };
+                self.undo.push((id, (slot, prefix), old));
+                let had = old.is_some();
                 let delta: i64 = match (had, v.is_some()) {
                     (false, true) => {
                         self.grown += 1;
@@ -1095,6 +1097,7 @@ impl Classed {
         }
         out.shrink_to(1 << 12);
         self.pending = out;
+        self.classes.commit();
     }
 }
 

@@ -617,7 +617,6 @@ impl KernelTables {
     /// any failed write.
     fn write_classes(&mut self, writes: &[Write]) -> Result<(), WriteError> {
         let layer = self.layer.as_mut().expect("a class layer");
-        let before = layer.classes.keys_written(writes);
         let mut out = std::mem::take(&mut layer.out);
         if writes.is_empty() {
             layer.classes.reclaim(std::time::Instant::now(), &mut out);
@@ -636,10 +635,12 @@ impl KernelTables {
             }
             _ => self.write_maps(&class_writes),
         };
+        let layer = self.layer.as_mut().expect("a class layer");
         if result.is_err() {
-            let layer = self.layer.as_mut().expect("a class layer");
-            let keys = layer.classes.keys_before(&before);
+            let keys = layer.classes.keys_before();
             self.resync_classes(Some(keys));
+        } else {
+            layer.classes.commit();
         }
         result
     }

@@ -87,7 +87,6 @@ pub use flat::{
     flatten, flatten_counted, key_hash, meet, same_verdicts, verdict_code,
 };
 pub use ipnet::IpNet;
-use kernel::ClassLayer;
 pub use kernel::{CtSweep, KernelTables};
 pub use ordnet_datapath_common as common;
 use ordnet_datapath_common::{
@@ -782,9 +781,8 @@ impl Datapath {
         }
         let (ebpf, mut tables, handoff_key) = Self::load(&config)?;
         if config.classes {
-            tables.layer = Some(Box::new(
-                ClassLayer::adopt(&tables.mirror, config.grace, false, None).0,
-            ));
+            // Of empty maps: no classes yet.
+            tables.adopt_classes(config.grace, false, None);
         }
         // The program's clock is jiffies: lifetimes are written in ticks of the kernel's HZ.
         let hz = sys::kernel_hz().unwrap_or(sys::FALLBACK_HZ);
@@ -1759,12 +1757,10 @@ impl ControlPlane for Datapath {
 
     fn fill(&self) -> Vec<MapFill> {
         let mut fill = self.control.fill(self.tables());
-        if self.tables.layer.is_some() {
-            // The store's keys are identities'; the map holds class keys.
-            for f in fill.iter_mut().filter(|f| f.map == MAP_POLICY) {
-                f.entries = self.tables.mirror.policy.len() as u64;
-                f.capacity = u64::from(self.config.policy_entries);
-            }
+        // The store counts identity keys and, with classes, has no limit: the map's own.
+        for f in fill.iter_mut().filter(|f| f.map == MAP_POLICY) {
+            f.entries = self.policy_map_keys() as u64;
+            f.capacity = u64::from(self.config.policy_entries);
         }
         fill
     }

@@ -376,13 +376,6 @@ impl MemDatapath {
             MemWriter::Classed(c) => Some(c),
         }
     }
-
-    /// Deletes the keys of retired classes whose grace period is over (when classes are kept).
-    pub fn reclaim_classes(&mut self) {
-        if let MemWriter::Classed(c) = &mut self.tables {
-            c.reclaim();
-        }
-    }
 }
 
 impl Default for MemDatapath {

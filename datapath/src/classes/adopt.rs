@@ -295,14 +295,11 @@ impl Classes {
         id
     }
 
-    /// Takes the identity-level keys out, with the key writes of `batch` undone (`before`:
-    /// what each key written in it was before the batch, in order of the writes).
-    pub(crate) fn keys_before(
-        &mut self,
-        before: &[(u32, KeyAt, Option<PolicyValue>)],
-    ) -> IdentityKeys {
+    /// Takes the identity-level keys out, with the key writes of the last batch undone
+    /// ([`Classes::translate`] logs what each key held before it).
+    pub(crate) fn keys_before(&mut self) -> IdentityKeys {
         let mut keys = std::mem::take(&mut self.keys);
-        for &(id, at, v) in before.iter().rev() {
+        for (id, at, v) in std::mem::take(&mut self.undo).into_iter().rev() {
             let k = keys.entry(id).or_default();
             match v {
                 Some(v) => k.insert(at, v),
@@ -315,23 +312,11 @@ impl Classes {
         keys
     }
 
-    /// What each identity key `batch` writes holds before it, in order of the writes (for
-    /// [`Classes::keys_before`]).
-    pub(crate) fn keys_written(&self, batch: &[Write]) -> Vec<(u32, KeyAt, Option<PolicyValue>)> {
-        batch
-            .iter()
-            .filter_map(|w| match *w {
-                Write::PolicyUpsert(k, _) | Write::PolicyDelete(k) if k.identity != 0 => {
-                    let at = (k.ruleset, k.prefix);
-                    Some((
-                        k.identity,
-                        at,
-                        self.keys.get(&k.identity).and_then(|m| m.get(&at).copied()),
-                    ))
-                }
-                _ => None,
-            })
-            .collect()
+    /// Forgets the last batch's undo log (it was written: nothing to undo).
+    pub(crate) fn commit(&mut self) {
+        self.undo.clear();
+        // Not kept at a full programming's size between batches.
+        self.undo.shrink_to(1 << 12);
     }
 
     /// The identity-level keys of rule set `slot` (identities with an address only after
