@@ -48,18 +48,22 @@
 //! identity's class is found (equal keys) or created, with its keys written first.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque},
+    collections::{BTreeMap, BTreeSet, VecDeque},
     hash::{BuildHasher, BuildHasherDefault, DefaultHasher},
     time::{Duration, Instant},
 };
 
 use ordnet_datapath_common::layout::{IP_FLAG_CLASSES, IpInfo, IpKey, PolicyKey, PolicyValue};
+use ordnet_mapstate::{FastMap, FastSet};
 
 use crate::tables::{MemTables, TableWriter, Write, WriteError};
 
 mod adopt;
+mod keys;
 
 pub use adopt::Adopted;
+pub(crate) use keys::IdentityKeys;
+use keys::SlotChange;
 
 /// The space of the rule sets endpoints use for their ingress (peer: the source).
 pub const INGRESS: usize = 0;
@@ -122,69 +126,6 @@ type KeyAt = (u32, u32);
 /// Identity keys added to the model after which it is compacted ([`Classes::compact`]).
 const COMPACT_AFTER: usize = 1 << 16;
 
-/// Identity-level keys by identity (identity ≠ 0).
-pub(crate) type IdentityKeys = HashMap<u32, SortedKeys>;
-
-/// One identity's keys, sorted: a vector, not a tree (12 bytes a key: the model holds every
-/// identity key of the node, millions at 50,000 pods; a tree took about 45).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct SortedKeys(Vec<(KeyAt, PolicyValue)>);
-
-type KeyRef<'a> = (&'a KeyAt, &'a PolicyValue);
-
-impl<'a> IntoIterator for &'a SortedKeys {
-    type Item = KeyRef<'a>;
-    type IntoIter = std::iter::Map<
-        std::slice::Iter<'a, (KeyAt, PolicyValue)>,
-        fn(&'a (KeyAt, PolicyValue)) -> KeyRef<'a>,
-    >;
-
-    fn into_iter(self) -> Self::IntoIter {
-        self.0.iter().map(|(k, v)| (k, v))
-    }
-}
-
-impl SortedKeys {
-    fn find(&self, at: &KeyAt) -> Result<usize, usize> {
-        self.0.binary_search_by(|(k, _)| k.cmp(at))
-    }
-
-    /// Sets key `at`; returns its old value.
-    pub(crate) fn insert(&mut self, at: KeyAt, v: PolicyValue) -> Option<PolicyValue> {
-        match self.find(&at) {
-            Ok(i) => Some(std::mem::replace(&mut self.0[i].1, v)),
-            Err(i) => {
-                self.0.insert(i, (at, v));
-                None
-            }
-        }
-    }
-
-    /// Sets key `at` unless it is there.
-    pub(crate) fn insert_absent(&mut self, at: KeyAt, v: PolicyValue) {
-        if let Err(i) = self.find(&at) {
-            self.0.insert(i, (at, v));
-        }
-    }
-
-    /// Removes key `at`; returns its value.
-    pub(crate) fn remove(&mut self, at: &KeyAt) -> Option<PolicyValue> {
-        self.find(at).ok().map(|i| self.0.remove(i).1)
-    }
-
-    pub(crate) fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// The keys of rule set `slot`.
-    pub(crate) fn slot(&self, slot: u32) -> impl Iterator<Item = KeyRef<'_>> {
-        let start = self.0.partition_point(|((s, _), _)| *s < slot);
-        self.0[start..]
-            .iter()
-            .take_while(move |((s, _), _)| *s == slot)
-            .map(|(k, v)| (k, v))
-    }
-}
 /// One change of a key: `Some` upserts, `None` deletes.
 type Change = (KeyAt, Option<PolicyValue>);
 /// Identities of one class that change alike, with their changes.
@@ -204,11 +145,11 @@ struct Class {
 
 #[derive(Debug, Default)]
 struct Space {
-    slots: HashSet<u32>,
+    slots: FastSet<u32>,
     /// Identity → its class (identities in class 0 are not listed).
-    of: HashMap<u32, u32>,
-    classes: HashMap<u32, Class>,
-    by_hash: HashMap<u64, Vec<u32>>,
+    of: FastMap<u32, u32>,
+    classes: FastMap<u32, Class>,
+    by_hash: FastMap<u64, Vec<u32>>,
 }
 
 fn key_hash(at: KeyAt, v: PolicyValue) -> u64 {
@@ -261,19 +202,15 @@ impl Space {
 #[derive(Debug)]
 pub struct Classes {
     grace: Duration,
-    /// Identity keys (identity ≠ 0) by identity.
+    /// Identity keys (identity ≠ 0), by rule set.
     keys: IdentityKeys,
-    /// Per rule set slot: its number of identity keys (which identities have them is found
-    /// in `keys` when needed, [`Classes::ids_in`]: a set per slot would cost as much memory as
-    /// the keys, most identities having about one key in most rule sets).
-    slot_keys: HashMap<u32, usize>,
     /// Identity → the addresses whose records carry it.
-    addrs: HashMap<u32, BTreeSet<Addr>>,
+    addrs: FastMap<u32, BTreeSet<Addr>>,
     /// Address → the record write the control plane made for it, and its identity.
-    records: HashMap<Addr, (Write, u32)>,
+    records: FastMap<Addr, (Write, u32)>,
     spaces: [Space; SPACES],
     /// Per space: rule set slot → the endpoint records that use it in that direction.
-    refs: [HashMap<u32, u32>; SPACES],
+    refs: [FastMap<u32, u32>; SPACES],
     next: u32,
     free: Vec<u32>,
     /// Classes no record points to any more: id, the keys to delete, when.
@@ -317,10 +254,9 @@ impl Classes {
     pub fn new(grace: Duration) -> Classes {
         Classes {
             grace,
-            keys: HashMap::new(),
-            slot_keys: HashMap::new(),
-            addrs: HashMap::new(),
-            records: HashMap::new(),
+            keys: IdentityKeys::default(),
+            addrs: FastMap::default(),
+            records: FastMap::default(),
             spaces: Default::default(),
             refs: Default::default(),
             next: 1,
@@ -431,9 +367,7 @@ impl Classes {
     /// they hold (a full programming adds every key of the node, each vector doubling as it
     /// fills): the model is most of what classes cost in memory.
     fn compact(&mut self) {
-        for keys in self.keys.values_mut() {
-            keys.0.shrink_to_fit();
-        }
+        self.keys.compact();
         self.grown = 0;
     }
 
@@ -476,58 +410,60 @@ impl Classes {
         touched: &mut [BTreeSet<u32>; SPACES],
         out: &mut Vec<ClassWrite>,
     ) {
-        let mut changes: BTreeMap<u32, Vec<Change>> = BTreeMap::new();
-        for w in run {
-            let (k, v) = match *w {
-                Write::PolicyUpsert(k, v) => (k, Some(v)),
-                Write::PolicyDelete(k) => (k, None),
+        // By rule set, each sorted by (identity, prefix), the last write of a key kept (a run
+        // is one phase of the store's order: its writes may be applied in any order).
+        let mut by_slot: Vec<(u32, SlotChange)> = run
+            .iter()
+            .map(|w| match *w {
+                Write::PolicyUpsert(k, v) => (k.ruleset, ((k.identity, k.prefix), Some(v))),
+                Write::PolicyDelete(k) => (k.ruleset, ((k.identity, k.prefix), None)),
                 _ => unreachable!("a run holds key writes only"),
-            };
-            changes
-                .entry(k.identity)
-                .or_default()
-                .push(((k.ruleset, k.prefix), v));
+            })
+            .collect();
+        by_slot.sort_by_key(|&(slot, (k, _))| (slot, k));
+        let mut last = Vec::with_capacity(by_slot.len());
+        for (i, &w) in by_slot.iter().enumerate() {
+            if by_slot
+                .get(i + 1)
+                .is_none_or(|n| (n.0, n.1.0) != (w.0, w.1.0))
+            {
+                last.push(w);
+            }
         }
-        for (d, t) in touched.iter_mut().enumerate() {
-            self.change_space(d, &changes, false, t, out);
+        let by_slot = last;
+        // The classes, where a rule set of a space changes (most runs install or release a
+        // rule set no record uses yet or any more: none).
+        let in_space = |slot: u32| self.spaces.iter().any(|s| s.slots.contains(&slot));
+        if by_slot.iter().any(|&(slot, _)| in_space(slot)) {
+            let mut changes: BTreeMap<u32, Vec<Change>> = BTreeMap::new();
+            for &(slot, ((id, prefix), v)) in by_slot.iter().filter(|w| in_space(w.0)) {
+                changes.entry(id).or_default().push(((slot, prefix), v));
+            }
+            for (d, t) in touched.iter_mut().enumerate() {
+                self.change_space(d, &changes, false, t, out);
+            }
         }
         // The identity-level model.
-        let mut emptied = Vec::new();
-        for (&id, ch) in &changes {
-            let keys = self.keys.entry(id).or_default();
-            for &((slot, prefix), v) in ch {
-                let old = match v {
-                    Some(v) => keys.insert((slot, prefix), v),
-                    None => keys.remove(&(slot, prefix)),
-                };
-                self.undo.push((id, (slot, prefix), old));
-                let had = old.is_some();
-                let delta: i64 = match (had, v.is_some()) {
-                    (false, true) => {
-                        self.grown += 1;
-                        1
-                    }
-                    (true, false) => -1,
-                    _ => 0,
-                };
-                if delta != 0 {
-                    let n = self.slot_keys.entry(slot).or_default();
-                    *n = n.wrapping_add_signed(delta as isize);
-                    if *n == 0 {
-                        self.slot_keys.remove(&slot);
-                        emptied.push(slot);
-                    }
+        let mut old = Vec::new();
+        let mut slot_changes: Vec<SlotChange> = Vec::new();
+        for run in by_slot.chunk_by(|a, b| a.0 == b.0) {
+            let slot = run[0].0;
+            slot_changes.clear();
+            slot_changes.extend(run.iter().map(|w| w.1));
+            old.clear();
+            self.keys.apply(slot, &slot_changes, &mut old);
+            for (&((id, prefix), v), &was) in slot_changes.iter().zip(&old) {
+                self.undo.push((id, (slot, prefix), was));
+                if was.is_none() && v.is_some() {
+                    self.grown += 1;
                 }
             }
-            if keys.is_empty() {
-                self.keys.remove(&id);
-            }
-        }
-        // A rule set without identity keys has no class keys either: it leaves the spaces in
-        // which no record uses it (it joins again, with its keys, when one does).
-        for slot in emptied {
-            for d in 0..SPACES {
-                self.leave_if_unused(d, slot);
+            // A rule set without identity keys has no class keys either: it leaves the spaces
+            // in which no record uses it (it joins again, with its keys, when one does).
+            if !self.keys.has_slot(slot) {
+                for d in 0..SPACES {
+                    self.leave_if_unused(d, slot);
+                }
             }
         }
     }
@@ -546,7 +482,7 @@ impl Classes {
         out: &mut Vec<ClassWrite>,
     ) {
         // class → (the change, restricted to the space) → identities
-        let mut groups: BTreeMap<u32, HashMap<Vec<Change>, Vec<u32>>> = BTreeMap::new();
+        let mut groups: BTreeMap<u32, FastMap<Vec<Change>, Vec<u32>>> = BTreeMap::new();
         for (&id, ch) in changes {
             if !self.addrs.contains_key(&id) {
                 continue;
@@ -641,12 +577,15 @@ impl Classes {
         let mut targets = Vec::new();
         if rest > 0 {
             // The unchanged members keep the keys as they are, in a copy.
-            let moving: BTreeSet<u32> =
-                by_change.iter().flat_map(|g| g.1.iter().copied()).collect();
+            let changing: FastSet<u32> = by_change
+                .iter()
+                .flat_map(|g| g.1.iter().copied())
+                .chain(stayers.iter().copied())
+                .collect();
             let unchanged: Vec<u32> = members
                 .iter()
                 .copied()
-                .filter(|m| !moving.contains(m) && !stayers.contains(m))
+                .filter(|m| !changing.contains(m))
                 .collect();
             let n = self.split_off(d, c, unchanged, out);
             touched.insert(n);
@@ -785,18 +724,14 @@ impl Classes {
         out: &mut Vec<ClassWrite>,
     ) {
         self.spaces[d].slots.insert(slot);
-        let mut changes: BTreeMap<u32, Vec<Change>> = BTreeMap::new();
-        for id in self.ids_in(slot) {
-            let keys = &self.keys[&id];
-            changes.insert(id, keys.slot(slot).map(|(&at, &v)| (at, Some(v))).collect());
-        }
+        let changes = self.keys.slot_changes(slot, false);
         self.change_space(d, &changes, true, &mut touched[d], out);
     }
 
     /// Rule set `slot` leaves space `d` if no record uses it there and it has no identity
     /// key (so no class has a key in it).
     fn leave_if_unused(&mut self, d: usize, slot: u32) {
-        if !self.refs[d].contains_key(&slot) && !self.slot_keys.contains_key(&slot) {
+        if !self.refs[d].contains_key(&slot) && !self.keys.has_slot(slot) {
             self.spaces[d].slots.remove(&slot);
         }
     }
@@ -811,31 +746,9 @@ impl Classes {
         touched: &mut BTreeSet<u32>,
         out: &mut Vec<ClassWrite>,
     ) {
-        let mut changes: BTreeMap<u32, Vec<Change>> = BTreeMap::new();
-        for id in self.ids_in(slot) {
-            changes.insert(
-                id,
-                self.keys[&id]
-                    .slot(slot)
-                    .map(|(&at, _)| (at, None))
-                    .collect(),
-            );
-        }
+        let changes = self.keys.slot_changes(slot, true);
         self.change_space(d, &changes, true, touched, out);
         self.spaces[d].slots.remove(&slot);
-    }
-
-    /// The identities with keys in rule set `slot` (a pass over the identities: done when a
-    /// rule set joins or leaves a space, not per key).
-    fn ids_in(&self, slot: u32) -> Vec<u32> {
-        if !self.slot_keys.contains_key(&slot) {
-            return Vec::new();
-        }
-        self.keys
-            .iter()
-            .filter(|(_, k)| k.slot(slot).next().is_some())
-            .map(|(&id, _)| id)
-            .collect()
     }
 
     /// Counts the rule sets an endpoint record uses (`add`) or used (`!add`).
@@ -874,14 +787,8 @@ impl Classes {
     /// its keys, or a new one (keys written first).
     fn place(&mut self, id: u32, out: &mut Vec<ClassWrite>) {
         for d in 0..SPACES {
-            let keys: BTreeMap<KeyAt, PolicyValue> = self
-                .keys
-                .get(&id)
-                .into_iter()
-                .flatten()
-                .filter(|((slot, _), _)| self.spaces[d].slots.contains(slot))
-                .map(|(&at, &v)| (at, v))
-                .collect();
+            let slots = &self.spaces[d].slots;
+            let keys = self.keys.of(id, |slot| slots.contains(&slot));
             if keys.is_empty() {
                 continue;
             }
@@ -1014,7 +921,7 @@ pub struct ClassTables {
     /// wildcard keys.
     pub tables: MemTables,
     /// The classes of each address with a record.
-    pub classes: HashMap<Addr, [u32; SPACES]>,
+    pub classes: FastMap<Addr, [u32; SPACES]>,
 }
 
 impl ClassTables {
@@ -1022,7 +929,7 @@ impl ClassTables {
     pub fn new(cells: u32, blocks: u32) -> ClassTables {
         ClassTables {
             tables: MemTables::new(cells, blocks),
-            classes: HashMap::new(),
+            classes: FastMap::default(),
         }
     }
 
@@ -1124,17 +1031,17 @@ impl Classes {
     /// have equal keys; an identity with an address and keys in a space is in a class of it,
     /// one without keys there is not.
     pub fn check(&self) -> Result<(), String> {
+        let all = self.keys.by_identity();
         for (d, space) in self.spaces.iter().enumerate() {
             let own = |id: u32| -> BTreeMap<KeyAt, PolicyValue> {
-                self.keys
-                    .get(&id)
+                all.get(&id)
                     .into_iter()
                     .flatten()
                     .filter(|((slot, _), _)| space.slots.contains(slot))
                     .map(|(&at, &v)| (at, v))
                     .collect()
             };
-            let mut seen: HashMap<&BTreeMap<KeyAt, PolicyValue>, u32> = HashMap::new();
+            let mut seen: FastMap<&BTreeMap<KeyAt, PolicyValue>, u32> = FastMap::default();
             for (&c, class) in &space.classes {
                 if class.members.is_empty() || class.keys.is_empty() {
                     return Err(format!("space {d}: class {c} is empty: {class:?}"));

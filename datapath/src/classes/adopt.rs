@@ -6,12 +6,14 @@
 //! repair what a batch left half done.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap, hash_map::Entry},
+    collections::{BTreeMap, BTreeSet, hash_map::Entry},
     time::{Duration, Instant},
 };
 
 use ordnet_datapath_common::layout::{IP_FLAG_CLASSES, IpInfo, PolicyValue};
+use ordnet_mapstate::FastMap;
 
+use super::keys::Entry as KeyEntry;
 use super::{Addr, Change, Class, ClassWrite, Classes, IdentityKeys, KeyAt, SPACES, key_hash};
 use crate::tables::{MemTables, Write};
 
@@ -75,22 +77,16 @@ impl Classes {
         match keys {
             Some(keys) => c.keys = keys,
             None => {
-                for (&id, p) in &peer {
-                    for (d, &class) in p.iter().enumerate() {
-                        let Some(cl) = c.spaces[d].classes.get(&class) else {
-                            continue;
-                        };
-                        let keys = c.keys.entry(id).or_default();
-                        for (&at, &v) in &cl.keys {
-                            keys.insert_absent(at, v);
-                        }
-                    }
-                }
-            }
-        }
-        for keys in c.keys.values() {
-            for (&(slot, _), _) in keys {
-                *c.slot_keys.entry(slot).or_default() += 1;
+                let spaces = &c.spaces;
+                let entries = peer.iter().flat_map(|(&id, p)| {
+                    p.iter().enumerate().flat_map(move |(d, class)| {
+                        let keys = spaces[d].classes.get(class).map(|cl| &cl.keys);
+                        keys.into_iter()
+                            .flatten()
+                            .map(move |(&(slot, prefix), &v)| (slot, ((id, prefix), v)))
+                    })
+                });
+                c.keys = IdentityKeys::from_entries(entries);
             }
         }
         let mut repairs = Vec::new();
@@ -155,14 +151,14 @@ impl Classes {
     /// classes. Then the spaces' rule sets.
     fn adopt_classes(&mut self, t: &MemTables, peer: &Peers) {
         let c = self;
-        let mut keys_of: HashMap<u32, BTreeMap<KeyAt, PolicyValue>> = HashMap::new();
+        let mut keys_of: FastMap<u32, BTreeMap<KeyAt, PolicyValue>> = FastMap::default();
         for (k, v) in t.policy.iter().filter(|(k, _)| k.identity != 0) {
             keys_of
                 .entry(k.identity)
                 .or_default()
                 .insert((k.ruleset, k.prefix), *v);
         }
-        let mut space_of: HashMap<u32, usize> = HashMap::new();
+        let mut space_of: FastMap<u32, usize> = FastMap::default();
         for (&id, p) in peer {
             for (d, &class) in p.iter().enumerate() {
                 if class == 0 || *space_of.entry(class).or_insert(d) != d {
@@ -220,6 +216,7 @@ impl Classes {
     /// Brings every class in line with its members' keys (a class without members retired,
     /// a member whose keys differ from its class's moved), then merges classes with equal keys.
     fn repair(&mut self, peer: &Peers, out: &mut Vec<ClassWrite>) {
+        let all = self.keys.by_identity();
         for d in 0..SPACES {
             let empty: Vec<u32> = self.spaces[d]
                 .classes
@@ -233,8 +230,7 @@ impl Classes {
             let mut changes: BTreeMap<u32, Vec<Change>> = BTreeMap::new();
             for &id in peer.keys() {
                 let space = &self.spaces[d];
-                let own: BTreeMap<KeyAt, PolicyValue> = self
-                    .keys
+                let own: BTreeMap<KeyAt, PolicyValue> = all
                     .get(&id)
                     .into_iter()
                     .flatten()
@@ -282,15 +278,13 @@ impl Classes {
         for (k, v) in t.policy.iter().filter(|(k, _)| k.identity == 0) {
             id.policy.insert(*k, *v);
         }
-        for (&identity, keys) in &self.keys {
-            for (&(ruleset, prefix), &v) in keys {
-                let k = ordnet_datapath_common::layout::PolicyKey {
-                    ruleset,
-                    identity,
-                    prefix,
-                };
-                id.policy.insert(k, v);
-            }
+        for (ruleset, identity, prefix, v) in self.keys.iter() {
+            let k = ordnet_datapath_common::layout::PolicyKey {
+                ruleset,
+                identity,
+                prefix,
+            };
+            id.policy.insert(k, v);
         }
         id
     }
@@ -299,15 +293,17 @@ impl Classes {
     /// ([`Classes::translate`] logs what each key held before it).
     pub(crate) fn keys_before(&mut self) -> IdentityKeys {
         let mut keys = std::mem::take(&mut self.keys);
-        for (id, at, v) in std::mem::take(&mut self.undo).into_iter().rev() {
-            let k = keys.entry(id).or_default();
-            match v {
-                Some(v) => k.insert(at, v),
-                None => k.remove(&at),
-            };
-            if k.is_empty() {
-                keys.remove(&id);
-            }
+        // What each key held before the batch: its first entry in the log.
+        let mut before: BTreeMap<(u32, (u32, u32)), Option<PolicyValue>> = BTreeMap::new();
+        for (id, (slot, prefix), v) in std::mem::take(&mut self.undo) {
+            before.entry((slot, (id, prefix))).or_insert(v);
+        }
+        let before: Vec<_> = before.into_iter().collect();
+        let (mut changes, mut old) = (Vec::new(), Vec::new());
+        for run in before.chunk_by(|a, b| a.0.0 == b.0.0) {
+            changes.clear();
+            changes.extend(run.iter().map(|&((_, k), v)| (k, v)));
+            keys.apply(run[0].0.0, &changes, &mut old);
         }
         keys
     }
@@ -325,17 +321,14 @@ impl Classes {
         &self,
         slot: u32,
     ) -> Vec<(ordnet_datapath_common::layout::PolicyKey, PolicyValue)> {
-        let mut out = Vec::new();
-        for id in self.ids_in(slot) {
-            for (&(ruleset, prefix), &v) in self.keys[&id].slot(slot) {
-                let k = ordnet_datapath_common::layout::PolicyKey {
-                    ruleset,
-                    identity: id,
-                    prefix,
-                };
-                out.push((k, v));
-            }
-        }
-        out
+        let key = |((identity, prefix), v): KeyEntry| {
+            let k = ordnet_datapath_common::layout::PolicyKey {
+                ruleset: slot,
+                identity,
+                prefix,
+            };
+            (k, v)
+        };
+        self.keys.slot(slot).copied().map(key).collect()
     }
 }
