@@ -363,9 +363,9 @@ impl Classes {
         }
     }
 
-    /// Gives back the room the identity-level model's vectors and maps grew into beyond what
-    /// they hold (a full programming adds every key of the node, each vector doubling as it
-    /// fills): the model is most of what classes cost in memory.
+    /// Gives back the room the identity-level model's leaves grew into beyond what they hold
+    /// (a full programming adds every key of the node, each leaf doubling as it fills): the
+    /// model is most of what classes cost in memory.
     fn compact(&mut self) {
         self.keys.compact();
         self.grown = 0;
@@ -446,10 +446,10 @@ impl Classes {
         // The identity-level model.
         let mut old = Vec::new();
         let mut slot_changes: Vec<SlotChange> = Vec::new();
-        for run in by_slot.chunk_by(|a, b| a.0 == b.0) {
-            let slot = run[0].0;
+        for group in by_slot.chunk_by(|a, b| a.0 == b.0) {
+            let slot = group[0].0;
             slot_changes.clear();
-            slot_changes.extend(run.iter().map(|w| w.1));
+            slot_changes.extend(group.iter().map(|w| w.1));
             old.clear();
             self.keys.apply(slot, &slot_changes, &mut old);
             for (&((id, prefix), v), &was) in slot_changes.iter().zip(&old) {

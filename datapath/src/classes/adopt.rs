@@ -300,10 +300,11 @@ impl Classes {
         }
         let before: Vec<_> = before.into_iter().collect();
         let (mut changes, mut old) = (Vec::new(), Vec::new());
-        for run in before.chunk_by(|a, b| a.0.0 == b.0.0) {
+        for group in before.chunk_by(|a, b| a.0.0 == b.0.0) {
             changes.clear();
-            changes.extend(run.iter().map(|&((_, k), v)| (k, v)));
-            keys.apply(run[0].0.0, &changes, &mut old);
+            changes.extend(group.iter().map(|&((_, k), v)| (k, v)));
+            old.clear();
+            keys.apply(group[0].0.0, &changes, &mut old);
         }
         keys
     }
@@ -330,5 +331,57 @@ impl Classes {
             (k, v)
         };
         self.keys.slot(slot).copied().map(key).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ordnet_datapath_common::layout::PolicyKey;
+
+    fn k(ruleset: u32, identity: u32, prefix: u32) -> Write {
+        Write::PolicyDelete(PolicyKey {
+            ruleset,
+            identity,
+            prefix,
+        })
+    }
+
+    fn up(w: Write, verdict: u8) -> Write {
+        let Write::PolicyDelete(k) = w else {
+            unreachable!()
+        };
+        Write::PolicyUpsert(k, PolicyValue::new(verdict))
+    }
+
+    /// A refused batch is undone in the model: each key back to what it held before the batch,
+    /// also a key written in two runs of it (the first value logged is the one restored).
+    #[test]
+    fn keys_before_undoes_the_last_batch() {
+        let mut c = Classes::new(Duration::ZERO);
+        let mut out = Vec::new();
+        let first = [up(k(1, 5, 0), 1), up(k(1, 6, 0), 1), up(k(2, 5, 3), 2)];
+        c.translate(&first, &mut out);
+        let before = c.keys.by_identity();
+        // Three runs (a cell write between them), keys of three rule sets, (3, 7, 0) and
+        // (1, 6, 0) written in two runs, one key upserted and deleted in one run.
+        let second = [
+            k(1, 5, 0),
+            up(k(1, 6, 0), 2),
+            up(k(3, 7, 0), 1),
+            up(k(4, 8, 0), 1),
+            k(4, 8, 0),
+            Write::Cell(0, 0),
+            up(k(3, 7, 0), 2),
+            k(1, 6, 0),
+            Write::Cell(0, 0),
+            k(2, 5, 3),
+        ];
+        c.translate(&second, &mut out);
+        let after = c.keys.by_identity();
+        assert_ne!(after, before);
+        assert_eq!(after[&7][&(3, 0)], PolicyValue::new(2));
+        assert!(!after.contains_key(&8) && !after.contains_key(&6));
+        assert_eq!(c.keys_before().by_identity(), before);
     }
 }
