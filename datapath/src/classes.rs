@@ -63,7 +63,7 @@ mod keys;
 
 pub use adopt::Adopted;
 pub(crate) use keys::IdentityKeys;
-use keys::SlotChange;
+use keys::KeyChange;
 
 /// The space of the rule sets endpoints use for their ingress (peer: the source).
 pub const INGRESS: usize = 0;
@@ -223,9 +223,9 @@ pub struct Classes {
     moved: usize,
     /// Identity keys added since the model was last compacted ([`Classes::compact`]).
     grown: usize,
-    /// What each identity key the last batch wrote held before it, in order: a batch the maps
-    /// refuse is undone in the model ([`Classes::keys_before`]).
-    undo: Vec<(u32, KeyAt, Option<PolicyValue>)>,
+    /// What each identity key the last batch wrote held before it, in order (rule set, (key,
+    /// old value)): a batch the maps refuse is undone in the model ([`Classes::keys_before`]).
+    undo: Vec<KeyChange>,
 }
 
 /// Counts of the class-level state.
@@ -412,57 +412,44 @@ impl Classes {
     ) {
         // By rule set, each sorted by (identity, prefix), the last write of a key kept (a run
         // is one phase of the store's order: its writes may be applied in any order).
-        let mut by_slot: Vec<(u32, SlotChange)> = run
+        let mut by_slot: Vec<KeyChange> = run
             .iter()
+            .rev()
             .map(|w| match *w {
                 Write::PolicyUpsert(k, v) => (k.ruleset, ((k.identity, k.prefix), Some(v))),
                 Write::PolicyDelete(k) => (k.ruleset, ((k.identity, k.prefix), None)),
                 _ => unreachable!("a run holds key writes only"),
             })
             .collect();
-        by_slot.sort_by_key(|&(slot, (k, _))| (slot, k));
-        let mut last = Vec::with_capacity(by_slot.len());
-        for (i, &w) in by_slot.iter().enumerate() {
-            if by_slot
-                .get(i + 1)
-                .is_none_or(|n| (n.0, n.1.0) != (w.0, w.1.0))
-            {
-                last.push(w);
-            }
-        }
-        let by_slot = last;
+        keys::sort_first_kept(&mut by_slot);
         // The classes, where a rule set of a space changes (most runs install or release a
         // rule set no record uses yet or any more: none).
-        let in_space = |slot: u32| self.spaces.iter().any(|s| s.slots.contains(&slot));
-        if by_slot.iter().any(|&(slot, _)| in_space(slot)) {
-            let mut changes: BTreeMap<u32, Vec<Change>> = BTreeMap::new();
-            for &(slot, ((id, prefix), v)) in by_slot.iter().filter(|w| in_space(w.0)) {
+        let mut changes: BTreeMap<u32, Vec<Change>> = BTreeMap::new();
+        for &(slot, ((id, prefix), v)) in &by_slot {
+            if self.spaces.iter().any(|s| s.slots.contains(&slot)) {
                 changes.entry(id).or_default().push(((slot, prefix), v));
             }
+        }
+        if !changes.is_empty() {
             for (d, t) in touched.iter_mut().enumerate() {
                 self.change_space(d, &changes, false, t, out);
             }
         }
         // The identity-level model.
-        let mut old = Vec::new();
-        let mut slot_changes: Vec<SlotChange> = Vec::new();
-        for group in by_slot.chunk_by(|a, b| a.0 == b.0) {
-            let slot = group[0].0;
-            slot_changes.clear();
-            slot_changes.extend(group.iter().map(|w| w.1));
-            old.clear();
-            self.keys.apply(slot, &slot_changes, &mut old);
-            for (&((id, prefix), v), &was) in slot_changes.iter().zip(&old) {
-                self.undo.push((id, (slot, prefix), was));
-                if was.is_none() && v.is_some() {
-                    self.grown += 1;
-                }
+        let mut old = Vec::with_capacity(by_slot.len());
+        self.keys.apply(&by_slot, &mut old);
+        for (&(slot, (k, v)), &was) in by_slot.iter().zip(&old) {
+            self.undo.push((slot, (k, was)));
+            if was.is_none() && v.is_some() {
+                self.grown += 1;
             }
-            // A rule set without identity keys has no class keys either: it leaves the spaces
-            // in which no record uses it (it joins again, with its keys, when one does).
-            if !self.keys.has_slot(slot) {
+        }
+        // A rule set without identity keys has no class keys either: it leaves the spaces in
+        // which no record uses it (it joins again, with its keys, when one does).
+        for group in by_slot.chunk_by(|a, b| a.0 == b.0) {
+            if !self.keys.has_slot(group[0].0) {
                 for d in 0..SPACES {
-                    self.leave_if_unused(d, slot);
+                    self.leave_if_unused(d, group[0].0);
                 }
             }
         }

@@ -294,18 +294,9 @@ impl Classes {
     pub(crate) fn keys_before(&mut self) -> IdentityKeys {
         let mut keys = std::mem::take(&mut self.keys);
         // What each key held before the batch: its first entry in the log.
-        let mut before: BTreeMap<(u32, (u32, u32)), Option<PolicyValue>> = BTreeMap::new();
-        for (id, (slot, prefix), v) in std::mem::take(&mut self.undo) {
-            before.entry((slot, (id, prefix))).or_insert(v);
-        }
-        let before: Vec<_> = before.into_iter().collect();
-        let (mut changes, mut old) = (Vec::new(), Vec::new());
-        for group in before.chunk_by(|a, b| a.0.0 == b.0.0) {
-            changes.clear();
-            changes.extend(group.iter().map(|&((_, k), v)| (k, v)));
-            old.clear();
-            keys.apply(group[0].0.0, &changes, &mut old);
-        }
+        let mut before = std::mem::take(&mut self.undo);
+        super::keys::sort_first_kept(&mut before);
+        keys.apply(&before, &mut Vec::new());
         keys
     }
 

@@ -15,8 +15,15 @@ use super::{Change, KeyAt};
 /// One key of a rule set: (identity, prefix), and its value.
 pub(crate) type Entry = ((u32, u32), PolicyValue);
 
-/// A change of one key of a rule set: (identity, prefix); `Some` upserts, `None` deletes.
-pub(crate) type SlotChange = ((u32, u32), Option<PolicyValue>);
+/// A change of one key: (rule set slot, ((identity, prefix), `Some` upserts / `None` deletes)).
+pub(crate) type KeyChange = (u32, ((u32, u32), Option<PolicyValue>));
+
+/// Sorts `changes` by rule set and key and keeps the first change of each key (stable: the
+/// first in the given order).
+pub(crate) fn sort_first_kept(changes: &mut Vec<KeyChange>) {
+    changes.sort_by_key(|&(slot, (k, _))| (slot, k));
+    changes.dedup_by_key(|&mut (slot, (k, _))| (slot, k));
+}
 
 /// Entries per leaf at most: a change moves at most this many entries (a rule set holds up to
 /// tens of thousands: one sorted vector per rule set made a namespace relabel, whose runs
@@ -25,7 +32,7 @@ pub(crate) type SlotChange = ((u32, u32), Option<PolicyValue>);
 const LEAF: usize = 512;
 
 /// One rule set's keys: sorted leaves of at most [`LEAF`] entries, none empty.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 struct Leaves(Vec<Vec<Entry>>);
 
 impl Leaves {
@@ -102,7 +109,7 @@ impl Leaves {
 /// Identity-level keys (identity ≠ 0) by rule set slot, each slot's sorted by (identity,
 /// prefix): 12 bytes a key (the model holds every identity key of the node, millions at 50,000
 /// pods).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct IdentityKeys {
     slots: FastMap<u32, Leaves>,
 }
@@ -181,19 +188,18 @@ impl IdentityKeys {
         IdentityKeys { slots }
     }
 
-    /// Applies `changes` to rule set `slot`, in order; pushes each key's old value onto `old`.
-    pub(crate) fn apply(
-        &mut self,
-        slot: u32,
-        changes: &[SlotChange],
-        old: &mut Vec<Option<PolicyValue>>,
-    ) {
-        let leaves = self.slots.entry(slot).or_default();
-        for &(k, v) in changes {
-            old.push(leaves.set(k, v));
-        }
-        if leaves.0.is_empty() {
-            self.slots.remove(&slot);
+    /// Applies `changes` in order (fastest grouped by rule set); pushes each key's old value
+    /// onto `old`, in the order of `changes`.
+    pub(crate) fn apply(&mut self, changes: &[KeyChange], old: &mut Vec<Option<PolicyValue>>) {
+        for group in changes.chunk_by(|a, b| a.0 == b.0) {
+            let slot = group[0].0;
+            let leaves = self.slots.entry(slot).or_default();
+            for &(_, (k, v)) in group {
+                old.push(leaves.set(k, v));
+            }
+            if leaves.0.is_empty() {
+                self.slots.remove(&slot);
+            }
         }
     }
 
@@ -226,18 +232,17 @@ mod tests {
             let mut keys = IdentityKeys::default();
             let mut model: BTreeMap<(u32, u32), PolicyValue> = BTreeMap::new();
             for round in 0..6u32 {
-                let mut changes: Vec<SlotChange> = (0..n as u32)
+                let mut changes: Vec<KeyChange> = (0..n as u32)
                     .map(|i| {
                         let k = ((i * 7 + round) % 50, i % (n as u32 / 40 + 3));
                         let val = ((i + round) % 4 != 0).then(|| v((i % 5) as u8));
-                        (k, val)
+                        (9, (k, val))
                     })
                     .collect();
-                changes.sort_by_key(|c| c.0);
-                changes.dedup_by_key(|c| c.0);
+                sort_first_kept(&mut changes);
                 let mut old = Vec::new();
-                keys.apply(9, &changes, &mut old);
-                for (&(k, val), was) in changes.iter().zip(&old) {
+                keys.apply(&changes, &mut old);
+                for (&(_, (k, val)), was) in changes.iter().zip(&old) {
                     let before = match val {
                         Some(val) => model.insert(k, val),
                         None => model.remove(&k),
