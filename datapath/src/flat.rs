@@ -20,6 +20,7 @@ use ordnet_datapath_common::{
 use ordnet_mapstate::{ChangeSet, MapState, Peer, Verdict};
 
 use crate::counters::RuleCounters;
+use crate::leafmap::LeafMap;
 
 /// Why a MapState cannot be flattened.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -161,8 +162,9 @@ pub fn verdict_code(v: Verdict) -> u8 {
 /// identical (the isolation default is not part of it: it lives in the endpoint record).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
 pub struct RuleSetContent {
-    /// (identity, prefix bits) -> verdict (`V_ALLOW`/`V_DENY`) and rule counter.
-    pub specific: BTreeMap<(u32, u32), PolicyValue>,
+    /// (identity, prefix bits) -> verdict (`V_ALLOW`/`V_DENY`) and rule counter (in
+    /// leaves: a node holds millions of these).
+    pub specific: LeafMap<(u32, u32), PolicyValue>,
     /// `*` keys: prefix bits -> verdict and rule counter.
     pub wildcard: BTreeMap<u32, PolicyValue>,
 }
@@ -546,6 +548,7 @@ pub fn flatten_counted(
     counters: &mut RuleCounters,
 ) -> Result<(RuleSetContent, u8), FlattenError> {
     let mut content = RuleSetContent::default();
+    let mut specific = Vec::new();
     for (key, entry) in ms.iter() {
         let prefix = encode_prefix(&key.prefix)?;
         let v = counters.value(entry);
@@ -554,11 +557,11 @@ pub fn flatten_counted(
                 content.wildcard.insert(prefix, v);
             }
             Peer::Id(0) => return Err(FlattenError::ZeroIdentity),
-            Peer::Id(id) => {
-                content.specific.insert((id, prefix), v);
-            }
+            Peer::Id(id) => specific.push(((id, prefix), v)),
         }
     }
+    // Collected at once: the leaves hold exactly the keys (no room grown by inserts).
+    content.specific = specific.into_iter().collect();
     Ok((content, verdict_code(ms.default_verdict())))
 }
 

@@ -48,6 +48,7 @@ mod counters;
 mod events;
 mod flat;
 mod kernel;
+pub mod leafmap;
 mod plane;
 #[cfg(feature = "bench")]
 pub mod pods;

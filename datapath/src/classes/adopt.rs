@@ -321,7 +321,7 @@ impl Classes {
             };
             (k, v)
         };
-        self.keys.slot(slot).copied().map(key).collect()
+        self.keys.slot(slot).map(key).collect()
     }
 }
 
