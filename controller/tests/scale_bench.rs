@@ -6,7 +6,7 @@
 //! ```
 //!
 //! The `ordnet agent` binary (`--datapath none`, a process of its own, so its memory is its
-//! own) against the fake API server filled with a generated cluster
+//! own; with node-local identity classes as by default, `ORDNET_CLASSES=0` without) against the fake API server filled with a generated cluster
 //! ([`ordnet_testsuite::scale`]: 100 pods per node, 20 per namespace, realistic pod objects,
 //! half NetworkPolicies and half ordered, mixed selectors). Per cluster size (pods:policies,
 //! default 2k, 10k and 50k pods at 1 policy per 10 and per 2 pods) it prints the time from start
@@ -112,6 +112,11 @@ impl Drop for Agent {
     }
 }
 
+/// `ORDNET_CLASSES=0`: the agent runs without node-local identity classes.
+fn classes_off() -> bool {
+    std::env::var("ORDNET_CLASSES").is_ok_and(|v| v == "0")
+}
+
 fn spawn_agent(api: &FakeApi, tag: &str) -> Agent {
     let dir = std::env::temp_dir();
     let kubeconfig = dir.join(format!(
@@ -133,6 +138,12 @@ fn spawn_agent(api: &FakeApi, tag: &str) -> Agent {
         .arg(&kubeconfig)
         .args(["--debug-addr", &addr])
         .args(["--metrics-addr", "none", "--cni-socket", "none"])
+        // `ORDNET_CLASSES=0`: without node-local identity classes (on by default, as in the
+        // bpf datapath, which keeps the same userspace state).
+        .args([
+            "--policy-classes",
+            if classes_off() { "false" } else { "true" },
+        ])
         .env("POD_NAMESPACE", "kube-system")
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
@@ -447,9 +458,15 @@ fn memory_breakdown() {
             );
         }
 
-        // The datapath mirror (--datapath none: what was programmed, and the in-memory tables).
+        // The datapath mirror (--datapath none: what was programmed, and the in-memory tables;
+        // with classes, as the agent keeps them by default, the translation and the class-level
+        // tables too: what the bpf datapath keeps in userspace).
         let before = live();
-        let mut dp = NoneDatapath::default();
+        let mut dp = if classes_off() {
+            NoneDatapath::default()
+        } else {
+            NoneDatapath::with_classes()
+        };
         dp.program_full(&engine).unwrap();
         let mirror = live() - before;
         // Not in it: the record of every programmed key (only the tests keep one).
@@ -475,7 +492,12 @@ fn memory_breakdown() {
             parts.push((format!("engine: {part}"), last.saturating_sub(now)));
             last = now;
         });
-        parts.push(("datapath tables (none)".into(), mirror));
+        let label = if classes_off() {
+            "datapath tables (none)"
+        } else {
+            "datapath tables (none, classes)"
+        };
+        parts.push((label.into(), mirror));
         let before = live();
         drop(view);
         parts.insert(0, ("view (key, resourceVersion)".into(), before - live()));
@@ -605,10 +627,10 @@ async fn engine_changes() {
             shape.policies,
             started.elapsed().as_secs_f64()
         );
-        // `ORDNET_CLASSES=1`: the datapath also keeps node-local identity classes (the
-        // translation's time is in the datapath's; its splits, merges and records rewritten
-        // are printed per kind).
-        let classes = std::env::var("ORDNET_CLASSES").is_ok_and(|v| v == "1");
+        // The datapath keeps node-local identity classes as the agent does (the translation's
+        // time is in the datapath's; its splits, merges and records rewritten are printed per
+        // kind); `ORDNET_CLASSES=0`: without them.
+        let classes = !classes_off();
         let mut dp = if classes {
             NoneDatapath::with_classes()
         } else {

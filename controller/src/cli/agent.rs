@@ -121,11 +121,11 @@ pub struct AgentArgs {
     #[arg(long, value_name = "KEYS", default_value_t = ordnet_datapath::common::layout::DEFAULT_POLICY_ENTRIES,
           value_parser = clap::value_parser!(u32).range(1..=(1 << 26)))]
     pub policy_map_entries: u32,
-    /// Node-local identity classes (--datapath bpf): the policy map holds keys per class of
-    /// identities that no rule set of the node tells apart instead of per identity (a
-    /// fraction of the keys in large clusters; docs/datapath.md §13). Traces, dumps and
-    /// metrics keep showing identities. Maps pinned with (or without) classes keep them until
-    /// they are replaced.
+    /// Node-local identity classes: the policy map holds keys per class of identities that no
+    /// rule set of the node tells apart instead of per identity (a fraction of the keys in
+    /// large clusters; docs/datapath.md §13). Traces, dumps and metrics keep showing
+    /// identities. Maps pinned with (or without) classes keep them until they are replaced.
+    /// --datapath none keeps the same translation in memory.
     #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
     pub policy_classes: bool,
     /// What the policy map may grow to, in keys (--datapath bpf): while an endpoint is denied
@@ -491,7 +491,14 @@ pub fn run(args: AgentArgs) -> ExitCode {
                 }
             }
         } else {
-            (Box::new(agent::NoneDatapath::default()), "none")
+            // The in-memory datapath keeps what the bpf one keeps in userspace, classes
+            // included (so the scale benchmark's memory and latency are the bpf agent's).
+            let dp = if args.policy_classes {
+                agent::NoneDatapath::with_classes()
+            } else {
+                agent::NoneDatapath::default()
+            };
+            (Box::new(dp), "none")
         };
         let mut handle = match agent::start(config, client, datapath).await {
             Ok(h) => h,
