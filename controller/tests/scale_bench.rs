@@ -461,7 +461,7 @@ fn memory_breakdown() {
         // The datapath mirror (--datapath none: what was programmed, and the in-memory tables;
         // with classes, as the agent keeps them by default, the translation and the class-level
         // tables too: what the bpf datapath keeps in userspace).
-        let before = live();
+        let before = reset_peak();
         let mut dp = if classes_off() {
             NoneDatapath::default()
         } else {
@@ -469,6 +469,7 @@ fn memory_breakdown() {
         };
         dp.program_full(&engine).unwrap();
         let mirror = live() - before;
+        let program_peak = peak() - before - mirror;
         // Not in it: the record of every programmed key (only the tests keep one).
         let before = live();
         let mut record = ordnet::agent::datapath::Record::with_keys();
@@ -512,13 +513,14 @@ fn memory_breakdown() {
             .map(|(_, b)| b)
             .sum();
         println!(
-            "{} pods, {} policies: {:.1} MiB kept ({:.1} KiB per cluster pod); transient: objects waiting for the initial build {:.1} MiB, build peak {:.1} MiB above them, shadow analysis peak {:.1} MiB in {:.0} ms (of which {:.0} ms copying its inputs under the engine's lock); engine {:.1} MiB",
+            "{} pods, {} policies: {:.1} MiB kept ({:.1} KiB per cluster pod); transient: objects waiting for the initial build {:.1} MiB, build peak {:.1} MiB above them, datapath programming peak {:.1} MiB above what it keeps, shadow analysis peak {:.1} MiB in {:.0} ms (of which {:.0} ms copying its inputs under the engine's lock); engine {:.1} MiB",
             shape.pods,
             shape.policies,
             total as f64 / 1048576.0,
             total as f64 / 1024.0 / shape.pods as f64,
             copy as f64 / 1048576.0,
             build_peak as f64 / 1048576.0,
+            program_peak as f64 / 1048576.0,
             shadow_peak as f64 / 1048576.0,
             shadow_took.as_secs_f64() * 1e3,
             inputs_took.as_secs_f64() * 1e3,
