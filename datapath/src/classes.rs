@@ -128,6 +128,9 @@ const COMPACT_AFTER: usize = 1 << 16;
 
 /// One change of a key: `Some` upserts, `None` deletes.
 type Change = (KeyAt, Option<PolicyValue>);
+/// Changes of several identities: (identity, change), sorted by identity and key (each
+/// identity's changes one after another, with no allocation of its own).
+type IdChanges = Vec<(u32, Change)>;
 /// Identities of one class that change alike, with their changes.
 type Group = (Vec<Change>, Vec<u32>);
 /// A class to change, and how.
@@ -424,12 +427,12 @@ impl Classes {
         keys::sort_first_kept(&mut by_slot);
         // The classes, where a rule set of a space changes (most runs install or release a
         // rule set no record uses yet or any more: none).
-        let mut changes: BTreeMap<u32, Vec<Change>> = BTreeMap::new();
-        for &(slot, ((id, prefix), v)) in &by_slot {
-            if self.spaces.iter().any(|s| s.slots.contains(&slot)) {
-                changes.entry(id).or_default().push(((slot, prefix), v));
-            }
-        }
+        let mut changes: IdChanges = by_slot
+            .iter()
+            .filter(|(slot, _)| self.spaces.iter().any(|s| s.slots.contains(slot)))
+            .map(|&(slot, ((id, prefix), v))| (id, ((slot, prefix), v)))
+            .collect();
+        changes.sort_unstable_by_key(|&(id, (at, _))| (id, at));
         if !changes.is_empty() {
             for (d, t) in touched.iter_mut().enumerate() {
                 self.change_space(d, &changes, false, t, out);
@@ -455,7 +458,8 @@ impl Classes {
         }
     }
 
-    /// Steps 1 and 2 of the order for space `d`: `changes` per identity (any space).
+    /// Steps 1 and 2 of the order for space `d`: `changes` of identities (any space), sorted
+    /// by identity and key.
     ///
     /// `invisible`: no packet probes the changed keys (a rule set no record uses in this
     /// direction): a class that splits keeps its largest group, changed in place, and only the
@@ -463,33 +467,40 @@ impl Classes {
     fn change_space(
         &mut self,
         d: usize,
-        changes: &BTreeMap<u32, Vec<Change>>,
+        changes: &[(u32, Change)],
         invisible: bool,
         touched: &mut BTreeSet<u32>,
         out: &mut Vec<ClassWrite>,
     ) {
-        // class → (the change, restricted to the space) → identities
-        let mut groups: BTreeMap<u32, FastMap<Vec<Change>, Vec<u32>>> = BTreeMap::new();
-        for (&id, ch) in changes {
+        debug_assert!(changes.is_sorted_by_key(|&(id, (at, _))| (id, at)));
+        // Each identity's changes restricted to the space, one after another in `mine` (a run
+        // is one phase of the store's order, whose writes may be applied in any order: sorted,
+        // members with the same changes form one group).
+        let mut mine: Vec<Change> = Vec::with_capacity(changes.len());
+        let mut runs: Vec<(u32, u32, std::ops::Range<usize>)> = Vec::new();
+        for run in changes.chunk_by(|a, b| a.0 == b.0) {
+            let id = run[0].0;
             if !self.addrs.contains_key(&id) {
                 continue;
             }
-            let mut mine: Vec<Change> = ch
-                .iter()
-                .copied()
-                .filter(|((slot, _), _)| self.spaces[d].slots.contains(slot))
-                .collect();
-            // A run is one phase of the store's order, whose writes may be applied in any
-            // order: sorted (stably), members with the same changes form one group.
-            mine.sort_by_key(|&(at, _)| at);
-            if mine.is_empty() {
-                continue;
+            let start = mine.len();
+            let slots = &self.spaces[d].slots;
+            mine.extend(
+                run.iter()
+                    .map(|&(_, ch)| ch)
+                    .filter(|((slot, _), _)| slots.contains(slot)),
+            );
+            if mine.len() > start {
+                runs.push((self.spaces[d].class_of(id), id, start..mine.len()));
             }
-            let c = self.spaces[d].class_of(id);
+        }
+        // class → (the change, restricted to the space) → identities
+        let mut groups: BTreeMap<u32, FastMap<&[Change], Vec<u32>>> = BTreeMap::new();
+        for (c, id, r) in runs {
             groups
                 .entry(c)
                 .or_default()
-                .entry(mine)
+                .entry(&mine[r])
                 .or_default()
                 .push(id);
         }
@@ -497,7 +508,10 @@ impl Classes {
         let mut targets: Vec<Target> = Vec::new();
         for (c, by_change) in groups {
             // In a fixed order (the identities are visited in order: each group's first).
-            let mut by_change: Vec<Group> = by_change.into_iter().collect();
+            let mut by_change: Vec<Group> = by_change
+                .into_iter()
+                .map(|(ch, ids)| (ch.to_vec(), ids))
+                .collect();
             by_change.sort_by_key(|(_, ids)| ids[0]);
             let whole = c != 0
                 && by_change.len() == 1

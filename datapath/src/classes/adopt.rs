@@ -258,6 +258,10 @@ impl Classes {
                 ch.sort_by_key(|&(at, _)| at);
                 changes.insert(id, ch);
             }
+            let changes: Vec<(u32, Change)> = changes
+                .into_iter()
+                .flat_map(|(id, ch)| ch.into_iter().map(move |c| (id, c)))
+                .collect();
             let mut touched: BTreeSet<u32> = self.spaces[d].classes.keys().copied().collect();
             self.change_space(d, &changes, false, &mut touched, out);
             self.settle(d, touched, out);
