@@ -6,7 +6,8 @@
 //! ```
 //!
 //! The `ordnet agent` binary (`--datapath none`, a process of its own, so its memory is its
-//! own; with node-local identity classes as by default, `ORDNET_CLASSES=0` without) against the fake API server filled with a generated cluster
+//! own; with node-local identity classes as by default, `ORDNET_CLASSES=0` without) against
+//! the fake API server filled with a generated cluster
 //! ([`ordnet_testsuite::scale`]: 100 pods per node, 20 per namespace, realistic pod objects,
 //! half NetworkPolicies and half ordered, mixed selectors). Per cluster size (pods:policies,
 //! default 2k, 10k and 50k pods at 1 policy per 10 and per 2 pods) it prints the time from start
@@ -395,8 +396,6 @@ fn peak() -> usize {
 #[test]
 #[ignore = "benchmark: run in release with --ignored --nocapture"]
 fn memory_breakdown() {
-    use ordnet::agent::{Enforcer, NoneDatapath};
-
     let text = std::env::var("ORDNET_SCALE")
         .unwrap_or_else(|_| "2000:200,10000:1000,50000:5000,10000:5000".into());
     for s in text.split(',') {
@@ -433,43 +432,9 @@ fn memory_breakdown() {
         let engine = initial.build(scale::node_name(0));
         let build_peak = peak() - before;
 
-        // What the MapStates hold: distinct states, their keys, the keys every endpoint gets.
-        {
-            use ordnet_mapstate::Direction;
-            let mut distinct = std::collections::HashSet::new();
-            let (mut keys, mut per_ep, mut entries, mut covered) = (0usize, 0usize, 0usize, 0usize);
-            for ep in engine.endpoints() {
-                for dir in [Direction::Ingress, Direction::Egress] {
-                    let ms = &engine.policy(ep, dir).mapstate;
-                    per_ep += ms.len();
-                    if distinct.insert(ms as *const _ as usize) {
-                        keys += ms.len();
-                        entries += ms.policy_entry_count();
-                        covered += ms.covered().len();
-                    }
-                }
-            }
-            println!(
-                "  {} endpoints, {} identities, {} selectors; {} distinct MapStates with {keys} keys, {covered} covered notes and {entries} policy entries; {per_ep} keys over every endpoint",
-                engine.endpoints().len(),
-                engine.identities().count(),
-                engine.selector_count(),
-                distinct.len(),
-            );
-        }
+        print_mapstates(&engine);
 
-        // The datapath mirror (--datapath none: what was programmed, and the in-memory tables;
-        // with classes, as the agent keeps them by default, the translation and the class-level
-        // tables too: what the bpf datapath keeps in userspace).
-        let before = reset_peak();
-        let mut dp = if classes_off() {
-            NoneDatapath::default()
-        } else {
-            NoneDatapath::with_classes()
-        };
-        dp.program_full(&engine).unwrap();
-        let mirror = live() - before;
-        let program_peak = peak() - before - mirror;
+        let (dp, mirror, program_peak) = program_mirror(&engine);
         // Not in it: the record of every programmed key (only the tests keep one).
         let before = live();
         let mut record = ordnet::agent::datapath::Record::with_keys();
@@ -535,6 +500,49 @@ fn memory_breakdown() {
         }
         drop(dp);
     }
+}
+
+/// What the MapStates of `engine` hold: distinct states, their keys, the keys every endpoint
+/// gets (for [`memory_breakdown`]).
+fn print_mapstates(engine: &ordnet_engine::Engine) {
+    use ordnet_mapstate::Direction;
+    let mut distinct = std::collections::HashSet::new();
+    let (mut keys, mut per_ep, mut entries, mut covered) = (0usize, 0usize, 0usize, 0usize);
+    for ep in engine.endpoints() {
+        for dir in [Direction::Ingress, Direction::Egress] {
+            let ms = &engine.policy(ep, dir).mapstate;
+            per_ep += ms.len();
+            if distinct.insert(ms as *const _ as usize) {
+                keys += ms.len();
+                entries += ms.policy_entry_count();
+                covered += ms.covered().len();
+            }
+        }
+    }
+    println!(
+        "  {} endpoints, {} identities, {} selectors; {} distinct MapStates with {keys} keys, {covered} covered notes and {entries} policy entries; {per_ep} keys over every endpoint",
+        engine.endpoints().len(),
+        engine.identities().count(),
+        engine.selector_count(),
+        distinct.len(),
+    );
+}
+
+/// The datapath mirror as the agent keeps it (`--datapath none`: what was programmed, and the
+/// in-memory tables; with classes, as by default, the translation and the class-level tables
+/// too: what the bpf datapath keeps in userspace), programmed from `engine`: the datapath, the
+/// bytes it keeps and its programming's peak above them (for [`memory_breakdown`]).
+fn program_mirror(engine: &ordnet_engine::Engine) -> (ordnet::agent::NoneDatapath, usize, usize) {
+    use ordnet::agent::{Enforcer, NoneDatapath};
+    let before = reset_peak();
+    let mut dp = if classes_off() {
+        NoneDatapath::default()
+    } else {
+        NoneDatapath::with_classes()
+    };
+    dp.program_full(engine).unwrap();
+    let kept = live() - before;
+    (dp, kept, peak() - before - kept)
 }
 
 fn typed(v: serde_json::Value) -> ordnet_engine::Object {

@@ -14,7 +14,9 @@ use ordnet_datapath_common::layout::{IP_FLAG_CLASSES, IpInfo, PolicyValue};
 use ordnet_mapstate::FastMap;
 
 use super::keys::Entry as KeyEntry;
-use super::{Addr, Change, Class, ClassWrite, Classes, IdentityKeys, KeyAt, SPACES, key_hash};
+use super::{
+    Addr, Change, Class, ClassWrite, Classes, IdChanges, IdentityKeys, KeyAt, SPACES, key_hash,
+};
 use crate::tables::{MemTables, Write};
 
 /// Each identity's classes (what its records say).
@@ -258,7 +260,7 @@ impl Classes {
                 ch.sort_by_key(|&(at, _)| at);
                 changes.insert(id, ch);
             }
-            let changes: Vec<(u32, Change)> = changes
+            let changes: IdChanges = changes
                 .into_iter()
                 .flat_map(|(id, ch)| ch.into_iter().map(move |c| (id, c)))
                 .collect();

@@ -12,7 +12,7 @@ use ordnet_datapath_common::layout::PolicyValue;
 
 use crate::leafmap::LeafMap;
 
-use super::{Change, KeyAt};
+use super::{IdChanges, KeyAt};
 
 /// One key of a rule set: (identity, prefix), and its value.
 pub(crate) type Entry = ((u32, u32), PolicyValue);
@@ -51,7 +51,7 @@ impl IdentityKeys {
 
     /// The keys of rule set `slot` as the changes that upsert them (`delete`: that delete
     /// them), by identity: (identity, change), sorted by identity and key.
-    pub(crate) fn slot_changes(&self, slot: u32, delete: bool) -> Vec<(u32, Change)> {
+    pub(crate) fn slot_changes(&self, slot: u32, delete: bool) -> IdChanges {
         self.slot(slot)
             .map(|((id, prefix), v)| (id, ((slot, prefix), (!delete).then_some(v))))
             .collect()
