@@ -56,7 +56,10 @@ use std::{
 use ordnet_datapath_common::layout::{IP_FLAG_CLASSES, IpInfo, IpKey, PolicyKey, PolicyValue};
 use ordnet_mapstate::{FastMap, FastSet};
 
-use crate::tables::{MemTables, TableWriter, Write, WriteError};
+use crate::{
+    leafmap::LeafMap,
+    tables::{MemTables, TableWriter, Write, WriteError},
+};
 
 mod adopt;
 mod keys;
@@ -364,6 +367,12 @@ impl Classes {
         if self.grown > COMPACT_AFTER {
             self.compact();
         }
+    }
+
+    /// Keeps one copy of rule set `slot`'s identity keys: the model takes `keys` (the store's)
+    /// when they are equal to its own ([`TableWriter::share_keys`]); whether they were.
+    pub fn share_keys(&mut self, slot: u32, keys: &LeafMap<(u32, u32), PolicyValue>) -> bool {
+        self.keys.share(slot, keys)
     }
 
     /// Gives back the room the identity-level model's leaves grew into beyond what they hold
@@ -1023,6 +1032,10 @@ impl TableWriter for Classed {
     fn reclaim_below(&mut self) -> Result<(), WriteError> {
         self.reclaim();
         Ok(())
+    }
+
+    fn share_keys(&mut self, slot: u32, keys: &LeafMap<(u32, u32), PolicyValue>) {
+        self.classes.share_keys(slot, keys);
     }
 }
 

@@ -736,6 +736,12 @@ impl TableWriter for KernelTables {
         self.write_classes(&[])
     }
 
+    fn share_keys(&mut self, slot: u32, keys: &crate::leafmap::LeafMap<(u32, u32), PolicyValue>) {
+        if let Some(layer) = &mut self.layer {
+            layer.classes.share_keys(slot, keys);
+        }
+    }
+
     fn slot_keys(&self, slot: u32) -> Result<Vec<(PolicyKey, PolicyValue)>, WriteError> {
         if let Some(layer) = &self.layer {
             // The wildcard keys as the maps hold them, the identities' from the classes.

@@ -4,10 +4,16 @@
 //! its own size (12 bytes for a policy key and its value) where a `BTreeMap` node costs ~22
 //! bytes a key; a change moves at most [`LEAF`] entries; a map filled in key order (a rule set
 //! flattened, installed) appends to full leaves.
+//!
+//! Leaves are shared between clones and copied when written (`Arc`): a map can take another's
+//! leaves when their entries are equal ([`LeafMap::share_from`]), so two holders of the same
+//! keys (the store and the class translation) keep one copy of them, and a change copies only
+//! the leaves it touches.
 
 use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::ops::{Bound, RangeBounds};
+use std::sync::Arc;
 
 /// Entries per leaf at most: a change moves at most this many entries (a rule set holds up to
 /// tens of thousands: one sorted vector per rule set made a namespace relabel, whose runs
@@ -17,7 +23,7 @@ pub const LEAF: usize = 512;
 /// A sorted map in leaves of at most [`LEAF`] entries, none empty.
 #[derive(Clone)]
 pub struct LeafMap<K, V> {
-    leaves: Vec<Vec<(K, V)>>,
+    leaves: Vec<Arc<Vec<(K, V)>>>,
     len: usize,
 }
 
@@ -32,12 +38,20 @@ impl<K, V> Default for LeafMap<K, V> {
 
 /// An iterator over a [`LeafMap`]'s entries, in key order.
 pub type Iter<'a, K, V> = std::iter::Map<
-    std::iter::Flatten<std::slice::Iter<'a, Vec<(K, V)>>>,
+    std::iter::FlatMap<
+        std::slice::Iter<'a, Arc<Vec<(K, V)>>>,
+        std::slice::Iter<'a, (K, V)>,
+        fn(&'a Arc<Vec<(K, V)>>) -> std::slice::Iter<'a, (K, V)>,
+    >,
     fn(&'a (K, V)) -> (&'a K, &'a V),
 >;
 
 fn pair<K, V>(e: &(K, V)) -> (&K, &V) {
     (&e.0, &e.1)
+}
+
+fn entries<K, V>(l: &Arc<Vec<(K, V)>>) -> std::slice::Iter<'_, (K, V)> {
+    l.iter()
 }
 
 impl<K: Ord + Copy, V: Copy> LeafMap<K, V> {
@@ -85,7 +99,10 @@ impl<K: Ord + Copy, V: Copy> LeafMap<K, V> {
     /// Sets `k` to `v`; the value it had.
     pub fn insert(&mut self, k: K, v: V) -> Option<V> {
         match self.locate(&k) {
-            (li, Ok(i)) => Some(std::mem::replace(&mut self.leaves[li][i].1, v)),
+            (li, Ok(i)) => {
+                let leaf = Arc::make_mut(&mut self.leaves[li]);
+                Some(std::mem::replace(&mut leaf[i].1, v))
+            }
             (li, Err(i)) => {
                 self.insert_at(li, i, (k, v));
                 self.len += 1;
@@ -99,7 +116,7 @@ impl<K: Ord + Copy, V: Copy> LeafMap<K, V> {
         let (li, Ok(i)) = self.locate(k) else {
             return None;
         };
-        let was = self.leaves[li].remove(i).1;
+        let was = Arc::make_mut(&mut self.leaves[li]).remove(i).1;
         if self.leaves[li].is_empty() {
             self.leaves.remove(li);
         }
@@ -118,22 +135,23 @@ impl<K: Ord + Copy, V: Copy> LeafMap<K, V> {
     fn insert_at(&mut self, li: usize, i: usize, e: (K, V)) {
         let last = li + 1 == self.leaves.len();
         let Some(leaf) = self.leaves.get_mut(li) else {
-            self.leaves.push(vec![e]);
+            self.leaves.push(Arc::new(vec![e]));
             return;
         };
         if leaf.len() < LEAF {
-            leaf.insert(i, e);
+            Arc::make_mut(leaf).insert(i, e);
         } else if last && i == leaf.len() {
             // Appending (filled in key order): full leaves stay full.
-            self.leaves.push(vec![e]);
+            self.leaves.push(Arc::new(vec![e]));
         } else {
+            let leaf = Arc::make_mut(leaf);
             let mut right = leaf.split_off(LEAF / 2);
             leaf.shrink_to_fit();
             match i.checked_sub(LEAF / 2) {
                 Some(j) => right.insert(j, e),
                 None => leaf.insert(i, e),
             }
-            self.leaves.insert(li + 1, right);
+            self.leaves.insert(li + 1, Arc::new(right));
         }
     }
 
@@ -141,7 +159,7 @@ impl<K: Ord + Copy, V: Copy> LeafMap<K, V> {
     pub fn iter(&self) -> Iter<'_, K, V> {
         self.leaves
             .iter()
-            .flatten()
+            .flat_map(entries as fn(&Arc<Vec<(K, V)>>) -> std::slice::Iter<'_, (K, V)>)
             .map(pair as fn(&(K, V)) -> (&K, &V))
     }
 
@@ -183,12 +201,42 @@ impl<K: Ord + Copy, V: Copy> LeafMap<K, V> {
             })
     }
 
-    /// Gives back the room the leaves grew into beyond what they hold.
+    /// Gives back the room the leaves grew into beyond what they hold (leaves shared with
+    /// another map are left as they are: copying them would cost more than it gives back).
     pub fn shrink_to_fit(&mut self) {
         for leaf in &mut self.leaves {
-            leaf.shrink_to_fit();
+            if let Some(leaf) = Arc::get_mut(leaf) {
+                leaf.shrink_to_fit();
+            }
         }
         self.leaves.shrink_to_fit();
+    }
+
+    /// Whether the two maps hold the same leaves (not only equal entries).
+    pub fn shares(&self, other: &Self) -> bool {
+        self.leaves.len() == other.leaves.len()
+            && self
+                .leaves
+                .iter()
+                .zip(&other.leaves)
+                .all(|(a, b)| Arc::ptr_eq(a, b))
+    }
+
+    /// Takes `other`'s leaves if its entries are equal to this map's (one copy kept for both
+    /// holders); whether they are (then this map shares `other`'s leaves). Leaves already
+    /// shared are not compared again, so the cost is that of the entries held twice.
+    pub fn share_from(&mut self, other: &Self) -> bool
+    where
+        V: PartialEq,
+    {
+        if self.len != other.len {
+            return false;
+        }
+        if !self.shares(other) && !same_entries(&self.leaves, &other.leaves) {
+            return false;
+        }
+        self.leaves.clone_from(&other.leaves);
+        true
     }
 
     /// The map of `entries` already sorted by key, each key once (checked: unsorted or
@@ -202,9 +250,45 @@ impl<K: Ord + Copy, V: Copy> LeafMap<K, V> {
                 vec![entries]
             }
         } else {
-            entries.chunks(LEAF).map(<[(K, V)]>::to_vec).collect()
+            return LeafMap {
+                leaves: entries.chunks(LEAF).map(|c| Arc::new(c.to_vec())).collect(),
+                len,
+            };
         };
+        let leaves = leaves.into_iter().map(Arc::new).collect();
         LeafMap { leaves, len }
+    }
+}
+
+/// Whether two leaf sequences hold equal entries, skipping pairs of leaves that are one (the
+/// same leaf at the same position in both): leaves split at different points compare entry by
+/// entry until the sequences meet at a leaf boundary again.
+fn same_entries<K: PartialEq, V: PartialEq>(
+    a: &[Arc<Vec<(K, V)>>],
+    b: &[Arc<Vec<(K, V)>>],
+) -> bool {
+    let (mut la, mut ia, mut lb, mut ib) = (0, 0, 0, 0);
+    loop {
+        if la == a.len() || lb == b.len() {
+            return la == a.len() && lb == b.len();
+        }
+        if ia == 0 && ib == 0 && Arc::ptr_eq(&a[la], &b[lb]) {
+            la += 1;
+            lb += 1;
+            continue;
+        }
+        let n = (a[la].len() - ia).min(b[lb].len() - ib);
+        if a[la][ia..ia + n] != b[lb][ib..ib + n] {
+            return false;
+        }
+        ia += n;
+        ib += n;
+        if ia == a[la].len() {
+            (la, ia) = (la + 1, 0);
+        }
+        if ib == b[lb].len() {
+            (lb, ib) = (lb + 1, 0);
+        }
     }
 }
 
@@ -307,6 +391,70 @@ mod tests {
                 assert_eq!(reversed, m);
             }
         }
+    }
+
+    /// Two maps with equal entries share leaves after `share_from` (however their leaves
+    /// split), unequal ones do not; a write to one copies the leaves it touches and leaves the
+    /// other as it was.
+    #[test]
+    fn shares_equal_leaves_and_copies_on_write() {
+        let n = 3 * LEAF as u32;
+        // In key order (full leaves) and scattered (split leaves): the same entries.
+        let ordered: LeafMap<u32, u8> = (0..n).map(|i| (i * 2, (i % 3) as u8)).collect();
+        let mut scattered: LeafMap<u32, u8> = LeafMap::new();
+        for i in (0..n).map(|i| (i * 7919) % n) {
+            scattered.insert(i * 2, (i % 3) as u8);
+        }
+        assert_eq!(scattered, ordered);
+        assert!(!scattered.shares(&ordered));
+        let mut other = scattered.clone();
+        other.insert(1, 9);
+        assert!(!other.share_from(&ordered), "more entries");
+        other.remove(&1);
+        other.insert(2, 7);
+        assert!(!other.share_from(&ordered), "a value differs");
+        assert!(scattered.share_from(&ordered));
+        assert!(scattered.shares(&ordered));
+        assert!(scattered.share_from(&ordered), "shared leaves are equal");
+        // Copy on write: a change to one leaves the other alone, and only the touched leaf is
+        // copied.
+        let before: Vec<(u32, u8)> = ordered.iter().map(|(k, v)| (*k, *v)).collect();
+        scattered.insert(3, 1);
+        scattered.remove(&(2 * (n - 1)));
+        scattered.insert(4, 2);
+        assert!(
+            ordered
+                .iter()
+                .map(|(k, v)| (*k, *v))
+                .eq(before.iter().copied())
+        );
+        let shared = scattered
+            .leaves
+            .iter()
+            .filter(|l| ordered.leaves.iter().any(|o| Arc::ptr_eq(l, o)))
+            .count();
+        assert_eq!(
+            shared,
+            ordered.leaves.len() - 2,
+            "the first and last leaves copied"
+        );
+        let mut back = ordered.clone();
+        back.insert(3, 1);
+        back.remove(&(2 * (n - 1)));
+        back.insert(4, 2);
+        assert!(!back.shares(&scattered));
+        assert!(back.share_from(&scattered));
+        // Misaligned leaves with equal entries, then one entry different at the end.
+        let mut a: LeafMap<u32, u8> = (0..n).map(|i| (i, 0)).collect();
+        let mut b: LeafMap<u32, u8> = LeafMap::new();
+        for i in (0..n).rev() {
+            b.insert(i, 0);
+        }
+        assert!(a.leaves.len() != b.leaves.len() || !a.shares(&b));
+        b.insert(n - 1, 1);
+        assert!(!a.share_from(&b));
+        b.insert(n - 1, 0);
+        assert!(a.share_from(&b));
     }
 
     /// Collecting keeps the last value of a repeated key, as a `BTreeMap` does.

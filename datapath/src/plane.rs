@@ -313,6 +313,23 @@ impl TableWriter for MemWriter {
             MemWriter::Classed(c) => &c.identity,
         }
     }
+
+    fn reclaim_below(&mut self) -> Result<(), WriteError> {
+        match self {
+            MemWriter::Plain(t) => t.reclaim_below(),
+            MemWriter::Classed(c) => c.reclaim_below(),
+        }
+    }
+
+    fn share_keys(
+        &mut self,
+        slot: u32,
+        keys: &crate::leafmap::LeafMap<(u32, u32), ordnet_datapath_common::layout::PolicyValue>,
+    ) {
+        if let MemWriter::Classed(c) = self {
+            c.share_keys(slot, keys);
+        }
+    }
 }
 
 impl MemDatapath {

@@ -606,6 +606,7 @@ impl Store {
         }
         let hash = content_hash(&content);
         self.by_hash.entry(hash).or_default().push(slot);
+        w.share_keys(slot, &content.specific);
         self.slots[slot as usize] = Some(RuleSet {
             content,
             inputs,
@@ -707,6 +708,7 @@ impl Store {
             }
         }
         self.by_hash.entry(rs.hash).or_default().push(slot);
+        w.share_keys(slot, &rs.content.specific);
         self.slots[slot as usize] = Some(rs);
         result?;
         stats.rulesets_updated += 1;
@@ -854,6 +856,7 @@ impl Store {
             let inputs = content.cell_inputs();
             let hash = content_hash(&content);
             store.by_hash.entry(hash).or_default().push(slot);
+            w.share_keys(slot, &content.specific);
             store.slots[slot as usize] = Some(RuleSet {
                 content,
                 inputs: inputs.clone(),

@@ -15,7 +15,7 @@ use std::{
 
 use ordnet_mapstate::FastHash;
 
-use crate::store::Store;
+use crate::{leafmap::LeafMap, store::Store};
 
 use ordnet_datapath_common::{
     DatapathMaps, addr_bytes, addr_words,
@@ -131,6 +131,13 @@ pub trait TableWriter {
     /// identity classes (`classes`). Nothing for writers without classes (the default).
     fn reclaim_below(&mut self) -> Result<(), WriteError> {
         Ok(())
+    }
+    /// The rule set store's identity keys of `slot` (`(identity, prefix) → value`) as it holds
+    /// them after a write of the slot: a writer that keeps its own copy of them (the class
+    /// translation's model) may share the store's leaves instead ([`LeafMap::share_from`]).
+    /// Nothing for writers without such a copy (the default).
+    fn share_keys(&mut self, slot: u32, keys: &LeafMap<(u32, u32), PolicyValue>) {
+        let _ = (slot, keys);
     }
 }
 

@@ -20,9 +20,10 @@ use ordnet_datapath::{
     WriteError,
     classes::{Addr, ClassTables, ClassWrite, Classes, EGRESS, INGRESS},
     common::{
-        layout::{CELLS_PER_RULESET, IpInfo, IpKey, PolicyRef, State},
+        layout::{CELLS_PER_RULESET, IpInfo, IpKey, PolicyRef, PolicyValue, State},
         lookup::{cell_index, policy_lookup},
     },
+    leafmap::LeafMap,
 };
 use ordnet_mapstate::{Direction, MapState};
 
@@ -122,6 +123,8 @@ struct Checked {
     context: String,
     class_writes: usize,
     checks: usize,
+    /// Rule set writes after which the model took the store's keys.
+    shared: usize,
 }
 
 impl Checked {
@@ -298,6 +301,17 @@ impl TableWriter for Checked {
     fn tables(&self) -> &MemTables {
         &self.id
     }
+
+    /// After every write of a slot the store's keys equal the translation's model of them, so
+    /// the model takes the store's leaves (one copy of the keys, issue 25).
+    fn share_keys(&mut self, slot: u32, keys: &LeafMap<(u32, u32), PolicyValue>) {
+        assert!(
+            self.classes.share_keys(slot, keys),
+            "{}: the model of slot {slot} differs from the store's keys {keys:?}",
+            self.context
+        );
+        self.shared += 1;
+    }
 }
 
 const ENDPOINTS: u32 = 3;
@@ -314,6 +328,7 @@ fn remote_ip(r: u8) -> IpNet {
 fn classes_follow_every_change_without_a_transient_allow() {
     let (mut splits, mut merges, mut max_classes) = (0usize, 0usize, 0usize);
     let mut total = (0usize, 0usize);
+    let mut shared = 0usize;
     let cases: u64 = std::env::var("ORDNET_CLASS_CASES")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -352,6 +367,7 @@ fn classes_follow_every_change_without_a_transient_allow() {
             context: String::new(),
             class_writes: 0,
             checks: 0,
+            shared: 0,
         };
         let ips: Vec<[IpAddr; 1]> = (1..=ENDPOINTS).map(|e| [endpoint_ip(e)]).collect();
         let mut live: BTreeSet<u32> = BTreeSet::new();
@@ -411,15 +427,18 @@ fn classes_follow_every_change_without_a_transient_allow() {
             max_classes = max_classes.max(s.classes[0] + s.classes[1]);
         }
         total = (total.0 + w.class_writes, total.1 + w.checks);
+        shared += w.shared;
         let s = w.classes.stats();
         splits += s.splits;
         merges += s.merges;
     }
     println!(
         "{} class-level writes, {} (endpoint, direction, peer, probe) checks; {splits} splits, \
-         {merges} merges, at most {max_classes} classes at once",
+         {merges} merges, at most {max_classes} classes at once; the model shared the \
+         store's keys after {shared} rule set writes",
         total.0, total.1
     );
+    assert!(shared >= 100, "too few rule set writes: {shared}");
     assert!(max_classes >= 4, "too few classes: {max_classes}");
     assert!(splits >= 50 && merges >= 50, "too few splits or merges");
 }

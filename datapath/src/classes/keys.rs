@@ -115,6 +115,16 @@ impl IdentityKeys {
         }
     }
 
+    /// Takes `keys` as rule set `slot`'s when they are equal to them (sharing their leaves: one
+    /// copy for two holders); whether they were. An empty `keys` is equal to a slot without
+    /// keys and changes nothing.
+    pub(crate) fn share(&mut self, slot: u32, keys: &LeafMap<(u32, u32), PolicyValue>) -> bool {
+        match self.slots.get_mut(&slot) {
+            Some(mine) => mine.share_from(keys),
+            None => keys.is_empty(),
+        }
+    }
+
     /// Gives back the room the leaves grew into beyond what they hold.
     pub(crate) fn compact(&mut self) {
         for keys in self.slots.values_mut() {
