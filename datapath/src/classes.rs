@@ -1012,6 +1012,22 @@ impl Classed {
         for w in out.drain(..) {
             self.class_tables.apply(&w);
         }
+        // Cell and block words pass unchanged: one copy for both levels.
+        self.class_tables.tables.share_words_from(&self.identity);
+        debug_assert!(
+            self.class_tables
+                .tables
+                .cells
+                .own_chunks(&self.identity.cells)
+                == 0
+                && self
+                    .class_tables
+                    .tables
+                    .blocks
+                    .own_chunks(&self.identity.blocks)
+                    == 0,
+            "the class level's words differ from the identity level's"
+        );
         out.shrink_to(1 << 12);
         self.pending = out;
         self.classes.commit();

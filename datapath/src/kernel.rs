@@ -394,11 +394,11 @@ impl KernelTables {
                 v,
             ));
         }
-        for (i, w) in t.cells.iter_mut().enumerate() {
-            *w = self.cells_mem.get(i);
+        for i in 0..t.cells.len() {
+            t.cells.set(i, self.cells_mem.get(i));
         }
-        for (i, w) in t.blocks.iter_mut().enumerate() {
-            *w = self.blocks_mem.get(i);
+        for i in 0..t.blocks.len() {
+            t.blocks.set(i, self.blocks_mem.get(i));
         }
         for (k, v) in sys::lookup_all::<PolicyKey, PolicyValue>(self.policy.map().fd().as_fd())
             .map_err(|e| read(MAP_POLICY, e))?
@@ -641,6 +641,16 @@ impl KernelTables {
             self.resync_classes(Some(keys));
         } else {
             layer.classes.commit();
+        }
+        // Cell and block words pass unchanged: the mirror and the identity level keep one copy
+        // of them (after a refused batch the layer was rebuilt from the mirror: the same).
+        if let Some(layer) = &self.layer {
+            self.mirror.share_words_from(&layer.identity);
+            debug_assert!(
+                self.mirror.cells.own_chunks(&layer.identity.cells) == 0
+                    && self.mirror.blocks.own_chunks(&layer.identity.blocks) == 0,
+                "the maps' words differ from the identity level's"
+            );
         }
         result
     }

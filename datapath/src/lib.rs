@@ -56,6 +56,7 @@ mod refusal;
 mod store;
 pub mod sys;
 mod tables;
+pub mod words;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -1561,7 +1562,7 @@ impl Datapath {
             let n = kernel
                 .cells
                 .iter()
-                .zip(&mine.cells)
+                .zip(mine.cells.iter())
                 .filter(|(a, b)| a != b)
                 .count();
             diffs.push(format!("cells: {n} words differ"));

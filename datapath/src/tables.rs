@@ -15,7 +15,7 @@ use std::{
 
 use ordnet_mapstate::FastHash;
 
-use crate::{leafmap::LeafMap, store::Store};
+use crate::{leafmap::LeafMap, store::Store, words::Words};
 
 use ordnet_datapath_common::{
     DatapathMaps, addr_bytes, addr_words,
@@ -150,10 +150,10 @@ pub struct MemTables {
     pub cidr: BTreeMap<(IpKey, u32), IpInfo>,
     /// Address prefix lengths present per family (for the longest-prefix search).
     cidr_lengths: BTreeMap<(u32, u32), usize>,
-    /// The cell array (`ORDNET_CELLS`), as `u32` words.
-    pub cells: Vec<u32>,
-    /// The refined-block array (`ORDNET_BLOCKS`), as `u32` words.
-    pub blocks: Vec<u32>,
+    /// The cell array (`ORDNET_CELLS`), as `u32` words (a chunk per rule set).
+    pub cells: Words,
+    /// The refined-block array (`ORDNET_BLOCKS`), as `u32` words (a chunk per block).
+    pub blocks: Words,
     /// The policy keys of every rule set (`ORDNET_POLICY`); empty when
     /// [`MemTables::keys_in_store`].
     pub policy: HashMap<PolicyKey, PolicyValue, FastHash>,
@@ -174,10 +174,17 @@ impl MemTables {
     /// Empty tables of the given array sizes (in words).
     pub fn new(cells: u32, blocks: u32) -> MemTables {
         MemTables {
-            cells: vec![0; cells as usize],
-            blocks: vec![0; blocks as usize],
+            cells: Words::zeroed(cells as usize, CELLS_PER_RULESET as usize),
+            blocks: Words::zeroed(blocks as usize, BLOCK_WORDS as usize),
             ..MemTables::default()
         }
+    }
+
+    /// Keeps one copy of the cell and block words these tables and `other` agree on
+    /// ([`Words::share_from`]): with identity classes both levels hold the same words.
+    pub fn share_words_from(&mut self, other: &MemTables) {
+        self.cells.share_from(&other.cells);
+        self.blocks.share_from(&other.blocks);
     }
 
     /// The keys of rule set `slot` in [`MemTables::policy`].
@@ -198,8 +205,8 @@ impl MemTables {
     /// Applies one write.
     pub fn apply(&mut self, w: &Write) {
         match *w {
-            Write::Cell(i, v) => self.cells[i as usize] = v,
-            Write::Block(i, v) => self.blocks[i as usize] = v,
+            Write::Cell(i, v) => self.cells.set(i as usize, v),
+            Write::Block(i, v) => self.blocks.set(i as usize, v),
             Write::PolicyUpsert(k, v) => {
                 if !self.keys_in_store {
                     self.policy.insert(k, v);
@@ -283,14 +290,14 @@ impl MemTables {
                     let base = (slot * CELLS_PER_RULESET) as usize;
                     let cells = (base..base + CELLS_PER_RULESET as usize)
                         .map(|i| {
-                            let w = self.cells.get(i).copied().unwrap_or(0);
+                            let w = self.cells.get(i).unwrap_or(0);
                             if w & CELL_REFINED == 0 {
                                 CanonicalCell::Word(w)
                             } else {
                                 let b = ((w & !CELL_REFINED) * BLOCK_WORDS) as usize;
                                 CanonicalCell::Block(
                                     self.blocks
-                                        .get(b..b + BLOCK_WORDS as usize)
+                                        .get_range(b..b + BLOCK_WORDS as usize)
                                         .unwrap_or_default()
                                         .to_vec(),
                                 )
@@ -352,11 +359,11 @@ impl TableWriter for MemTables {
 
 impl PolicyMaps for MemTables {
     fn cell(&self, index: u32) -> Option<u32> {
-        self.cells.get(index as usize).copied()
+        self.cells.get(index as usize)
     }
 
     fn block_word(&self, index: u32) -> Option<u32> {
-        self.blocks.get(index as usize).copied()
+        self.blocks.get(index as usize)
     }
 
     fn policy(&self, key: &PolicyKey) -> Option<PolicyValue> {
