@@ -55,6 +55,7 @@ use std::{
 
 use ordnet_datapath_common::layout::{IP_FLAG_CLASSES, IpInfo, IpKey, PolicyKey, PolicyValue};
 use ordnet_mapstate::{FastMap, FastSet};
+use smallvec::SmallVec;
 
 use crate::{
     leafmap::LeafMap,
@@ -210,10 +211,10 @@ pub struct Classes {
     grace: Duration,
     /// Identity keys (identity ≠ 0), by rule set.
     keys: IdentityKeys,
-    /// Identity → the addresses whose records carry it.
-    addrs: FastMap<u32, BTreeSet<Addr>>,
-    /// Address → the record write the control plane made for it, and its identity.
-    records: FastMap<Addr, (Write, u32)>,
+    /// Identity → the addresses whose records carry it, sorted (most identities have one).
+    addrs: FastMap<u32, SmallVec<[Addr; 1]>>,
+    /// Address → the record the control plane wrote for it (its write: [`record_write`]).
+    records: FastMap<Addr, IpInfo>,
     spaces: [Space; SPACES],
     /// Per space: rule set slot → the endpoint records that use it in that direction.
     refs: [FastMap<u32, u32>; SPACES],
@@ -673,7 +674,7 @@ impl Classes {
         }
         let classes = self.classes_of(id);
         for addr in self.addrs.get(&id).into_iter().flatten() {
-            let (write, _) = self.records[addr];
+            let write = record_write(*addr, self.records[addr]);
             out.push(ClassWrite::Record { write, classes });
             self.moved += 1;
         }
@@ -863,12 +864,12 @@ impl Classes {
         if id != 0 && !self.addrs.contains_key(&id) {
             self.place(id, out);
         }
-        let old = self.records.insert(addr, (write, id));
+        let old = self.records.insert(addr, record_info(&write));
         self.count_refs(Some(&write), true);
-        self.count_refs(old.as_ref().map(|(w, _)| w), false);
-        let old = old.map(|(_, old)| old);
+        self.count_refs(old.map(|i| record_write(addr, i)).as_ref(), false);
+        let old = old.map(|i| i.identity);
         if id != 0 {
-            self.addrs.entry(id).or_default().insert(addr);
+            add_address(self.addrs.entry(id).or_default(), addr);
         }
         out.push(ClassWrite::Record {
             write,
@@ -890,9 +891,9 @@ impl Classes {
             write,
             classes: [0; SPACES],
         });
-        if let Some((w, old)) = self.records.remove(&addr) {
-            self.count_refs(Some(&w), false);
-            self.forget_address(old, addr, touched);
+        if let Some(info) = self.records.remove(&addr) {
+            self.count_refs(Some(&record_write(addr, info)), false);
+            self.forget_address(info.identity, addr, touched);
         }
     }
 
@@ -903,11 +904,34 @@ impl Classes {
         let Some(set) = self.addrs.get_mut(&id) else {
             return;
         };
-        set.remove(&addr);
+        set.retain(|a| *a != addr);
         if set.is_empty() {
             self.addrs.remove(&id);
             self.unplace(id, touched);
         }
+    }
+}
+
+/// The record of a record write (`IpUpsert`, `CidrUpsert`).
+fn record_info(w: &Write) -> IpInfo {
+    match *w {
+        Write::IpUpsert(_, info) | Write::CidrUpsert(_, _, info) => info,
+        _ => unreachable!("a record write"),
+    }
+}
+
+/// The write of `addr`'s record `info`.
+fn record_write(addr: Addr, info: IpInfo) -> Write {
+    match addr {
+        Addr::Exact(k) => Write::IpUpsert(k, info),
+        Addr::Cidr(k, len) => Write::CidrUpsert(k, len, info),
+    }
+}
+
+/// Adds `addr` to an identity's sorted addresses (once).
+fn add_address(addrs: &mut SmallVec<[Addr; 1]>, addr: Addr) {
+    if let Err(i) = addrs.binary_search(&addr) {
+        addrs.insert(i, addr);
     }
 }
 
@@ -923,15 +947,13 @@ fn key_write(class: u32, (ruleset, prefix): KeyAt, v: Option<PolicyValue>) -> Wr
     }
 }
 
-/// Class-level tables: the maps as they are with classes (policy keys per class) and each
-/// address's classes.
+/// Class-level tables: the maps as they are with classes (policy keys per class, each record
+/// with its address's classes).
 #[derive(Debug, Clone, Default)]
 pub struct ClassTables {
-    /// Cell words, blocks, records, class keys (`PolicyKey::identity` is the class) and the
-    /// wildcard keys.
+    /// Cell words, blocks, records with their classes, class keys (`PolicyKey::identity` is
+    /// the class) and the wildcard keys.
     pub tables: MemTables,
-    /// The classes of each address with a record.
-    pub classes: FastMap<Addr, [u32; SPACES]>,
 }
 
 impl ClassTables {
@@ -939,31 +961,32 @@ impl ClassTables {
     pub fn new(cells: u32, blocks: u32) -> ClassTables {
         ClassTables {
             tables: MemTables::new(cells, blocks),
-            classes: FastMap::default(),
         }
     }
 
     /// Applies one write.
     pub fn apply(&mut self, w: &ClassWrite) {
         self.tables.apply(&w.write());
-        match *w {
-            ClassWrite::Plain(_) | ClassWrite::Key(_) => {}
-            ClassWrite::Record { write, classes } => match write {
-                Write::IpUpsert(k, _) => {
-                    self.classes.insert(Addr::Exact(k), classes);
-                }
-                Write::CidrUpsert(k, len, _) => {
-                    self.classes.insert(Addr::Cidr(k, len), classes);
-                }
-                Write::IpDelete(k) => {
-                    self.classes.remove(&Addr::Exact(k));
-                }
-                Write::CidrDelete(k, len) => {
-                    self.classes.remove(&Addr::Cidr(k, len));
-                }
-                _ => {}
-            },
+    }
+
+    /// The classes of `addr`'s record, if it has one.
+    pub fn classes_of(&self, addr: &Addr) -> Option<[u32; SPACES]> {
+        match *addr {
+            Addr::Exact(k) => self.tables.ipcache.get(&k),
+            Addr::Cidr(k, len) => self.tables.cidr.get(&(k, len)),
         }
+        .map(|i| i.classes)
+    }
+
+    /// Every address with a record, and its classes.
+    pub fn classes(&self) -> impl Iterator<Item = (Addr, [u32; SPACES])> + '_ {
+        let exact = self
+            .tables
+            .ipcache
+            .iter()
+            .map(|(k, i)| (Addr::Exact(*k), i));
+        let cidr = (self.tables.cidr.iter()).map(|((k, len), i)| (Addr::Cidr(*k, *len), i));
+        exact.chain(cidr).map(|(a, i)| (a, i.classes))
     }
 
     /// The policy keys held (class keys and wildcard keys).

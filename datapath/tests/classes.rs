@@ -95,7 +95,7 @@ fn class_verdicts(
                 if addrs.is_some_and(|a| !a.contains(&addr)) {
                     continue;
                 }
-                let class = t.classes.get(&addr).map_or(0, |c| c[d]);
+                let class = t.classes_of(&addr).map_or(0, |c| c[d]);
                 for (i, &(proto, port)) in probes.iter().enumerate() {
                     if cell.is_some_and(|c| cell_index(0, proto, port) != Some(c))
                         || low.is_some_and(|l| port & 0xff != l || !matches!(proto, 6 | 17 | 132))
@@ -143,10 +143,9 @@ impl Checked {
             ClassWrite::Key(Write::PolicyUpsert(k, _) | Write::PolicyDelete(k)) => {
                 let addrs = self
                     .class
-                    .classes
-                    .iter()
+                    .classes()
                     .filter(|(_, c)| c.contains(&k.identity))
-                    .map(|(a, _)| *a)
+                    .map(|(a, _)| a)
                     .collect();
                 (Some(using(k.ruleset)), Some(addrs))
             }

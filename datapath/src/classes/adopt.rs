@@ -94,7 +94,8 @@ impl Classes {
         let mut repairs = Vec::new();
         c.repair(&peer, &mut repairs);
         for addr in stray {
-            let (write, id) = c.records[&addr];
+            let info = c.records[&addr];
+            let (write, id) = (super::record_write(addr, info), info.identity);
             repairs.push(ClassWrite::Record {
                 write,
                 classes: c.classes_of(id),
@@ -123,12 +124,12 @@ impl Classes {
                 }));
         for (addr, write, info) in records {
             let id = info.identity;
-            c.records.insert(addr, (write, id));
+            c.records.insert(addr, super::record_info(&write));
             c.count_refs(Some(&write), true);
             if id == 0 {
                 continue;
             }
-            c.addrs.entry(id).or_default().insert(addr);
+            super::add_address(c.addrs.entry(id).or_default(), addr);
             let classes = if info.flags & IP_FLAG_CLASSES != 0 {
                 info.classes
             } else {
@@ -278,8 +279,8 @@ impl Classes {
         id.state = t.state;
         id.services.clone_from(&t.services);
         id.ifaces.clone_from(&t.ifaces);
-        for (write, _) in self.records.values() {
-            id.apply(write);
+        for (&addr, &info) in &self.records {
+            id.apply(&super::record_write(addr, info));
         }
         for (k, v) in t.policy.iter().filter(|(k, _)| k.identity == 0) {
             id.policy.insert(*k, *v);
