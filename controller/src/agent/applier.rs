@@ -583,7 +583,7 @@ impl Applier {
             .metrics
             .apply_seconds
             .observe(started.elapsed().as_secs_f64());
-        release_free_memory();
+        super::heap::release_free_memory();
     }
 
     /// Adds the staged policies to `view` (a staged copy of the engine, made under its lock)
@@ -705,27 +705,6 @@ impl Applier {
         } else if self.staged.is_empty() && had_staged {
             self.state.set_staged_view(None);
         }
-    }
-}
-
-/// Gives the memory freed after the initial sync back to the system. The initial list and
-/// build peak at about twice what the agent keeps (the listed objects wait for the build, the
-/// build has its scratch), and glibc's allocator keeps freed memory for reuse: at 50,000 pods
-/// the agent's RSS stayed at that peak (909 MiB for 480 MiB in use). `malloc_trim` returns the
-/// free pages (also those between allocations in use).
-fn release_free_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only releases memory the allocator holds as free.
-    unsafe {
-        libc::malloc_trim(0);
-        let m = libc::mallinfo2();
-        tracing::info!(
-            heap_in_use_mib = m.uordblks as f64 / 1048576.0,
-            heap_free_mib = m.fordblks as f64 / 1048576.0,
-            mmapped_mib = m.hblkhd as f64 / 1048576.0,
-            arenas_mib = m.arena as f64 / 1048576.0,
-            "gave freed memory back after the initial sync"
-        );
     }
 }
 

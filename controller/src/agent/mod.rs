@@ -48,6 +48,7 @@ pub mod debug;
 mod denied;
 mod error;
 pub mod flowlog;
+pub mod heap;
 pub mod history;
 pub mod metrics;
 mod netview;
