@@ -1024,19 +1024,19 @@ impl Classed {
 
     /// Deletes the keys of classes whose grace period is over.
     pub fn reclaim(&mut self) {
-        self.apply(|c, out| c.reclaim(Instant::now(), out));
+        self.apply(&[], |c, out| c.reclaim(Instant::now(), out));
     }
 
-    /// Runs `f` on the translation and applies the class-level writes it makes (in a buffer
-    /// kept between calls).
-    fn apply(&mut self, f: impl FnOnce(&mut Classes, &mut Vec<ClassWrite>)) {
+    /// Runs `f` on the translation of identity-level `writes` and applies the class-level
+    /// writes it makes (in a buffer kept between calls).
+    fn apply(&mut self, writes: &[Write], f: impl FnOnce(&mut Classes, &mut Vec<ClassWrite>)) {
         let mut out = std::mem::take(&mut self.pending);
         f(&mut self.classes, &mut out);
         for w in out.drain(..) {
             self.class_tables.apply(&w);
         }
         // Cell and block words pass unchanged: one copy for both levels.
-        self.class_tables.tables.share_words_from(&self.identity);
+        (self.class_tables.tables).share_words_from(&self.identity, writes);
         debug_assert!(
             self.class_tables
                 .tables
@@ -1060,7 +1060,7 @@ impl Classed {
 impl TableWriter for Classed {
     fn write(&mut self, writes: &[Write]) -> Result<(), WriteError> {
         self.identity.write(writes)?;
-        self.apply(|c, out| c.translate(writes, out));
+        self.apply(writes, |c, out| c.translate(writes, out));
         Ok(())
     }
 

@@ -645,7 +645,7 @@ impl KernelTables {
         // Cell and block words pass unchanged: the mirror and the identity level keep one copy
         // of them (after a refused batch the layer was rebuilt from the mirror: the same).
         if let Some(layer) = &self.layer {
-            self.mirror.share_words_from(&layer.identity);
+            self.mirror.share_words_from(&layer.identity, writes);
             debug_assert!(
                 self.mirror.cells.own_chunks(&layer.identity.cells) == 0
                     && self.mirror.blocks.own_chunks(&layer.identity.blocks) == 0,

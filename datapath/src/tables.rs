@@ -180,11 +180,20 @@ impl MemTables {
         }
     }
 
-    /// Keeps one copy of the cell and block words these tables and `other` agree on
-    /// ([`Words::share_from`]): with identity classes both levels hold the same words.
-    pub fn share_words_from(&mut self, other: &MemTables) {
-        self.cells.share_from(&other.cells);
-        self.blocks.share_from(&other.blocks);
+    /// Keeps one copy of the cell and block words these tables and `other` agree on, among
+    /// those `writes` wrote ([`Words::share_written_from`]): with identity classes both levels
+    /// write the same words.
+    pub fn share_words_from(&mut self, other: &MemTables, writes: &[Write]) {
+        let cells = writes.iter().filter_map(|w| match *w {
+            Write::Cell(i, _) => Some(i as usize),
+            _ => None,
+        });
+        self.cells.share_written_from(&other.cells, cells);
+        let blocks = writes.iter().filter_map(|w| match *w {
+            Write::Block(i, _) => Some(i as usize),
+            _ => None,
+        });
+        self.blocks.share_written_from(&other.blocks, blocks);
     }
 
     /// The keys of rule set `slot` in [`MemTables::policy`].

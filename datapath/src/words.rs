@@ -94,6 +94,23 @@ impl Words {
         }
     }
 
+    /// [`Words::share_from`] for the chunks of words `written` only (the words a batch wrote:
+    /// the other chunks are as shared as they were).
+    pub fn share_written_from(&mut self, other: &Words, written: impl IntoIterator<Item = usize>) {
+        if self.len != other.len || self.chunk != other.chunk {
+            return;
+        }
+        for i in written {
+            let c = i / self.chunk;
+            let (Some(mine), Some(theirs)) = (self.chunks.get(c), other.chunks.get(c)) else {
+                continue;
+            };
+            if !Arc::ptr_eq(mine, theirs) && **mine == **theirs {
+                self.chunks[c] = Arc::clone(theirs);
+            }
+        }
+    }
+
     /// Chunks this array holds that are not shared with `other` (nor with each other): what
     /// keeping it costs beside `other`, in chunks.
     pub fn own_chunks(&self, other: &Words) -> usize {
@@ -190,7 +207,9 @@ mod tests {
         b.set(8, want[8]);
         assert_eq!(a, b);
         assert_eq!(b.own_chunks(&a), 1, "equal but not yet shared");
-        b.share_from(&a);
+        b.share_written_from(&a, [60]);
+        assert_eq!(b.own_chunks(&a), 1, "another chunk written");
+        b.share_written_from(&a, [9]);
         assert_eq!(b.own_chunks(&a), 0);
         // Built apart, equal words: shared after share_from.
         let mut c = Words::zeroed(len, chunk);
