@@ -1012,8 +1012,11 @@ impl Classed {
     /// Writes `identity` (its current contents are taken as written through this writer: pass
     /// empty tables) and class-level tables of the same sizes.
     pub fn new(identity: MemTables, grace: Duration) -> Classed {
-        let class_tables =
+        let mut class_tables =
             ClassTables::new(identity.cells.len() as u32, identity.blocks.len() as u32);
+        // The same words at both levels, held once.
+        class_tables.tables.cells = identity.cells.clone();
+        class_tables.tables.blocks = identity.blocks.clone();
         Classed {
             identity,
             classes: Classes::new(grace),
