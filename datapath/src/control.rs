@@ -1288,8 +1288,11 @@ impl Control {
     ) -> Option<u32> {
         let empty = RuleSetContent::default();
         let content = self.store.content(slot).unwrap_or(&empty);
+        // Empty after the diff: it removes every key (its removals are keys of the content)
+        // and upserts none (an upserted key is there after it).
         let removed = diff.specific_removes.len() + diff.wildcard_removes.len();
-        if content.len() + added_keys(content, diff) == removed {
+        let upserts = diff.specific_upserts.len() + diff.wildcard_upserts.len();
+        if upserts == 0 && content.len() == removed {
             return Some(0);
         }
         let hash = content.hash_after(self.store.hash(slot).unwrap_or(0), diff);
