@@ -29,7 +29,7 @@ impl Words {
         assert!(chunk > 0, "chunks of at least one word");
         let full: Arc<[u32]> = vec![0; chunk.min(len)].into();
         let mut chunks = vec![full; len / chunk];
-        if len % chunk != 0 {
+        if !len.is_multiple_of(chunk) {
             chunks.push(vec![0; len % chunk].into());
         }
         Words { chunks, chunk, len }
