@@ -395,7 +395,6 @@ pub fn run(args: AgentArgs) -> ExitCode {
             .exit();
     }
     init_logging(&args);
-    agent::heap::keep_large_buffers_out_of_the_heap();
     if args.uninstall {
         return uninstall(&args);
     }
