@@ -377,8 +377,8 @@ impl Classes {
     }
 
     /// Gives back the room the identity-level model's leaves grew into beyond what they hold
-    /// (a full programming adds every key of the node, each leaf doubling as it fills): the
-    /// model is most of what classes cost in memory.
+    /// (a full programming adds every key of the node, each leaf doubling as it fills; leaves
+    /// shared with the store's are left alone).
     fn compact(&mut self) {
         self.keys.compact();
         self.grown = 0;

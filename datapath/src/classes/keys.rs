@@ -28,8 +28,9 @@ pub(crate) fn sort_first_kept(changes: &mut Vec<KeyChange>) {
 }
 
 /// Identity-level keys (identity ≠ 0) by rule set slot, each slot's sorted by (identity,
-/// prefix): 12 bytes a key (the model holds every identity key of the node, millions at 50,000
-/// pods).
+/// prefix): 12 bytes a key, in leaves shared with the rule set store's copy of the same keys
+/// once a write of the slot has completed ([`super::Classes::share_keys`]: the model holds every
+/// identity key of the node, millions at 50,000 pods, and would otherwise double them).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct IdentityKeys {
     slots: FastMap<u32, LeafMap<(u32, u32), PolicyValue>>,
