@@ -1012,11 +1012,11 @@ impl Classed {
     /// Writes `identity` (its current contents are taken as written through this writer: pass
     /// empty tables) and class-level tables of the same sizes.
     pub fn new(identity: MemTables, grace: Duration) -> Classed {
-        let mut class_tables =
-            ClassTables::new(identity.cells.len() as u32, identity.blocks.len() as u32);
         // The same words at both levels, held once.
-        class_tables.tables.cells = identity.cells.clone();
-        class_tables.tables.blocks = identity.blocks.clone();
+        let mut tables = MemTables::default();
+        tables.cells.clone_from(&identity.cells);
+        tables.blocks.clone_from(&identity.blocks);
+        let class_tables = ClassTables { tables };
         Classed {
             identity,
             classes: Classes::new(grace),
@@ -1040,20 +1040,6 @@ impl Classed {
         }
         // Cell and block words pass unchanged: one copy for both levels.
         (self.class_tables.tables).share_words_from(&self.identity, writes);
-        debug_assert!(
-            self.class_tables
-                .tables
-                .cells
-                .own_chunks(&self.identity.cells)
-                == 0
-                && self
-                    .class_tables
-                    .tables
-                    .blocks
-                    .own_chunks(&self.identity.blocks)
-                    == 0,
-            "the class level's words differ from the identity level's"
-        );
         out.shrink_to(1 << 12);
         self.pending = out;
         self.classes.commit();

@@ -182,7 +182,7 @@ impl MemTables {
 
     /// Keeps one copy of the cell and block words these tables and `other` agree on, among
     /// those `writes` wrote ([`Words::share_written_from`]): with identity classes both levels
-    /// write the same words.
+    /// write the same words, and debug builds check that no chunk is then held twice.
     pub fn share_words_from(&mut self, other: &MemTables, writes: &[Write]) {
         let cells = writes.iter().filter_map(|w| match *w {
             Write::Cell(i, _) => Some(i as usize),
@@ -194,6 +194,10 @@ impl MemTables {
             _ => None,
         });
         self.blocks.share_written_from(&other.blocks, blocks);
+        debug_assert!(
+            self.cells.own_chunks(&other.cells) == 0 && self.blocks.own_chunks(&other.blocks) == 0,
+            "words held twice: the two tables' words differ"
+        );
     }
 
     /// The keys of rule set `slot` in [`MemTables::policy`].

@@ -2,7 +2,7 @@
 //! in copy-on-write chunks. Chunks never written share one zeroed chunk, and two copies of
 //! the same array (with identity classes, the identity-level tables and the class-level ones
 //! hold equal cell and block words) keep one copy of every chunk they agree on
-//! ([`Words::share_from`]); a write copies only the chunk it touches.
+//! ([`Words::share_written_from`]); a write copies only the chunk it touches.
 
 use std::fmt;
 use std::ops::{Index, Range};
@@ -81,21 +81,8 @@ impl Words {
     }
 
     /// Takes `other`'s chunks where they hold the same words as this array's (same length and
-    /// chunk size, else nothing): the two arrays then keep one copy of them. Chunks already
-    /// shared are not compared again.
-    pub fn share_from(&mut self, other: &Words) {
-        if self.len != other.len || self.chunk != other.chunk {
-            return;
-        }
-        for (mine, theirs) in self.chunks.iter_mut().zip(&other.chunks) {
-            if !Arc::ptr_eq(mine, theirs) && **mine == **theirs {
-                *mine = Arc::clone(theirs);
-            }
-        }
-    }
-
-    /// [`Words::share_from`] for the chunks of words `written` only (the words a batch wrote:
-    /// the other chunks are as shared as they were).
+    /// chunk size, else nothing), among the chunks of words `written` (the words a batch wrote:
+    /// the other chunks are as shared as they were): the two arrays then keep one copy of them.
     pub fn share_written_from(&mut self, other: &Words, written: impl IntoIterator<Item = usize>) {
         if self.len != other.len || self.chunk != other.chunk {
             return;
@@ -136,9 +123,8 @@ impl Index<usize> for Words {
 impl Index<Range<usize>> for Words {
     type Output = [u32];
     fn index(&self, r: Range<usize>) -> &[u32] {
-        let what = format!("{r:?}");
-        self.get_range(r)
-            .unwrap_or_else(|| panic!("words {what} are not in one chunk of {}", self.chunk))
+        self.get_range(r.clone())
+            .unwrap_or_else(|| panic!("words {r:?} are not in one chunk of {}", self.chunk))
     }
 }
 
@@ -211,19 +197,19 @@ mod tests {
         assert_eq!(b.own_chunks(&a), 1, "another chunk written");
         b.share_written_from(&a, [9]);
         assert_eq!(b.own_chunks(&a), 0);
-        // Built apart, equal words: shared after share_from.
+        // Built apart, equal words: shared after share_written_from (of every word).
         let mut c = Words::zeroed(len, chunk);
         for (i, &w) in want.iter().enumerate() {
             c.set(i, w);
         }
         assert_eq!(c, a);
         c.set(0, 5);
-        c.share_from(&a);
+        c.share_written_from(&a, 0..len);
         assert_eq!(c.own_chunks(&a), 1, "the chunk that differs stays");
         assert_eq!(c[0], 5);
         let other_chunks = Words::zeroed(len, 3);
         let mut d = c.clone();
-        d.share_from(&other_chunks);
+        d.share_written_from(&other_chunks, 0..len);
         assert_eq!(d, c, "other chunk sizes: nothing taken");
     }
 }
