@@ -452,8 +452,8 @@ fn real_path(floor_ns: &BTreeMap<usize, f64>) {
     let packets = env("ORDNET_BENCH_PACKETS", 200_000) as usize;
     // Per run: XDP and TC nanoseconds (the floor: XDP only). Three runs of each, in turn.
     let mut runs: BTreeMap<Run, Vec<(f64, f64)>> = BTreeMap::new();
-    for round in 0..9 {
-        let run = [Run::Without, Run::Handoff, Run::Floor][round % 3];
+    for round in 0..12 {
+        let run = [Run::Without, Run::Handoff, Run::Floor, Run::Empty][round % 4];
         let r = ordnet_datapath::pods::in_own_netns(move || one_flow(run, packets));
         runs.entry(run).or_default().push(r);
     }
@@ -469,29 +469,46 @@ fn real_path(floor_ns: &BTreeMap<usize, f64>) {
             String::new()
         }
     );
-    for (run, v) in runs.iter().filter(|(r, _)| **r != Run::Floor) {
+    let empty = |i: usize| median(runs[&Run::Empty].iter().map(|r| [r.0, r.1][i]).collect());
+    let (empty_xdp, empty_tc) = (empty(0), empty(1));
+    for (run, v) in runs
+        .iter()
+        .filter(|(r, _)| matches!(r, Run::Without | Run::Handoff))
+    {
         let xdp = median(v.iter().map(|r| r.0).collect());
         let tc = median(v.iter().map(|r| r.1).collect());
         println!(
-            "{:>30}: XDP {xdp:.1} + TC {tc:.1} = {:.1} ns = {:.2}x the real-packet floor",
+            "{:>30}: XDP {xdp:.1} + TC {tc:.1} = {:.1} ns = {:.2}x the real-packet floor \
+             (less the empty runs: {:.1} ns = {:.2}x the floor's {:.1})",
             if *run == Run::Handoff {
                 "with the handoff"
             } else {
                 "without (TC looks it up)"
             },
             xdp + tc,
-            (xdp + tc) / real_floor
+            (xdp + tc) / real_floor,
+            xdp + tc - empty_xdp - empty_tc,
+            (xdp + tc - empty_xdp - empty_tc) / (real_floor - empty_xdp),
+            real_floor - empty_xdp,
         );
     }
+    println!(
+        "{:>30}: XDP {empty_xdp:.1} + TC {empty_tc:.1} = {:.1} ns = {:.2}x the real-packet floor",
+        "programs that do nothing",
+        empty_xdp + empty_tc,
+        (empty_xdp + empty_tc) / real_floor
+    );
 }
 
-/// What a run of [`real_path`] measures: both programs without or with the handoff, or the
-/// floor program alone on the sender's interface.
+/// What a run of [`real_path`] measures: both programs without or with the handoff, the
+/// floor program alone on the sender's interface, or programs that do nothing at both hooks
+/// (what two program runs cost by themselves).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Run {
     Without,
     Handoff,
     Floor,
+    Empty,
 }
 
 /// One run of [`real_path`] in the current (fresh) network namespace: per-run nanoseconds of
@@ -519,7 +536,16 @@ fn one_flow(run: Run, packets: usize) -> (f64, f64) {
         (after.0 - before.0).as_nanos() as f64 / runs as f64
     };
     let stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).unwrap();
-    let out = if run == Run::Floor {
+    let out = if run == Run::Empty {
+        let ms = MapState::new(Direction::Egress, Verdict::Allow);
+        let (mut obj, _) = BenchObject::load(&ms).unwrap();
+        obj.attach_empty(TwoPods::HOSTS[0], TwoPods::HOSTS[1])
+            .unwrap();
+        let before = obj.empty_stats().unwrap();
+        send();
+        let after = obj.empty_stats().unwrap();
+        (per(before[0], after[0]), per(before[1], after[1]))
+    } else if run == Run::Floor {
         // The floor program with A's identity allowed to UDP/9000 (a hit), on A's interface.
         let id = u32::from(TwoPods::ADDRS[0]) & 0x00ff_ffff;
         let allow = entry(

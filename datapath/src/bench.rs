@@ -13,7 +13,10 @@ use aya::{
     maps::{
         Array, HashMap as BpfHashMap, IterableMap as _, MapData, lpm_trie::Key, lpm_trie::LpmTrie,
     },
-    programs::Xdp,
+    programs::{
+        LinkOrder, SchedClassifier, Xdp,
+        tc::{TcAttachOptions, TcAttachType},
+    },
 };
 use ordnet_datapath_common::{
     alt::{
@@ -455,6 +458,10 @@ pub struct LayoutSizes {
     pub cilium_entries: usize,
 }
 
+/// The benchmark object's programs that do nothing (XDP, TC).
+const EMPTY_XDP: &str = "bench_pass";
+const EMPTY_TC: &str = "bench_tc_pass";
+
 /// The rule set number every benchmark program uses.
 pub const BENCH_RULESET: u32 = 1;
 
@@ -741,6 +748,49 @@ impl BenchObject {
             .try_into()?;
         p.attach(iface, aya::programs::XdpMode::Driver)?;
         Ok(())
+    }
+
+    /// Attaches the programs that do nothing (`bench_pass` natively at `xdp_iface`'s XDP hook,
+    /// `bench_tc_pass` at `tc_iface`'s tcx egress): what two program runs cost a packet by
+    /// themselves. Their statistics: [`BenchObject::empty_stats`].
+    pub fn attach_empty(&mut self, xdp_iface: &str, tc_iface: &str) -> Result<(), DatapathError> {
+        let x: &mut Xdp = self
+            .ebpf
+            .program_mut(EMPTY_XDP)
+            .ok_or(DatapathError::Missing(EMPTY_XDP))?
+            .try_into()?;
+        x.load()?;
+        x.attach(xdp_iface, aya::programs::XdpMode::Driver)?;
+        let t: &mut SchedClassifier = self
+            .ebpf
+            .program_mut(EMPTY_TC)
+            .ok_or(DatapathError::Missing(EMPTY_TC))?
+            .try_into()?;
+        t.load()?;
+        t.attach_with_options(
+            tc_iface,
+            TcAttachType::Egress,
+            TcAttachOptions::TcxOrder(LinkOrder::default()),
+        )?;
+        Ok(())
+    }
+
+    /// The empty XDP and TC programs' total run time and number of runs so far (counted while
+    /// `bpf_stats` is enabled).
+    pub fn empty_stats(&self) -> Result<[(std::time::Duration, u64); 2], DatapathError> {
+        let info = |name: &'static str| -> Result<_, DatapathError> {
+            let p = self
+                .ebpf
+                .program(name)
+                .ok_or(DatapathError::Missing(name))?;
+            let info = match p {
+                aya::programs::Program::Xdp(p) => p.info()?,
+                aya::programs::Program::SchedClassifier(p) => p.info()?,
+                _ => return Err(DatapathError::Missing(name)),
+            };
+            Ok((info.run_time(), info.run_count()))
+        };
+        Ok([info(EMPTY_XDP)?, info(EMPTY_TC)?])
     }
 
     /// A layout program's total run time and number of runs so far (the kernel's statistics:

@@ -5,6 +5,7 @@
 //!
 //! | program | decision |
 //! |---|---|
+//! | `bench_pass`, `bench_tc_pass` | nothing: a program run's own cost (XDP, TC) |
 //! | `bench_parse` | none (always PASS): the part every program shares |
 //! | `bench_floor` | one hash lookup of the exact (rule set, identity, proto/port) key: the floor |
 //! | `bench_ordnet` | [`policy_lookup`]: the enforcing layout (cell word + probes at the lengths in it) |
@@ -22,9 +23,9 @@
 
 use aya_ebpf::{
     bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC, xdp_action},
-    macros::{map, xdp},
+    macros::{classifier, map, xdp},
     maps::{Array, HashMap, LpmTrie, lpm_trie::Key},
-    programs::XdpContext,
+    programs::{TcContext, XdpContext},
 };
 use ordnet_datapath_common::{
     IpPacket, Parsed,
@@ -186,6 +187,20 @@ pub fn bench_parse(ctx: XdpContext) -> u32 {
         core::hint::black_box((cfg.ruleset, identity, p.dport));
         true
     })
+}
+
+/// Nothing at all (XDP): what one run of a program costs the packet by itself (the kernel's
+/// call, and its run-time statistics when they are on). With [`bench_tc_pass`], the part of the
+/// whole path with real packets that no program's work can remove (`docs/datapath.md` §12).
+#[xdp]
+pub fn bench_pass(_ctx: XdpContext) -> u32 {
+    xdp_action::XDP_PASS
+}
+
+/// Nothing at all (TC): [`bench_pass`] for the TC hook.
+#[classifier]
+pub fn bench_tc_pass(_ctx: TcContext) -> i32 {
+    0
 }
 
 /// The floor: one hash lookup of the exact (rule set, identity, protocol/port) key in `FLOOR`,
