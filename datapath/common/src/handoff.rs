@@ -37,6 +37,7 @@
 //! have made the TC hook judge the packet as new).
 
 use crate::conntrack::has_flow;
+use crate::layout::COUNTER_HANDED_OFF;
 use crate::parse::IpPacket;
 use crate::verdict::{DatapathMaps, Decision, Reason, Verdict};
 
@@ -92,10 +93,24 @@ pub fn after_xdp<M: DatapathMaps + ?Sized>(p: &IpPacket, d: &Decision, maps: &M)
     Some(tag(key, p, s.revision))
 }
 
+/// The TC hook's first step for a forwarded packet (`decide_at`'s step 0): PASS as
+/// [`Reason::HandedOff`], counted, when `handoff` is this very packet's tag ([`handed_off`]),
+/// else `None` (the packet is judged in full). The TC program also takes it before anything
+/// else, on a packet read at fixed offsets (`parse_simple`): the same decision, made without
+/// the full parse.
+#[inline(always)]
+pub fn at_tc<M: DatapathMaps + ?Sized>(p: &IpPacket, maps: &M, handoff: u64) -> Option<Decision> {
+    if !handed_off(p, maps, handoff) {
+        return None;
+    }
+    maps.count(COUNTER_HANDED_OFF);
+    Some(Decision::simple(Verdict::Pass, Reason::HandedOff))
+}
+
 /// Whether the TC hook may pass packet `p` on XDP's word: `handoff` (the metadata found on the
 /// packet, 0 for none) is the tag of this very packet at the current revision.
 #[inline(always)]
-pub(crate) fn handed_off<M: DatapathMaps + ?Sized>(p: &IpPacket, maps: &M, handoff: u64) -> bool {
+fn handed_off<M: DatapathMaps + ?Sized>(p: &IpPacket, maps: &M, handoff: u64) -> bool {
     let key = maps.handoff_key();
     if handoff == 0 || key == 0 || !has_flow(p) {
         return false;

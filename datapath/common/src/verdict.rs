@@ -45,10 +45,10 @@ use crate::{
     Fragment, ICMPV6_REDIRECT, ICMPV6_ROUTER_SOLICITATION, IPPROTO_ICMPV6, Icmp, IpPacket,
     ND_HOP_LIMIT, ParseError, Parsed,
     conntrack::{Track, node_flow, related_flow},
-    handoff::handed_off,
+    handoff,
     layout::{
-        COUNTER_HANDED_OFF, CtEntry, CtKey, FAMILY_V4, IFACE_HAS_V4, IFACE_HAS_V6, IfaceInfo,
-        IpInfo, IpKey, PolicyRef, SPACE_EGRESS, SPACE_INGRESS, State, SvcKey,
+        CtEntry, CtKey, FAMILY_V4, IFACE_HAS_V4, IFACE_HAS_V6, IfaceInfo, IpInfo, IpKey, PolicyRef,
+        SPACE_EGRESS, SPACE_INGRESS, State, SvcKey,
     },
     lookup::{PolicyDecision, PolicyMaps, policy_lookup},
 };
@@ -374,10 +374,9 @@ pub fn decide_at<M: DatapathMaps + ?Sized>(
     } else {
         // 0. At TC, a packet XDP passed as a tracked flow's, unchanged since (`handoff`).
         if let Hook::Tc { handoff, .. } = hook
-            && handed_off(p, maps, handoff)
+            && let Some(d) = handoff::at_tc(p, maps, handoff)
         {
-            maps.count(COUNTER_HANDED_OFF);
-            return Decision::simple(Verdict::Pass, Reason::HandedOff);
+            return d;
         }
         if p.fragment == Fragment::Subsequent {
             return Decision::simple(Verdict::Pass, Reason::LaterFragment);

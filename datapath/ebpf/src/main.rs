@@ -749,6 +749,20 @@ fn tc_judge(ctx: &TcContext, l3: bool) -> i32 {
     // SAFETY: `skb` is the program's context pointer, valid for the whole run.
     let (ingress_ifindex, protocol) =
         unsafe { ((*ctx.skb.skb).ingress_ifindex, (*ctx.skb.skb).protocol) };
+    // The packet seen most here, an established flow's that XDP passed with its tag, read at
+    // fixed offsets and passed on XDP's word (`handoff::at_tc`, the first step of `decide_at`:
+    // the same decision and count) before anything is pulled or fully parsed; every other
+    // packet takes the full decision below (the node's own packets and a layer-3 device's never
+    // carry the tag: see there).
+    if ingress_ifindex != 0 && !l3 {
+        let tag = handed_tag(ctx);
+        if tag != 0
+            && let Some(p) = parse_simple(&XdpFrame::tc(ctx))
+            && handoff::at_tc(&p, &KernelMaps, tag).is_some()
+        {
+            return TC_PASS;
+        }
+    }
     // Packets have their headers in the linear part in practice; make sure of it (a failure
     // leaves the packet as it is, and the parser then sees a truncated one: dropped if
     // forwarded; the node's own packets always pass).
