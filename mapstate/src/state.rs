@@ -589,7 +589,7 @@ impl Core {
         if !wild.is_empty() {
             ms.cand.insert(Peer::Any, Arc::new(candidates(wild)));
         }
-        pairs.sort_unstable();
+        let pairs = sort_by_identity(pairs);
         let lists: Vec<u32> = pairs.iter().map(|p| p.1).collect();
         let mut distinct: FastMap<&[u32], Arc<Candidates>> = FastMap::default();
         let mut at = 0;
@@ -611,17 +611,38 @@ impl Core {
         }
         drop(distinct);
         ms.tries.reserve(ms.cand.len());
-        // The identity index in one go: per block, the identities with candidates there.
-        let mut pairs: Vec<(L4Prefix, Identity)> = Vec::new();
+        // The identity index in one go: per block, the identities with candidates there. The
+        // blocks (a few dozen) are ranked once, each identity's pairs read off its list's ranks
+        // (identities share a handful of lists), and the pairs sorted as plain integers, rank
+        // above identity (sorting (block, identity) by the block's key was most of a build's
+        // sorting).
+        let lists: FastMap<*const Candidates, &Candidates> =
+            ms.cand.values().map(|c| (Arc::as_ptr(c), &**c)).collect();
+        let mut ranked: Vec<L4Prefix> = lists
+            .values()
+            .flat_map(|c| c.iter().map(|(b, _)| b))
+            .collect();
+        ranked.sort_unstable_by_key(|b| b.sort_key());
+        ranked.dedup();
+        let rank = |b: &L4Prefix| {
+            ranked
+                .binary_search_by_key(&b.sort_key(), |r| r.sort_key())
+                .expect("ranked above") as u64
+        };
+        let ranks: FastMap<*const Candidates, Vec<u64>> = lists
+            .iter()
+            .map(|(&ptr, c)| (ptr, c.iter().map(|(b, _)| rank(&b) << 32).collect()))
+            .collect();
+        let mut pairs: Vec<u64> = Vec::new();
         for (peer, cand) in &ms.cand {
             if let Peer::Id(id) = peer {
-                pairs.extend(cand.iter().map(|(b, _)| (b, *id)));
+                pairs.extend(ranks[&Arc::as_ptr(cand)].iter().map(|r| r | u64::from(*id)));
             }
         }
-        pairs.sort_unstable_by_key(|p| (p.0.sort_key(), p.1));
-        for group in pairs.chunk_by(|a, b| a.0 == b.0) {
-            let ids = group.iter().map(|&(_, id)| id).collect();
-            ms.spec_index.insert(group[0].0, ids);
+        pairs.sort_unstable();
+        for group in pairs.chunk_by(|a, b| a >> 32 == b >> 32) {
+            let ids = group.iter().map(|&p| p as Identity).collect();
+            ms.spec_index.insert(ranked[(group[0] >> 32) as usize], ids);
         }
         // `*` first: the identities' keys are computed from the `*` keys.
         // Equal candidates give equal keys and notes: each distinct list is computed once.
@@ -1676,4 +1697,64 @@ fn minimal_regions(mut regions: Vec<L4Prefix>) -> Vec<L4Prefix> {
         }
     }
     out
+}
+
+/// `pairs` of (identity, entry index) sorted, as `sort_unstable` sorts them. They are distinct
+/// and made entry by entry, so each identity's indices come in ascending order: when the
+/// identities are dense (numbered upwards from 1, as the engine numbers them), a counting sort
+/// by identity puts them in order in two passes; otherwise a comparison sort.
+fn sort_by_identity(mut pairs: Vec<(Identity, u32)>) -> Vec<(Identity, u32)> {
+    let max = pairs.iter().map(|p| p.0 as usize).max().unwrap_or(0);
+    if max > 4 * pairs.len() + 1024 {
+        pairs.sort_unstable();
+        return pairs;
+    }
+    let mut start = vec![0u32; max + 2];
+    for p in &pairs {
+        start[p.0 as usize + 1] += 1;
+    }
+    for i in 1..start.len() {
+        start[i] += start[i - 1];
+    }
+    let mut out = vec![(0, 0); pairs.len()];
+    for &p in &pairs {
+        let at = &mut start[p.0 as usize];
+        out[*at as usize] = p;
+        *at += 1;
+    }
+    debug_assert!(
+        out.is_sorted(),
+        "each identity's entries in ascending order"
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sort_by_identity;
+
+    /// Pairs made entry by entry (each entry's identities ascending) come out as `sort_unstable`
+    /// sorts them, by counting (dense identities) and by comparison (sparse ones).
+    #[test]
+    fn sort_by_identity_is_sort_unstable() {
+        let mut x: u32 = 0x2545_f491;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x
+        };
+        for spread in [50, 5_000, 1 << 30] {
+            let mut pairs = Vec::new();
+            for entry in 0..40 {
+                let mut ids: Vec<u32> = (0..next() % 200).map(|_| 1 + next() % spread).collect();
+                ids.sort_unstable();
+                ids.dedup();
+                pairs.extend(ids.into_iter().map(|id| (id, entry)));
+            }
+            let mut want = pairs.clone();
+            want.sort_unstable();
+            assert_eq!(sort_by_identity(pairs), want, "identities up to {spread}");
+        }
+    }
 }
