@@ -2057,7 +2057,8 @@ fn handoff_tags_tracked_packets_and_nothing_else() {
 /// The handoff changes nothing: for random packets between local endpoints, a remote pod and
 /// the world, with random policy changes (also between XDP and TC) and clock steps, the TC hook's decision of a
 /// packet with the tag XDP left is the decision it makes without it (verdict and tracking
-/// table alike), and a random tag is ignored.
+/// table alike), and a random tag is ignored; and the TC program's short cut (`parse_simple`,
+/// then `handoff::at_tc` alone) passes only what the full decision passes, as the same decision.
 #[test]
 fn quickcheck_handoff_changes_no_decision() {
     const ENDS: [[u8; 4]; 5] = [A, B, REMOTE, WORLD, C];
@@ -2070,6 +2071,7 @@ fn quickcheck_handoff_changes_no_decision() {
     ];
     use std::sync::atomic::{AtomicUsize, Ordering};
     static TAGGED: AtomicUsize = AtomicUsize::new(0);
+    static SHORT: AtomicUsize = AtomicUsize::new(0);
     fn prop(steps: Vec<(u8, u8, u8, u8, u16, u64)>) -> TestResult {
         let mut m = mock_with_isolated_c();
         m.handoff_key = 0x0123_4567_89ab_cdef;
@@ -2126,6 +2128,19 @@ fn quickcheck_handoff_changes_no_decision() {
                          without {plain:?}"
                     ));
                 }
+                // The TC program's short cut (the packet read at fixed offsets, then step 0
+                // alone) decides only what the full decision decides, and as it does.
+                if let Some(p) = parse_simple(&frame[..])
+                    && let Some(short) = handoff::at_tc(&p, &m, t)
+                {
+                    if short != with {
+                        return TestResult::error(std::format!(
+                            "step {i}: {src:?} -> {dst:?} {l4:?}: with tag {t:#x} the short \
+                             cut {short:?}, the full decision {with:?}"
+                        ));
+                    }
+                    SHORT.fetch_add(1, Ordering::Relaxed);
+                }
                 *m.ct.borrow_mut() = before.clone();
             }
             *m.ct.borrow_mut() = after_plain;
@@ -2138,4 +2153,7 @@ fn quickcheck_handoff_changes_no_decision() {
     let tagged = TAGGED.load(Ordering::Relaxed);
     std::println!("{tagged} tagged packets");
     assert!(tagged > 1_000, "the property saw tagged packets ({tagged})");
+    let short = SHORT.load(Ordering::Relaxed);
+    std::println!("{short} packets passed by the TC short cut");
+    assert!(short > 500, "the short cut passed packets ({short})");
 }
