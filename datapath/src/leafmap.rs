@@ -24,10 +24,34 @@ pub const LEAF: usize = 512;
 #[derive(Clone)]
 pub struct LeafMap<K, V> {
     leaves: Vec<Arc<Vec<(K, V)>>>,
-    /// The last key of each leaf, in one array: finding a key's leaf reads it instead of each
-    /// leaf's end (a cache miss per step, through the leaf's `Arc` and `Vec`).
-    lasts: Vec<K>,
+    /// The last key of each leaf, in one array and as its rank ([`LeafKey`]): finding a key's
+    /// leaf reads it instead of each leaf's end (a cache miss per step, through the leaf's `Arc`
+    /// and `Vec`).
+    lasts: Vec<u64>,
     len: usize,
+}
+
+/// A key a [`LeafMap`] holds: ordered as one integer, its rank. Finding a key compares ranks
+/// (one instruction each, which a branch-free binary search turns into conditional moves) where
+/// a tuple's derived order is a chain of comparisons and branches.
+pub trait LeafKey: Ord + Copy {
+    /// The key as one integer, in the key's order: `a < b` exactly when `a.rank() < b.rank()`.
+    fn rank(&self) -> u64;
+}
+
+/// A policy key's (identity or class, prefix).
+impl LeafKey for (u32, u32) {
+    #[inline]
+    fn rank(&self) -> u64 {
+        (u64::from(self.0) << 32) | u64::from(self.1)
+    }
+}
+
+impl LeafKey for u32 {
+    #[inline]
+    fn rank(&self) -> u64 {
+        u64::from(*self)
+    }
 }
 
 impl<K, V> Default for LeafMap<K, V> {
@@ -58,7 +82,7 @@ fn entries<K, V>(l: &Arc<Vec<(K, V)>>) -> std::slice::Iter<'_, (K, V)> {
     l.iter()
 }
 
-impl<K: Ord + Copy, V: Copy> LeafMap<K, V> {
+impl<K: LeafKey, V: Copy> LeafMap<K, V> {
     /// An empty map.
     pub fn new() -> Self {
         LeafMap::default()
@@ -76,14 +100,15 @@ impl<K: Ord + Copy, V: Copy> LeafMap<K, V> {
 
     /// The leaf `k` is in or belongs in (the last one past the end), and where in it.
     fn locate(&self, k: &K) -> (usize, Result<usize, usize>) {
+        let r = k.rank();
         let li = self
             .lasts
-            .partition_point(|l| l < k)
+            .partition_point(|&l| l < r)
             .min(self.leaves.len().saturating_sub(1));
         let at = self
             .leaves
             .get(li)
-            .map_or(Err(0), |l| l.binary_search_by(|e| e.0.cmp(k)));
+            .map_or(Err(0), |l| l.binary_search_by_key(&r, |e| e.0.rank()));
         (li, at)
     }
 
@@ -123,7 +148,7 @@ impl<K: Ord + Copy, V: Copy> LeafMap<K, V> {
         let leaf = Arc::make_mut(&mut self.leaves[li]);
         let was = leaf.remove(i).1;
         match leaf.last() {
-            Some(last) => self.lasts[li] = last.0,
+            Some(last) => self.lasts[li] = last.0.rank(),
             None => {
                 self.leaves.remove(li);
                 self.lasts.remove(li);
@@ -145,17 +170,17 @@ impl<K: Ord + Copy, V: Copy> LeafMap<K, V> {
         let last = li + 1 == self.leaves.len();
         let Some(leaf) = self.leaves.get_mut(li) else {
             self.leaves.push(Arc::new(vec![e]));
-            self.lasts.push(e.0);
+            self.lasts.push(e.0.rank());
             return;
         };
         if leaf.len() < LEAF {
             let leaf = Arc::make_mut(leaf);
             leaf.insert(i, e);
-            self.lasts[li] = leaf[leaf.len() - 1].0;
+            self.lasts[li] = leaf[leaf.len() - 1].0.rank();
         } else if last && i == leaf.len() {
             // Appending (filled in key order): full leaves stay full.
             self.leaves.push(Arc::new(vec![e]));
-            self.lasts.push(e.0);
+            self.lasts.push(e.0.rank());
         } else {
             let leaf = Arc::make_mut(leaf);
             let mut right = leaf.split_off(LEAF / 2);
@@ -164,8 +189,8 @@ impl<K: Ord + Copy, V: Copy> LeafMap<K, V> {
                 Some(j) => right.insert(j, e),
                 None => leaf.insert(i, e),
             }
-            self.lasts[li] = leaf[leaf.len() - 1].0;
-            self.lasts.insert(li + 1, right[right.len() - 1].0);
+            self.lasts[li] = leaf[leaf.len() - 1].0.rank();
+            self.lasts.insert(li + 1, right[right.len() - 1].0.rank());
             self.leaves.insert(li + 1, Arc::new(right));
         }
     }
@@ -271,7 +296,7 @@ impl<K: Ord + Copy, V: Copy> LeafMap<K, V> {
         };
         let lasts = leaves
             .iter()
-            .map(|l: &Vec<(K, V)>| l[l.len() - 1].0)
+            .map(|l: &Vec<(K, V)>| l[l.len() - 1].0.rank())
             .collect();
         let leaves = leaves.into_iter().map(Arc::new).collect();
         LeafMap { leaves, lasts, len }
@@ -310,7 +335,7 @@ fn same_entries<K: PartialEq, V: PartialEq>(
     }
 }
 
-impl<K: Ord + Copy, V: Copy> FromIterator<(K, V)> for LeafMap<K, V> {
+impl<K: LeafKey, V: Copy> FromIterator<(K, V)> for LeafMap<K, V> {
     /// As a `BTreeMap` collects: of two entries of one key the last is kept.
     fn from_iter<I: IntoIterator<Item = (K, V)>>(iter: I) -> Self {
         let mut entries: Vec<(K, V)> = iter.into_iter().collect();
@@ -325,7 +350,7 @@ impl<K: Ord + Copy, V: Copy> FromIterator<(K, V)> for LeafMap<K, V> {
     }
 }
 
-impl<K: Ord + Copy, V: Copy> Extend<(K, V)> for LeafMap<K, V> {
+impl<K: LeafKey, V: Copy> Extend<(K, V)> for LeafMap<K, V> {
     fn extend<I: IntoIterator<Item = (K, V)>>(&mut self, iter: I) {
         for (k, v) in iter {
             self.insert(k, v);
@@ -333,7 +358,7 @@ impl<K: Ord + Copy, V: Copy> Extend<(K, V)> for LeafMap<K, V> {
     }
 }
 
-impl<'a, K: Ord + Copy, V: Copy> IntoIterator for &'a LeafMap<K, V> {
+impl<'a, K: LeafKey, V: Copy> IntoIterator for &'a LeafMap<K, V> {
     type Item = (&'a K, &'a V);
     type IntoIter = Iter<'a, K, V>;
     fn into_iter(self) -> Self::IntoIter {
@@ -342,15 +367,15 @@ impl<'a, K: Ord + Copy, V: Copy> IntoIterator for &'a LeafMap<K, V> {
 }
 
 /// Equal entries (wherever the leaves split).
-impl<K: Ord + Copy, V: Copy + PartialEq> PartialEq for LeafMap<K, V> {
+impl<K: LeafKey, V: Copy + PartialEq> PartialEq for LeafMap<K, V> {
     fn eq(&self, other: &Self) -> bool {
         self.len == other.len && self.iter().eq(other.iter())
     }
 }
 
-impl<K: Ord + Copy, V: Copy + Eq> Eq for LeafMap<K, V> {}
+impl<K: LeafKey, V: Copy + Eq> Eq for LeafMap<K, V> {}
 
-impl<K: Ord + Copy + Hash, V: Copy + Hash> Hash for LeafMap<K, V> {
+impl<K: LeafKey + Hash, V: Copy + Hash> Hash for LeafMap<K, V> {
     fn hash<H: Hasher>(&self, state: &mut H) {
         self.len.hash(state);
         for e in self.iter() {
@@ -359,7 +384,7 @@ impl<K: Ord + Copy + Hash, V: Copy + Hash> Hash for LeafMap<K, V> {
     }
 }
 
-impl<K: Ord + Copy + fmt::Debug, V: Copy + fmt::Debug> fmt::Debug for LeafMap<K, V> {
+impl<K: LeafKey + fmt::Debug, V: Copy + fmt::Debug> fmt::Debug for LeafMap<K, V> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_map().entries(self.iter()).finish()
     }
@@ -398,7 +423,8 @@ mod tests {
                 assert!(
                     m.lasts
                         .iter()
-                        .eq(m.leaves.iter().map(|l| &l[l.len() - 1].0))
+                        .copied()
+                        .eq(m.leaves.iter().map(|l| l[l.len() - 1].0.rank()))
                 );
                 for id in [0, 1, n / 4, n / 2 + 4] {
                     let r = (id, 1)..=(id, 2);
