@@ -568,11 +568,7 @@ impl BenchObject {
         loader.map_max_entries("CLS_POLICY", class_entries.next_power_of_two().max(1024));
         let mut ebpf = loader.load(crate::BENCH_OBJECT).map_err(Box::new)?;
         for l in Layout::ALL {
-            let p: &mut Xdp = ebpf
-                .program_mut(l.program())
-                .ok_or(DatapathError::Missing(l.program()))?
-                .try_into()?;
-            p.load()?;
+            program_mut::<Xdp>(&mut ebpf, l.program())?.load()?;
         }
         let cells: Array<MapData, u64> = take(&mut ebpf, "ORDNET_CELLS")?;
         let blocks: Array<MapData, u64> = take(&mut ebpf, "ORDNET_BLOCKS")?;
@@ -741,12 +737,8 @@ impl BenchObject {
     /// namespace (native XDP, as the datapath attaches to veths), to measure it on real packets
     /// ([`BenchObject::run_stats`]); detached when the object is dropped.
     pub fn attach(&mut self, layout: Layout, iface: &str) -> Result<(), DatapathError> {
-        let p: &mut Xdp = self
-            .ebpf
-            .program_mut(layout.program())
-            .ok_or(DatapathError::Missing(layout.program()))?
-            .try_into()?;
-        p.attach(iface, aya::programs::XdpMode::Driver)?;
+        program_mut::<Xdp>(&mut self.ebpf, layout.program())?
+            .attach(iface, aya::programs::XdpMode::Driver)?;
         Ok(())
     }
 
@@ -754,18 +746,10 @@ impl BenchObject {
     /// `bench_tc_pass` at `tc_iface`'s tcx egress): what two program runs cost a packet by
     /// themselves. Their statistics: [`BenchObject::empty_stats`].
     pub fn attach_empty(&mut self, xdp_iface: &str, tc_iface: &str) -> Result<(), DatapathError> {
-        let x: &mut Xdp = self
-            .ebpf
-            .program_mut(EMPTY_XDP)
-            .ok_or(DatapathError::Missing(EMPTY_XDP))?
-            .try_into()?;
+        let x = program_mut::<Xdp>(&mut self.ebpf, EMPTY_XDP)?;
         x.load()?;
         x.attach(xdp_iface, aya::programs::XdpMode::Driver)?;
-        let t: &mut SchedClassifier = self
-            .ebpf
-            .program_mut(EMPTY_TC)
-            .ok_or(DatapathError::Missing(EMPTY_TC))?
-            .try_into()?;
+        let t = program_mut::<SchedClassifier>(&mut self.ebpf, EMPTY_TC)?;
         t.load()?;
         t.attach_with_options(
             tc_iface,
@@ -778,30 +762,20 @@ impl BenchObject {
     /// The empty XDP and TC programs' total run time and number of runs so far (counted while
     /// `bpf_stats` is enabled).
     pub fn empty_stats(&self) -> Result<[(std::time::Duration, u64); 2], DatapathError> {
-        let info = |name: &'static str| -> Result<_, DatapathError> {
-            let p = self
-                .ebpf
-                .program(name)
-                .ok_or(DatapathError::Missing(name))?;
-            let info = match p {
-                aya::programs::Program::Xdp(p) => p.info()?,
-                aya::programs::Program::SchedClassifier(p) => p.info()?,
-                _ => return Err(DatapathError::Missing(name)),
-            };
-            Ok((info.run_time(), info.run_count()))
-        };
-        Ok([info(EMPTY_XDP)?, info(EMPTY_TC)?])
+        Ok([self.stats(EMPTY_XDP)?, self.stats(EMPTY_TC)?])
     }
 
     /// A layout program's total run time and number of runs so far (the kernel's statistics:
     /// counted only while `bpf_stats` is enabled).
     pub fn run_stats(&self, layout: Layout) -> Result<(std::time::Duration, u64), DatapathError> {
-        let p: &Xdp = self
-            .ebpf
-            .program(layout.program())
-            .ok_or(DatapathError::Missing(layout.program()))?
-            .try_into()?;
-        let info = p.info()?;
+        self.stats(layout.program())
+    }
+
+    /// Program `name`'s total run time and number of runs so far.
+    fn stats(&self, name: &'static str) -> Result<(std::time::Duration, u64), DatapathError> {
+        let info = (self.ebpf.program(name))
+            .ok_or(DatapathError::Missing(name))?
+            .info()?;
         Ok((info.run_time(), info.run_count()))
     }
 
@@ -819,6 +793,17 @@ impl BenchObject {
             .try_into()?;
         Ok(test_run_program(p, frame, repeat)?)
     }
+}
+
+/// The benchmark object's program `name`, as its kind `T` (`Xdp`, `SchedClassifier`).
+fn program_mut<'a, T>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut T, DatapathError>
+where
+    &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
+{
+    Ok(ebpf
+        .program_mut(name)
+        .ok_or(DatapathError::Missing(name))?
+        .try_into()?)
 }
 
 /// Ports of `SLOT_PROTOCOLS`, for tests that sweep protocols.

@@ -611,39 +611,7 @@ impl Core {
         }
         drop(distinct);
         ms.tries.reserve(ms.cand.len());
-        // The identity index in one go: per block, the identities with candidates there. The
-        // blocks (a few dozen) are ranked once, each identity's pairs read off its list's ranks
-        // (identities share a handful of lists), and the pairs sorted as plain integers, rank
-        // above identity (sorting (block, identity) by the block's key was most of a build's
-        // sorting).
-        let lists: FastMap<*const Candidates, &Candidates> =
-            ms.cand.values().map(|c| (Arc::as_ptr(c), &**c)).collect();
-        let mut ranked: Vec<L4Prefix> = lists
-            .values()
-            .flat_map(|c| c.iter().map(|(b, _)| b))
-            .collect();
-        ranked.sort_unstable_by_key(|b| b.sort_key());
-        ranked.dedup();
-        let rank = |b: &L4Prefix| {
-            ranked
-                .binary_search_by_key(&b.sort_key(), |r| r.sort_key())
-                .expect("ranked above") as u64
-        };
-        let ranks: FastMap<*const Candidates, Vec<u64>> = lists
-            .iter()
-            .map(|(&ptr, c)| (ptr, c.iter().map(|(b, _)| rank(&b) << 32).collect()))
-            .collect();
-        let mut pairs: Vec<u64> = Vec::new();
-        for (peer, cand) in &ms.cand {
-            if let Peer::Id(id) = peer {
-                pairs.extend(ranks[&Arc::as_ptr(cand)].iter().map(|r| r | u64::from(*id)));
-            }
-        }
-        pairs.sort_unstable();
-        for group in pairs.chunk_by(|a, b| a >> 32 == b >> 32) {
-            let ids = group.iter().map(|&p| p as Identity).collect();
-            ms.spec_index.insert(ranked[(group[0] >> 32) as usize], ids);
-        }
+        ms.index_identities();
         // `*` first: the identities' keys are computed from the `*` keys.
         // Equal candidates give equal keys and notes: each distinct list is computed once.
         let mut peers: Vec<Peer> = ms.cand.keys().copied().collect();
@@ -655,6 +623,44 @@ impl Core {
             }
         }
         Ok(ms)
+    }
+
+    /// Builds the identity index in one go: per block, the identities with candidates there.
+    fn index_identities(&mut self) {
+        // The identity index in one go: per block, the identities with candidates there. The
+        // blocks (a few dozen) are ranked once, each identity's pairs read off its list's ranks
+        // (identities share a handful of lists), and the pairs sorted as plain integers, rank
+        // above identity (sorting (block, identity) by the block's key was most of a build's
+        // sorting).
+        let shared: FastMap<*const Candidates, &Candidates> =
+            self.cand.values().map(|c| (Arc::as_ptr(c), &**c)).collect();
+        let mut ranked: Vec<L4Prefix> = shared
+            .values()
+            .flat_map(|c| c.iter().map(|(b, _)| b))
+            .collect();
+        ranked.sort_unstable_by_key(|b| b.sort_key());
+        ranked.dedup();
+        let rank = |b: &L4Prefix| {
+            ranked
+                .binary_search_by_key(&b.sort_key(), |r| r.sort_key())
+                .expect("ranked above") as u64
+        };
+        let ranks: FastMap<*const Candidates, Vec<u64>> = shared
+            .iter()
+            .map(|(&ptr, c)| (ptr, c.iter().map(|(b, _)| rank(&b) << 32).collect()))
+            .collect();
+        let mut pairs: Vec<u64> = Vec::new();
+        for (peer, cand) in &self.cand {
+            if let Peer::Id(id) = peer {
+                pairs.extend(ranks[&Arc::as_ptr(cand)].iter().map(|r| r | u64::from(*id)));
+            }
+        }
+        pairs.sort_unstable();
+        for group in pairs.chunk_by(|a, b| a >> 32 == b >> 32) {
+            let ids = group.iter().map(|&p| p as Identity).collect();
+            self.spec_index
+                .insert(ranked[(group[0] >> 32) as usize], ids);
+        }
     }
 
     /// The direction of the endpoint this MapState decides for.

@@ -753,7 +753,9 @@ fn tc_judge(ctx: &TcContext, l3: bool) -> i32 {
     // fixed offsets and passed on XDP's word (`handoff::at_tc`, the first step of `decide_at`:
     // the same decision and count) before anything is pulled or fully parsed; every other
     // packet takes the full decision below (the node's own packets and a layer-3 device's never
-    // carry the tag: see there).
+    // carry the tag: see there). The tag is read here and again below, and a tag that does not
+    // match is checked again by the full decision: carrying the tag, or "not matched", past the
+    // pull made the verifier walk 735,000-768,000 instructions instead of 652,000.
     if ingress_ifindex != 0 && !l3 {
         let tag = handed_tag(ctx);
         if tag != 0
