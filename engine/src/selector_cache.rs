@@ -37,6 +37,29 @@ pub(crate) struct Notifications {
     pub gained: HashMap<SelId, BTreeSet<Identity>>,
     pub lost: HashMap<SelId, BTreeSet<Identity>>,
     pub changed: Vec<Arc<PeerSpec>>,
+    /// The selectors in `gained` or `lost`, one bit per selector number: every entry of every
+    /// notified state is tested against it ([`Notifications::touches`]), and most entries'
+    /// selectors did not change (hashing each entry's selector into both maps was ~5 % of a
+    /// local relabel at 10k pods / 5k policies).
+    touched: Vec<u64>,
+}
+
+impl Notifications {
+    /// Whether selector `sel` gained or lost identities.
+    #[inline]
+    pub(crate) fn touches(&self, sel: SelId) -> bool {
+        self.touched
+            .get(sel as usize / 64)
+            .is_some_and(|w| (w >> (sel % 64)) & 1 == 1)
+    }
+
+    fn mark(&mut self, sel: SelId) {
+        let word = sel as usize / 64;
+        if self.touched.len() <= word {
+            self.touched.resize(word + 1, 0);
+        }
+        self.touched[word] |= 1 << (sel % 64);
+    }
 }
 
 /// The selector cache.
@@ -117,8 +140,9 @@ impl SelectorCache {
         }
         // The namespaces of the pod identities that come and go: a selector of one namespace's
         // own pods (most selectors: a namespaced policy's peers without a namespaceSelector)
-        // holds only pod identities of that namespace, so the others skip it.
-        let touched: HashSet<&str> = added
+        // holds only pod identities of that namespace, so the others skip it. (Sorted, searched
+        // by comparison: usually one namespace, and every selector is tested against it.)
+        let mut touched: Vec<&str> = added
             .iter()
             .map(|(_, sig)| sig)
             .chain(removed.values())
@@ -127,12 +151,14 @@ impl SelectorCache {
                 _ => None,
             })
             .collect();
+        touched.sort_unstable();
+        touched.dedup();
         for (spec, st) in self.entries.iter_mut() {
             if let PeerSpec::Pods {
                 namespaces: NsScope::Named(ns),
                 ..
             } = &**spec
-                && !touched.contains(ns.as_str())
+                && touched.binary_search(&ns.as_str()).is_err()
             {
                 continue;
             }
@@ -151,6 +177,7 @@ impl SelectorCache {
             }
             if changed {
                 n.changed.push(spec.clone());
+                n.mark(st.id);
             }
         }
         n

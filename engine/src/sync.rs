@@ -478,7 +478,6 @@ impl Engine {
             ..
         } = prep;
         let (added_ids, removed_ids) = (&ids.added, &ids.removed);
-        let (gained, lost) = (&notes.gained, &notes.lost);
         // Shared states to update (each once; keys compared by address; in the order of the
         // policies, so that the states are updated in the same order whatever the hasher).
         let mut affected: Vec<Arc<ShareKey>> = Vec::new();
@@ -513,14 +512,14 @@ impl Engine {
                 .filter(|p| changed.contains(*p))
                 .cloned()
                 .collect();
-            let (cs, iso) = self.update_state(&key, &full, added_ids, removed_ids, gained, lost);
+            let (cs, iso) = self.update_state(&key, &full, added_ids, removed_ids, notes);
             state_changes.push((key, cs, iso));
         }
         let mut derived_changes: HashMap<PodKey, Vec<(usize, ChangeSet, Option<bool>)>> =
             HashMap::default();
         for (key, (mover, full)) in derived {
             let before = self.shared.get(key).map(|s| s.policy.isolated);
-            let (cs, _) = self.update_state(key, full, added_ids, removed_ids, gained, lost);
+            let (cs, _) = self.update_state(key, full, added_ids, removed_ids, notes);
             let after = self.shared.get(key).map(|s| s.policy.isolated);
             let iso = if before != after { after } else { None };
             derived_changes

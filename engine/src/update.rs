@@ -6,7 +6,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::fast::HashMap;
 use std::sync::Arc;
 
 use ordnet_mapstate::{
@@ -17,7 +16,7 @@ use crate::build::Engine;
 use crate::identity::Signature;
 use crate::incremental::diff_states;
 use crate::model::PolicyRef;
-use crate::selector_cache::SelId;
+use crate::selector_cache::Notifications;
 use crate::shared::{EntryKey, NamedGroup, PolicyIndex, ShareKey};
 
 /// What one state's update collects before it is applied.
@@ -78,14 +77,13 @@ impl Engine {
         full: &BTreeSet<PolicyRef>,
         added_ids: &BTreeSet<Identity>,
         removed_ids: &BTreeMap<Identity, Signature>,
-        gained: &HashMap<SelId, BTreeSet<Identity>>,
-        lost: &HashMap<SelId, BTreeSet<Identity>>,
+        notes: &Notifications,
     ) -> (ChangeSet, Option<bool>) {
         if !self.shared.contains_key(key) {
             return (ChangeSet::default(), None);
         }
         let mut acc = StateUpdate::default();
-        self.follow_notifications(key, full, gained, lost, removed_ids, &mut acc);
+        self.follow_notifications(key, full, notes, removed_ids, &mut acc);
         self.diff_changed_policies(key, full, &mut acc);
         self.commit_state_update(key, added_ids, acc)
     }
@@ -95,11 +93,11 @@ impl Engine {
         &mut self,
         key: &Arc<ShareKey>,
         full: &BTreeSet<PolicyRef>,
-        gained: &HashMap<SelId, BTreeSet<Identity>>,
-        lost: &HashMap<SelId, BTreeSet<Identity>>,
+        notes: &Notifications,
         removed_ids: &BTreeMap<Identity, Signature>,
         acc: &mut StateUpdate,
     ) {
+        let (gained, lost) = (&notes.gained, &notes.lost);
         // The indexes of unchanged policies (cloned: the named groups need &mut self below).
         let mut named: Vec<NamedGroup> = Vec::new();
         let Some(shared) = self.shared.get(key) else {
@@ -110,6 +108,9 @@ impl Engine {
                 continue;
             }
             for (sel, id) in &index.plain {
+                if !notes.touches(*sel) {
+                    continue;
+                }
                 if let Some(g) = gained.get(sel) {
                     for i in g {
                         let v = acc.selections.entry(*i).or_default();
@@ -123,7 +124,7 @@ impl Engine {
                 }
             }
             for g in &index.named {
-                if gained.contains_key(&g.sel) || lost.contains_key(&g.sel) {
+                if notes.touches(g.sel) {
                     named.push(g.clone());
                 }
             }
