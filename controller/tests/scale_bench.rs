@@ -603,6 +603,16 @@ fn push(initial: &mut Initial, o: ordnet_engine::Object) {
     }
 }
 
+/// One change of [`engine_changes`]: the engine's and the datapath's time, and what the
+/// datapath wrote (identity-level policy keys, rule sets installed into fresh slots).
+#[derive(Clone, Copy)]
+struct Change {
+    engine: Duration,
+    datapath: Duration,
+    keys: u32,
+    installed: u32,
+}
+
 /// The engine alone (no agent; the fake API server only writes the changes): built for node 0
 /// from the generated cluster, then the changes of [`agent_at_scale`] (the same objects, in the
 /// same order) applied one at a time through [`ordnet_engine::Engine::apply`], each timed (what
@@ -660,11 +670,19 @@ async fn engine_changes() {
                 let written = scale::change(&api, &shape, k, n);
                 let change = ObjectChange::Upsert(typed(written).slimmed());
                 let before = class_stats(&dp);
+                let written = dp.node_program().stats().writes;
                 let started = Instant::now();
                 let d = engine.apply(change);
                 let computed = started.elapsed();
                 dp.apply(&engine, &[d]).unwrap();
-                t.push((computed, started.elapsed() - computed));
+                let programmed = started.elapsed() - computed;
+                let now = dp.node_program().stats().writes;
+                t.push(Change {
+                    engine: computed,
+                    datapath: programmed,
+                    keys: now.policy_writes - written.policy_writes,
+                    installed: now.rulesets_installed - written.rulesets_installed,
+                });
                 if let (Some(a), Some(b)) = (before, class_stats(&dp)) {
                     let w = &mut class_work[k];
                     w.0 += b.splits - a.splits;
@@ -677,10 +695,13 @@ async fn engine_changes() {
             if t.is_empty() {
                 continue;
             }
-            let mut e: Vec<Duration> = t.iter().map(|t| t.0).collect();
-            let mut d: Vec<Duration> = t.iter().map(|t| t.1).collect();
+            let mut e: Vec<Duration> = t.iter().map(|t| t.engine).collect();
+            let mut d: Vec<Duration> = t.iter().map(|t| t.datapath).collect();
             e.sort();
             d.sort();
+            let mut keys: Vec<u32> = t.iter().map(|t| t.keys).collect();
+            keys.sort_unstable();
+            let slowest = t.iter().max_by_key(|t| t.datapath).expect("not empty");
             println!(
                 "    {:<26} engine p50 {:>7.2} ms p99 {:>7.2} ms max {:>7.2} ms; datapath p50 {:>6.2} ms max {:>6.2} ms",
                 scale::CHANGE_KINDS[k],
@@ -689,6 +710,15 @@ async fn engine_changes() {
                 ms(*e.last().unwrap()),
                 ms(pct(&d, 0.5)),
                 ms(*d.last().unwrap()),
+            );
+            // What the datapath's time follows: the identity-level policy keys a change writes
+            // (a rule set installed writes all of its keys).
+            println!(
+                "      policy keys written p50 {}, max {}; the slowest datapath change wrote {} keys and installed {} rule sets",
+                keys[keys.len() / 2],
+                keys[keys.len() - 1],
+                slowest.keys,
+                slowest.installed,
             );
             if classes {
                 let (splits, merges, moved) = class_work[k];
