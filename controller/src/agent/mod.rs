@@ -9,10 +9,12 @@
 //!   the datapath is programmed in one go.
 //! * After that, each burst of watch events is coalesced per object and applied with
 //!   `Engine::apply`; the datapath gets the deltas of the whole batch in one update. A batch
-//!   takes events until none arrived for [`COALESCE_QUIET`] (2 ms), at most
-//!   [`COALESCE_MAX_WAIT`] (20 ms) after its first event and at most [`COALESCE_MAX_EVENTS`]
-//!   events, so a steady stream cannot starve programming; the change latency metric counts
-//!   from the batch's first event, window included. A re-list (after 410 Gone or
+//!   takes the events that are queued (and those the watchers deliver within
+//!   [`COALESCE_YIELDS`] turns of the scheduler), at most [`COALESCE_MAX_WAIT`] (20 ms) after
+//!   its first event and at most [`COALESCE_MAX_EVENTS`] events, so a steady stream cannot
+//!   starve programming; events that arrive while a batch is applied form the next one, so
+//!   batches grow with the load and an isolated change waits for nothing. The change latency
+//!   metric counts from the batch's first event. A re-list (after 410 Gone or
 //!   an API server restart) is diffed against the view, so only real differences reach the
 //!   engine, and the last good state stays programmed meanwhile.
 //! * What the API server stored is enforced (SEMANTICS.md §7). A policy with rules the engine
@@ -111,9 +113,9 @@ pub struct FlowLogConfig {
     pub files: u32,
 }
 
-/// Burst coalescing (see `Applier::coalesce`): a batch closes once no watch event arrived for
-/// this long...
-pub const COALESCE_QUIET: Duration = Duration::from_millis(2);
+/// Burst coalescing (see `Applier::coalesce`): a batch closes once no watch event is queued and
+/// none arrived while the watchers had this many turns of the scheduler...
+pub const COALESCE_YIELDS: usize = 8;
 /// ...or this long after its first event at the latest...
 pub const COALESCE_MAX_WAIT: Duration = Duration::from_millis(20);
 /// ...or when it holds this many events.
