@@ -106,6 +106,22 @@ impl IdentityKeys {
     pub(crate) fn apply(&mut self, changes: &[KeyChange], old: &mut Vec<Option<PolicyValue>>) {
         for group in changes.chunk_by(|a, b| a.0 == b.0) {
             let slot = group[0].0;
+            // A rule set installed (a slot without keys given only upserts, sorted, each key
+            // once, as `sort_first_kept` leaves them): its leaves are made at once, not key by
+            // key (tens of thousands of keys when a relabel installs one at 10k pods / 5k
+            // policies).
+            if !self.slots.contains_key(&slot)
+                && group.iter().all(|c| c.1.1.is_some())
+                && group.windows(2).all(|w| w[0].1.0 < w[1].1.0)
+            {
+                let keys: LeafMap<(u32, u32), PolicyValue> = group
+                    .iter()
+                    .filter_map(|&(_, (k, v))| Some((k, v?)))
+                    .collect();
+                old.extend(std::iter::repeat_n(None, group.len()));
+                self.slots.insert(slot, keys);
+                continue;
+            }
             let keys = self.slots.entry(slot).or_default();
             for &(_, (k, v)) in group {
                 old.push(keys.set(k, v));
@@ -146,11 +162,36 @@ mod tests {
         }
     }
 
-    /// The leaves hold what a map holds (leaves split: 3,000 changes over up to 3,800 keys).
+    /// The leaves hold what a map holds (leaves split: 3,000 changes over up to 3,800 keys). A
+    /// second slot is installed (its first run all upserts: leaves made at once) and grows
+    /// and shrinks after.
     #[test]
     fn apply_agrees_with_a_map() {
         for n in [3usize, 40, 200, 3000] {
             let mut keys = IdentityKeys::default();
+            let mut installed: BTreeMap<(u32, u32), PolicyValue> = BTreeMap::new();
+            for round in 0..3u32 {
+                let mut changes: Vec<KeyChange> = (0..n as u32)
+                    .map(|i| {
+                        let k = (i * 3 + round, i % 5);
+                        let val = (round == 0 || i % 3 != 0).then(|| v((i % 7) as u8));
+                        (4, (k, val))
+                    })
+                    .collect();
+                sort_first_kept(&mut changes);
+                let mut old = Vec::new();
+                keys.apply(&changes, &mut old);
+                assert_eq!(old.len(), changes.len());
+                for (&(_, (k, val)), was) in changes.iter().zip(&old) {
+                    let before = match val {
+                        Some(val) => installed.insert(k, val),
+                        None => installed.remove(&k),
+                    };
+                    assert_eq!(before, *was, "n {n} round {round} key {k:?}");
+                }
+                let held: BTreeMap<_, _> = keys.slot(4).collect();
+                assert_eq!(held, installed, "n {n} round {round}");
+            }
             let mut model: BTreeMap<(u32, u32), PolicyValue> = BTreeMap::new();
             for round in 0..6u32 {
                 let mut changes: Vec<KeyChange> = (0..n as u32)
