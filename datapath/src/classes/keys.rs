@@ -162,6 +162,27 @@ mod tests {
         }
     }
 
+    /// Applies `changes` (sorted first, as the translation does) to `keys` and to `model`, and
+    /// checks that every old value `keys` reports is the model's.
+    fn apply_checked(
+        keys: &mut IdentityKeys,
+        mut changes: Vec<KeyChange>,
+        model: &mut BTreeMap<(u32, u32), PolicyValue>,
+        at: &str,
+    ) {
+        sort_first_kept(&mut changes);
+        let mut old = Vec::new();
+        keys.apply(&changes, &mut old);
+        assert_eq!(old.len(), changes.len(), "{at}");
+        for (&(_, (k, val)), was) in changes.iter().zip(&old) {
+            let before = match val {
+                Some(val) => model.insert(k, val),
+                None => model.remove(&k),
+            };
+            assert_eq!(before, *was, "{at} key {k:?}");
+        }
+    }
+
     /// The leaves hold what a map holds (leaves split: 3,000 changes over up to 3,800 keys). A
     /// second slot is installed (its first run all upserts: leaves made at once) and grows
     /// and shrinks after.
@@ -171,46 +192,37 @@ mod tests {
             let mut keys = IdentityKeys::default();
             let mut installed: BTreeMap<(u32, u32), PolicyValue> = BTreeMap::new();
             for round in 0..3u32 {
-                let mut changes: Vec<KeyChange> = (0..n as u32)
+                let changes: Vec<KeyChange> = (0..n as u32)
                     .map(|i| {
                         let k = (i * 3 + round, i % 5);
                         let val = (round == 0 || i % 3 != 0).then(|| v((i % 7) as u8));
                         (4, (k, val))
                     })
                     .collect();
-                sort_first_kept(&mut changes);
-                let mut old = Vec::new();
-                keys.apply(&changes, &mut old);
-                assert_eq!(old.len(), changes.len());
-                for (&(_, (k, val)), was) in changes.iter().zip(&old) {
-                    let before = match val {
-                        Some(val) => installed.insert(k, val),
-                        None => installed.remove(&k),
-                    };
-                    assert_eq!(before, *was, "n {n} round {round} key {k:?}");
-                }
+                apply_checked(
+                    &mut keys,
+                    changes,
+                    &mut installed,
+                    &format!("n {n} round {round}"),
+                );
                 let held: BTreeMap<_, _> = keys.slot(4).collect();
                 assert_eq!(held, installed, "n {n} round {round}");
             }
             let mut model: BTreeMap<(u32, u32), PolicyValue> = BTreeMap::new();
             for round in 0..6u32 {
-                let mut changes: Vec<KeyChange> = (0..n as u32)
+                let changes: Vec<KeyChange> = (0..n as u32)
                     .map(|i| {
                         let k = ((i * 7 + round) % 50, i % (n as u32 / 40 + 3));
                         let val = ((i + round) % 4 != 0).then(|| v((i % 5) as u8));
                         (9, (k, val))
                     })
                     .collect();
-                sort_first_kept(&mut changes);
-                let mut old = Vec::new();
-                keys.apply(&changes, &mut old);
-                for (&(_, (k, val)), was) in changes.iter().zip(&old) {
-                    let before = match val {
-                        Some(val) => model.insert(k, val),
-                        None => model.remove(&k),
-                    };
-                    assert_eq!(before, *was, "n {n} round {round} key {k:?}");
-                }
+                apply_checked(
+                    &mut keys,
+                    changes,
+                    &mut model,
+                    &format!("n {n} round {round}"),
+                );
                 let held: BTreeMap<_, _> = keys.slot(9).collect();
                 let mut ids: Vec<u32> = keys.slot_changes(9, false).iter().map(|c| c.0).collect();
                 ids.dedup();
