@@ -281,9 +281,10 @@ impl<K: LeafKey, V: Copy> LeafMap<K, V> {
         true
     }
 
-    /// The map of `entries` already sorted by key, each key once (checked: unsorted or
-    /// repeated keys go through [`FromIterator`]'s sort).
-    fn from_sorted(entries: Vec<(K, V)>) -> Self {
+    /// The map of `entries` already sorted by key, each key once (the caller knows it:
+    /// [`FromIterator`] checks, and sorts what is not).
+    pub(crate) fn from_sorted(entries: Vec<(K, V)>) -> Self {
+        debug_assert!(entries.windows(2).all(|w| w[0].0 < w[1].0));
         let len = entries.len();
         let leaves = if len <= LEAF {
             if entries.is_empty() {

@@ -738,14 +738,20 @@ mod tests {
         Instant::now() + std::time::Duration::from_secs(3600)
     }
 
+    /// A channel holding `0..n`.
+    fn queued(n: u32) -> (mpsc::UnboundedSender<u32>, mpsc::UnboundedReceiver<u32>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        for i in 0..n {
+            tx.send(i).unwrap();
+        }
+        (tx, rx)
+    }
+
     /// What is queued is one batch; an empty queue closes it without waiting for the next
     /// message (the senders stay alive: a wait would never end).
     #[tokio::test(flavor = "current_thread")]
     async fn takes_what_is_queued_and_does_not_wait() {
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        for i in 0..5 {
-            tx.send(i).unwrap();
-        }
+        let (tx, mut rx) = queued(5);
         let mut got = Vec::new();
         take_burst(&mut rx, far(), 100, |m| got.push(m)).await;
         assert_eq!(got, vec![0, 1, 2, 3, 4]);
@@ -793,10 +799,7 @@ mod tests {
     /// The limits: a batch stops at `max` messages and at its deadline.
     #[tokio::test(flavor = "current_thread")]
     async fn stops_at_the_limits() {
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        for i in 0..10 {
-            tx.send(i).unwrap();
-        }
+        let (_tx, mut rx) = queued(10);
         let mut got = Vec::new();
         take_burst(&mut rx, far(), 4, |m| got.push(m)).await;
         assert_eq!(got, vec![0, 1, 2, 3]);

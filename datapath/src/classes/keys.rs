@@ -114,12 +114,12 @@ impl IdentityKeys {
                 && group.iter().all(|c| c.1.1.is_some())
                 && group.windows(2).all(|w| w[0].1.0 < w[1].1.0)
             {
-                let keys: LeafMap<(u32, u32), PolicyValue> = group
+                let entries = group
                     .iter()
                     .filter_map(|&(_, (k, v))| Some((k, v?)))
                     .collect();
                 old.extend(std::iter::repeat_n(None, group.len()));
-                self.slots.insert(slot, keys);
+                self.slots.insert(slot, LeafMap::from_sorted(entries));
                 continue;
             }
             let keys = self.slots.entry(slot).or_default();
