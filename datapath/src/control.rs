@@ -1124,34 +1124,14 @@ impl Control {
     ) -> Result<(), ControlError> {
         let d_index = |dir: Direction| usize::from(dir == Direction::Egress);
 
-        // 2. Rule sets changed in place: all users in the batch with the same changes, and
-        // the result exists nowhere else.
-        let mut users: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
-        for (i, it) in items.iter().enumerate() {
-            if it.2.ruleset != 0 && !it.3.is_empty() {
-                users.entry(it.2.ruleset).or_default().push(i);
-            }
-        }
-        let mut in_place: BTreeMap<u32, usize> = BTreeMap::new();
-        for (&slot, us) in &users {
-            let first = &items[us[0]].3;
-            // (`existing_after` is `Some(0)` when the result is empty: the users then move to
-            // slot 0 instead.)
-            if us.len() as u32 == self.store.refs(slot)
-                && us.iter().all(|&i| &items[i].3 == first)
-                && self
-                    .existing_after(slot, first, &BTreeMap::<u32, ()>::new())
-                    .is_none()
-            {
-                in_place.insert(slot, us[0]);
-            }
-        }
+        // 2. Rule sets changed in place (see `Control::choose_in_place`).
+        let (in_place, stays) = self.choose_in_place(&items);
 
         // 3. The other changed rule sets: an identical one, or a fresh copy. A rule set changed
         // in place is no candidate: its current content is about to change. Decided first, so
         // that the room for every key the changes add (in place, and the distinct copies) is
         // checked before anything is written.
-        let (plan, needed) = self.plan_targets(&items, &in_place);
+        let (plan, needed) = self.plan_targets(&items, &in_place, &stays);
         self.store.ensure_room(w, needed, stats)?;
         let mut targets: Vec<u32> = items.iter().map(|it| it.2.ruleset).collect();
         for (i, target) in plan.into_iter().enumerate() {
@@ -1188,10 +1168,16 @@ impl Control {
             targets[i] = t;
         }
 
-        // 4. Tightening defaults of in-place rule sets first.
+        // 4. Users leaving a rule set about to change in place take their new rule sets first
+        // (they must never see it changed), then the tightening defaults of in-place rule sets.
+        let moved_early = self.move_off_in_place(w, &items, &in_place, &stays, &targets, stats)?;
         let mut pre: HashMap<u32, EndpointState> = HashMap::new();
-        for it in &items {
-            if in_place.contains_key(&it.2.ruleset) && it.2.default == V_ALLOW && it.4 == V_DENY {
+        for (i, it) in items.iter().enumerate() {
+            if stays[i]
+                && in_place.contains_key(&it.2.ruleset)
+                && it.2.default == V_ALLOW
+                && it.4 == V_DENY
+            {
                 let base = pre
                     .get(&it.0)
                     .cloned()
@@ -1226,12 +1212,104 @@ impl Control {
         }
         self.write_records(w, touched, &HashMap::new(), stats)?;
         for (i, it) in items.iter().enumerate() {
-            if targets[i] != it.2.ruleset {
+            if targets[i] != it.2.ruleset && !moved_early[i] {
                 self.store.release(it.2.ruleset, stats);
             }
         }
         self.bump(w, stats)?;
         Ok(())
+    }
+
+    /// Step 2 of [`Control::apply_items`]: the rule sets changed in place, each with the item
+    /// whose changes it takes, and whether each item stays on its rule set (unchanged or
+    /// changed in place with it).
+    ///
+    /// A rule set changes in place when every user is in the batch with changes, the users of
+    /// the largest group with equal changes stay (the first such group on a tie), and the
+    /// result exists nowhere else; users with other changes move to their own targets before it
+    /// changes ([`Control::move_off_in_place`]). (A relabelled pod that leaves a rule set it
+    /// shared, while the others gain its new identity, would otherwise make them a fresh copy of
+    /// the whole rule set.)
+    fn choose_in_place(&self, items: &[ChangeItem]) -> (BTreeMap<u32, usize>, Vec<bool>) {
+        let mut users: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+        for (i, it) in items.iter().enumerate() {
+            if it.2.ruleset != 0 && !it.3.is_empty() {
+                users.entry(it.2.ruleset).or_default().push(i);
+            }
+        }
+        let mut in_place: BTreeMap<u32, usize> = BTreeMap::new();
+        let mut stays: Vec<bool> = items.iter().map(|it| it.3.is_empty()).collect();
+        for (&slot, us) in &users {
+            if us.len() as u32 != self.store.refs(slot) {
+                continue;
+            }
+            // Groups of equal changes, in the order of their first user.
+            let mut groups: Vec<Vec<usize>> = Vec::new();
+            for &i in us {
+                match groups.iter_mut().find(|g| items[g[0]].3 == items[i].3) {
+                    Some(g) => g.push(i),
+                    None => groups.push(vec![i]),
+                }
+            }
+            let largest = groups
+                .iter()
+                .enumerate()
+                .max_by_key(|&(n, g)| (g.len(), std::cmp::Reverse(n)))
+                .map(|(n, _)| n)
+                .expect("a user");
+            let first = groups[largest][0];
+            // (`existing_after` is `Some(0)` when the result is empty: the users then move to
+            // slot 0 instead.)
+            if self
+                .existing_after(slot, &items[first].3, &BTreeMap::<u32, ()>::new())
+                .is_none()
+            {
+                in_place.insert(slot, first);
+                for &i in &groups[largest] {
+                    stays[i] = true;
+                }
+            }
+        }
+        (in_place, stays)
+    }
+
+    /// Step 4 of [`Control::apply_items`], first part: the items leaving a rule set that changes
+    /// in place take their targets now (records written, the old rule set released), so that no
+    /// packet of theirs is judged by it after it starts changing. Returns which items moved.
+    fn move_off_in_place<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        items: &[ChangeItem],
+        in_place: &BTreeMap<u32, usize>,
+        stays: &[bool],
+        targets: &[u32],
+        stats: &mut WriteStats,
+    ) -> Result<Vec<bool>, ControlError> {
+        let moved: Vec<bool> = items
+            .iter()
+            .enumerate()
+            .map(|(i, it)| !stays[i] && in_place.contains_key(&it.2.ruleset))
+            .collect();
+        if !moved.contains(&true) {
+            return Ok(moved);
+        }
+        let mut touched = Vec::new();
+        for (i, it) in items.iter().enumerate().filter(|(i, _)| moved[*i]) {
+            let ep = self.endpoints.get_mut(&it.0).expect("validated");
+            let r = PolicyRef::new(targets[i], it.4);
+            match it.1 {
+                Direction::Ingress => ep.ingress = r,
+                Direction::Egress => ep.egress = r,
+            }
+            touched.extend(ep.ips.iter().map(|ip| ip_key(*ip)));
+        }
+        self.write_records(w, touched, &HashMap::new(), stats)?;
+        for (i, it) in items.iter().enumerate() {
+            if moved[i] {
+                self.store.release(it.2.ruleset, stats);
+            }
+        }
+        Ok(moved)
     }
 
     /// Step 3's decision for each item of [`Control::apply_items`] — keep its rule set (no
@@ -1242,6 +1320,7 @@ impl Control {
         &self,
         items: &[ChangeItem],
         in_place: &BTreeMap<u32, usize>,
+        stays: &[bool],
     ) -> (Vec<Target>, usize) {
         let empty = RuleSetContent::default();
         let mut needed: usize = in_place
@@ -1250,9 +1329,9 @@ impl Control {
             .sum();
         let mut counted: HashMap<u64, Vec<usize>> = HashMap::new();
         let mut plan: Vec<Target> = Vec::with_capacity(items.len());
-        for it in items {
+        for (i, it) in items.iter().enumerate() {
             let slot = it.2.ruleset;
-            if it.3.is_empty() || in_place.contains_key(&slot) {
+            if stays[i] {
                 plan.push(Target::Keep);
                 continue;
             }

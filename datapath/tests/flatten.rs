@@ -184,7 +184,18 @@ impl ProbeIndex {
     }
 
     fn affected(&self, t: &MemTables, w: &Write, probes: &[(Option<u32>, u8, u16)]) -> Vec<usize> {
-        let record = t.ipcache[&ip_key(EP_IP.parse().unwrap())];
+        self.affected_at(t, EP_IP.parse().unwrap(), w, probes)
+    }
+
+    /// [`ProbeIndex::affected`] for the endpoint with address `ip`.
+    fn affected_at(
+        &self,
+        t: &MemTables,
+        ip: IpAddr,
+        w: &Write,
+        probes: &[(Option<u32>, u8, u16)],
+    ) -> Vec<usize> {
+        let record = t.ipcache[&ip_key(ip)];
         let slots = [record.ingress.ruleset, record.egress.ruleset];
         let empty = Vec::new();
         match *w {
@@ -230,7 +241,12 @@ impl ProbeIndex {
 const EP_IP: &str = "10.0.0.9";
 
 fn verdicts(t: &MemTables, probes: &[(Option<u32>, u8, u16)]) -> Vec<[bool; 2]> {
-    let record = t.ipcache[&ip_key(EP_IP.parse().unwrap())];
+    verdicts_at(t, EP_IP.parse().unwrap(), probes)
+}
+
+/// [`verdicts`] of the endpoint with address `ip`.
+fn verdicts_at(t: &MemTables, ip: IpAddr, probes: &[(Option<u32>, u8, u16)]) -> Vec<[bool; 2]> {
+    let record = t.ipcache[&ip_key(ip)];
     probes
         .iter()
         .map(|&(id, proto, port)| {
@@ -628,4 +644,124 @@ fn change_sets_apply_in_place_safely() {
         "change sets: {in_place} in place, {copies} copies; {checks} (probe, intermediate state) \
          pairs checked"
     );
+}
+
+/// A rule set whose users get different changes in one batch (a relabelled pod leaving the rule
+/// set it shared, while the others gain its new identity): the largest group of equal changes
+/// keeps the rule set, changed in place, and the others move to their own first; no user sees
+/// a state that neither its old nor its new policy allows, at any single write.
+#[test]
+fn a_user_leaving_a_shared_rule_set_does_not_copy_it() {
+    let mut rng = Rng::new(0x1ea7_e5e7);
+    let ips: [IpAddr; 3] = ["10.0.0.9", "10.0.0.10", "10.0.0.11"].map(|a| a.parse().unwrap());
+    let (mut in_place, mut checks) = (0, 0usize);
+    for case in 0..120 {
+        let mut entries = [
+            arb_entries(&mut rng, 10, IDS),
+            arb_entries(&mut rng, 10, IDS),
+        ];
+        let defaults = [arb_verdict(&mut rng), arb_verdict(&mut rng)];
+        let dirs = [Direction::Ingress, Direction::Egress];
+        let ms: Vec<MapState> = (0..2)
+            .map(|d| build(dirs[d], defaults[d], &entries[d]))
+            .collect();
+        let mut control = Control::new(Store::new(16, 128, Duration::ZERO), State::default());
+        let mut t = MemTables::new(16 * 769, 128 * 256);
+        let batch: Vec<_> = (0..3)
+            .map(|i| {
+                (
+                    i as u32 + 1,
+                    spec(&ips[i..=i], 42 + i as u32, &ms[0], &ms[1]),
+                )
+            })
+            .collect();
+        control.update_endpoints(&mut t, &batch).unwrap();
+        let d = rng.below(2);
+        let slot = |c: &Control, ep: u32| c.endpoints()[&ep].policy(dirs[d]).ruleset;
+        let shared = slot(&control, 1);
+        // Endpoints 1 and 3 get one change, endpoint 2 another (of the same old state).
+        let (mut stay, mut leave) = (ms[d].clone(), ms[d].clone());
+        let mut next_id = 1000;
+        let mut other = entries[d].clone();
+        let a = stay
+            .apply([random_update(&mut rng, &mut entries[d], &mut next_id)])
+            .unwrap();
+        let b = leave
+            .apply([random_update(&mut rng, &mut other, &mut next_id)])
+            .unwrap();
+        let states = |m: &MapState| {
+            let mut s = [ms[0].clone(), ms[1].clone()];
+            s[d] = m.clone();
+            s
+        };
+        let (old, new_stay, new_leave) = (states(&ms[d]), states(&stay), states(&leave));
+        let probes = probes_of(&[&old[0], &old[1], &new_stay[d], &new_leave[d]]);
+        let want_old = expected([&old[0], &old[1]], &probes);
+        let want = [
+            expected([&new_stay[0], &new_stay[1]], &probes),
+            expected([&new_leave[0], &new_leave[1]], &probes),
+        ];
+        let index = ProbeIndex::new(&probes);
+        let mut w = Checking {
+            t,
+            check: |t: &MemTables, write: &Write| {
+                for (e, ip) in ips.iter().enumerate() {
+                    let new = &want[usize::from(e == 1)];
+                    for i in index.affected_at(t, *ip, write, &probes) {
+                        let now = verdicts_at(t, *ip, std::slice::from_ref(&probes[i]))[0];
+                        for dd in 0..2 {
+                            assert!(
+                                !now[dd] || want_old[i][dd] || new[i][dd],
+                                "case {case}: transient allow at endpoint {} for {:?} after {write:?}",
+                                e + 1,
+                                probes[i]
+                            );
+                            checks += 1;
+                        }
+                    }
+                }
+            },
+            elements: 0,
+        };
+        let default = ms[d].default_verdict();
+        let items = [
+            (1, dirs[d], &a, default),
+            (2, dirs[d], &b, default),
+            (3, dirs[d], &a, default),
+        ];
+        let stats = control.apply_changes(&mut w, &items).unwrap();
+        let t = w.t;
+        for (e, ip) in ips.iter().enumerate() {
+            let new = &want[usize::from(e == 1)];
+            assert_eq!(
+                &verdicts_at(&t, *ip, &probes),
+                new,
+                "case {case}: endpoint {}",
+                e + 1
+            );
+        }
+        let diff = |c| {
+            ordnet_datapath::ContentDiff::from_changeset(
+                c,
+                &mut ordnet_datapath::RuleCounters::default(),
+            )
+            .unwrap()
+        };
+        if !diff(&a).is_empty() && !diff(&b).is_empty() && diff(&a) != diff(&b) {
+            // Both groups change: the pair keeps the rule set, changed in place, unless its new
+            // content exists already; the leaver has its own.
+            assert_ne!(slot(&control, 2), shared, "case {case}: endpoint 2 moved");
+            assert_eq!(slot(&control, 1), slot(&control, 3), "case {case}");
+            if slot(&control, 1) == shared {
+                in_place += 1;
+                assert_eq!(stats.rulesets_updated, 1, "case {case}");
+                assert!(
+                    stats.rulesets_installed <= 1,
+                    "case {case}: the leaver's copy only"
+                );
+            }
+        }
+    }
+    assert!(in_place > 30, "{in_place} rule sets changed in place");
+    println!("{in_place} rule sets changed in place with a user leaving; {checks} checks");
 }
