@@ -1045,16 +1045,7 @@ impl Control {
         }
         // Both sides of some flow change: the meet of old and new goes first (see
         // `update_endpoints`).
-        let changes = |it: &ChangeItem| !it.3.is_empty() || it.2.default != it.4;
-        let two_sides = items
-            .iter()
-            .filter(|e| e.1 == Direction::Egress && changes(e))
-            .any(|e| {
-                items
-                    .iter()
-                    .any(|i| i.1 == Direction::Ingress && changes(i) && i.0 != e.0)
-            });
-        if !two_sides {
+        if !self.two_sides(&items) {
             self.apply_items(w, items, &mut stats)?;
             return Ok(stats);
         }
@@ -1112,6 +1103,47 @@ impl Control {
             .collect();
         self.apply_items(w, items, &mut stats)?;
         Ok(stats)
+    }
+
+    /// Whether a batch of [`Control::apply_changes`] changes some endpoint's egress and another
+    /// one's ingress in a way a packet can see. Keys of an identity that no record carries (a
+    /// relabelled pod's new identity before its records switch, its old one after) change no
+    /// verdict, whatever the order of their writes: an item that changes only such keys does
+    /// not count.
+    fn two_sides(&self, items: &[ChangeItem]) -> bool {
+        let changes = |it: &ChangeItem| !it.3.is_empty() || it.2.default != it.4;
+        let paired = |items: &[&ChangeItem]| {
+            items.iter().filter(|e| e.1 == Direction::Egress).any(|e| {
+                items
+                    .iter()
+                    .any(|i| i.1 == Direction::Ingress && i.0 != e.0)
+            })
+        };
+        let changing: Vec<&ChangeItem> = items.iter().filter(|it| changes(it)).collect();
+        if !paired(&changing) {
+            return false;
+        }
+        let carried: FastSet<u32> = self
+            .endpoints
+            .values()
+            .flat_map(|ep| ep.identities.iter().copied())
+            .chain(self.remote.values().copied())
+            .chain(self.cidr.values().copied())
+            .collect();
+        let visible: Vec<&ChangeItem> = changing
+            .into_iter()
+            .filter(|it| {
+                let d = &it.3;
+                it.2.default != it.4
+                    || !d.wildcard_upserts.is_empty()
+                    || !d.wildcard_removes.is_empty()
+                    || d.specific_upserts
+                        .iter()
+                        .chain(&d.specific_removes)
+                        .any(|((id, _), _)| carried.contains(id))
+            })
+            .collect();
+        paired(&visible)
     }
 
     /// Writes validated rule set changes of endpoints (`(endpoint, direction, its current

@@ -765,3 +765,67 @@ fn a_user_leaving_a_shared_rule_set_does_not_copy_it() {
     assert!(in_place > 30, "{in_place} rule sets changed in place");
     println!("{in_place} rule sets changed in place with a user leaving; {checks} checks");
 }
+
+/// One strong entry (priority -5, before anything `arb_entries` makes) for `ids` on TCP/`port`.
+fn strong_entry(id: u64, ids: &[u32], verdict: Verdict, port: u16) -> ordnet_mapstate::PolicyEntry {
+    let mut e = arb_entry(&mut Rng::new(id), id, IDS);
+    e.order = ordnet_mapstate::OrderKey::new(-5, 0);
+    e.selector = ordnet_mapstate::Selector::Ids(ids.iter().copied().collect());
+    e.l4 = ordnet_mapstate::L4Match::port(ordnet_mapstate::Protocol::Tcp, port);
+    e.action = verdict.into();
+    e
+}
+
+/// A batch that changes one endpoint's egress and another's ingress needs the two-step write
+/// (the meet first) only when a packet can see both changes: keys of an identity that no record
+/// carries (a relabelled pod's new identity before its records switch) change no verdict, and
+/// such a batch is written in one step (one revision). Once an address carries the identity,
+/// the same kind of batch takes two.
+#[test]
+fn keys_of_an_identity_nobody_carries_need_no_meet() {
+    let ips: [IpAddr; 2] = ["10.0.0.9", "10.0.0.10"].map(|a| a.parse().unwrap());
+    let dirs = [Direction::Ingress, Direction::Egress];
+    let mut ms: Vec<MapState> = (0..2).map(|d| build(dirs[d], Verdict::Deny, &[])).collect();
+    let mut ms2: Vec<MapState> = ms.clone();
+    let mut control = Control::new(Store::new(16, 128, Duration::ZERO), State::default());
+    let mut t = MemTables::new(16 * 769, 128 * 256);
+    let batch = [
+        (1, spec(&ips[0..1], 42, &ms[0], &ms[1])),
+        (2, spec(&ips[1..2], 43, &ms2[0], &ms2[1])),
+    ];
+    control.update_endpoints(&mut t, &batch).unwrap();
+    let add = |m: &mut MapState, e| m.apply([ordnet_mapstate::Update::AddEntry(e)]).unwrap();
+    let mut step = |control: &mut Control, t: &mut MemTables, n: u64, port: u16| {
+        // Endpoint 1 may now reach 43 on `port`; endpoint 2 admits 77 on it.
+        let a = add(&mut ms[1], strong_entry(n, &[43], Verdict::Allow, port));
+        let b = add(
+            &mut ms2[0],
+            strong_entry(n + 1, &[77], Verdict::Allow, port),
+        );
+        let before = t.state.revision;
+        let items = [
+            (1, Direction::Egress, &a, Verdict::Deny),
+            (2, Direction::Ingress, &b, Verdict::Deny),
+        ];
+        control.apply_changes(t, &items).unwrap();
+        let r = t.ipcache[&ip_key(ips[1])];
+        assert!(
+            policy_lookup(t, r.ingress, 77, 6, port).allow,
+            "77 admitted on {port}"
+        );
+        t.state.revision - before
+    };
+    assert_eq!(
+        step(&mut control, &mut t, 100, 80),
+        1,
+        "77 is nobody's: one step"
+    );
+    control
+        .set_identities(&mut t, &[("10.1.0.5/32".parse().unwrap(), Some(77))])
+        .unwrap();
+    assert_eq!(
+        step(&mut control, &mut t, 200, 81),
+        2,
+        "77 is carried: the meet first"
+    );
+}
