@@ -168,8 +168,9 @@ impl ControlError {
 /// Whether `diff` fits `content`: removals of existing keys with their verdicts, and upserts
 /// that change something.
 fn check_diff(content: &RuleSetContent, diff: &ContentDiff) -> Result<(), String> {
+    let mut keys = content.specific.finger();
     for (k, v) in &diff.specific_removes {
-        if content.specific.get(k) != Some(v) {
+        if keys.get(k) != Some(v) {
             return Err(format!(
                 "no identity key {k:?} with verdict {v:?} to remove"
             ));
@@ -182,8 +183,9 @@ fn check_diff(content: &RuleSetContent, diff: &ContentDiff) -> Result<(), String
             ));
         }
     }
+    let mut keys = content.specific.finger();
     for (k, v) in &diff.specific_upserts {
-        if content.specific.get(k) == Some(v) {
+        if keys.get(k) == Some(v) {
             return Err(format!("identity key {k:?} already has verdict {v:?}"));
         }
     }

@@ -228,8 +228,9 @@ impl RuleSetContent {
     /// The content hash after applying `d`, from the hash before (O(size of `d`)).
     pub fn hash_after(&self, hash: u64, d: &ContentDiff) -> u64 {
         let mut h = hash;
+        let mut keys = self.specific.finger();
         for &((id, p), v) in &d.specific_upserts {
-            if let Some(&old) = self.specific.get(&(id, p)) {
+            if let Some(&old) = keys.get(&(id, p)) {
                 h ^= key_hash(id, p, old);
             }
             h ^= key_hash(id, p, v);

@@ -64,6 +64,60 @@ impl<K, V> Default for LeafMap<K, V> {
     }
 }
 
+/// Finds keys of a [`LeafMap`] given mostly in ascending order (a diff's keys, checked against
+/// a rule set before it is applied): each search starts where the last one ended and gallops
+/// forward, so an ascending run reads the leaves once, front to back, where [`LeafMap::get`]
+/// binary-searches from the top for each key (a cache miss per step). A key below the last one
+/// is found by a full search.
+pub struct Finger<'a, K, V> {
+    map: &'a LeafMap<K, V>,
+    /// The leaf the last search ended in, and the position in it.
+    leaf: usize,
+    at: usize,
+    /// The rank of the last key searched (`None` before the first).
+    last: Option<u64>,
+}
+
+impl<'a, K: LeafKey, V: Copy> Finger<'a, K, V> {
+    /// The value of `k` (as [`LeafMap::get`]).
+    pub fn get(&mut self, k: &K) -> Option<&'a V> {
+        let m = self.map;
+        let r = k.rank();
+        if m.leaves.is_empty() {
+            return None;
+        }
+        if self.last.is_none_or(|last| r < last) {
+            let (li, at) = m.locate(k);
+            (self.leaf, self.at, self.last) = (li, at.unwrap_or_else(|i| i), Some(r));
+            return at.ok().map(|i| &m.leaves[li][i].1);
+        }
+        self.last = Some(r);
+        if r > m.lasts[self.leaf] {
+            let li = gallop(&m.lasts, self.leaf + 1, |&l| l < r).min(m.leaves.len() - 1);
+            if li != self.leaf {
+                (self.leaf, self.at) = (li, 0);
+            }
+        }
+        let leaf = &m.leaves[self.leaf];
+        self.at = gallop(leaf, self.at, |e| e.0.rank() < r);
+        leaf.get(self.at).filter(|e| e.0.rank() == r).map(|e| &e.1)
+    }
+}
+
+/// The first index at or after `from` whose element is not `before` (`before` holds for a
+/// prefix of `s`), found by steps of 1, 2, 4, … from `from` and a binary search of the last step.
+fn gallop<T>(s: &[T], from: usize, before: impl Fn(&T) -> bool) -> usize {
+    // Everything in `from..lo` is before; the answer is in `lo..=hi`.
+    let (mut lo, mut hi, mut step) = (from, from, 1usize);
+    while hi < s.len() && before(&s[hi]) {
+        lo = hi + 1;
+        hi = hi.saturating_add(step);
+        step = step.saturating_mul(2);
+    }
+    let hi = hi.min(s.len());
+    lo + s[lo..hi].partition_point(before)
+}
+
 /// An iterator over a [`LeafMap`]'s entries, in key order.
 pub type Iter<'a, K, V> = std::iter::Map<
     std::iter::FlatMap<
@@ -110,6 +164,16 @@ impl<K: LeafKey, V: Copy> LeafMap<K, V> {
             .get(li)
             .map_or(Err(0), |l| l.binary_search_by_key(&r, |e| e.0.rank()));
         (li, at)
+    }
+
+    /// A [`Finger`] for finding keys given mostly in ascending order.
+    pub fn finger(&self) -> Finger<'_, K, V> {
+        Finger {
+            map: self,
+            leaf: 0,
+            at: 0,
+            last: None,
+        }
     }
 
     /// The value of `k`.
@@ -395,6 +459,31 @@ impl<K: LeafKey + fmt::Debug, V: Copy + fmt::Debug> fmt::Debug for LeafMap<K, V>
 mod tests {
     use super::*;
     use std::collections::BTreeMap;
+
+    /// A finger finds what `get` finds, for keys in ascending order (dense and sparse, present
+    /// and absent, beyond both ends), repeated, descending and in any order.
+    #[test]
+    fn a_finger_finds_what_get_finds() {
+        for n in [0u32, 1, 5, 600, 4000] {
+            let m: LeafMap<(u32, u32), u32> = (0..n).map(|i| ((i * 3, i % 2), i)).collect();
+            let keys: Vec<(u32, u32)> = (0..3 * n + 4).map(|i| (i, (i / 2) % 2)).collect();
+            let runs: [Vec<(u32, u32)>; 5] = [
+                keys.clone(),
+                keys.iter().copied().step_by(97).collect(),
+                keys.iter().flat_map(|&k| [k, k]).collect(),
+                keys.iter().rev().copied().collect(),
+                (0..keys.len())
+                    .map(|i| keys[(i * 7919) % keys.len()])
+                    .collect(),
+            ];
+            for (r, run) in runs.iter().enumerate() {
+                let mut f = m.finger();
+                for k in run {
+                    assert_eq!(f.get(k), m.get(k), "n {n} run {r} key {k:?}");
+                }
+            }
+        }
+    }
 
     /// Every operation agrees with a `BTreeMap` over inserts, overwrites and removals that
     /// split, empty and refill leaves, in key order and scattered.

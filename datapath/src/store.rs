@@ -155,9 +155,10 @@ fn slot_content<W: TableWriter + ?Sized>(
 /// Number of keys `diff` adds to `content` (upserts of keys it does not have): the policy map
 /// holds them all before any removal of the diff is written.
 pub(crate) fn added_keys(content: &RuleSetContent, diff: &ContentDiff) -> usize {
+    let mut keys = content.specific.finger();
     diff.specific_upserts
         .iter()
-        .filter(|(k, _)| !content.specific.contains_key(k))
+        .filter(|(k, _)| keys.get(k).is_none())
         .count()
         + diff
             .wildcard_upserts
