@@ -1234,8 +1234,28 @@ impl Control {
         }
 
         // 6. Final records, then release what is no longer used.
-        let mut touched = Vec::new();
+        self.point_records(w, &items, &targets, |_| true, stats)?;
         for (i, it) in items.iter().enumerate() {
+            if targets[i] != it.2.ruleset && !moved_early[i] {
+                self.store.release(it.2.ruleset, stats);
+            }
+        }
+        self.bump(w, stats)?;
+        Ok(())
+    }
+
+    /// Points the endpoints of the `selected` items of [`Control::apply_items`] to their targets
+    /// (with their new defaults) and writes their records.
+    fn point_records<W: TableWriter + ?Sized>(
+        &mut self,
+        w: &mut W,
+        items: &[ChangeItem],
+        targets: &[u32],
+        selected: impl Fn(usize) -> bool,
+        stats: &mut WriteStats,
+    ) -> Result<(), WriteError> {
+        let mut touched = Vec::new();
+        for (i, it) in items.iter().enumerate().filter(|(i, _)| selected(*i)) {
             let ep = self.endpoints.get_mut(&it.0).expect("validated");
             let r = PolicyRef::new(targets[i], it.4);
             match it.1 {
@@ -1244,14 +1264,7 @@ impl Control {
             }
             touched.extend(ep.ips.iter().map(|ip| ip_key(*ip)));
         }
-        self.write_records(w, touched, &HashMap::new(), stats)?;
-        for (i, it) in items.iter().enumerate() {
-            if targets[i] != it.2.ruleset && !moved_early[i] {
-                self.store.release(it.2.ruleset, stats);
-            }
-        }
-        self.bump(w, stats)?;
-        Ok(())
+        self.write_records(w, touched, &HashMap::new(), stats)
     }
 
     /// Step 2 of [`Control::apply_items`]: the rule sets changed in place, each with the item
@@ -1327,17 +1340,7 @@ impl Control {
         if !moved.contains(&true) {
             return Ok(moved);
         }
-        let mut touched = Vec::new();
-        for (i, it) in items.iter().enumerate().filter(|(i, _)| moved[*i]) {
-            let ep = self.endpoints.get_mut(&it.0).expect("validated");
-            let r = PolicyRef::new(targets[i], it.4);
-            match it.1 {
-                Direction::Ingress => ep.ingress = r,
-                Direction::Egress => ep.egress = r,
-            }
-            touched.extend(ep.ips.iter().map(|ip| ip_key(*ip)));
-        }
-        self.write_records(w, touched, &HashMap::new(), stats)?;
+        self.point_records(w, items, targets, |i| moved[i], stats)?;
         for (i, it) in items.iter().enumerate() {
             if moved[i] {
                 self.store.release(it.2.ruleset, stats);
