@@ -10,7 +10,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipnet::IpNet;
-use ordnet_mapstate::{ChangeSet, Direction, Identity, Key, Protocol, StateEntry};
+use ordnet_mapstate::{ChangeSet, Direction, Identity, Key, MapState, Protocol, StateEntry};
 
 use crate::build::{Endpoint, Engine};
 use crate::identity::Signature;
@@ -19,9 +19,11 @@ use crate::incremental::{
     diff_states, owned,
 };
 use crate::model::{PeerSpec, PolicyRef};
+use crate::parallel::{Done, Job};
 use crate::selector_cache::Notifications;
-use crate::shared::ShareKey;
+use crate::shared::{ShareKey, Shared};
 use crate::store::{PodKey, pod_key_text};
+use crate::update::PreparedUpdate;
 
 /// Step 2: what the policies' CIDRs and named ports change, and which pods get new signatures.
 struct Universe {
@@ -64,6 +66,9 @@ struct MovePrep {
     changed: BTreeSet<PolicyRef>,
     /// (endpoint, direction index) leaving their current state.
     leaving: HashSet<(PodKey, usize)>,
+    /// The new keys of moving endpoints that have no MapState yet (each once, in the order of
+    /// the moves): compiled with the updates of step 5c.
+    compile: Vec<Arc<ShareKey>>,
 }
 
 /// Per endpoint: the ChangeSets of the states it took over, by direction index.
@@ -449,12 +454,20 @@ impl Engine {
                 );
             }
         }
+        let mut compile: Vec<Arc<ShareKey>> = Vec::new();
+        let mut to_compile: HashSet<*const ShareKey> = HashSet::default();
+        for (_, _, _, new) in moving {
+            if !self.shared.contains_key(new) && to_compile.insert(Arc::as_ptr(new)) {
+                compile.push(new.clone());
+            }
+        }
         MovePrep {
             arriving,
             derived,
             snapshots,
             changed,
             leaving,
+            compile,
         }
     }
 
@@ -489,6 +502,7 @@ impl Engine {
             .map(|(id, _)| id);
         let mut notified = self.selectors.users_of(&notes.changed);
         notified.sort_unstable();
+        let notified_set: HashSet<PolicyRef> = notified.iter().map(|p| (*p).clone()).collect();
         for pol in updated.chain(notified) {
             for key in self.shared.of_policy(pol) {
                 if !derived.contains_key(key) && seen.insert(Arc::as_ptr(key)) {
@@ -496,7 +510,10 @@ impl Engine {
                 }
             }
         }
-        let mut state_changes: Vec<(Arc<ShareKey>, ChangeSet, Option<bool>)> = Vec::new();
+        // Prepared on this thread (entry ids, indexes), applied in parallel (`parallel`), then
+        // recorded; `None`: an affected state, `Some(mover)`: a state taken over.
+        let mut prepared: Vec<(Arc<ShareKey>, PreparedUpdate, Option<&PodKey>)> = Vec::new();
+        let mut untouched_derived: Vec<(&PodKey, usize)> = Vec::new();
         for key in affected {
             let Some(s) = self.shared.get(&key) else {
                 continue;
@@ -512,20 +529,80 @@ impl Engine {
                 .filter(|p| changed.contains(*p))
                 .cloned()
                 .collect();
-            let (cs, iso) = self.update_state(&key, &full, added_ids, removed_ids, notes);
-            state_changes.push((key, cs, iso));
+            let ids = (added_ids, removed_ids);
+            if let Some(u) = self.prepare_update(&key, &full, ids, notes, &notified_set) {
+                prepared.push((key, u, None));
+            }
         }
+        for (key, (mover, full)) in derived {
+            let ids = (added_ids, removed_ids);
+            match self.prepare_update(key, full, ids, notes, &notified_set) {
+                Some(u) => prepared.push((key.clone(), u, Some(mover))),
+                None => untouched_derived.push((mover, key.dir.index())),
+            }
+        }
+        // The states moving endpoints need anew, compiled with the updates.
+        let mut jobs: Vec<Job> = Vec::with_capacity(prepared.len() + prep.compile.len());
+        let mut before: Vec<bool> = Vec::with_capacity(prepared.len());
+        for (key, u, _) in &mut prepared {
+            let s = self.shared.get_mut(key).expect("prepared state exists");
+            before.push(s.policy.isolated);
+            let empty = MapState::new(key.dir, s.policy.mapstate.default_verdict());
+            jobs.push(Job::Apply {
+                state: Box::new(std::mem::replace(&mut s.policy.mapstate, empty)),
+                batch: std::mem::take(&mut u.batch),
+            });
+        }
+        let mut compiled: Vec<(Arc<ShareKey>, Shared)> = Vec::new();
+        for key in &prep.compile {
+            if self.shared.contains_key(key) {
+                continue;
+            }
+            let (s, entries) = self.compile_parts(key);
+            jobs.push(Job::Build {
+                dir: key.dir,
+                default: s.policy.mapstate.default_verdict(),
+                entries,
+            });
+            compiled.push((key.clone(), s));
+        }
+        let mut done = crate::parallel::run(jobs).into_iter();
+        let mut state_changes: Vec<(Arc<ShareKey>, ChangeSet, Option<bool>)> = Vec::new();
         let mut derived_changes: HashMap<PodKey, Vec<(usize, ChangeSet, Option<bool>)>> =
             HashMap::default();
-        for (key, (mover, full)) in derived {
-            let before = self.shared.get(key).map(|s| s.policy.isolated);
-            let (cs, _) = self.update_state(key, full, added_ids, removed_ids, notes);
-            let after = self.shared.get(key).map(|s| s.policy.isolated);
-            let iso = if before != after { after } else { None };
+        for ((key, u, mover), was) in prepared.into_iter().zip(before) {
+            let Some(Done::Applied { state, result }) = done.next() else {
+                unreachable!("one result per job, in order")
+            };
+            if let Some(s) = self.shared.get_mut(&key) {
+                s.policy.mapstate = state;
+            }
+            let (cs, iso) = self.finish_update(&key, u, result);
+            match mover {
+                None => state_changes.push((key, cs, iso)),
+                Some(mover) => {
+                    let after = self.shared.get(&key).map(|s| s.policy.isolated);
+                    let iso = if Some(was) != after { after } else { None };
+                    derived_changes.entry(mover.clone()).or_default().push((
+                        key.dir.index(),
+                        cs,
+                        iso,
+                    ));
+                }
+            }
+        }
+        for (mover, d) in untouched_derived {
             derived_changes
                 .entry(mover.clone())
                 .or_default()
-                .push((key.dir.index(), cs, iso));
+                .push((d, ChangeSet::default(), None));
+        }
+        for (key, mut s) in compiled {
+            let Some(Done::Built(state)) = done.next() else {
+                unreachable!("one result per job, in order")
+            };
+            s.policy.mapstate = state;
+            self.shared.insert(key, s);
         }
         for (key, cs, iso) in state_changes {
             if cs.is_empty() && iso.is_none() {

@@ -13,6 +13,7 @@ use ordnet_mapstate::{
 };
 
 use crate::build::Engine;
+use crate::fast::HashSet;
 use crate::identity::Signature;
 use crate::incremental::diff_states;
 use crate::model::PolicyRef;
@@ -68,24 +69,120 @@ fn diff_entry(
     }
 }
 
+/// One state's update, ready to be applied: the batch for `MapState::apply` and what is
+/// recorded after it (the update of [`Engine::prepare_update`], finished by
+/// [`Engine::finish_update`]; the batch may be applied on another thread in between).
+pub(crate) struct PreparedUpdate {
+    pub batch: Vec<Update>,
+    add_keys: Vec<(EntryId, EntryKey)>,
+    remove_keys: Vec<EntryId>,
+    new_indexes: Vec<(PolicyRef, Option<PolicyIndex>)>,
+    isolation: Option<(bool, Vec<Arc<ordnet_mapstate::Origin>>)>,
+}
+
 impl Engine {
-    /// Updates one shared state in place: the entries of changed policies (`full`) are diffed
-    /// against their new version; the other entries follow the identity notifications.
-    pub(crate) fn update_state(
+    /// What brings one shared state up to date: the entries of changed policies (`full`) are
+    /// diffed against their new version; the other entries follow the identity notifications.
+    /// `None` if the state does not exist. `notified`: the policies that use a selector that
+    /// gained or lost identities (the others' entries follow nothing).
+    pub(crate) fn prepare_update(
         &mut self,
         key: &Arc<ShareKey>,
         full: &BTreeSet<PolicyRef>,
-        added_ids: &BTreeSet<Identity>,
-        removed_ids: &BTreeMap<Identity, Signature>,
+        ids: (&BTreeSet<Identity>, &BTreeMap<Identity, Signature>),
         notes: &Notifications,
-    ) -> (ChangeSet, Option<bool>) {
+        notified: &HashSet<PolicyRef>,
+    ) -> Option<PreparedUpdate> {
+        let (added_ids, removed_ids) = ids;
         if !self.shared.contains_key(key) {
-            return (ChangeSet::default(), None);
+            return None;
         }
         let mut acc = StateUpdate::default();
-        self.follow_notifications(key, full, notes, removed_ids, &mut acc);
+        self.follow_notifications(key, full, notes, notified, removed_ids, &mut acc);
         self.diff_changed_policies(key, full, &mut acc);
-        self.commit_state_update(key, added_ids, acc)
+        for (id, selected_by) in acc.selections {
+            if added_ids.contains(&id) {
+                acc.updates.push(Update::AddIdentity { id, selected_by });
+            } else {
+                for entry in selected_by {
+                    acc.updates.push(Update::Select {
+                        entry,
+                        ids: vec![id],
+                    });
+                }
+            }
+        }
+        // Removals go first so that emptied named entries can be removed after them.
+        let mut batch: Vec<Update> = acc
+            .removes
+            .into_iter()
+            .map(Update::RemoveIdentity)
+            .collect();
+        batch.extend(acc.updates);
+        Some(PreparedUpdate {
+            batch,
+            add_keys: acc.add_keys,
+            remove_keys: acc.remove_keys,
+            new_indexes: acc.new_indexes,
+            isolation: acc.policy_changed.then(|| self.isolation(key)),
+        })
+    }
+
+    /// Records an update whose batch the state's MapState has been given (`applied`: the
+    /// batch's result; the MapState is back in the state): the new entry keys, indexes and
+    /// isolation. Returns the state's ChangeSet and its isolation if that changed.
+    pub(crate) fn finish_update(
+        &mut self,
+        key: &Arc<ShareKey>,
+        prepared: PreparedUpdate,
+        applied: Result<ChangeSet, ordnet_mapstate::UpdateError>,
+    ) -> (ChangeSet, Option<bool>) {
+        let mut cs = match applied {
+            Ok(cs) => cs,
+            Err(e) => {
+                // Cannot happen (entry ids are tracked exactly); fall back to a rebuild.
+                debug_assert!(false, "incremental MapState update rejected: {e}");
+                let users = self.shared[key].users.clone();
+                let mut fresh = self.compile(key);
+                fresh.users = users;
+                let cs = diff_states(
+                    &self.shared[key].policy.mapstate.iter(),
+                    &fresh.policy.mapstate.iter(),
+                );
+                self.shared.insert(key.clone(), fresh);
+                let s = &self.shared[key];
+                return (cs, Some(s.policy.isolated));
+            }
+        };
+        let s = self.shared.get_mut(key).expect("prepared state exists");
+        for id in prepared.remove_keys {
+            s.entries.remove(&id);
+        }
+        for (id, ek) in prepared.add_keys {
+            s.entries.insert(id, ek);
+        }
+        for (pref, index) in prepared.new_indexes {
+            match index {
+                Some(index) => s.notify.insert(pref, index),
+                None => s.notify.remove(&pref),
+            };
+        }
+        let mut iso = None;
+        if let Some((isolated, isolated_by)) = prepared.isolation {
+            if s.policy.isolated != isolated {
+                iso = Some(isolated);
+            }
+            s.policy.isolated = isolated;
+            s.policy.isolated_by = isolated_by;
+            // Keys change with the default when the state has Baseline entries or Admin Passes.
+            let more = s.policy.mapstate.set_default(if isolated {
+                Verdict::Deny
+            } else {
+                Verdict::Allow
+            });
+            cs = cs.then(more);
+        }
+        (cs, iso)
     }
 
     /// The entries of unchanged policies follow the selectors that gained or lost identities.
@@ -94,6 +191,7 @@ impl Engine {
         key: &Arc<ShareKey>,
         full: &BTreeSet<PolicyRef>,
         notes: &Notifications,
+        notified: &HashSet<PolicyRef>,
         removed_ids: &BTreeMap<Identity, Signature>,
         acc: &mut StateUpdate,
     ) {
@@ -104,7 +202,7 @@ impl Engine {
             return;
         };
         for (pref, index) in &shared.notify {
-            if full.contains(pref) {
+            if full.contains(pref) || !notified.contains(pref) {
                 continue;
             }
             for (sel, id) in &index.plain {
@@ -195,82 +293,6 @@ impl Engine {
                 acc.add_keys.push((id, ek));
             }
         }
-    }
-
-    /// Applies the collected updates as one batch (identity removals first) and records the new
-    /// entry keys, indexes and isolation.
-    fn commit_state_update(
-        &mut self,
-        key: &Arc<ShareKey>,
-        added_ids: &BTreeSet<Identity>,
-        mut acc: StateUpdate,
-    ) -> (ChangeSet, Option<bool>) {
-        for (id, selected_by) in acc.selections {
-            if added_ids.contains(&id) {
-                acc.updates.push(Update::AddIdentity { id, selected_by });
-            } else {
-                for entry in selected_by {
-                    acc.updates.push(Update::Select {
-                        entry,
-                        ids: vec![id],
-                    });
-                }
-            }
-        }
-        // Removals go first so that emptied named entries can be removed after them.
-        let mut batch: Vec<Update> = acc
-            .removes
-            .into_iter()
-            .map(Update::RemoveIdentity)
-            .collect();
-        batch.extend(acc.updates);
-        let isolation = acc.policy_changed.then(|| self.isolation(key));
-        let s = self.shared.get_mut(key).expect("affected state exists");
-        let mut cs = match s.policy.mapstate.apply(batch) {
-            Ok(cs) => cs,
-            Err(e) => {
-                // Cannot happen (entry ids are tracked exactly); fall back to a rebuild.
-                debug_assert!(false, "incremental MapState update rejected: {e}");
-                let users = s.users.clone();
-                let mut fresh = self.compile(key);
-                fresh.users = users;
-                let cs = diff_states(
-                    &self.shared[key].policy.mapstate.iter(),
-                    &fresh.policy.mapstate.iter(),
-                );
-                self.shared.insert(key.clone(), fresh);
-                let s = &self.shared[key];
-                return (cs, Some(s.policy.isolated));
-            }
-        };
-        for id in acc.remove_keys {
-            s.entries.remove(&id);
-        }
-        for (id, ek) in acc.add_keys {
-            s.entries.insert(id, ek);
-        }
-        for (pref, index) in acc.new_indexes {
-            match index {
-                Some(index) => s.notify.insert(pref, index),
-                None => s.notify.remove(&pref),
-            };
-        }
-        let mut iso = None;
-        if let Some((isolated, isolated_by)) = isolation {
-            if s.policy.isolated != isolated {
-                iso = Some(isolated);
-            }
-            s.policy.isolated = isolated;
-            s.policy.isolated_by = isolated_by;
-            // Keys change with the default when the state has Baseline entries or Admin Passes.
-            let more = s.policy.mapstate.set_default(if isolated {
-                Verdict::Deny
-            } else {
-                Verdict::Allow
-            });
-            cs = cs.then(more);
-        }
-        (cs, iso)
     }
 
     /// Updates for one egress named-port group (rule, peer, name) after identity
