@@ -502,7 +502,6 @@ impl Engine {
             .map(|(id, _)| id);
         let mut notified = self.selectors.users_of(&notes.changed);
         notified.sort_unstable();
-        let notified_set: HashSet<PolicyRef> = notified.iter().map(|p| (*p).clone()).collect();
         for pol in updated.chain(notified) {
             for key in self.shared.of_policy(pol) {
                 if !derived.contains_key(key) && seen.insert(Arc::as_ptr(key)) {
@@ -530,13 +529,13 @@ impl Engine {
                 .cloned()
                 .collect();
             let ids = (added_ids, removed_ids);
-            if let Some(u) = self.prepare_update(&key, &full, ids, notes, &notified_set) {
+            if let Some(u) = self.prepare_update(&key, &full, ids, notes) {
                 prepared.push((key, u, None));
             }
         }
         for (key, (mover, full)) in derived {
             let ids = (added_ids, removed_ids);
-            match self.prepare_update(key, full, ids, notes, &notified_set) {
+            match self.prepare_update(key, full, ids, notes) {
                 Some(u) => prepared.push((key.clone(), u, Some(mover))),
                 None => untouched_derived.push((mover, key.dir.index())),
             }

@@ -13,7 +13,6 @@ use ordnet_mapstate::{
 };
 
 use crate::build::Engine;
-use crate::fast::HashSet;
 use crate::identity::Signature;
 use crate::incremental::diff_states;
 use crate::model::PolicyRef;
@@ -83,22 +82,20 @@ pub(crate) struct PreparedUpdate {
 impl Engine {
     /// What brings one shared state up to date: the entries of changed policies (`full`) are
     /// diffed against their new version; the other entries follow the identity notifications.
-    /// `None` if the state does not exist. `notified`: the policies that use a selector that
-    /// gained or lost identities (the others' entries follow nothing).
+    /// `None` if the state does not exist.
     pub(crate) fn prepare_update(
         &mut self,
         key: &Arc<ShareKey>,
         full: &BTreeSet<PolicyRef>,
         ids: (&BTreeSet<Identity>, &BTreeMap<Identity, Signature>),
         notes: &Notifications,
-        notified: &HashSet<PolicyRef>,
     ) -> Option<PreparedUpdate> {
         let (added_ids, removed_ids) = ids;
         if !self.shared.contains_key(key) {
             return None;
         }
         let mut acc = StateUpdate::default();
-        self.follow_notifications(key, full, notes, notified, removed_ids, &mut acc);
+        self.follow_notifications(key, full, notes, removed_ids, &mut acc);
         self.diff_changed_policies(key, full, &mut acc);
         for (id, selected_by) in acc.selections {
             if added_ids.contains(&id) {
@@ -191,7 +188,6 @@ impl Engine {
         key: &Arc<ShareKey>,
         full: &BTreeSet<PolicyRef>,
         notes: &Notifications,
-        notified: &HashSet<PolicyRef>,
         removed_ids: &BTreeMap<Identity, Signature>,
         acc: &mut StateUpdate,
     ) {
@@ -202,7 +198,7 @@ impl Engine {
             return;
         };
         for (pref, index) in &shared.notify {
-            if full.contains(pref) || !notified.contains(pref) {
+            if full.contains(pref) {
                 continue;
             }
             for (sel, id) in &index.plain {
