@@ -74,6 +74,13 @@ struct MovePrep {
 /// Per endpoint: the ChangeSets of the states it took over, by direction index.
 type DerivedChanges = HashMap<PodKey, Vec<(usize, ChangeSet, Option<bool>)>>;
 
+/// A state's update ready to run: the state, its batch and what follows it, and the endpoint
+/// that took the state over (`None`: a state updated for its users).
+type Prepared<'a> = (Arc<ShareKey>, PreparedUpdate, Option<&'a PodKey>);
+
+/// Per affected state: its ChangeSet and its isolation if that changed.
+type StateChanges = Vec<(Arc<ShareKey>, ChangeSet, Option<bool>)>;
+
 impl Engine {
     /// Steps 2-5.
     pub(crate) fn sync(&mut self, p: Pending) -> EngineDelta {
@@ -511,7 +518,7 @@ impl Engine {
         }
         // Prepared on this thread (entry ids, indexes), applied in parallel (`parallel`), then
         // recorded; `None`: an affected state, `Some(mover)`: a state taken over.
-        let mut prepared: Vec<(Arc<ShareKey>, PreparedUpdate, Option<&PodKey>)> = Vec::new();
+        let mut prepared: Vec<Prepared<'_>> = Vec::new();
         let mut untouched_derived: Vec<(&PodKey, usize)> = Vec::new();
         for key in affected {
             let Some(s) = self.shared.get(&key) else {
@@ -540,8 +547,43 @@ impl Engine {
                 None => untouched_derived.push((mover, key.dir.index())),
             }
         }
-        // The states moving endpoints need anew, compiled with the updates.
-        let mut jobs: Vec<Job> = Vec::with_capacity(prepared.len() + prep.compile.len());
+        let (state_changes, derived_changes) =
+            self.run_prepared(prepared, untouched_derived, &prep.compile);
+        for (key, cs, iso) in state_changes {
+            if cs.is_empty() && iso.is_none() {
+                continue;
+            }
+            let cs = Arc::new(cs);
+            let d = key.dir.index();
+            let users: Vec<PodKey> = self.shared[&key]
+                .users
+                .iter()
+                .filter(|u| !leaving.contains(&((*u).clone(), d)))
+                .cloned()
+                .collect();
+            for u in users {
+                delta.updates.push(EndpointUpdate {
+                    endpoint: pod_key_text(&u),
+                    direction: key.dir,
+                    changes: Arc::clone(&cs),
+                    isolated: iso,
+                    rebuilt: false,
+                });
+            }
+        }
+        derived_changes
+    }
+
+    /// Step 5c, second half: the prepared batches and the new states' builds run as
+    /// [`Job`]s (on several threads, `parallel`), then each is recorded on this thread. Returns
+    /// the affected states' ChangeSets and those of the states taken over.
+    fn run_prepared(
+        &mut self,
+        mut prepared: Vec<Prepared<'_>>,
+        untouched_derived: Vec<(&PodKey, usize)>,
+        compile: &[Arc<ShareKey>],
+    ) -> (StateChanges, DerivedChanges) {
+        let mut jobs: Vec<Job> = Vec::with_capacity(prepared.len() + compile.len());
         let mut before: Vec<bool> = Vec::with_capacity(prepared.len());
         for (key, u, _) in &mut prepared {
             let s = self.shared.get_mut(key).expect("prepared state exists");
@@ -552,8 +594,9 @@ impl Engine {
                 batch: std::mem::take(&mut u.batch),
             });
         }
+        // The states moving endpoints need anew, built with the updates.
         let mut compiled: Vec<(Arc<ShareKey>, Shared)> = Vec::new();
-        for key in &prep.compile {
+        for key in compile {
             if self.shared.contains_key(key) {
                 continue;
             }
@@ -566,9 +609,8 @@ impl Engine {
             compiled.push((key.clone(), s));
         }
         let mut done = crate::parallel::run(jobs).into_iter();
-        let mut state_changes: Vec<(Arc<ShareKey>, ChangeSet, Option<bool>)> = Vec::new();
-        let mut derived_changes: HashMap<PodKey, Vec<(usize, ChangeSet, Option<bool>)>> =
-            HashMap::default();
+        let mut state_changes: StateChanges = Vec::new();
+        let mut derived_changes: DerivedChanges = HashMap::default();
         for ((key, u, mover), was) in prepared.into_iter().zip(before) {
             let Some(Done::Applied { state, result }) = done.next() else {
                 unreachable!("one result per job, in order")
@@ -603,29 +645,7 @@ impl Engine {
             s.policy.mapstate = state;
             self.shared.insert(key, s);
         }
-        for (key, cs, iso) in state_changes {
-            if cs.is_empty() && iso.is_none() {
-                continue;
-            }
-            let cs = Arc::new(cs);
-            let d = key.dir.index();
-            let users: Vec<PodKey> = self.shared[&key]
-                .users
-                .iter()
-                .filter(|u| !leaving.contains(&((*u).clone(), d)))
-                .cloned()
-                .collect();
-            for u in users {
-                delta.updates.push(EndpointUpdate {
-                    endpoint: pod_key_text(&u),
-                    direction: key.dir,
-                    changes: Arc::clone(&cs),
-                    isolated: iso,
-                    rebuilt: false,
-                });
-            }
-        }
-        derived_changes
+        (state_changes, derived_changes)
     }
 
     /// Step 5d: moving endpoints take their new states first, then drop the old ones; each
