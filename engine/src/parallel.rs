@@ -74,11 +74,7 @@ impl Job {
                 dir,
                 default,
                 entries,
-            } => Done::Built(
-                // Entry ids are unique by construction, so build cannot fail.
-                MapState::build(dir, default, entries)
-                    .unwrap_or_else(|_| MapState::new(dir, default)),
-            ),
+            } => Done::Built(crate::shared::build_state(dir, default, entries)),
         }
     }
 }

@@ -126,6 +126,12 @@ pub(crate) struct Shared {
     pub notify: BTreeMap<PolicyRef, PolicyIndex>,
 }
 
+/// A shared state's MapState from its entries ([`Engine::compile_parts`]). Entry ids are unique
+/// by construction, so the build cannot fail; if it did, the state would be empty.
+pub(crate) fn build_state(dir: Direction, default: Verdict, entries: Vec<PolicyEntry>) -> MapState {
+    MapState::build(dir, default, entries).unwrap_or_else(|_| MapState::new(dir, default))
+}
+
 /// Frees a MapState that is no longer used on a background thread. A MapState of a few thousand
 /// keys is thousands of small allocations (per-identity tries, entry lists): freeing them took
 /// about as long as compiling it, on the critical path of [`Engine::apply`]. Falls back to
@@ -415,10 +421,7 @@ impl Engine {
     /// Computes a shared MapState from scratch.
     pub(crate) fn compile(&mut self, key: &ShareKey) -> Shared {
         let (mut s, entries) = self.compile_parts(key);
-        let default = s.policy.mapstate.default_verdict();
-        // Entry ids are unique by construction, so build cannot fail.
-        s.policy.mapstate = MapState::build(key.dir, default, entries)
-            .unwrap_or_else(|_| MapState::new(key.dir, default));
+        s.policy.mapstate = build_state(key.dir, s.policy.mapstate.default_verdict(), entries);
         s
     }
 

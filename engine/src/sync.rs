@@ -497,7 +497,6 @@ impl Engine {
             leaving,
             ..
         } = prep;
-        let (added_ids, removed_ids) = (&ids.added, &ids.removed);
         // Shared states to update (each once; keys compared by address; in the order of the
         // policies, so that the states are updated in the same order whatever the hasher).
         let mut affected: Vec<Arc<ShareKey>> = Vec::new();
@@ -520,6 +519,7 @@ impl Engine {
         // recorded; `None`: an affected state, `Some(mover)`: a state taken over.
         let mut prepared: Vec<Prepared<'_>> = Vec::new();
         let mut untouched_derived: Vec<(&PodKey, usize)> = Vec::new();
+        let ids = (&ids.added, &ids.removed);
         for key in affected {
             let Some(s) = self.shared.get(&key) else {
                 continue;
@@ -535,13 +535,11 @@ impl Engine {
                 .filter(|p| changed.contains(*p))
                 .cloned()
                 .collect();
-            let ids = (added_ids, removed_ids);
             if let Some(u) = self.prepare_update(&key, &full, ids, notes) {
                 prepared.push((key, u, None));
             }
         }
         for (key, (mover, full)) in derived {
-            let ids = (added_ids, removed_ids);
             match self.prepare_update(key, full, ids, notes) {
                 Some(u) => prepared.push((key.clone(), u, Some(mover))),
                 None => untouched_derived.push((mover, key.dir.index())),
