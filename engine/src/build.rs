@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::fast::HashMap;
+use crate::fast::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
@@ -19,9 +19,13 @@ use crate::model::{
     translate_ordered_policy,
 };
 use crate::objects::ReadPod;
+use crate::parallel::{Done, Job};
 use crate::selector_cache::SelectorCache;
-use crate::shared::{ShareKey, SharedStates};
+use crate::shared::{ShareKey, Shared, SharedStates};
 use crate::store::{PodKey, Store, pod_key_text, read_namespace, read_pod};
+
+/// Entries listed for the build of new MapStates ([`Engine::attach_endpoints`]) before they are built.
+const BUILD_CHUNK: usize = 200_000;
 
 /// A local endpoint: a pod with at least one address (host-network pods are not endpoints).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -334,11 +338,12 @@ impl Engine {
             e.selectors.add_user(spec, user, &e.ids, &e.store);
         }
         // Endpoints and MapStates.
-        for k in &keys {
-            if e.is_local_endpoint(k) {
-                e.add_endpoint(k);
-            }
-        }
+        let local: Vec<PodKey> = keys
+            .iter()
+            .filter(|k| e.is_local_endpoint(k))
+            .cloned()
+            .collect();
+        e.attach_endpoints(&local);
         e.sort_endpoints();
         e
     }
@@ -389,21 +394,67 @@ impl Engine {
             }
     }
 
-    /// Adds the endpoint record of pod `k` and compiles its MapStates.
-    pub(crate) fn add_endpoint(&mut self, k: &PodKey) {
-        let Some(rec) = self.store.pods.get(k) else {
-            return;
-        };
-        let ep = Endpoint {
-            namespace: k.0.clone(),
-            name: k.1.clone(),
-            ips: rec.ips.clone(),
-            node: rec.node.clone(),
-            identities: rec.ids.clone(),
-        };
-        self.endpoints.push(ep);
-        let keys = self.share_keys(k);
-        self.attach(k, keys);
+    /// Adds the endpoint records of pods `ks` and their MapStates, the new ones built as
+    /// [`Job`]s (on several threads, `parallel`): each distinct state's entries are listed in
+    /// the order of the pods, so entry ids are given out as by one compile after another; a chunk of
+    /// [`BUILD_CHUNK`] entries at a time is built, so that the entries waiting for their build
+    /// stay few; then the chunk's endpoints attach to the states.
+    pub(crate) fn attach_endpoints(&mut self, ks: &[PodKey]) {
+        let mut pending: HashSet<Arc<ShareKey>> = HashSet::default();
+        let mut chunk: Vec<(Arc<ShareKey>, Shared)> = Vec::new();
+        let mut jobs: Vec<Job> = Vec::new();
+        let mut attach: Vec<(&PodKey, [Arc<ShareKey>; 2])> = Vec::new();
+        let mut entries = 0;
+        for k in ks {
+            let Some(rec) = self.store.pods.get(k) else {
+                continue;
+            };
+            self.endpoints.push(Endpoint {
+                namespace: k.0.clone(),
+                name: k.1.clone(),
+                ips: rec.ips.clone(),
+                node: rec.node.clone(),
+                identities: rec.ids.clone(),
+            });
+            let keys = self.share_keys(k);
+            for key in &keys {
+                if self.shared.contains_key(key) || !pending.insert(key.clone()) {
+                    continue;
+                }
+                let (s, list) = self.compile_parts(key);
+                entries += list.len();
+                jobs.push(Job::Build {
+                    dir: key.dir,
+                    default: s.policy.mapstate.default_verdict(),
+                    entries: list,
+                });
+                chunk.push((key.clone(), s));
+            }
+            attach.push((k, keys));
+            if entries >= BUILD_CHUNK {
+                self.store_built(std::mem::take(&mut jobs), std::mem::take(&mut chunk));
+                for (k, keys) in attach.drain(..) {
+                    self.attach(k, keys);
+                }
+                pending.clear();
+                entries = 0;
+            }
+        }
+        self.store_built(jobs, chunk);
+        for (k, keys) in attach {
+            self.attach(k, keys);
+        }
+    }
+
+    /// Runs the build jobs of `states` (in the same order) and stores each state.
+    fn store_built(&mut self, jobs: Vec<Job>, states: Vec<(Arc<ShareKey>, Shared)>) {
+        for (done, (key, mut s)) in crate::parallel::run(jobs).into_iter().zip(states) {
+            let Done::Built(state) = done else {
+                unreachable!("a build job gives a state")
+            };
+            s.policy.mapstate = state;
+            self.shared.insert(key, s);
+        }
     }
 
     pub(crate) fn sort_endpoints(&mut self) {

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use ipnet::IpNet;
 use ordnet_mapstate::{ChangeSet, Direction, Identity, Key, MapState, Protocol, StateEntry};
 
-use crate::build::{Endpoint, Engine};
+use crate::build::Engine;
 use crate::identity::Signature;
 use crate::incremental::{
     EndpointUpdate, EngineDelta, IpcacheChange, MAX_DERIVE_DIFF, Pending, StateSnapshot,
@@ -724,20 +724,15 @@ impl Engine {
 
     /// Step 5f: new endpoints, with their whole MapStates as ChangeSets.
     fn add_endpoints(&mut self, adding: &[PodKey], delta: &mut EngineDelta) {
+        self.attach_endpoints(adding);
         for k in adding {
-            let Some(rec) = self.store.pods.get(k) else {
+            if !self.store.pods.contains_key(k) {
+                continue;
+            }
+            let Some(keys) = self.ep_keys.get(k) else {
                 continue;
             };
-            self.endpoints.push(Endpoint {
-                namespace: k.0.clone(),
-                name: k.1.clone(),
-                ips: rec.ips.clone(),
-                node: rec.node.clone(),
-                identities: rec.ids.clone(),
-            });
-            let keys = self.share_keys(k);
-            self.attach(k, keys.clone());
-            for key in &keys {
+            for key in keys {
                 if let Some(s) = self.shared.get(key) {
                     delta.updates.push(EndpointUpdate {
                         endpoint: pod_key_text(k),
