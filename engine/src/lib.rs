@@ -17,7 +17,7 @@
 //! | `shared` | shared MapStates (one per set of equal inputs) and their compilation |
 //! | `build` | the [`Engine`] and its from-scratch build |
 //! | `incremental`, `sync`, `update` | [`Engine::apply`]: the object store step, then identities, selectors and MapStates in place ([`EngineDelta`]) |
-//! | `parallel` | the MapState work of one change (batches, new states) on several threads |
+//! | `parallel` | MapState work on several threads (a change's batches and new states, the build's states) |
 //! | `services` | Services: frontends, NodePorts, backends |
 //! | `query` | endpoints, identities, ipcache, [`Engine::flow`], [`matrix()`] |
 //! | `shadow` | [`Engine::shadowed_rules`]: ordered rules that stronger rules always pre-empt |

@@ -5,7 +5,8 @@
 //! it would be alone. A local relabel at 10k pods / 5k policies is one build of thousands of
 //! entries and hundreds of small batches, about half of the engine's time; the rest (reading
 //! the notifications, the diffs of the endpoints' old and new states) stays on the caller's
-//! thread.
+//! thread. The engine's build and new endpoints build their new states the same way
+//! (`Engine::attach_endpoints`).
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
