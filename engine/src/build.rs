@@ -24,7 +24,8 @@ use crate::selector_cache::SelectorCache;
 use crate::shared::{ShareKey, Shared, SharedStates};
 use crate::store::{PodKey, Store, pod_key_text, read_namespace, read_pod};
 
-/// Entries listed for the build of new MapStates ([`Engine::attach_endpoints`]) before they are built.
+/// Entries listed for the build of new MapStates ([`Engine::attach_endpoints`]) before they
+/// are built.
 const BUILD_CHUNK: usize = 200_000;
 
 /// A local endpoint: a pod with at least one address (host-network pods are not endpoints).
@@ -396,9 +397,9 @@ impl Engine {
 
     /// Adds the endpoint records of pods `ks` and their MapStates, the new ones built as
     /// [`Job`]s (on several threads, `parallel`): each distinct state's entries are listed in
-    /// the order of the pods, so entry ids are given out as by one compile after another; a chunk of
-    /// [`BUILD_CHUNK`] entries at a time is built, so that the entries waiting for their build
-    /// stay few; then the chunk's endpoints attach to the states.
+    /// the order of the pods, so entry ids are given out as by one compile after another; a
+    /// chunk of [`BUILD_CHUNK`] entries at a time is built, so that the entries waiting for
+    /// their build stay few; then the chunk's endpoints attach to the states.
     pub(crate) fn attach_endpoints(&mut self, ks: &[PodKey]) {
         let mut pending: HashSet<Arc<ShareKey>> = HashSet::default();
         let mut chunk: Vec<(Arc<ShareKey>, Shared)> = Vec::new();

@@ -726,9 +726,7 @@ impl Engine {
     fn add_endpoints(&mut self, adding: &[PodKey], delta: &mut EngineDelta) {
         self.attach_endpoints(adding);
         for k in adding {
-            if !self.store.pods.contains_key(k) {
-                continue;
-            }
+            // Not attached: the pod is gone.
             let Some(keys) = self.ep_keys.get(k) else {
                 continue;
             };
