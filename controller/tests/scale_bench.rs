@@ -626,13 +626,15 @@ fn push(initial: &mut Initial, o: ordnet_engine::Object) {
 }
 
 /// One change of [`engine_changes`]: the engine's and the datapath's time, and what the
-/// datapath wrote (identity-level policy keys, rule sets installed into fresh slots).
+/// datapath wrote (identity-level policy keys, rule sets installed into fresh slots and changed
+/// in place).
 #[derive(Clone, Copy)]
 struct Change {
     engine: Duration,
     datapath: Duration,
     keys: u32,
     installed: u32,
+    updated: u32,
 }
 
 /// The engine alone (no agent; the fake API server only writes the changes): built for node 0
@@ -706,6 +708,7 @@ async fn engine_changes() {
                     datapath: programmed,
                     keys: now.policy_writes - written.policy_writes,
                     installed: now.rulesets_installed - written.rulesets_installed,
+                    updated: now.rulesets_updated - written.rulesets_updated,
                 });
                 if let (Some(a), Some(b)) = (before, class_stats(&dp)) {
                     let w = &mut class_work[k];
@@ -738,11 +741,12 @@ async fn engine_changes() {
             // What the datapath's time follows: the identity-level policy keys a change writes
             // (a rule set installed writes all of its keys).
             println!(
-                "      policy keys written p50 {}, max {}; the slowest datapath change wrote {} keys and installed {} rule sets",
+                "      policy keys written p50 {}, max {}; the slowest datapath change wrote {} keys, installed {} rule sets and changed {} in place",
                 keys[keys.len() / 2],
                 keys[keys.len() - 1],
                 slowest.keys,
                 slowest.installed,
+                slowest.updated,
             );
             if classes {
                 let (splits, merges, moved) = class_work[k];
