@@ -338,9 +338,9 @@ async fn agent_at_scale() {
 }
 
 /// Counts the live heap bytes of this process (and their peak), for [`memory_breakdown`] and
-/// the fill benchmarks. The timing benchmarks switch it off for the process ([`stop_counting`]):
-/// two threads updating the two shared counters on every allocation made the engine's threads
-/// look 10-30 % slower than one.
+/// the fill benchmarks. [`engine_changes`], which times the engine's threads, switches it off
+/// for its process ([`stop_counting`]): two threads updating the two shared counters on every
+/// allocation made two threads look 10-30 % slower than one.
 struct Counting;
 
 static LIVE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);

@@ -242,6 +242,24 @@ impl Engine {
         self.shared.len()
     }
 
+    /// The keys of every local endpoint's MapStates, summed per direction (ingress, egress):
+    /// each endpoint counts its states' keys, shared or not. (The agent's metrics read it after
+    /// every change: no name is copied.)
+    pub fn endpoint_keys(&self) -> [usize; 2] {
+        let mut out = [0; 2];
+        for keys in self.ep_keys.values() {
+            for (n, key) in out.iter_mut().zip(keys) {
+                *n += self.shared.get(key).map_or(0, |s| s.policy.mapstate.len());
+            }
+        }
+        out
+    }
+
+    /// Number of identities.
+    pub fn identity_count(&self) -> usize {
+        self.ids.recs.len()
+    }
+
     /// Number of entries in the selector cache.
     pub fn selector_count(&self) -> usize {
         self.selectors.len()

@@ -194,6 +194,21 @@ fn run(seed: u64, steps: usize) -> Result<(), String> {
                 "{label}: the reported ChangeSets do not reproduce the state of {keys:?}"
             ));
         }
+        // The counts the agent's metrics read after every change.
+        let per_endpoint = [Direction::Ingress, Direction::Egress].map(|d| {
+            inc.endpoints()
+                .iter()
+                .map(|ep| inc.policy(ep, d).mapstate.len())
+                .sum::<usize>()
+        });
+        if inc.endpoint_keys() != per_endpoint || inc.identity_count() != inc.identities().count() {
+            return Err(format!(
+                "{label}: endpoint_keys {:?} against {per_endpoint:?}, identity_count {} against {}",
+                inc.endpoint_keys(),
+                inc.identity_count(),
+                inc.identities().count()
+            ));
+        }
         let ipc_now: BTreeMap<IpNet, Identity> = inc.ipcache().into_iter().collect();
         if ipc != ipc_now {
             return Err(format!(

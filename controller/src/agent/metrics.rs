@@ -7,7 +7,6 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ordnet_engine::Engine;
-use ordnet_mapstate::Direction;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
 use prometheus_client::metrics::MetricType;
@@ -151,17 +150,15 @@ impl Metrics {
 
     /// Records the sizes of `engine` and `dp`, and the datapath's own metrics.
     pub fn set_sizes(&self, engine: &Engine, dp: &dyn Enforcer) {
-        let mut s = Sizes {
-            identities: engine.identities().count() as u64,
+        let [ingress, egress] = engine.endpoint_keys();
+        let s = Sizes {
+            identities: engine.identity_count() as u64,
             endpoints: dp.programmed().len() as u64,
             shared_mapstates: engine.shared_mapstates() as u64,
             ipcache: dp.ipcache().len() as u64,
-            ..Sizes::default()
+            entries_ingress: ingress as u64,
+            entries_egress: egress as u64,
         };
-        for ep in engine.endpoints() {
-            s.entries_ingress += engine.policy(ep, Direction::Ingress).mapstate.len() as u64;
-            s.entries_egress += engine.policy(ep, Direction::Egress).mapstate.len() as u64;
-        }
         *self.sizes.lock().unwrap_or_else(|e| e.into_inner()) = s;
         self.set_datapath(dp);
     }
