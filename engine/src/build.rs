@@ -19,7 +19,7 @@ use crate::model::{
     translate_ordered_policy,
 };
 use crate::objects::ReadPod;
-use crate::parallel::{Done, Job};
+use crate::parallel::Job;
 use crate::selector_cache::SelectorCache;
 use crate::shared::{ShareKey, Shared, SharedStates};
 use crate::store::{PodKey, Store, pod_key_text, read_namespace, read_pod};
@@ -422,18 +422,17 @@ impl Engine {
                 if self.shared.contains_key(key) || !pending.insert(key.clone()) {
                     continue;
                 }
-                let (s, list) = self.compile_parts(key);
-                entries += list.len();
-                jobs.push(Job::Build {
-                    dir: key.dir,
-                    default: s.policy.mapstate.default_verdict(),
-                    entries: list,
-                });
+                let (s, job) = self.build_job(key);
+                if let Job::Build { entries: list, .. } = &job {
+                    entries += list.len();
+                }
+                jobs.push(job);
                 chunk.push((key.clone(), s));
             }
             attach.push((k, keys));
             if entries >= BUILD_CHUNK {
-                self.store_built(std::mem::take(&mut jobs), std::mem::take(&mut chunk));
+                let done = crate::parallel::run(std::mem::take(&mut jobs));
+                self.store_built(done.into_iter(), std::mem::take(&mut chunk));
                 for (k, keys) in attach.drain(..) {
                     self.attach(k, keys);
                 }
@@ -441,20 +440,9 @@ impl Engine {
                 entries = 0;
             }
         }
-        self.store_built(jobs, chunk);
+        self.store_built(crate::parallel::run(jobs).into_iter(), chunk);
         for (k, keys) in attach {
             self.attach(k, keys);
-        }
-    }
-
-    /// Runs the build jobs of `states` (in the same order) and stores each state.
-    fn store_built(&mut self, jobs: Vec<Job>, states: Vec<(Arc<ShareKey>, Shared)>) {
-        for (done, (key, mut s)) in crate::parallel::run(jobs).into_iter().zip(states) {
-            let Done::Built(state) = done else {
-                unreachable!("a build job gives a state")
-            };
-            s.policy.mapstate = state;
-            self.shared.insert(key, s);
         }
     }
 

@@ -17,6 +17,7 @@ use ordnet_mapstate::{
 use crate::build::{EndpointPolicy, Engine};
 use crate::identity::{NamedPort, Signature, resolve_named};
 use crate::model::{PeerSpec, Policy, PolicyRef, PortSpec};
+use crate::parallel::{Done, Job};
 use crate::selector_cache::SelId;
 use crate::store::PodKey;
 
@@ -423,6 +424,34 @@ impl Engine {
         let (mut s, entries) = self.compile_parts(key);
         s.policy.mapstate = build_state(key.dir, s.policy.mapstate.default_verdict(), entries);
         s
+    }
+
+    /// [`Engine::compile_parts`] as a [`Job::Build`] of the state's MapState, with the rest of
+    /// the state (stored by [`Engine::store_built`] once the job ran).
+    pub(crate) fn build_job(&mut self, key: &ShareKey) -> (Shared, Job) {
+        let (s, entries) = self.compile_parts(key);
+        let job = Job::Build {
+            dir: key.dir,
+            default: s.policy.mapstate.default_verdict(),
+            entries,
+        };
+        (s, job)
+    }
+
+    /// Stores the states of [`Engine::build_job`]s, each with its job's result (`done`: the
+    /// results of those jobs, in the same order).
+    pub(crate) fn store_built(
+        &mut self,
+        mut done: impl Iterator<Item = Done>,
+        states: Vec<(Arc<ShareKey>, Shared)>,
+    ) {
+        for (key, mut s) in states {
+            let Some(Done::Built(state)) = done.next() else {
+                unreachable!("one build result per state, in order")
+            };
+            s.policy.mapstate = state;
+            self.shared.insert(key, s);
+        }
     }
 
     /// A shared MapState's entries, with everything else about it (its MapState empty, with the

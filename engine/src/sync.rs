@@ -598,12 +598,8 @@ impl Engine {
             if self.shared.contains_key(key) {
                 continue;
             }
-            let (s, entries) = self.compile_parts(key);
-            jobs.push(Job::Build {
-                dir: key.dir,
-                default: s.policy.mapstate.default_verdict(),
-                entries,
-            });
+            let (s, job) = self.build_job(key);
+            jobs.push(job);
             compiled.push((key.clone(), s));
         }
         let mut done = crate::parallel::run(jobs).into_iter();
@@ -636,13 +632,8 @@ impl Engine {
                 .or_default()
                 .push((d, ChangeSet::default(), None));
         }
-        for (key, mut s) in compiled {
-            let Some(Done::Built(state)) = done.next() else {
-                unreachable!("one result per job, in order")
-            };
-            s.policy.mapstate = state;
-            self.shared.insert(key, s);
-        }
+        // The rest of the results are the builds'.
+        self.store_built(done, compiled);
         (state_changes, derived_changes)
     }
 
