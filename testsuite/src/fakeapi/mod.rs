@@ -532,10 +532,17 @@ impl FakeApi {
         self.inner.signal.send_modify(|s| s.2 += 1);
     }
 
-    /// An API server restart: the watch history is lost (compaction) and every watch closes.
+    /// An API server restart: the watch history is lost (compaction) and every watch closes,
+    /// in one step as far as the watches can tell (both under the state's lock, which a watch
+    /// holds while it checks that it is still open and reads the log): no watch sends anything
+    /// past the compaction point (an event or a bookmark a client could resume from without
+    /// 410 Gone) before it ends.
     pub fn restart(&self) {
-        self.compact();
-        self.drop_watches();
+        let mut st = self.inner.lock();
+        let rv = st.next_rv();
+        st.compacted = rv;
+        st.log.clear();
+        self.inner.signal.send_modify(|s| s.1 += 1);
     }
 
     fn key_of(&self, resource: usize, obj: &Value) -> Key {

@@ -166,6 +166,29 @@ async fn compaction_makes_the_watcher_relist() {
     assert_eq!(lists, 2, "{:#?}", api.requests());
 }
 
+/// A restart is one step for a watch: one that looks at the log after the compaction (woken by
+/// its bookmark ticker before it saw the drop) ends without moving its cursor, so nothing it sends
+/// (a bookmark at the cursor) lets a client resume past the compaction without 410 Gone.
+#[tokio::test]
+async fn a_watch_sees_a_restart_as_one_step() {
+    let api = FakeApi::start().await.unwrap();
+    api.create(pod("a", "p1", "web")).unwrap();
+    let epoch = api.inner.signal.borrow().1;
+    let mut cursor = watches::Cursor {
+        resource: resource_index("", "v1", "pods").unwrap(),
+        namespace: None,
+        rv: api.inner.lock().rv,
+    };
+    let caught_up = cursor.rv;
+    let (events, ended) = cursor.pending(&api.inner, epoch);
+    assert!(events.is_empty() && !ended);
+    api.restart();
+    let (events, ended) = cursor.pending(&api.inner, epoch);
+    assert!(events.is_empty() && ended);
+    assert_eq!(cursor.rv, caught_up);
+    assert!(cursor.rv < api.inner.lock().compacted);
+}
+
 #[tokio::test]
 async fn status_server_side_apply_keeps_spec_and_generation() {
     let api = FakeApi::start().await.unwrap();

@@ -70,18 +70,23 @@ impl WatchParams {
 }
 
 /// One watch's position and filter.
-struct Cursor {
-    resource: usize,
-    namespace: Option<String>,
+pub(super) struct Cursor {
+    pub(super) resource: usize,
+    pub(super) namespace: Option<String>,
     /// Everything up to this resource version has been sent (`u64::MAX`: the watch ended).
-    rv: u64,
+    pub(super) rv: u64,
 }
 
 impl Cursor {
     /// The events after the cursor (advancing it), or a 410 Gone error event when history the
-    /// watch had not sent yet was compacted away (`true`: the watch ends).
-    fn pending(&mut self, inner: &Inner) -> (Vec<Bytes>, bool) {
+    /// watch had not sent yet was compacted away (`true`: the watch ends). Nothing, and the end,
+    /// once the watches were dropped after `epoch` (checked under the state's lock, so a
+    /// restart's compaction and drop are one step for the watch).
+    pub(super) fn pending(&mut self, inner: &Inner, epoch: u64) -> (Vec<Bytes>, bool) {
         let st = inner.lock();
+        if inner.signal.borrow().1 != epoch {
+            return (Vec::new(), true);
+        }
         if self.rv.saturating_add(1) < st.compacted {
             let e = err(
                 410,
@@ -208,7 +213,7 @@ async fn stream(
     let mut ticker = tokio::time::interval(interval);
     ticker.tick().await;
     loop {
-        let (pending, expired) = cursor.pending(&inner);
+        let (pending, expired) = cursor.pending(&inner, epoch);
         for b in pending {
             if tx.send(b).await.is_err() {
                 return;
