@@ -627,7 +627,7 @@ fn push(initial: &mut Initial, o: ordnet_engine::Object) {
 
 /// One change of [`engine_changes`]: the engine's and the datapath's time, and what the
 /// datapath wrote (identity-level policy keys, rule sets installed into fresh slots and changed
-/// in place).
+/// in place, write batches).
 #[derive(Clone, Copy)]
 struct Change {
     engine: Duration,
@@ -635,6 +635,7 @@ struct Change {
     keys: u32,
     installed: u32,
     updated: u32,
+    batches: u32,
 }
 
 /// The engine alone (no agent; the fake API server only writes the changes): built for node 0
@@ -709,6 +710,7 @@ async fn engine_changes() {
                     keys: now.policy_writes - written.policy_writes,
                     installed: now.rulesets_installed - written.rulesets_installed,
                     updated: now.rulesets_updated - written.rulesets_updated,
+                    batches: now.batches - written.batches,
                 });
                 if let (Some(a), Some(b)) = (before, class_stats(&dp)) {
                     let w = &mut class_work[k];
@@ -728,6 +730,8 @@ async fn engine_changes() {
             d.sort();
             let mut keys: Vec<u32> = t.iter().map(|t| t.keys).collect();
             keys.sort_unstable();
+            let mut batches: Vec<u32> = t.iter().map(|t| t.batches).collect();
+            batches.sort_unstable();
             let slowest = t.iter().max_by_key(|t| t.datapath).expect("not empty");
             println!(
                 "    {:<26} engine p50 {:>7.2} ms p99 {:>7.2} ms max {:>7.2} ms; datapath p50 {:>6.2} ms max {:>6.2} ms",
@@ -740,11 +744,15 @@ async fn engine_changes() {
             );
             // What the datapath's time follows: the identity-level policy keys a change writes
             // (a rule set installed writes all of its keys).
+            // Batches are one syscall each in the kernel writer (`KernelTables`).
             println!(
-                "      policy keys written p50 {}, max {}; the slowest datapath change wrote {} keys, installed {} rule sets and changed {} in place",
+                "      policy keys written p50 {}, max {}; write batches p50 {}, max {}; the slowest datapath change wrote {} keys in {} batches, installed {} rule sets and changed {} in place",
                 keys[keys.len() / 2],
                 keys[keys.len() - 1],
+                batches[batches.len() / 2],
+                batches[batches.len() - 1],
                 slowest.keys,
+                slowest.batches,
                 slowest.installed,
                 slowest.updated,
             );

@@ -760,10 +760,17 @@ impl Control {
         // 4. Defaults that tighten on a rule set changed in place go first (a default is the
         // weakest wildcard key: deny upserts first, allow upserts last).
         self.tighten_in_place_defaults(w, planned, &old, &is_in_place, stats)?;
-        // 5. In-place changes.
-        for (slot, content) in in_place {
-            self.store.update_in_place(w, slot, content, stats)?;
-        }
+        // 5. In-place changes (each slot's phases in order; the slots go through them
+        // together).
+        let diffs: Vec<(u32, ContentDiff)> = in_place
+            .iter()
+            .map(|(&slot, new)| {
+                let old = self.store.content(slot).expect("a slot in use");
+                (slot, ContentDiff::between(old, new))
+            })
+            .collect();
+        let diffs: Vec<(u32, &ContentDiff)> = diffs.iter().map(|(s, d)| (*s, d)).collect();
+        self.store.update_with_diffs(w, &diffs, stats)?;
         // 6. Switch: the final records (one atomic write per address).
         self.switch_records(w, planned, &old, &targets, stats)?;
         // 7. Release what is no longer used (cleared after the grace period).
@@ -1228,10 +1235,13 @@ impl Control {
             self.write_records(w, keys, &pre, stats)?;
         }
 
-        // 5. In-place changes.
-        for (&slot, &i) in &in_place {
-            self.store.update_with_diff(w, slot, &items[i].3, stats)?;
-        }
+        // 5. In-place changes (each slot's phases in order; the slots go through them
+        // together).
+        let diffs: Vec<(u32, &ContentDiff)> = in_place
+            .iter()
+            .map(|(&slot, &i)| (slot, &items[i].3))
+            .collect();
+        self.store.update_with_diffs(w, &diffs, stats)?;
 
         // 6. Final records, then release what is no longer used.
         self.point_records(w, &items, &targets, |_| true, stats)?;

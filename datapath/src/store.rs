@@ -645,113 +645,116 @@ impl Store {
         self.retired_slots.push_back((slot, Instant::now()));
     }
 
-    /// Changes the keys of `slot` to `new` in place, writing only what differs, in the safe
-    /// order described in the module documentation.
-    pub fn update_in_place<W: TableWriter + ?Sized>(
+    /// Applies key changes to several slots in place (distinct slots), each in the safe order
+    /// described in the module documentation; the slots go through each phase together, so a
+    /// phase is one batch for all of them (a relabel changes ~150 rule sets by a few keys each:
+    /// a batch per phase and slot cost more than the keys). Each slot's writes keep their order;
+    /// how the slots interleave is free (`docs/datapath.md` §6, "In place"). The room for every
+    /// key the changes add is checked before anything is written.
+    pub fn update_with_diffs<W: TableWriter + ?Sized>(
         &mut self,
         w: &mut W,
-        slot: u32,
-        new: RuleSetContent,
+        updates: &[(u32, &ContentDiff)],
         stats: &mut WriteStats,
     ) -> Result<(), StoreError> {
-        let diff = match self.content(slot) {
-            Some(old) => ContentDiff::between(old, &new),
-            None => panic!("update_in_place of a slot not in use"),
-        };
-        self.update_with_diff(w, slot, &diff, stats)
-    }
-
-    /// Applies key changes to `slot` in place (O(size of the diff) plus the cells it touches),
-    /// in the safe order described in the module documentation.
-    pub fn update_with_diff<W: TableWriter + ?Sized>(
-        &mut self,
-        w: &mut W,
-        slot: u32,
-        diff: &ContentDiff,
-        stats: &mut WriteStats,
-    ) -> Result<(), StoreError> {
-        assert!(slot != 0, "slot 0 is the permanent empty rule set");
-        if diff.is_empty() {
+        let updates: Vec<(u32, &ContentDiff)> = updates
+            .iter()
+            .copied()
+            .filter(|(_, diff)| !diff.is_empty())
+            .collect();
+        if updates.is_empty() {
             return Ok(());
         }
-        let grows = {
+        let mut grows = 0;
+        for &(slot, diff) in &updates {
+            assert!(slot != 0, "slot 0 is the permanent empty rule set");
             let current = self.content(slot).expect("update of a slot in use");
-            added_keys(current, diff)
-        };
+            grows += added_keys(current, diff);
+        }
         self.ensure_room(w, grows, stats)?;
-        let mut rs = self.slots[slot as usize]
-            .take()
-            .expect("update of a slot in use");
-        let result = self.update_slot(w, slot, &mut rs, diff, stats);
-        if let Some(v) = self.by_hash.get_mut(&rs.hash) {
-            v.retain(|s| *s != slot);
-            if v.is_empty() {
-                self.by_hash.remove(&rs.hash);
+        let mut taken: Vec<(u32, RuleSet)> = updates
+            .iter()
+            .map(|&(slot, _)| {
+                let rs = self.slots[slot as usize]
+                    .take()
+                    .expect("update of a slot in use (each slot once)");
+                (slot, rs)
+            })
+            .collect();
+        let result = self.update_slots(w, &mut taken, &updates, stats);
+        for ((slot, mut rs), &(_, diff)) in taken.into_iter().zip(&updates) {
+            if let Some(v) = self.by_hash.get_mut(&rs.hash) {
+                v.retain(|s| *s != slot);
+                if v.is_empty() {
+                    self.by_hash.remove(&rs.hash);
+                }
             }
+            if result.is_ok() {
+                rs.hash = rs.content.hash_after(rs.hash, diff);
+                rs.content.apply(diff);
+            } else {
+                // A write failed part-way: take the keys as the tables now hold them, and try
+                // to bring the words in line with them (best effort; the error is reported
+                // anyway). If even reading them back fails, the old content stays (the caller
+                // programs everything again).
+                if let Ok(content) = slot_content(w, slot) {
+                    rs.content = content;
+                }
+                rs.inputs = rs.content.cell_inputs();
+                rs.hash = content_hash(&rs.content);
+                let all: BTreeSet<u32> = (0..CELLS_PER_RULESET).collect();
+                let mut phase = Phase::default();
+                if self.realize(w, slot, &rs.inputs, &all, &mut phase).is_ok() {
+                    let _ = self.run_phase(w, stats, phase);
+                }
+            }
+            self.by_hash.entry(rs.hash).or_default().push(slot);
+            w.share_keys(slot, &rs.content.specific);
+            self.slots[slot as usize] = Some(rs);
         }
-        if result.is_ok() {
-            rs.hash = rs.content.hash_after(rs.hash, diff);
-            rs.content.apply(diff);
-        } else {
-            // A write failed part-way: take the keys as the tables now hold them, and try to
-            // bring the words in line with them (best effort; the error is reported anyway).
-            // If even reading them back fails, the old content stays (the caller programs
-            // everything again).
-            if let Ok(content) = slot_content(w, slot) {
-                rs.content = content;
-            }
-            rs.inputs = rs.content.cell_inputs();
-            rs.hash = content_hash(&rs.content);
-            let all: BTreeSet<u32> = (0..CELLS_PER_RULESET).collect();
-            let mut phase = Phase::default();
-            if self.realize(w, slot, &rs.inputs, &all, &mut phase).is_ok() {
-                let _ = self.run_phase(w, stats, phase);
-            }
-        }
-        self.by_hash.entry(rs.hash).or_default().push(slot);
-        w.share_keys(slot, &rs.content.specific);
-        self.slots[slot as usize] = Some(rs);
         result?;
-        stats.rulesets_updated += 1;
+        stats.rulesets_updated += updates.len() as u32;
         Ok(())
     }
 
-    fn update_slot<W: TableWriter + ?Sized>(
+    /// The phases of [`Store::update_with_diffs`], each one batch for all `slots` (taken out
+    /// of the store: `rs.inputs` follows the writes, `rs.content` is the old content).
+    fn update_slots<W: TableWriter + ?Sized>(
         &mut self,
         w: &mut W,
-        slot: u32,
-        rs: &mut RuleSet,
-        diff: &ContentDiff,
+        slots: &mut [(u32, RuleSet)],
+        diffs: &[(u32, &ContentDiff)],
         stats: &mut WriteStats,
     ) -> Result<(), StoreError> {
-        let old = &rs.content;
-        let mut spec_added = Vec::new();
-        let mut spec_changed = Vec::new();
-        for &(k, v) in &diff.specific_upserts {
-            if old.specific.contains_key(&k) {
-                spec_changed.push((k, v));
-            } else {
-                spec_added.push((k, v));
-            }
-        }
-        let spec_removed = &diff.specific_removes;
-        let wild_upserts = &diff.wildcard_upserts;
-        let wild_removed = &diff.wildcard_removes;
-        let key = |identity: u32, prefix: u32| PolicyKey {
-            ruleset: slot,
+        type Keys = Vec<((u32, u32), PolicyValue)>;
+        // Per slot: identity keys the diff adds, and those whose value it changes.
+        let split: Vec<(Keys, Keys)> = slots
+            .iter()
+            .zip(diffs)
+            .map(|((_, rs), (_, diff))| {
+                let mut old = rs.content.specific.finger();
+                diff.specific_upserts
+                    .iter()
+                    .partition(|(k, _)| old.get(k).is_none())
+            })
+            .collect();
+        let key = |ruleset: u32, identity: u32, prefix: u32| PolicyKey {
+            ruleset,
             identity,
             prefix,
         };
 
         // Phase A: widen the masks (only where a prefix gets its first identity key).
-        let mut region = BTreeSet::new();
-        for &((_, p), _) in &spec_added {
-            if rs.inputs.add_specific(p) {
-                region.extend(affected_cells(p));
-            }
-        }
         let mut phase = Phase::default();
-        self.realize(w, slot, &rs.inputs, &region, &mut phase)?;
+        for ((slot, rs), (added, _)) in slots.iter_mut().zip(&split) {
+            let mut region = BTreeSet::new();
+            for &((_, p), _) in added {
+                if rs.inputs.add_specific(p) {
+                    region.extend(affected_cells(p));
+                }
+            }
+            self.realize(w, *slot, &rs.inputs, &region, &mut phase)?;
+        }
         self.run_phase(w, stats, phase)?;
 
         // Phases 1..4 (ChangeSet::safe_order).
@@ -762,47 +765,54 @@ impl Store {
             (true, V_ALLOW),
         ] {
             let mut phase = Phase::default();
-            let mut region = BTreeSet::new();
-            if upsert {
-                for &((id, p), v) in spec_added.iter().chain(&spec_changed) {
-                    if v.verdict == verdict {
-                        phase.policy.push(Write::PolicyUpsert(key(id, p), v));
+            for (((slot, rs), (_, diff)), (added, changed)) in
+                slots.iter_mut().zip(diffs).zip(&split)
+            {
+                let slot = *slot;
+                let mut region = BTreeSet::new();
+                if upsert {
+                    for &((id, p), v) in added.iter().chain(changed) {
+                        if v.verdict == verdict {
+                            phase.policy.push(Write::PolicyUpsert(key(slot, id, p), v));
+                        }
+                    }
+                    for &(p, v) in &diff.wildcard_upserts {
+                        if v.verdict == verdict {
+                            rs.inputs.wildcard.insert(p, v.verdict);
+                            region.extend(affected_cells(p));
+                            phase.policy.push(Write::PolicyUpsert(key(slot, 0, p), v));
+                        }
+                    }
+                } else {
+                    for &((id, p), v) in &diff.specific_removes {
+                        if v.verdict == verdict {
+                            phase.policy.push(Write::PolicyDelete(key(slot, id, p)));
+                        }
+                    }
+                    for &(p, v) in &diff.wildcard_removes {
+                        if v.verdict == verdict {
+                            rs.inputs.wildcard.remove(&p);
+                            region.extend(affected_cells(p));
+                            phase.policy.push(Write::PolicyDelete(key(slot, 0, p)));
+                        }
                     }
                 }
-                for &(p, v) in wild_upserts {
-                    if v.verdict == verdict {
-                        rs.inputs.wildcard.insert(p, v.verdict);
-                        region.extend(affected_cells(p));
-                        phase.policy.push(Write::PolicyUpsert(key(0, p), v));
-                    }
-                }
-            } else {
-                for &((id, p), v) in spec_removed {
-                    if v.verdict == verdict {
-                        phase.policy.push(Write::PolicyDelete(key(id, p)));
-                    }
-                }
-                for &(p, v) in wild_removed {
-                    if v.verdict == verdict {
-                        rs.inputs.wildcard.remove(&p);
-                        region.extend(affected_cells(p));
-                        phase.policy.push(Write::PolicyDelete(key(0, p)));
-                    }
-                }
+                self.realize(w, slot, &rs.inputs, &region, &mut phase)?;
             }
-            self.realize(w, slot, &rs.inputs, &region, &mut phase)?;
             self.run_phase(w, stats, phase)?;
         }
 
         // Phase Z: narrow the masks (only where a prefix loses its last identity key).
-        let mut region = BTreeSet::new();
-        for &((_, p), _) in spec_removed {
-            if rs.inputs.remove_specific(p) {
-                region.extend(affected_cells(p));
-            }
-        }
         let mut phase = Phase::default();
-        self.realize(w, slot, &rs.inputs, &region, &mut phase)?;
+        for ((slot, rs), (_, diff)) in slots.iter_mut().zip(diffs) {
+            let mut region = BTreeSet::new();
+            for &((_, p), _) in &diff.specific_removes {
+                if rs.inputs.remove_specific(p) {
+                    region.extend(affected_cells(p));
+                }
+            }
+            self.realize(w, *slot, &rs.inputs, &region, &mut phase)?;
+        }
         self.run_phase(w, stats, phase)?;
         Ok(())
     }

@@ -646,6 +646,116 @@ fn change_sets_apply_in_place_safely() {
     );
 }
 
+/// Several endpoints, each with rule sets of its own, changed in one batch: the rule sets that
+/// change in place go through each phase of the safe order together (one batch per phase for
+/// all of them, `Store::update_with_diffs`). At every single write, no endpoint allows, in
+/// either direction, what neither its old nor its new policy allows; at the end each has its
+/// new policy. Half the batches change one direction of every endpoint (only one side of any
+/// flow changes), the others a random direction each (both sides: the meet goes first).
+#[test]
+fn rule_sets_changed_in_place_together_stay_safe() {
+    const N: usize = 4;
+    let mut rng = Rng::new(0x7a11_5e75);
+    let ips: Vec<Vec<IpAddr>> = (1..=N)
+        .map(|i| vec![format!("10.0.1.{i}").parse().unwrap()])
+        .collect();
+    let dirs = [Direction::Ingress, Direction::Egress];
+    let (mut together, mut checks) = (0, 0usize);
+    for case in 0..60 {
+        let mut entries: Vec<[Vec<ordnet_mapstate::PolicyEntry>; 2]> = (0..N)
+            .map(|_| [arb_entries(&mut rng, 8, IDS), arb_entries(&mut rng, 8, IDS)])
+            .collect();
+        let mut ms: Vec<Vec<MapState>> = entries
+            .iter()
+            .map(|e| {
+                (0..2)
+                    .map(|d| build(dirs[d], arb_verdict(&mut rng), &e[d]))
+                    .collect()
+            })
+            .collect();
+        let mut control = Control::new(Store::new(64, 512, Duration::ZERO), State::default());
+        let mut t = MemTables::new(64 * 769, 512 * 256);
+        let batch: Vec<(u32, EndpointSpec<'_>)> = (0..N)
+            .map(|i| {
+                (
+                    i as u32 + 1,
+                    spec(&ips[i], 50 + i as u32, &ms[i][0], &ms[i][1]),
+                )
+            })
+            .collect();
+        control.update_endpoints(&mut t, &batch).unwrap();
+        let mut next_id = 1000;
+        for step in 0..6 {
+            let one_direction = rng.chance(2);
+            let d_all = rng.below(2);
+            let before = ms.clone();
+            let mut changes = Vec::new();
+            for (i, (entries, ms)) in entries.iter_mut().zip(&mut ms).enumerate() {
+                if !rng.chance(4) {
+                    let d = if one_direction { d_all } else { rng.below(2) };
+                    let update = random_update(&mut rng, &mut entries[d], &mut next_id);
+                    let ch = ms[d].apply([update]).unwrap();
+                    changes.push((i, d, ch, ms[d].default_verdict()));
+                }
+            }
+            control.reclaim(&mut t).unwrap();
+            let all: Vec<&MapState> = before.iter().chain(&ms).flatten().collect();
+            let probes = probes_of(&all);
+            let want: Vec<[Vec<[bool; 2]>; 2]> = (0..N)
+                .map(|i| {
+                    [
+                        expected([&before[i][0], &before[i][1]], &probes),
+                        expected([&ms[i][0], &ms[i][1]], &probes),
+                    ]
+                })
+                .collect();
+            let index = ProbeIndex::new(&probes);
+            let mut w = Checking {
+                t,
+                check: |t: &MemTables, write: &Write| {
+                    for (i, want) in want.iter().enumerate() {
+                        let ip = ips[i][0];
+                        for p in index.affected_at(t, ip, write, &probes) {
+                            let now = verdicts_at(t, ip, std::slice::from_ref(&probes[p]))[0];
+                            for dd in 0..2 {
+                                assert!(
+                                    !now[dd] || want[0][p][dd] || want[1][p][dd],
+                                    "case {case} step {step}: endpoint {i}: transient allow for \
+                                     {:?} after {write:?}",
+                                    probes[p]
+                                );
+                            }
+                            checks += 1;
+                        }
+                    }
+                },
+                elements: 0,
+            };
+            let items: Vec<_> = changes
+                .iter()
+                .map(|(i, d, ch, default)| (*i as u32 + 1, dirs[*d], ch, *default))
+                .collect();
+            let stats = control.apply_changes(&mut w, &items).unwrap();
+            t = w.t;
+            if stats.rulesets_updated >= 2 {
+                together += 1;
+            }
+            for (i, want) in want.iter().enumerate() {
+                assert_eq!(
+                    verdicts_at(&t, ips[i][0], &probes),
+                    want[1],
+                    "case {case} step {step}: endpoint {i}: final"
+                );
+            }
+        }
+    }
+    assert!(
+        together > 100,
+        "{together} batches changed several rule sets in place"
+    );
+    println!("{together} batches changed several rule sets in place; {checks} checks");
+}
+
 /// A rule set whose users get different changes in one batch (a relabelled pod leaving the rule
 /// set it shared, while the others gain its new identity): the largest group of equal changes
 /// keeps the rule set, changed in place, and the others move to their own first; no user sees
