@@ -4,6 +4,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    sync::atomic::{AtomicU64, Ordering},
     time::Duration,
 };
 
@@ -290,6 +291,8 @@ pub struct Control {
     remote: HashMap<IpKey, u32>,
     hosts: BTreeSet<IpKey>,
     cidr: BTreeMap<(IpKey, u32), u32>,
+    /// Changes whenever `remote` or `cidr` may have ([`Control::identities_version`]).
+    identities_version: u64,
     /// Capacities of the exact ipcache (per family) and the CIDR ipcache.
     ip_capacity: (u32, u32),
     /// Service frontends.
@@ -350,6 +353,12 @@ fn with_dir(state: &EndpointState, dir: usize, r: PolicyRef) -> EndpointState {
     s
 }
 
+/// A version of [`Control::identities`] no `Control` of this process has had yet.
+fn next_identities_version() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
 impl Control {
     /// A control plane for empty tables. `state` gives the clock parameters (its revision is
     /// the starting point; the first operation writes revision + 1).
@@ -361,6 +370,7 @@ impl Control {
             remote: HashMap::new(),
             hosts: BTreeSet::new(),
             cidr: BTreeMap::new(),
+            identities_version: next_identities_version(),
             ip_capacity: (u32::MAX, u32::MAX),
             services: BTreeSet::new(),
             frontends: BTreeSet::new(),
@@ -1534,6 +1544,9 @@ impl Control {
         entries: &[(IpNet, Option<u32>)],
     ) -> Result<WriteStats, ControlError> {
         let mut stats = WriteStats::default();
+        if !entries.is_empty() {
+            self.identities_version = next_identities_version();
+        }
         let mut exact = Vec::new();
         let mut cidr_writes = Vec::new();
         for (net, identity) in entries {
@@ -1608,6 +1621,14 @@ impl Control {
             stats.write(w, &[Write::State(self.state)])?;
         }
         Ok(stats)
+    }
+
+    /// A number that changes whenever [`Control::identities`] may have: equal numbers (from
+    /// any `Control` of the process) mean equal identities, so a copy of them is read again
+    /// only when it changed (the agent keeps one for its debug API; rebuilding it after every
+    /// change cost ~1.5 ms at 10,000 pods).
+    pub fn identities_version(&self) -> u64 {
+        self.identities_version
     }
 
     /// The identities set with [`Control::set_identities`]: single addresses (as /32 or /128)
@@ -1786,6 +1807,7 @@ impl Control {
             remote,
             hosts,
             cidr,
+            identities_version: next_identities_version(),
             ip_capacity: (u32::MAX, u32::MAX),
             services,
             frontends,

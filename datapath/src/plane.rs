@@ -488,6 +488,50 @@ mod tests {
         ms
     }
 
+    /// `Control::identities_version` changes exactly when the identities may have, and two
+    /// control planes never share a version.
+    #[test]
+    fn the_identities_version_follows_the_identities() {
+        let mut dp = small();
+        let other = small();
+        let v0 = dp.control().identities_version();
+        assert_ne!(v0, other.control().identities_version());
+        let open = MapState::new(Direction::Egress, Verdict::Allow);
+        let ingress = allow_from(7, 80);
+        let ips = [ip("10.0.0.5")];
+        dp.upsert_endpoint(
+            1,
+            EndpointSpec {
+                ips: &ips,
+                identity: 99,
+                identities: &[],
+                ingress: &ingress,
+                egress: &open,
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            dp.control().identities_version(),
+            v0,
+            "an endpoint is not one"
+        );
+        dp.set_identities(&[]).unwrap();
+        assert_eq!(dp.control().identities_version(), v0);
+        let mut seen = vec![v0];
+        for (net, id) in [
+            ("10.0.1.7/32", Some(7)),
+            ("10.1.0.0/16", Some(8)),
+            ("10.0.1.7/32", None),
+        ] {
+            let before = dp.control().identities();
+            dp.set_identities(&[(net.parse().unwrap(), id)]).unwrap();
+            assert_ne!(dp.control().identities(), before);
+            let v = dp.control().identities_version();
+            assert!(!seen.contains(&v), "{net}: a new version");
+            seen.push(v);
+        }
+    }
+
     #[test]
     fn programs_and_decides_like_the_kernel_program() {
         // With the policy keys copied into the tables and without (decisions read them in

@@ -86,6 +86,9 @@ pub struct BpfDatapath {
     programmer: Programmer,
     /// The identities the datapath holds (answers `ipcache()`).
     ipcache: BTreeMap<IpNet, Identity>,
+    /// The control plane's version of them that `ipcache` holds
+    /// (`Control::identities_version`).
+    ipcache_version: u64,
     /// `--uplink` names and patterns (the interfaces are found at every upkeep:
     /// [`NetView::uplinks`]).
     uplinks: Vec<String>,
@@ -392,10 +395,12 @@ impl BpfDatapath {
             }
         }
         let ipcache = dp.control().identities().into_iter().collect();
+        let ipcache_version = dp.control().identities_version();
         Ok(BpfDatapath {
             dp,
             programmer: Programmer::default(),
             ipcache,
+            ipcache_version,
             uplinks,
             ifindex: BTreeMap::new(),
             unattached: BTreeMap::new(),
@@ -570,7 +575,7 @@ impl BpfDatapath {
         self.needs_full = false;
         self.synced = true;
         self.take_over_older_layouts();
-        self.ipcache = self.dp.control().identities().into_iter().collect();
+        self.read_ipcache();
         self.reconcile_links(engine);
         Ok(())
     }
@@ -1194,6 +1199,17 @@ impl BpfDatapath {
     }
 }
 
+impl BpfDatapath {
+    /// Reads the identities the datapath holds again, if they changed.
+    fn read_ipcache(&mut self) {
+        let control = self.dp.control();
+        if control.identities_version() != self.ipcache_version {
+            self.ipcache = control.identities().into_iter().collect();
+            self.ipcache_version = control.identities_version();
+        }
+    }
+}
+
 impl Enforcer for BpfDatapath {
     fn program_full(&mut self, engine: &Engine) -> Result<(), AgentError> {
         self.full_and_grow(engine)
@@ -1207,7 +1223,7 @@ impl Enforcer for BpfDatapath {
             self.needs_full = true;
             return Err(e);
         }
-        self.ipcache = self.dp.control().identities().into_iter().collect();
+        self.read_ipcache();
         let endpoints_moved = deltas.iter().any(|d| {
             !d.endpoints_added.is_empty()
                 || !d.endpoints_removed.is_empty()
