@@ -6,7 +6,9 @@
 //! ```
 //!
 //! The `ordnet agent` binary (`--datapath none`, a process of its own, so its memory is its
-//! own; with node-local identity classes as by default, `ORDNET_CLASSES=0` without) against
+//! own; with node-local identity classes as by default, `ORDNET_CLASSES=0` without;
+//! `ORDNET_SCALE_DATAPATH=bpf`, as root: the bpf datapath, writing real kernel maps pinned under
+//! a directory of the run's own, removed at the end; no interface is attached) against
 //! the fake API server filled with a generated cluster
 //! ([`ordnet_testsuite::scale`]: 100 pods per node, 20 per namespace, realistic pod objects,
 //! half NetworkPolicies and half ordered, mixed selectors). Per cluster size (pods:policies,
@@ -104,13 +106,23 @@ struct Agent {
     child: Child,
     addr: String,
     log: PathBuf,
+    /// The bpf datapath's pin directory ([`bpf_datapath`]).
+    pins: Option<PathBuf>,
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Some(pins) = &self.pins {
+            let _ = std::fs::remove_dir_all(pins);
+        }
     }
+}
+
+/// `ORDNET_SCALE_DATAPATH=bpf`: the agent writes real kernel maps (root).
+fn bpf_datapath() -> bool {
+    std::env::var("ORDNET_SCALE_DATAPATH").is_ok_and(|v| v == "bpf")
 }
 
 /// `ORDNET_CLASSES=0`: the agent runs without node-local identity classes.
@@ -127,14 +139,23 @@ fn spawn_agent(api: &FakeApi, tag: &str) -> Agent {
     std::fs::write(&kubeconfig, api.kubeconfig_yaml()).unwrap();
     let log = dir.join(format!("ordnet-scale-{}-{tag}.log", std::process::id()));
     let addr = free_addr();
-    let child = Command::new(env!("CARGO_BIN_EXE_ordnet"))
-        .args([
-            "agent",
-            "--datapath",
-            "none",
-            "--node",
-            &scale::node_name(0),
-        ])
+    let pins = bpf_datapath().then(|| {
+        PathBuf::from(format!(
+            "/sys/fs/bpf/ordnet-scale-{}-{tag}",
+            std::process::id()
+        ))
+    });
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ordnet"));
+    command.args(["agent", "--node", &scale::node_name(0)]);
+    match &pins {
+        // Room for the busiest generated node's keys (10k pods / 5k policies: ~380,000 class
+        // keys), so that no endpoint is denied for lack of room.
+        Some(pins) => command
+            .args(["--datapath", "bpf", "--policy-map-entries", "1048576"])
+            .env("ORDNET_PIN_DIR", pins),
+        None => command.args(["--datapath", "none"]),
+    };
+    let child = command
         .arg("--kubeconfig")
         .arg(&kubeconfig)
         .args(["--debug-addr", &addr])
@@ -150,7 +171,12 @@ fn spawn_agent(api: &FakeApi, tag: &str) -> Agent {
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .expect("ordnet agent");
-    Agent { child, addr, log }
+    Agent {
+        child,
+        addr,
+        log,
+        pins,
+    }
 }
 
 struct Run {
