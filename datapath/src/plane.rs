@@ -488,6 +488,23 @@ mod tests {
         ms
     }
 
+    /// Endpoint 1 (identity 99) on `ips`: ingress from identity 7 to port 80, egress open.
+    fn web_endpoint(dp: &mut MemDatapath, ips: &[IpAddr]) {
+        let open = MapState::new(Direction::Egress, Verdict::Allow);
+        let ingress = allow_from(7, 80);
+        dp.upsert_endpoint(
+            1,
+            EndpointSpec {
+                ips,
+                identity: 99,
+                identities: &[],
+                ingress: &ingress,
+                egress: &open,
+            },
+        )
+        .unwrap();
+    }
+
     /// `Control::identities_version` changes exactly when the identities may have, and two
     /// control planes never share a version.
     #[test]
@@ -496,20 +513,7 @@ mod tests {
         let other = small();
         let v0 = dp.control().identities_version();
         assert_ne!(v0, other.control().identities_version());
-        let open = MapState::new(Direction::Egress, Verdict::Allow);
-        let ingress = allow_from(7, 80);
-        let ips = [ip("10.0.0.5")];
-        dp.upsert_endpoint(
-            1,
-            EndpointSpec {
-                ips: &ips,
-                identity: 99,
-                identities: &[],
-                ingress: &ingress,
-                egress: &open,
-            },
-        )
-        .unwrap();
+        web_endpoint(&mut dp, &[ip("10.0.0.5")]);
         assert_eq!(
             dp.control().identities_version(),
             v0,
@@ -548,20 +552,7 @@ mod tests {
 
     fn programs_and_decides(mut dp: MemDatapath) {
         assert_eq!(dp.revision(), 1);
-        let open = MapState::new(Direction::Egress, Verdict::Allow);
-        let ingress = allow_from(7, 80);
-        let ips = [ip("10.0.0.5"), ip("fd00::5")];
-        dp.upsert_endpoint(
-            1,
-            EndpointSpec {
-                ips: &ips,
-                identity: 99,
-                identities: &[],
-                ingress: &ingress,
-                egress: &open,
-            },
-        )
-        .unwrap();
+        web_endpoint(&mut dp, &[ip("10.0.0.5"), ip("fd00::5")]);
         dp.set_identities(&[
             ("10.0.1.7/32".parse().unwrap(), Some(7)),
             ("fd00:1::7/128".parse().unwrap(), Some(7)),
