@@ -1197,9 +1197,7 @@ impl BpfDatapath {
             }
         }
     }
-}
 
-impl BpfDatapath {
     /// Reads the identities the datapath holds again, if they changed.
     fn read_ipcache(&mut self) {
         let control = self.dp.control();
