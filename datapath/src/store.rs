@@ -160,11 +160,29 @@ pub(crate) fn added_keys(content: &RuleSetContent, diff: &ContentDiff) -> usize 
         .iter()
         .filter(|(k, _)| keys.get(k).is_none())
         .count()
-        + diff
-            .wildcard_upserts
-            .iter()
-            .filter(|(p, _)| !content.wildcard.contains_key(p))
-            .count()
+        + added_wildcards(content, diff)
+}
+
+/// Number of `*` keys `diff` adds to `content`.
+fn added_wildcards(content: &RuleSetContent, diff: &ContentDiff) -> usize {
+    diff.wildcard_upserts
+        .iter()
+        .filter(|(p, _)| !content.wildcard.contains_key(p))
+        .count()
+}
+
+/// Identity keys a diff upserts into a rule set: those it adds, those whose value it changes.
+type UpsertSplit = (
+    Vec<((u32, u32), PolicyValue)>,
+    Vec<((u32, u32), PolicyValue)>,
+);
+
+/// The identity keys `diff` upserts into `content`, split into added and changed.
+fn split_upserts(content: &RuleSetContent, diff: &ContentDiff) -> UpsertSplit {
+    let mut old = content.specific.finger();
+    diff.specific_upserts
+        .iter()
+        .partition(|(k, _)| old.get(k).is_none())
 }
 
 /// Summary of one slot, for inspection.
@@ -665,11 +683,15 @@ impl Store {
         if updates.is_empty() {
             return Ok(());
         }
+        // What each diff adds (the room it needs, and phase A's prefixes) and changes.
         let mut grows = 0;
+        let mut split = Vec::with_capacity(updates.len());
         for &(slot, diff) in &updates {
             assert!(slot != 0, "slot 0 is the permanent empty rule set");
             let current = self.content(slot).expect("update of a slot in use");
-            grows += added_keys(current, diff);
+            let s = split_upserts(current, diff);
+            grows += s.0.len() + added_wildcards(current, diff);
+            split.push(s);
         }
         self.ensure_room(w, grows, stats)?;
         let mut taken: Vec<(u32, RuleSet)> = updates
@@ -681,7 +703,7 @@ impl Store {
                 (slot, rs)
             })
             .collect();
-        let result = self.update_slots(w, &mut taken, &updates, stats);
+        let result = self.update_slots(w, &mut taken, &updates, &split, stats);
         for ((slot, mut rs), &(_, diff)) in taken.into_iter().zip(&updates) {
             if let Some(v) = self.by_hash.get_mut(&rs.hash) {
                 v.retain(|s| *s != slot);
@@ -718,26 +740,16 @@ impl Store {
     }
 
     /// The phases of [`Store::update_with_diffs`], each one batch for all `slots` (taken out
-    /// of the store: `rs.inputs` follows the writes, `rs.content` is the old content).
+    /// of the store: `rs.inputs` follows the writes, `rs.content` is the old content; `split`:
+    /// each diff's upserts, [`split_upserts`]).
     fn update_slots<W: TableWriter + ?Sized>(
         &mut self,
         w: &mut W,
         slots: &mut [(u32, RuleSet)],
         diffs: &[(u32, &ContentDiff)],
+        split: &[UpsertSplit],
         stats: &mut WriteStats,
     ) -> Result<(), StoreError> {
-        type Keys = Vec<((u32, u32), PolicyValue)>;
-        // Per slot: identity keys the diff adds, and those whose value it changes.
-        let split: Vec<(Keys, Keys)> = slots
-            .iter()
-            .zip(diffs)
-            .map(|((_, rs), (_, diff))| {
-                let mut old = rs.content.specific.finger();
-                diff.specific_upserts
-                    .iter()
-                    .partition(|(k, _)| old.get(k).is_none())
-            })
-            .collect();
         let key = |ruleset: u32, identity: u32, prefix: u32| PolicyKey {
             ruleset,
             identity,
@@ -746,7 +758,7 @@ impl Store {
 
         // Phase A: widen the masks (only where a prefix gets its first identity key).
         let mut phase = Phase::default();
-        for ((slot, rs), (added, _)) in slots.iter_mut().zip(&split) {
+        for ((slot, rs), (added, _)) in slots.iter_mut().zip(split) {
             let mut region = BTreeSet::new();
             for &((_, p), _) in added {
                 if rs.inputs.add_specific(p) {
@@ -766,7 +778,7 @@ impl Store {
         ] {
             let mut phase = Phase::default();
             for (((slot, rs), (_, diff)), (added, changed)) in
-                slots.iter_mut().zip(diffs).zip(&split)
+                slots.iter_mut().zip(diffs).zip(split)
             {
                 let slot = *slot;
                 let mut region = BTreeSet::new();
