@@ -1631,6 +1631,11 @@ impl Control {
         self.identities_version
     }
 
+    /// The number of [`Control::identities`], without listing them.
+    pub fn identity_count(&self) -> usize {
+        self.remote.len() + self.cidr.len()
+    }
+
     /// The identities set with [`Control::set_identities`]: single addresses (as /32 or /128)
     /// and CIDRs, sorted.
     pub fn identities(&self) -> Vec<(IpNet, u32)> {

@@ -508,7 +508,7 @@ mod tests {
     /// `Control::identities_version` changes exactly when the identities may have, and two
     /// control planes never share a version.
     #[test]
-    fn the_identities_version_follows_the_identities() {
+    fn the_identities_version_and_count_follow_the_identities() {
         let mut dp = small();
         let other = small();
         let v0 = dp.control().identities_version();
@@ -530,6 +530,11 @@ mod tests {
             let before = dp.control().identities();
             dp.set_identities(&[(net.parse().unwrap(), id)]).unwrap();
             assert_ne!(dp.control().identities(), before);
+            assert_eq!(
+                dp.control().identity_count(),
+                dp.control().identities().len(),
+                "{net}: counted as listed"
+            );
             let v = dp.control().identities_version();
             assert!(!seen.contains(&v), "{net}: a new version");
             seen.push(v);

@@ -45,6 +45,11 @@ pub trait Enforcer: Send {
     fn programmed(&self) -> &BTreeMap<String, ProgrammedEndpoint>;
     /// The programmed ipcache.
     fn ipcache(&self) -> &BTreeMap<IpNet, Identity>;
+    /// Its number of entries (what the metrics read after every change: a datapath that reads
+    /// its ipcache back only when asked can count it without).
+    fn ipcache_len(&self) -> usize {
+        self.ipcache().len()
+    }
     /// Whether the local endpoint `ns/name` is programmed and, where the datapath attaches to
     /// interfaces, attached; why not otherwise.
     fn endpoint_ready(&self, endpoint: &str) -> Result<(), String> {

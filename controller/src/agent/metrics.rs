@@ -155,7 +155,7 @@ impl Metrics {
             identities: engine.identity_count() as u64,
             endpoints: dp.programmed().len() as u64,
             shared_mapstates: engine.shared_mapstates() as u64,
-            ipcache: dp.ipcache().len() as u64,
+            ipcache: dp.ipcache_len() as u64,
             entries_ingress: ingress as u64,
             entries_egress: egress as u64,
         };
