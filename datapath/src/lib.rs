@@ -1581,7 +1581,7 @@ impl Datapath {
             }
         }
         // Without a copy of the keys in the tables, the rule set store's are what was written.
-        let from_store: std::collections::HashMap<_, _, ordnet_mapstate::FastHash>;
+        let from_store: BTreeMap<_, _>;
         let mine_policy = if mine.keys_in_store {
             from_store = self.control().store().policy_keys().collect();
             &from_store
