@@ -86,9 +86,9 @@ pub struct BpfDatapath {
     /// `programmed()`).
     programmer: Programmer,
     /// The identities the datapath holds (answers `ipcache()`), read from the control plane
-    /// when first asked for after they changed: only the debug API and the tests read them
-    /// whole (the metrics count them, `ipcache_len`), and reading them after every change
-    /// cost a change of identities ~1.6 ms at 10,000 pods.
+    /// when first asked for after they changed: only the tests read them whole (the metrics
+    /// count them, `ipcache_len`), and reading them again after every change of identities
+    /// cost ~1.6 ms at 10,000 pods.
     ipcache: OnceLock<BTreeMap<IpNet, Identity>>,
     /// The control plane's version of the identities (`Control::identities_version`) when
     /// `ipcache` was last emptied.
