@@ -155,12 +155,19 @@ fn slot_content<W: TableWriter + ?Sized>(
 /// Number of keys `diff` adds to `content` (upserts of keys it does not have): the policy map
 /// holds them all before any removal of the diff is written.
 pub(crate) fn added_keys(content: &RuleSetContent, diff: &ContentDiff) -> usize {
+    added_specifics(content, diff).count() + added_wildcards(content, diff)
+}
+
+/// The identity keys `diff` upserts that `content` does not have.
+fn added_specifics<'a>(
+    content: &'a RuleSetContent,
+    diff: &'a ContentDiff,
+) -> impl Iterator<Item = (u32, u32)> + 'a {
     let mut keys = content.specific.finger();
     diff.specific_upserts
         .iter()
-        .filter(|(k, _)| keys.get(k).is_none())
-        .count()
-        + added_wildcards(content, diff)
+        .map(|&(k, _)| k)
+        .filter(move |k| keys.get(k).is_none())
 }
 
 /// Number of `*` keys `diff` adds to `content`.
@@ -169,20 +176,6 @@ fn added_wildcards(content: &RuleSetContent, diff: &ContentDiff) -> usize {
         .iter()
         .filter(|(p, _)| !content.wildcard.contains_key(p))
         .count()
-}
-
-/// Identity keys a diff upserts into a rule set: those it adds, those whose value it changes.
-type UpsertSplit = (
-    Vec<((u32, u32), PolicyValue)>,
-    Vec<((u32, u32), PolicyValue)>,
-);
-
-/// The identity keys `diff` upserts into `content`, split into added and changed.
-fn split_upserts(content: &RuleSetContent, diff: &ContentDiff) -> UpsertSplit {
-    let mut old = content.specific.finger();
-    diff.specific_upserts
-        .iter()
-        .partition(|(k, _)| old.get(k).is_none())
 }
 
 /// Summary of one slot, for inspection.
@@ -685,13 +678,13 @@ impl Store {
         }
         // What each diff adds (the room it needs, and phase A's prefixes) and changes.
         let mut grows = 0;
-        let mut split = Vec::with_capacity(updates.len());
+        let mut added = Vec::with_capacity(updates.len());
         for &(slot, diff) in &updates {
             assert!(slot != 0, "slot 0 is the permanent empty rule set");
             let current = self.content(slot).expect("update of a slot in use");
-            let s = split_upserts(current, diff);
-            grows += s.0.len() + added_wildcards(current, diff);
-            split.push(s);
+            let prefixes: Vec<u32> = added_specifics(current, diff).map(|(_, p)| p).collect();
+            grows += prefixes.len() + added_wildcards(current, diff);
+            added.push(prefixes);
         }
         self.ensure_room(w, grows, stats)?;
         let mut taken: Vec<(u32, RuleSet)> = updates
@@ -703,7 +696,7 @@ impl Store {
                 (slot, rs)
             })
             .collect();
-        let result = self.update_slots(w, &mut taken, &updates, &split, stats);
+        let result = self.update_slots(w, &mut taken, &updates, &added, stats);
         for ((slot, mut rs), &(_, diff)) in taken.into_iter().zip(&updates) {
             if let Some(v) = self.by_hash.get_mut(&rs.hash) {
                 v.retain(|s| *s != slot);
@@ -740,14 +733,14 @@ impl Store {
     }
 
     /// The phases of [`Store::update_with_diffs`], each one batch for all `slots` (taken out
-    /// of the store: `rs.inputs` follows the writes, `rs.content` is the old content; `split`:
-    /// each diff's upserts, [`split_upserts`]).
+    /// of the store: `rs.inputs` follows the writes, `rs.content` is the old content; `added`:
+    /// per diff, the prefixes of the identity keys it adds).
     fn update_slots<W: TableWriter + ?Sized>(
         &mut self,
         w: &mut W,
         slots: &mut [(u32, RuleSet)],
         diffs: &[(u32, &ContentDiff)],
-        split: &[UpsertSplit],
+        added: &[Vec<u32>],
         stats: &mut WriteStats,
     ) -> Result<(), StoreError> {
         let key = |ruleset: u32, identity: u32, prefix: u32| PolicyKey {
@@ -758,9 +751,9 @@ impl Store {
 
         // Phase A: widen the masks (only where a prefix gets its first identity key).
         let mut phase = Phase::default();
-        for ((slot, rs), (added, _)) in slots.iter_mut().zip(split) {
+        for ((slot, rs), prefixes) in slots.iter_mut().zip(added) {
             let mut region = BTreeSet::new();
-            for &((_, p), _) in added {
+            for &p in prefixes {
                 if rs.inputs.add_specific(p) {
                     region.extend(affected_cells(p));
                 }
@@ -777,13 +770,11 @@ impl Store {
             (true, V_ALLOW),
         ] {
             let mut phase = Phase::default();
-            for (((slot, rs), (_, diff)), (added, changed)) in
-                slots.iter_mut().zip(diffs).zip(split)
-            {
+            for ((slot, rs), (_, diff)) in slots.iter_mut().zip(diffs) {
                 let slot = *slot;
                 let mut region = BTreeSet::new();
                 if upsert {
-                    for &((id, p), v) in added.iter().chain(changed) {
+                    for &((id, p), v) in &diff.specific_upserts {
                         if v.verdict == verdict {
                             phase.policy.push(Write::PolicyUpsert(key(slot, id, p), v));
                         }
