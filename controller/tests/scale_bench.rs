@@ -38,7 +38,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 fn changes_per_kind() -> usize {
     std::env::var("ORDNET_SCALE_CHANGES")
         .ok()
-        .map(|v| v.trim().parse().expect("ORDNET_SCALE_CHANGES: a number"))
+        .map(|v| match v.trim().parse() {
+            Ok(n) if n > 0 => n,
+            _ => panic!("ORDNET_SCALE_CHANGES: a number of changes per kind, at least 1"),
+        })
         .unwrap_or(200)
 }
 
