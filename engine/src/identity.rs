@@ -296,6 +296,36 @@ impl Identities {
         (id, true)
     }
 
+    /// Gives identity `id` the pod signature `sig` in place of its own, keeping its number, its
+    /// members and references: for a change that moves **every** address of `id` to `sig`, a
+    /// signature no identity has, and that only changes labels (namespace, CIDR prefixes and
+    /// named ports as they were). The selectors that tell the two signatures apart then gain or
+    /// lose `id`; nothing else about it changes (no address changes identity). Returns the
+    /// signature it had, or `None` (nothing changed) when `id` is not such a pod identity or
+    /// `sig` is taken.
+    pub fn relabel(&mut self, id: Identity, sig: Arc<PodSig>) -> Option<Signature> {
+        let new = Signature::Pod(sig.clone());
+        if self.by_sig.contains_key(&new) {
+            return None;
+        }
+        let rec = self.recs.get_mut(&id)?;
+        let Signature::Pod(old) = &rec.sig else {
+            return None;
+        };
+        if old.namespace() != sig.namespace()
+            || old.cidrs != sig.cidrs
+            || old.named_ports != sig.named_ports
+        {
+            return None;
+        }
+        let old = std::mem::replace(&mut rec.sig, new.clone());
+        rec.info.labels = (*sig.labels).clone();
+        rec.info.namespace_labels = (*sig.namespace_labels).clone();
+        self.by_sig.remove(&old);
+        self.by_sig.insert(new, id);
+        Some(old)
+    }
+
     /// Drops a reference of `member`; returns the identity's record when it is gone.
     pub fn release(&mut self, id: Identity, member: &str) -> Option<IdRec> {
         let rec = self.recs.get_mut(&id)?;

@@ -77,6 +77,10 @@ pub struct EngineDelta {
     pub identities_added: Vec<Identity>,
     /// Identities released by this change (no address has them any more), ascending.
     pub identities_removed: Vec<Identity>,
+    /// Identities that kept their number under new labels (every address of one moved to one
+    /// new signature), ascending: their addresses keep them; the selectors that tell the old
+    /// labels from the new changed their keys in `updates`.
+    pub identities_relabelled: Vec<Identity>,
     /// A Service was added, changed or removed: the frontends may have changed
     /// (`Engine::service_frontends`, `Engine::node_ports`).
     pub services_changed: bool,
@@ -93,6 +97,7 @@ impl EngineDelta {
             && self.ipcache.is_empty()
             && self.identities_added.is_empty()
             && self.identities_removed.is_empty()
+            && self.identities_relabelled.is_empty()
             && !self.services_changed
             && self.errors.is_empty()
     }

@@ -35,7 +35,10 @@ pub(crate) struct SelState {
 #[derive(Debug, Default)]
 pub(crate) struct Notifications {
     pub gained: HashMap<SelId, BTreeSet<Identity>>,
+    /// Identities that are gone (every selector loses them: `RemoveIdentity`).
     pub lost: HashMap<SelId, BTreeSet<Identity>>,
+    /// Relabelled identities the selector no longer selects (they stay: `Deselect`).
+    pub deselected: HashMap<SelId, BTreeSet<Identity>>,
     pub changed: Vec<Arc<PeerSpec>>,
     /// The selectors in `gained` or `lost`, one bit per selector number: every entry of every
     /// notified state is tested against it ([`Notifications::touches`]), and most entries'
@@ -126,16 +129,18 @@ impl SelectorCache {
         self.entries.len()
     }
 
-    /// Tests every selector against the identities `added` (with their signatures) and drops
-    /// the `removed` ones. An identity's membership never changes otherwise (signatures and
-    /// selectors are both immutable), so these gains and losses are all the notifications.
+    /// Tests every selector against the identities `added` and `relabelled` (with their
+    /// signatures, the new ones) and drops the `removed` ones. An identity's membership never
+    /// changes otherwise (selectors are immutable, and a signature changes only by a relabel),
+    /// so these gains and losses are all the notifications.
     pub(crate) fn notify(
         &mut self,
         added: &[(Identity, Signature)],
         removed: &BTreeMap<Identity, Signature>,
+        relabelled: &[(Identity, Signature)],
     ) -> Notifications {
         let mut n = Notifications::default();
-        if added.is_empty() && removed.is_empty() {
+        if added.is_empty() && removed.is_empty() && relabelled.is_empty() {
             return n;
         }
         // The namespaces of the pod identities that come and go: a selector of one namespace's
@@ -144,6 +149,7 @@ impl SelectorCache {
         // by comparison: usually one namespace, and every selector is tested against it.)
         let mut touched: Vec<&str> = added
             .iter()
+            .chain(relabelled)
             .map(|(_, sig)| sig)
             .chain(removed.values())
             .filter_map(|sig| match sig {
@@ -172,6 +178,17 @@ impl SelectorCache {
             for id in removed.keys() {
                 if st.ids.remove(*id) {
                     n.lost.entry(st.id).or_default().insert(*id);
+                    changed = true;
+                }
+            }
+            for (id, sig) in relabelled {
+                if selects(spec, sig) {
+                    if st.ids.insert(*id) {
+                        n.gained.entry(st.id).or_default().insert(*id);
+                        changed = true;
+                    }
+                } else if st.ids.remove(*id) {
+                    n.deselected.entry(st.id).or_default().insert(*id);
                     changed = true;
                 }
             }

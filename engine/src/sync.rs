@@ -13,7 +13,7 @@ use ipnet::IpNet;
 use ordnet_mapstate::{ChangeSet, Direction, Identity, Key, MapState, Protocol, StateEntry};
 
 use crate::build::Engine;
-use crate::identity::Signature;
+use crate::identity::{PodSig, Signature};
 use crate::incremental::{
     EndpointUpdate, EngineDelta, IpcacheChange, MAX_DERIVE_DIFF, Pending, StateSnapshot,
     diff_states, owned,
@@ -36,10 +36,13 @@ struct Universe {
     before: Vec<(IpNet, Option<Identity>)>,
 }
 
-/// Step 3: identities that appeared and disappeared.
+/// Step 3: identities that appeared, disappeared, or kept their number under new labels.
 pub(crate) struct IdentityChanges {
     pub added: BTreeSet<Identity>,
     pub removed: BTreeMap<Identity, Signature>,
+    /// Relabelled in place ([`Identities::relabel`](crate::identity::Identities::relabel)):
+    /// the signature each had before.
+    pub relabelled: BTreeMap<Identity, Signature>,
 }
 
 /// An endpoint moving to another share key in one direction: (endpoint, direction index, old
@@ -96,6 +99,7 @@ impl Engine {
         self.ipcache_changes(&universe.before, &mut delta);
         delta.identities_added = ids.added.iter().copied().collect();
         delta.identities_removed = ids.removed.keys().copied().collect();
+        delta.identities_relabelled = ids.relabelled.keys().copied().collect();
         // 4. Selector cache: the changed policies' selectors, then the notifications.
         self.update_selector_users(&p);
         let added_sigs: Vec<(Identity, Signature)> = ids
@@ -103,7 +107,14 @@ impl Engine {
             .iter()
             .filter_map(|id| self.ids.sig(*id).map(|s| (*id, s.clone())))
             .collect();
-        let notes = self.selectors.notify(&added_sigs, &ids.removed);
+        let relabelled: Vec<(Identity, Signature)> = ids
+            .relabelled
+            .keys()
+            .filter_map(|id| self.ids.sig(*id).map(|s| (*id, s.clone())))
+            .collect();
+        let notes = self
+            .selectors
+            .notify(&added_sigs, &ids.removed, &relabelled);
         // 5. Endpoints and their shared MapStates.
         let plan = self.plan_endpoints(&p, &universe.resign);
         let prep = self.prepare_moves(&p, &plan);
@@ -208,8 +219,10 @@ impl Engine {
     }
 
     /// Step 3a: the new signatures of every re-signed pod are acquired before the old ones are
-    /// released (an identity that stays in use never flaps); CIDR identities for added and
-    /// removed prefixes. Returns the changes and each re-signed pod's new identities.
+    /// released (an identity that stays in use never flaps), after the identities all of whose
+    /// addresses move to one new signature took it over ([`Engine::relabel_in_place`]); CIDR
+    /// identities for added and removed prefixes. Returns the changes and each re-signed pod's
+    /// new identities.
     fn acquire_and_release(
         &mut self,
         p: &Pending,
@@ -225,18 +238,24 @@ impl Engine {
             }
             self.cidr_ids.insert(*c, id);
         }
+        let sigs: BTreeMap<&PodKey, Vec<Signature>> = resign
+            .iter()
+            .filter(|k| self.store.pods.contains_key(*k))
+            .map(|k| (k, self.pod_signatures(k)))
+            .collect();
+        let relabelled = self.relabel_in_place(&sigs);
         let mut new_ids: BTreeMap<PodKey, Vec<Identity>> = BTreeMap::new();
-        for k in resign {
-            if !self.store.pods.contains_key(k) {
-                continue;
-            }
-            let got = self.pod_identities(k);
-            for (id, new) in &got {
-                if *new {
-                    added_ids.insert(*id);
+        for (k, sigs) in sigs {
+            let member = pod_key_text(k);
+            let mut got = Vec::with_capacity(sigs.len());
+            for sig in sigs {
+                let (id, new) = self.ids.acquire(sig, &member);
+                if new {
+                    added_ids.insert(id);
                 }
+                got.push(id);
             }
-            new_ids.insert(k.clone(), got.into_iter().map(|(id, _)| id).collect());
+            new_ids.insert(k.clone(), got);
         }
         for k in resign {
             let (old, member) = match p.removed_pods.get(k) {
@@ -263,9 +282,65 @@ impl Engine {
             IdentityChanges {
                 added: added_ids,
                 removed: removed_ids,
+                relabelled,
             },
             new_ids,
         )
+    }
+
+    /// Step 3a, first: an identity **every** address of which is re-signed to one and the same
+    /// signature that no identity has yet, differing only in labels (a namespace relabel moves
+    /// each of its pod identities so; a pod relabel its identity when it is the pod's alone),
+    /// keeps its number under that signature (`sigs`: each re-signed pod's new signatures, in
+    /// the order of its addresses). Then no address changes identity: instead of a new
+    /// identity's keys written in every rule set that selects it and the old one's removed,
+    /// only the selectors that tell the old labels from the new gain or lose it. Returns the
+    /// relabelled identities with their old signatures.
+    fn relabel_in_place(
+        &mut self,
+        sigs: &BTreeMap<&PodKey, Vec<Signature>>,
+    ) -> BTreeMap<Identity, Signature> {
+        // Per old identity: how many of its addresses move, and where (None: not all to one
+        // pod signature).
+        let mut moves: BTreeMap<Identity, (u32, Option<&Arc<PodSig>>)> = BTreeMap::new();
+        for (k, new) in sigs {
+            let Some(rec) = self.store.pods.get(*k) else {
+                continue;
+            };
+            // The identities pair with the signatures address by address only when the
+            // addresses did not change.
+            if rec.signed_ips != rec.ips || rec.ids.len() != new.len() {
+                for id in &rec.ids {
+                    moves.insert(*id, (0, None));
+                }
+                continue;
+            }
+            for (id, sig) in rec.ids.iter().zip(new) {
+                let sig = match sig {
+                    Signature::Pod(p) => Some(p),
+                    _ => None,
+                };
+                let m = moves.entry(*id).or_insert((0, sig));
+                m.0 += 1;
+                if m.1 != sig {
+                    m.1 = None;
+                }
+            }
+        }
+        let mut out = BTreeMap::new();
+        for (id, (n, to)) in moves {
+            let Some(to) = to else { continue };
+            let Some(rec) = self.ids.recs.get(&id) else {
+                continue;
+            };
+            if rec.refs != n || matches!(&rec.sig, Signature::Pod(p) if p == to) {
+                continue;
+            }
+            if let Some(old) = self.ids.relabel(id, to.clone()) {
+                out.insert(id, old);
+            }
+        }
+        out
     }
 
     /// Step 3b: the records and address owners of the re-signed pods.

@@ -32,6 +32,15 @@ pub(crate) struct StateUpdate {
     policy_changed: bool,
 }
 
+/// What the notifications say about one named-port group's selector.
+struct NamedChanges<'a> {
+    gained: Option<&'a BTreeSet<Identity>>,
+    /// Identities that are gone.
+    lost: Option<&'a BTreeSet<Identity>>,
+    /// Relabelled identities the selector no longer selects.
+    deselected: Option<&'a BTreeSet<Identity>>,
+}
+
 fn same_policy(origin: &ordnet_mapstate::Origin, id: &PolicyRef) -> bool {
     origin.kind == id.kind.as_str() && origin.namespace == id.namespace && origin.name == id.name
 }
@@ -191,7 +200,7 @@ impl Engine {
         removed_ids: &BTreeMap<Identity, Signature>,
         acc: &mut StateUpdate,
     ) {
-        let (gained, lost) = (&notes.gained, &notes.lost);
+        let (gained, lost, deselected) = (&notes.gained, &notes.lost, &notes.deselected);
         // The indexes of unchanged policies (cloned: the named groups need &mut self below).
         let mut named: Vec<NamedGroup> = Vec::new();
         let Some(shared) = self.shared.get(key) else {
@@ -216,6 +225,12 @@ impl Engine {
                 if let Some(l) = lost.get(sel) {
                     acc.removes.extend(l.iter().copied());
                 }
+                if let Some(d) = deselected.get(sel) {
+                    acc.updates.push(Update::Deselect {
+                        entry: *id,
+                        ids: d.iter().copied().collect(),
+                    });
+                }
             }
             for g in &index.named {
                 if notes.touches(g.sel) {
@@ -227,14 +242,12 @@ impl Engine {
             if let Some(l) = lost.get(&g.sel) {
                 acc.removes.extend(l.iter().copied());
             }
-            self.named_notifications(
-                key,
-                g,
-                gained.get(&g.sel),
-                lost.get(&g.sel),
-                removed_ids,
-                acc,
-            );
+            let changes = NamedChanges {
+                gained: gained.get(&g.sel),
+                lost: lost.get(&g.sel),
+                deselected: deselected.get(&g.sel),
+            };
+            self.named_notifications(key, g, changes, removed_ids, acc);
         }
     }
 
@@ -293,16 +306,21 @@ impl Engine {
 
     /// Updates for one egress named-port group (rule, peer, name) after identity
     /// notifications: new identities join the entry of their port number (created if it does
-    /// not exist); entries whose last identity went are removed.
+    /// not exist), relabelled ones the selector lost leave theirs; entries whose last identity
+    /// went are removed.
     fn named_notifications(
         &mut self,
         key: &Arc<ShareKey>,
         group: &NamedGroup,
-        gained: Option<&BTreeSet<Identity>>,
-        lost: Option<&BTreeSet<Identity>>,
+        changes: NamedChanges<'_>,
         removed_ids: &BTreeMap<Identity, Signature>,
         acc: &mut StateUpdate,
     ) {
+        let NamedChanges {
+            gained,
+            lost,
+            deselected,
+        } = changes;
         let NamedGroup {
             origin,
             order,
@@ -327,6 +345,12 @@ impl Engine {
                     lost_by.entry(*n).or_default().insert(*id);
                 }
             }
+        }
+        // A relabelled identity resolves its named ports as before (`Identities::relabel`).
+        let deselected_by =
+            self.group_by_port(deselected.into_iter().flatten().copied(), name, proto);
+        for (n, ids) in &deselected_by {
+            lost_by.entry(*n).or_default().extend(ids);
         }
         let gained_by = self.group_by_port(gained.into_iter().flatten().copied(), name, proto);
         let numbers: BTreeSet<u16> = lost_by.keys().chain(gained_by.keys()).copied().collect();
@@ -360,6 +384,13 @@ impl Engine {
                         acc.updates.push(Update::RemoveEntry(id));
                         acc.remove_keys.push(id);
                     } else {
+                        if let Some(d) = deselected_by.get(&n) {
+                            let ids: Vec<Identity> =
+                                d.iter().copied().filter(|i| have.contains(*i)).collect();
+                            if !ids.is_empty() {
+                                acc.updates.push(Update::Deselect { entry: id, ids });
+                            }
+                        }
                         for i in g.into_iter().flatten() {
                             if !have.contains(*i) {
                                 let v = acc.selections.entry(*i).or_default();

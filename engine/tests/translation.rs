@@ -615,3 +615,115 @@ spec: {clusterIP: 10.96.0.300, ports: [{port: 80}]}
         "an invalid Service is not used"
     );
 }
+
+/// A change that moves every address of an identity to one new signature (a namespace
+/// relabel, a pod relabel when the identity is the pod's alone) keeps the identity's number:
+/// no address changes identity, and only the selectors that tell the old labels from the new
+/// change keys. An identity that other pods keep, or a signature that has an identity already,
+/// is a change of identity as before. Every step equals a fresh build.
+#[test]
+fn relabels_keep_the_identity_when_all_its_addresses_move() {
+    use ordnet_engine::{EngineDelta, Object, ObjectChange};
+    let policy = network_policy(
+        "y",
+        "{podSelector: {}, ingress: [\
+         {from: [{namespaceSelector: {matchLabels: {team: blue}}}], ports: [{port: 80}]},\
+         {from: [{namespaceSelector: {}}], ports: [{port: 443}]}]}",
+    );
+    let mut inc = engine(&policy);
+    let mut objects = format!("{BASE}\n---\n{policy}");
+    let mut apply = |inc: &mut Engine, yaml: String| -> EngineDelta {
+        let change = if yaml.contains("kind: Namespace") {
+            ObjectChange::Upsert(Object::Namespace(yaml_serde::from_str(&yaml).unwrap()))
+        } else {
+            ObjectChange::Upsert(Object::Pod(yaml_serde::from_str(&yaml).unwrap()))
+        };
+        let d = inc.apply(change);
+        assert!(d.errors.is_empty(), "{:?}", d.errors);
+        // The objects as they are now: the changed one replaces its earlier version.
+        // `metadata: {name: N` or `metadata: {name: N, namespace: M`: the object's identity.
+        let name = yaml.lines().find(|l| l.starts_with("metadata:")).unwrap();
+        let name = name.split(", labels").next().unwrap().to_string();
+        let docs: Vec<String> = objects
+            .split("\n---\n")
+            .filter(|doc| !doc.contains(&name))
+            .map(str::to_string)
+            .chain([yaml])
+            .collect();
+        objects = docs.join("\n---\n");
+        let full = common::manifest::build(&common::manifest::objects(&objects));
+        assert_eq!(inc.snapshot(), full.snapshot(), "after {:?}", d);
+        d
+    };
+    let ns_x = |labels: &str| {
+        format!("apiVersion: v1\nkind: Namespace\nmetadata: {{name: x, labels: {{ns: x{labels}}}}}")
+    };
+    let pod_a = |app: &str| {
+        format!(
+            "apiVersion: v1\nkind: Pod\nmetadata: {{name: a, namespace: x, labels: {{app: {app}}}}}\n\
+             spec: {{containers: [{{name: c, image: i, ports: [{{name: http, containerPort: 80}}, \
+             {{name: dns, containerPort: 53, protocol: UDP}}]}}]}}\nstatus: {{podIP: 10.0.0.1}}"
+        )
+    };
+    let id_of = |e: &Engine, pod: &str| e.endpoint("x", pod).unwrap().identities[0];
+    let allowed = |e: &Engine, port: u16| {
+        e.flow(
+            &pod("x", "a"),
+            &pod("y", "c"),
+            IpFamily::V4,
+            Protocol::Tcp,
+            port,
+        )
+        .verdict
+            == Verdict::Allow
+    };
+    let web = id_of(&inc, "a");
+    assert_eq!(id_of(&inc, "b"), web);
+    assert!(!allowed(&inc, 80) && allowed(&inc, 443));
+
+    // A namespace label no selector reads: the identity keeps its number, nothing is written.
+    let d = apply(&mut inc, ns_x(", owner: z"));
+    assert_eq!(d.identities_relabelled, vec![web]);
+    assert!(d.identities_added.is_empty() && d.identities_removed.is_empty());
+    assert!(d.ipcache.is_empty() && d.updates.is_empty(), "{d:?}");
+    assert_eq!(id_of(&inc, "a"), web);
+    assert_eq!(
+        inc.identity_info(web).unwrap().namespace_labels["owner"],
+        "z"
+    );
+
+    // A label a selector reads: only c's ingress changes, by the keys of that selector.
+    let d = apply(&mut inc, ns_x(", owner: z, team: blue"));
+    assert_eq!(d.identities_relabelled, vec![web]);
+    assert!(d.ipcache.is_empty());
+    assert_eq!(d.updates.len(), 1, "{:?}", d.updates);
+    assert_eq!(
+        (d.updates[0].endpoint.as_str(), d.updates[0].direction),
+        ("y/c", Direction::Ingress)
+    );
+    assert!(d.updates[0].changes.removed.is_empty());
+    assert!(allowed(&inc, 80) && allowed(&inc, 443));
+    // And back.
+    let d = apply(&mut inc, ns_x(", owner: z"));
+    assert_eq!(d.identities_relabelled, vec![web]);
+    assert!(d.updates[0].changes.added.is_empty() && !d.updates[0].changes.removed.is_empty());
+    assert!(!allowed(&inc, 80) && allowed(&inc, 443));
+
+    // a leaves the identity it shares with b: a new identity, b keeps the old one.
+    let d = apply(&mut inc, pod_a("api"));
+    let api = id_of(&inc, "a");
+    assert!(d.identities_relabelled.is_empty());
+    assert_eq!(d.identities_added, vec![api]);
+    assert_ne!(api, web);
+    assert_eq!(id_of(&inc, "b"), web);
+    // The identity is a's alone now: relabelled in place.
+    let d = apply(&mut inc, pod_a("api2"));
+    assert_eq!(d.identities_relabelled, vec![api]);
+    assert!(d.ipcache.is_empty());
+    assert_eq!(id_of(&inc, "a"), api);
+    // Back to b's labels: that signature has an identity, which a joins; its own goes.
+    let d = apply(&mut inc, pod_a("web"));
+    assert!(d.identities_relabelled.is_empty());
+    assert_eq!(d.identities_removed, vec![api]);
+    assert_eq!(id_of(&inc, "a"), web);
+}
