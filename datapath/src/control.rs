@@ -1537,7 +1537,9 @@ impl Control {
     }
 
     /// Sets (`Some`) or removes (`None`) the identity of networks: single addresses go to the
-    /// exact ipcache, shorter prefixes to the CIDR trie.
+    /// exact ipcache, shorter prefixes to the CIDR trie. A network given more than once takes
+    /// its last entry, and only where it ends differing from where it started is written (a
+    /// record set and removed again in one batch would otherwise exist half-way through it).
     pub fn set_identities<W: TableWriter + ?Sized>(
         &mut self,
         w: &mut W,
@@ -1548,7 +1550,8 @@ impl Control {
             self.identities_version = next_identities_version();
         }
         let mut exact = Vec::new();
-        let mut cidr_writes = Vec::new();
+        // CIDR entries: each prefix's identity before the batch, in the order first touched.
+        let mut cidr_before: Vec<((IpKey, u32), Option<u32>)> = Vec::new();
         for (net, identity) in entries {
             if is_host_prefix(net) {
                 let key = ip_key(net.addr());
@@ -1558,29 +1561,33 @@ impl Control {
                 };
                 exact.push(key);
             } else {
-                let (key, len) = net_key(*net);
-                let k = (key, len);
-                match identity {
-                    Some(id) => {
-                        if self.cidr.insert(k, *id) != Some(*id) {
-                            cidr_writes.push(Write::CidrUpsert(
-                                key,
-                                len,
-                                IpInfo {
-                                    identity: *id,
-                                    ..IpInfo::default()
-                                },
-                            ));
-                        }
-                    }
-                    None => {
-                        if self.cidr.remove(&k).is_some() {
-                            cidr_writes.push(Write::CidrDelete(key, len));
-                        }
-                    }
+                let k = net_key(*net);
+                if !cidr_before.iter().any(|(seen, _)| *seen == k) {
+                    cidr_before.push((k, self.cidr.get(&k).copied()));
                 }
+                match identity {
+                    Some(id) => self.cidr.insert(k, *id),
+                    None => self.cidr.remove(&k),
+                };
             }
         }
+        let cidr_writes: Vec<Write> = cidr_before
+            .into_iter()
+            .filter_map(|((key, len), before)| {
+                match (before, self.cidr.get(&(key, len)).copied()) {
+                    (b, a) if b == a => None,
+                    (_, Some(identity)) => Some(Write::CidrUpsert(
+                        key,
+                        len,
+                        IpInfo {
+                            identity,
+                            ..IpInfo::default()
+                        },
+                    )),
+                    (_, None) => Some(Write::CidrDelete(key, len)),
+                }
+            })
+            .collect();
         self.write_records(w, exact, &HashMap::new(), &mut stats)?;
         stats.write(w, &cidr_writes)?;
         self.bump(w, &mut stats)?;

@@ -939,3 +939,29 @@ fn keys_of_an_identity_nobody_carries_need_no_meet() {
         "77 is carried: the meet first"
     );
 }
+
+/// A network given twice in one batch takes its last entry, and is written only where it ends
+/// differing from where it started: one set and removed again in one batch is not written at
+/// all (its record would otherwise exist half-way through the batch, allowing what neither
+/// end allows).
+#[test]
+fn a_network_given_twice_in_a_batch_takes_its_last_entry() {
+    let mut control = Control::new(Store::new(16, 256, Duration::ZERO), State::default());
+    let mut t = MemTables::new(16 * 769, 256 * 256);
+    let net: ordnet_datapath::IpNet = "10.2.0.0/16".parse().unwrap();
+    let cidrs = |t: &MemTables| t.cidr.iter().map(|(_, i)| i.identity).collect::<Vec<_>>();
+    let s = control
+        .set_identities(&mut t, &[(net, Some(2)), (net, None)])
+        .unwrap();
+    assert_eq!((s.ip_writes, cidrs(&t)), (0, vec![]));
+    let s = control
+        .set_identities(&mut t, &[(net, Some(2)), (net, Some(3))])
+        .unwrap();
+    assert_eq!((s.ip_writes, cidrs(&t)), (1, vec![3]));
+    let s = control
+        .set_identities(&mut t, &[(net, None), (net, Some(3))])
+        .unwrap();
+    assert_eq!((s.ip_writes, cidrs(&t)), (0, vec![3]), "unchanged");
+    let s = control.set_identities(&mut t, &[(net, None)]).unwrap();
+    assert_eq!((s.ip_writes, cidrs(&t)), (1, vec![]));
+}
