@@ -737,8 +737,8 @@ async fn engine_changes() {
             started.elapsed().as_secs_f64()
         );
         // The datapath keeps node-local identity classes as the agent does (the translation's
-        // time is in the datapath's; its splits, merges and records rewritten are printed per
-        // kind); `ORDNET_CLASSES=0`: without them.
+        // time is in the datapath's; its splits, merges, joins, records rewritten and class
+        // keys written are printed per kind); `ORDNET_CLASSES=0`: without them.
         let classes = !classes_off();
         let mut dp = if classes {
             NoneDatapath::with_classes()
@@ -747,7 +747,7 @@ async fn engine_changes() {
         };
         dp.program_full(&engine).unwrap();
         let class_stats = |dp: &NoneDatapath| dp.classes().map(|c| c.classes.stats());
-        let mut class_work = vec![(0usize, 0usize, 0usize); scale::CHANGE_KINDS.len()];
+        let mut class_work = vec![[0usize; 5]; scale::CHANGE_KINDS.len()];
         // The agent benchmark's changes, in its order: per kind, the engine's and the
         // datapath's time (`--datapath none`: the same programming as bpf).
         let mut times = vec![Vec::new(); scale::CHANGE_KINDS.len()];
@@ -776,9 +776,11 @@ async fn engine_changes() {
                 });
                 if let (Some(a), Some(b)) = (before, class_stats(&dp)) {
                     let w = &mut class_work[k];
-                    w.0 += b.splits - a.splits;
-                    w.1 += b.merges - a.merges;
-                    w.2 += b.moved - a.moved;
+                    w[0] += b.splits - a.splits;
+                    w[1] += b.merges - a.merges;
+                    w[2] += b.joins - a.joins;
+                    w[3] += b.moved - a.moved;
+                    w[4] += b.key_writes - a.key_writes;
                 }
             }
         }
@@ -819,9 +821,9 @@ async fn engine_changes() {
                 slowest.updated,
             );
             if classes {
-                let (splits, merges, moved) = class_work[k];
+                let [splits, merges, joins, moved, keys] = class_work[k];
                 println!(
-                    "      classes over {} changes: {splits} splits, {merges} merges, {moved} records rewritten",
+                    "      classes over {} changes: {splits} splits, {merges} merges, {joins} joins, {moved} records rewritten, {keys} class keys written",
                     t.len()
                 );
             }

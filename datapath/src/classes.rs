@@ -28,11 +28,19 @@
 //!
 //! 1. *Splits, neutral.* The identities a run of policy writes changes are grouped by class and
 //!    by their changes (sorted: the store writes one batch per phase of its order, within which
-//!    the order is free). A class whose members all change alike is changed in place. Otherwise each group moves to a new class: its keys are copied from the old class
-//!    (no record points to the new class yet: invisible), then each member address's record is
-//!    rewritten to it (one atomic write; the keys are equal, so no verdict changes). The old
-//!    class keeps the members that do not change, and its keys do not change in this batch, so
-//!    a packet that read a member's record just before it moved still sees the old state.
+//!    the order is free). A class whose members all change alike is changed in place.
+//!    Otherwise a group whose keys after the change are those of a class the run does not
+//!    change (or none: class 0) *joins* it: its members' records are rewritten to it, so a
+//!    packet that reads one sees that identity's keys as after the run — all of its writes
+//!    first, which is one order of the run's writes — and one that read it before sees the old
+//!    class, which the run does not change (a namespace relabel moves identities between
+//!    existing classes so; copying the old class's keys and retiring the copy at once cost a
+//!    thousand key writes per identity). Any other group moves to a new class: its keys are
+//!    copied from the old class (no record points to the new class yet: invisible), then each
+//!    member address's record is rewritten to it (one atomic write; the keys are equal, so no
+//!    verdict changes). The old class keeps the members that do not change, and its keys do
+//!    not change in this batch, so a packet that read a member's record just before it moved
+//!    still sees the old state.
 //!    Where the changed keys are in a rule set no record uses in the space (one joining or
 //!    leaving it), the largest group stays, changed in place, and only the others move.
 //! 2. *The change*, per class, in the order the identity-level run makes it: every class's
@@ -227,7 +235,10 @@ pub struct Classes {
     leaving: VecDeque<(usize, u32, Instant)>,
     splits: usize,
     merges: usize,
+    joins: usize,
     moved: usize,
+    /// Class keys written and deleted so far.
+    key_writes: usize,
     /// Identity keys added since the model was last compacted ([`Classes::compact`]).
     grown: usize,
     /// What each identity key the last batch wrote held before it, in order (rule set, (key,
@@ -252,6 +263,10 @@ pub struct ClassStats {
     pub splits: usize,
     /// Classes merged into another (or into class 0) so far.
     pub merges: usize,
+    /// Groups of identities moved straight into a class that had their new keys so far.
+    pub joins: usize,
+    /// Class keys written (upserts and deletions) so far.
+    pub key_writes: usize,
     /// Records rewritten by splits and merges so far.
     pub moved: usize,
 }
@@ -272,7 +287,9 @@ impl Classes {
             leaving: VecDeque::new(),
             splits: 0,
             merges: 0,
+            joins: 0,
             moved: 0,
+            key_writes: 0,
             grown: 0,
             undo: Vec::new(),
         }
@@ -290,7 +307,9 @@ impl Classes {
             identities: self.addrs.len(),
             splits: self.splits,
             merges: self.merges,
+            joins: self.joins,
             moved: self.moved,
+            key_writes: self.key_writes,
             ..ClassStats::default()
         };
         for (d, space) in self.spaces.iter().enumerate() {
@@ -405,6 +424,7 @@ impl Classes {
                 break;
             }
             let (class, keys, _) = self.retired.pop_front().expect("checked");
+            self.key_writes += keys.len();
             for (ruleset, prefix) in keys {
                 out.push(ClassWrite::Key(Write::PolicyDelete(PolicyKey {
                     ruleset,
@@ -514,7 +534,9 @@ impl Classes {
                 .or_default()
                 .push(id);
         }
-        // 1. Splits.
+        // 1. Splits. The classes this run changes: no group joins one (its keys are not yet
+        // what they will be).
+        let mut changing: FastSet<u32> = groups.keys().copied().collect();
         let mut targets: Vec<Target> = Vec::new();
         for (c, by_change) in groups {
             // In a fixed order (the identities are visited in order: each group's first).
@@ -534,6 +556,7 @@ impl Classes {
             if invisible && c != 0 {
                 match self.split_keeping_largest(d, c, by_change, touched, out) {
                     Ok(mut t) => {
+                        changing.extend(t.iter().map(|t| t.0));
                         targets.append(&mut t);
                         continue;
                     }
@@ -541,7 +564,19 @@ impl Classes {
                 }
             }
             for (ch, ids) in by_change {
+                // A group whose keys after the change are an unchanging class's moves there
+                // at once: a packet that reads a member's new record sees its keys as after
+                // the run (its writes first: one order of a run's writes), one that read the
+                // old record sees `c`, which this run does not change.
+                if let Some(k) = self.class_after(d, c, &ch, &changing) {
+                    self.joins += 1;
+                    for id in ids {
+                        self.move_identity(d, id, k, out);
+                    }
+                    continue;
+                }
                 let n = self.split_off(d, c, ids, out);
+                changing.insert(n);
                 targets.push((n, ch));
             }
             if c != 0 && self.spaces[d].classes[&c].members.is_empty() {
@@ -551,6 +586,7 @@ impl Classes {
         // 2. The change.
         for (c, ch) in targets {
             self.spaces[d].unfile(c);
+            self.key_writes += ch.len();
             for (at, v) in ch {
                 self.spaces[d].set_key(c, at, v);
                 out.push(ClassWrite::Key(key_write(c, at, v)));
@@ -609,6 +645,46 @@ impl Classes {
         Ok(targets)
     }
 
+    /// The class of space `d`, other than `c` and the `changing` ones, whose keys are `c`'s
+    /// (none for class 0) with `ch` applied (sorted by key, one change per key): 0 when they
+    /// are none and `c` is not 0.
+    fn class_after(&self, d: usize, c: u32, ch: &[Change], changing: &FastSet<u32>) -> Option<u32> {
+        debug_assert!(ch.is_sorted_by(|a, b| a.0 < b.0));
+        let space = &self.spaces[d];
+        let empty = BTreeMap::new();
+        let (base, mut hash) = match space.classes.get(&c) {
+            Some(class) if c != 0 => (&class.keys, class.hash),
+            _ => (&empty, 0),
+        };
+        let mut len = base.len();
+        for &(at, v) in ch {
+            if let Some(&old) = base.get(&at) {
+                hash = hash.wrapping_sub(key_hash(at, old));
+                len -= 1;
+            }
+            if let Some(v) = v {
+                hash = hash.wrapping_add(key_hash(at, v));
+                len += 1;
+            }
+        }
+        if len == 0 {
+            return (c != 0).then_some(0);
+        }
+        let equal = |keys: &BTreeMap<KeyAt, PolicyValue>| {
+            keys.len() == len
+                && ch.iter().all(|(at, v)| keys.get(at) == v.as_ref())
+                && base.iter().all(|(at, v)| {
+                    ch.binary_search_by_key(at, |c| c.0).is_ok() || keys.get(at) == Some(v)
+                })
+        };
+        space
+            .by_hash
+            .get(&hash)?
+            .iter()
+            .copied()
+            .find(|&o| o != c && !changing.contains(&o) && equal(&space.classes[&o].keys))
+    }
+
     /// Moves `ids` (members of class `c` of space `d`) to a new class with `c`'s keys.
     fn split_off(&mut self, d: usize, c: u32, ids: Vec<u32>, out: &mut Vec<ClassWrite>) -> u32 {
         let n = self.new_class(d, c, out);
@@ -630,6 +706,7 @@ impl Classes {
             Some(c) if like != 0 => (c.keys.clone(), c.hash),
             _ => (BTreeMap::new(), 0),
         };
+        self.key_writes += keys.len();
         for (&at, &v) in &keys {
             out.push(ClassWrite::Key(key_write(n, at, Some(v))));
         }
@@ -810,6 +887,7 @@ impl Classes {
                 Some(c) => c,
                 None => {
                     let n = self.new_class(d, 0, out);
+                    self.key_writes += keys.len();
                     for (&at, &v) in &keys {
                         self.spaces[d].set_key(n, at, Some(v));
                         out.push(ClassWrite::Key(key_write(n, at, Some(v))));

@@ -25,7 +25,7 @@ use ordnet_datapath::{
     },
     leafmap::LeafMap,
 };
-use ordnet_mapstate::{Direction, MapState};
+use ordnet_mapstate::{Direction, MapState, Selector, Update};
 
 /// What is checked: (endpoint record, direction, peer address, probe index) → allowed.
 type Verdicts = HashMap<(IpKey, usize, Addr, usize), bool>;
@@ -325,7 +325,7 @@ fn remote_ip(r: u8) -> IpNet {
 
 #[test]
 fn classes_follow_every_change_without_a_transient_allow() {
-    let (mut splits, mut merges, mut max_classes) = (0usize, 0usize, 0usize);
+    let (mut splits, mut merges, mut joins, mut max_classes) = (0usize, 0usize, 0usize, 0usize);
     let mut total = (0usize, 0usize);
     let mut shared = 0usize;
     let cases: u64 = std::env::var("ORDNET_CLASS_CASES")
@@ -340,7 +340,7 @@ fn classes_follow_every_change_without_a_transient_allow() {
         let mut rng = Rng::new(0x0c1a_55e5 ^ case.wrapping_mul(0x9e37_79b9));
         // A pool of MapStates per direction: endpoints pick from it, so rule sets are shared
         // and change in place as well as anew.
-        let pool: Vec<[MapState; 2]> = (0..5)
+        let mut pool: Vec<[MapState; 2]> = (0..5)
             .map(|_| {
                 [
                     arb_mapstate(&mut rng, Direction::Ingress, 8),
@@ -349,6 +349,7 @@ fn classes_follow_every_change_without_a_transient_allow() {
             })
             .collect();
         let all: Vec<&MapState> = pool.iter().flatten().collect();
+        // (A selector gaining or losing an identity below changes no key's prefix.)
         let probes: Vec<(u8, u16)> = probe_points(&all)
             .into_iter()
             .filter(|&(p, _)| matches!(p, 6 | 1))
@@ -370,8 +371,10 @@ fn classes_follow_every_change_without_a_transient_allow() {
         };
         let ips: Vec<[IpAddr; 1]> = (1..=ENDPOINTS).map(|e| [endpoint_ip(e)]).collect();
         let mut live: BTreeSet<u32> = BTreeSet::new();
+        // The pool states each live endpoint uses: [ingress, egress].
+        let mut uses: HashMap<u32, [usize; 2]> = HashMap::new();
         for step in 0..30 {
-            let op = rng.below(6);
+            let op = rng.below(8);
             w.context = format!("case {case} step {step} op {op}");
             match op {
                 // An endpoint (new or existing) gets MapStates of the pool and an identity.
@@ -387,6 +390,7 @@ fn classes_follow_every_change_without_a_transient_allow() {
                     };
                     control.update_endpoints(&mut w, &[(e, spec)]).unwrap();
                     live.insert(e);
+                    uses.insert(e, [i, o]);
                 }
                 // A relabel: a live endpoint's identity changes.
                 2 if !live.is_empty() => {
@@ -415,10 +419,71 @@ fn classes_follow_every_change_without_a_transient_allow() {
                         .collect();
                     control.set_identities(&mut w, &entries).unwrap();
                 }
+                // Selectors gain or lose one identity (a relabel in place, in the engine): only
+                // that identity's keys change, in place, in every endpoint of the states
+                // changed. Op 5: one selector of one state; op 6: the identity becomes like
+                // another in every state of one direction (every entry selects both or
+                // neither), as a relabelled namespace's identity becomes like the other
+                // namespaces' of its new team.
+                5 | 6 => {
+                    let d = rng.below(2);
+                    let id = 1 + rng.below(IDS as usize) as u32;
+                    let like = 1 + rng.below(IDS as usize) as u32;
+                    let one = rng.below(pool.len());
+                    let mut changed = Vec::new();
+                    for (p, states) in pool.iter_mut().enumerate() {
+                        if op == 5 && p != one {
+                            continue;
+                        }
+                        let ms = &mut states[d];
+                        let entries: Vec<_> = ms
+                            .policy_entries()
+                            .into_iter()
+                            .filter(|e| matches!(e.selector, Selector::Ids(_)))
+                            .collect();
+                        let flip = |e: &ordnet_mapstate::PolicyEntry, select: bool| {
+                            let ids = vec![id];
+                            if select {
+                                Update::Select { entry: e.id, ids }
+                            } else {
+                                Update::Deselect { entry: e.id, ids }
+                            }
+                        };
+                        let updates: Vec<Update> = if op == 5 {
+                            let Some(e) = entries.get(rng.below(entries.len().max(1))) else {
+                                continue;
+                            };
+                            vec![flip(e, !e.selector.selects(id))]
+                        } else {
+                            entries
+                                .iter()
+                                .filter(|e| e.selector.selects(id) != e.selector.selects(like))
+                                .map(|e| flip(e, e.selector.selects(like)))
+                                .collect()
+                        };
+                        if !updates.is_empty() {
+                            let cs = ms.apply(updates).unwrap();
+                            changed.push((p, cs, ms.direction(), ms.default_verdict()));
+                        }
+                    }
+                    let batch: Vec<_> = changed
+                        .iter()
+                        .flat_map(|(p, cs, dir, default)| {
+                            live.iter()
+                                .copied()
+                                .filter(|e| uses[e][d] == *p)
+                                .map(move |e| (e, *dir, cs, *default))
+                        })
+                        .collect();
+                    if !batch.is_empty() {
+                        control.apply_changes(&mut w, &batch).unwrap();
+                    }
+                }
                 _ if !live.is_empty() => {
                     let e = rng.pick(&live.iter().copied().collect::<Vec<_>>());
                     control.remove_endpoints(&mut w, &[e]).unwrap();
                     live.remove(&e);
+                    uses.remove(&e);
                 }
                 _ => {}
             }
@@ -430,16 +495,18 @@ fn classes_follow_every_change_without_a_transient_allow() {
         let s = w.classes.stats();
         splits += s.splits;
         merges += s.merges;
+        joins += s.joins;
     }
     println!(
         "{} class-level writes, {} (endpoint, direction, peer, probe) checks; {splits} splits, \
-         {merges} merges, at most {max_classes} classes at once; the model shared the \
+         {merges} merges, {joins} joins, at most {max_classes} classes at once; the model shared the \
          store's keys after {shared} rule set writes",
         total.0, total.1
     );
     assert!(shared >= 100, "too few rule set writes: {shared}");
     assert!(max_classes >= 4, "too few classes: {max_classes}");
     assert!(splits >= 50 && merges >= 50, "too few splits or merges");
+    assert!(joins >= 4, "too few groups joined a class at once: {joins}");
 }
 
 /// An entry of `ids` with `action` on TCP port `port`.
@@ -537,5 +604,71 @@ fn identities_the_policies_do_not_tell_apart_share_a_class() {
         1,
         "the egress class's key is deleted"
     );
+    w.classes.check().unwrap();
+}
+
+/// An identity whose keys become those of another class joins it at once: its records are
+/// rewritten, and no class key is written (no copy of its old class, nothing retired).
+#[test]
+fn an_identity_that_becomes_like_another_class_joins_it() {
+    use ordnet_datapath::classes::Classed;
+    use ordnet_mapstate::Verdict;
+    let ingress = |entries: &[ordnet_mapstate::PolicyEntry]| {
+        build(Direction::Ingress, Verdict::Deny, entries)
+    };
+    let egress = build(Direction::Egress, Verdict::Deny, &[]);
+    let before = ingress(&[
+        tcp_entry(1, &[1, 2], 80, true),
+        tcp_entry(2, &[3], 443, true),
+    ]);
+    let mut after = before.clone();
+    let cs = after
+        .apply(vec![
+            Update::Deselect {
+                entry: ordnet_mapstate::EntryId(1),
+                ids: vec![2],
+            },
+            Update::Select {
+                entry: ordnet_mapstate::EntryId(2),
+                ids: vec![2],
+            },
+        ])
+        .unwrap();
+    let mut control = Control::new(Store::new(16, 256, Duration::ZERO), State::default());
+    let mut w = Classed::new(MemTables::new(16 * 769, 256 * 256), Duration::ZERO);
+    let remote: Vec<(IpNet, Option<u32>)> = (1..=3)
+        .map(|i| (remote_ip(i), Some(u32::from(i))))
+        .collect();
+    control.set_identities(&mut w, &remote).unwrap();
+    let ips = [endpoint_ip(1)];
+    let spec = EndpointSpec {
+        ips: &ips,
+        identity: 9,
+        identities: &[],
+        ingress: &before,
+        egress: &egress,
+    };
+    control.update_endpoints(&mut w, &[(1, spec)]).unwrap();
+    let c = |w: &Classed, id: u32| w.classes.classes_of(id)[INGRESS];
+    assert_eq!(c(&w, 1), c(&w, 2));
+    assert_ne!(c(&w, 2), c(&w, 3));
+    let s0 = w.classes.stats();
+    assert_eq!(s0.classes[INGRESS], 2, "{s0:?}");
+
+    // Identity 2 leaves entry 1 for entry 2, in place: its keys become identity 3's.
+    control
+        .apply_changes(&mut w, &[(1, Direction::Ingress, &cs, Verdict::Deny)])
+        .unwrap();
+    w.reclaim();
+    let s = w.classes.stats();
+    assert_eq!(c(&w, 2), c(&w, 3), "{s:?}");
+    assert_ne!(c(&w, 1), c(&w, 2));
+    assert_eq!(s.classes[INGRESS], 2, "{s:?}");
+    // Out of its class (its keys deleted: no class of those keys) and into identity 3's.
+    assert_eq!(s.joins - s0.joins, 2, "{s:?}");
+    assert_eq!((s.splits, s.merges), (s0.splits, s0.merges), "{s:?}");
+    assert_eq!(s.key_writes, s0.key_writes, "no class key written: {s:?}");
+    let keyed = |t: &MemTables| t.policy.keys().filter(|k| k.identity != 0).count();
+    assert_eq!((keyed(&w.identity), keyed(&w.class_tables.tables)), (3, 2));
     w.classes.check().unwrap();
 }
