@@ -521,6 +521,19 @@ fn tcp_entry(id: u64, ids: &[u32], port: u16, allow: bool) -> ordnet_mapstate::P
     e
 }
 
+/// A control plane writing through [`Classed`](ordnet_datapath::classes::Classed), with remote
+/// addresses of identities `1..=n`.
+fn classed_with_remotes(n: u8) -> (Control, ordnet_datapath::classes::Classed) {
+    let mut control = Control::new(Store::new(16, 256, Duration::ZERO), State::default());
+    let mut w =
+        ordnet_datapath::classes::Classed::new(MemTables::new(16 * 769, 256 * 256), Duration::ZERO);
+    let remote: Vec<(IpNet, Option<u32>)> = (1..=n)
+        .map(|i| (remote_ip(i), Some(u32::from(i))))
+        .collect();
+    control.set_identities(&mut w, &remote).unwrap();
+    (control, w)
+}
+
 /// One class per distinct set of keys: identities the policies do not tell apart share one,
 /// its keys are written once; an in-place change that tells one apart splits it off, the
 /// change back merges it again; an identity whose last address goes leaves its class.
@@ -541,12 +554,7 @@ fn identities_the_policies_do_not_tell_apart_share_a_class() {
         tcp_entry(1, &[1, 2], 80, true),
         tcp_entry(2, &[3], 443, true),
     ]);
-    let mut control = Control::new(Store::new(16, 256, Duration::ZERO), State::default());
-    let mut w = Classed::new(MemTables::new(16 * 769, 256 * 256), Duration::ZERO);
-    let remote: Vec<(IpNet, Option<u32>)> = (1..=6)
-        .map(|i| (remote_ip(i), Some(u32::from(i))))
-        .collect();
-    control.set_identities(&mut w, &remote).unwrap();
+    let (mut control, mut w) = classed_with_remotes(6);
     let ips = [endpoint_ip(1)];
     let spec = |ingress| EndpointSpec {
         ips: &ips,
@@ -634,12 +642,7 @@ fn an_identity_that_becomes_like_another_class_joins_it() {
             },
         ])
         .unwrap();
-    let mut control = Control::new(Store::new(16, 256, Duration::ZERO), State::default());
-    let mut w = Classed::new(MemTables::new(16 * 769, 256 * 256), Duration::ZERO);
-    let remote: Vec<(IpNet, Option<u32>)> = (1..=3)
-        .map(|i| (remote_ip(i), Some(u32::from(i))))
-        .collect();
-    control.set_identities(&mut w, &remote).unwrap();
+    let (mut control, mut w) = classed_with_remotes(3);
     let ips = [endpoint_ip(1)];
     let spec = EndpointSpec {
         ips: &ips,

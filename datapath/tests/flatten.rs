@@ -949,7 +949,7 @@ fn a_network_given_twice_in_a_batch_takes_its_last_entry() {
     let mut control = Control::new(Store::new(16, 256, Duration::ZERO), State::default());
     let mut t = MemTables::new(16 * 769, 256 * 256);
     let net: ordnet_datapath::IpNet = "10.2.0.0/16".parse().unwrap();
-    let cidrs = |t: &MemTables| t.cidr.iter().map(|(_, i)| i.identity).collect::<Vec<_>>();
+    let cidrs = |t: &MemTables| t.cidr.values().map(|i| i.identity).collect::<Vec<_>>();
     let s = control
         .set_identities(&mut t, &[(net, Some(2)), (net, None)])
         .unwrap();
