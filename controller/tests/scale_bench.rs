@@ -775,12 +775,7 @@ async fn engine_changes() {
                     batches: now.batches - written.batches,
                 });
                 if let (Some(a), Some(b)) = (before, class_stats(&dp)) {
-                    let w = &mut class_work[k];
-                    w[0] += b.splits - a.splits;
-                    w[1] += b.merges - a.merges;
-                    w[2] += b.joins - a.joins;
-                    w[3] += b.moved - a.moved;
-                    w[4] += b.key_writes - a.key_writes;
+                    add_class_work(&mut class_work[k], a, b);
                 }
             }
         }
@@ -934,6 +929,25 @@ fn datapath_fill() {
 }
 
 /// The class-level tables of one node's programmed datapath (see [`datapath_fill`]).
+/// Adds the class work between two stats to `w`: splits, merges, joins, records rewritten,
+/// class keys written.
+fn add_class_work(
+    w: &mut [usize; 5],
+    a: ordnet_datapath::classes::ClassStats,
+    b: ordnet_datapath::classes::ClassStats,
+) {
+    let done = [
+        b.splits - a.splits,
+        b.merges - a.merges,
+        b.joins - a.joins,
+        b.moved - a.moved,
+        b.key_writes - a.key_writes,
+    ];
+    for (w, d) in w.iter_mut().zip(done) {
+        *w += d;
+    }
+}
+
 fn print_class_fill(c: &ordnet_datapath::classes::Classed, took: Duration) {
     use ordnet_datapath::common::layout::DEFAULT_POLICY_ENTRIES;
     let s = c.classes.stats();

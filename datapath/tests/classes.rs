@@ -25,7 +25,7 @@ use ordnet_datapath::{
     },
     leafmap::LeafMap,
 };
-use ordnet_mapstate::{Direction, MapState, Selector, Update};
+use ordnet_mapstate::{ChangeSet, Direction, MapState, Selector, Update, Verdict};
 
 /// What is checked: (endpoint record, direction, peer address, probe index) → allowed.
 type Verdicts = HashMap<(IpKey, usize, Addr, usize), bool>;
@@ -421,51 +421,9 @@ fn classes_follow_every_change_without_a_transient_allow() {
                 }
                 // Selectors gain or lose one identity (a relabel in place, in the engine): only
                 // that identity's keys change, in place, in every endpoint of the states
-                // changed. Op 5: one selector of one state; op 6: the identity becomes like
-                // another in every state of one direction (every entry selects both or
-                // neither), as a relabelled namespace's identity becomes like the other
-                // namespaces' of its new team.
+                // changed ([`relabel_in_place`]).
                 5 | 6 => {
-                    let d = rng.below(2);
-                    let id = 1 + rng.below(IDS as usize) as u32;
-                    let like = 1 + rng.below(IDS as usize) as u32;
-                    let one = rng.below(pool.len());
-                    let mut changed = Vec::new();
-                    for (p, states) in pool.iter_mut().enumerate() {
-                        if op == 5 && p != one {
-                            continue;
-                        }
-                        let ms = &mut states[d];
-                        let entries: Vec<_> = ms
-                            .policy_entries()
-                            .into_iter()
-                            .filter(|e| matches!(e.selector, Selector::Ids(_)))
-                            .collect();
-                        let flip = |e: &ordnet_mapstate::PolicyEntry, select: bool| {
-                            let ids = vec![id];
-                            if select {
-                                Update::Select { entry: e.id, ids }
-                            } else {
-                                Update::Deselect { entry: e.id, ids }
-                            }
-                        };
-                        let updates: Vec<Update> = if op == 5 {
-                            let Some(e) = entries.get(rng.below(entries.len().max(1))) else {
-                                continue;
-                            };
-                            vec![flip(e, !e.selector.selects(id))]
-                        } else {
-                            entries
-                                .iter()
-                                .filter(|e| e.selector.selects(id) != e.selector.selects(like))
-                                .map(|e| flip(e, e.selector.selects(like)))
-                                .collect()
-                        };
-                        if !updates.is_empty() {
-                            let cs = ms.apply(updates).unwrap();
-                            changed.push((p, cs, ms.direction(), ms.default_verdict()));
-                        }
-                    }
+                    let (d, changed) = relabel_in_place(&mut rng, &mut pool, op == 5);
                     let batch: Vec<_> = changed
                         .iter()
                         .flat_map(|(p, cs, dir, default)| {
@@ -507,6 +465,59 @@ fn classes_follow_every_change_without_a_transient_allow() {
     assert!(max_classes >= 4, "too few classes: {max_classes}");
     assert!(splits >= 50 && merges >= 50, "too few splits or merges");
     assert!(joins >= 4, "too few groups joined a class at once: {joins}");
+}
+
+/// The pool's states changed as a relabel in place changes an engine's MapStates, in one
+/// direction (returned): `one`: one selector of one state gains or loses an identity; else an
+/// identity becomes like another in every state (every entry selects both or neither), as a
+/// relabelled namespace's identity becomes like the other namespaces' of its new team. Returns
+/// each changed state's pool index, ChangeSet, direction and default.
+fn relabel_in_place(
+    rng: &mut Rng,
+    pool: &mut [[MapState; 2]],
+    one: bool,
+) -> (usize, Vec<(usize, ChangeSet, Direction, Verdict)>) {
+    let d = rng.below(2);
+    let id = 1 + rng.below(IDS as usize) as u32;
+    let like = 1 + rng.below(IDS as usize) as u32;
+    let only = rng.below(pool.len());
+    let mut changed = Vec::new();
+    for (p, states) in pool.iter_mut().enumerate() {
+        if one && p != only {
+            continue;
+        }
+        let ms = &mut states[d];
+        let entries: Vec<_> = ms
+            .policy_entries()
+            .into_iter()
+            .filter(|e| matches!(e.selector, Selector::Ids(_)))
+            .collect();
+        let flip = |e: &ordnet_mapstate::PolicyEntry, select: bool| {
+            let ids = vec![id];
+            if select {
+                Update::Select { entry: e.id, ids }
+            } else {
+                Update::Deselect { entry: e.id, ids }
+            }
+        };
+        let updates: Vec<Update> = if one {
+            let Some(e) = entries.get(rng.below(entries.len().max(1))) else {
+                continue;
+            };
+            vec![flip(e, !e.selector.selects(id))]
+        } else {
+            entries
+                .iter()
+                .filter(|e| e.selector.selects(id) != e.selector.selects(like))
+                .map(|e| flip(e, e.selector.selects(like)))
+                .collect()
+        };
+        if !updates.is_empty() {
+            let cs = ms.apply(updates).unwrap();
+            changed.push((p, cs, ms.direction(), ms.default_verdict()));
+        }
+    }
+    (d, changed)
 }
 
 /// An entry of `ids` with `action` on TCP port `port`.
