@@ -323,6 +323,41 @@ fn remote_ip(r: u8) -> IpNet {
     IpNet::from(IpAddr::from([10, 1, 0, r]))
 }
 
+/// A random world: a pool of MapStates per direction (endpoints pick from it, so rule sets are
+/// shared and change in place as well as anew) and a writer checking every class-level write
+/// at probes of the pool's keys.
+fn world(rng: &mut Rng) -> (Vec<[MapState; 2]>, Checked) {
+    let pool: Vec<[MapState; 2]> = (0..5)
+        .map(|_| {
+            [
+                arb_mapstate(rng, Direction::Ingress, 8),
+                arb_mapstate(rng, Direction::Egress, 8),
+            ]
+        })
+        .collect();
+    let all: Vec<&MapState> = pool.iter().flatten().collect();
+    // (A selector gaining or losing an identity, `relabel_in_place`, changes no key's prefix.)
+    let probes: Vec<(u8, u16)> = probe_points(&all)
+        .into_iter()
+        .filter(|&(p, _)| matches!(p, 6 | 1))
+        .collect();
+    // At most 48 of them, evenly spread (the test runs unoptimised).
+    let step = probes.len().div_ceil(48);
+    let probes: Vec<(u8, u16)> = probes.into_iter().step_by(step).collect();
+    let w = Checked {
+        id: MemTables::new(16 * 769, 256 * 256),
+        last: Verdicts::new(),
+        classes: Classes::new(Duration::ZERO),
+        class: ClassTables::new(16 * 769, 256 * 256),
+        probes,
+        context: String::new(),
+        class_writes: 0,
+        checks: 0,
+        shared: 0,
+    };
+    (pool, w)
+}
+
 #[test]
 fn classes_follow_every_change_without_a_transient_allow() {
     let (mut splits, mut merges, mut joins, mut max_classes) = (0usize, 0usize, 0usize, 0usize);
@@ -338,37 +373,8 @@ fn classes_follow_every_change_without_a_transient_allow() {
         .unwrap_or(0);
     for case in first..first + cases {
         let mut rng = Rng::new(0x0c1a_55e5 ^ case.wrapping_mul(0x9e37_79b9));
-        // A pool of MapStates per direction: endpoints pick from it, so rule sets are shared
-        // and change in place as well as anew.
-        let mut pool: Vec<[MapState; 2]> = (0..5)
-            .map(|_| {
-                [
-                    arb_mapstate(&mut rng, Direction::Ingress, 8),
-                    arb_mapstate(&mut rng, Direction::Egress, 8),
-                ]
-            })
-            .collect();
-        let all: Vec<&MapState> = pool.iter().flatten().collect();
-        // (A selector gaining or losing an identity below changes no key's prefix.)
-        let probes: Vec<(u8, u16)> = probe_points(&all)
-            .into_iter()
-            .filter(|&(p, _)| matches!(p, 6 | 1))
-            .collect();
-        // At most 48 of them, evenly spread (the test runs unoptimised).
-        let step = probes.len().div_ceil(48);
-        let probes: Vec<(u8, u16)> = probes.into_iter().step_by(step).collect();
+        let (mut pool, mut w) = world(&mut rng);
         let mut control = Control::new(Store::new(16, 256, Duration::ZERO), State::default());
-        let mut w = Checked {
-            id: MemTables::new(16 * 769, 256 * 256),
-            last: Verdicts::new(),
-            classes: Classes::new(Duration::ZERO),
-            class: ClassTables::new(16 * 769, 256 * 256),
-            probes,
-            context: String::new(),
-            class_writes: 0,
-            checks: 0,
-            shared: 0,
-        };
         let ips: Vec<[IpAddr; 1]> = (1..=ENDPOINTS).map(|e| [endpoint_ip(e)]).collect();
         let mut live: BTreeSet<u32> = BTreeSet::new();
         // The pool states each live endpoint uses: [ingress, egress].
@@ -424,18 +430,14 @@ fn classes_follow_every_change_without_a_transient_allow() {
                 // changed ([`relabel_in_place`]).
                 5 | 6 => {
                     let (d, changed) = relabel_in_place(&mut rng, &mut pool, op == 5);
-                    let batch: Vec<_> = changed
-                        .iter()
-                        .flat_map(|(p, cs, dir, default)| {
-                            live.iter()
-                                .copied()
-                                .filter(|e| uses[e][d] == *p)
-                                .map(move |e| (e, *dir, cs, *default))
+                    let (live, uses) = (&live, &uses);
+                    let batch: Vec<_> = (changed.iter())
+                        .flat_map(|&(p, ref cs, dir, dv)| {
+                            let users = live.iter().copied().filter(move |e| uses[e][d] == p);
+                            users.map(move |e| (e, dir, cs, dv))
                         })
                         .collect();
-                    if !batch.is_empty() {
-                        control.apply_changes(&mut w, &batch).unwrap();
-                    }
+                    control.apply_changes(&mut w, &batch).unwrap();
                 }
                 _ if !live.is_empty() => {
                     let e = rng.pick(&live.iter().copied().collect::<Vec<_>>());
