@@ -40,10 +40,10 @@ pub(crate) struct Notifications {
     /// Relabelled identities the selector no longer selects (they stay: `Deselect`).
     pub deselected: HashMap<SelId, BTreeSet<Identity>>,
     pub changed: Vec<Arc<PeerSpec>>,
-    /// The selectors in `gained`, `lost` or `deselected`, one bit per selector number: every entry of every
-    /// notified state is tested against it ([`Notifications::touches`]), and most entries'
-    /// selectors did not change (hashing each entry's selector into both maps was ~5 % of a
-    /// local relabel at 10k pods / 5k policies).
+    /// The selectors in `gained`, `lost` or `deselected`, one bit per selector number: every
+    /// entry of every notified state is tested against it ([`Notifications::touches`]), and
+    /// most entries' selectors did not change (hashing each entry's selector into both maps
+    /// was ~5 % of a local relabel at 10k pods / 5k policies).
     touched: Vec<u64>,
 }
 
