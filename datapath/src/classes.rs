@@ -201,6 +201,44 @@ impl Space {
             .find(|&o| o != not && self.classes[&o].keys == *keys)
     }
 
+    /// The live class, other than `c` and the `not` ones, whose keys are `c`'s (none for class
+    /// 0) with `ch` applied (sorted by key, one change per key), found as [`Space::equal_to`]
+    /// finds one but without building the keys: 0 when they are none and `c` is not 0.
+    fn equal_after(&self, c: u32, ch: &[Change], not: &FastSet<u32>) -> Option<u32> {
+        debug_assert!(ch.is_sorted_by(|a, b| a.0 < b.0));
+        let empty = BTreeMap::new();
+        let (base, mut hash) = match self.classes.get(&c) {
+            Some(class) if c != 0 => (&class.keys, class.hash),
+            _ => (&empty, 0),
+        };
+        let mut len = base.len();
+        for &(at, v) in ch {
+            if let Some(&old) = base.get(&at) {
+                hash = hash.wrapping_sub(key_hash(at, old));
+                len -= 1;
+            }
+            if let Some(v) = v {
+                hash = hash.wrapping_add(key_hash(at, v));
+                len += 1;
+            }
+        }
+        if len == 0 {
+            return (c != 0).then_some(0);
+        }
+        let equal = |keys: &BTreeMap<KeyAt, PolicyValue>| {
+            keys.len() == len
+                && ch.iter().all(|(at, v)| keys.get(at) == v.as_ref())
+                && base.iter().all(|(at, v)| {
+                    ch.binary_search_by_key(at, |c| c.0).is_ok() || keys.get(at) == Some(v)
+                })
+        };
+        self.by_hash
+            .get(&hash)?
+            .iter()
+            .copied()
+            .find(|&o| o != c && !not.contains(&o) && equal(&self.classes[&o].keys))
+    }
+
     fn set_key(&mut self, c: u32, at: KeyAt, v: Option<PolicyValue>) {
         let class = self.classes.get_mut(&c).expect("a live class");
         if let Some(old) = class.keys.remove(&at) {
@@ -568,7 +606,7 @@ impl Classes {
                 // at once: a packet that reads a member's new record sees its keys as after
                 // the run (its writes first: one order of a run's writes), one that read the
                 // old record sees `c`, which this run does not change.
-                if let Some(k) = self.class_after(d, c, &ch, &changing) {
+                if let Some(k) = self.spaces[d].equal_after(c, &ch, &changing) {
                     self.joins += 1;
                     for id in ids {
                         self.move_identity(d, id, k, out);
@@ -643,46 +681,6 @@ impl Classes {
         }
         targets.push((c, stay));
         Ok(targets)
-    }
-
-    /// The class of space `d`, other than `c` and the `changing` ones, whose keys are `c`'s
-    /// (none for class 0) with `ch` applied (sorted by key, one change per key): 0 when they
-    /// are none and `c` is not 0.
-    fn class_after(&self, d: usize, c: u32, ch: &[Change], changing: &FastSet<u32>) -> Option<u32> {
-        debug_assert!(ch.is_sorted_by(|a, b| a.0 < b.0));
-        let space = &self.spaces[d];
-        let empty = BTreeMap::new();
-        let (base, mut hash) = match space.classes.get(&c) {
-            Some(class) if c != 0 => (&class.keys, class.hash),
-            _ => (&empty, 0),
-        };
-        let mut len = base.len();
-        for &(at, v) in ch {
-            if let Some(&old) = base.get(&at) {
-                hash = hash.wrapping_sub(key_hash(at, old));
-                len -= 1;
-            }
-            if let Some(v) = v {
-                hash = hash.wrapping_add(key_hash(at, v));
-                len += 1;
-            }
-        }
-        if len == 0 {
-            return (c != 0).then_some(0);
-        }
-        let equal = |keys: &BTreeMap<KeyAt, PolicyValue>| {
-            keys.len() == len
-                && ch.iter().all(|(at, v)| keys.get(at) == v.as_ref())
-                && base.iter().all(|(at, v)| {
-                    ch.binary_search_by_key(at, |c| c.0).is_ok() || keys.get(at) == Some(v)
-                })
-        };
-        space
-            .by_hash
-            .get(&hash)?
-            .iter()
-            .copied()
-            .find(|&o| o != c && !changing.contains(&o) && equal(&space.classes[&o].keys))
     }
 
     /// Moves `ids` (members of class `c` of space `d`) to a new class with `c`'s keys.

@@ -1550,8 +1550,8 @@ impl Control {
             self.identities_version = next_identities_version();
         }
         let mut exact = Vec::new();
-        // CIDR entries: each prefix's identity before the batch, in the order first touched.
-        let mut cidr_before: Vec<((IpKey, u32), Option<u32>)> = Vec::new();
+        // CIDR entries: each prefix's identity before the batch.
+        let mut cidr_before: BTreeMap<(IpKey, u32), Option<u32>> = BTreeMap::new();
         for (net, identity) in entries {
             if is_host_prefix(net) {
                 let key = ip_key(net.addr());
@@ -1562,9 +1562,8 @@ impl Control {
                 exact.push(key);
             } else {
                 let k = net_key(*net);
-                if !cidr_before.iter().any(|(seen, _)| *seen == k) {
-                    cidr_before.push((k, self.cidr.get(&k).copied()));
-                }
+                let before = self.cidr.get(&k).copied();
+                cidr_before.entry(k).or_insert(before);
                 match identity {
                     Some(id) => self.cidr.insert(k, *id),
                     None => self.cidr.remove(&k),
