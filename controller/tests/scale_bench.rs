@@ -783,38 +783,7 @@ async fn engine_changes() {
             if t.is_empty() {
                 continue;
             }
-            let mut e: Vec<Duration> = t.iter().map(|t| t.engine).collect();
-            let mut d: Vec<Duration> = t.iter().map(|t| t.datapath).collect();
-            e.sort();
-            d.sort();
-            let mut keys: Vec<u32> = t.iter().map(|t| t.keys).collect();
-            keys.sort_unstable();
-            let mut batches: Vec<u32> = t.iter().map(|t| t.batches).collect();
-            batches.sort_unstable();
-            let slowest = t.iter().max_by_key(|t| t.datapath).expect("not empty");
-            println!(
-                "    {:<26} engine p50 {:>7.2} ms p99 {:>7.2} ms max {:>7.2} ms; datapath p50 {:>6.2} ms max {:>6.2} ms",
-                scale::CHANGE_KINDS[k],
-                ms(pct(&e, 0.5)),
-                ms(pct(&e, 0.99)),
-                ms(*e.last().unwrap()),
-                ms(pct(&d, 0.5)),
-                ms(*d.last().unwrap()),
-            );
-            // What the datapath's time follows: the identity-level policy keys a change writes
-            // (a rule set installed writes all of its keys).
-            // Batches are one syscall each in the kernel writer (`KernelTables`).
-            println!(
-                "      policy keys written p50 {}, max {}; write batches p50 {}, max {}; the slowest datapath change wrote {} keys in {} batches, installed {} rule sets and changed {} in place",
-                keys[keys.len() / 2],
-                keys[keys.len() - 1],
-                batches[batches.len() / 2],
-                batches[batches.len() - 1],
-                slowest.keys,
-                slowest.batches,
-                slowest.installed,
-                slowest.updated,
-            );
+            report_changes(scale::CHANGE_KINDS[k], t);
             if classes {
                 let [splits, merges, joins, moved, keys] = class_work[k];
                 println!(
@@ -824,6 +793,69 @@ async fn engine_changes() {
             }
         }
     }
+}
+
+/// Prints one kind's changes of [`engine_changes`]: the engine's and the datapath's times, their
+/// sum (what the agent's change latency is made of, less the watch and the batching) and the
+/// make-up of the three slowest by that sum, and what the datapath wrote.
+fn report_changes(kind: &str, t: &[Change]) {
+    let mut e: Vec<Duration> = t.iter().map(|t| t.engine).collect();
+    let mut d: Vec<Duration> = t.iter().map(|t| t.datapath).collect();
+    e.sort();
+    d.sort();
+    let mut keys: Vec<u32> = t.iter().map(|t| t.keys).collect();
+    keys.sort_unstable();
+    let mut batches: Vec<u32> = t.iter().map(|t| t.batches).collect();
+    batches.sort_unstable();
+    let slowest = t.iter().max_by_key(|t| t.datapath).expect("not empty");
+    println!(
+        "    {:<26} engine p50 {:>7.2} ms p99 {:>7.2} ms max {:>7.2} ms; datapath p50 {:>6.2} ms max {:>6.2} ms",
+        kind,
+        ms(pct(&e, 0.5)),
+        ms(pct(&e, 0.99)),
+        ms(*e.last().unwrap()),
+        ms(pct(&d, 0.5)),
+        ms(*d.last().unwrap()),
+    );
+    // What the datapath's time follows: the identity-level policy keys a change writes
+    // (a rule set installed writes all of its keys).
+    // Batches are one syscall each in the kernel writer (`KernelTables`).
+    println!(
+        "      policy keys written p50 {}, max {}; write batches p50 {}, max {}; the slowest datapath change wrote {} keys in {} batches, installed {} rule sets and changed {} in place",
+        keys[keys.len() / 2],
+        keys[keys.len() - 1],
+        batches[batches.len() / 2],
+        batches[batches.len() - 1],
+        slowest.keys,
+        slowest.batches,
+        slowest.installed,
+        slowest.updated,
+    );
+    let mut by_total: Vec<&Change> = t.iter().collect();
+    by_total.sort_by_key(|c| c.engine + c.datapath);
+    let total: Vec<Duration> = by_total.iter().map(|c| c.engine + c.datapath).collect();
+    let slowest: Vec<String> = by_total
+        .iter()
+        .rev()
+        .take(3)
+        .map(|c| {
+            format!(
+                "{:.2} + {:.2} ms ({} keys, {} installed, {} in place)",
+                ms(c.engine),
+                ms(c.datapath),
+                c.keys,
+                c.installed,
+                c.updated
+            )
+        })
+        .collect();
+    println!(
+        "      engine + datapath p50 {:.2} ms p99 {:.2} ms max {:.2} ms; the slowest: {}",
+        ms(pct(&total, 0.5)),
+        ms(pct(&total, 0.99)),
+        ms(*total.last().expect("not empty")),
+        slowest.join(", ")
+    );
 }
 
 /// What one node's datapath holds, and what it would hold with node-local identity classes
