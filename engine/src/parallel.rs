@@ -2,11 +2,11 @@
 //! changed by its own batch of updates, and every state a moving endpoint needs anew is built
 //! from its own entries: these jobs share nothing (entry ids are given out before, by the one
 //! thread that owns the engine), so they run on the caller's thread and on helper threads
-//! parked between changes ([`helpers`]), each job's result equal to what it would be alone. A local relabel at 10k pods / 5k policies is one build of thousands of
-//! entries and hundreds of small batches, about half of the engine's time; the rest (reading
-//! the notifications, the diffs of the endpoints' old and new states) stays on the caller's
-//! thread. The engine's build and new endpoints build their new states the same way
-//! (`Engine::attach_endpoints`).
+//! parked between changes ([`helpers`]), each job's result equal to what it would be alone. A
+//! local relabel at 10k pods / 5k policies is one build of thousands of entries and hundreds of
+//! small batches, about half of the engine's time; the rest (reading the notifications, the
+//! diffs of the endpoints' old and new states) stays on the caller's thread. The engine's build
+//! and new endpoints build their new states the same way (`Engine::attach_endpoints`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Sender, channel};
@@ -179,14 +179,15 @@ impl Region {
 }
 
 /// The helper threads, started once (with the first change that has enough work) and parked
-/// between changes. A thread started for each change, as before, began its first job 1.3 ms
-/// after the jobs were ready at the median and 3.4 ms at the 90th percentile in the agent at
-/// 10k pods / 5k policies, against 0.2 ms in a process with nothing else to run: the agent's
-/// other core is rarely idle (its watches and debug server, the client polling it), and a new
-/// thread waited for it, so the agent's engine ran as on one thread (its local relabel engine
-/// p50 6.3-8.3 ms, 6.4 with `ORDNET_ENGINE_THREADS=1`, 5.0 in `engine_changes`). A parked
-/// helper, woken, began at 0.04 ms at the median (the 90th percentile stays: the other core
-/// busy for a slice). A helper that cannot be started is left out (the caller does its jobs).
+/// between changes. A thread started for each change, as before, began its first job 0.6-1.3
+/// ms after the jobs were ready at the median and ~3.4 ms at the 90th percentile in the agent
+/// at 10k pods / 5k policies, against 0.2 ms in a process with nothing else to run: the agent's
+/// other core is rarely idle (its watches and debug server, the client polling it) and a new
+/// thread waited for it, so the agent's engine ran about as on one thread (local relabel engine
+/// p50 6.3-8.3 ms; 6.4 with `ORDNET_ENGINE_THREADS=1`; 5.0 in `engine_changes`). A parked
+/// helper, woken, began after 0.04-0.07 ms at the median (the 90th percentile stays: the other
+/// core busy for a slice). A helper that cannot be started is left out (the caller does its
+/// jobs).
 fn helpers() -> &'static [Sender<Arc<Region>>] {
     static HELPERS: OnceLock<Vec<Sender<Arc<Region>>>> = OnceLock::new();
     HELPERS.get_or_init(|| {
