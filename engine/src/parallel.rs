@@ -40,7 +40,8 @@ pub(crate) enum Done {
 }
 
 /// Below this much work (updates' identities and entries, summed), the jobs run on the
-/// caller's thread: starting a thread costs tens of microseconds, a small edit's whole update.
+/// caller's thread: waking a helper costs tens of microseconds (more when the other cores are
+/// busy), a small edit's whole update.
 const PARALLEL_WORK: usize = 2_000;
 
 /// At most this many threads per change.
