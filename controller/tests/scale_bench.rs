@@ -834,7 +834,7 @@ fn report_changes(kind: &str, t: &[Change]) {
     let mut by_total: Vec<&Change> = t.iter().collect();
     by_total.sort_by_key(|c| c.engine + c.datapath);
     let total: Vec<Duration> = by_total.iter().map(|c| c.engine + c.datapath).collect();
-    let slowest: Vec<String> = by_total
+    let tail: Vec<String> = by_total
         .iter()
         .rev()
         .take(3)
@@ -854,7 +854,7 @@ fn report_changes(kind: &str, t: &[Change]) {
         ms(pct(&total, 0.5)),
         ms(pct(&total, 0.99)),
         ms(*total.last().expect("not empty")),
-        slowest.join(", ")
+        tail.join(", ")
     );
 }
 

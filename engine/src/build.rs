@@ -376,6 +376,16 @@ impl Engine {
     /// Acquires the identities of a pod's addresses (one reference per address).
     pub(crate) fn pod_identities(&mut self, k: &PodKey) -> Vec<(Identity, bool)> {
         let sigs = self.pod_signatures(k);
+        self.acquire_signatures(k, sigs)
+    }
+
+    /// Acquires the identities of `sigs`, pod `k`'s signatures (one reference per address);
+    /// whether each is new.
+    pub(crate) fn acquire_signatures(
+        &mut self,
+        k: &PodKey,
+        sigs: Vec<Signature>,
+    ) -> Vec<(Identity, bool)> {
         let member = pod_key_text(k);
         sigs.into_iter()
             .map(|s| self.ids.acquire(s, &member))

@@ -246,16 +246,9 @@ impl Engine {
         let relabelled = self.relabel_in_place(&sigs);
         let mut new_ids: BTreeMap<PodKey, Vec<Identity>> = BTreeMap::new();
         for (k, sigs) in sigs {
-            let member = pod_key_text(k);
-            let mut got = Vec::with_capacity(sigs.len());
-            for sig in sigs {
-                let (id, new) = self.ids.acquire(sig, &member);
-                if new {
-                    added_ids.insert(id);
-                }
-                got.push(id);
-            }
-            new_ids.insert(k.clone(), got);
+            let got = self.acquire_signatures(k, sigs);
+            added_ids.extend(got.iter().filter(|(_, new)| *new).map(|(id, _)| *id));
+            new_ids.insert(k.clone(), got.into_iter().map(|(id, _)| id).collect());
         }
         for k in resign {
             let (old, member) = match p.removed_pods.get(k) {
