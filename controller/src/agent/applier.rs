@@ -563,7 +563,7 @@ impl Applier {
         }
         self.state.after_programming(&engine, dp.as_ref());
         let view = (!self.staged.is_empty()).then(|| engine.staged_view());
-        *slot = Some(engine);
+        self.state.install_engine(&mut slot, engine);
         drop((slot, dp));
         if let Some(view) = view {
             self.publish_staged_view(view);
@@ -681,7 +681,7 @@ impl Applier {
             .change_latency_seconds
             .observe(observed.elapsed().as_secs_f64());
         // Last: a batch counted is a batch fully recorded.
-        self.state.metrics.batches.inc();
+        self.state.count_batch();
         // The staged view: the same changes, or a copy of the engine plus the staged policies
         // when the first one appears; none when the last one goes.
         let fresh = (!had_staged && !self.staged.is_empty()).then(|| engine.staged_view());

@@ -86,7 +86,7 @@ pub async fn serve_metrics(
 async fn serve_with(
     addr: SocketAddr,
     state: Arc<AgentState>,
-    route: fn(&AgentState, &Request<Incoming>) -> Response<Full<Bytes>>,
+    route: fn(&AgentState, &Request<()>) -> Response<Full<Bytes>>,
     whatif_served: bool,
 ) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
@@ -107,7 +107,23 @@ async fn serve_with(
                         {
                             return Ok::<_, Infallible>(whatif(state, req).await);
                         }
-                        Ok::<_, Infallible>(route(&state, &req))
+                        if whatif_served
+                            && req.method() == Method::GET
+                            && req.uri().path() == "/v1/batches"
+                        {
+                            return Ok(batches(&state, &query(&req)).await);
+                        }
+                        let req = Request::from_parts(req.into_parts().0, ());
+                        if matches!(req.uri().path(), "/healthz" | "/readyz" | "/metrics") {
+                            return Ok(route(&state, &req));
+                        }
+                        // The other answers read the engine, whose lock a change holds while it
+                        // is applied (seconds for a full programming): they wait off the async
+                        // threads, which the watches need meanwhile.
+                        let answer = tokio::task::spawn_blocking(move || route(&state, &req));
+                        Ok(answer.await.unwrap_or_else(|e| {
+                            text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+                        }))
                     }
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
@@ -117,6 +133,35 @@ async fn serve_with(
         }
     });
     Ok((bound, task))
+}
+
+/// The longest `/v1/batches` waits.
+pub const MAX_BATCH_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// `GET /v1/batches?after=N&timeout=SECONDS`: the number of batches of changes programmed
+/// (`ordnet_update_batches_total`), once it is above `after` or `timeout` (default 10 s, at
+/// most [`MAX_BATCH_WAIT`]) passed, whichever is first; at once without `after`. Lets a script
+/// or a benchmark wait for the next programming without polling the agent while it works.
+async fn batches(state: &AgentState, q: &BTreeMap<String, Vec<String>>) -> Response<Full<Bytes>> {
+    let after = match one(q, "after").map(str::parse::<u64>) {
+        None => None,
+        Some(Ok(n)) => Some(n),
+        Some(Err(_)) => return text(StatusCode::BAD_REQUEST, "after: not a count"),
+    };
+    let timeout = match one(q, "timeout").map(str::parse::<f64>) {
+        None => std::time::Duration::from_secs(10),
+        Some(Ok(s)) if s.is_finite() && s >= 0.0 => {
+            std::time::Duration::from_secs_f64(s).min(MAX_BATCH_WAIT)
+        }
+        Some(_) => {
+            return text(StatusCode::BAD_REQUEST, "timeout: not a number of seconds");
+        }
+    };
+    let n = match after {
+        Some(after) => state.batches_after(after, timeout).await,
+        None => *state.programmed.borrow(),
+    };
+    text(StatusCode::OK, format!("{n}\n"))
 }
 
 /// `POST /v1/whatif`: reads the manifests, replays the flow history off the async threads.
@@ -154,6 +199,45 @@ async fn whatif(state: Arc<AgentState>, req: Request<Incoming>) -> Response<Full
         },
         Ok(Err(m)) => text(StatusCode::BAD_REQUEST, m),
         Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+/// `GET /readyz`: 200 once the initial sync is programmed (with the datapath's health and the
+/// stale watches, if any), 503 before. Reads no engine: it answers while a change is applied.
+fn readyz(state: &AgentState) -> Response<Full<Bytes>> {
+    let stale = stale_lines(state);
+    let health = state.metrics.health();
+    if state.ready() {
+        if stale.is_empty() && health.is_empty() {
+            text(StatusCode::OK, "ready")
+        } else if stale.is_empty() {
+            text(
+                StatusCode::OK,
+                format!("ready; datapath:\n{}", health.join("\n")),
+            )
+        } else {
+            // Still ready: the last programmed state is enforced; say how old it may be.
+            text(
+                StatusCode::OK,
+                format!(
+                    "ready, enforcing the last programmed state; stale:\n{}",
+                    stale.join("\n")
+                ),
+            )
+        }
+    } else if stale.is_empty() {
+        text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: waiting for the initial lists",
+        )
+    } else {
+        text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "not ready: waiting for the initial lists; stale:\n{}",
+                stale.join("\n")
+            ),
+        )
     }
 }
 
@@ -211,7 +295,7 @@ fn json(body: String) -> Response<Full<Bytes>> {
 }
 
 /// The query parameters (repeated keys keep every value, in order).
-fn query(req: &Request<Incoming>) -> BTreeMap<String, Vec<String>> {
+fn query<B>(req: &Request<B>) -> BTreeMap<String, Vec<String>> {
     let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for (k, v) in form_urlencoded::parse(req.uri().query().unwrap_or_default().as_bytes()) {
         out.entry(k.into_owned()).or_default().push(v.into_owned());
@@ -280,7 +364,7 @@ fn family(q: &BTreeMap<String, Vec<String>>) -> Result<IpFamily, Failure> {
     }
 }
 
-fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+fn route(state: &AgentState, req: &Request<()>) -> Response<Full<Bytes>> {
     if req.method() != Method::GET {
         return text(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -290,42 +374,7 @@ fn route(state: &AgentState, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     let q = query(req);
     match req.uri().path() {
         "/healthz" => text(StatusCode::OK, "ok"),
-        "/readyz" => {
-            let stale = stale_lines(state);
-            let health = state.metrics.health();
-            if state.ready() {
-                if stale.is_empty() && health.is_empty() {
-                    text(StatusCode::OK, "ready")
-                } else if stale.is_empty() {
-                    text(
-                        StatusCode::OK,
-                        format!("ready; datapath:\n{}", health.join("\n")),
-                    )
-                } else {
-                    // Still ready: the last programmed state is enforced; say how old it may be.
-                    text(
-                        StatusCode::OK,
-                        format!(
-                            "ready, enforcing the last programmed state; stale:\n{}",
-                            stale.join("\n")
-                        ),
-                    )
-                }
-            } else if stale.is_empty() {
-                text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "not ready: waiting for the initial lists",
-                )
-            } else {
-                text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!(
-                        "not ready: waiting for the initial lists; stale:\n{}",
-                        stale.join("\n")
-                    ),
-                )
-            }
-        }
+        "/readyz" => readyz(state),
         "/metrics" => metrics(state),
         "/v1/observe" => match observe(state, &q) {
             Ok(r) => r,
@@ -687,6 +736,83 @@ mod tests {
             .find(|r| r["from"] == from && r["to"] == to)
             .unwrap_or_else(|| panic!("no {from} -> {to} in {m}"));
         r["verdict"].as_str().unwrap().to_string()
+    }
+
+    /// `/readyz` and `/metrics` answer while a change holds the engine and the datapath (a full
+    /// programming holds them for seconds at 50,000 pods: a readiness probe or a scrape must
+    /// not wait for it). Fails by not answering: the locks are held until both answered or a
+    /// minute passed.
+    #[test]
+    fn readiness_and_metrics_answer_while_a_change_is_applied() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/qa-prod");
+        let outcome = ordnet_crds::load_and_validate(&[dir]);
+        let engine = Engine::build_for_node(&outcome.objects, "node-1");
+        let mut dp = NoneDatapath::default();
+        dp.program_full(&engine).unwrap();
+        let state = Arc::new(AgentState::new("node-1", Box::new(dp), None, (16, 16)));
+        assert_eq!(readyz(&state).status(), StatusCode::SERVICE_UNAVAILABLE);
+        {
+            let (mut slot, _dp) = state.lock_for_update();
+            state.install_engine(&mut slot, engine);
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        // Held as a change holds them, from before the requests until they answered.
+        let locked = state.lock_for_update();
+        let asking = state.clone();
+        std::thread::spawn(move || {
+            let ready = readyz(&asking).status();
+            let scraped = metrics(&asking).status();
+            let _ = tx.send((ready, scraped));
+        });
+        let answered = rx.recv_timeout(std::time::Duration::from_secs(60));
+        drop(locked);
+        assert_eq!(
+            answered.expect("/readyz and /metrics waited for the engine's lock"),
+            (StatusCode::OK, StatusCode::OK)
+        );
+    }
+
+    /// `/v1/batches?after=N` answers once batch N+1 is counted, not before; without `after`
+    /// at once; a count or timeout that is not one is refused.
+    #[tokio::test]
+    async fn batches_waits_for_the_next_programming() {
+        let state = Arc::new(AgentState::new(
+            "node-1",
+            Box::new(NoneDatapath::default()),
+            None,
+            (16, 16),
+        ));
+        let body = |r: Response<Full<Bytes>>| async move {
+            use http_body_util::BodyExt;
+            let b = r.into_body().collect().await.unwrap().to_bytes();
+            String::from_utf8(b.to_vec()).unwrap()
+        };
+        state.count_batch();
+        assert_eq!(body(batches(&state, &q(&[])).await).await, "1\n");
+        // Already past: at once.
+        assert_eq!(
+            body(batches(&state, &q(&[("after", "0")])).await).await,
+            "1\n"
+        );
+        let waiting = {
+            let state = state.clone();
+            tokio::spawn(async move {
+                body(batches(&state, &q(&[("after", "1"), ("timeout", "60")])).await).await
+            })
+        };
+        // Not answered before the next batch (the waiter subscribed: it answers 2, not 1).
+        tokio::task::yield_now().await;
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished());
+        state.count_batch();
+        assert_eq!(waiting.await.unwrap(), "2\n");
+        // A timeout that passes answers the count as it is.
+        let r = batches(&state, &q(&[("after", "5"), ("timeout", "0.01")])).await;
+        assert_eq!(body(r).await, "2\n");
+        for bad in [("after", "-1"), ("timeout", "soon"), ("timeout", "-3")] {
+            let r = batches(&state, &q(&[bad])).await;
+            assert_eq!(r.status(), StatusCode::BAD_REQUEST, "{bad:?}");
+        }
     }
 
     #[test]

@@ -180,6 +180,13 @@ pub struct AgentState {
     pub node: String,
     /// `None` until the initial sync is done and the datapath programmed.
     engine: RwLock<Option<Engine>>,
+    /// Whether `engine` is `Some`: read without the engine's lock, which a change holds for as
+    /// long as the engine and the datapath take (seconds for a full programming at 50,000
+    /// pods), so that `/readyz` and `/metrics` answer meanwhile.
+    ready: AtomicBool,
+    /// The batches of changes programmed so far (`ordnet_update_batches_total`), for the debug
+    /// API's `/v1/batches`, which waits for the next one.
+    programmed: watch::Sender<u64>,
     datapath: Mutex<Box<dyn Enforcer>>,
     problems: RwLock<BTreeMap<ObjKey, ObjectProblem>>,
     /// The agent's counters and gauges (served by the debug API).
@@ -205,6 +212,33 @@ pub struct AgentState {
 }
 
 impl AgentState {
+    /// The state of an agent on `node` that has not synced yet (`journal`, `history`: the
+    /// sizes [`AgentConfig::observe_journal`] and [`AgentConfig::flow_history`]).
+    fn new(
+        node: &str,
+        datapath: Box<dyn Enforcer>,
+        flow_log: Option<flowlog::FlowLog>,
+        (journal, history): (usize, usize),
+    ) -> AgentState {
+        AgentState {
+            node: node.to_string(),
+            engine: RwLock::new(None),
+            ready: AtomicBool::new(false),
+            programmed: watch::Sender::new(0),
+            datapath: Mutex::new(datapath),
+            problems: RwLock::new(BTreeMap::new()),
+            metrics: Metrics::default(),
+            watch: Arc::new(WatchHealth::default()),
+            leader: Arc::new(AtomicBool::new(false)),
+            applied: AtomicU64::new(0),
+            denied: Mutex::new(denied::DeniedReport::default()),
+            journal: Mutex::new(crate::observe::Journal::new(journal)),
+            flow_log: Mutex::new(flow_log),
+            staged: staged::Staged::default(),
+            history: Mutex::new(history::FlowHistory::new(history)),
+        }
+    }
+
     /// After every programming of the datapath (initial, a batch of changes, upkeep): records
     /// the sizes and metrics, and reports changes of the endpoints denied for lack of room.
     fn after_programming(&self, engine: &Engine, dp: &dyn Enforcer) {
@@ -215,12 +249,17 @@ impl AgentState {
             .observe(engine, dp.denied());
     }
 
-    /// Whether the initial sync is done and the datapath programmed.
+    /// Whether the initial sync is done and the datapath programmed. Never waits for a change
+    /// being applied.
     pub fn ready(&self) -> bool {
-        self.engine
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+        self.ready.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Makes `engine`, programmed, the agent's engine (`slot`: the engine's place, locked for
+    /// writing) and says so to [`AgentState::ready`].
+    fn install_engine(&self, slot: &mut Option<Engine>, engine: Engine) {
+        *slot = Some(engine);
+        self.ready.store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// Runs `f` on the engine (after the initial sync).
@@ -255,6 +294,21 @@ impl AgentState {
         let engine = self.engine.write().unwrap_or_else(|e| e.into_inner());
         let dp = self.datapath.lock().unwrap_or_else(|e| e.into_inner());
         (engine, dp)
+    }
+
+    /// Counts one more batch of changes programmed (after everything about it is recorded) and
+    /// wakes the requests waiting for it.
+    fn count_batch(&self) {
+        self.metrics.batches.inc();
+        self.programmed.send_replace(self.metrics.batches.get());
+    }
+
+    /// Waits until more than `after` batches of changes have been programmed, at most for
+    /// `timeout`; the count then.
+    pub async fn batches_after(&self, after: u64, timeout: Duration) -> u64 {
+        let mut seen = self.programmed.subscribe();
+        let _ = tokio::time::timeout(timeout, seen.wait_for(|n| *n > after)).await;
+        *seen.borrow()
     }
 
     /// Whether this agent is the status writer (holds the Lease).
@@ -359,21 +413,12 @@ pub async fn start(
         ),
         None => None,
     };
-    let state = Arc::new(AgentState {
-        node: config.node.clone(),
-        engine: RwLock::new(None),
-        datapath: Mutex::new(datapath),
-        problems: RwLock::new(BTreeMap::new()),
-        metrics: Metrics::default(),
-        watch: Arc::new(WatchHealth::default()),
-        leader: Arc::new(AtomicBool::new(false)),
-        applied: AtomicU64::new(0),
-        denied: Mutex::new(denied::DeniedReport::default()),
-        journal: Mutex::new(crate::observe::Journal::new(config.observe_journal)),
-        flow_log: Mutex::new(flow_log),
-        staged: staged::Staged::default(),
-        history: Mutex::new(history::FlowHistory::new(config.flow_history)),
-    });
+    let state = Arc::new(AgentState::new(
+        &config.node,
+        datapath,
+        flow_log,
+        (config.observe_journal, config.flow_history),
+    ));
     let (wanted_tx, wanted_rx) = watch::channel(BTreeMap::new());
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     *state.denied.lock().unwrap_or_else(|e| e.into_inner()) =
