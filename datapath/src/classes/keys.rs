@@ -122,6 +122,20 @@ impl IdentityKeys {
                 self.slots.insert(slot, LeafMap::from_sorted(entries));
                 continue;
             }
+            // A rule set cleared (every key of the slot deleted, as the store clears a slot it
+            // released once no packet can read it): its leaves go at once. Key by key, each
+            // removal first copied the leaf it shares with the store's copy: a slot of ~19,000
+            // keys took 2-5 ms to clear at 10k pods / 5k policies, in whichever change came
+            // after the grace period.
+            if let Some(keys) = self.slots.get(&slot)
+                && keys.len() == group.len()
+                && group.iter().all(|c| c.1.1.is_none())
+                && keys.keys().zip(group).all(|(k, c)| *k == c.1.0)
+            {
+                old.extend(keys.values().map(|v| Some(*v)));
+                self.slots.remove(&slot);
+                continue;
+            }
             let keys = self.slots.entry(slot).or_default();
             for &(_, (k, v)) in group {
                 old.push(keys.set(k, v));
@@ -246,6 +260,39 @@ mod tests {
                 let flat: Vec<_> = keys.slot(9).map(|e| e.0).collect();
                 assert!(flat.windows(2).all(|w| w[0] < w[1]), "sorted");
             }
+        }
+    }
+
+    /// A run that deletes every key of a slot (a cleared rule set) takes the slot away whole,
+    /// with each old value; one that deletes all but one key, or a key the slot lacks as well,
+    /// goes key by key and leaves what remains.
+    #[test]
+    fn a_cleared_slot_goes_whole() {
+        let n = 2000u32;
+        let install = |keys: &mut IdentityKeys, model: &mut BTreeMap<(u32, u32), PolicyValue>| {
+            let changes: Vec<KeyChange> = (0..n)
+                .map(|i| (6, ((i / 4, i % 4), Some(v((i % 9) as u8)))))
+                .collect();
+            apply_checked(keys, changes, model, "install");
+        };
+        let delete = |skip: Option<u32>, extra: bool| -> Vec<KeyChange> {
+            let mut c: Vec<KeyChange> = (0..n)
+                .filter(|i| Some(*i) != skip)
+                .map(|i| (6, ((i / 4, i % 4), None)))
+                .collect();
+            if extra {
+                c.push((6, ((n, 0), None)));
+            }
+            c
+        };
+        for (skip, extra) in [(None, false), (Some(777), false), (None, true)] {
+            let mut keys = IdentityKeys::default();
+            let mut model = BTreeMap::new();
+            install(&mut keys, &mut model);
+            apply_checked(&mut keys, delete(skip, extra), &mut model, "clear");
+            let held: BTreeMap<_, _> = keys.slot(6).collect();
+            assert_eq!(held, model, "{skip:?} {extra}");
+            assert_eq!(keys.has_slot(6), skip.is_some(), "{skip:?} {extra}");
         }
     }
 }
