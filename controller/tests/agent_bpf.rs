@@ -1200,8 +1200,12 @@ impl Agent {
         }
     }
 
-    /// A metric's value (the first sample whose line starts with `name`).
+    /// A metric's value (the first sample whose line starts with `name`) as of the agent's last
+    /// programming or upkeep, including one under way: `/metrics` answers at once, so it is read
+    /// after a `/v1/matrix`, which reads the engine and the datapath and so waits for them (an
+    /// attachment the test saw may belong to a batch that has not recorded its sizes yet).
     fn metric(&self, name: &str) -> f64 {
+        let _ = self.get("/v1/matrix");
         let (_, text) = self.get("/metrics");
         text.lines()
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
