@@ -749,7 +749,7 @@ mod tests {
         let engine = Engine::build_for_node(&outcome.objects, "node-1");
         let mut dp = NoneDatapath::default();
         dp.program_full(&engine).unwrap();
-        let state = Arc::new(AgentState::new("node-1", Box::new(dp), None, (16, 16)));
+        let state = Arc::new(AgentState::new("node-1", Box::new(dp), None, 16, 16));
         assert_eq!(readyz(&state).status(), StatusCode::SERVICE_UNAVAILABLE);
         {
             let (mut slot, _dp) = state.lock_for_update();
@@ -780,7 +780,8 @@ mod tests {
             "node-1",
             Box::new(NoneDatapath::default()),
             None,
-            (16, 16),
+            16,
+            16,
         ));
         let body = |r: Response<Full<Bytes>>| async move {
             use http_body_util::BodyExt;

@@ -218,7 +218,8 @@ impl AgentState {
         node: &str,
         datapath: Box<dyn Enforcer>,
         flow_log: Option<flowlog::FlowLog>,
-        (journal, history): (usize, usize),
+        journal: usize,
+        history: usize,
     ) -> AgentState {
         AgentState {
             node: node.to_string(),
@@ -417,7 +418,8 @@ pub async fn start(
         &config.node,
         datapath,
         flow_log,
-        (config.observe_journal, config.flow_history),
+        config.observe_journal,
+        config.flow_history,
     ));
     let (wanted_tx, wanted_rx) = watch::channel(BTreeMap::new());
     let (events_tx, events_rx) = mpsc::unbounded_channel();
