@@ -83,11 +83,13 @@ pub async fn serve_metrics(
     .await
 }
 
+/// Serves `route` on `addr`; `debug_api`: also the asynchronous answers of the debug API
+/// (`POST /v1/whatif`, `GET /v1/batches`).
 async fn serve_with(
     addr: SocketAddr,
     state: Arc<AgentState>,
     route: fn(&AgentState, &Request<()>) -> Response<Full<Bytes>>,
-    whatif_served: bool,
+    debug_api: bool,
 ) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
@@ -101,25 +103,22 @@ async fn serve_with(
                 let svc = service_fn(move |req: Request<Incoming>| {
                     let state = state.clone();
                     async move {
-                        if whatif_served
+                        if debug_api
                             && req.method() == Method::POST
                             && req.uri().path() == "/v1/whatif"
                         {
                             return Ok::<_, Infallible>(whatif(state, req).await);
                         }
-                        if whatif_served
+                        if debug_api
                             && req.method() == Method::GET
                             && req.uri().path() == "/v1/batches"
                         {
                             return Ok(batches(&state, &query(&req)).await);
                         }
                         let req = Request::from_parts(req.into_parts().0, ());
-                        if matches!(req.uri().path(), "/healthz" | "/readyz" | "/metrics") {
+                        if reads_no_engine(req.uri().path()) {
                             return Ok(route(&state, &req));
                         }
-                        // The other answers read the engine, whose lock a change holds while it
-                        // is applied (seconds for a full programming): they wait off the async
-                        // threads, which the watches need meanwhile.
                         let answer = tokio::task::spawn_blocking(move || route(&state, &req));
                         Ok(answer.await.unwrap_or_else(|e| {
                             text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
@@ -362,6 +361,14 @@ fn family(q: &BTreeMap<String, Vec<String>>) -> Result<IpFamily, Failure> {
         "6" => Ok(IpFamily::V6),
         other => Err(Bad(format!("family: {other:?} is not 4 or 6"))),
     }
+}
+
+/// Whether [`route`]'s answer for `path` reads neither the engine nor the datapath, and so is
+/// made on the async thread at once. The others may wait for the engine's lock, which a change
+/// holds while it is applied (seconds for a full programming): they wait on the blocking pool,
+/// not on the async threads the watches need meanwhile.
+fn reads_no_engine(path: &str) -> bool {
+    matches!(path, "/healthz" | "/readyz" | "/metrics")
 }
 
 fn route(state: &AgentState, req: &Request<()>) -> Response<Full<Bytes>> {
