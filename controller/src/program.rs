@@ -300,6 +300,17 @@ impl NodeProgram {
         &self.stats
     }
 
+    /// Clears the rule sets released (and, with identity classes, the classes retired) at
+    /// least the grace period ago ([`ControlPlane::reclaim`]; every update does it first too).
+    pub fn reclaim<D: ControlPlane + ?Sized>(&mut self, dp: &mut D) -> Result<(), ProgramError> {
+        let s = dp.reclaim().map_err(|e| ProgramError::Datapath {
+            what: "clearing released rule sets",
+            source: Box::new(e),
+        })?;
+        add_stats(&mut self.stats.writes, s);
+        Ok(())
+    }
+
     /// Sets this node's own addresses (traffic between them and local endpoints is never
     /// filtered) and writes them now; [`NodeProgram::program_full`] writes them again.
     pub fn set_host_addresses<D: ControlPlane + ?Sized>(

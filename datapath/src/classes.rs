@@ -441,6 +441,14 @@ impl Classes {
         self.grown = 0;
     }
 
+    /// When the oldest retired class or rule set leaving its space is next due (its grace
+    /// period over), if any: [`Classes::reclaim`] writes it from then on.
+    pub fn reclaim_due(&self) -> Option<Instant> {
+        let leaving = self.leaving.front().map(|&(_, _, at)| at + self.grace);
+        let retired = self.retired.front().map(|(_, _, at)| *at + self.grace);
+        leaving.into_iter().chain(retired).min()
+    }
+
     /// Deletes the keys of classes retired at least the grace period before `now`, and takes
     /// the rule sets no record has used for that long out of their spaces.
     pub fn reclaim(&mut self, now: Instant, out: &mut Vec<ClassWrite>) {
@@ -1136,6 +1144,10 @@ impl TableWriter for Classed {
     fn reclaim_below(&mut self) -> Result<(), WriteError> {
         self.reclaim();
         Ok(())
+    }
+
+    fn reclaim_due_below(&self) -> Option<Instant> {
+        self.classes.reclaim_due()
     }
 
     fn share_keys(&mut self, slot: u32, keys: &LeafMap<(u32, u32), PolicyValue>) {

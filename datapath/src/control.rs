@@ -5,7 +5,7 @@ use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     sync::atomic::{AtomicU64, Ordering},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use ipnet::IpNet;
@@ -1732,6 +1732,18 @@ impl Control {
     /// The interfaces of local endpoints.
     pub fn interfaces(&self) -> &BTreeMap<u32, IfaceInfo> {
         &self.ifaces
+    }
+
+    /// When [`Control::reclaim`] next has something to clear (a released rule set, or below
+    /// the identity level a retired class, whose grace period is over): `None` when nothing
+    /// waits. Every update reclaims what is due first; a caller with idle time between
+    /// updates (the agent) reclaims then, so that the next update does not pay for it.
+    pub fn reclaim_due(&self, w: &dyn TableWriter) -> Option<Instant> {
+        self.store
+            .reclaim_due()
+            .into_iter()
+            .chain(w.reclaim_due_below())
+            .min()
     }
 
     /// Clears released rule sets whose grace period is over.

@@ -741,6 +741,10 @@ impl TableWriter for KernelTables {
         self.write_classes(&[])
     }
 
+    fn reclaim_due_below(&self) -> Option<std::time::Instant> {
+        self.layer.as_ref().and_then(|l| l.classes.reclaim_due())
+    }
+
     fn share_keys(&mut self, slot: u32, keys: &crate::leafmap::LeafMap<(u32, u32), PolicyValue>) {
         if let Some(layer) = &mut self.layer {
             layer.classes.share_keys(slot, keys);

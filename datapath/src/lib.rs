@@ -1750,6 +1750,10 @@ impl ControlPlane for Datapath {
         self.tables.tables()
     }
 
+    fn reclaim_due(&self) -> Option<std::time::Instant> {
+        self.control.reclaim_due(&self.tables)
+    }
+
     fn policy_map_keys(&self) -> usize {
         match &self.tables.layer {
             Some(_) => self.tables.mirror.policy.len(),

@@ -239,6 +239,9 @@ pub trait ControlPlane {
         Ok(c.reclaim(w)?)
     }
 
+    /// When [`ControlPlane::reclaim`] next has something to clear ([`Control::reclaim_due`]).
+    fn reclaim_due(&self) -> Option<std::time::Instant>;
+
     /// The global policy revision.
     fn revision(&self) -> u64 {
         self.control().revision()
@@ -318,6 +321,13 @@ impl TableWriter for MemWriter {
         match self {
             MemWriter::Plain(t) => t.reclaim_below(),
             MemWriter::Classed(c) => c.reclaim_below(),
+        }
+    }
+
+    fn reclaim_due_below(&self) -> Option<std::time::Instant> {
+        match self {
+            MemWriter::Plain(t) => t.reclaim_due_below(),
+            MemWriter::Classed(c) => c.reclaim_due_below(),
         }
     }
 
@@ -412,6 +422,10 @@ impl ControlPlane for MemDatapath {
 
     fn tables(&self) -> &MemTables {
         self.tables.tables()
+    }
+
+    fn reclaim_due(&self) -> Option<std::time::Instant> {
+        self.control.reclaim_due(&self.tables)
     }
 }
 

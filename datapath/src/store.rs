@@ -414,6 +414,14 @@ impl Store {
         }
     }
 
+    /// When the oldest released slot or block is next due (its grace period over), if any:
+    /// [`Store::reclaim`] clears and frees it from then on.
+    pub fn reclaim_due(&self) -> Option<Instant> {
+        let slot = self.retired_slots.front().map(|&(_, t)| t + self.grace);
+        let block = self.retired_blocks.front().map(|&(_, t)| t + self.grace);
+        slot.into_iter().chain(block).min()
+    }
+
     /// Clears released slots and frees released blocks whose grace period is over.
     pub fn reclaim<W: TableWriter + ?Sized>(
         &mut self,

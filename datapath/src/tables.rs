@@ -132,6 +132,11 @@ pub trait TableWriter {
     fn reclaim_below(&mut self) -> Result<(), WriteError> {
         Ok(())
     }
+    /// When [`TableWriter::reclaim_below`] next has something to write (`None`: nothing
+    /// waits; the default).
+    fn reclaim_due_below(&self) -> Option<std::time::Instant> {
+        None
+    }
     /// The rule set store's identity keys of `slot` (`(identity, prefix) → value`) as it holds
     /// them after a write of the slot: a writer that keeps its own copy of them (the class
     /// translation's model) may share the store's leaves instead ([`LeafMap::share_from`]).

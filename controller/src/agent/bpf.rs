@@ -1291,6 +1291,23 @@ impl Enforcer for BpfDatapath {
         Ok(())
     }
 
+    fn reclaim_due(&self) -> Option<std::time::Instant> {
+        (self.synced && !self.needs_full)
+            .then(|| self.dp.reclaim_due())
+            .flatten()
+    }
+
+    fn reclaim(&mut self) -> Result<(), AgentError> {
+        if !self.synced || self.needs_full {
+            return Ok(());
+        }
+        Ok(self
+            .programmer
+            .program
+            .reclaim(&mut self.dp)
+            .inspect_err(|_| self.needs_full = true)?)
+    }
+
     fn rule_totals(&self) -> Option<&RuleTotals> {
         self.options.rule_counters.then_some(&self.rule_totals)
     }

@@ -68,6 +68,13 @@ pub trait Enforcer: Send {
     fn maintain(&mut self, _engine: &Engine) -> Result<(), AgentError> {
         Ok(())
     }
+    /// When released rule sets (or retired identity classes) are next due to be cleared
+    /// ([`ControlPlane::reclaim_due`]); `None` when nothing waits or a full programming is
+    /// pending (it rewrites everything). The agent clears them then ([`super::reclaim`]).
+    fn reclaim_due(&self) -> Option<Instant>;
+    /// Clears what is due ([`NodeProgram::reclaim`]). On an error the datapath is programmed
+    /// in full at its next upkeep or change, as after a failed change.
+    fn reclaim(&mut self) -> Result<(), AgentError>;
     /// The datapath's own metrics.
     fn metrics(&self) -> Vec<super::metrics::Sample> {
         Vec::new()
@@ -484,6 +491,21 @@ impl Enforcer for NoneDatapath {
             return self.program_full(engine);
         }
         self.programmer.retry_denied(engine, &mut self.dp)
+    }
+
+    fn reclaim_due(&self) -> Option<Instant> {
+        (!self.needs_full).then(|| self.dp.reclaim_due()).flatten()
+    }
+
+    fn reclaim(&mut self) -> Result<(), AgentError> {
+        if self.needs_full {
+            return Ok(());
+        }
+        Ok(self
+            .programmer
+            .program
+            .reclaim(&mut self.dp)
+            .inspect_err(|_| self.needs_full = true)?)
     }
 
     fn denied(&self) -> &BTreeMap<String, String> {

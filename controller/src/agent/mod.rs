@@ -55,6 +55,7 @@ pub mod history;
 pub mod metrics;
 mod netview;
 pub mod observe;
+mod reclaim;
 mod staged;
 pub mod status;
 pub mod traffic;
@@ -187,6 +188,9 @@ pub struct AgentState {
     /// The batches of changes programmed so far (`ordnet_update_batches_total`), for the debug
     /// API's `/v1/batches`, which waits for the next one.
     programmed: watch::Sender<u64>,
+    /// When the datapath next has released rule sets to clear, as of the last programming
+    /// ([`reclaim`]).
+    reclaim_due: watch::Sender<Option<std::time::Instant>>,
     datapath: Mutex<Box<dyn Enforcer>>,
     problems: RwLock<BTreeMap<ObjKey, ObjectProblem>>,
     /// The agent's counters and gauges (served by the debug API).
@@ -226,6 +230,7 @@ impl AgentState {
             engine: RwLock::new(None),
             ready: AtomicBool::new(false),
             programmed: watch::Sender::new(0),
+            reclaim_due: watch::Sender::new(None),
             datapath: Mutex::new(datapath),
             problems: RwLock::new(BTreeMap::new()),
             metrics: Metrics::default(),
@@ -243,6 +248,9 @@ impl AgentState {
     /// After every programming of the datapath (initial, a batch of changes, upkeep): records
     /// the sizes and metrics, and reports changes of the endpoints denied for lack of room.
     fn after_programming(&self, engine: &Engine, dp: &dyn Enforcer) {
+        let due = dp.reclaim_due();
+        self.reclaim_due
+            .send_if_modified(|d| std::mem::replace(d, due) != due);
         self.metrics.set_sizes(engine, dp);
         self.denied
             .lock()
@@ -484,6 +492,10 @@ pub async fn start(
         state.clone(),
         events,
         config.maintain_every,
+    )));
+    tasks.push(tokio::spawn(reclaim::reclaim_loop(
+        state.clone(),
+        state.reclaim_due.subscribe(),
     )));
     let loop_state = state.clone();
     tasks.push(tokio::spawn(async move {
