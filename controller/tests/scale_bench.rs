@@ -712,7 +712,9 @@ struct Change {
 /// from the generated cluster, then the changes of [`agent_at_scale`] (the same objects, in the
 /// same order) applied one at a time through [`ordnet_engine::Engine::apply`], each timed (what
 /// the agent's latency is made of, and what a profiler should look at: `perf record` on this
-/// test).
+/// test). Back to back by default; `ORDNET_SCALE_PAUSE_MS=N` sleeps N ms before each change, as
+/// the agent idles between changes (which the next change pays for on a VM: see
+/// docs/agent.md, "Not done yet").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "benchmark: run in release with --ignored --nocapture"]
 async fn engine_changes() {
@@ -728,6 +730,14 @@ async fn engine_changes() {
             .map(|k| k.trim().parse().expect("ORDNET_CHANGE_KINDS: indices"))
             .collect(),
         Err(_) => (0..scale::CHANGE_KINDS.len()).collect(),
+    };
+    let pause = match std::env::var("ORDNET_SCALE_PAUSE_MS") {
+        Ok(v) => Duration::from_millis(
+            v.trim()
+                .parse()
+                .expect("ORDNET_SCALE_PAUSE_MS: milliseconds"),
+        ),
+        Err(_) => Duration::ZERO,
     };
     for shape in shapes() {
         let api = FakeApi::start().await.unwrap();
@@ -768,6 +778,9 @@ async fn engine_changes() {
                 let change = ObjectChange::Upsert(typed(written).slimmed());
                 let before = class_stats(&dp);
                 let written = dp.node_program().stats().writes;
+                if !pause.is_zero() {
+                    std::thread::sleep(pause);
+                }
                 let started = Instant::now();
                 let d = engine.apply(change);
                 let computed = started.elapsed();
