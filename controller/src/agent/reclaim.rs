@@ -3,19 +3,26 @@
 //! its keys for a grace period — a packet may still be reading them — and is cleared once it
 //! is over: by the datapath's next update, unless something clears it first. Clearing a rule
 //! set of tens of thousands of keys takes milliseconds (2-6 ms for ~19,000 keys at 10k pods /
-//! 5k policies), which whichever change came next used to pay. The agent clears it as soon as
-//! it is due instead, on the blocking pool and under the same locks as a change, so a change
-//! that arrives meanwhile waits at most for that clearing (which it would otherwise have done
-//! itself), and one that arrives later finds nothing left to clear.
+//! 5k policies), which whichever change came next used to pay: an isolated change paid for the
+//! one before it. The agent clears it once it has been due for [`IDLE`] with no change having
+//! done it, on the blocking pool and under the same locks as a change. Changes that come in
+//! quick succession still clear what is due themselves (clearing the moment it is due, the
+//! clearing ran into the next change about as often as not: at 10k pods / 5k policies a remote
+//! relabel's p99 rose from 15-18 to 19.5-22.4 ms, its engine p50 from 0.15 to 0.7-1.4 ms,
+//! waiting for the locks); one that comes after a pause finds nothing left to clear.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
 use super::AgentState;
 
-/// Clears what the datapath released whenever it is due: `due` is when next
+/// How long after its grace period a released rule set is left to the next change before the
+/// agent clears it itself.
+pub(super) const IDLE: Duration = Duration::from_millis(30);
+
+/// Clears what the datapath released [`IDLE`] after it is due: `due` is when next
 /// ([`super::Enforcer::reclaim_due`], published after every programming). A deadline that a
 /// clearing left in place (it failed, or the datapath waits for a full programming) is not
 /// tried again until the deadline changes, so a stuck one cannot spin.
@@ -42,7 +49,7 @@ pub(super) async fn reclaim_loop(
                 }
                 continue;
             }
-            () = tokio::time::sleep_until(tokio::time::Instant::from_std(at)) => {}
+            () = tokio::time::sleep_until(tokio::time::Instant::from_std(at + IDLE)) => {}
         }
         tried = Some(at);
         let state = state.clone();
@@ -51,13 +58,21 @@ pub(super) async fn reclaim_loop(
 }
 
 /// Clears what is due now, under the engine's and the datapath's locks (in that order, as
-/// everywhere), and records the programming as any other.
+/// everywhere), and records the programming as any other; nothing but the next deadline when
+/// a change cleared it meanwhile.
 fn clear_now(state: &AgentState) {
     let engine = state.engine.read().unwrap_or_else(|e| e.into_inner());
     let Some(engine) = engine.as_ref() else {
         return;
     };
     let mut dp = state.datapath.lock().unwrap_or_else(|e| e.into_inner());
+    let due = dp.reclaim_due();
+    if due.is_none_or(|at| at > Instant::now()) {
+        state
+            .reclaim_due
+            .send_if_modified(|d| std::mem::replace(d, due) != due);
+        return;
+    }
     if let Err(e) = dp.reclaim() {
         state.metrics.datapath_errors.inc();
         tracing::error!(error = %e, "clearing released rule sets failed");
