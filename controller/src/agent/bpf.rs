@@ -1298,14 +1298,10 @@ impl Enforcer for BpfDatapath {
     }
 
     fn reclaim(&mut self) -> Result<(), AgentError> {
-        if !self.synced || self.needs_full {
+        if !self.synced {
             return Ok(());
         }
-        Ok(self
-            .programmer
-            .program
-            .reclaim(&mut self.dp)
-            .inspect_err(|_| self.needs_full = true)?)
+        self.programmer.reclaim(&mut self.dp, &mut self.needs_full)
     }
 
     fn rule_totals(&self) -> Option<&RuleTotals> {

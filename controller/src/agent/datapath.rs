@@ -375,6 +375,23 @@ impl Programmer {
         Ok(result?)
     }
 
+    /// Clears the rule sets `dp` released whose grace period is over, unless a full
+    /// programming is pending (`needs_full`, which an error sets: the maps may then hold what
+    /// the control state no longer describes).
+    pub fn reclaim<D: ControlPlane + ?Sized>(
+        &mut self,
+        dp: &mut D,
+        needs_full: &mut bool,
+    ) -> Result<(), AgentError> {
+        if *needs_full {
+            return Ok(());
+        }
+        Ok(self
+            .program
+            .reclaim(dp)
+            .inspect_err(|_| *needs_full = true)?)
+    }
+
     /// Writes the deltas of one batch to `dp`. On an error `dp` needs a full programming.
     pub fn apply<D: ControlPlane + ?Sized>(
         &mut self,
@@ -498,14 +515,7 @@ impl Enforcer for NoneDatapath {
     }
 
     fn reclaim(&mut self) -> Result<(), AgentError> {
-        if self.needs_full {
-            return Ok(());
-        }
-        Ok(self
-            .programmer
-            .program
-            .reclaim(&mut self.dp)
-            .inspect_err(|_| self.needs_full = true)?)
+        self.programmer.reclaim(&mut self.dp, &mut self.needs_full)
     }
 
     fn denied(&self) -> &BTreeMap<String, String> {
