@@ -70,7 +70,8 @@ pub trait Enforcer: Send {
     }
     /// When released rule sets (or retired identity classes) are next due to be cleared
     /// ([`ControlPlane::reclaim_due`]); `None` when nothing waits or a full programming is
-    /// pending (it rewrites everything). The agent clears them then ([`super::reclaim`]).
+    /// pending (it rewrites everything). The agent clears them if no change has shortly after
+    /// ([`super::reclaim`]).
     fn reclaim_due(&self) -> Option<Instant>;
     /// Clears what is due ([`NodeProgram::reclaim`]). On an error the datapath is programmed
     /// in full at its next upkeep or change, as after a failed change.
