@@ -100,10 +100,20 @@ mod tests {
     /// is checked first).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn released_rule_sets_are_cleared_without_another_change() {
+        cleared_without_another_change(NoneDatapath::default()).await;
+    }
+
+    /// The same with identity classes: the loop goes on until the class layer's own delayed
+    /// work (the released rule sets leaving their spaces, the classes retired) is done too.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn with_classes_released_rule_sets_are_cleared_without_another_change() {
+        cleared_without_another_change(NoneDatapath::with_classes()).await;
+    }
+
+    async fn cleared_without_another_change(mut dp: NoneDatapath) {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/qa-prod");
         let outcome = ordnet_crds::load_and_validate(&[dir]);
         let mut engine = Engine::build_for_node(&outcome.objects, "node-1");
-        let mut dp = NoneDatapath::default();
         dp.program_full(&engine).unwrap();
         assert!(keys(&dp) > 0, "the example programs no policy key");
         assert_eq!(dp.reclaim_due(), None);
