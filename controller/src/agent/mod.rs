@@ -248,14 +248,43 @@ impl AgentState {
     /// After every programming of the datapath (initial, a batch of changes, upkeep): records
     /// the sizes and metrics, and reports changes of the endpoints denied for lack of room.
     fn after_programming(&self, engine: &Engine, dp: &dyn Enforcer) {
-        let due = dp.reclaim_due();
-        self.reclaim_due
-            .send_if_modified(|d| std::mem::replace(d, due) != due);
+        self.publish_reclaim_due(dp);
         self.metrics.set_sizes(engine, dp);
         self.denied
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .observe(engine, dp.denied());
+    }
+
+    /// Datapath work between changes (upkeep, clearing released rule sets): `work` runs on the
+    /// programmed engine and the datapath, locked in the one order (engine, then datapath);
+    /// its error is counted and logged as `failed`, and the programming recorded — unless it
+    /// did nothing (`None`). Nothing before the initial sync.
+    fn between_changes(
+        &self,
+        failed: &'static str,
+        work: impl FnOnce(&Engine, &mut dyn Enforcer) -> Option<Result<(), AgentError>>,
+    ) {
+        let engine = self.engine.read().unwrap_or_else(|e| e.into_inner());
+        let Some(engine) = engine.as_ref() else {
+            return;
+        };
+        let mut dp = self.datapath.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(result) = work(engine, dp.as_mut()) else {
+            return;
+        };
+        if let Err(e) = result {
+            self.metrics.datapath_errors.inc();
+            tracing::error!(error = %e, "{failed}");
+        }
+        self.after_programming(engine, dp.as_ref());
+    }
+
+    /// Publishes when the datapath next has released rule sets to clear ([`reclaim`]).
+    fn publish_reclaim_due(&self, dp: &dyn Enforcer) {
+        let due = dp.reclaim_due();
+        self.reclaim_due
+            .send_if_modified(|d| std::mem::replace(d, due) != due);
     }
 
     /// Whether the initial sync is done and the datapath programmed. Never waits for a change
@@ -529,17 +558,9 @@ async fn maintain_loop(state: Arc<AgentState>, events: Arc<tokio::sync::Notify>,
         }
         let state = state.clone();
         let _ = tokio::task::spawn_blocking(move || {
-            // Lock order everywhere: engine, then datapath.
-            let engine = state.engine.read().unwrap_or_else(|e| e.into_inner());
-            let Some(engine) = engine.as_ref() else {
-                return;
-            };
-            let mut dp = state.datapath.lock().unwrap_or_else(|e| e.into_inner());
-            if let Err(e) = dp.maintain(engine) {
-                state.metrics.datapath_errors.inc();
-                tracing::error!(error = %e, "datapath upkeep failed");
-            }
-            state.after_programming(engine, dp.as_ref());
+            state.between_changes("datapath upkeep failed", |engine, dp| {
+                Some(dp.maintain(engine))
+            })
         })
         .await;
     }

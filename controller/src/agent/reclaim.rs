@@ -57,27 +57,16 @@ pub(super) async fn reclaim_loop(
     }
 }
 
-/// Clears what is due now, under the engine's and the datapath's locks (in that order, as
-/// everywhere), and records the programming as any other; nothing but the next deadline when
-/// a change cleared it meanwhile.
+/// Clears what is due now ([`AgentState::between_changes`]: under the locks, recorded as any
+/// programming); when a change cleared it meanwhile, only publishes the next deadline.
 fn clear_now(state: &AgentState) {
-    let engine = state.engine.read().unwrap_or_else(|e| e.into_inner());
-    let Some(engine) = engine.as_ref() else {
-        return;
-    };
-    let mut dp = state.datapath.lock().unwrap_or_else(|e| e.into_inner());
-    let due = dp.reclaim_due();
-    if due.is_none_or(|at| at > Instant::now()) {
-        state
-            .reclaim_due
-            .send_if_modified(|d| std::mem::replace(d, due) != due);
-        return;
-    }
-    if let Err(e) = dp.reclaim() {
-        state.metrics.datapath_errors.inc();
-        tracing::error!(error = %e, "clearing released rule sets failed");
-    }
-    state.after_programming(engine, dp.as_ref());
+    state.between_changes("clearing released rule sets failed", |_, dp| {
+        if dp.reclaim_due().is_none_or(|at| at > Instant::now()) {
+            state.publish_reclaim_due(dp);
+            return None;
+        }
+        Some(dp.reclaim())
+    });
 }
 
 #[cfg(test)]
