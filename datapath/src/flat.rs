@@ -17,7 +17,7 @@ use ordnet_datapath_common::{
     },
     lookup::{PolicyDecision, PolicyMaps, policy_lookup},
 };
-use ordnet_mapstate::{ChangeSet, MapState, Peer, Verdict};
+use ordnet_mapstate::{Changes, MapState, Peer, Verdict};
 
 use crate::counters::RuleCounters;
 use crate::leafmap::LeafMap;
@@ -99,7 +99,7 @@ impl ContentDiff {
     /// counters drawn from `counters`. Changes that touch only a key's order key are not key
     /// changes; a change of its origins is (its counter changes).
     pub fn from_changeset(
-        changes: &ChangeSet,
+        changes: Changes<'_>,
         counters: &mut RuleCounters,
     ) -> Result<ContentDiff, FlattenError> {
         let mut d = ContentDiff::default();
@@ -118,16 +118,16 @@ impl ContentDiff {
             }
             Ok(())
         };
-        for (k, e) in &changes.added {
+        for (k, e) in changes.added {
             upsert(&mut d, k, counters.value(e))?;
         }
-        for (k, old, new) in &changes.changed {
+        for (k, old, new) in changes.changed {
             let (before, after) = (counters.value(old), counters.value(new));
             if before != after {
                 upsert(&mut d, k, after)?;
             }
         }
-        for (k, old) in &changes.removed {
+        for (k, old) in changes.removed {
             let v = counters.value(old);
             match key(k)? {
                 (Some(id), p) => d.specific_removes.push(((id, p), v)),
@@ -252,14 +252,27 @@ impl RuleSetContent {
 
     /// Applies a diff (its removals must be keys of `self` with those verdicts).
     pub fn apply(&mut self, d: &ContentDiff) {
-        for (k, _) in &d.specific_removes {
-            self.specific.remove(k);
+        // The identity keys in one pass over the leaves: sorted (stable: a key's removal
+        // before its upsert), the last change of each key kept.
+        let mut specific: Vec<((u32, u32), Option<PolicyValue>)> = d
+            .specific_removes
+            .iter()
+            .map(|&(k, _)| (k, None))
+            .chain(d.specific_upserts.iter().map(|&(k, v)| (k, Some(v))))
+            .collect();
+        if !specific.is_sorted_by(|a, b| a.0 < b.0) {
+            specific.sort_by_key(|c| c.0);
+            specific.dedup_by(|later, kept| {
+                let same = later.0 == kept.0;
+                if same {
+                    *kept = *later;
+                }
+                same
+            });
         }
+        self.specific.set_sorted(&specific, |_| ());
         for (p, _) in &d.wildcard_removes {
             self.wildcard.remove(p);
-        }
-        for (k, v) in &d.specific_upserts {
-            self.specific.insert(*k, *v);
         }
         for (p, v) in &d.wildcard_upserts {
             self.wildcard.insert(*p, *v);

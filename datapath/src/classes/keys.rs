@@ -101,8 +101,9 @@ impl IdentityKeys {
         IdentityKeys { slots }
     }
 
-    /// Applies `changes` in order (fastest grouped by rule set); pushes each key's old value
-    /// onto `old`, in the order of `changes`.
+    /// Applies `changes`, sorted by rule set and key with each key once (as
+    /// [`sort_first_kept`] leaves them); pushes each key's old value onto `old`, in the order
+    /// of `changes`.
     pub(crate) fn apply(&mut self, changes: &[KeyChange], old: &mut Vec<Option<PolicyValue>>) {
         for group in changes.chunk_by(|a, b| a.0 == b.0) {
             let slot = group[0].0;
@@ -137,9 +138,9 @@ impl IdentityKeys {
                 continue;
             }
             let keys = self.slots.entry(slot).or_default();
-            for &(_, (k, v)) in group {
-                old.push(keys.set(k, v));
-            }
+            let changes: Vec<((u32, u32), Option<PolicyValue>)> =
+                group.iter().map(|&(_, c)| c).collect();
+            keys.set_sorted(&changes, |was| old.push(was));
             if keys.is_empty() {
                 self.slots.remove(&slot);
             }
