@@ -241,12 +241,16 @@ impl Space {
 
     fn set_key(&mut self, c: u32, at: KeyAt, v: Option<PolicyValue>) {
         let class = self.classes.get_mut(&c).expect("a live class");
-        if let Some(old) = class.keys.remove(&at) {
+        // One search of the keys either way.
+        let old = match v {
+            Some(v) => {
+                class.hash = class.hash.wrapping_add(key_hash(at, v));
+                class.keys.insert(at, v)
+            }
+            None => class.keys.remove(&at),
+        };
+        if let Some(old) = old {
             class.hash = class.hash.wrapping_sub(key_hash(at, old));
-        }
-        if let Some(v) = v {
-            class.keys.insert(at, v);
-            class.hash = class.hash.wrapping_add(key_hash(at, v));
         }
     }
 }
