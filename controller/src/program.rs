@@ -66,7 +66,7 @@ use ordnet_datapath::{
     ControlError, ControlPlane, DatapathError, EndpointAddresses, EndpointSpec, WriteStats,
 };
 use ordnet_engine::{Endpoint, EndpointPolicy, Engine, EngineDelta};
-use ordnet_mapstate::{ChangeSet, Direction, MapState, Protocol, Verdict};
+use ordnet_mapstate::{ChangeSet, Changes, Direction, MapState, Protocol, Verdict};
 
 /// Why programming failed. The datapath is left consistent (every datapath operation either
 /// completes or writes nothing), but it may not reflect the engine yet: program it again with
@@ -176,15 +176,14 @@ fn addresses_of(ep: &Endpoint) -> Vec<(IpAddr, u32)> {
     v
 }
 
-/// One endpoint's change in steps 3 (`upserts`) and 5 (`removals`). The halves are shared by
-/// every endpoint of one engine ChangeSet (the users of a shared MapState): split once, and the
-/// datapath sees one ChangeSet per rule set, which it computes its steps for once.
+/// One endpoint's change: its upserts in step 3, its removals in step 5 (views of the engine's
+/// ChangeSet, which every endpoint of one shared MapState is given: the datapath sees the same
+/// views for each, and computes their steps once).
 struct Split {
     id: u32,
     name: String,
     dir: Direction,
-    upserts: Arc<ChangeSet>,
-    removals: Arc<ChangeSet>,
+    changes: Arc<ChangeSet>,
     /// The default before, during step 3 and after step 5.
     current: Verdict,
     first: Verdict,
@@ -811,7 +810,7 @@ impl NodeProgram {
     fn apply_changes<D: ControlPlane + ?Sized>(
         &mut self,
         dp: &mut D,
-        mut items: Vec<(u32, String, Direction, &ChangeSet, Verdict)>,
+        mut items: Vec<(u32, String, Direction, Changes<'_>, Verdict)>,
         full: &mut BTreeSet<String>,
     ) -> Result<(), ProgramError> {
         items.retain(|it| !full.contains(&it.1));
@@ -819,7 +818,7 @@ impl NodeProgram {
             if items.is_empty() {
                 return Ok(());
             }
-            let batch: Vec<(u32, Direction, &ChangeSet, Verdict)> =
+            let batch: Vec<(u32, Direction, Changes<'_>, Verdict)> =
                 items.iter().map(|it| (it.0, it.2, it.3, it.4)).collect();
             match dp.apply_changes(&batch) {
                 Ok(s) => {
@@ -865,8 +864,8 @@ impl NodeProgram {
         // 3. Added and changed keys, tightening defaults.
         let step3 = splits
             .iter()
-            .filter(|s| !s.upserts.is_empty() || s.first != s.current)
-            .map(|s| (s.id, s.name.clone(), s.dir, &*s.upserts, s.first))
+            .filter(|s| !s.changes.upserts().is_empty() || s.first != s.current)
+            .map(|s| (s.id, s.name.clone(), s.dir, s.changes.upserts(), s.first))
             .collect();
         self.apply_changes(dp, step3, full)?;
         // 4. The ipcache, and endpoints whose addresses or identities changed.
@@ -875,8 +874,8 @@ impl NodeProgram {
         // 5. Removed keys, loosening defaults.
         let step5 = splits
             .iter()
-            .filter(|s| !s.removals.is_empty() || s.first != s.last)
-            .map(|s| (s.id, s.name.clone(), s.dir, &*s.removals, s.last))
+            .filter(|s| !s.changes.removed.is_empty() || s.first != s.last)
+            .map(|s| (s.id, s.name.clone(), s.dir, s.changes.removals(), s.last))
             .collect();
         self.apply_changes(dp, step5, full)
     }
@@ -974,8 +973,6 @@ impl NodeProgram {
         full: &mut BTreeSet<String>,
     ) -> Vec<Split> {
         let mut splits: Vec<Split> = Vec::new();
-        let mut halves: HashMap<*const ChangeSet, (Arc<ChangeSet>, Arc<ChangeSet>)> =
-            HashMap::new();
         for u in &delta.updates {
             let Some(&id) = self.ids.get(&u.endpoint) else {
                 continue;
@@ -1002,27 +999,11 @@ impl NodeProgram {
             } else {
                 current
             };
-            let (upserts, removals) = halves
-                .entry(Arc::as_ptr(&u.changes))
-                .or_insert_with(|| {
-                    let upserts = ChangeSet {
-                        added: u.changes.added.clone(),
-                        changed: u.changes.changed.clone(),
-                        removed: Vec::new(),
-                    };
-                    let removals = ChangeSet {
-                        removed: u.changes.removed.clone(),
-                        ..ChangeSet::default()
-                    };
-                    (Arc::new(upserts), Arc::new(removals))
-                })
-                .clone();
             splits.push(Split {
                 id,
                 name: u.endpoint.clone(),
                 dir: u.direction,
-                upserts,
-                removals,
+                changes: Arc::clone(&u.changes),
                 current,
                 first,
                 last,

@@ -1247,7 +1247,7 @@ fn apply_times() {
         let mapstate = t.elapsed();
         let t = Instant::now();
         let stats = dp
-            .apply_changes(&[(1, Direction::Egress, &changes, Verdict::Deny)])
+            .apply_changes(&[(1, Direction::Egress, changes.view(), Verdict::Deny)])
             .unwrap();
         incremental.push((t.elapsed(), mapstate, stats));
     }

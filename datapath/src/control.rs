@@ -16,7 +16,7 @@ use ordnet_datapath_common::{
         IpKey, PolicyRef, State, SvcKey, V_ALLOW, V_DENY,
     },
 };
-use ordnet_mapstate::{ChangeSet, Direction, FastSet, MapState, Verdict};
+use ordnet_mapstate::{Changes, Direction, FastSet, MapState, Verdict};
 
 use crate::{
     counters::RuleCounters,
@@ -1023,22 +1023,22 @@ impl Control {
     pub fn apply_changes<W: TableWriter + ?Sized>(
         &mut self,
         w: &mut W,
-        batch: &[(u32, Direction, &ChangeSet, Verdict)],
+        batch: &[(u32, Direction, Changes<'_>, Verdict)],
     ) -> Result<WriteStats, ControlError> {
         let mut stats = WriteStats::default();
         self.store.reclaim(w, &mut stats)?;
         // 1. Validate: endpoints exist, changes convert and fit the current keys.
         let mut items = Vec::with_capacity(batch.len());
-        // The endpoints of one rule set given the same ChangeSet (the users of one shared
-        // MapState) convert and check it once.
-        let mut checked: HashMap<(usize, u32), ContentDiff> = HashMap::new();
+        // The endpoints of one rule set given the same changes (the users of one shared
+        // MapState) convert and check them once.
+        let mut checked: HashMap<([usize; 6], u32), ContentDiff> = HashMap::new();
         for &(id, dir, changes, default) in batch {
             let ep = self
                 .endpoints
                 .get(&id)
                 .ok_or(ControlError::UnknownEndpoint(id))?;
             let old = ep.policy(dir);
-            let memo = (std::ptr::from_ref(changes) as usize, old.ruleset);
+            let memo = (changes.place(), old.ruleset);
             let diff = match checked.get(&memo) {
                 Some(diff) => diff.clone(),
                 None => {
@@ -1078,16 +1078,12 @@ impl Control {
         let mut meets = Vec::with_capacity(items.len());
         // Endpoints that share a rule set and get the same change set (the engine gives every
         // user of a shared MapState the same one) share the steps.
-        let mut memo: HashMap<(u32, u8, usize), (ContentDiff, ContentDiff)> = HashMap::new();
+        let mut memo: HashMap<(u32, u8, [usize; 6]), (ContentDiff, ContentDiff)> = HashMap::new();
         for (i, (id, dir, old, diff, default)) in items.into_iter().enumerate() {
             let current = self.store.content(old.ruleset).unwrap_or(&empty);
             if old.default == default {
                 // Only identity keys change: the steps cost the size of the change.
-                let key = (
-                    old.ruleset,
-                    default,
-                    std::ptr::from_ref(batch[i].2) as usize,
-                );
+                let key = (old.ruleset, default, batch[i].2.place());
                 let steps = match memo.get(&key) {
                     Some(steps) => Some(steps.clone()),
                     None => meet_steps(current, default, &diff),

@@ -16,7 +16,7 @@ use ordnet_datapath_common::{
     Decision, Hook,
     layout::{IFACE_HAS_V4, IFACE_HAS_V6, IfaceInfo, IpKey, SvcKey},
 };
-use ordnet_mapstate::{ChangeSet, Direction, Verdict};
+use ordnet_mapstate::{Changes, Direction, Verdict};
 
 use crate::{
     ControlError, DatapathConfig, DatapathError,
@@ -192,7 +192,7 @@ pub trait ControlPlane {
     /// `update_endpoints` then.
     fn apply_changes(
         &mut self,
-        batch: &[(u32, Direction, &ChangeSet, Verdict)],
+        batch: &[(u32, Direction, Changes<'_>, Verdict)],
     ) -> Result<WriteStats, DatapathError> {
         let (c, w) = self.parts();
         Ok(c.apply_changes(w, batch)?)
@@ -831,7 +831,7 @@ mod tests {
             .unwrap();
         let before = dp.tables().canonical();
         let e = dp
-            .apply_changes(&[(2, Direction::Ingress, &cs, Verdict::Deny)])
+            .apply_changes(&[(2, Direction::Ingress, cs.view(), Verdict::Deny)])
             .unwrap_err();
         assert!(
             matches!(&e, DatapathError::Control(c) if c.is_capacity()),
@@ -911,7 +911,7 @@ mod tests {
         // A real change set applies in place.
         let cs = ingress.apply([entry(2, 8, L4Match::Any)]).unwrap();
         let stats = dp
-            .apply_changes(&[(1, Direction::Ingress, &cs, Verdict::Deny)])
+            .apply_changes(&[(1, Direction::Ingress, cs.view(), Verdict::Deny)])
             .unwrap();
         assert_eq!(stats.rulesets_updated, 1, "{stats:?}");
         dp.set_identity("10.0.1.8/32".parse().unwrap(), 8).unwrap();
@@ -922,7 +922,7 @@ mod tests {
         // Applying it again does not fit: an error, and nothing is written.
         let before = dp.tables().canonical();
         let e = dp
-            .apply_changes(&[(1, Direction::Ingress, &cs, Verdict::Deny)])
+            .apply_changes(&[(1, Direction::Ingress, cs.view(), Verdict::Deny)])
             .unwrap_err();
         assert!(
             matches!(
@@ -1006,8 +1006,8 @@ mod tests {
             ..ChangeSet::default()
         };
         dp.apply_changes(&[
-            (1, Direction::Ingress, &in_cs, Verdict::Deny),
-            (1, Direction::Egress, &out_cs, Verdict::Deny),
+            (1, Direction::Ingress, in_cs.view(), Verdict::Deny),
+            (1, Direction::Egress, out_cs.view(), Verdict::Deny),
         ])
         .unwrap();
         let ep = &dp.endpoints()[&1];

@@ -434,7 +434,7 @@ fn classes_follow_every_change_without_a_transient_allow() {
                     let batch: Vec<_> = (changed.iter())
                         .flat_map(|&(p, ref cs, dir, dv)| {
                             let users = live.iter().copied().filter(move |e| uses[e][d] == p);
-                            users.map(move |e| (e, dir, cs, dv))
+                            users.map(move |e| (e, dir, cs.view(), dv))
                         })
                         .collect();
                     control.apply_changes(&mut w, &batch).unwrap();
@@ -673,7 +673,7 @@ fn an_identity_that_becomes_like_another_class_joins_it() {
 
     // Identity 2 leaves entry 1 for entry 2, in place: its keys become identity 3's.
     control
-        .apply_changes(&mut w, &[(1, Direction::Ingress, &cs, Verdict::Deny)])
+        .apply_changes(&mut w, &[(1, Direction::Ingress, cs.view(), Verdict::Deny)])
         .unwrap();
     w.reclaim();
     let s = w.classes.stats();

@@ -18,7 +18,7 @@ use ordnet_datapath::{
     },
     flatten, ip_key, meet, same_verdicts,
 };
-use ordnet_mapstate::{Direction, MapState, Verdict, reference};
+use ordnet_mapstate::{ChangeSet, Direction, MapState, Verdict, reference};
 
 fn allow(v: Verdict) -> bool {
     v == Verdict::Allow
@@ -602,9 +602,9 @@ fn change_sets_apply_in_place_safely() {
             };
             // With a shared rule set, sometimes only endpoint 1 gets the change.
             let both = shared && rng.chance(2);
-            let mut items = vec![(1, dirs[d], &changes, new_default)];
+            let mut items = vec![(1, dirs[d], changes.view(), new_default)];
             if both {
-                items.push((2, dirs[d], &changes, new_default));
+                items.push((2, dirs[d], changes.view(), new_default));
             }
             let stats = control.apply_changes(&mut w, &items).unwrap();
             t = w.t;
@@ -616,7 +616,7 @@ fn change_sets_apply_in_place_safely() {
             if stats.rulesets_updated > 0 {
                 in_place += 1;
                 let diff = ordnet_datapath::ContentDiff::from_changeset(
-                    &changes,
+                    changes.view(),
                     &mut ordnet_datapath::RuleCounters::default(),
                 )
                 .unwrap();
@@ -733,7 +733,7 @@ fn rule_sets_changed_in_place_together_stay_safe() {
             };
             let items: Vec<_> = changes
                 .iter()
-                .map(|(i, d, ch, default)| (*i as u32 + 1, dirs[*d], ch, *default))
+                .map(|(i, d, ch, default)| (*i as u32 + 1, dirs[*d], ch.view(), *default))
                 .collect();
             let stats = control.apply_changes(&mut w, &items).unwrap();
             t = w.t;
@@ -835,9 +835,9 @@ fn a_user_leaving_a_shared_rule_set_does_not_copy_it() {
         };
         let default = ms[d].default_verdict();
         let items = [
-            (1, dirs[d], &a, default),
-            (2, dirs[d], &b, default),
-            (3, dirs[d], &a, default),
+            (1, dirs[d], a.view(), default),
+            (2, dirs[d], b.view(), default),
+            (3, dirs[d], a.view(), default),
         ];
         let stats = control.apply_changes(&mut w, &items).unwrap();
         let t = w.t;
@@ -850,9 +850,9 @@ fn a_user_leaving_a_shared_rule_set_does_not_copy_it() {
                 e + 1
             );
         }
-        let diff = |c| {
+        let diff = |c: &ChangeSet| {
             ordnet_datapath::ContentDiff::from_changeset(
-                c,
+                c.view(),
                 &mut ordnet_datapath::RuleCounters::default(),
             )
             .unwrap()
@@ -914,8 +914,8 @@ fn keys_of_an_identity_nobody_carries_need_no_meet() {
         );
         let before = t.state.revision;
         let items = [
-            (1, Direction::Egress, &a, Verdict::Deny),
-            (2, Direction::Ingress, &b, Verdict::Deny),
+            (1, Direction::Egress, a.view(), Verdict::Deny),
+            (2, Direction::Ingress, b.view(), Verdict::Deny),
         ];
         control.apply_changes(t, &items).unwrap();
         let r = t.ipcache[&ip_key(ips[1])];

@@ -20,6 +20,45 @@ pub struct ChangeSet {
     pub removed: Vec<(Key, StateEntry)>,
 }
 
+/// A borrowed view of a [`ChangeSet`] or of a part of one (its upserts, its removals): what a
+/// datapath applies in one step, without copying the keys out of the set they came from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Changes<'a> {
+    /// `(key, new)`.
+    pub added: &'a [(Key, StateEntry)],
+    /// `(key, old, new)`.
+    pub changed: &'a [(Key, StateEntry, StateEntry)],
+    /// `(key, old)`.
+    pub removed: &'a [(Key, StateEntry)],
+}
+
+impl Changes<'_> {
+    /// Whether no key changes.
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty() && self.changed.is_empty() && self.removed.is_empty()
+    }
+
+    /// Which memory the view reads: two views with the same place hold the same changes
+    /// (equal addresses and lengths of live slices are the same elements; empty parts, which
+    /// may share an address, hold nothing), so work done for one can be reused for the other.
+    pub fn place(&self) -> [usize; 6] {
+        [
+            self.added.as_ptr() as usize,
+            self.added.len(),
+            self.changed.as_ptr() as usize,
+            self.changed.len(),
+            self.removed.as_ptr() as usize,
+            self.removed.len(),
+        ]
+    }
+}
+
+impl<'a> From<&'a ChangeSet> for Changes<'a> {
+    fn from(c: &'a ChangeSet) -> Changes<'a> {
+        c.view()
+    }
+}
+
 /// One write to a key-value datapath map.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub enum Op {
@@ -77,6 +116,31 @@ impl ChangeSet {
     /// Whether no key changed.
     pub fn is_empty(&self) -> bool {
         self.added.is_empty() && self.changed.is_empty() && self.removed.is_empty()
+    }
+
+    /// The whole set, as a view.
+    pub fn view(&self) -> Changes<'_> {
+        Changes {
+            added: &self.added,
+            changed: &self.changed,
+            removed: &self.removed,
+        }
+    }
+
+    /// Its added and changed keys (the upserts), as a view.
+    pub fn upserts(&self) -> Changes<'_> {
+        Changes {
+            removed: &[],
+            ..self.view()
+        }
+    }
+
+    /// Its removed keys, as a view.
+    pub fn removals(&self) -> Changes<'_> {
+        Changes {
+            removed: &self.removed,
+            ..Changes::default()
+        }
     }
 
     /// Number of keys changed (added, changed or removed).

@@ -152,7 +152,7 @@ mod state;
 mod tiers;
 mod types;
 
-pub use changes::{ChangeSet, Op};
+pub use changes::{ChangeSet, Changes, Op};
 pub use prefix::L4Prefix;
 pub use state::{Covered, Decision, Key, StateEntry, Update, UpdateError};
 pub use tiers::{COPY_BASE, MapState};
