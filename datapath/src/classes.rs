@@ -565,10 +565,19 @@ impl Classes {
             }
             let start = mine.len();
             let slots = &self.spaces[d].slots;
+            // An identity's changes are sorted by rule set: one lookup per rule set.
+            let mut last: Option<(u32, bool)> = None;
             mine.extend(
                 run.iter()
                     .map(|&(_, ch)| ch)
-                    .filter(|((slot, _), _)| slots.contains(slot)),
+                    .filter(|((slot, _), _)| match last {
+                        Some((s, is)) if s == *slot => is,
+                        _ => {
+                            let is = slots.contains(slot);
+                            last = Some((*slot, is));
+                            is
+                        }
+                    }),
             );
             if mine.len() > start {
                 runs.push((self.spaces[d].class_of(id), id, start..mine.len()));
@@ -634,6 +643,7 @@ impl Classes {
             }
         }
         // 2. The change.
+        out.reserve(targets.iter().map(|t| t.1.len()).sum());
         for (c, ch) in targets {
             self.spaces[d].unfile(c);
             self.key_writes += ch.len();
