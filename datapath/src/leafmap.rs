@@ -574,6 +574,17 @@ mod tests {
     use super::*;
     use std::collections::BTreeMap;
 
+    /// Every leaf holds 1 to [`LEAF`] entries, and `lasts` has each leaf's last key.
+    fn check_shape<K: LeafKey, V: Copy>(m: &LeafMap<K, V>) {
+        assert!(m.leaves.iter().all(|l| !l.is_empty() && l.len() <= LEAF));
+        assert!(
+            m.lasts
+                .iter()
+                .copied()
+                .eq(m.leaves.iter().map(|l| l[l.len() - 1].0.rank()))
+        );
+    }
+
     /// A finger finds what `get` finds, for keys in ascending order (dense and sparse, present
     /// and absent, beyond both ends), repeated, descending and in any order.
     #[test]
@@ -623,13 +634,7 @@ mod tests {
                 assert_eq!(m.len(), want.len());
                 assert_eq!(m.is_empty(), want.is_empty());
                 assert!(m.iter().eq(want.iter()), "n {n} round {round}");
-                assert!(m.leaves.iter().all(|l| !l.is_empty() && l.len() <= LEAF));
-                assert!(
-                    m.lasts
-                        .iter()
-                        .copied()
-                        .eq(m.leaves.iter().map(|l| l[l.len() - 1].0.rank()))
-                );
+                check_shape(&m);
                 for id in [0, 1, n / 4, n / 2 + 4] {
                     let r = (id, 1)..=(id, 2);
                     assert!(m.range(r.clone()).eq(want.range(r)));
@@ -688,13 +693,7 @@ mod tests {
                 assert_eq!(olds, want_olds, "{at}");
                 assert_eq!(m.len(), want.len(), "{at}");
                 assert!(m.iter().eq(want.iter()), "{at}");
-                assert!(m.leaves.iter().all(|l| !l.is_empty() && l.len() <= LEAF));
-                assert!(
-                    m.lasts
-                        .iter()
-                        .copied()
-                        .eq(m.leaves.iter().map(|l| l[l.len() - 1].0.rank()))
-                );
+                check_shape(&m);
                 if let Some(before) = before.filter(|_| m.leaves.len() > 4) {
                     let kept = m
                         .leaves
