@@ -264,11 +264,17 @@ impl<K: LeafKey, V: Copy> LeafMap<K, V> {
             let leaf = &self.leaves[li];
             merged.clear();
             merged.reserve(leaf.len() + mine.len());
-            // Runs of unchanged entries copied whole, between the changed keys.
+            // Runs of unchanged entries copied whole, between the changed keys; a change at
+            // the next entry (a dense run: a rule set cleared, keys added side by side) is
+            // found without a search.
             let mut at = 0;
             for &(k, v) in mine {
                 let r = k.rank();
-                let i = at + leaf[at..].partition_point(|e| e.0.rank() < r);
+                let i = if leaf.get(at).is_none_or(|e| e.0.rank() >= r) {
+                    at
+                } else {
+                    at + leaf[at..].partition_point(|e| e.0.rank() < r)
+                };
                 merged.extend_from_slice(&leaf[at..i]);
                 let was = leaf.get(i).filter(|e| e.0.rank() == r).map(|e| e.1);
                 at = i + usize::from(was.is_some());
@@ -280,7 +286,9 @@ impl<K: LeafKey, V: Copy> LeafMap<K, V> {
                 }
             }
             merged.extend_from_slice(&leaf[at..]);
-            if merged.is_empty() || merged.len() > LEAF {
+            if merged.is_empty() {
+                reshaped.push((li, Vec::new()));
+            } else if merged.len() > LEAF {
                 reshaped.push((li, std::mem::take(&mut merged)));
             } else {
                 self.lasts[li] = merged[merged.len() - 1].0.rank();

@@ -105,38 +105,12 @@ impl IdentityKeys {
     /// [`sort_first_kept`] leaves them); pushes each key's old value onto `old`, in the order
     /// of `changes`.
     pub(crate) fn apply(&mut self, changes: &[KeyChange], old: &mut Vec<Option<PolicyValue>>) {
+        // By rule set, each run merged into its leaves in one pass (`LeafMap::set_sorted`):
+        // a rule set installed (tens of thousands of keys when a relabel installs one at 10k
+        // pods / 5k policies) is made into leaves at once, one cleared (every key deleted, as
+        // the store clears a slot it released) drops its leaves without copying them.
         for group in changes.chunk_by(|a, b| a.0 == b.0) {
             let slot = group[0].0;
-            // A rule set installed (a slot without keys given only upserts, sorted, each key
-            // once, as `sort_first_kept` leaves them): its leaves are made at once, not key by
-            // key (tens of thousands of keys when a relabel installs one at 10k pods / 5k
-            // policies).
-            if !self.slots.contains_key(&slot)
-                && group.iter().all(|c| c.1.1.is_some())
-                && group.windows(2).all(|w| w[0].1.0 < w[1].1.0)
-            {
-                let entries = group
-                    .iter()
-                    .filter_map(|&(_, (k, v))| Some((k, v?)))
-                    .collect();
-                old.extend(std::iter::repeat_n(None, group.len()));
-                self.slots.insert(slot, LeafMap::from_sorted(entries));
-                continue;
-            }
-            // A rule set cleared (every key of the slot deleted, as the store clears a slot it
-            // released once no packet can read it): its leaves go at once. Key by key, each
-            // removal first copied the leaf it shares with the store's copy: a slot of ~19,000
-            // keys took 2-5 ms to clear at 10k pods / 5k policies, in whichever change came
-            // after the grace period.
-            if let Some(keys) = self.slots.get(&slot)
-                && keys.len() == group.len()
-                && group.iter().all(|c| c.1.1.is_none())
-                && keys.keys().zip(group).all(|(k, c)| *k == c.1.0)
-            {
-                old.extend(keys.values().map(|v| Some(*v)));
-                self.slots.remove(&slot);
-                continue;
-            }
             let keys = self.slots.entry(slot).or_default();
             let changes: Vec<((u32, u32), Option<PolicyValue>)> =
                 group.iter().map(|&(_, c)| c).collect();
@@ -266,7 +240,7 @@ mod tests {
 
     /// A run that deletes every key of a slot (a cleared rule set) takes the slot away whole,
     /// with each old value; one that deletes all but one key, or a key the slot lacks as well,
-    /// goes key by key and leaves what remains.
+    /// leaves what remains.
     #[test]
     fn a_cleared_slot_goes_whole() {
         let n = 2000u32;
