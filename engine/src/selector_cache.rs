@@ -120,7 +120,7 @@ impl SelectorCache {
     pub(crate) fn selected(&self, spec: &PeerSpec) -> IdSet {
         self.entries
             .get(spec)
-            .map(|s| s.ids.clone())
+            .map(|s| s.ids.copy_with_room())
             .unwrap_or_default()
     }
 
