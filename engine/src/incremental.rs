@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use ipnet::IpNet;
-use ordnet_mapstate::{ChangeSet, Direction, Identity, Key, StateEntry};
+use ordnet_mapstate::{ChangeSet, Direction, Identity, Key, MapState, StateEntry};
 use serde::Serialize;
 
 use crate::build::Engine;
@@ -135,30 +135,35 @@ pub(crate) struct Pending {
     pub services: bool,
 }
 
-/// The diff between two key lists (both sorted by key).
-pub(crate) fn diff_states(old: &[(Key, &StateEntry)], new: &[(Key, &StateEntry)]) -> ChangeSet {
+/// The diff between two states' keys, each read in key order (`MapState::keys_sorted`, or a
+/// snapshot's list). Read as they go: listing both first took two buffers of every key (at 10k
+/// pods / 5k policies ~0.8 MiB each for a moving endpoint's 35,000 keys, new pages each time).
+pub(crate) fn diff_states<'a>(
+    old: impl IntoIterator<Item = (Key, &'a StateEntry)>,
+    new: impl IntoIterator<Item = (Key, &'a StateEntry)>,
+) -> ChangeSet {
     let mut cs = ChangeSet::default();
-    let (mut i, mut j) = (0, 0);
-    while i < old.len() || j < new.len() {
-        match (old.get(i), new.get(j)) {
+    let (mut old, mut new) = (old.into_iter().peekable(), new.into_iter().peekable());
+    loop {
+        match (old.peek(), new.peek()) {
             (Some((ko, eo)), Some((kn, en))) if ko == kn => {
                 if eo != en {
                     cs.changed.push((*ko, (*eo).clone(), (*en).clone()));
                 }
-                i += 1;
-                j += 1;
+                old.next();
+                new.next();
             }
             (Some((ko, eo)), Some((kn, _))) if ko < kn => {
                 cs.removed.push((*ko, (*eo).clone()));
-                i += 1;
+                old.next();
             }
             (Some((ko, eo)), None) => {
                 cs.removed.push((*ko, (*eo).clone()));
-                i += 1;
+                old.next();
             }
             (_, Some((kn, en))) => {
                 cs.added.push((*kn, (*en).clone()));
-                j += 1;
+                new.next();
             }
             (None, None) => break,
         }
@@ -166,8 +171,11 @@ pub(crate) fn diff_states(old: &[(Key, &StateEntry)], new: &[(Key, &StateEntry)]
     cs
 }
 
-pub(crate) fn owned(list: Vec<(Key, &StateEntry)>) -> Vec<(Key, StateEntry)> {
-    list.into_iter().map(|(k, e)| (k, e.clone())).collect()
+/// Every key of `state` with a copy of its entry, in key order.
+pub(crate) fn owned(state: &MapState) -> Vec<(Key, StateEntry)> {
+    let mut out = Vec::with_capacity(state.len());
+    out.extend(state.keys_sorted().map(|(k, e)| (k, e.clone())));
+    out
 }
 
 impl Engine {

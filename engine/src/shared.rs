@@ -449,7 +449,7 @@ impl Engine {
             let Some(Done::Built(state)) = done.next() else {
                 unreachable!("one build result per state, in order")
             };
-            s.policy.mapstate = state;
+            s.policy.mapstate = *state;
             self.shared.insert(key, s);
         }
     }

@@ -10,7 +10,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipnet::IpNet;
-use ordnet_mapstate::{ChangeSet, Direction, Identity, Key, MapState, Protocol, StateEntry};
+use ordnet_mapstate::{ChangeSet, Direction, Identity, MapState, Protocol};
 
 use crate::build::Engine;
 use crate::identity::{PodSig, Signature};
@@ -523,10 +523,7 @@ impl Engine {
                         .iter()
                         .all(|u| leaving.contains(&(u.clone(), old.dir.index()))))
             {
-                snapshots.insert(
-                    old.clone(),
-                    (owned(s.policy.mapstate.iter()), s.policy.isolated),
-                );
+                snapshots.insert(old.clone(), (owned(&s.policy.mapstate), s.policy.isolated));
             }
         }
         let mut compile: Vec<Arc<ShareKey>> = Vec::new();
@@ -678,7 +675,7 @@ impl Engine {
                 unreachable!("one result per job, in order")
             };
             if let Some(s) = self.shared.get_mut(&key) {
-                s.policy.mapstate = state;
+                s.policy.mapstate = *state;
             }
             let (cs, iso) = self.finish_update(&key, u, result);
             match mover {
@@ -740,16 +737,21 @@ impl Engine {
                         continue;
                     };
                     let (cs, old_isolated) = match (snapshots.get(old), self.shared.get(old)) {
-                        (Some((v, i)), _) => {
-                            let v: Vec<(Key, &StateEntry)> =
-                                v.iter().map(|(k, e)| (*k, e)).collect();
-                            (diff_states(&v, &s.policy.mapstate.iter()), Some(*i))
-                        }
+                        (Some((v, i)), _) => (
+                            diff_states(
+                                v.iter().map(|(k, e)| (*k, e)),
+                                s.policy.mapstate.keys_sorted(),
+                            ),
+                            Some(*i),
+                        ),
                         (None, Some(o)) => (
-                            diff_states(&o.policy.mapstate.iter(), &s.policy.mapstate.iter()),
+                            diff_states(
+                                o.policy.mapstate.keys_sorted(),
+                                s.policy.mapstate.keys_sorted(),
+                            ),
                             Some(o.policy.isolated),
                         ),
-                        (None, None) => (diff_states(&[], &s.policy.mapstate.iter()), None),
+                        (None, None) => (diff_states([], s.policy.mapstate.keys_sorted()), None),
                     };
                     let iso =
                         (old_isolated != Some(s.policy.isolated)).then_some(s.policy.isolated);
@@ -795,7 +797,7 @@ impl Engine {
                         endpoint: pod_key_text(k),
                         direction: key.dir,
                         changes: Arc::new(ChangeSet {
-                            added: owned(s.policy.mapstate.iter()),
+                            added: owned(&s.policy.mapstate),
                             ..ChangeSet::default()
                         }),
                         isolated: Some(s.policy.isolated),

@@ -152,8 +152,8 @@ impl Engine {
                 let mut fresh = self.compile(key);
                 fresh.users = users;
                 let cs = diff_states(
-                    &self.shared[key].policy.mapstate.iter(),
-                    &fresh.policy.mapstate.iter(),
+                    self.shared[key].policy.mapstate.keys_sorted(),
+                    fresh.policy.mapstate.keys_sorted(),
                 );
                 self.shared.insert(key.clone(), fresh);
                 let s = &self.shared[key];

@@ -714,12 +714,20 @@ impl Core {
 
     /// Every key and entry, sorted by peer (`*` first) and prefix (parents before children).
     pub fn iter(&self) -> Vec<(Key, &StateEntry)> {
+        let mut out: Vec<(Key, &StateEntry)> = Vec::with_capacity(self.len());
+        out.extend(self.keys_sorted());
+        out
+    }
+
+    /// [`Core::iter`] without the list: the keys in the same order, as they are read (only
+    /// the peers are listed and sorted first). Two states are diffed in one pass over both
+    /// without copying either's keys.
+    pub fn keys_sorted(&self) -> impl Iterator<Item = (Key, &StateEntry)> {
         // Peer by peer in peer order (each trie iterates its keys in prefix order).
         let mut peers: Vec<(&Peer, &Keys)> = self.tries.iter().map(|(p, k)| (p, &**k)).collect();
         peers.sort_unstable_by_key(|(p, _)| **p);
-        let mut out: Vec<(Key, &StateEntry)> = Vec::with_capacity(self.len());
-        for (peer, t) in peers {
-            out.extend(t.iter().map(|(prefix, e)| {
+        peers.into_iter().flat_map(|(peer, t)| {
+            t.iter().map(move |(prefix, e)| {
                 (
                     Key {
                         peer: *peer,
@@ -727,9 +735,8 @@ impl Core {
                     },
                     e,
                 )
-            }));
-        }
-        out
+            })
+        })
     }
 
     /// Number of keys (every peer). Kept as the keys are written: the agent's metrics read it

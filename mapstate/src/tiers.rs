@@ -379,6 +379,11 @@ impl MapState {
         self.core.iter()
     }
 
+    /// The keys of [`MapState::iter`] in the same order, as they are read.
+    pub fn keys_sorted(&self) -> impl Iterator<Item = (Key, &StateEntry)> {
+        self.core.keys_sorted()
+    }
+
     /// Number of keys (every peer).
     pub fn len(&self) -> usize {
         self.core.len()
