@@ -527,8 +527,11 @@ pub struct Datapath {
     control: Control,
     config: DatapathConfig,
     /// The key of the XDP-to-TC handoff tags this load of the programs uses
-    /// ([`common::handoff`]).
+    /// ([`common::handoff`]); 0 when the handoff is off.
     handoff_key: u64,
+    /// Why the handoff is off though the configuration asked for it: the kernel refused the
+    /// metadata helper (its verifier's words).
+    handoff_refused: Option<String>,
     /// XDP attachments, by interface.
     links: BTreeMap<String, LinkHandle<XdpLinkId>>,
     /// TC (tcx egress) attachments, by interface.
@@ -585,6 +588,9 @@ pub const LAYOUT_VERSION: u32 = 2;
 
 /// The programs' global holding the handoff key (`ORDNET_HANDOFF_KEY` in the eBPF crate).
 const HANDOFF_KEY_GLOBAL: &str = "ORDNET_HANDOFF_KEY";
+
+/// The helper the handoff writes its tag with, as the verifier names it.
+const METADATA_HELPER: &str = "bpf_xdp_adjust_meta";
 
 /// The programs' global holding the per-CPU interval between verdict events
 /// (`ORDNET_EVENT_INTERVAL` in the eBPF crate; 0: no events).
@@ -781,7 +787,7 @@ impl Datapath {
         {
             return Err(DatapathError::AlreadyPinned(dir.clone()));
         }
-        let (ebpf, mut tables, handoff_key) = Self::load(&config)?;
+        let (ebpf, mut tables, handoff_key, handoff_refused) = Self::load(&config)?;
         if config.classes {
             // Of empty maps: no classes yet.
             tables.adopt_classes(config.grace, false, None);
@@ -798,6 +804,7 @@ impl Datapath {
             tables,
             config,
             handoff_key,
+            handoff_refused,
             links: BTreeMap::new(),
             tc_links: BTreeMap::new(),
             tc_l3: BTreeSet::new(),
@@ -822,7 +829,7 @@ impl Datapath {
         }
         // The pinned maps keep their sizes: take them from the kernel.
         config = Self::with_pinned_sizes(&dir, config)?;
-        let (mut ebpf, mut tables, handoff_key) = Self::load(&config)?;
+        let (mut ebpf, mut tables, handoff_key, handoff_refused) = Self::load(&config)?;
         Self::check_pins(&ebpf, &tables)?;
         tables.mirror = tables.read_all()?;
         // Maps with classes keep them, maps without keep none: a switch takes new maps.
@@ -900,6 +907,7 @@ impl Datapath {
             control,
             config,
             handoff_key,
+            handoff_refused,
             links,
             tc_links,
             tc_l3,
@@ -1075,13 +1083,44 @@ impl Datapath {
         Ok(removed)
     }
 
-    fn load(config: &DatapathConfig) -> Result<(Ebpf, KernelTables, u64), DatapathError> {
+    /// Loads the object and the programs with the handoff [`DatapathConfig::handoff`] asks for:
+    /// if the kernel refuses the XDP metadata helper (`bpf_xdp_adjust_meta`: seen on a 6.18
+    /// kernel that allows every other XDP helper the program uses), the programs are loaded
+    /// again without the handoff (key 0: the verifier never reaches the helper) and the
+    /// kernel's reason is returned with them (the TC hook then looks every forwarded packet up
+    /// itself: correct, one lookup more per packet).
+    fn load(
+        config: &DatapathConfig,
+    ) -> Result<(Ebpf, KernelTables, u64, Option<String>), DatapathError> {
         check_kernel()?;
-        let handoff_key = if config.handoff {
-            random_handoff_key()?
-        } else {
-            0
-        };
+        if !config.handoff {
+            let (ebpf, tables) = Self::load_with(config, 0)?;
+            return Ok((ebpf, tables, 0, None));
+        }
+        let key = random_handoff_key()?;
+        match Self::load_with(config, key) {
+            Ok((ebpf, tables)) => Ok((ebpf, tables, key, None)),
+            Err(DatapathError::Program(ProgramError::LoadError { verifier_log, .. }))
+                if verifier_log.to_string().contains(METADATA_HELPER) =>
+            {
+                let log = verifier_log.to_string();
+                let why = log
+                    .lines()
+                    .find(|l| l.contains(METADATA_HELPER) && !l.contains("call "))
+                    .unwrap_or(METADATA_HELPER)
+                    .trim()
+                    .to_string();
+                let (ebpf, tables) = Self::load_with(config, 0)?;
+                Ok((ebpf, tables, 0, Some(why)))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn load_with(
+        config: &DatapathConfig,
+        handoff_key: u64,
+    ) -> Result<(Ebpf, KernelTables), DatapathError> {
         let cpus = aya::util::nr_cpus().map_or(1, |n| n as u64);
         let event_interval = common::event::interval_ns(config.events_per_sec, cpus);
         let rule_counters = u64::from(config.rule_counters);
@@ -1150,7 +1189,7 @@ impl Datapath {
             layer: None,
             policy_capacity: config.policy_entries as usize,
         };
-        Ok((ebpf, tables, handoff_key))
+        Ok((ebpf, tables))
     }
 
     /// Pinned maps are opened by path without any check: make sure they are ours.
@@ -1510,6 +1549,12 @@ impl Datapath {
     /// ([`common::handoff::tag`]).
     pub fn handoff_key(&self) -> u64 {
         self.handoff_key
+    }
+
+    /// Why the XDP-to-TC handoff is off though [`DatapathConfig::handoff`] asked for it (the
+    /// kernel refused the XDP metadata helper), if it is.
+    pub fn handoff_refused(&self) -> Option<&str> {
+        self.handoff_refused.as_deref()
     }
 
     /// Runs the program `repeat` times on `frame`; `avg_duration` is the kernel's per-run

@@ -389,6 +389,13 @@ impl BpfDatapath {
         };
         // The rule set store has every policy key; the userspace copy of the maps keeps none.
         dp.keep_keys_in_store();
+        if let Some(why) = dp.handoff_refused() {
+            tracing::warn!(
+                kernel = why,
+                "the kernel refuses XDP metadata (bpf_xdp_adjust_meta): the XDP-to-TC handoff \
+                 is off, the TC hook looks every forwarded packet up itself"
+            );
+        }
         if let Ok(memory) = dp.memory() {
             for (map, bytes) in memory
                 .maps
@@ -1148,6 +1155,15 @@ impl BpfDatapath {
             counter: true,
             labels: vec![],
             value: counters.handed_off,
+        });
+        out.push(Sample {
+            name: "ordnet_datapath_handoff",
+            help: "Whether the XDP-to-TC handoff is on (1) or off (0: turned off, or the kernel \
+                   refused the XDP metadata helper at load, which the agent's log says): off, \
+                   the TC hook looks every forwarded packet up itself.",
+            counter: false,
+            labels: vec![],
+            value: u64::from(self.dp.handoff_key() != 0),
         });
         for (outcome, n) in [
             ("emitted", counters.events),
