@@ -589,8 +589,16 @@ pub const LAYOUT_VERSION: u32 = 2;
 /// The programs' global holding the handoff key (`ORDNET_HANDOFF_KEY` in the eBPF crate).
 const HANDOFF_KEY_GLOBAL: &str = "ORDNET_HANDOFF_KEY";
 
-/// The helper the handoff writes its tag with, as the verifier names it.
-const METADATA_HELPER: &str = "bpf_xdp_adjust_meta";
+/// The verifier's line refusing the helper the handoff writes its tag with
+/// (`bpf_xdp_adjust_meta`), if `log` has one: "program of this type cannot use helper …" (or
+/// "unknown func …" from a kernel without it). Any other failure is not a refusal of the
+/// handoff and is not retried without it.
+fn refused_helper(log: &str) -> Option<&str> {
+    log.lines().map(str::trim).find(|l| {
+        l.contains("bpf_xdp_adjust_meta")
+            && (l.contains("cannot use helper") || l.starts_with("unknown func"))
+    })
+}
 
 /// The programs' global holding the per-CPU interval between verdict events
 /// (`ORDNET_EVENT_INTERVAL` in the eBPF crate; 0: no events).
@@ -1101,17 +1109,11 @@ impl Datapath {
         match Self::load_with(config, key) {
             Ok((ebpf, tables)) => Ok((ebpf, tables, key, None)),
             Err(DatapathError::Program(ProgramError::LoadError { verifier_log, .. }))
-                if verifier_log.to_string().contains(METADATA_HELPER) =>
+                if refused_helper(&verifier_log.to_string()).is_some() =>
             {
-                let log = verifier_log.to_string();
-                let why = log
-                    .lines()
-                    .find(|l| l.contains(METADATA_HELPER) && !l.contains("call "))
-                    .unwrap_or(METADATA_HELPER)
-                    .trim()
-                    .to_string();
+                let why = refused_helper(&verifier_log.to_string()).map(str::to_string);
                 let (ebpf, tables) = Self::load_with(config, 0)?;
-                Ok((ebpf, tables, 0, Some(why)))
+                Ok((ebpf, tables, 0, why))
             }
             Err(e) => Err(e),
         }
@@ -1822,3 +1824,29 @@ const _: fn() = || {
     fn send<T: Send>() {}
     send::<Datapath>();
 };
+
+#[cfg(test)]
+mod tests {
+    use super::refused_helper;
+
+    /// Only the verifier's refusal of the metadata helper turns the handoff off: not the
+    /// helper's call in a log that failed for another reason.
+    #[test]
+    fn only_a_refused_metadata_helper_is_a_refusal() {
+        let refused = "0: R1=ctx() R10=fp0\n2: (85) call bpf_xdp_adjust_meta#54\n\
+                       program of this type cannot use helper bpf_xdp_adjust_meta#54\n\
+                       processed 3 insns (limit 1000000)";
+        assert_eq!(
+            refused_helper(refused),
+            Some("program of this type cannot use helper bpf_xdp_adjust_meta#54")
+        );
+        let unknown = "2: (85) call unknown#54\nunknown func bpf_xdp_adjust_meta#54\n";
+        assert_eq!(
+            refused_helper(unknown),
+            Some("unknown func bpf_xdp_adjust_meta#54")
+        );
+        let other = "2: (85) call bpf_xdp_adjust_meta#54\n7: R2 invalid mem access 'scalar'\n";
+        assert_eq!(refused_helper(other), None);
+        assert_eq!(refused_helper(""), None);
+    }
+}
