@@ -1101,22 +1101,26 @@ impl Datapath {
         config: &DatapathConfig,
     ) -> Result<(Ebpf, KernelTables, u64, Option<String>), DatapathError> {
         check_kernel()?;
-        if !config.handoff {
-            let (ebpf, tables) = Self::load_with(config, 0)?;
-            return Ok((ebpf, tables, 0, None));
-        }
-        let key = random_handoff_key()?;
-        match Self::load_with(config, key) {
-            Ok((ebpf, tables)) => Ok((ebpf, tables, key, None)),
-            Err(DatapathError::Program(ProgramError::LoadError { verifier_log, .. }))
-                if refused_helper(&verifier_log.to_string()).is_some() =>
-            {
-                let why = refused_helper(&verifier_log.to_string()).map(str::to_string);
-                let (ebpf, tables) = Self::load_with(config, 0)?;
-                Ok((ebpf, tables, 0, why))
+        let key = if config.handoff {
+            random_handoff_key()?
+        } else {
+            0
+        };
+        let err = match Self::load_with(config, key) {
+            Ok((ebpf, tables)) => return Ok((ebpf, tables, key, None)),
+            Err(e) => e,
+        };
+        let why = match &err {
+            DatapathError::Program(ProgramError::LoadError { verifier_log, .. }) if key != 0 => {
+                refused_helper(&verifier_log.to_string()).map(str::to_string)
             }
-            Err(e) => Err(e),
-        }
+            _ => None,
+        };
+        let Some(why) = why else {
+            return Err(err);
+        };
+        let (ebpf, tables) = Self::load_with(config, 0)?;
+        Ok((ebpf, tables, 0, Some(why)))
     }
 
     fn load_with(
