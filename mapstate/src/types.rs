@@ -615,15 +615,16 @@ impl IdSet {
         (self.0.len() <= ARRAY_MAX && self.0.try_push(id).is_ok()) || self.0.insert(id)
     }
 
-    /// A copy that takes new members without moving. A clone's arrays are exactly as long as
-    /// their members, so the first identity added to each copy moved its whole array, and a
-    /// relabel adds one to thousands of copies at once (the policy entries of every MapState
-    /// that selects it): the first changes after the agent gave its free memory back spent a
-    /// quarter of their time moving arrays into memory the system had to map again (at 10k
-    /// pods / 5k policies the first local relabel 30-51 ms against ~25 ms for the slowest
-    /// others; docs/agent.md, "Not done yet"). Appended member by member, each array has room
-    /// up to the next power of two (the agent's RSS at 10k pods / 1k policies and 50k / 5k
-    /// measured unchanged, within the runs' spread).
+    /// A copy with room for new members (each array up to its next power of two). A clone's arrays
+    /// are exactly as long as their members, so the first identity added to each copy moved its
+    /// whole array, and a relabel adds one to thousands of copies at once (the policy entries of
+    /// every MapState that selects it): the first changes after the agent gave its free memory back
+    /// spent a quarter of their time moving arrays into memory the system had to map again (at 10k
+    /// pods / 5k policies the first local relabel 30-51 ms against ~25 ms for the slowest others;
+    /// docs/agent.md, "Not done yet"). Appended member by member, each array has room up to the
+    /// next power of two (the agent's RSS at 10k pods / 1k policies and 50k / 5k measured
+    /// unchanged, within the runs' spread). The copies of one set still fill up at the same change
+    /// and then all move at once (docs/agent.md, "Not done yet", the thirty-third).
     pub fn copy_with_room(&self) -> IdSet {
         roaring::RoaringBitmap::from_sorted_iter(self.0.iter()).map_or_else(|_| self.clone(), IdSet)
     }
