@@ -572,7 +572,7 @@ impl Applier {
             .metrics
             .apply_seconds
             .observe(started.elapsed().as_secs_f64());
-        super::heap::release_free_memory();
+        super::heap::release_after_initial_sync();
     }
 
     /// Adds the staged policies to `view` (a staged copy of the engine, made under its lock)

@@ -50,7 +50,7 @@ pub mod debug;
 mod denied;
 mod error;
 pub mod flowlog;
-pub mod heap;
+mod heap;
 pub mod history;
 pub mod metrics;
 mod netview;
@@ -521,6 +521,12 @@ pub async fn start(
         state.clone(),
         events,
         config.maintain_every,
+    )));
+    tasks.push(tokio::spawn(heap::give_back_when_grown(
+        state.programmed.subscribe(),
+        heap::QUIET,
+        heap::grown_by,
+        heap::give_back,
     )));
     tasks.push(tokio::spawn(reclaim::reclaim_loop(
         state.clone(),

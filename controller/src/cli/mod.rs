@@ -311,10 +311,6 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Validate(args) => validate::run(&args),
         Command::Crd(a) => crd::run(a.upstream),
         Command::Lab(args) => crate::lab::run(&args),
-        Command::Agent(args) => {
-            // Before the agent's threads allocate (docs/agent.md, "Memory with classes").
-            ordnet::agent::heap::keep_large_buffers_out_of_the_heap();
-            agent::run(*args)
-        }
+        Command::Agent(args) => agent::run(*args),
     }
 }
