@@ -13,18 +13,20 @@
 //! ([`ordnet_testsuite::scale`]: 100 pods per node, 20 per namespace, realistic pod objects,
 //! half NetworkPolicies and half ordered, mixed selectors). Per cluster size (pods:policies,
 //! default 2k, 10k and 50k pods at 1 policy per 10 and per 2 pods) it prints the time from start
-//! to ready, the agent's resident memory once ready, after the changes and its peak (`VmRSS`,
-//! `VmHWM`), KiB per cluster pod (after the changes), and p50/p99/max of change → programmed
+//! to ready, the agent's resident memory once ready, right after the changes, once quiet after
+//! them (it gives back what a burst left freed a second after its last change) and its peak
+//! (`VmRSS`, `VmHWM`), KiB per cluster pod (once quiet), and p50/p99/max of change → programmed
 //! (from the write to the API server until the agent has applied the batch: its debug API's
 //! `/v1/batches` answers then, and the engine's and the datapath's share are read from its
-//! `/metrics` after) for local and remote pod relabels, namespace relabels, NetworkPolicy edits and
-//! OrderedNetworkPolicy edits (200 changes per kind, `ORDNET_SCALE_CHANGES` to change it: p99 is
-//! then the third slowest, and the slowest is printed as max; with 40, as before 2026-11-29, p99
-//! was the slowest), the first change of each kind (the very first after ready pays for the
-//! pages the agent gave back after its initial sync), and what the three slowest took in the
-//! engine, in the datapath, before the agent received them and in its batching; at the end the growth
-//! from 10k to 50k pods and the marginal memory per pod. Prints numbers, asserts only that the
-//! agent gets ready and applies every change.
+//! `/metrics` after) for local and remote pod relabels, namespace relabels, NetworkPolicy edits
+//! and OrderedNetworkPolicy edits (200 changes per kind, `ORDNET_SCALE_CHANGES` to change it:
+//! p99 is then the third slowest, and the slowest is printed as max; with 40, as before
+//! 2026-11-29, p99 was the slowest; back to back, `ORDNET_SCALE_PAUSE_MS=N` for a pause before
+//! each), the first change of each kind (the very first after ready pays for the pages the
+//! agent gave back after its initial sync), and what the three slowest took in the engine, in
+//! the datapath, before the agent received them and in its batching; at the end the growth from
+//! 10k to 50k pods and the marginal memory per pod. Prints numbers, asserts only that the agent
+//! gets ready and applies every change.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -33,6 +35,24 @@ use std::time::{Duration, Instant};
 use ordnet_testsuite::fakeapi::FakeApi;
 use ordnet_testsuite::scale::{self, Shape};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// How long after the changes the agent's memory is read again: it gives back what they left
+/// freed once it has programmed nothing for a second (`agent/heap.rs`), which takes it up to
+/// ~15 ms at 50k pods.
+const QUIET: Duration = Duration::from_secs(2);
+
+/// `ORDNET_SCALE_PAUSE_MS=N`: a pause of N ms before each change (none by default: back to
+/// back).
+fn pause_before_each_change() -> Duration {
+    match std::env::var("ORDNET_SCALE_PAUSE_MS") {
+        Ok(v) => Duration::from_millis(
+            v.trim()
+                .parse()
+                .expect("ORDNET_SCALE_PAUSE_MS: milliseconds"),
+        ),
+        Err(_) => Duration::ZERO,
+    }
+}
 
 /// Changes of each kind, interleaved (`ORDNET_SCALE_CHANGES`, default 200): enough for p99 to be
 /// a percentile and not the slowest change (the nearest rank: with 200, the third slowest).
@@ -203,8 +223,11 @@ struct Run {
     ready: Duration,
     /// Resident memory once ready (before the changes).
     ready_rss_kib: u64,
-    /// Resident memory after the changes, and the peak.
+    /// Resident memory right after the changes.
+    burst_rss_kib: u64,
+    /// Resident memory [`QUIET`] after the changes (what the agent holds between changes).
     rss_kib: u64,
+    /// The peak.
     peak_kib: u64,
     /// Per change kind, in the order they were made.
     latencies: Vec<Vec<Latency>>,
@@ -285,8 +308,12 @@ async fn run(shape: Shape) -> Run {
     tokio::time::sleep(Duration::from_secs(1)).await;
     let (ready_rss_kib, _) = memory_kib(pid);
     let mut latencies = vec![Vec::new(); scale::CHANGE_KINDS.len()];
+    let pause = pause_before_each_change();
     for n in 0..changes_per_kind() {
         for (k, l) in latencies.iter_mut().enumerate() {
+            if !pause.is_zero() {
+                tokio::time::sleep(pause).await;
+            }
             let before = counters(&agent.addr).await;
             let t0 = Instant::now();
             let _ = scale::change(&api, &shape, k, n);
@@ -313,12 +340,15 @@ async fn run(shape: Shape) -> Run {
             });
         }
     }
+    let (burst_rss_kib, _) = memory_kib(pid);
+    tokio::time::sleep(QUIET).await;
     let (rss_kib, peak_kib) = memory_kib(pid);
     drop(agent);
     Run {
         shape,
         ready,
         ready_rss_kib,
+        burst_rss_kib,
         rss_kib,
         peak_kib,
         latencies,
@@ -328,11 +358,12 @@ async fn run(shape: Shape) -> Run {
 fn report(r: &Run) {
     let s = r.shape;
     println!(
-        "{:>6} pods {:>6} policies: ready {:>6.2} s, RSS {:>6.1} MiB once ready and {:>6.1} MiB after the changes, peak {:>6.1} MiB, {:>5.1} KiB per cluster pod",
+        "{:>6} pods {:>6} policies: ready {:>6.2} s, RSS {:>6.1} MiB once ready, {:>6.1} MiB right after the changes and {:>6.1} MiB once quiet, peak {:>6.1} MiB, {:>5.1} KiB per cluster pod",
         s.pods,
         s.policies,
         r.ready.as_secs_f64(),
         r.ready_rss_kib as f64 / 1024.0,
+        r.burst_rss_kib as f64 / 1024.0,
         r.rss_kib as f64 / 1024.0,
         r.peak_kib as f64 / 1024.0,
         r.rss_kib as f64 / s.pods as f64,
@@ -731,14 +762,7 @@ async fn engine_changes() {
             .collect(),
         Err(_) => (0..scale::CHANGE_KINDS.len()).collect(),
     };
-    let pause = match std::env::var("ORDNET_SCALE_PAUSE_MS") {
-        Ok(v) => Duration::from_millis(
-            v.trim()
-                .parse()
-                .expect("ORDNET_SCALE_PAUSE_MS: milliseconds"),
-        ),
-        Err(_) => Duration::ZERO,
-    };
+    let pause = pause_before_each_change();
     for shape in shapes() {
         let api = FakeApi::start().await.unwrap();
         let mut initial = Initial::default();
