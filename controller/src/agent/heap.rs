@@ -222,5 +222,6 @@ mod tests {
         assert_eq!(released(), 2, "nothing more to give back");
         drop(tx);
         task.await.expect("ends when the count's sender is gone");
+        assert_eq!(released(), 2, "nothing else given back, late or not");
     }
 }
