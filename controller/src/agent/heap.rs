@@ -72,8 +72,9 @@ pub(super) fn grown_by(denominator: u64) -> bool {
     before == 0 || now > before + before / denominator
 }
 
-/// This process's resident memory (`/proc/self/statm`), in bytes.
-fn resident_bytes() -> Option<u64> {
+/// This process's resident memory (`/proc/self/statm`), in bytes (also the metric
+/// `process_resident_memory_bytes`).
+pub(super) fn resident_bytes() -> Option<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
     let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
     // SAFETY: sysconf only reads a constant of the system.

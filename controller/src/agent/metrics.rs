@@ -545,14 +545,8 @@ fn watch_metrics(f: &mut Snapshot, watch: &WatchHealth) {
 
 /// The standard process metrics, from `/proc/self` (Linux).
 fn process_metrics(f: &mut Snapshot) {
-    // SAFETY: plain queries.
-    let (ticks, page) = unsafe {
-        (
-            libc::sysconf(libc::_SC_CLK_TCK),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    let (ticks, page) = (ticks.max(1) as f64, page.max(1) as f64);
+    // SAFETY: a plain query.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     if let Ok(stat) = std::fs::read_to_string("/proc/self/stat") {
         // The fields after the command (which may contain spaces) in parentheses.
         let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
@@ -573,11 +567,6 @@ fn process_metrics(f: &mut Snapshot) {
             "Virtual memory size, bytes.",
             field(23),
         );
-        f.gauge(
-            "process_resident_memory_bytes",
-            "Resident memory size, bytes.",
-            field(24) * page,
-        );
         let boot = std::fs::read_to_string("/proc/stat")
             .ok()
             .and_then(|s| {
@@ -591,6 +580,13 @@ fn process_metrics(f: &mut Snapshot) {
             "process_start_time_seconds",
             "Start time of the process since the Unix epoch, seconds.",
             boot + field(22) / ticks,
+        );
+    }
+    if let Some(resident) = super::heap::resident_bytes() {
+        f.gauge(
+            "process_resident_memory_bytes",
+            "Resident memory size, bytes.",
+            resident as f64,
         );
     }
     if let Ok(fds) = std::fs::read_dir("/proc/self/fd") {
