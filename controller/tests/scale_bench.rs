@@ -239,6 +239,8 @@ struct Run {
 /// watch and decoding).
 #[derive(Clone, Copy)]
 struct Latency {
+    /// The change's number within its kind (`scale::change`'s `n`).
+    n: usize,
     total: Duration,
     engine: Duration,
     datapath: Duration,
@@ -331,6 +333,7 @@ async fn run(shape: Shape) -> Run {
                 agent.log.display()
             );
             l.push(Latency {
+                n,
                 total,
                 engine: Duration::from_secs_f64(now.compile - before.compile),
                 datapath: Duration::from_secs_f64(
@@ -385,8 +388,9 @@ fn report(r: &Run) {
             .take(3)
             .map(|c| {
                 format!(
-                    "{:.2} (engine {:.2} + datapath {:.2}, received after {:.2}, batched {:.2})",
+                    "{:.2} (#{}: engine {:.2} + datapath {:.2}, received after {:.2}, batched {:.2})",
                     ms(c.total),
+                    c.n,
                     ms(c.engine),
                     ms(c.datapath),
                     ms(c.total.saturating_sub(c.in_agent)),
@@ -731,6 +735,8 @@ fn push(initial: &mut Initial, o: ordnet_engine::Object) {
 /// in place, write batches).
 #[derive(Clone, Copy)]
 struct Change {
+    /// The change's number within its kind (`scale::change`'s `n`).
+    n: usize,
     engine: Duration,
     datapath: Duration,
     keys: u32,
@@ -812,6 +818,7 @@ async fn engine_changes() {
                 let programmed = started.elapsed() - computed;
                 let now = dp.node_program().stats().writes;
                 t.push(Change {
+                    n,
                     engine: computed,
                     datapath: programmed,
                     keys: now.policy_writes - written.policy_writes,
@@ -885,7 +892,8 @@ fn report_changes(kind: &str, t: &[Change]) {
         .take(3)
         .map(|c| {
             format!(
-                "{:.2} + {:.2} ms ({} keys, {} installed, {} in place)",
+                "#{}: {:.2} + {:.2} ms ({} keys, {} installed, {} in place)",
+                c.n,
                 ms(c.engine),
                 ms(c.datapath),
                 c.keys,
