@@ -599,6 +599,18 @@ pub struct IdSet(roaring::RoaringBitmap);
 /// The most members a roaring container keeps as a sorted array (above, a bitmap).
 const ARRAY_MAX: u64 = 4096;
 
+/// Room for a copy of a set whose last container holds `len` members: between none and `len`,
+/// a different amount for each copy (a multiplicative hash of a counter), so that the copies of
+/// one set do not fill up at the same change.
+fn staggered_room(len: u64) -> u64 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static COPIES: AtomicU32 = AtomicU32::new(0);
+    let hash = COPIES
+        .fetch_add(1, Ordering::Relaxed)
+        .wrapping_mul(0x9E37_79B9);
+    (u64::from(hash) * (len + 1)) >> 32
+}
+
 impl IdSet {
     /// The empty set.
     pub fn new() -> IdSet {
@@ -615,18 +627,38 @@ impl IdSet {
         (self.0.len() <= ARRAY_MAX && self.0.try_push(id).is_ok()) || self.0.insert(id)
     }
 
-    /// A copy with room for new members (each array up to its next power of two). A clone's arrays
-    /// are exactly as long as their members, so the first identity added to each copy moved its
-    /// whole array, and a relabel adds one to thousands of copies at once (the policy entries of
-    /// every MapState that selects it): the first changes after the agent gave its free memory back
-    /// spent a quarter of their time moving arrays into memory the system had to map again (at 10k
-    /// pods / 5k policies the first local relabel 30-51 ms against ~25 ms for the slowest others;
-    /// docs/agent.md, "Not done yet"). Appended member by member, each array has room up to the
-    /// next power of two (the agent's RSS at 10k pods / 1k policies and 50k / 5k measured
-    /// unchanged, within the runs' spread). The copies of one set still fill up at the same change
-    /// and then all move at once (docs/agent.md, "Not done yet", the thirty-third).
+    /// A copy with room for new members in its last array, a different amount for each copy.
+    ///
+    /// A clone's arrays are exactly as long as their members, so the first identity added to each
+    /// copy moved its whole array, and a relabel adds one to thousands of copies at once (the
+    /// policy entries of every MapState that selects it): the first changes after the agent gave
+    /// its free memory back spent a quarter of their time moving arrays (docs/agent.md, "Not done
+    /// yet", the thirty-second). Room up to the next power of two (the arrays appended member by
+    /// member) only moved the problem: the copies of one set filled up at the same change and
+    /// all moved at once, one local relabel of every run at 10k pods / 5k policies (its engine
+    /// 26-51 ms against ≤ 19 ms for the others; the thirty-fifth). Each copy now gets between
+    /// none and as much room as the array has members (`staggered_room`), made exact by a clone
+    /// of the padded set (a clone's capacity is its length); a full array doubles, so copies
+    /// that start apart stay apart. Identities are numbered upwards, so new members go to the
+    /// last array: the others are exact, as a clone's. A last container past [`ARRAY_MAX`] is
+    /// a bitmap, which never moves, and the padding never crosses into the next container.
     pub fn copy_with_room(&self) -> IdSet {
-        roaring::RoaringBitmap::from_sorted_iter(self.0.iter()).map_or_else(|_| self.clone(), IdSet)
+        let Some(max) = self.0.max() else {
+            return IdSet::new();
+        };
+        let last = self.0.range_cardinality((max & !0xFFFF)..=max);
+        let room = staggered_room(last)
+            .min(ARRAY_MAX.saturating_sub(last))
+            .min(u64::from(0xFFFF - (max & 0xFFFF)));
+        if room == 0 {
+            return self.clone();
+        }
+        let mut padded = self.0.clone();
+        padded.extend(max + 1..=max + room as u32);
+        let mut copy = padded.clone();
+        drop(padded);
+        copy.remove_biggest(room);
+        IdSet(copy)
     }
 
     /// Removes `id`; whether it was there.
@@ -812,6 +844,53 @@ mod tests {
         assert_eq!(
             copy.iter().collect::<Vec<_>>(),
             model.into_iter().collect::<Vec<_>>()
+        );
+    }
+
+    /// The bytes a set's arrays hold room for (roaring counts each array's capacity).
+    fn array_room(set: &IdSet) -> u64 {
+        set.0.statistics().n_bytes_array_containers
+    }
+
+    /// The copies of one set get different room in their last array, so that adding the same
+    /// new identity to all of them moves only a few; a copy is the same set whatever its room,
+    /// also where there is none to give (a last array at the containers' edge, or full, or a
+    /// bitmap).
+    #[test]
+    fn copies_of_one_set_fill_up_at_different_changes() {
+        let set: IdSet = (1_000..2_000).collect();
+        let mut copies: Vec<IdSet> = (0..64).map(|_| set.copy_with_room()).collect();
+        let room: Vec<u64> = copies.iter().map(array_room).collect();
+        let exact = array_room(&set.clone());
+        assert!(room.iter().all(|&r| (exact..=2 * exact).contains(&r)));
+        let distinct: BTreeSet<u64> = room.iter().copied().collect();
+        assert!(
+            distinct.len() >= 32,
+            "{} distinct capacities",
+            distinct.len()
+        );
+        for copy in &mut copies {
+            assert_eq!(*copy, set);
+            assert!(copy.insert(2_000));
+        }
+        let moved = copies
+            .iter()
+            .zip(&room)
+            .filter(|(c, r)| array_room(c) != **r)
+            .count();
+        assert!(moved <= 8, "{moved} of 64 copies moved their array");
+
+        let edge: IdSet = (0xFF00..=0xFFFF).collect();
+        let full: IdSet = (0..4096).collect();
+        let bitmap: IdSet = (0..5000).collect();
+        for set in [edge, full, bitmap] {
+            for _ in 0..8 {
+                assert_eq!(set.copy_with_room(), set);
+            }
+        }
+        assert_eq!(
+            (0..4000).collect::<IdSet>().copy_with_room(),
+            (0..4000).collect::<IdSet>()
         );
     }
 }
