@@ -634,14 +634,15 @@ impl IdSet {
     /// policy entries of every MapState that selects it): the first changes after the agent gave
     /// its free memory back spent a quarter of their time moving arrays (docs/agent.md, "Not done
     /// yet", the thirty-second). Room up to the next power of two (the arrays appended member by
-    /// member) only moved the problem: the copies of one set filled up at the same change and
-    /// all moved at once, one local relabel of every run at 10k pods / 5k policies (its engine
-    /// 26-51 ms against ≤ 19 ms for the others; the thirty-fifth). Each copy now gets between
-    /// none and as much room as the array has members (`staggered_room`), made exact by a clone
-    /// of the padded set (a clone's capacity is its length); a full array doubles, so copies
-    /// that start apart stay apart. Identities are numbered upwards, so new members go to the
-    /// last array: the others are exact, as a clone's. A last container past [`ARRAY_MAX`] is
-    /// a bitmap, which never moves, and the padding never crosses into the next container.
+    /// member) only moved the problem: the copies of one set filled up at the same change and all
+    /// moved at once, one local relabel at 10k pods / 5k policies, among the slowest in most runs
+    /// (its engine 26-51 ms, the other slowest changes' 10-23; docs/agent.md, "Not done yet", the
+    /// thirty-fifth). Each copy now gets between none and as much room as the array has members
+    /// (`staggered_room`), made exact by a clone of the padded set (a clone's capacity is its
+    /// length); a full array doubles, so copies that start apart stay apart. Identities are
+    /// numbered upwards, so new members go to the last array: the others are exact, as a clone's. A
+    /// last container past [`ARRAY_MAX`] is a bitmap, which never moves, and the padding never
+    /// crosses into the next container.
     pub fn copy_with_room(&self) -> IdSet {
         let Some(max) = self.0.max() else {
             return IdSet::new();
