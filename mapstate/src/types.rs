@@ -655,7 +655,7 @@ impl IdSet {
             return self.clone();
         }
         let mut padded = self.0.clone();
-        padded.extend(max + 1..=max + room as u32);
+        padded.insert_range(max + 1..=max + room as u32);
         let mut copy = padded.clone();
         drop(padded);
         copy.remove_biggest(room);
