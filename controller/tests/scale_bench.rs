@@ -743,6 +743,9 @@ struct Change {
     installed: u32,
     updated: u32,
     batches: u32,
+    /// The class translation's work for this change (splits, merges, joins, records
+    /// rewritten, class keys written), when the datapath keeps classes.
+    classes: Option<[usize; 5]>,
 }
 
 /// The engine alone (no agent; the fake API server only writes the changes): built for node 0
@@ -817,6 +820,11 @@ async fn engine_changes() {
                 dp.apply(&engine, &[d]).unwrap();
                 let programmed = started.elapsed() - computed;
                 let now = dp.node_program().stats().writes;
+                let work = before.zip(class_stats(&dp)).map(|(a, b)| {
+                    let mut w = [0; 5];
+                    add_class_work(&mut w, a, b);
+                    w
+                });
                 t.push(Change {
                     n,
                     engine: computed,
@@ -825,9 +833,12 @@ async fn engine_changes() {
                     installed: now.rulesets_installed - written.rulesets_installed,
                     updated: now.rulesets_updated - written.rulesets_updated,
                     batches: now.batches - written.batches,
+                    classes: work,
                 });
-                if let (Some(a), Some(b)) = (before, class_stats(&dp)) {
-                    add_class_work(&mut class_work[k], a, b);
+                if let Some(w) = work {
+                    for (sum, d) in class_work[k].iter_mut().zip(w) {
+                        *sum += d;
+                    }
                 }
             }
         }
@@ -891,8 +902,14 @@ fn report_changes(kind: &str, t: &[Change]) {
         .rev()
         .take(3)
         .map(|c| {
+            let classes = match c.classes {
+                Some([splits, merges, joins, moved, keys]) => format!(
+                    "; {splits} splits, {merges} merges, {joins} joins, {moved} records, {keys} class keys"
+                ),
+                None => String::new(),
+            };
             format!(
-                "#{}: {:.2} + {:.2} ms ({} keys, {} installed, {} in place)",
+                "#{}: {:.2} + {:.2} ms ({} keys, {} installed, {} in place{classes})",
                 c.n,
                 ms(c.engine),
                 ms(c.datapath),
