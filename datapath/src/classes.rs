@@ -431,10 +431,10 @@ impl Classes {
         }
     }
 
-    /// Keeps one copy of rule set `slot`'s identity keys: the model takes `keys` (the store's)
-    /// when they are equal to its own ([`TableWriter::share_keys`]); whether they were.
-    pub fn share_keys(&mut self, slot: u32, keys: &LeafMap<(u32, u32), PolicyValue>) -> bool {
-        self.keys.share(slot, keys)
+    /// The model's identity keys of rule set `slot` (its leaves shared: the rule set store
+    /// keeps them as its own, [`TableWriter::identity_keys`]); empty for a slot without any.
+    pub fn identity_keys(&self, slot: u32) -> LeafMap<(u32, u32), PolicyValue> {
+        self.keys.of_slot(slot)
     }
 
     /// Gives back the room the identity-level model's leaves grew into beyond what they hold
@@ -1164,8 +1164,8 @@ impl TableWriter for Classed {
         self.classes.reclaim_due()
     }
 
-    fn share_keys(&mut self, slot: u32, keys: &LeafMap<(u32, u32), PolicyValue>) {
-        self.classes.share_keys(slot, keys);
+    fn identity_keys(&self, slot: u32) -> Option<LeafMap<(u32, u32), PolicyValue>> {
+        Some(self.classes.identity_keys(slot))
     }
 }
 

@@ -227,11 +227,24 @@ impl RuleSetContent {
 
     /// The content hash after applying `d`, from the hash before (O(size of `d`)).
     pub fn hash_after(&self, hash: u64, d: &ContentDiff) -> u64 {
+        self.hash_after_with(hash, d, |_| ())
+    }
+
+    /// [`RuleSetContent::hash_after`], which finds each identity key `d` upserts: those the
+    /// content does not have go to `added` too, in `d`'s order (one search of each key for
+    /// both).
+    pub fn hash_after_with(
+        &self,
+        hash: u64,
+        d: &ContentDiff,
+        mut added: impl FnMut((u32, u32)),
+    ) -> u64 {
         let mut h = hash;
         let mut keys = self.specific.finger();
         for &((id, p), v) in &d.specific_upserts {
-            if let Some(&old) = keys.get(&(id, p)) {
-                h ^= key_hash(id, p, old);
+            match keys.get(&(id, p)) {
+                Some(&old) => h ^= key_hash(id, p, old),
+                None => added((id, p)),
             }
             h ^= key_hash(id, p, v);
         }
@@ -252,17 +265,23 @@ impl RuleSetContent {
 
     /// Applies a diff (its removals must be keys of `self` with those verdicts).
     pub fn apply(&mut self, d: &ContentDiff) {
+        Self::apply_specific(&mut self.specific, d);
+        self.apply_wildcards(d);
+    }
+
+    /// Applies a diff's identity keys to `specific` (a rule set's).
+    pub(crate) fn apply_specific(specific: &mut LeafMap<(u32, u32), PolicyValue>, d: &ContentDiff) {
         // The identity keys in one pass over the leaves: sorted (stable: a key's removal
         // before its upsert), the last change of each key kept.
-        let mut specific: Vec<((u32, u32), Option<PolicyValue>)> = d
+        let mut changes: Vec<((u32, u32), Option<PolicyValue>)> = d
             .specific_removes
             .iter()
             .map(|&(k, _)| (k, None))
             .chain(d.specific_upserts.iter().map(|&(k, v)| (k, Some(v))))
             .collect();
-        if !specific.is_sorted_by(|a, b| a.0 < b.0) {
-            specific.sort_by_key(|c| c.0);
-            specific.dedup_by(|later, kept| {
+        if !changes.is_sorted_by(|a, b| a.0 < b.0) {
+            changes.sort_by_key(|c| c.0);
+            changes.dedup_by(|later, kept| {
                 let same = later.0 == kept.0;
                 if same {
                     *kept = *later;
@@ -270,7 +289,11 @@ impl RuleSetContent {
                 same
             });
         }
-        self.specific.set_sorted(&specific, |_| ());
+        specific.set_sorted(&changes, |_| ());
+    }
+
+    /// Applies a diff's `*` keys.
+    pub(crate) fn apply_wildcards(&mut self, d: &ContentDiff) {
         for (p, _) in &d.wildcard_removes {
             self.wildcard.remove(p);
         }

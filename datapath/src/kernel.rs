@@ -745,10 +745,10 @@ impl TableWriter for KernelTables {
         self.layer.as_ref().and_then(|l| l.classes.reclaim_due())
     }
 
-    fn share_keys(&mut self, slot: u32, keys: &crate::leafmap::LeafMap<(u32, u32), PolicyValue>) {
-        if let Some(layer) = &mut self.layer {
-            layer.classes.share_keys(slot, keys);
-        }
+    fn identity_keys(&self, slot: u32) -> Option<crate::leafmap::LeafMap<(u32, u32), PolicyValue>> {
+        self.layer
+            .as_ref()
+            .map(|layer| layer.classes.identity_keys(slot))
     }
 
     fn slot_keys(&self, slot: u32) -> Result<Vec<(PolicyKey, PolicyValue)>, WriteError> {

@@ -331,13 +331,14 @@ impl TableWriter for MemWriter {
         }
     }
 
-    fn share_keys(
-        &mut self,
+    fn identity_keys(
+        &self,
         slot: u32,
-        keys: &crate::leafmap::LeafMap<(u32, u32), ordnet_datapath_common::layout::PolicyValue>,
-    ) {
-        if let MemWriter::Classed(c) = self {
-            c.share_keys(slot, keys);
+    ) -> Option<crate::leafmap::LeafMap<(u32, u32), ordnet_datapath_common::layout::PolicyValue>>
+    {
+        match self {
+            MemWriter::Classed(c) => c.identity_keys(slot),
+            _ => None,
         }
     }
 }

@@ -137,12 +137,15 @@ pub trait TableWriter {
     fn reclaim_due_below(&self) -> Option<std::time::Instant> {
         None
     }
-    /// The rule set store's identity keys of `slot` (`(identity, prefix) → value`) as it holds
-    /// them after a write of the slot: a writer that keeps its own copy of them (the class
-    /// translation's model) may share the store's leaves instead ([`LeafMap::share_from`]).
-    /// Nothing for writers without such a copy (the default).
-    fn share_keys(&mut self, slot: u32, keys: &LeafMap<(u32, u32), PolicyValue>) {
-        let _ = (slot, keys);
+    /// The writer's own copy of rule set `slot`'s identity keys (`(identity, prefix) → value`,
+    /// empty for a slot without any), when it keeps one (the class translation's model,
+    /// which follows every write): after a complete write of the slot it holds exactly the
+    /// store's keys, so the store takes its leaves (one copy of the keys for two holders) instead
+    /// of applying the write to a copy of its own. `None` for writers without such a copy (the
+    /// default).
+    fn identity_keys(&self, slot: u32) -> Option<LeafMap<(u32, u32), PolicyValue>> {
+        let _ = slot;
+        None
     }
 }
 

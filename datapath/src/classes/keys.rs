@@ -28,9 +28,9 @@ pub(crate) fn sort_first_kept(changes: &mut Vec<KeyChange>) {
 }
 
 /// Identity-level keys (identity ≠ 0) by rule set slot, each slot's sorted by (identity,
-/// prefix): 12 bytes a key, in leaves shared with the rule set store's copy of the same keys
-/// once a write of the slot has completed ([`super::Classes::share_keys`]: the model holds every
-/// identity key of the node, millions at 50,000 pods, and would otherwise double them).
+/// prefix): 12 bytes a key, in leaves the rule set store takes as its copy of the same keys
+/// once a write of the slot has completed ([`super::Classes::identity_keys`]: the model holds
+/// every identity key of the node, millions at 50,000 pods, and would otherwise double them).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct IdentityKeys {
     slots: FastMap<u32, LeafMap<(u32, u32), PolicyValue>>,
@@ -121,14 +121,9 @@ impl IdentityKeys {
         }
     }
 
-    /// Takes `keys` as rule set `slot`'s when they are equal to them (sharing their leaves: one
-    /// copy for two holders); whether they were. An empty `keys` is equal to a slot without
-    /// keys and changes nothing.
-    pub(crate) fn share(&mut self, slot: u32, keys: &LeafMap<(u32, u32), PolicyValue>) -> bool {
-        match self.slots.get_mut(&slot) {
-            Some(mine) => mine.share_from(keys),
-            None => keys.is_empty(),
-        }
+    /// Rule set `slot`'s keys as a map sharing their leaves (empty for a slot without keys).
+    pub(crate) fn of_slot(&self, slot: u32) -> LeafMap<(u32, u32), PolicyValue> {
+        self.slots.get(&slot).cloned().unwrap_or_default()
     }
 
     /// Gives back the room the leaves grew into beyond what they hold.
