@@ -860,7 +860,8 @@ async fn engine_changes() {
 
 /// Prints one kind's changes of [`engine_changes`]: the engine's and the datapath's times, their
 /// sum (what the agent's change latency is made of, less the watch and the batching) and the
-/// make-up of the three slowest by that sum, and what the datapath wrote.
+/// make-up of the three slowest by that sum (with classes, their class work too), and what the
+/// datapath wrote.
 fn report_changes(kind: &str, t: &[Change]) {
     let mut e: Vec<Duration> = t.iter().map(|t| t.engine).collect();
     let mut d: Vec<Duration> = t.iter().map(|t| t.datapath).collect();
