@@ -914,11 +914,10 @@ impl Store {
             }
         }
         for &slot in &in_use {
-            let content = contents.remove(&slot).unwrap_or_default();
+            let mut content = contents.remove(&slot).unwrap_or_default();
             let inputs = content.cell_inputs();
             let hash = content_hash(&content);
             store.by_hash.entry(hash).or_default().push(slot);
-            let mut content = content;
             share_with_writer(w, slot, &mut content.specific);
             store.slots[slot as usize] = Some(RuleSet {
                 content,
