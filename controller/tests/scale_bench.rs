@@ -820,11 +820,9 @@ async fn engine_changes() {
                 dp.apply(&engine, &[d]).unwrap();
                 let programmed = started.elapsed() - computed;
                 let now = dp.node_program().stats().writes;
-                let work = before.zip(class_stats(&dp)).map(|(a, b)| {
-                    let mut w = [0; 5];
-                    add_class_work(&mut w, a, b);
-                    w
-                });
+                let work = before
+                    .zip(class_stats(&dp))
+                    .map(|(a, b)| class_work_between(a, b));
                 t.push(Change {
                     n,
                     engine: computed,
@@ -1031,26 +1029,22 @@ fn datapath_fill() {
     }
 }
 
-/// The class-level tables of one node's programmed datapath (see [`datapath_fill`]).
-/// Adds the class work between two stats to `w`: splits, merges, joins, records rewritten,
-/// class keys written.
-fn add_class_work(
-    w: &mut [usize; 5],
+/// The class work between two stats: splits, merges, joins, records rewritten, class keys
+/// written.
+fn class_work_between(
     a: ordnet_datapath::classes::ClassStats,
     b: ordnet_datapath::classes::ClassStats,
-) {
-    let done = [
+) -> [usize; 5] {
+    [
         b.splits - a.splits,
         b.merges - a.merges,
         b.joins - a.joins,
         b.moved - a.moved,
         b.key_writes - a.key_writes,
-    ];
-    for (w, d) in w.iter_mut().zip(done) {
-        *w += d;
-    }
+    ]
 }
 
+/// Prints the class-level tables of one node's programmed datapath (see [`datapath_fill`]).
 fn print_class_fill(c: &ordnet_datapath::classes::Classed, took: Duration) {
     use ordnet_datapath::common::layout::DEFAULT_POLICY_ENTRIES;
     let s = c.classes.stats();
