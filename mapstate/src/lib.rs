@@ -146,6 +146,7 @@
 //! [`reference::evaluate`] and from-scratch builds.
 
 mod changes;
+mod idset;
 mod prefix;
 pub mod reference;
 mod state;
@@ -153,10 +154,11 @@ mod tiers;
 mod types;
 
 pub use changes::{ChangeSet, Changes, Op};
+pub use idset::{IdSet, Iter as IdSetIter};
 pub use prefix::L4Prefix;
 pub use state::{Covered, Decision, Key, StateEntry, Update, UpdateError};
 pub use tiers::{COPY_BASE, MapState};
 pub use types::{
-    Action, Direction, EntryId, FastHash, FastMap, FastSet, IdSet, Identity, L4Match, OrderKey,
-    Origin, Peer, PolicyEntry, Protocol, Selector, Step, Tier, Verdict, Via,
+    Action, Direction, EntryId, FastHash, FastMap, FastSet, Identity, L4Match, OrderKey, Origin,
+    Peer, PolicyEntry, Protocol, Selector, Step, Tier, Verdict, Via,
 };

@@ -10,9 +10,10 @@ use serde::Serialize;
 use smallvec::SmallVec;
 
 use crate::changes::ChangeSet;
+use crate::idset::IdSet;
 use crate::prefix::L4Prefix;
 use crate::types::{
-    Direction, EntryId, IdSet, Identity, OrderKey, Origin, Peer, PolicyEntry, Selector, Verdict,
+    Direction, EntryId, Identity, OrderKey, Origin, Peer, PolicyEntry, Selector, Verdict,
 };
 
 use crate::types::{FastMap, FastSet};
