@@ -13,7 +13,6 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use ordnet_crds::validate;
@@ -165,14 +164,14 @@ impl Applier {
                 }
                 if self.synced.iter().all(|s| *s) {
                     self.initial_program();
-                    self.state.applied.store(self.seq, Ordering::SeqCst);
+                    self.state.mark_applied(self.seq);
                 }
                 self.answer_cni();
                 continue;
             }
             self.coalesce(&mut rx, observed).await;
             self.apply_dirty(observed);
-            self.state.applied.store(self.seq, Ordering::SeqCst);
+            self.state.mark_applied(self.seq);
             self.answer_cni();
         }
     }

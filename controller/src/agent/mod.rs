@@ -203,6 +203,10 @@ pub struct AgentState {
     /// applied; the status writer uses it to tell which object versions a shadowed-rule report
     /// describes (`status.rs`).
     applied: AtomicU64,
+    /// When the apply loop last finished applying changes (`applied`): the status writer copies
+    /// its analysis' inputs under the engine's read lock only once the loop has been idle for a
+    /// moment (`status.rs`, `analysis_due`).
+    applied_at: Mutex<Instant>,
     /// The endpoints denied for lack of room, as last reported.
     denied: Mutex<denied::DeniedReport>,
     /// The last verdict events, attributed (`observe`; the debug API's `/v1/observe`).
@@ -237,12 +241,27 @@ impl AgentState {
             watch: Arc::new(WatchHealth::default()),
             leader: Arc::new(AtomicBool::new(false)),
             applied: AtomicU64::new(0),
+            applied_at: Mutex::new(Instant::now()),
             denied: Mutex::new(denied::DeniedReport::default()),
             journal: Mutex::new(crate::observe::Journal::new(journal)),
             flow_log: Mutex::new(flow_log),
             staged: staged::Staged::default(),
             history: Mutex::new(history::FlowHistory::new(history)),
         }
+    }
+
+    /// Records that the apply loop has applied change number `seq` (now).
+    fn mark_applied(&self, seq: u64) {
+        self.applied.store(seq, std::sync::atomic::Ordering::SeqCst);
+        *self.applied_at.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+    }
+
+    /// How long the apply loop has not applied a change.
+    fn idle_for(&self) -> Duration {
+        self.applied_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed()
     }
 
     /// After every programming of the datapath (initial, a batch of changes, upkeep): records

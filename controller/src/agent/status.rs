@@ -21,11 +21,14 @@
 //!   `status.traffic`, the nodes' traffic reports summed ([`traffic`]). It writes
 //!   only when the stored status differs from the wanted one, and never the same wanted status
 //!   twice before the watch shows the first write.
-//! * The shadowed-rule analysis runs in the status writer only, off the apply loop (a blocking
-//!   task under the engine's read lock), after the engine applied new changes, at most once per
-//!   [`SHADOW_EVERY`] and at most 10 % of the time (the pause after an analysis is ten times
-//!   its duration when that is longer). A valid policy's status is written only from an
-//!   analysis of an engine that has applied that version of the policy.
+//! * The shadowed-rule analysis runs in the status writer only, off the apply loop (its inputs
+//!   copied in a blocking task under the engine's read lock, analysed after it), after the
+//!   engine applied new changes, at most once per [`SHADOW_EVERY`] and at most 10 % of the time
+//!   (the pause after an analysis is ten times its duration when that is longer), and only once
+//!   the apply loop has applied nothing for [`SHADOW_QUIET`] (a change arriving during the copy
+//!   waits for the lock) unless changes have waited [`SHADOW_STALEST`] for it. A valid policy's
+//!   status is written only from an analysis of an engine that has applied that version of the
+//!   policy.
 //! * Every agent publishes a Warning Event (events.k8s.io/v1) for each invalid object version
 //!   it sees, whether or not it holds the Lease.
 
@@ -67,6 +70,13 @@ pub const LEASE_SECONDS: i32 = 15;
 pub const RENEW_EVERY: Duration = Duration::from_secs(5);
 /// The shortest pause between two shadowed-rule analyses.
 pub const SHADOW_EVERY: Duration = Duration::from_secs(1);
+/// How long the apply loop must have applied nothing before the status writer copies the
+/// analysis' inputs under the engine's read lock: a change that arrives during the copy waits
+/// for it (~100 ms at 10k pods / 5k policies, ~450 ms at 50k / 5k).
+pub const SHADOW_QUIET: Duration = Duration::from_millis(300);
+/// The longest new changes wait for an analysis when the apply loop is never idle for
+/// [`SHADOW_QUIET`]: then it runs anyway.
+pub const SHADOW_STALEST: Duration = Duration::from_secs(30);
 /// The longest condition message written (the API server allows 32 KiB).
 const MAX_MESSAGE: usize = 4000;
 /// `status.subject` of a policy the engine does not enforce (invalid, or left out by the engine).
@@ -557,25 +567,63 @@ struct Report {
     took: Duration,
 }
 
-/// Runs a new analysis when the engine applied changes since the last one and the pause is over.
-async fn refresh(state: &Arc<AgentState>, report: &mut Option<Report>) {
-    let applied = state.applied.load(Ordering::SeqCst);
-    if let Some(r) = report.as_ref()
-        && (r.seq == applied || r.at.elapsed() < SHADOW_EVERY.max(r.took * 10))
+/// Whether a new shadowed-rule analysis is due: the engine applied changes since the last one
+/// (`last`: its change number, how long ago it ran and how long it took), the pause after it is
+/// over (at least [`SHADOW_EVERY`], ten times its duration when that is longer), and either the
+/// apply loop has applied nothing for [`SHADOW_QUIET`] (`idle`) or the changes have waited for an
+/// analysis for [`SHADOW_STALEST`] (`waiting`).
+fn analysis_due(
+    last: Option<(u64, Duration, Duration)>,
+    applied: u64,
+    idle: Duration,
+    waiting: Duration,
+) -> bool {
+    if let Some((seq, ago, took)) = last
+        && (seq == applied || ago < SHADOW_EVERY.max(took * 10))
     {
+        return false;
+    }
+    idle >= SHADOW_QUIET || waiting >= SHADOW_STALEST
+}
+
+/// Runs a new analysis when one is due ([`analysis_due`]); `waiting_since`: when this writer
+/// first saw changes the last analysis does not cover (reset by each analysis).
+async fn refresh(
+    state: &Arc<AgentState>,
+    report: &mut Option<Report>,
+    waiting_since: &mut Option<Instant>,
+) {
+    let applied = state.applied.load(Ordering::SeqCst);
+    if report.as_ref().is_some_and(|r| r.seq == applied) {
+        *waiting_since = None;
         return;
     }
+    let waiting = waiting_since.get_or_insert_with(Instant::now).elapsed();
+    let last = report.as_ref().map(|r| (r.seq, r.at.elapsed(), r.took));
+    if !analysis_due(last, applied, state.idle_for(), waiting) {
+        return;
+    }
+    *waiting_since = None;
     let started = Instant::now();
     let st = state.clone();
     let result = tokio::task::spawn_blocking(move || {
         // The inputs are copied under the engine's lock (the engine has applied at least this
         // change number); the analysis runs after releasing it, so that the applier does not
         // wait for it.
+        let locked = Instant::now();
         let (seq, inputs, subjects) = st.with_engine(|e| {
             let seq = st.applied.load(Ordering::SeqCst);
             (seq, e.shadow_inputs(), subjects(e))
         })?;
-        Some((seq, inputs.analyze(), subjects))
+        let copied = locked.elapsed();
+        let rules = inputs.analyze();
+        tracing::debug!(
+            copy_ms = copied.as_secs_f64() * 1e3,
+            analysis_ms = (locked.elapsed() - copied).as_secs_f64() * 1e3,
+            idle_ms = st.idle_for().as_secs_f64() * 1e3,
+            "shadowed-rule analysis (its inputs copied under the engine's read lock)"
+        );
+        Some((seq, rules, subjects))
     })
     .await;
     let Ok(Some((seq, rules, subjects))) = result else {
@@ -814,10 +862,11 @@ pub async fn status_loop(
     // shows the result.
     let mut written: BTreeMap<ObjKey, Desired> = BTreeMap::new();
     let mut report: Option<Report> = None;
+    let mut waiting_since: Option<Instant> = None;
     let mut cluster = traffic::Cluster::default();
     loop {
         if state.is_status_writer() {
-            refresh(&state, &mut report).await;
+            refresh(&state, &mut report, &mut waiting_since).await;
             if let Some(window) = traffic_window {
                 cluster.refresh(&client, &namespace, window).await;
             }
@@ -1180,5 +1229,51 @@ mod lease_tests {
         assert!(!seen.expired(&ahead));
         std::thread::sleep(Duration::from_millis(5));
         assert!(seen.expired(&ahead));
+    }
+}
+
+#[cfg(test)]
+mod analysis_tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    /// The analysis waits for the apply loop to be idle, or for the changes to have waited too
+    /// long; never for changes it already covers, never before the pause after the last one.
+    #[test]
+    fn an_analysis_waits_for_a_quiet_moment() {
+        let busy = MS * 5;
+        let quiet = SHADOW_QUIET;
+        // The first: as soon as the loop is quiet, or when the changes have waited too long.
+        assert!(!analysis_due(None, 7, busy, MS));
+        assert!(analysis_due(None, 7, quiet, MS));
+        assert!(analysis_due(None, 7, busy, SHADOW_STALEST));
+        // Changes since the last analysis, its pause over.
+        let last = Some((5, SHADOW_EVERY * 2, MS * 20));
+        assert!(!analysis_due(last, 7, busy, SHADOW_STALEST - MS));
+        assert!(analysis_due(last, 7, quiet, MS));
+        assert!(analysis_due(last, 7, busy, SHADOW_STALEST));
+        // Nothing new: never, however quiet or long.
+        assert!(!analysis_due(
+            Some((7, SHADOW_STALEST * 2, MS)),
+            7,
+            quiet,
+            SHADOW_STALEST
+        ));
+        // The pause: at least `SHADOW_EVERY`, ten times the last one's duration if longer.
+        assert!(!analysis_due(
+            Some((5, SHADOW_EVERY - MS, MS)),
+            7,
+            quiet,
+            SHADOW_STALEST
+        ));
+        let slow = Duration::from_millis(450);
+        assert!(!analysis_due(
+            Some((5, slow * 9, slow)),
+            7,
+            quiet,
+            SHADOW_STALEST
+        ));
+        assert!(analysis_due(Some((5, slow * 10, slow)), 7, quiet, MS));
     }
 }
