@@ -310,6 +310,26 @@ async fn run(shape: Shape) -> Run {
         "  ready after {:.2} s, of which the initial build and programming {build:.2} s",
         ready.as_secs_f64()
     );
+    if std::env::var_os("ORDNET_SCALE_STATUS_WRITER").is_some() {
+        // As the status writer, the agent first writes every ordered policy's status (thousands
+        // of writes, their echoes applied as batches): the changes are timed once it has
+        // written nothing for two seconds, as a Lease holder between bursts would have.
+        let waited = Instant::now();
+        let mut last = (api.resource_version(), Instant::now());
+        while last.1.elapsed() < Duration::from_secs(2)
+            && waited.elapsed() < Duration::from_secs(300)
+        {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let now = api.resource_version();
+            if now != last.0 {
+                last = (now, Instant::now());
+            }
+        }
+        eprintln!(
+            "  the status writer's first statuses written within {:.1} s",
+            waited.elapsed().as_secs_f64()
+        );
+    }
     // Let the allocator settle after the initial build (freed pages, the watch buffers).
     tokio::time::sleep(Duration::from_secs(1)).await;
     let (ready_rss_kib, _) = memory_kib(pid);
