@@ -207,14 +207,19 @@ impl IdSet {
     pub fn insert(&mut self, id: Identity) -> bool {
         match &mut self.0 {
             Repr::Dense(d) => {
-                let w = id / 64;
-                let span = u64::from(w.max(d.first + d.words.len() as u32 - 1))
-                    - u64::from(w.min(d.first))
-                    + 1;
-                if sparse_is_due(u64::from(d.len) + 1, span) {
-                    // Far outside the range (a CIDR identity, numbered apart): arrays again.
-                    self.0 = Repr::Sparse(d.to_sparse());
-                    return self.insert(id);
+                // Inside the range the form cannot change: a dense set has at least as many
+                // members as words (a removal converts it below that).
+                debug_assert!(!sparse_is_due(u64::from(d.len), d.words.len() as u64));
+                if d.index(id).is_none() {
+                    let w = id / 64;
+                    let span = u64::from(w.max(d.first + d.words.len() as u32 - 1))
+                        - u64::from(w.min(d.first))
+                        + 1;
+                    if sparse_is_due(u64::from(d.len) + 1, span) {
+                        // Far outside the range (a CIDR identity, numbered apart): arrays again.
+                        self.0 = Repr::Sparse(d.to_sparse());
+                        return self.insert(id);
+                    }
                 }
                 d.insert(id)
             }
