@@ -349,6 +349,8 @@ pub struct Cluster {
     listed: Option<Instant>,
     /// This writer's own window, in seconds (said while no node reports).
     configured_seconds: u32,
+    /// One more for every list of reports taken ([`Cluster::generation`]).
+    generation: u64,
 }
 
 /// The apply loop's key of a policy of kind `kind` (`None`: not a kind the agent knows).
@@ -406,8 +408,14 @@ impl Cluster {
         self.take(reports, Instant::now());
     }
 
+    /// Changes whenever what [`Cluster::traffic`] and [`Cluster::staged`] say may have changed.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
     /// Takes the reports listed at `now`.
     pub fn take(&mut self, reports: Vec<NodeReport>, now: Instant) {
+        self.generation += 1;
         self.seen
             .retain(|node, _| reports.iter().any(|r| &r.node == node));
         self.sums.clear();
