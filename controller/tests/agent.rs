@@ -1925,3 +1925,60 @@ async fn a_staged_policy_decides_nothing_until_promoted() {
     )
     .await;
 }
+
+/// The watch's echo of a status write changes nothing the engine reads: no batch is programmed
+/// for it. A status overwritten by someone else is written back by the status writer without a
+/// change of the policy (it looks at every version the watch brings, echoes too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_status_echo_is_no_change_and_a_foreign_status_is_written_back() {
+    use kube::api::{Api, Patch, PatchParams};
+    let api = FakeApi::start().await.unwrap();
+    load_dir(&api, &repo().join("examples/qa-prod"));
+    let h = start_agent(&api).await;
+    assert!(agent::wait_until(LIMIT, || h.state.is_status_writer()).await);
+    let conp = "ClusterOrderedNetworkPolicy";
+    let guard = "qa-must-not-reach-prod";
+    let written = |o: &Value| {
+        condition(o, "Accepted", 1).is_some_and(|c| c.0 == "True")
+            && o["status"]["subject"]
+                .as_str()
+                .is_some_and(|s| s != "bogus")
+    };
+    policy_status(&api, conp, "", guard, "written", written).await;
+    // Until no batch came for a while (the writer's first statuses, before this change their
+    // echoes); bounded (the Lease renewals never stop moving the resource version).
+    let mut batches = h.state.metrics.batches.get();
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let now = h.state.metrics.batches.get();
+        if now == batches {
+            break;
+        }
+        batches = now;
+    }
+    let subject = get(&api, "ordnet.io/v1alpha1", conp, "", guard)["status"]["subject"].clone();
+
+    let policies: Api<ordnet_crds::ClusterOrderedNetworkPolicy> = Api::all(api.client());
+    policies
+        .patch_status(
+            guard,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"subject": "bogus"}})),
+        )
+        .await
+        .unwrap();
+    policy_status(&api, conp, "", guard, "written back", |o| {
+        o["status"]["subject"] == subject
+    })
+    .await;
+    assert_eq!(
+        h.state.metrics.batches.get(),
+        batches,
+        "two status writes' echoes programmed a batch"
+    );
+    // A change of the spec still is one.
+    let mut g = get(&api, "ordnet.io/v1alpha1", conp, "", guard);
+    g["spec"]["ingress"][0]["ports"] = json!([{"port": 5432}]);
+    api.update(g).unwrap();
+    assert!(agent::wait_until(LIMIT, || h.state.metrics.batches.get() > batches).await);
+}

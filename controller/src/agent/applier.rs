@@ -1,9 +1,10 @@
 //! The apply loop: the view of every object the agent was told about, the initial sync gate,
 //! burst coalescing, and incremental application to the engine and the datapath.
 //!
-//! The view keeps only each object's resourceVersion and what the engine does with it; the
-//! object itself waits in `pending` until it is applied and is then moved into the engine,
-//! which keeps what it reads of it (so the cluster is never held twice).
+//! The view keeps only each object's resourceVersion, what the engine does with it and, for the
+//! policies whose status the agent writes, a mark of their spec (a status write's echo changes
+//! nothing); the object itself waits in `pending` until it is applied and is then moved into
+//! the engine, which keeps what it reads of it (so the cluster is never held twice).
 //!
 //! The CNI plugin's requests come through the same loop (`WatchMsg::Cni`): a pod the runtime
 //! just gave addresses becomes an endpoint with those addresses (its latest version as watched,
@@ -12,6 +13,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
+use std::num::NonZeroU64;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -39,6 +41,29 @@ struct ViewEntry {
     /// What the engine does with it (everything but [`Enforcement::None`] is in the engine
     /// once synced).
     enforcement: Enforcement,
+    /// [`spec_mark`] of the version seen.
+    spec: Option<NonZeroU64>,
+}
+
+/// For the kinds whose status the agent writes, a mark of everything the engine reads of an
+/// object but its name: its uid, labels and `metadata.generation`, which moves with every change
+/// of the spec and never with the status (`None` for other kinds). Two versions with the same
+/// mark differ only in their status or in metadata the engine does not read: a status write's
+/// echo.
+fn spec_mark(o: &Object) -> Option<NonZeroU64> {
+    use std::hash::{Hash, Hasher};
+    if !matches!(
+        o,
+        Object::OrderedNetworkPolicy(_)
+            | Object::ClusterOrderedNetworkPolicy(_)
+            | Object::ClusterNetworkPolicy(_)
+    ) {
+        return None;
+    }
+    let meta = o.meta();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (meta.generation?, &meta.uid, &meta.labels).hash(&mut h);
+    NonZeroU64::new(h.finish() | 1)
 }
 
 impl ViewEntry {
@@ -112,8 +137,11 @@ pub(crate) struct Applier {
     wanted: watch::Sender<BTreeMap<ObjKey, status::WantedStatus>>,
     /// Problems to publish as Events.
     events: mpsc::UnboundedSender<status::AgentEvent>,
-    /// Change number: one more for every view change (see `AgentState::applied`).
+    /// Change number: one more for every view change (see `AgentState::applied`) but a status
+    /// write's echo.
     seq: u64,
+    /// One more for every version recorded, echoes too ([`status::WantedStatus::stamp`]).
+    stamp: u64,
     /// The latest version of every pod scheduled to this node (not terminated): what a CNI ADD
     /// gives addresses to.
     local_pods: BTreeMap<ObjKey, ReadPod>,
@@ -146,6 +174,7 @@ impl Applier {
             wanted,
             events,
             seq: 0,
+            stamp: 0,
             local_pods: BTreeMap::new(),
             runtime_ips: BTreeMap::new(),
             cni_waiting: Vec::new(),
@@ -156,6 +185,7 @@ impl Applier {
     pub(crate) async fn run(mut self, mut rx: mpsc::UnboundedReceiver<WatchMsg>) {
         while let Some(first) = rx.recv().await {
             let observed = Instant::now();
+            let seq = self.seq;
             self.handle(first);
             if !self.state.ready() {
                 // Initial sync: take everything queued, build once every list is done.
@@ -171,7 +201,10 @@ impl Applier {
             }
             self.coalesce(&mut rx, observed).await;
             self.apply_dirty(observed);
-            self.state.mark_applied(self.seq);
+            if self.seq != seq {
+                // (Not for a batch of status echoes: no change, and no end of a quiet moment.)
+                self.state.mark_applied(self.seq);
+            }
             self.answer_cni();
         }
     }
@@ -195,18 +228,22 @@ impl Applier {
         .await;
     }
 
-    fn handle(&mut self, msg: WatchMsg) {
+    /// Takes one message; whether it keeps the batch open (all do but a status write's echo:
+    /// [`Applier::upsert`], [`take_burst`]).
+    fn handle(&mut self, msg: WatchMsg) -> bool {
         match msg {
             WatchMsg::Init(kind) => {
                 // A new list (the first, a re-list, or a list tried again after a failure: any
                 // partial one is dropped here).
                 self.relist[kind.index()] = Some(BTreeMap::new());
+                true
             }
             WatchMsg::InitApply(o) => {
                 let key = object_key(&o);
                 match self.relist[key.0.index()].as_mut() {
                     Some(buf) => {
                         buf.insert(key, o);
+                        true
                     }
                     // Not expected (the watcher always sends Init first); treat as an update.
                     None => self.upsert(key, o),
@@ -228,31 +265,119 @@ impl Applier {
                     self.upsert(key, o);
                 }
                 self.synced[k] = true;
+                true
             }
             WatchMsg::Apply(o) => {
                 let key = object_key(&o);
-                self.upsert(key, o);
+                self.upsert(key, o)
             }
             WatchMsg::Delete(o) => {
                 let key = object_key(&o);
                 self.remove(key);
+                true
             }
-            WatchMsg::Cni(op, reply) => self.cni(op, reply),
+            WatchMsg::Cni(op, reply) => {
+                self.cni(op, reply);
+                true
+            }
         }
     }
 
-    fn upsert(&mut self, key: ObjKey, object: Object) {
+    /// Records a version of an object; whether it can change what is enforced (not for a version
+    /// the view has, nor for one that changed only the status: [`spec_mark`]). Such an echo of a
+    /// status write is not a change for the engine, the shadowed-rule analysis or the Events:
+    /// only the view and the wanted status (the status as now stored) follow it.
+    fn upsert(&mut self, key: ObjKey, object: Object) -> bool {
         let rv = object.meta().resource_version.clone();
         if let Some(old) = self.view.get(&key)
             && rv.is_some()
             && old.resource_version == rv
         {
-            return;
+            return false;
         }
+        let spec = spec_mark(&object);
+        let status_only = spec.is_some() && self.view.get(&key).is_some_and(|v| v.spec == spec);
         let object = self.with_runtime_ips(&key, object);
-        self.seq += 1;
+        if !status_only {
+            self.seq += 1;
+        }
+        self.stamp += 1;
         let (problems, enforcement) = assess(&object);
-        let failed: Vec<String> = match &enforcement {
+        if status_only {
+            self.record_status_only(key, object, rv, enforcement, &problems);
+            return false;
+        }
+        self.record_problems(&key, &rv, &problems, &enforcement);
+        if !problems.is_empty() || enforcement != Enforcement::Full {
+            let _ = self.events.send(status::AgentEvent::Problem(Box::new(
+                status::ProblemEvent {
+                    object: object.clone(),
+                    errors: problems.clone(),
+                    enforcement: enforcement.clone(),
+                },
+            )));
+        }
+        if let Some(w) = status::wanted(&object, &problems, &enforcement, self.seq, self.stamp) {
+            self.wanted.send_modify(|m| {
+                m.insert(key.clone(), w);
+            });
+        }
+        self.view.insert(
+            key.clone(),
+            ViewEntry {
+                resource_version: rv,
+                enforcement,
+                spec,
+            },
+        );
+        self.pending.insert(key.clone(), object);
+        self.dirty.insert(key);
+        true
+    }
+
+    /// A status write's echo ([`Applier::upsert`]): the view's resource version, the problem's,
+    /// and the wanted status with the stored status (its change number kept); the engine gets
+    /// it only with a change of the same object still pending.
+    fn record_status_only(
+        &mut self,
+        key: ObjKey,
+        object: Object,
+        rv: Option<String>,
+        enforcement: Enforcement,
+        problems: &[String],
+    ) {
+        if let Some(p) = self
+            .state
+            .problems
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(&key)
+        {
+            p.resource_version = rv.clone();
+        }
+        let seq = self.wanted.borrow().get(&key).map_or(self.seq, |w| w.seq);
+        if let Some(w) = status::wanted(&object, problems, &enforcement, seq, self.stamp) {
+            self.wanted.send_modify(|m| {
+                m.insert(key.clone(), w);
+            });
+        }
+        if let Some(v) = self.view.get_mut(&key) {
+            v.resource_version = rv;
+        }
+        if self.dirty.contains(&key) {
+            self.pending.insert(key, object);
+        }
+    }
+
+    /// The object's problems as `/v1/problems` and the metrics show them, logged.
+    fn record_problems(
+        &mut self,
+        key: &ObjKey,
+        rv: &Option<String>,
+        problems: &[String],
+        enforcement: &Enforcement,
+    ) {
+        let failed: Vec<String> = match enforcement {
             Enforcement::Partial(rules) => rules.iter().map(|r| r.to_string()).collect(),
             _ => Vec::new(),
         };
@@ -263,7 +388,7 @@ impl Applier {
                 .write()
                 .unwrap_or_else(|e| e.into_inner());
             if problems.is_empty() && failed.is_empty() {
-                p.remove(&key);
+                p.remove(key);
             } else {
                 let name = format!(
                     "{} {}{}",
@@ -303,35 +428,12 @@ impl Applier {
                         name: key.2.clone(),
                         resource_version: rv.clone(),
                         enforced: enforcement.as_str(),
-                        errors: problems.clone(),
+                        errors: problems.to_vec(),
                         failed_closed_rules: failed,
                     },
                 );
             }
         }
-        if !problems.is_empty() || enforcement != Enforcement::Full {
-            let _ = self.events.send(status::AgentEvent::Problem(Box::new(
-                status::ProblemEvent {
-                    object: object.clone(),
-                    errors: problems.clone(),
-                    enforcement: enforcement.clone(),
-                },
-            )));
-        }
-        if let Some(w) = status::wanted(&object, &problems, &enforcement, self.seq) {
-            self.wanted.send_modify(|m| {
-                m.insert(key.clone(), w);
-            });
-        }
-        self.view.insert(
-            key.clone(),
-            ViewEntry {
-                resource_version: rv,
-                enforcement,
-            },
-        );
-        self.pending.insert(key.clone(), object);
-        self.dirty.insert(key);
     }
 
     /// A pod of this node: remembered (its latest version) for CNI ADDs, and given the
@@ -705,17 +807,21 @@ fn loaded<T>(object: T) -> Loaded<T> {
 
 /// The rest of a burst (see `Applier::coalesce`): takes what `rx` holds, giving the senders
 /// [`COALESCE_YIELDS`] turns of the scheduler whenever it is empty, and stops when they sent
-/// nothing in them, at `deadline`, after `max` messages, or when every sender is gone.
+/// nothing in them, at `deadline`, after `max` messages, or when every sender is gone. `take`
+/// says whether a message keeps the batch open: one that does not (a status write's echo,
+/// which changes nothing) is taken without giving the senders new turns, so a stream of them
+/// cannot hold a change back.
 async fn take_burst<T>(
     rx: &mut mpsc::UnboundedReceiver<T>,
     deadline: Instant,
     max: usize,
-    mut take: impl FnMut(T),
+    mut take: impl FnMut(T) -> bool,
 ) {
     let mut taken = 0;
+    // The turns given since the last message that keeps the batch open.
+    let mut turns = 0;
     while taken < max && Instant::now() < deadline {
         let mut next = rx.try_recv();
-        let mut turns = 0;
         while matches!(next, Err(mpsc::error::TryRecvError::Empty)) && turns < COALESCE_YIELDS {
             tokio::task::yield_now().await;
             next = rx.try_recv();
@@ -724,7 +830,9 @@ async fn take_burst<T>(
         let Ok(msg) = next else {
             return;
         };
-        take(msg);
+        if take(msg) {
+            turns = 0;
+        }
         taken += 1;
     }
 }
@@ -752,13 +860,20 @@ mod tests {
     async fn takes_what_is_queued_and_does_not_wait() {
         let (tx, mut rx) = queued(5);
         let mut got = Vec::new();
-        take_burst(&mut rx, far(), 100, |m| got.push(m)).await;
+        take_burst(&mut rx, far(), 100, |m| {
+            got.push(m);
+            true
+        })
+        .await;
         assert_eq!(got, vec![0, 1, 2, 3, 4]);
         let mut more = Vec::new();
         // A hang guard, not a measure: a batch that waited for the next message never ends.
         tokio::time::timeout(
             std::time::Duration::from_secs(60),
-            take_burst(&mut rx, far(), 100, |m| more.push(m)),
+            take_burst(&mut rx, far(), 100, |m| {
+                more.push(m);
+                true
+            }),
         )
         .await
         .expect("an empty queue closes the batch");
@@ -790,7 +905,11 @@ mod tests {
             late.send(100).unwrap();
         });
         let mut got = Vec::new();
-        take_burst(&mut rx, far(), 100, |m| got.push(m)).await;
+        take_burst(&mut rx, far(), 100, |m| {
+            got.push(m);
+            true
+        })
+        .await;
         assert_eq!(got, vec![0, 1, 2]);
         assert_eq!(rx.recv().await, Some(100));
     }
@@ -800,11 +919,56 @@ mod tests {
     async fn stops_at_the_limits() {
         let (_tx, mut rx) = queued(10);
         let mut got = Vec::new();
-        take_burst(&mut rx, far(), 4, |m| got.push(m)).await;
+        take_burst(&mut rx, far(), 4, |m| {
+            got.push(m);
+            true
+        })
+        .await;
         assert_eq!(got, vec![0, 1, 2, 3]);
         got.clear();
-        take_burst(&mut rx, Instant::now(), 100, |m| got.push(m)).await;
+        take_burst(&mut rx, Instant::now(), 100, |m| {
+            got.push(m);
+            true
+        })
+        .await;
         assert!(got.is_empty(), "past the deadline nothing more is taken");
         assert_eq!(rx.try_recv().ok(), Some(4));
+    }
+
+    /// Messages that do not keep the batch open (status echoes, odd here) give the senders no
+    /// new turns: a sender streaming them, one a turn, does not hold the batch until its limits,
+    /// while the same stream of messages that do keep it open would.
+    #[tokio::test(flavor = "current_thread")]
+    async fn echoes_do_not_hold_a_batch_open() {
+        async fn batch(echo: u32) -> Vec<u32> {
+            let (tx, mut rx) = mpsc::unbounded_channel();
+            tx.send(0).unwrap();
+            let stream = tokio::spawn(async move {
+                for i in 1..1000u32 {
+                    tokio::task::yield_now().await;
+                    if tx.send(i * 2 + echo).is_err() {
+                        return;
+                    }
+                }
+            });
+            let mut got = Vec::new();
+            take_burst(&mut rx, far(), 500, |m| {
+                got.push(m);
+                m % 2 == 0
+            })
+            .await;
+            stream.abort();
+            got
+        }
+        let echoes = batch(1).await;
+        assert!(
+            echoes.len() <= COALESCE_YIELDS + 1,
+            "a stream of echoes ended the batch after the turns: {echoes:?}"
+        );
+        assert_eq!(
+            batch(0).await.len(),
+            500,
+            "a stream of changes reaches the limit"
+        );
     }
 }

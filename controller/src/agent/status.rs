@@ -100,8 +100,12 @@ pub struct WantedStatus {
     /// The policy, for Events.
     pub reference: ObjectReference,
     /// The apply loop's change number of this version of the object: a shadowed-rule report
-    /// describes it once the engine has applied this number (`AgentState::applied`).
+    /// describes it once the engine has applied this number (`AgentState::applied`). A version
+    /// that changed only the status (a status write's echo) keeps the number of the one before.
     pub seq: u64,
+    /// Another number for every version the apply loop records, echoes of status writes too:
+    /// what the writer's next pass looks at ([`Pass`]).
+    pub stamp: u64,
     /// The rule counts of this version's spec ([`rule_counts`]).
     pub rules: String,
     /// An upstream ClusterNetworkPolicy: its status has only `conditions` (upstream's schema),
@@ -154,13 +158,14 @@ pub fn api_failed(r: &ordnet_engine::FailedRule) -> FailedClosedRule {
     }
 }
 
-/// The wanted status of a policy object (`seq`: the apply loop's change number), or `None` for
+/// The wanted status of a policy object (`seq`, `stamp`: see [`WantedStatus`]), or `None` for
 /// other kinds.
 pub fn wanted(
     object: &Object,
     errors: &[String],
     enforcement: &Enforcement,
     seq: u64,
+    stamp: u64,
 ) -> Option<WantedStatus> {
     let (generation, current, reference, rules, slots) = match object {
         Object::OrderedNetworkPolicy(p) => (
@@ -201,6 +206,7 @@ pub fn wanted(
         current,
         reference,
         seq,
+        stamp,
         rules,
         upstream,
         slots,
@@ -841,12 +847,19 @@ async fn try_hold(
     }
 }
 
+/// A hash of a stored status (as the watch showed it).
+fn status_hash(status: Option<&PolicyStatus>) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    serde_json::to_vec(&status).unwrap_or_default().hash(&mut h);
+    h.finish()
+}
+
 /// Which wanted statuses the writer's next pass compares with what it would write.
 ///
 /// All of them when an input every status depends on changed since the last pass (a new
 /// shadowed-rule report, new traffic reports, the Lease just taken); otherwise only those the
-/// apply loop changed since (a change number above the last pass's) and those whose write
-/// failed. A pass over every policy computes and compares each one's status (10-22 ms at 5,000
+/// apply loop recorded since (a stamp above the last pass's) and those whose write failed. A pass over every policy computes and compares each one's status (10-22 ms at 5,000
 /// policies, on a worker of the runtime); taken at every policy change, it ran on the apply
 /// loop's worker while the loop gave the watchers their turns, and an OrderedNetworkPolicy edit
 /// at 10k pods / 5k policies waited 10-24 ms for it (docs/agent.md, the status writer).
@@ -855,7 +868,7 @@ struct Pass {
     /// The inputs of the last pass: the report's time and the traffic reports' generation
     /// (`None`: no pass yet as the writer).
     inputs: Option<(Option<Instant>, u64)>,
-    /// The highest change number the last pass saw.
+    /// The highest stamp the last pass saw.
     seen: u64,
     /// Objects whose write failed: looked at again in the next pass.
     retry: BTreeSet<ObjKey>,
@@ -872,9 +885,9 @@ impl Pass {
         let every = self.inputs != Some(inputs);
         let (after, retry) = (self.seen, std::mem::take(&mut self.retry));
         self.inputs = Some(inputs);
-        self.seen = all.values().map(|w| w.seq).max().unwrap_or(0).max(after);
+        self.seen = all.values().map(|w| w.stamp).max().unwrap_or(0).max(after);
         all.iter()
-            .filter(move |(k, w)| every || w.seq > after || retry.contains(*k))
+            .filter(move |(k, w)| every || w.stamp > after || retry.contains(*k))
     }
 }
 
@@ -895,9 +908,11 @@ pub async fn status_loop(
             instance: Some(state.node.clone()),
         },
     );
-    // What this writer last wrote, per object: so it does not write again before the watch
-    // shows the result.
-    let mut written: BTreeMap<ObjKey, Desired> = BTreeMap::new();
+    // What this writer last wrote, per object, with the status the API server had then: so it
+    // does not write the same again before the watch shows another status (its own write's echo,
+    // or someone else's write, which it then writes over), and once only when its write did not
+    // stick (the status seen after it is the one compared with next).
+    let mut written: BTreeMap<ObjKey, (u64, Desired)> = BTreeMap::new();
     let mut report: Option<Report> = None;
     let mut waiting_since: Option<Instant> = None;
     let mut cluster = traffic::Cluster::default();
@@ -914,8 +929,11 @@ pub async fn status_loop(
                 pass.select(&all, inputs)
                     .filter_map(|(k, w)| {
                         let d = desired(k, w, report.as_ref(), &cluster)?;
-                        (!d.satisfied(w.current.as_ref()) && written.get(k) != Some(&d))
-                            .then(|| (k.clone(), w.clone(), d))
+                        (!d.satisfied(w.current.as_ref())
+                            && written.get(k).is_none_or(|(seen, old)| {
+                                *old != d || *seen != status_hash(w.current.as_ref())
+                            }))
+                        .then(|| (k.clone(), w.clone(), d))
                     })
                     .collect()
             };
@@ -926,7 +944,7 @@ pub async fn status_loop(
                         if !d.shadowed.is_empty() && before != Some(&d.shadowed) {
                             publish_shadowed(&recorder, &w.reference, &d.shadowed).await;
                         }
-                        written.insert(key, d);
+                        written.insert(key, (status_hash(w.current.as_ref()), d));
                     }
                     Err(e) => {
                         tracing::warn!(object = %key.2, error = %e, "writing status failed");
@@ -1328,7 +1346,7 @@ mod analysis_tests {
         assert!(analysis_due(Some((5, slow * 10, slow)), 7, quiet, MS));
     }
 
-    fn wanted_at(seq: u64) -> WantedStatus {
+    fn wanted_at(stamp: u64) -> WantedStatus {
         WantedStatus {
             generation: Some(1),
             errors: Vec::new(),
@@ -1336,7 +1354,8 @@ mod analysis_tests {
             failed: Vec::new(),
             current: None,
             reference: ObjectReference::default(),
-            seq,
+            seq: 1,
+            stamp,
             rules: String::new(),
             upstream: false,
             slots: (1, 0),
