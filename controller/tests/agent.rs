@@ -1376,12 +1376,18 @@ fn shadowed_rules(o: &Value) -> Vec<Value> {
         .unwrap_or_default()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shadowed_rules_are_reported_in_status_and_events() {
+/// The qa-prod example and one agent, once it holds the status writer Lease.
+async fn status_writer_on_qa_prod() -> (FakeApi, AgentHandle) {
     let api = FakeApi::start().await.unwrap();
     load_dir(&api, &repo().join("examples/qa-prod"));
     let h = start_agent(&api).await;
     assert!(agent::wait_until(LIMIT, || h.state.is_status_writer()).await);
+    (api, h)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadowed_rules_are_reported_in_status_and_events() {
+    let (api, _agent) = status_writer_on_qa_prod().await;
     let conp = "ClusterOrderedNetworkPolicy";
     let onp = "OrderedNetworkPolicy";
     let guard = "qa-must-not-reach-prod";
@@ -1932,10 +1938,7 @@ async fn a_staged_policy_decides_nothing_until_promoted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_status_echo_is_no_change_and_a_foreign_status_is_written_back() {
     use kube::api::{Api, Patch, PatchParams};
-    let api = FakeApi::start().await.unwrap();
-    load_dir(&api, &repo().join("examples/qa-prod"));
-    let h = start_agent(&api).await;
-    assert!(agent::wait_until(LIMIT, || h.state.is_status_writer()).await);
+    let (api, h) = status_writer_on_qa_prod().await;
     let conp = "ClusterOrderedNetworkPolicy";
     let guard = "qa-must-not-reach-prod";
     let written = |o: &Value| {
