@@ -289,14 +289,12 @@ impl Applier {
     /// only the view and the wanted status (the status as now stored) follow it.
     fn upsert(&mut self, key: ObjKey, object: Object) -> bool {
         let rv = object.meta().resource_version.clone();
-        if let Some(old) = self.view.get(&key)
-            && rv.is_some()
-            && old.resource_version == rv
-        {
+        let old = self.view.get(&key);
+        if rv.is_some() && old.is_some_and(|o| o.resource_version == rv) {
             return false;
         }
         let spec = spec_mark(&object);
-        let status_only = spec.is_some() && self.view.get(&key).is_some_and(|v| v.spec == spec);
+        let status_only = spec.is_some() && old.is_some_and(|o| o.spec == spec);
         let object = self.with_runtime_ips(&key, object);
         if !status_only {
             self.seq += 1;
@@ -355,9 +353,11 @@ impl Applier {
         {
             p.resource_version = rv.clone();
         }
-        let seq = self.wanted.borrow().get(&key).map_or(self.seq, |w| w.seq);
-        if let Some(w) = status::wanted(&object, problems, &enforcement, seq, self.stamp) {
+        if let Some(mut w) = status::wanted(&object, problems, &enforcement, self.seq, self.stamp) {
             self.wanted.send_modify(|m| {
+                if let Some(old) = m.get(&key) {
+                    w.seq = old.seq;
+                }
                 m.insert(key.clone(), w);
             });
         }
