@@ -229,8 +229,19 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     converges(&api, &h, "initial sync").await;
     assert!(!programmed(&h).unwrap().0.is_empty());
 
-    // The debug API answers like the offline CLI.
     let addr = h.debug_addr();
+    debug_api_answers_like_the_offline_cli(&api, addr).await;
+    follows_relabels_and_edits(&api, &h, addr).await;
+    reports_what_it_cannot_enforce(&api, &h, addr).await;
+    follows_deletes_dropped_watches_and_a_restart(&api, &h).await;
+    follows_a_cluster_network_policy_and_counts(&api, &h, addr).await;
+}
+
+/// The debug API answers like the offline CLI; `ordnet matrix|trace|dump --agent ADDR` print
+/// what the offline CLI prints (the first phase of
+/// [`the_agent_follows_every_change_and_equals_the_offline_engine`]).
+async fn debug_api_answers_like_the_offline_cli(api: &FakeApi, addr: SocketAddr) {
+    // The debug API answers like the offline CLI.
     let matrix = [
         "matrix",
         "--protocol",
@@ -242,11 +253,11 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     ];
     let (code, m) = http_get(addr, "/v1/matrix?protocol=TCP&port=8081&external=192.0.2.1").await;
     assert_eq!(code, 200, "{m}");
-    let cli = offline_cli(&api, &[&matrix[..], &["-o", "json"]].concat());
+    let cli = offline_cli(api, &[&matrix[..], &["-o", "json"]].concat());
     assert_eq!(m, cli);
     let (code, d) = http_get(addr, "/v1/dump?pod=prod/artifacts").await;
     assert_eq!(code, 200, "{d}");
-    let cli = offline_cli(&api, &["dump", "--pod", "prod/artifacts", "-o", "json"]);
+    let cli = offline_cli(api, &["dump", "--pod", "prod/artifacts", "-o", "json"]);
     assert_eq!(d, cli);
     let (code, t) = http_get(
         addr,
@@ -255,7 +266,7 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     .await;
     assert_eq!(code, 200, "{t}");
     let cli = offline_cli(
-        &api,
+        api,
         &[
             "trace",
             "--from",
@@ -314,7 +325,7 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     }
     for args in runs {
         let shown = args.join(" ");
-        let offline = offline_cli(&api, &args);
+        let offline = offline_cli(api, &args);
         assert_eq!(
             agent_ok(addr, &args).await,
             offline,
@@ -338,34 +349,37 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     let out = agent_cli(addr, &["dump", "--pod", "prod/nope", "-o", "json"]).await;
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("prod/nope"));
+}
 
+/// The Lease holder's statuses; pod and namespace relabels, a priority edit, a remote pod.
+async fn follows_relabels_and_edits(api: &FakeApi, h: &AgentHandle, addr: SocketAddr) {
     // One agent holds the Lease and writes every ordered policy's status.
     assert!(agent::wait_until(LIMIT, || h.state.is_status_writer()).await);
-    let lease = status_lease(&api);
+    let lease = status_lease(api);
     assert_eq!(lease["spec"]["holderIdentity"], NODE);
     for name in ["qa-must-not-reach-prod", "grafana-reads-artifacts"] {
-        accepted(&api, "ClusterOrderedNetworkPolicy", "", name, "True", 1, "").await;
+        accepted(api, "ClusterOrderedNetworkPolicy", "", name, "True", 1, "").await;
     }
 
     // Relabel a pod.
-    let mut p = get(&api, "v1", "Pod", "qa", "grafana");
+    let mut p = get(api, "v1", "Pod", "qa", "grafana");
     p["metadata"]["labels"]["app"] = json!("tester");
     api.update(p).unwrap();
-    converges(&api, &h, "relabel pod").await;
+    converges(api, h, "relabel pod").await;
 
     // Relabel a namespace: qa is no longer qa for the guardrail.
-    let mut n = get(&api, "v1", "Namespace", "", "qa");
+    let mut n = get(api, "v1", "Namespace", "", "qa");
     n["metadata"]["labels"]["env"] = json!("staging");
     api.update(n).unwrap();
-    converges(&api, &h, "relabel namespace").await;
-    let mut n = get(&api, "v1", "Namespace", "", "qa");
+    converges(api, h, "relabel namespace").await;
+    let mut n = get(api, "v1", "Namespace", "", "qa");
     n["metadata"]["labels"]["env"] = json!("qa");
     api.update(n).unwrap();
-    converges(&api, &h, "relabel namespace back").await;
+    converges(api, h, "relabel namespace back").await;
 
     // Edit a priority: the exception loses against the guardrail.
     let mut c = get(
-        &api,
+        api,
         "ordnet.io/v1alpha1",
         "ClusterOrderedNetworkPolicy",
         "",
@@ -373,9 +387,9 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     );
     c["spec"]["priority"] = json!(-5);
     api.update(c).unwrap();
-    converges(&api, &h, "edit priority").await;
+    converges(api, h, "edit priority").await;
     accepted(
-        &api,
+        api,
         "ClusterOrderedNetworkPolicy",
         "",
         "grafana-reads-artifacts",
@@ -391,14 +405,18 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
         "spec": {"nodeName": "node-2", "containers": [{"name": "c", "image": "i"}]},
         "status": {"podIP": "10.244.9.9"}}))
         .unwrap();
-    converges(&api, &h, "remote pod").await;
-    let (_, ipcache, _, _) = programmed(&h).unwrap();
+    converges(api, h, "remote pod").await;
+    let (_, ipcache, _, _) = programmed(h).unwrap();
     assert!(ipcache.contains_key(&"10.244.9.9/32".parse::<IpNet>().unwrap()));
-    assert!(!programmed(&h).unwrap().0.contains_key("qa/remote"));
+    assert!(!programmed(h).unwrap().0.contains_key("qa/remote"));
     let (code, msg) = http_get(addr, "/v1/trace?from=qa/remote&to=prod/artifacts").await;
     assert_eq!(code, 400);
     assert!(msg.contains("not an endpoint of this node"), "{msg}");
+}
 
+/// A policy with a rule failing closed and a policy not enforced at all: reported (problems,
+/// statuses, Events), the rest enforced.
+async fn reports_what_it_cannot_enforce(api: &FakeApi, h: &AgentHandle, addr: SocketAddr) {
     // A policy with a rule the engine cannot enforce as written is enforced with that rule
     // failing closed (an Allow rule matches nothing), and reported; a policy the engine cannot
     // use at all (an invalid subject selector) is not enforced, and reported. Everything else
@@ -417,10 +435,10 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
             "from": [{"ipBlock": {"cidr": "not-a-cidr"}}]}]}}),
     )
     .unwrap();
-    let mut p = get(&api, "v1", "Pod", "prod", "db");
+    let mut p = get(api, "v1", "Pod", "prod", "db");
     p["metadata"]["labels"]["tier"] = json!("data");
     api.update(p).unwrap();
-    converges(&api, &h, "invalid object").await;
+    converges(api, h, "invalid object").await;
     assert!(
         agent::wait_until(LIMIT, || h
             .state
@@ -454,7 +472,7 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     assert_eq!(unusable["enforced"], "no", "{unusable}");
     assert!(unusable.to_string().contains("operator"), "{unusable}");
     accepted(
-        &api,
+        api,
         "OrderedNetworkPolicy",
         "prod",
         "broken",
@@ -464,7 +482,7 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     )
     .await;
     accepted(
-        &api,
+        api,
         "OrderedNetworkPolicy",
         "prod",
         "unusable",
@@ -487,7 +505,10 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
             api.events()
         );
     }
+}
 
+/// Deletes (problems cleared), dropped watches, an API server restart with changes meanwhile.
+async fn follows_deletes_dropped_watches_and_a_restart(api: &FakeApi, h: &AgentHandle) {
     // Delete a policy.
     api.delete(
         "ordnet.io/v1alpha1",
@@ -496,7 +517,7 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
         "qa-must-not-reach-prod",
     )
     .unwrap();
-    converges(&api, &h, "delete policy").await;
+    converges(api, h, "delete policy").await;
     // Deleting the objects with problems clears them.
     for name in ["broken", "unusable"] {
         api.delete("ordnet.io/v1alpha1", "OrderedNetworkPolicy", "prod", name)
@@ -506,31 +527,38 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
 
     // Dropped watches resume.
     api.drop_watches();
-    let mut p = get(&api, "v1", "Pod", "qa", "tester");
+    let mut p = get(api, "v1", "Pod", "qa", "tester");
     p["metadata"]["labels"]["app"] = json!("grafana");
     api.update(p).unwrap();
-    converges(&api, &h, "drop watches").await;
+    converges(api, h, "drop watches").await;
 
     // An API server restart: history gone, every watch gets 410 and re-lists; changes made
     // meanwhile (including a delete the agent never sees as an event) converge.
     let relists =
         |h: &AgentHandle| -> u64 { h.state.watch.all().iter().map(|(_, k)| k.relists).sum() };
-    let before = relists(&h);
+    let before = relists(h);
     api.restart();
     api.delete("v1", "Pod", "prod", "api").unwrap();
-    let mut n = get(&api, "v1", "Namespace", "", "prod");
+    let mut n = get(api, "v1", "Namespace", "", "prod");
     n["metadata"]["labels"]["tier"] = json!("gold");
     api.update(n).unwrap();
-    converges(&api, &h, "restart and re-list").await;
-    assert!(agent::wait_until(LIMIT, || relists(&h) >= before + 5).await);
+    converges(api, h, "restart and re-list").await;
+    assert!(agent::wait_until(LIMIT, || relists(h) >= before + 5).await);
     api.create(
         json!({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": {"namespace": "qa", "name": "deny-all"},
         "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}}),
     )
     .unwrap();
-    converges(&api, &h, "after the re-list").await;
+    converges(api, h, "after the re-list").await;
+}
 
+/// An upstream ClusterNetworkPolicy and its status; the metrics, health and RBAC at the end.
+async fn follows_a_cluster_network_policy_and_counts(
+    api: &FakeApi,
+    h: &AgentHandle,
+    addr: SocketAddr,
+) {
     // An upstream ClusterNetworkPolicy: a Baseline deny into prod under prod's own policies
     // (the pods they isolate are decided before it); its status is written.
     api.create(json!({
@@ -545,9 +573,9 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
         }
     }))
     .unwrap();
-    converges(&api, &h, "a ClusterNetworkPolicy").await;
+    converges(api, h, "a ClusterNetworkPolicy").await;
     assert!(
-        agent::wait_until(LIMIT, || cnp_accepted(&api, "prod-baseline")
+        agent::wait_until(LIMIT, || cnp_accepted(api, "prod-baseline")
             .is_some_and(|c| c.0 == "True"))
         .await
     );
@@ -569,7 +597,7 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
     }
     assert!(h.state.metrics.object_changes.get() >= 10);
     assert_eq!(http_get(addr, "/healthz").await.0, 200);
-    assert_least_privilege(&api, "kube-system");
+    assert_least_privilege(api, "kube-system");
 }
 
 /// Runs `ordnet ARGS --agent ADDR`.
@@ -1612,6 +1640,14 @@ async fn subject_and_rules_columns_follow_the_selected_pods() {
     expect("", conp, guard, "5 pods in 2 namespaces").await;
     expect("prod", onp, "artifacts-ports", "2 pods").await;
 
+    columns_of_policies_not_or_partly_enforced(&api).await;
+}
+
+/// The Subject and Rules columns of a policy not enforced at all (its rules counted) and of one
+/// with a rule failing closed (its pods counted), then fixed (the end of
+/// [`subject_and_rules_columns_follow_the_selected_pods`]).
+async fn columns_of_policies_not_or_partly_enforced(api: &FakeApi) {
+    let onp = "OrderedNetworkPolicy";
     // A policy the engine cannot use at all is not enforced; its rules are still counted. A
     // policy with a rule failing closed is enforced: it counts its pods.
     api.create(json!({"apiVersion": "ordnet.io/v1alpha1", "kind": onp,
@@ -1619,7 +1655,7 @@ async fn subject_and_rules_columns_follow_the_selected_pods() {
         "spec": {"priority": 5, "podSelector": {"matchLabels": {"app": "-bad-"}},
             "egress": [{"action": "Deny"}]}}))
         .unwrap();
-    policy_status(&api, onp, "prod", "unusable", "not enforced", |o| {
+    policy_status(api, onp, "prod", "unusable", "not enforced", |o| {
         condition(o, "Accepted", 1).is_some_and(|c| c.0 == "False" && c.1 == "Invalid")
             && columns(o) == ("not enforced".into(), "in 0A/0D, out 0A/1D".into())
     })
@@ -1629,13 +1665,13 @@ async fn subject_and_rules_columns_follow_the_selected_pods() {
         "spec": {"priority": 5, "podSelector": {}, "ingress": [{"action": "Allow",
             "ports": [{"port": 90, "endPort": 80}]}], "egress": [{"action": "Deny"}]}}))
         .unwrap();
-    policy_status(&api, onp, "prod", "broken", "partly enforced", |o| {
+    policy_status(api, onp, "prod", "broken", "partly enforced", |o| {
         condition(o, "Accepted", 1).is_some_and(|c| c.0 == "False" && c.1 == "RulesFailedClosed")
             && columns(o) == ("3 pods".into(), "in 1A/0D, out 0A/1D".into())
     })
     .await;
-    fix_prod_broken(&api);
-    policy_status(&api, onp, "prod", "broken", "fixed", |o| {
+    fix_prod_broken(api);
+    policy_status(api, onp, "prod", "broken", "fixed", |o| {
         condition(o, "Accepted", 2).is_some_and(|c| c.0 == "True")
             && columns(o) == ("3 pods".into(), "in 1A/0D, out 0A/1D".into())
     })
