@@ -383,6 +383,12 @@ pub const CHANGE_KINDS: [&str; 5] = [
 /// One change of kind `k` (index into [`CHANGE_KINDS`]), the `n`-th of its kind, written to the
 /// fake API server: always a real change of the object. Returns the object as written.
 pub fn change(api: &FakeApi, shape: &Shape, k: usize, n: usize) -> Value {
+    api.update(next_change(api, shape, k, n)).unwrap()
+}
+
+/// The object [`change`] writes: read from the fake API server and changed, not written yet
+/// (the scale benchmark times a change from its write).
+pub fn next_change(api: &FakeApi, shape: &Shape, k: usize, n: usize) -> Value {
     let nodes = shape.nodes();
     match k {
         0 | 1 => {
@@ -400,7 +406,7 @@ pub fn change(api: &FakeApi, shape: &Shape, k: usize, n: usize) -> Value {
             } else {
                 "frontend"
             });
-            api.update(o).unwrap()
+            o
         }
         2 => {
             let ns = (n * 31) % shape.namespaces();
@@ -413,7 +419,7 @@ pub fn change(api: &FakeApi, shape: &Shape, k: usize, n: usize) -> Value {
                 .and_then(|t| t.parse().ok())
                 .unwrap_or(0);
             *team = json!(format!("team-{}", (t + 1 + n % 7) % 25));
-            api.update(o).unwrap()
+            o
         }
         3 => {
             let i = (n * 13) % (shape.policies / 2);
@@ -432,7 +438,7 @@ pub fn change(api: &FakeApi, shape: &Shape, k: usize, n: usize) -> Value {
                 {"podSelector": {"matchLabels": {"app": apps[n % apps.len()]}}},
                 {"namespaceSelector": {"matchLabels": {"team": format!("team-{}", n % 25)}},
                  "podSelector": {"matchLabels": {"edit": n.to_string()}}}]);
-            api.update(o).unwrap()
+            o
         }
         _ => {
             let onps = shape.policies - shape.policies / 2 - shape.cluster_policies();
@@ -447,7 +453,7 @@ pub fn change(api: &FakeApi, shape: &Shape, k: usize, n: usize) -> Value {
                 )
                 .unwrap();
             o["spec"]["priority"] = json!(1001 + n as i64);
-            api.update(o).unwrap()
+            o
         }
     }
 }
