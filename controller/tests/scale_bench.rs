@@ -342,7 +342,7 @@ async fn run(shape: Shape) -> Run {
             }
             let before = counters(&agent.addr).await;
             // Timed from the write: reading the object and changing it is the benchmark's work
-            // (for a pod, 0.3-1.0 ms at 10k pods, it generated the pod again to find its name).
+            // (for a pod at 10k pods 0.1-0.3 ms: it generates the pod again to find its name).
             let next = scale::next_change(&api, &shape, k, n);
             let t0 = Instant::now();
             let _ = api.update(next).expect("the change is written");
