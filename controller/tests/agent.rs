@@ -241,7 +241,6 @@ async fn the_agent_follows_every_change_and_equals_the_offline_engine() {
 /// what the offline CLI prints (the first phase of
 /// [`the_agent_follows_every_change_and_equals_the_offline_engine`]).
 async fn debug_api_answers_like_the_offline_cli(api: &FakeApi, addr: SocketAddr) {
-    // The debug API answers like the offline CLI.
     let matrix = [
         "matrix",
         "--protocol",

@@ -859,10 +859,11 @@ fn status_hash(status: Option<&PolicyStatus>) -> u64 {
 ///
 /// All of them when an input every status depends on changed since the last pass (a new
 /// shadowed-rule report, new traffic reports, the Lease just taken); otherwise only those the
-/// apply loop recorded since (a stamp above the last pass's) and those whose write failed. A pass over every policy computes and compares each one's status (10-22 ms at 5,000
-/// policies, on a worker of the runtime); taken at every policy change, it ran on the apply
-/// loop's worker while the loop gave the watchers their turns, and an OrderedNetworkPolicy edit
-/// at 10k pods / 5k policies waited 10-24 ms for it (docs/agent.md, the status writer).
+/// apply loop recorded since (a stamp above the last pass's) and those whose write failed. A
+/// pass over every policy computes and compares each one's status (10-22 ms at 5,000 policies,
+/// on a worker of the runtime); taken at every policy change, it ran on the apply loop's worker
+/// while the loop gave the watchers their turns, and an OrderedNetworkPolicy edit at 10k pods /
+/// 5k policies waited 10-24 ms for it (docs/agent.md, the status writer).
 #[derive(Debug, Default)]
 struct Pass {
     /// The inputs of the last pass: the report's time and the traffic reports' generation
@@ -924,27 +925,32 @@ pub async fn status_loop(
                 cluster.refresh(&client, &namespace, window).await;
             }
             let inputs = (report.as_ref().map(|r| r.at), cluster.generation());
-            let todo: Vec<(ObjKey, WantedStatus, Desired)> = {
+            // Each unsatisfied status with the hash of the stored one (computed once: compared
+            // with what the last write saw, and kept with this write).
+            let todo: Vec<(ObjKey, WantedStatus, Desired, u64)> = {
                 let all = wanted.borrow_and_update();
                 pass.select(&all, inputs)
                     .filter_map(|(k, w)| {
                         let d = desired(k, w, report.as_ref(), &cluster)?;
-                        (!d.satisfied(w.current.as_ref())
-                            && written.get(k).is_none_or(|(seen, old)| {
-                                *old != d || *seen != status_hash(w.current.as_ref())
-                            }))
-                        .then(|| (k.clone(), w.clone(), d))
+                        if d.satisfied(w.current.as_ref()) {
+                            return None;
+                        }
+                        let stored = status_hash(w.current.as_ref());
+                        written
+                            .get(k)
+                            .is_none_or(|(seen, old)| *old != d || *seen != stored)
+                            .then(|| (k.clone(), w.clone(), d, stored))
                     })
                     .collect()
             };
-            for (key, w, d) in todo {
+            for (key, w, d, stored) in todo {
                 match write_status(&client, &key, &w, &d).await {
                     Ok(()) => {
                         let before = w.current.as_ref().map(|c| &c.shadowed_rules);
                         if !d.shadowed.is_empty() && before != Some(&d.shadowed) {
                             publish_shadowed(&recorder, &w.reference, &d.shadowed).await;
                         }
-                        written.insert(key, (status_hash(w.current.as_ref()), d));
+                        written.insert(key, (stored, d));
                     }
                     Err(e) => {
                         tracing::warn!(object = %key.2, error = %e, "writing status failed");
