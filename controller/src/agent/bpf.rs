@@ -103,6 +103,8 @@ pub struct BpfDatapath {
     /// The host-side interfaces the chained CNI plugin named, per endpoint (`ns/name`), and
     /// whether the engine has had the endpoint since.
     cni_hints: BTreeMap<String, (Vec<String>, bool)>,
+    /// A CNI hint changed since the interfaces were last looked for: the next batch looks.
+    hints_changed: bool,
     /// The bridge port each bridged pod address was last found on.
     bridge_ports: BTreeMap<IpAddr, String>,
     /// Bridged addresses (bridge ifindex, address) with a managed neighbour entry of ours.
@@ -415,6 +417,7 @@ impl BpfDatapath {
             ifindex: BTreeMap::new(),
             unattached: BTreeMap::new(),
             cni_hints: BTreeMap::new(),
+            hints_changed: false,
             bridge_ports: BTreeMap::new(),
             resolving: BTreeSet::new(),
             held: BTreeSet::new(),
@@ -767,6 +770,7 @@ impl BpfDatapath {
     /// Attaches the program to every interface a local endpoint (or the uplink) needs and
     /// removes the attachments nobody needs.
     fn reconcile_links(&mut self, engine: &Engine) {
+        self.hints_changed = false;
         let (wanted, mut unattached) = self.wanted_interfaces(engine);
         // Attachments nobody needs go (pods that went away).
         let attached: BTreeSet<String> = self
@@ -1242,17 +1246,19 @@ impl Enforcer for BpfDatapath {
             return Err(e);
         }
         self.forget_changed_ipcache();
-        // Which interfaces are wanted follows the local endpoints and their addresses, not the
-        // identities: an address that appears or goes may be a local endpoint's, one that
-        // changes identity (every pod relabel in the cluster) is not a reason to dump the node's
-        // links, routes and neighbours again (~1 ms a batch on an idle test machine, more with
-        // a node's hundred pods).
+        // Which interfaces are wanted follows the local endpoints, their addresses and the CNI
+        // plugin's hints, not the identities: an address that appears or goes may be a local
+        // endpoint's, one that changes identity (every pod relabel in the cluster) is not a
+        // reason to dump the node's links, routes and neighbours again (~1 ms a batch on an
+        // idle test machine, more with a node's hundred pods). An endpoint left unattached
+        // waits for its interface, route or neighbour to appear: the netlink events that say so
+        // run the upkeep (`maintain`), which looks again; other batches do not.
         let endpoints_moved = deltas.iter().any(|d| {
             !d.endpoints_added.is_empty()
                 || !d.endpoints_removed.is_empty()
                 || d.ipcache.iter().any(|c| c.old.is_none() || c.new.is_none())
         });
-        if endpoints_moved || !self.unattached.is_empty() {
+        if endpoints_moved || self.hints_changed {
             self.reconcile_links(engine);
         }
         self.grow_if_needed(engine)
@@ -1351,11 +1357,13 @@ impl Enforcer for BpfDatapath {
     fn cni_interfaces(&mut self, endpoint: &str, interfaces: Option<&[String]>) {
         match interfaces {
             Some(named) => {
-                self.cni_hints
+                let before = self
+                    .cni_hints
                     .insert(endpoint.to_string(), (named.to_vec(), false));
+                self.hints_changed |= before.is_none_or(|(n, _)| n != named);
             }
             None => {
-                self.cni_hints.remove(endpoint);
+                self.hints_changed |= self.cni_hints.remove(endpoint).is_some();
             }
         }
     }
