@@ -400,17 +400,13 @@ impl Control {
 
     /// How full the maps that grow with the cluster are: the policy keys, rule set slots and
     /// cell blocks (of the rule set store) and the ipcache (per family, and CIDRs), whose
-    /// records `tables` holds (one pass over them: no lookup per address).
+    /// records `tables` holds (counted as they are written: read after every batch, this
+    /// walks no table).
     pub fn fill(&self, tables: &MemTables) -> Vec<MapFill> {
         use ordnet_datapath_common::layout::{
-            FAMILY_V4, MAP_BLOCKS, MAP_CELLS, MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY,
+            MAP_BLOCKS, MAP_CELLS, MAP_IP4, MAP_IP6, MAP_IPCIDR, MAP_POLICY,
         };
-        let v4 = tables
-            .ipcache
-            .keys()
-            .filter(|k| k.family == u32::from(FAMILY_V4))
-            .count() as u64;
-        let ip = [v4, tables.ipcache.len() as u64 - v4];
+        let ip = tables.ip_records().map(|n| n as u64);
         let cap = |n: usize| n as u64;
         vec![
             MapFill {

@@ -20,8 +20,8 @@ use crate::{leafmap::LeafMap, store::Store, words::Words};
 use ordnet_datapath_common::{
     DatapathMaps, addr_bytes, addr_words,
     layout::{
-        BLOCK_WORDS, CELL_REFINED, CELLS_PER_RULESET, CtEntry, CtKey, IfaceInfo, IpInfo, IpKey,
-        PolicyKey, PolicyValue, State, SvcKey,
+        BLOCK_WORDS, CELL_REFINED, CELLS_PER_RULESET, CtEntry, CtKey, FAMILY_V4, IfaceInfo, IpInfo,
+        IpKey, PolicyKey, PolicyValue, State, SvcKey,
     },
     lookup::PolicyMaps,
 };
@@ -154,6 +154,9 @@ pub trait TableWriter {
 pub struct MemTables {
     /// Exact ipcache records of both families (`ORDNET_IP4`, `ORDNET_IP6`).
     pub ipcache: HashMap<IpKey, IpInfo, FastHash>,
+    /// How many of [`MemTables::ipcache`]'s records are IPv6 (kept by [`MemTables::apply`], so
+    /// the maps' fill, read after every batch, counts no records: [`MemTables::ip_records`]).
+    ipcache_v6: usize,
     /// (key, address prefix length) -> info.
     pub cidr: BTreeMap<(IpKey, u32), IpInfo>,
     /// Address prefix lengths present per family (for the longest-prefix search).
@@ -191,6 +194,11 @@ impl MemTables {
             blocks: Words::zeroed(blocks as usize, BLOCK_WORDS as usize),
             ..MemTables::default()
         }
+    }
+
+    /// The exact ipcache records per family: `[IPv4, IPv6]` (`ORDNET_IP4`, `ORDNET_IP6`).
+    pub fn ip_records(&self) -> [usize; 2] {
+        [self.ipcache.len() - self.ipcache_v6, self.ipcache_v6]
     }
 
     /// Keeps one copy of the cell and block words these tables and `other` agree on, among
@@ -249,10 +257,14 @@ impl MemTables {
                 }
             }
             Write::IpUpsert(k, v) => {
-                self.ipcache.insert(k, v);
+                if self.ipcache.insert(k, v).is_none() && k.family != u32::from(FAMILY_V4) {
+                    self.ipcache_v6 += 1;
+                }
             }
             Write::IpDelete(k) => {
-                self.ipcache.remove(&k);
+                if self.ipcache.remove(&k).is_some() && k.family != u32::from(FAMILY_V4) {
+                    self.ipcache_v6 -= 1;
+                }
             }
             Write::CidrUpsert(k, len, v) => {
                 if self.cidr.insert((k, len), v).is_none() {
@@ -530,5 +542,53 @@ impl DatapathMaps for Mirror<'_> {
 
     fn interface(&self, ifindex: u32) -> Option<IfaceInfo> {
         self.tables.ifaces.get(&ifindex).copied()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::IpAddr;
+
+    use super::*;
+    use crate::control::ip_key;
+
+    /// The per-family record count follows every write (new, rewritten, removed, removed
+    /// again) and agrees with a count of the records.
+    #[test]
+    fn ip_records_are_counted_per_family_as_written() {
+        let mut t = MemTables::new(0, 0);
+        let ips: Vec<IpAddr> = ["10.0.0.1", "10.0.0.2", "fd00::1", "fd00::2", "fd00::3"]
+            .iter()
+            .map(|s| s.parse().unwrap())
+            .collect();
+        let info = IpInfo::default();
+        let recount = |t: &MemTables| {
+            let v4 = t
+                .ipcache
+                .keys()
+                .filter(|k| k.family == u32::from(FAMILY_V4))
+                .count();
+            [v4, t.ipcache.len() - v4]
+        };
+        for ip in &ips {
+            t.apply(&Write::IpUpsert(ip_key(*ip), info));
+        }
+        assert_eq!(t.ip_records(), [2, 3]);
+        // Rewriting a record adds none.
+        t.apply(&Write::IpUpsert(
+            ip_key(ips[2]),
+            IpInfo {
+                identity: 7,
+                ..info
+            },
+        ));
+        assert_eq!(t.ip_records(), [2, 3]);
+        t.apply(&Write::IpDelete(ip_key(ips[0])));
+        t.apply(&Write::IpDelete(ip_key(ips[3])));
+        // A record removed twice is removed once.
+        t.apply(&Write::IpDelete(ip_key(ips[3])));
+        assert_eq!(t.ip_records(), [1, 2]);
+        assert_eq!(t.ip_records(), recount(&t));
+        assert_eq!(t.clone().ip_records(), [1, 2]);
     }
 }
