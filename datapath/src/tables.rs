@@ -196,9 +196,19 @@ impl MemTables {
         }
     }
 
-    /// The exact ipcache records per family: `[IPv4, IPv6]` (`ORDNET_IP4`, `ORDNET_IP6`).
+    /// The exact ipcache records per family: `[IPv4, IPv6]` (`ORDNET_IP4`, `ORDNET_IP6`). Counted
+    /// by [`MemTables::apply`], the one writer of [`MemTables::ipcache`] (debug builds check).
     pub fn ip_records(&self) -> [usize; 2] {
-        [self.ipcache.len() - self.ipcache_v6, self.ipcache_v6]
+        debug_assert_eq!(
+            self.ipcache_v6,
+            self.ipcache
+                .keys()
+                .filter(|k| k.family != u32::from(FAMILY_V4))
+                .count(),
+            "the ipcache was written around MemTables::apply"
+        );
+        let v6 = self.ipcache_v6.min(self.ipcache.len());
+        [self.ipcache.len() - v6, v6]
     }
 
     /// Keeps one copy of the cell and block words these tables and `other` agree on, among
@@ -263,7 +273,7 @@ impl MemTables {
             }
             Write::IpDelete(k) => {
                 if self.ipcache.remove(&k).is_some() && k.family != u32::from(FAMILY_V4) {
-                    self.ipcache_v6 -= 1;
+                    self.ipcache_v6 = self.ipcache_v6.saturating_sub(1);
                 }
             }
             Write::CidrUpsert(k, len, v) => {
