@@ -257,6 +257,59 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// As the status writer, the agent first writes every ordered policy's status (thousands of
+/// writes, their echoes applied as batches): the changes are timed once it has written nothing
+/// for two seconds, as a Lease holder between bursts would have.
+async fn wait_for_first_statuses(api: &FakeApi) {
+    let waited = Instant::now();
+    let mut last = (api.resource_version(), Instant::now());
+    while last.1.elapsed() < Duration::from_secs(2) && waited.elapsed() < Duration::from_secs(300) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = api.resource_version();
+        if now != last.0 {
+            last = (now, Instant::now());
+        }
+    }
+    eprintln!(
+        "  the status writer's first statuses written within {:.1} s",
+        waited.elapsed().as_secs_f64()
+    );
+}
+
+/// Makes the `n`-th change of kind `k` and times it until the agent has programmed it, with the
+/// engine's and the datapath's share from the agent's counters.
+async fn time_change(api: &FakeApi, shape: &Shape, agent: &Agent, k: usize, n: usize) -> Latency {
+    let before = counters(&agent.addr).await;
+    // Timed from the write: reading the object and changing it is the benchmark's work (for a
+    // pod at 10k pods 0.1-0.3 ms: it generates the pod again to find its name).
+    let next = scale::next_change(api, shape, k, n);
+    let t0 = Instant::now();
+    let _ = api.update(next).expect("the change is written");
+    // Answered when the next batch is programmed: the agent is not polled while it works
+    // (polling `/metrics` every 0.5 ms loaded both cores meanwhile: docs/agent.md, "Not done
+    // yet", 2026-11-29).
+    let waited = format!("/v1/batches?after={}&timeout=30", before.batches);
+    get(&agent.addr, &waited).await.expect("agent /v1/batches");
+    let total = t0.elapsed();
+    let now = counters(&agent.addr).await;
+    assert!(
+        now.batches > before.batches,
+        "{} {n} not applied within 30 s; agent log: {}",
+        scale::CHANGE_KINDS[k],
+        agent.log.display()
+    );
+    // (Never below zero: with `ORDNET_SCALE_STATUS_WRITER` another batch, a status write's echo,
+    // may be half-way through its sums when they are read.)
+    let secs = |s: f64| Duration::from_secs_f64(s.max(0.0));
+    Latency {
+        n,
+        total,
+        engine: secs(now.compile - before.compile),
+        datapath: secs((now.apply - now.compile) - (before.apply - before.compile)),
+        in_agent: secs(now.in_agent - before.in_agent),
+    }
+}
+
 async fn run(shape: Shape) -> Run {
     let api = FakeApi::start().await.unwrap();
     api.set_bookmark_interval(Duration::from_secs(30));
@@ -311,24 +364,7 @@ async fn run(shape: Shape) -> Run {
         ready.as_secs_f64()
     );
     if std::env::var_os("ORDNET_SCALE_STATUS_WRITER").is_some() {
-        // As the status writer, the agent first writes every ordered policy's status (thousands
-        // of writes, their echoes applied as batches): the changes are timed once it has
-        // written nothing for two seconds, as a Lease holder between bursts would have.
-        let waited = Instant::now();
-        let mut last = (api.resource_version(), Instant::now());
-        while last.1.elapsed() < Duration::from_secs(2)
-            && waited.elapsed() < Duration::from_secs(300)
-        {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            let now = api.resource_version();
-            if now != last.0 {
-                last = (now, Instant::now());
-            }
-        }
-        eprintln!(
-            "  the status writer's first statuses written within {:.1} s",
-            waited.elapsed().as_secs_f64()
-        );
+        wait_for_first_statuses(&api).await;
     }
     // Let the allocator settle after the initial build (freed pages, the watch buffers).
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -340,35 +376,7 @@ async fn run(shape: Shape) -> Run {
             if !pause.is_zero() {
                 tokio::time::sleep(pause).await;
             }
-            let before = counters(&agent.addr).await;
-            // Timed from the write: reading the object and changing it is the benchmark's work
-            // (for a pod at 10k pods 0.1-0.3 ms: it generates the pod again to find its name).
-            let next = scale::next_change(&api, &shape, k, n);
-            let t0 = Instant::now();
-            let _ = api.update(next).expect("the change is written");
-            // Answered when the next batch is programmed: the agent is not polled while it
-            // works (polling `/metrics` every 0.5 ms loaded both cores meanwhile: docs/agent.md,
-            // "Not done yet", 2026-11-29).
-            let waited = format!("/v1/batches?after={}&timeout=30", before.batches);
-            get(&agent.addr, &waited).await.expect("agent /v1/batches");
-            let total = t0.elapsed();
-            let now = counters(&agent.addr).await;
-            assert!(
-                now.batches > before.batches,
-                "{} {n} not applied within 30 s; agent log: {}",
-                scale::CHANGE_KINDS[k],
-                agent.log.display()
-            );
-            // (Never below zero: with `ORDNET_SCALE_STATUS_WRITER` another batch, a status
-            // write's echo, may be half-way through its sums when they are read.)
-            let secs = |s: f64| Duration::from_secs_f64(s.max(0.0));
-            l.push(Latency {
-                n,
-                total,
-                engine: secs(now.compile - before.compile),
-                datapath: secs((now.apply - now.compile) - (before.apply - before.compile)),
-                in_agent: secs(now.in_agent - before.in_agent),
-            });
+            l.push(time_change(&api, &shape, &agent, k, n).await);
         }
     }
     let (burst_rss_kib, _) = memory_kib(pid);
